@@ -1,0 +1,171 @@
+"""Qwen2 / Qwen2.5 architecture, read from and written to a Hugging Face `config.json`.
+
+Field names follow the Hugging Face spelling so a user can compare a checkpoint's config.json
+with this dataclass line by line. Dimension letters used elsewhere: D = hidden_size,
+F = intermediate_size, N = num_attention_heads, K = num_key_value_heads, H = head_dim,
+V = vocab_size, L = num_hidden_layers.
+"""
+
+import dataclasses
+import json
+import os
+
+from grpo_jax.errors import UserError
+
+SUPPORTED_ARCHITECTURES = ('Qwen2ForCausalLM',)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config:
+  """Architecture of a Qwen2-family decoder. The defaults describe a tiny test-sized model."""
+
+  vocab_size: int = 256  # V
+  hidden_size: int = 64  # D
+  intermediate_size: int = 176  # F, SwiGLU hidden width
+  num_hidden_layers: int = 2  # L
+  num_attention_heads: int = 4  # N, query heads
+  num_key_value_heads: int = 2  # K, key/value heads (GQA: N is a multiple of K)
+  head_dim: int | None = None  # H; None means hidden_size // num_attention_heads
+  rope_theta: float = 1_000_000.0  # RoPE base frequency
+  rms_norm_eps: float = 1e-6  # epsilon inside RMSNorm
+  tie_word_embeddings: bool = False  # lm_head shares the token embedding
+  max_position_embeddings: int = 32768  # longest context the checkpoint was trained for
+  bos_token_id: int | None = None  # beginning-of-sequence token, if any
+  eos_token_ids: tuple[int, ...] = ()  # tokens that end a completion
+  initializer_range: float = 0.02  # std of the normal init used for random weights
+  checkpoint_dtype: str = 'float32'  # dtype the checkpoint stores its weights in
+
+  def __post_init__(self):
+    positive = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
+                'num_attention_heads', 'num_key_value_heads')
+    for name in positive:
+      if getattr(self, name) <= 0:
+        raise UserError(f'model architecture field {name} must be positive, got {getattr(self, name)}')
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise UserError(
+          f'num_attention_heads ({self.num_attention_heads}) must be a multiple of '
+          f'num_key_value_heads ({self.num_key_value_heads})')
+    if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+      raise UserError(
+          f'hidden_size ({self.hidden_size}) is not divisible by num_attention_heads '
+          f'({self.num_attention_heads}); set head_dim explicitly')
+    if self.resolved_head_dim % 2:
+      raise UserError(f'head_dim must be even for rotary embeddings, got {self.resolved_head_dim}')
+
+  @property
+  def resolved_head_dim(self) -> int:
+    return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+  @property
+  def num_groups(self) -> int:
+    """G in attention: query heads per key/value head."""
+    return self.num_attention_heads // self.num_key_value_heads
+
+  def num_params(self) -> int:
+    """Parameter count, counting a tied embedding once."""
+    d, f, v, h = self.hidden_size, self.intermediate_size, self.vocab_size, self.resolved_head_dim
+    n, k = self.num_attention_heads, self.num_key_value_heads
+    attention = d * n * h + n * h + 2 * (d * k * h + k * h) + n * h * d
+    layer = attention + 3 * d * f + 2 * d
+    head = 0 if self.tie_word_embeddings else d * v
+    return v * d + self.num_hidden_layers * layer + d + head
+
+
+def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
+  """Reads a Hugging Face Qwen2 config in either the transformers-4.x or 5.x spelling."""
+  architectures = raw.get('architectures') or []
+  model_type = raw.get('model_type')
+  if model_type != 'qwen2' or any(a not in SUPPORTED_ARCHITECTURES for a in architectures):
+    found = ', '.join(architectures) or f'model_type={model_type!r}'
+    raise UserError(
+        f'{source}: unsupported architecture {found}; grpo_jax supports '
+        f'{", ".join(SUPPORTED_ARCHITECTURES)} (model_type qwen2: Qwen2 and Qwen2.5)')
+  if raw.get('use_sliding_window'):
+    raise UserError(
+        f'{source}: use_sliding_window=true is not supported (Qwen2.5 checkpoints ship with it off); '
+        'set it to false only if the model was trained with full attention')
+  activation = raw.get('hidden_act', 'silu')
+  if activation != 'silu':
+    raise UserError(f'{source}: hidden_act={activation!r} is not supported; Qwen2 uses silu')
+
+  # transformers 5.x nests rope settings in `rope_parameters`; 4.x has `rope_theta` and `rope_scaling`.
+  rope = raw.get('rope_parameters') or {}
+  rope_theta = rope.get('rope_theta', raw.get('rope_theta', 10000.0))
+  rope_type = rope.get('rope_type') or (raw.get('rope_scaling') or {}).get('rope_type') \
+      or (raw.get('rope_scaling') or {}).get('type') or 'default'
+  if rope_type != 'default':
+    raise UserError(f'{source}: rope type {rope_type!r} is not supported; only the default RoPE is')
+
+  eos = raw.get('eos_token_id')
+  eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+  checkpoint_dtype = raw.get('dtype') or raw.get('torch_dtype') or 'float32'
+  num_heads = raw['num_attention_heads'] if 'num_attention_heads' in raw else None
+  fields = dict(
+      vocab_size=raw.get('vocab_size'),
+      hidden_size=raw.get('hidden_size'),
+      intermediate_size=raw.get('intermediate_size'),
+      num_hidden_layers=raw.get('num_hidden_layers'),
+      num_attention_heads=num_heads,
+      num_key_value_heads=raw.get('num_key_value_heads') or num_heads,
+  )
+  missing = [name for name, value in fields.items() if value is None]
+  if missing:
+    raise UserError(f'{source}: missing field {missing[0]}')
+  return Qwen2Config(
+      **fields,
+      head_dim=raw.get('head_dim'),
+      rope_theta=float(rope_theta),
+      rms_norm_eps=float(raw.get('rms_norm_eps', 1e-6)),
+      tie_word_embeddings=bool(raw.get('tie_word_embeddings', False)),
+      max_position_embeddings=int(raw.get('max_position_embeddings', 32768)),
+      bos_token_id=raw.get('bos_token_id'),
+      eos_token_ids=eos_ids,
+      initializer_range=float(raw.get('initializer_range', 0.02)),
+      checkpoint_dtype=str(checkpoint_dtype),
+  )
+
+
+def to_hf_dict(config: Qwen2Config, dtype: str | None = None) -> dict:
+  """A config.json that transformers 4.x and 5.x both read as this architecture.
+
+  Both rope spellings are written: 4.x reads `rope_theta`, 5.x reads `rope_parameters`.
+  """
+  dtype = dtype or config.checkpoint_dtype
+  eos = list(config.eos_token_ids)
+  return {
+      'architectures': list(SUPPORTED_ARCHITECTURES),
+      'model_type': 'qwen2',
+      'vocab_size': config.vocab_size,
+      'hidden_size': config.hidden_size,
+      'intermediate_size': config.intermediate_size,
+      'num_hidden_layers': config.num_hidden_layers,
+      'num_attention_heads': config.num_attention_heads,
+      'num_key_value_heads': config.num_key_value_heads,
+      **({'head_dim': config.head_dim} if config.head_dim is not None else {}),
+      'hidden_act': 'silu',
+      'rms_norm_eps': config.rms_norm_eps,
+      'rope_theta': config.rope_theta,
+      'rope_parameters': {'rope_type': 'default', 'rope_theta': config.rope_theta},
+      'tie_word_embeddings': config.tie_word_embeddings,
+      'max_position_embeddings': config.max_position_embeddings,
+      'use_sliding_window': False,
+      'attention_dropout': 0.0,
+      'initializer_range': config.initializer_range,
+      'bos_token_id': config.bos_token_id,
+      'eos_token_id': eos[0] if len(eos) == 1 else (eos or None),
+      'dtype': dtype,
+      'torch_dtype': dtype,
+  }
+
+
+def load_hf_config(directory: str) -> Qwen2Config:
+  """Reads `directory/config.json`, with a clear error when it is missing or not JSON."""
+  path = os.path.join(directory, 'config.json')
+  if not os.path.isfile(path):
+    raise UserError(f'{path} not found: a model directory needs a config.json')
+  try:
+    with open(path) as f:
+      raw = json.load(f)
+  except json.JSONDecodeError as error:
+    raise UserError(f'{path} is not valid JSON ({error.msg} at line {error.lineno})') from None
+  return from_hf_dict(raw, source=path)

@@ -1,0 +1,222 @@
+"""Building, loading and saving Qwen2 models on a device mesh.
+
+Two on-disk formats:
+  * a Hugging Face directory: config.json + model.safetensors[.index.json] (+ tokenizer files);
+  * a grpo_jax checkpoint: config.json (Hugging Face spelling) + params/ (an orbax checkpoint of
+    the NNX parameter state) + the tokenizer files, copied through.
+
+Parameters are created directly in their final sharding: each device's shard is cut from the
+source tensor of one layer at a time, so no host ever holds more than one copy of the model.
+"""
+
+import functools
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpo_jax.errors import UserError
+from grpo_jax.model import weights
+from grpo_jax.model.config import Qwen2Config, load_hf_config, to_hf_dict
+from grpo_jax.model.qwen2 import Qwen2
+from grpo_jax.model.sharding import state_shardings
+
+PARAMS_DIR = 'params'
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'vocab.json', 'merges.txt',
+                   'special_tokens_map.json', 'added_tokens.json', 'chat_template.jinja',
+                   'generation_config.json')
+
+
+def _single_device_mesh() -> Mesh:
+  return Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ('data', 'fsdp', 'tensor'))
+
+
+def abstract_model(config: Qwen2Config, **options) -> Qwen2:
+  """The model with ShapeDtypeStructs in place of arrays; `options` go to `Qwen2`."""
+  return nnx.eval_shape(lambda: Qwen2(config, rngs=nnx.Rngs(0), **options))
+
+
+def _sharded_abstract(config: Qwen2Config, mesh: Mesh, options: dict):
+  graphdef, abstract_state = nnx.split(abstract_model(config, **options))
+  return graphdef, abstract_state, state_shardings(abstract_state, mesh)
+
+
+def init_model(config: Qwen2Config, *, mesh: Mesh | None = None, seed: int = 0, **options) -> Qwen2:
+  """A randomly initialised model whose parameters are created already sharded on `mesh`."""
+  mesh = mesh or _single_device_mesh()
+  graphdef, _, shardings = _sharded_abstract(config, mesh, options)
+
+  @functools.partial(jax.jit, out_shardings=shardings)
+  def create():
+    return nnx.state(Qwen2(config, rngs=nnx.Rngs(seed), **options))
+
+  return nnx.merge(graphdef, create())
+
+
+def _from_host_slices(abstract_state, shardings, read):
+  """Builds every parameter with `jax.make_array_from_callback`.
+
+  read(path, index) returns the numpy block of parameter `path` at `index` (a tuple of slices),
+  so each device's shard is produced from the source without assembling the global array.
+  """
+  flat_shardings = dict(nnx.to_flat_state(shardings))
+  leaves = []
+  for path, variable in nnx.to_flat_state(abstract_state):
+    sharding = flat_shardings[path]
+    dtype = variable.dtype
+
+    def callback(index, path=path, dtype=dtype):
+      return np.asarray(read(path, index), dtype=dtype)
+
+    array = jax.make_array_from_callback(variable.shape, sharding, callback)
+    leaves.append((path, variable.replace(array)))
+  return nnx.from_flat_state(leaves)
+
+
+def _hf_reader(checkpoint: weights.HFCheckpoint, config: Qwen2Config):
+  rules = {rule.path: rule for rule in weights.rules_for(config)}
+
+  def read(path, index):
+    rule = rules[path]
+    if not rule.per_layer:
+      return checkpoint.layer_slice(rule, config, None)[index]
+    layers = range(config.num_hidden_layers)[index[0]]
+    return np.stack([checkpoint.layer_slice(rule, config, layer)[index[1:]] for layer in layers])
+
+  return read
+
+
+def load_hf(directory: str, *, mesh: Mesh | None = None, **options) -> Qwen2:
+  """Loads a Hugging Face Qwen2 directory onto `mesh`, one tensor at a time."""
+  config = load_hf_config(directory)
+  checkpoint = weights.HFCheckpoint(directory)
+  checkpoint.check(config)
+  graphdef, abstract_state, shardings = _sharded_abstract(config, mesh or _single_device_mesh(), options)
+  state = _from_host_slices(abstract_state, shardings, _hf_reader(checkpoint, config))
+  return nnx.merge(graphdef, state)
+
+
+def is_orbax_checkpoint(path: str) -> bool:
+  return os.path.isdir(os.path.join(path, PARAMS_DIR))
+
+
+def load_orbax(directory: str, *, mesh: Mesh | None = None, **options) -> Qwen2:
+  """Restores a grpo_jax checkpoint straight into the model's shardings on `mesh`."""
+  import orbax.checkpoint as ocp
+
+  config = load_hf_config(directory)
+  graphdef, abstract_state, shardings = _sharded_abstract(config, mesh or _single_device_mesh(), options)
+  target = jax.tree.map(
+      lambda variable, sharding: jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=sharding),
+      abstract_state, shardings)
+  params_dir = os.path.abspath(os.path.join(directory, PARAMS_DIR))
+  try:
+    with ocp.StandardCheckpointer() as checkpointer:
+      stored = checkpointer.metadata(params_dir).item_metadata
+      _check_orbax_tree(stored, target, params_dir)
+      state = checkpointer.restore(params_dir, target)
+  except (ValueError, FileNotFoundError, KeyError) as error:
+    raise UserError(f'{params_dir} could not be restored: {str(error).splitlines()[0]}') from None
+  return nnx.merge(graphdef, state)
+
+
+def _check_orbax_tree(stored, target, params_dir: str) -> None:
+  """Names the first missing or mis-shaped tensor instead of orbax's tree-structure dump."""
+  stored_flat = {jax.tree_util.keystr(path): leaf for path, leaf in
+                 jax.tree_util.tree_flatten_with_path(stored)[0]}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+    name = jax.tree_util.keystr(path)
+    if name not in stored_flat:
+      raise UserError(f'{params_dir}: missing tensor {name}')
+    found = tuple(stored_flat[name].shape)
+    if found != tuple(leaf.shape):
+      raise UserError(f'{params_dir}: tensor {name} has shape {list(found)}, expected {list(leaf.shape)}')
+
+
+def save_orbax(model: Qwen2, directory: str, *, tokenizer_from: str | None = None) -> None:
+  """Writes a grpo_jax checkpoint: config.json, params/ (orbax) and the tokenizer files."""
+  import orbax.checkpoint as ocp
+
+  os.makedirs(directory, exist_ok=True)
+  params_dir = os.path.abspath(os.path.join(directory, PARAMS_DIR))
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(params_dir, nnx.state(model), force=True)
+  _write_config(model.config, directory, model.param_dtype.name)
+  if tokenizer_from:
+    copy_tokenizer_files(tokenizer_from, directory)
+
+
+def _write_config(config: Qwen2Config, directory: str, dtype: str) -> None:
+  with open(os.path.join(directory, 'config.json'), 'w') as f:
+    json.dump(to_hf_dict(config, dtype=dtype), f, indent=2)
+
+
+def copy_tokenizer_files(source: str, destination: str) -> list[str]:
+  copied = []
+  for name in TOKENIZER_FILES:
+    if os.path.isfile(os.path.join(source, name)):
+      shutil.copy2(os.path.join(source, name), os.path.join(destination, name))
+      copied.append(name)
+  return copied
+
+
+def save_hf(model: Qwen2, directory: str, *, max_shard_bytes: int = 4 << 30,
+            like: str | None = None) -> None:
+  """Writes safetensors (split above `max_shard_bytes`, with an index) and config.json.
+
+  Shards are planned from the tensors' shapes first, then each tensor is produced and written
+  one at a time, so host memory holds one tensor beyond the model itself.
+  """
+  os.makedirs(directory, exist_ok=True)
+  params = {path: variable.get_value() for path, variable in nnx.to_flat_state(nnx.state(model))}
+  entries = list(weights.hf_tensors(params, model.config))
+  groups: list[list[weights.TensorEntry]] = [[]]
+  size = 0
+  for entry in entries:
+    if groups[-1] and size + entry.nbytes > max_shard_bytes:
+      groups.append([])
+      size = 0
+    groups[-1].append(entry)
+    size += entry.nbytes
+  if len(groups) == 1:
+    names = [weights.SINGLE_FILE]
+  else:
+    names = [f'model-{i:05d}-of-{len(groups):05d}.safetensors' for i in range(1, len(groups) + 1)]
+  for name, group in zip(names, groups):
+    weights.write_safetensors(os.path.join(directory, name), group, metadata={'format': 'pt'})
+  if len(groups) > 1:
+    weight_map = {entry.name: name for name, group in zip(names, groups) for entry in group}
+    with open(os.path.join(directory, weights.INDEX_FILE), 'w') as f:
+      json.dump({'metadata': {'total_size': sum(e.nbytes for e in entries)}, 'weight_map': weight_map},
+                f, indent=2)
+  if like:
+    copy_tokenizer_files(like, directory)
+  _write_config(model.config, directory, model.param_dtype.name)
+
+
+def from_pretrained(path: str, dtype='float32', *, mesh: Mesh | None = None, param_dtype=None,
+                    remat: str = 'none', scan_layers: bool = True) -> Qwen2:
+  """Loads a Hugging Face directory or a grpo_jax (orbax) checkpoint as a `Qwen2` module.
+
+  dtype: compute dtype; param_dtype: storage dtype (defaults to dtype). With `mesh`, parameters
+  are laid out by the logical-axis table in `sharding.py`; without, on the first device.
+  """
+  if not os.path.isdir(path):
+    raise UserError(f'model path {path} is not a directory')
+  options = dict(dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, scan_layers=scan_layers)
+  if is_orbax_checkpoint(path):
+    return load_orbax(path, mesh=mesh, **options)
+  return load_hf(path, mesh=mesh, **options)
+
+
+def load_tokenizer(path: str):
+  """The Hugging Face tokenizer stored beside the weights, or None when there is none."""
+  if not any(os.path.isfile(os.path.join(path, name)) for name in ('tokenizer.json', 'vocab.json')):
+    return None
+  from transformers import AutoTokenizer
+  return AutoTokenizer.from_pretrained(path, local_files_only=True)

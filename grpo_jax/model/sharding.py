@@ -1,0 +1,141 @@
+"""The device mesh and the one table that maps logical axis names to mesh axes.
+
+Every parameter carries its logical axes as metadata (`logical_axes=('vocab', 'embed')`); key
+activations are constrained with the same names. This table is the whole tensor/FSDP/data
+parallelism plan: Megatron's column/row-parallel split falls out of sharding heads and the MLP
+hidden dimension over `tensor`, ZeRO-3-style parameter sharding out of `embed` over `fsdp`.
+
+A dimension whose size is not divisible by its mesh axes is replicated along them instead (for
+example Qwen2.5-0.5B's two KV heads on a tensor axis of 4), so every Qwen2.5 size lays out on
+every mesh; `spec_for` reports which axes were dropped.
+"""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from grpo_jax.errors import UserError
+
+MESH_AXES = ('data', 'fsdp', 'tensor')
+
+# logical axis -> mesh axes (None: replicated). Suffix-free names; the dim letters are in docstrings.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ('batch', ('data', 'fsdp')),  # B
+    ('seq', None),  # T
+    ('cache_seq', None),  # S
+    ('vocab', 'tensor'),  # V
+    ('embed', 'fsdp'),  # D, parameters (FSDP shards weights along D)
+    ('act_embed', None),  # D, activations
+    ('q_heads', 'tensor'),  # N
+    ('kv_heads', 'tensor'),  # K
+    ('head_dim', None),  # H
+    ('mlp', 'tensor'),  # F
+    ('layers', None),  # L, the scanned layer axis
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh shape; one axis may be -1 to take the remaining devices."""
+
+  data: int = 1  # pure data parallelism (replicated parameters)
+  fsdp: int = -1  # data parallelism with parameters sharded along the embed dimension
+  tensor: int = 1  # tensor parallelism over heads, MLP hidden and vocab
+
+
+def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds a ('data', 'fsdp', 'tensor') mesh over `devices` (default: all devices)."""
+  devices = list(devices) if devices is not None else jax.devices()
+  shape = [config.data, config.fsdp, config.tensor]
+  if sum(size == -1 for size in shape) > 1:
+    raise UserError(f'mesh: at most one axis may be -1, got data={shape[0]} fsdp={shape[1]} tensor={shape[2]}')
+  for name, size in zip(MESH_AXES, shape):
+    if size == 0 or size < -1:
+      raise UserError(f'mesh.{name} must be a positive size or -1, got {size}')
+  known = math.prod(size for size in shape if size != -1)
+  if -1 in shape:
+    if len(devices) % known:
+      raise UserError(f'mesh: {len(devices)} devices cannot be split into axes of sizes {shape}')
+    shape[shape.index(-1)] = len(devices) // known
+  if math.prod(shape) != len(devices):
+    raise UserError(
+        f'mesh: data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} = {math.prod(shape)} devices, '
+        f'but {len(devices)} are available')
+  return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def _mesh_axes_for(logical: str | None) -> tuple[str, ...]:
+  if logical is None:
+    return ()
+  for name, target in LOGICAL_AXIS_RULES:
+    if name == logical:
+      if target is None:
+        return ()
+      return (target,) if isinstance(target, str) else tuple(target)
+  raise ValueError(f'logical axis {logical!r} has no rule in LOGICAL_AXIS_RULES')
+
+
+def spec_for(shape: Sequence[int], logical_axes: Sequence[str | None], mesh_shape: dict[str, int]) -> PartitionSpec:
+  """PartitionSpec for an array of `shape` whose dimensions carry `logical_axes`.
+
+  Mesh axes that do not divide their dimension, are of size 1, or were already used by an
+  earlier dimension are dropped, so the result is always a valid sharding for `shape`.
+  """
+  if len(shape) != len(logical_axes):
+    raise ValueError(f'shape {tuple(shape)} and logical axes {tuple(logical_axes)} differ in rank')
+  used: set[str] = set()
+  spec = []
+  for size, logical in zip(shape, logical_axes):
+    kept = []
+    for axis in _mesh_axes_for(logical):
+      axis_size = mesh_shape.get(axis, 1)
+      divisor = math.prod(mesh_shape[a] for a in kept) * axis_size
+      if axis in used or axis_size == 1 or size % divisor:
+        continue
+      kept.append(axis)
+    used.update(kept)
+    spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  while spec and spec[-1] is None:
+    spec.pop()
+  return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """Pins an activation's sharding when tracing under a mesh (`jax.set_mesh`); a no-op otherwise."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, spec_for(x.shape, logical_axes, dict(mesh.shape)))
+
+
+def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
+  """NamedShardings for every variable in `state`, from its `logical_axes` metadata."""
+
+  def sharding(variable):
+    axes = getattr(variable, 'logical_axes', None) or (None,) * len(variable.shape)
+    return NamedSharding(mesh, spec_for(variable.shape, axes, dict(mesh.shape)))
+
+  return jax.tree.map(sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(mesh: Mesh, rank: int = 2) -> NamedSharding:
+  """Sharding of a [B, ...] input: batch over ('data', 'fsdp'), other dims replicated."""
+  return NamedSharding(mesh, PartitionSpec(('data', 'fsdp'), *([None] * (rank - 1))))
+
+
+def bytes_per_device(state: nnx.State) -> int:
+  """Largest number of parameter bytes that any one device holds."""
+  per_device: dict = {}
+  for leaf in jax.tree.leaves(state):
+    for shard in leaf.addressable_shards:
+      per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+  return max(per_device.values()) if per_device else 0
+
+
+def describe(mesh: Mesh) -> str:
+  return ' x '.join(f'{name}={size}' for name, size in mesh.shape.items()) + f' ({np.prod(list(mesh.shape.values()))} devices)'

@@ -1,0 +1,288 @@
+"""Hugging Face Qwen2 tensors <-> grpo_jax parameters, as one declarative table.
+
+Each rule maps a Hugging Face tensor name (per layer, `{i}`) to a grpo_jax parameter path and says
+how the layout changes: PyTorch Linear weights are [out, in] and are transposed to [in, out], then
+split into heads. Both directions are read from the same table.
+
+Reading goes one tensor at a time from memory-mapped safetensors files, so converting or loading a
+checkpoint never holds more than the destination arrays plus one source tensor.
+"""
+
+import dataclasses
+import json
+import os
+import re
+import struct
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from grpo_jax.errors import UserError
+from grpo_jax.model.config import Qwen2Config
+
+INDEX_FILE = 'model.safetensors.index.json'
+SINGLE_FILE = 'model.safetensors'
+
+
+def dim_sizes(config: Qwen2Config) -> dict[str, int]:
+  """The dimension letters of DESIGN.md for this architecture."""
+  return {'D': config.hidden_size, 'F': config.intermediate_size, 'V': config.vocab_size,
+          'N': config.num_attention_heads, 'K': config.num_key_value_heads,
+          'H': config.resolved_head_dim}
+
+
+def _evaluate(spec: str, config: Qwen2Config) -> tuple[int, ...]:
+  """'N*H D' -> (N * H, D) for this config."""
+  sizes = dim_sizes(config)
+  return tuple(int(np.prod([sizes[letter] for letter in dim.split('*')])) for dim in spec.split())
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  hf_name: str  # Hugging Face name; '{i}' stands for the layer index
+  path: tuple[str, ...]  # grpo_jax parameter path in the NNX state
+  transpose: bool  # PyTorch Linear [out, in] -> [in, out], before the reshape
+  hf_spec: str  # Hugging Face shape in dim letters, e.g. 'N*H D'
+  spec: str  # grpo_jax shape of one layer's slice, e.g. 'D N H'
+
+  @property
+  def per_layer(self) -> bool:
+    return '{i}' in self.hf_name
+
+  def shape(self, config: Qwen2Config) -> tuple[int, ...]:
+    return _evaluate(self.spec, config)
+
+  def hf_shape(self, config: Qwen2Config) -> tuple[int, ...]:
+    return _evaluate(self.hf_spec, config)
+
+
+_LAYER = 'model.layers.{i}.'
+RULES = (
+    # Rule(Hugging Face name, grpo_jax path, transpose, Hugging Face shape, grpo_jax shape)
+    Rule('model.embed_tokens.weight', ('embedding',), False, 'V D', 'V D'),
+    Rule(_LAYER + 'input_layernorm.weight', ('layers', 'attn_norm'), False, 'D', 'D'),
+    Rule(_LAYER + 'self_attn.q_proj.weight', ('layers', 'q_weight'), True, 'N*H D', 'D N H'),
+    Rule(_LAYER + 'self_attn.q_proj.bias', ('layers', 'q_bias'), False, 'N*H', 'N H'),
+    Rule(_LAYER + 'self_attn.k_proj.weight', ('layers', 'k_weight'), True, 'K*H D', 'D K H'),
+    Rule(_LAYER + 'self_attn.k_proj.bias', ('layers', 'k_bias'), False, 'K*H', 'K H'),
+    Rule(_LAYER + 'self_attn.v_proj.weight', ('layers', 'v_weight'), True, 'K*H D', 'D K H'),
+    Rule(_LAYER + 'self_attn.v_proj.bias', ('layers', 'v_bias'), False, 'K*H', 'K H'),
+    Rule(_LAYER + 'self_attn.o_proj.weight', ('layers', 'o_weight'), True, 'D N*H', 'N H D'),
+    Rule(_LAYER + 'post_attention_layernorm.weight', ('layers', 'mlp_norm'), False, 'D', 'D'),
+    Rule(_LAYER + 'mlp.gate_proj.weight', ('layers', 'gate_weight'), True, 'F D', 'D F'),
+    Rule(_LAYER + 'mlp.up_proj.weight', ('layers', 'up_weight'), True, 'F D', 'D F'),
+    Rule(_LAYER + 'mlp.down_proj.weight', ('layers', 'down_weight'), True, 'D F', 'F D'),
+    Rule('model.norm.weight', ('final_norm',), False, 'D', 'D'),
+    Rule('lm_head.weight', ('lm_head',), True, 'V D', 'D V'),
+)
+
+# Tensors some exporters add that carry no information (recomputed from the config).
+IGNORED = re.compile(r'model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq')
+
+
+def rules_for(config: Qwen2Config) -> tuple[Rule, ...]:
+  return tuple(r for r in RULES if not (r.path == ('lm_head',) and config.tie_word_embeddings))
+
+
+def to_internal(rule: Rule, tensor: np.ndarray, config: Qwen2Config) -> np.ndarray:
+  """Hugging Face layout -> grpo_jax layout of one layer's slice."""
+  if rule.transpose:
+    tensor = tensor.T
+  return tensor.reshape(rule.shape(config))
+
+
+def to_hf(rule: Rule, array: np.ndarray, config: Qwen2Config) -> np.ndarray:
+  """grpo_jax layout of one layer's slice -> Hugging Face layout (contiguous)."""
+  shape = rule.hf_shape(config)
+  if rule.transpose:
+    return np.ascontiguousarray(array.reshape(shape[::-1]).T)
+  return np.ascontiguousarray(array.reshape(shape))
+
+
+def param_shape(rule: Rule, config: Qwen2Config) -> tuple[int, ...]:
+  """Shape of the full (layer-stacked) grpo_jax parameter."""
+  shape = rule.shape(config)
+  return (config.num_hidden_layers, *shape) if rule.per_layer else shape
+
+
+# ---- safetensors files ----
+
+_DTYPES = {'F32': np.float32, 'F16': np.float16, 'F64': np.float64}
+
+
+def _numpy_dtype(code: str, path: str, name: str):
+  if code == 'BF16':
+    import ml_dtypes
+    return ml_dtypes.bfloat16
+  if code not in _DTYPES:
+    raise UserError(f'{path}: tensor {name} has unsupported dtype {code}')
+  return _DTYPES[code]
+
+
+class SafetensorsFile:
+  """A memory-mapped safetensors file; `tensor(name)` reads one tensor without loading the rest.
+
+  The header is validated up front so a truncated or corrupt file fails with its name.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    try:
+      size = os.path.getsize(path)
+      with open(path, 'rb') as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+          raise ValueError('shorter than its 8-byte header length')
+        (header_length,) = struct.unpack('<Q', prefix)
+        if header_length > size - 8:
+          raise ValueError('header length points past the end of the file')
+        header = json.loads(f.read(header_length))
+    except (OSError, ValueError, UnicodeDecodeError) as error:
+      raise UserError(f'{path} is not a readable safetensors file ({error})') from None
+    header.pop('__metadata__', None)
+    self._data_start = 8 + header_length
+    self._entries = header
+    for name, entry in header.items():
+      begin, end = entry['data_offsets']
+      if self._data_start + end > size:
+        raise UserError(f'{path} is truncated: tensor {name} ends past the end of the file')
+    self._map = np.memmap(path, dtype=np.uint8, mode='r') if size > self._data_start else None
+
+  def names(self) -> list[str]:
+    return list(self._entries)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._entries[name]['shape'])
+
+  def tensor(self, name: str) -> np.ndarray:
+    """A read-only view of the tensor (no copy until the caller transforms it)."""
+    entry = self._entries[name]
+    begin, end = entry['data_offsets']
+    dtype = _numpy_dtype(entry['dtype'], self.path, name)
+    raw = self._map[self._data_start + begin:self._data_start + end]
+    return raw.view(dtype).reshape(entry['shape'])
+
+
+class HFCheckpoint:
+  """The safetensors tensors of a Hugging Face model directory, by name, across shards."""
+
+  def __init__(self, directory: str):
+    index_path = os.path.join(directory, INDEX_FILE)
+    single_path = os.path.join(directory, SINGLE_FILE)
+    files: dict[str, SafetensorsFile] = {}
+    self._where: dict[str, SafetensorsFile] = {}
+    if os.path.isfile(index_path):
+      try:
+        with open(index_path) as f:
+          weight_map = json.load(f)['weight_map']
+      except (json.JSONDecodeError, KeyError) as error:
+        raise UserError(f'{index_path} is not a valid safetensors index ({error})') from None
+      for name, file_name in weight_map.items():
+        if file_name not in files:
+          shard = os.path.join(directory, file_name)
+          if not os.path.isfile(shard):
+            raise UserError(f'{shard} not found (listed in {INDEX_FILE} for tensor {name})')
+          files[file_name] = SafetensorsFile(shard)
+        if name not in files[file_name].names():
+          raise UserError(f'{INDEX_FILE} places tensor {name} in {file_name}, but that file lacks it')
+        self._where[name] = files[file_name]
+    elif os.path.isfile(single_path):
+      single = SafetensorsFile(single_path)
+      self._where = {name: single for name in single.names()}
+    else:
+      raise UserError(f'{directory} has neither {INDEX_FILE} nor {SINGLE_FILE}')
+    self.directory = directory
+
+  def names(self) -> list[str]:
+    return list(self._where)
+
+  def tensor(self, name: str) -> np.ndarray:
+    if name not in self._where:
+      raise UserError(f'{self.directory}: missing tensor {name}')
+    return self._where[name].tensor(name)
+
+  def check(self, config: Qwen2Config) -> None:
+    """Every expected tensor present with the expected shape, nothing unexpected."""
+    expected = {}
+    for rule in rules_for(config):
+      names = [rule.hf_name.format(i=i) for i in range(config.num_hidden_layers)] if rule.per_layer \
+          else [rule.hf_name]
+      for name in names:
+        expected[name] = rule.hf_shape(config)
+    for name, shape in expected.items():
+      if name not in self._where:
+        raise UserError(f'{self.directory}: missing tensor {name}')
+      found = self._where[name].shape(name)
+      if found != shape:
+        raise UserError(
+            f'{self.directory}: tensor {name} has shape {list(found)}, expected {list(shape)} '
+            'from config.json')
+    for name in self._where:
+      tied_head = name == 'lm_head.weight' and config.tie_word_embeddings
+      if name not in expected and not tied_head and not IGNORED.fullmatch(name):
+        raise UserError(f'{self.directory}: unexpected tensor {name} for a Qwen2 model')
+
+  def layer_slice(self, rule: Rule, config: Qwen2Config, layer: int | None) -> np.ndarray:
+    """One layer's slice of a parameter (or the whole parameter if not per layer), grpo_jax layout."""
+    name = rule.hf_name.format(i=layer) if rule.per_layer else rule.hf_name
+    return to_internal(rule, self.tensor(name), config)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+  """A tensor to be written: its name, shape and dtype, and a thunk that produces it."""
+
+  name: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  produce: Callable[[], np.ndarray]
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape)) * self.dtype.itemsize
+
+  @classmethod
+  def of(cls, name: str, array: np.ndarray) -> 'TensorEntry':
+    return cls(name, tuple(array.shape), array.dtype, lambda: array)
+
+
+_CODES = {'float32': 'F32', 'float16': 'F16', 'float64': 'F64', 'bfloat16': 'BF16'}
+
+
+def write_safetensors(path: str, entries: list[TensorEntry], metadata: dict | None = None) -> None:
+  """Writes a safetensors file one tensor at a time, atomically (temporary file + rename)."""
+  header, offset = {}, 0
+  for entry in entries:
+    header[entry.name] = {'dtype': _CODES[entry.dtype.name], 'shape': list(entry.shape),
+                          'data_offsets': [offset, offset + entry.nbytes]}
+    offset += entry.nbytes
+  if metadata:
+    header['__metadata__'] = metadata
+  encoded = json.dumps(header, separators=(',', ':')).encode()
+  encoded += b' ' * (-len(encoded) % 8)  # keep tensor data 8-byte aligned
+  temporary = path + '.partial'
+  with open(temporary, 'wb') as f:
+    f.write(struct.pack('<Q', len(encoded)))
+    f.write(encoded)
+    for entry in entries:
+      tensor = np.ascontiguousarray(entry.produce(), dtype=entry.dtype)
+      if tensor.shape != entry.shape:
+        raise ValueError(f'tensor {entry.name} has shape {tensor.shape}, planned {entry.shape}')
+      f.write(tensor.tobytes())
+  os.replace(temporary, path)
+
+
+def hf_tensors(params: dict, config: Qwen2Config) -> Iterator[TensorEntry]:
+  """Every Hugging Face tensor of `params` (grpo_jax path -> host-readable array), produced lazily
+  one layer slice at a time."""
+  for rule in rules_for(config):
+    array = params[rule.path]
+    dtype = np.dtype(array.dtype)
+    shape = rule.hf_shape(config)
+    if rule.per_layer:
+      for layer in range(config.num_hidden_layers):
+        yield TensorEntry(rule.hf_name.format(i=layer), shape, dtype,
+                          lambda rule=rule, array=array, layer=layer: to_hf(rule, np.asarray(array[layer]), config))
+    else:
+      yield TensorEntry(rule.hf_name, shape, dtype,
+                        lambda rule=rule, array=array: to_hf(rule, np.asarray(array), config))
