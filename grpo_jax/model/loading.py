@@ -111,18 +111,20 @@ def load_orbax(directory: str, *, mesh: Mesh | None = None, **options) -> Qwen2:
 
   config = load_hf_config(directory)
   graphdef, abstract_state, shardings = _sharded_abstract(config, mesh or _single_device_mesh(), options)
+  # Stored as a plain nested dict of arrays, independent of flax's Variable pytree layout.
   target = jax.tree.map(
       lambda variable, sharding: jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=sharding),
-      abstract_state, shardings)
+      nnx.to_pure_dict(abstract_state), nnx.to_pure_dict(shardings))
   params_dir = os.path.abspath(os.path.join(directory, PARAMS_DIR))
   try:
     with ocp.StandardCheckpointer() as checkpointer:
       stored = checkpointer.metadata(params_dir).item_metadata
       _check_orbax_tree(stored, target, params_dir)
-      state = checkpointer.restore(params_dir, target)
+      restored = checkpointer.restore(params_dir, target)
   except (ValueError, FileNotFoundError, KeyError) as error:
     raise UserError(f'{params_dir} could not be restored: {str(error).splitlines()[0]}') from None
-  return nnx.merge(graphdef, state)
+  nnx.replace_by_pure_dict(abstract_state, restored)
+  return nnx.merge(graphdef, abstract_state)
 
 
 def _check_orbax_tree(stored, target, params_dir: str) -> None:
@@ -145,7 +147,7 @@ def save_orbax(model: Qwen2, directory: str, *, tokenizer_from: str | None = Non
   os.makedirs(directory, exist_ok=True)
   params_dir = os.path.abspath(os.path.join(directory, PARAMS_DIR))
   with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(params_dir, nnx.state(model), force=True)
+    checkpointer.save(params_dir, nnx.to_pure_dict(nnx.state(model)), force=True)
   _write_config(model.config, directory, model.param_dtype.name)
   if tokenizer_from:
     copy_tokenizer_files(tokenizer_from, directory)

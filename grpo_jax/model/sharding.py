@@ -123,9 +123,9 @@ def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
   return jax.tree.map(sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def batch_sharding(mesh: Mesh, rank: int = 2) -> NamedSharding:
-  """Sharding of a [B, ...] input: batch over ('data', 'fsdp'), other dims replicated."""
-  return NamedSharding(mesh, PartitionSpec(('data', 'fsdp'), *([None] * (rank - 1))))
+def named_sharding(mesh: Mesh, shape: Sequence[int], logical_axes: Sequence[str | None]) -> NamedSharding:
+  """Sharding of an input or output array from its logical axes, e.g. tokens ('batch', 'seq')."""
+  return NamedSharding(mesh, spec_for(shape, logical_axes, dict(mesh.shape)))
 
 
 def bytes_per_device(state: nnx.State) -> int:

@@ -1,0 +1,1 @@
+"""Checkpoint conversion between Hugging Face safetensors and grpo_jax (orbax) checkpoints."""

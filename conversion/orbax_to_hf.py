@@ -1,0 +1,56 @@
+"""python -m conversion.orbax_to_hf --ckpt DIR --out DIR [--like HF_DIR]
+
+Converts a grpo_jax checkpoint back to Hugging Face safetensors + config.json, loadable by
+`transformers.AutoModelForCausalLM.from_pretrained`. With --like, the original directory's
+config.json keys that grpo_jax does not model and its tokenizer files are carried over.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from conversion.common import atomic_directory, host_mesh
+from grpo_jax.errors import UserError, cli_main
+from grpo_jax.model.config import load_hf_config
+from grpo_jax.model.loading import copy_tokenizer_files, is_orbax_checkpoint, load_orbax, save_hf
+
+
+@cli_main
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog='python -m conversion.orbax_to_hf', description=__doc__.splitlines()[0])
+  parser.add_argument('--ckpt', required=True, help='grpo_jax checkpoint directory (config.json + params/)')
+  parser.add_argument('--out', required=True, help='Hugging Face directory to write')
+  parser.add_argument('--like', help='original Hugging Face directory to take extra config keys and tokenizer from')
+  parser.add_argument('--max-shard-gb', type=float, default=4.0, help='split safetensors above this size')
+  parser.add_argument('--force', action='store_true', help='replace a non-empty --out')
+  args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+  start = time.perf_counter()
+  if not is_orbax_checkpoint(args.ckpt):
+    raise UserError(f'--ckpt {args.ckpt} is not a grpo_jax checkpoint (no params/ directory)')
+  if args.like:
+    load_hf_config(args.like)  # fail early on a wrong --like
+  stored_dtype = load_hf_config(args.ckpt).checkpoint_dtype
+  with atomic_directory(args.out, args.force) as staging:
+    model = load_orbax(args.ckpt, mesh=host_mesh(), dtype=stored_dtype, param_dtype=stored_dtype)
+    save_hf(model, staging, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    copy_tokenizer_files(args.like or args.ckpt, staging)
+    if args.like:
+      _merge_config(os.path.join(args.like, 'config.json'), os.path.join(staging, 'config.json'))
+  print(f'wrote {args.out} in {time.perf_counter() - start:.1f}s')
+
+
+def _merge_config(original_path: str, written_path: str) -> None:
+  """Keeps the original's extra keys (generation defaults, versions); grpo_jax's fields win."""
+  with open(original_path) as f:
+    merged = json.load(f)
+  with open(written_path) as f:
+    merged.update(json.load(f))
+  with open(written_path, 'w') as f:
+    json.dump(merged, f, indent=2)
+
+
+if __name__ == '__main__':
+  main()
