@@ -1,0 +1,31 @@
+# make demo: set up .venv and run the default job; make test: set up .venv and run every test.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.runtime: requirements.txt pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -r requirements.txt
+	$(BIN)/pip install --quiet --no-deps -e .
+	touch $@
+
+$(VENV)/.test: requirements-test.txt $(VENV)/.runtime
+	$(BIN)/pip install --quiet -r requirements-test.txt
+	touch $@
+
+demo: $(VENV)/.runtime
+	$(BIN)/python -m grpo_jax.train --config configs/tiny_arith.yaml
+
+test: $(VENV)/.test
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q
+
+bench: $(VENV)/.test
+	$(BIN)/python bench/forward.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,103 @@
+"""The same logits on one device and on meshes of 8 fake CPU devices (set in conftest)."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from grpo_jax.errors import UserError
+from grpo_jax.model import MeshConfig, from_pretrained, make_mesh
+from grpo_jax.model.sharding import named_sharding, spec_for
+
+MESHES = {
+    'data8': (MeshConfig(data=8, fsdp=1, tensor=1), 8),
+    'fsdp8': (MeshConfig(data=1, fsdp=8, tensor=1), 8),
+    'cube': (MeshConfig(data=2, fsdp=2, tensor=2), 8),
+    'tensor4-divides-kv': (MeshConfig(data=2, fsdp=1, tensor=4), 8),
+    'tensor8-replicates-kv': (MeshConfig(data=1, fsdp=1, tensor=8), 8),
+    'fsdp-rest': (MeshConfig(data=2, fsdp=-1, tensor=2), 8),
+}
+
+
+def forward_on(model, mesh, tokens):
+  """Jitted forward with explicit input and output shardings on `mesh`."""
+  graphdef, state = nnx.split(model)
+  state_sharding = jax.tree.map(lambda x: x.sharding, state)
+  tokens_sharding = named_sharding(mesh, tokens.shape, ('batch', 'seq'))
+  logits_sharding = named_sharding(mesh, (*tokens.shape, model.config.vocab_size), ('batch', 'seq', 'vocab'))
+  forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens),
+                    in_shardings=(state_sharding, tokens_sharding), out_shardings=logits_sharding)
+  with jax.set_mesh(mesh):
+    logits = forward(state, jax.device_put(tokens, tokens_sharding))
+  return logits
+
+
+@pytest.mark.parametrize('name', sorted(MESHES))
+def test_mesh_logits_equal_single_device(name, seed, make_hf_checkpoint):
+  assert len(jax.devices()) == 8
+  directory, _ = make_hf_checkpoint(seed, num_attention_heads=8, num_key_value_heads=4,
+                                    intermediate_size=192, vocab_size=1024)
+  tokens = np.random.default_rng(seed).integers(0, 1024, (8, 48), dtype=np.int32)
+  single = np.asarray(from_pretrained(directory)(tokens))
+
+  config, _ = MESHES[name]
+  mesh = make_mesh(config)
+  model = from_pretrained(directory, mesh=mesh)
+  logits = forward_on(model, mesh, tokens)
+  np.testing.assert_allclose(np.asarray(logits), single, rtol=0, atol=1e-5)
+
+  shape = dict(mesh.shape)
+  q_spec = model.layers.q_weight[...].sharding.spec
+  k_spec = model.layers.k_weight[...].sharding.spec
+  # Heads go to `tensor` when it divides them, D to `fsdp`; otherwise the dim is replicated.
+  assert q_spec == spec_for((2, 64, 8, 8), ('layers', 'embed', 'q_heads', 'head_dim'), shape)
+  if shape['tensor'] in (2, 4):
+    assert k_spec[2] == 'tensor' and q_spec[2] == 'tensor'
+  if shape['tensor'] == 8:
+    assert len(k_spec) < 3 or k_spec[2] is None
+  if shape['fsdp'] > 1:
+    assert q_spec[1] == 'fsdp'
+  assert logits.sharding.spec == named_sharding(mesh, logits.shape, ('batch', 'seq', 'vocab')).spec
+
+
+def test_kv_cache_decode_on_mesh_matches_single_device(seed, make_hf_checkpoint):
+  directory, _ = make_hf_checkpoint(seed, num_attention_heads=8, num_key_value_heads=4)
+  tokens = np.random.default_rng(seed).integers(0, 1000, (4, 20), dtype=np.int32)
+  single = np.asarray(from_pretrained(directory)(tokens))
+  mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4))
+  model = from_pretrained(directory, mesh=mesh)
+  graphdef, state = nnx.split(model)
+  extend = jax.jit(lambda state, tokens, cache: nnx.merge(graphdef, state).extend(tokens, cache))
+  with jax.set_mesh(mesh):
+    cache = model.init_cache(4, 24)
+    logits, cache = extend(state, tokens[:, :16], cache)
+    steps = [np.asarray(logits)]
+    for t in range(16, 20):
+      logits, cache = extend(state, tokens[:, t:t + 1], cache)
+      steps.append(np.asarray(logits))
+  np.testing.assert_allclose(np.concatenate(steps, axis=1), single, rtol=0, atol=1e-5)
+
+
+def test_spec_for_drops_axes_that_do_not_divide():
+  mesh = {'data': 2, 'fsdp': 4, 'tensor': 4}
+  assert spec_for((151936, 896), ('vocab', 'embed'), mesh) == P('tensor', 'fsdp')
+  # Qwen2.5-0.5B: 14 query heads and 2 KV heads do not split 4 ways: replicated.
+  assert spec_for((24, 896, 14, 64), ('layers', 'embed', 'q_heads', 'head_dim'), mesh) == P(None, 'fsdp')
+  assert spec_for((24, 896, 2, 64), ('layers', 'embed', 'kv_heads', 'head_dim'), mesh) == P(None, 'fsdp')
+  # Batch over data x fsdp when divisible, else the largest prefix that divides.
+  assert spec_for((16, 10), ('batch', 'seq'), mesh) == P(('data', 'fsdp'))
+  assert spec_for((6, 10), ('batch', 'seq'), mesh) == P('data')
+  # Size-1 mesh axes never appear in a spec.
+  assert spec_for((64, 64), ('embed', 'mlp'), {'data': 8, 'fsdp': 1, 'tensor': 1}) == P()
+
+
+@pytest.mark.parametrize('config, message', [
+    (MeshConfig(data=3, fsdp=1, tensor=1), 'but 8 are available'),
+    (MeshConfig(data=-1, fsdp=-1, tensor=1), 'at most one axis may be -1'),
+    (MeshConfig(data=3, fsdp=-1, tensor=1), 'cannot be split'),
+    (MeshConfig(data=0, fsdp=-1, tensor=1), 'mesh.data must be a positive size'),
+])
+def test_bad_mesh_shapes_are_one_line_errors(config, message):
+  with pytest.raises(UserError, match=message):
+    make_mesh(config)
