@@ -129,10 +129,12 @@ def load_orbax(directory: str, *, mesh: Mesh | None = None, **options) -> Qwen2:
 
 def _check_orbax_tree(stored, target, params_dir: str) -> None:
   """Names the first missing or mis-shaped tensor instead of orbax's tree-structure dump."""
-  stored_flat = {jax.tree_util.keystr(path): leaf for path, leaf in
-                 jax.tree_util.tree_flatten_with_path(stored)[0]}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
-    name = jax.tree_util.keystr(path)
+  def flat(tree):
+    return {'.'.join(str(key.key) for key in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+  stored_flat = flat(stored)
+  for name, leaf in flat(target).items():
     if name not in stored_flat:
       raise UserError(f'{params_dir}: missing tensor {name}')
     found = tuple(stored_flat[name].shape)

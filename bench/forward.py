@@ -1,0 +1,128 @@
+"""python bench/forward.py [--preset mid|qwen2.5-0.5b] [--batch B] [--length T] [--dtype D] [--threads N]
+
+Forward-pass tokens/s of grpo_jax against transformers' PyTorch Qwen2ForCausalLM on the same
+architecture, the same weights and the same CPU thread count, with a logits parity check.
+On an accelerator the PyTorch reference (always on CPU) runs only with --reference.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+PRESETS = {
+    'mid': dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
+    'qwen2.5-0.5b': dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         tie_word_embeddings=True, rope_theta=1_000_000.0),
+}
+
+
+def parse_args():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+  parser.add_argument('--preset', choices=sorted(PRESETS), default='mid')
+  parser.add_argument('--batch', type=int, default=4)
+  parser.add_argument('--length', type=int, default=256)
+  parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32')
+  parser.add_argument('--threads', type=int, default=os.cpu_count(), help='CPU threads for both')
+  parser.add_argument('--repeats', type=int, default=5, help='timed runs after warm-up (median)')
+  parser.add_argument('--reference', action='store_true', help='run PyTorch also on an accelerator')
+  return parser.parse_args()
+
+
+args = parse_args()
+# XLA reads its thread settings once, when the CPU client starts, so they go in before jax.
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_multi_thread_eigen=true'
+                           f' intra_op_parallelism_threads={args.threads}').strip()
+if args.threads < os.cpu_count() and hasattr(os, 'sched_setaffinity'):
+  # XLA:CPU sizes its pool from the cores this process may use, not from the flag above.
+  os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from grpo_jax.model import Qwen2Config, from_pretrained, init_model, to_hf_dict  # noqa: E402
+
+
+def median_seconds(step, repeats: int) -> tuple[float, float]:
+  """(first call incl. compile, median of the next `repeats` calls)."""
+  start = time.perf_counter()
+  step()
+  first = time.perf_counter() - start
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+  return first, statistics.median(times)
+
+
+def torch_reference(config: Qwen2Config, directory: str):
+  """A random transformers model saved to `directory`; biases and norms randomised too, since
+  their default init (0 and 1) would hide a layout mistake in the parity check."""
+  import torch
+  import transformers
+
+  torch.set_num_threads(args.threads)
+  torch.manual_seed(0)
+  model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**to_hf_dict(config))).eval()
+  with torch.no_grad():
+    for name, parameter in model.named_parameters():
+      if name.endswith('bias') or name.endswith('norm.weight'):
+        parameter.add_(0.1 * torch.randn_like(parameter))
+  model.save_pretrained(directory)
+  return model.to(getattr(torch, args.dtype))
+
+
+def main():
+  config = Qwen2Config(**PRESETS[args.preset])
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, config.vocab_size, (args.batch, args.length), dtype=np.int32)
+  backend = jax.default_backend()
+  use_torch = backend == 'cpu' or args.reference
+  rows, logits = [], {}
+
+  with tempfile.TemporaryDirectory(prefix='bench_forward_') as directory:
+    if use_torch:
+      reference = torch_reference(config, directory)
+      model = from_pretrained(directory, dtype=args.dtype)
+    else:
+      model = init_model(config, dtype=args.dtype, param_dtype=args.dtype)
+
+  graphdef, state = nnx.split(model)
+  forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+  device_tokens = jax.device_put(tokens)
+  first, seconds = median_seconds(lambda: forward(state, device_tokens).block_until_ready(), args.repeats)
+  rows.append((f'grpo_jax (jax {jax.__version__})', backend, first, seconds))
+  logits['jax'] = np.asarray(forward(state, device_tokens))
+
+  if use_torch:
+    import torch
+    torch_tokens = torch.from_numpy(tokens.astype(np.int64))
+    with torch.inference_mode():
+      first, seconds = median_seconds(lambda: reference(torch_tokens), args.repeats)
+      rows.append((f'transformers (torch {torch.__version__})', 'cpu', first, seconds))
+      logits['torch'] = reference(torch_tokens).logits.float().numpy()
+
+  print(f'{args.preset}: {config.num_params() / 1e6:.0f}M params, batch {args.batch} x {args.length} '
+        f'tokens, {args.dtype}, {args.threads} threads, median of {args.repeats}')
+  if 'torch' in logits:
+    diff = np.abs(logits['jax'] - logits['torch'])
+    print(f'logits max |diff| {diff.max():.3e} (mean {diff.mean():.1e}, '
+          f'|logits| max {np.abs(logits["torch"]).max():.2f})')
+  baseline = rows[-1][3] if use_torch else None
+  tokens_per_step = args.batch * args.length
+  print(f'{"implementation":<34} {"device":<6} {"warm-up s":>9} {"step s":>8} {"tokens/s":>10} {"ratio":>6}')
+  for name, device, first, seconds in rows:
+    ratio = f'{baseline / seconds:.2f}x' if baseline else '-'
+    print(f'{name:<34} {device:<6} {first:>9.2f} {seconds:>8.4f} {tokens_per_step / seconds:>10.0f} '
+          f'{ratio:>6}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

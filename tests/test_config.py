@@ -1,0 +1,74 @@
+"""Run config: YAML + --set overrides, one-line errors naming the key, and the train entry point."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from grpo_jax.config import Config, load_config, to_yaml
+from grpo_jax.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write(tmp_path, text):
+  path = tmp_path / 'run.yaml'
+  path.write_text(text)
+  return str(path)
+
+
+def test_yaml_and_overrides(tmp_path):
+  path = write(tmp_path, 'run:\n  seed: 3\nmodel:\n  dtype: bfloat16\n  architecture:\n    num_hidden_layers: 5\n')
+  config = load_config(path, ['mesh.tensor=2', 'model.architecture.eos_token_ids=[1, 2]', 'run.seed=9'])
+  assert config.run.seed == 9
+  assert config.model.dtype == 'bfloat16'
+  assert config.model.architecture.num_hidden_layers == 5
+  assert config.model.architecture.eos_token_ids == (1, 2)
+  assert config.mesh.tensor == 2 and config.mesh.fsdp == -1
+  assert load_config(None) == Config()
+
+
+def test_resolved_yaml_reloads_to_the_same_config(tmp_path):
+  config = load_config(None, ['model.architecture.head_dim=32', 'model.remat=dots'])
+  assert load_config(write(tmp_path, to_yaml(config))) == config
+
+
+@pytest.mark.parametrize('text, overrides, message', [
+    ('model:\n  dtyp: float32\n', [], "unknown config key 'model.dtyp'"),
+    ('', ['mesh.tensor=two'], "config key 'mesh.tensor' expects int, got 'two'"),
+    ('', ['model.dtype=float64'], "config key 'model.dtype' must be one of 'float32' | 'bfloat16'"),
+    ('', ['model.scan_layers=3'], "config key 'model.scan_layers' expects true or false"),
+    ('model: 3\n', [], "config key 'model' expects a mapping of fields"),
+    ('', ['model.architecture.num_attention_heads=3'], 'must be a multiple of num_key_value_heads'),
+    ('', ['mesh.tensor'], 'is not of the form key.path=value'),
+    ('run: [1\n', [], 'is not valid YAML'),
+])
+def test_mistakes_name_the_key(tmp_path, text, overrides, message):
+  with pytest.raises(UserError) as error:
+    load_config(write(tmp_path, text), overrides)
+  assert message in str(error.value)
+
+
+def test_train_cli_saves_resolved_config_and_builds_the_model(tmp_path):
+  workdir = tmp_path / 'run'
+  result = subprocess.run(
+      [sys.executable, '-m', 'grpo_jax.train', '--config', 'configs/tiny_arith.yaml',
+       '--set', 'run.seed=5', '--workdir', str(workdir)],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  saved = yaml.safe_load((workdir / 'config.yaml').read_text())
+  assert saved['run']['seed'] == 5
+  assert saved['model']['architecture']['vocab_size'] == 64
+  assert 'resolved config' in result.stdout and 'tokens/s' in result.stdout
+
+
+def test_train_cli_bad_key_is_one_line(tmp_path):
+  result = subprocess.run(
+      [sys.executable, '-m', 'grpo_jax.train', '--config', 'configs/tiny_arith.yaml',
+       '--set', 'optimiser.lr=1', '--workdir', str(tmp_path / 'run')],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 2
+  assert result.stderr.strip() == \
+      "error: unknown config key 'optimiser' (valid keys here: run, model, mesh)"

@@ -1,0 +1,196 @@
+"""HF safetensors <-> orbax conversion: bit-exact round trips, restores onto a mesh, clear errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from conftest import torch_logits
+from grpo_jax.model import MeshConfig, from_pretrained, make_mesh
+from grpo_jax.model.weights import HFCheckpoint, SafetensorsFile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(module, *args):
+  """Runs `python -m module args` from the repo root; returns (exit code, stdout, stderr)."""
+  result = subprocess.run([sys.executable, '-m', module, *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+  return result.returncode, result.stdout, result.stderr
+
+
+def convert_both_ways(hf_dir, tmp_path, *extra):
+  orbax_dir, back_dir = tmp_path / 'orbax', tmp_path / 'back'
+  code, _, stderr = run_cli('conversion.hf_to_orbax', '--hf', hf_dir, '--out', orbax_dir, *extra)
+  assert code == 0, stderr
+  code, _, stderr = run_cli('conversion.orbax_to_hf', '--ckpt', orbax_dir, '--out', back_dir,
+                            '--like', hf_dir, '--max-shard-gb', 0.0002)
+  assert code == 0, stderr
+  return str(orbax_dir), str(back_dir)
+
+
+@pytest.mark.parametrize('tied', [True, False])
+def test_round_trip_is_bit_exact_and_loads_in_transformers(tied, seed, make_hf_checkpoint, tmp_path):
+  from transformers import AutoModelForCausalLM
+
+  hf_dir, reference = make_hf_checkpoint(seed, shard_size='200KB', tie_word_embeddings=tied)
+  assert os.path.isfile(os.path.join(hf_dir, 'model.safetensors.index.json'))
+  orbax_dir, back_dir = convert_both_ways(hf_dir, tmp_path)
+
+  original, restored = HFCheckpoint(hf_dir), HFCheckpoint(back_dir)
+  assert sorted(restored.names()) == sorted(original.names())
+  for name in original.names():
+    assert np.array_equal(restored.tensor(name), original.tensor(name)), name
+  assert os.path.isfile(os.path.join(back_dir, 'model.safetensors.index.json'))  # split by --max-shard-gb
+
+  reloaded = AutoModelForCausalLM.from_pretrained(back_dir).eval()
+  tokens = np.random.default_rng(seed).integers(0, 1000, (2, 64))
+  np.testing.assert_array_equal(torch_logits(reloaded, tokens), torch_logits(reference, tokens))
+  # The orbax checkpoint itself loads through the public API with the same logits.
+  np.testing.assert_allclose(np.asarray(from_pretrained(orbax_dir)(tokens.astype(np.int32))),
+                             torch_logits(reference, tokens), rtol=0, atol=1e-4)
+
+
+def test_orbax_restores_straight_onto_a_mesh(seed, make_hf_checkpoint, tmp_path):
+  hf_dir, reference = make_hf_checkpoint(seed, num_attention_heads=8, num_key_value_heads=4)
+  orbax_dir = tmp_path / 'orbax'
+  assert run_cli('conversion.hf_to_orbax', '--hf', hf_dir, '--out', orbax_dir)[0] == 0
+  mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  model = from_pretrained(str(orbax_dir), mesh=mesh)
+  sharding = model.layers.q_weight[...].sharding
+  assert sharding.mesh.shape == mesh.shape
+  assert tuple(sharding.spec) == (None, 'fsdp', 'tensor')
+  tokens = np.random.default_rng(seed).integers(0, 1000, (4, 32), dtype=np.int32)
+  with jax.set_mesh(mesh):
+    logits = jax.jit(lambda t: model(t))(tokens)
+  np.testing.assert_allclose(np.asarray(logits), torch_logits(reference, tokens), rtol=0, atol=1e-4)
+
+
+def test_bfloat16_conversion_stores_rounded_weights(seed, make_hf_checkpoint, tmp_path):
+  hf_dir, reference = make_hf_checkpoint(seed)
+  orbax_dir, back_dir = convert_both_ways(hf_dir, tmp_path, '--dtype', 'bfloat16')
+  with open(os.path.join(orbax_dir, 'config.json')) as f:
+    assert json.load(f)['dtype'] == 'bfloat16'
+  back = HFCheckpoint(back_dir)
+  name = 'model.layers.1.mlp.down_proj.weight'
+  expected = reference.state_dict()[name].numpy().astype(ml_dtypes.bfloat16)
+  assert back.tensor(name).dtype == ml_dtypes.bfloat16
+  assert np.array_equal(back.tensor(name), expected)
+
+
+# ---- error cases: one line on stderr, exit status 2, nothing written ----
+
+def _rewrite_single_file(hf_dir, change):
+  """Loads model.safetensors, applies change(dict) and writes it back."""
+  from safetensors.torch import load_file, save_file
+  path = os.path.join(hf_dir, 'model.safetensors')
+  tensors = load_file(path)
+  change(tensors)
+  save_file(tensors, path, metadata={'format': 'pt'})
+
+
+def _assert_one_line_error(code, stderr, *fragments):
+  assert code == 2, stderr
+  lines = stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('error: '), stderr
+  for fragment in fragments:
+    assert fragment in lines[0], lines[0]
+
+
+def test_missing_tensor(seed, make_hf_checkpoint, tmp_path):
+  hf_dir, _ = make_hf_checkpoint(seed)
+  _rewrite_single_file(hf_dir, lambda t: t.pop('model.layers.1.self_attn.k_proj.bias'))
+  code, _, stderr = run_cli('conversion.hf_to_orbax', '--hf', hf_dir, '--out', tmp_path / 'out')
+  _assert_one_line_error(code, stderr, 'missing tensor model.layers.1.self_attn.k_proj.bias')
+  assert not (tmp_path / 'out').exists() and not (tmp_path / 'out.partial').exists()
+
+
+def test_shape_mismatch_names_tensor_expected_and_found(seed, make_hf_checkpoint, tmp_path):
+  hf_dir, _ = make_hf_checkpoint(seed)
+
+  def shrink(tensors):
+    tensors['model.layers.0.mlp.up_proj.weight'] = torch.zeros(170, 64) + 0.5
+  _rewrite_single_file(hf_dir, shrink)
+  code, _, stderr = run_cli('conversion.hf_to_orbax', '--hf', hf_dir, '--out', tmp_path / 'out')
+  _assert_one_line_error(code, stderr, 'model.layers.0.mlp.up_proj.weight', '[170, 64]', 'expected [176, 64]')
+
+
+def test_unexpected_tensor(seed, make_hf_checkpoint, tmp_path):
+  hf_dir, _ = make_hf_checkpoint(seed)
+  _rewrite_single_file(hf_dir, lambda t: t.update({'model.layers.0.extra.weight': torch.ones(3)}))
+  code, _, stderr = run_cli('conversion.hf_to_orbax', '--hf', hf_dir, '--out', tmp_path / 'out')
+  _assert_one_line_error(code, stderr, 'unexpected tensor model.layers.0.extra.weight')
+
+
+def test_unsupported_architecture(seed, make_hf_checkpoint, tmp_path):
+  hf_dir, _ = make_hf_checkpoint(seed)
+  path = os.path.join(hf_dir, 'config.json')
+  with open(path) as f:
+    config = json.load(f)
+  config.update(architectures=['LlamaForCausalLM'], model_type='llama')
+  with open(path, 'w') as f:
+    json.dump(config, f)
+  code, _, stderr = run_cli('conversion.hf_to_orbax', '--hf', hf_dir, '--out', tmp_path / 'out')
+  _assert_one_line_error(code, stderr, 'unsupported architecture LlamaForCausalLM')
+
+
+@pytest.mark.parametrize('damage', ['no-config', 'no-weights', 'missing-shard', 'truncated', 'garbage'])
+def test_missing_or_corrupt_files(damage, seed, make_hf_checkpoint, tmp_path):
+  sharded = damage == 'missing-shard'
+  hf_dir, _ = make_hf_checkpoint(seed, shard_size='200KB' if sharded else None)
+  weights_path = os.path.join(hf_dir, 'model.safetensors')
+  if damage == 'no-config':
+    os.remove(os.path.join(hf_dir, 'config.json'))
+    expected = 'config.json not found'
+  elif damage == 'no-weights':
+    os.remove(weights_path)
+    expected = 'has neither model.safetensors.index.json nor model.safetensors'
+  elif damage == 'missing-shard':
+    shard = sorted(f for f in os.listdir(hf_dir) if f.startswith('model-'))[-1]
+    os.remove(os.path.join(hf_dir, shard))
+    expected = f'{shard} not found'
+  elif damage == 'truncated':
+    with open(weights_path, 'r+b') as f:
+      f.truncate(os.path.getsize(weights_path) // 2)
+    expected = 'is truncated'
+  else:
+    with open(weights_path, 'wb') as f:
+      f.write(os.urandom(4096))
+    expected = 'is not a readable safetensors file'
+  code, _, stderr = run_cli('conversion.hf_to_orbax', '--hf', hf_dir, '--out', tmp_path / 'out')
+  _assert_one_line_error(code, stderr, expected)
+
+
+def test_corrupt_orbax_checkpoint_and_existing_output(seed, make_hf_checkpoint, tmp_path):
+  hf_dir, _ = make_hf_checkpoint(seed)
+  orbax_dir = tmp_path / 'orbax'
+  assert run_cli('conversion.hf_to_orbax', '--hf', hf_dir, '--out', orbax_dir)[0] == 0
+  # Converting again onto a non-empty --out refuses rather than overwriting.
+  code, _, stderr = run_cli('conversion.hf_to_orbax', '--hf', hf_dir, '--out', orbax_dir)
+  _assert_one_line_error(code, stderr, 'already exists', '--force')
+  # A checkpoint whose config disagrees with its tensors names the tensor.
+  path = orbax_dir / 'config.json'
+  config = json.loads(path.read_text())
+  config['intermediate_size'] = 200
+  path.write_text(json.dumps(config))
+  code, _, stderr = run_cli('conversion.orbax_to_hf', '--ckpt', orbax_dir, '--out', tmp_path / 'back')
+  _assert_one_line_error(code, stderr, "tensor layers.down_weight", '[2, 176, 64]', 'expected [2, 200, 64]')
+  code, _, stderr = run_cli('conversion.orbax_to_hf', '--ckpt', hf_dir, '--out', tmp_path / 'back')
+  _assert_one_line_error(code, stderr, 'is not a grpo_jax checkpoint')
+
+
+def test_safetensors_reader_reads_bfloat16_without_copy(tmp_path):
+  from safetensors.torch import save_file
+  values = torch.randn(5, 7).to(torch.bfloat16)
+  save_file({'x': values, 'y': torch.randn(3)}, str(tmp_path / 'a.safetensors'))
+  reader = SafetensorsFile(str(tmp_path / 'a.safetensors'))
+  x = reader.tensor('x')
+  assert x.dtype == ml_dtypes.bfloat16 and x.shape == (5, 7)
+  np.testing.assert_array_equal(x.astype(np.float32), values.float().numpy())
+  assert not x.flags.owndata  # a view into the memory map

@@ -1,0 +1,114 @@
+"""Reading config.json in both transformers spellings, for every Qwen2.5 size."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from grpo_jax.errors import UserError
+from grpo_jax.model import from_hf_dict, to_hf_dict
+from grpo_jax.model.loading import abstract_model
+from grpo_jax.model.sharding import spec_for
+
+# The shape fields of the hub's Qwen2.5 config.json files (transformers-4.x spelling) and the
+# parameter counts on the model cards, in billions.
+QWEN2_5 = {
+    '0.5B': (dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True), 0.49),
+    '1.5B': (dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True), 1.54),
+    '3B': (dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True), 3.09),
+    '7B': (dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False), 7.61),
+    '14B': (dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                 num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False), 14.7),
+    '32B': (dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                 num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False), 32.5),
+    '72B': (dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                 num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False), 72.7),
+}
+
+
+def hub_v4(shape: dict) -> dict:
+  """A config.json as the hub ships it for transformers 4.x."""
+  return {'architectures': ['Qwen2ForCausalLM'], 'model_type': 'qwen2', 'hidden_act': 'silu',
+          'rope_theta': 1000000.0, 'rms_norm_eps': 1e-06, 'torch_dtype': 'bfloat16',
+          'use_sliding_window': False, 'sliding_window': 131072, 'max_window_layers': 21,
+          'max_position_embeddings': 32768, 'bos_token_id': 151643, 'eos_token_id': 151645,
+          'rope_scaling': None, 'attention_dropout': 0.0, 'use_cache': True, **shape}
+
+
+def as_v5(raw: dict) -> dict:
+  """The same config in transformers-5.x spelling."""
+  raw = dict(raw)
+  raw['rope_parameters'] = {'rope_type': 'default', 'rope_theta': raw.pop('rope_theta')}
+  raw['dtype'] = raw.pop('torch_dtype')
+  raw.pop('rope_scaling')
+  return raw
+
+
+@pytest.mark.parametrize('size', sorted(QWEN2_5))
+def test_every_qwen2_5_size(size):
+  shape, published_billions = QWEN2_5[size]
+  config = from_hf_dict(hub_v4(shape))
+  assert from_hf_dict(as_v5(hub_v4(shape))) == config
+  assert config.rope_theta == 1e6 and config.checkpoint_dtype == 'bfloat16'
+  assert config.eos_token_ids == (151645,)
+  # Model cards give three significant digits, some rounded and some truncated (14.77B -> '14.7B').
+  assert abs(config.num_params() / 1e9 - published_billions) <= 0.01 * published_billions
+
+  # The module built for this config (abstractly: no memory) has exactly that many parameters.
+  model = abstract_model(config, param_dtype='bfloat16')
+  leaves = jax.tree.leaves(nnx.state(model))
+  assert sum(math.prod(leaf.shape) for leaf in leaves) == config.num_params()
+
+  # On a 64-device fsdp x tensor mesh every device holds about 1/64 of the model when the tensor
+  # axis divides the heads (14B, 32B, 72B); otherwise heads are replicated over it, and FSDP
+  # alone still bounds a device's share by about 1/8.
+  mesh = {'data': 1, 'fsdp': 8, 'tensor': 8}
+  flat = nnx.to_flat_state(nnx.state(model))
+  per_device = 0
+  for _, variable in flat:
+    spec = spec_for(variable.shape, variable.logical_axes, mesh)
+    split = math.prod(math.prod(mesh[a] for a in ((axis,) if isinstance(axis, str) else axis))
+                      for axis in spec if axis is not None)
+    per_device += math.prod(variable.shape) // split
+  heads_divide = config.num_attention_heads % 8 == 0 and config.num_key_value_heads % 8 == 0
+  assert per_device <= 1.1 * config.num_params() / (64 if heads_divide else 8)
+
+
+def test_round_trip_through_hf_dict():
+  config = from_hf_dict(hub_v4(QWEN2_5['7B'][0]))
+  assert from_hf_dict(to_hf_dict(config)) == config
+
+
+@pytest.mark.parametrize('change, message', [
+    (dict(use_sliding_window=True), 'use_sliding_window=true is not supported'),
+    (dict(architectures=['MistralForCausalLM'], model_type='mistral'), 'unsupported architecture MistralForCausalLM'),
+    (dict(rope_scaling={'type': 'yarn', 'factor': 4.0}), "rope type 'yarn' is not supported"),
+    (dict(hidden_act='gelu'), "hidden_act='gelu' is not supported"),
+    (dict(num_key_value_heads=3), 'must be a multiple of num_key_value_heads (3)'),
+    (dict(hidden_size=None), 'missing field hidden_size'),
+])
+def test_refusals_are_clear(change, message):
+  raw = hub_v4(QWEN2_5['0.5B'][0])
+  raw.update(change)
+  if raw.get('hidden_size') is None:
+    raw.pop('hidden_size')
+  with pytest.raises(UserError) as error:
+    from_hf_dict(raw)
+  assert message in str(error.value)
+
+
+def test_rope_theta_from_checkpoint_changes_logits():
+  """rope_theta is read, not assumed: two thetas give different logits for the same weights."""
+  from grpo_jax.model import Qwen2Config, init_model
+  import dataclasses
+  tokens = np.random.default_rng(0).integers(0, 256, (1, 40), dtype=np.int32)
+  base = Qwen2Config(rope_theta=10000.0)
+  a = init_model(base, seed=3)
+  b = init_model(dataclasses.replace(base, rope_theta=1e6), seed=3)
+  assert not np.allclose(np.asarray(a(tokens)), np.asarray(b(tokens)), atol=1e-4)
