@@ -34,7 +34,7 @@ def main(argv=None):
   dtype = args.dtype or config.checkpoint_dtype
   if dtype not in DTYPES:
     raise UserError(f'{args.hf}/config.json: dtype {dtype!r} is not supported; pass --dtype')
-  weights.HFCheckpoint(args.hf).check(config)
+  weights.HFCheckpoint(args.hf).check(config)  # fail before anything is written
   with atomic_directory(args.out, args.force) as staging:
     model = load_hf(args.hf, mesh=host_mesh(), dtype=dtype, param_dtype=dtype)
     save_orbax(model, staging, tokenizer_from=args.hf)

@@ -15,16 +15,15 @@ import os
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from grpo_jax.errors import UserError
 from grpo_jax.model import weights
 from grpo_jax.model.config import Qwen2Config, load_hf_config, to_hf_dict
 from grpo_jax.model.qwen2 import Qwen2
-from grpo_jax.model.sharding import state_shardings
+from grpo_jax.model.sharding import MeshConfig, make_mesh, state_shardings
 
 PARAMS_DIR = 'params'
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'vocab.json', 'merges.txt',
@@ -33,7 +32,7 @@ TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'vocab.json', 'mer
 
 
 def _single_device_mesh() -> Mesh:
-  return Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ('data', 'fsdp', 'tensor'))
+  return make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
 
 
 def abstract_model(config: Qwen2Config, **options) -> Qwen2:
