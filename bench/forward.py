@@ -38,7 +38,8 @@ args = parse_args()
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_multi_thread_eigen=true'
                            f' intra_op_parallelism_threads={args.threads}').strip()
 if args.threads < os.cpu_count() and hasattr(os, 'sched_setaffinity'):
-  # XLA:CPU sizes its pool from the cores this process may use, not from the flag above.
+  # The flags above do not cap XLA:CPU's pool (measured: still ~1.9 cores busy with N=1); it is
+  # sized from the cores this process may run on, so pin the process to N of them.
   os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])
 
 import jax  # noqa: E402
@@ -48,17 +49,21 @@ from flax import nnx  # noqa: E402
 from grpo_jax.model import Qwen2Config, from_pretrained, init_model, to_hf_dict  # noqa: E402
 
 
-def median_seconds(step, repeats: int) -> tuple[float, float]:
-  """(first call incl. compile, median of the next `repeats` calls)."""
+def timed(step) -> float:
   start = time.perf_counter()
   step()
-  first = time.perf_counter() - start
-  times = []
+  return time.perf_counter() - start
+
+
+def interleaved(steps: dict, repeats: int) -> dict:
+  """name -> (first call incl. compile, median of `repeats` calls). The implementations take
+  turns each repetition so drift in machine load (a shared VM) hits both alike."""
+  first = {name: timed(step) for name, step in steps.items()}
+  times = {name: [] for name in steps}
   for _ in range(repeats):
-    start = time.perf_counter()
-    step()
-    times.append(time.perf_counter() - start)
-  return first, statistics.median(times)
+    for name, step in steps.items():
+      times[name].append(timed(step))
+  return {name: (first[name], statistics.median(times[name])) for name in steps}
 
 
 def torch_reference(config: Qwen2Config, directory: str):
@@ -68,6 +73,7 @@ def torch_reference(config: Qwen2Config, directory: str):
   import transformers
 
   torch.set_num_threads(args.threads)
+  transformers.utils.logging.disable_progress_bar()
   torch.manual_seed(0)
   model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**to_hf_dict(config))).eval()
   with torch.no_grad():
@@ -84,7 +90,7 @@ def main():
   tokens = rng.integers(0, config.vocab_size, (args.batch, args.length), dtype=np.int32)
   backend = jax.default_backend()
   use_torch = backend == 'cpu' or args.reference
-  rows, logits = [], {}
+  logits = {}
 
   with tempfile.TemporaryDirectory(prefix='bench_forward_') as directory:
     if use_torch:
@@ -96,17 +102,24 @@ def main():
   graphdef, state = nnx.split(model)
   forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
   device_tokens = jax.device_put(tokens)
-  first, seconds = median_seconds(lambda: forward(state, device_tokens).block_until_ready(), args.repeats)
-  rows.append((f'grpo_jax (jax {jax.__version__})', backend, first, seconds))
-  logits['jax'] = np.asarray(forward(state, device_tokens))
-
+  jax_name = f'grpo_jax (jax {jax.__version__})'
+  steps = {jax_name: lambda: forward(state, device_tokens).block_until_ready()}
+  devices = {jax_name: backend}
   if use_torch:
     import torch
     torch_tokens = torch.from_numpy(tokens.astype(np.int64))
-    with torch.inference_mode():
-      first, seconds = median_seconds(lambda: reference(torch_tokens), args.repeats)
-      rows.append((f'transformers (torch {torch.__version__})', 'cpu', first, seconds))
-      logits['torch'] = reference(torch_tokens).logits.float().numpy()
+    torch_name = f'transformers (torch {torch.__version__})'
+
+    def torch_step():
+      with torch.inference_mode():
+        return reference(torch_tokens).logits
+
+    steps[torch_name], devices[torch_name] = torch_step, 'cpu'
+  results = interleaved(steps, args.repeats)  # the first call of each compiles / warms up
+  logits['jax'] = np.asarray(forward(state, device_tokens))
+  if use_torch:
+    logits['torch'] = torch_step().float().numpy()
+  rows = [(name, devices[name], *results[name]) for name in steps]
 
   print(f'{args.preset}: {config.num_params() / 1e6:.0f}M params, batch {args.batch} x {args.length} '
         f'tokens, {args.dtype}, {args.threads} threads, median of {args.repeats}')

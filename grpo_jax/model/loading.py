@@ -60,8 +60,8 @@ def init_model(config: Qwen2Config, *, mesh: Mesh | None = None, seed: int = 0, 
 def _from_host_slices(abstract_state, shardings, read):
   """Builds every parameter with `jax.make_array_from_callback`.
 
-  read(path, index) returns the numpy block of parameter `path` at `index` (a tuple of slices),
-  so each device's shard is produced from the source without assembling the global array.
+  read(path, index, dtype) returns the numpy block of parameter `path` at `index` (a tuple of
+  slices), so each device's shard is produced from the source without assembling the global array.
   """
   flat_shardings = dict(nnx.to_flat_state(shardings))
   leaves = []
@@ -70,7 +70,7 @@ def _from_host_slices(abstract_state, shardings, read):
     dtype = variable.dtype
 
     def callback(index, path=path, dtype=dtype):
-      return np.asarray(read(path, index), dtype=dtype)
+      return read(path, index, dtype)
 
     array = jax.make_array_from_callback(variable.shape, sharding, callback)
     leaves.append((path, variable.replace(array)))
@@ -80,12 +80,17 @@ def _from_host_slices(abstract_state, shardings, read):
 def _hf_reader(checkpoint: weights.HFCheckpoint, config: Qwen2Config):
   rules = {rule.path: rule for rule in weights.rules_for(config)}
 
-  def read(path, index):
+  def read(path, index, dtype):
     rule = rules[path]
     if not rule.per_layer:
-      return checkpoint.layer_slice(rule, config, None)[index]
+      return checkpoint.layer_slice(rule, config, None)[index].astype(dtype, copy=False)
     layers = range(config.num_hidden_layers)[index[0]]
-    return np.stack([checkpoint.layer_slice(rule, config, layer)[index[1:]] for layer in layers])
+    first = checkpoint.layer_slice(rule, config, layers[0])[index[1:]]
+    out = np.empty((len(layers), *first.shape), dtype)  # filled in place: no stacked copy
+    out[0] = first
+    for position, layer in enumerate(layers[1:], start=1):
+      out[position] = checkpoint.layer_slice(rule, config, layer)[index[1:]]
+    return out
 
   return read
 
@@ -142,13 +147,19 @@ def _check_orbax_tree(stored, target, params_dir: str) -> None:
 
 
 def save_orbax(model: Qwen2, directory: str, *, tokenizer_from: str | None = None) -> None:
-  """Writes a grpo_jax checkpoint: config.json, params/ (orbax) and the tokenizer files."""
+  """Writes a grpo_jax checkpoint: config.json, params/ (orbax) and the tokenizer files.
+
+  One file per array (no OCDBT) and a bounded write concurrency: OCDBT would buffer the whole
+  compressed checkpoint in host memory before committing it.
+  """
   import orbax.checkpoint as ocp
 
   os.makedirs(directory, exist_ok=True)
   params_dir = os.path.abspath(os.path.join(directory, PARAMS_DIR))
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(params_dir, nnx.to_pure_dict(nnx.state(model)), force=True)
+  handler = ocp.StandardCheckpointHandler(use_ocdbt=False, save_concurrent_gb=1)
+  with ocp.Checkpointer(handler) as checkpointer:
+    checkpointer.save(params_dir, args=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model))),
+                      force=True)
   _write_config(model.config, directory, model.param_dtype.name)
   if tokenizer_from:
     copy_tokenizer_files(tokenizer_from, directory)

@@ -120,9 +120,11 @@ def _numpy_dtype(code: str, path: str, name: str):
 
 
 class SafetensorsFile:
-  """A memory-mapped safetensors file; `tensor(name)` reads one tensor without loading the rest.
+  """A safetensors file; `tensor(name)` reads that one tensor with a positioned read.
 
-  The header is validated up front so a truncated or corrupt file fails with its name.
+  Reads go through `os.pread` rather than a memory map so the pages of tensors already converted
+  do not stay resident: converting a model then needs about one copy of it in host memory. The
+  header is validated up front so a truncated or corrupt file fails with its name.
   """
 
   def __init__(self, path: str):
@@ -146,7 +148,6 @@ class SafetensorsFile:
       begin, end = entry['data_offsets']
       if self._data_start + end > size:
         raise UserError(f'{path} is truncated: tensor {name} ends past the end of the file')
-    self._map = np.memmap(path, dtype=np.uint8, mode='r') if size > self._data_start else None
 
   def names(self) -> list[str]:
     return list(self._entries)
@@ -155,12 +156,19 @@ class SafetensorsFile:
     return tuple(self._entries[name]['shape'])
 
   def tensor(self, name: str) -> np.ndarray:
-    """A read-only view of the tensor (no copy until the caller transforms it)."""
     entry = self._entries[name]
     begin, end = entry['data_offsets']
     dtype = _numpy_dtype(entry['dtype'], self.path, name)
-    raw = self._map[self._data_start + begin:self._data_start + end]
-    return raw.view(dtype).reshape(entry['shape'])
+    out = np.empty(entry['shape'], dtype)
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    with open(self.path, 'rb', buffering=0) as f:
+      done = 0
+      while done < end - begin:
+        count = os.preadv(f.fileno(), [view[done:]], self._data_start + begin + done)
+        if count == 0:
+          raise UserError(f'{self.path} is truncated: tensor {name} ends past the end of the file')
+        done += count
+    return out
 
 
 class HFCheckpoint:
