@@ -11,13 +11,15 @@ source tensor of one layer at a time, so no host ever holds more than one copy o
 
 import functools
 import json
+import math
 import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.errors import UserError
 from grpo_jax.model import weights
@@ -57,42 +59,58 @@ def init_model(config: Qwen2Config, *, mesh: Mesh | None = None, seed: int = 0, 
   return nnx.merge(graphdef, create())
 
 
-def _from_host_slices(abstract_state, shardings, read):
-  """Builds every parameter with `jax.make_array_from_callback`.
+def _from_host_slices(abstract_state, shardings, read, layer_stacked):
+  """Builds every parameter on its devices from host blocks.
 
   read(path, index, dtype) returns the numpy block of parameter `path` at `index` (a tuple of
-  slices), so each device's shard is produced from the source without assembling the global array.
+  slices; for layer-stacked parameters, of one layer), so each device's shard comes straight
+  from the source. Layer-stacked parameters are written into their device array one layer at a
+  time (the array is donated to each update), so beyond the model itself the host never holds
+  more than one layer's block.
   """
   flat_shardings = dict(nnx.to_flat_state(shardings))
   leaves = []
   for path, variable in nnx.to_flat_state(abstract_state):
-    sharding = flat_shardings[path]
-    dtype = variable.dtype
-
-    def callback(index, path=path, dtype=dtype):
-      return read(path, index, dtype)
-
-    array = jax.make_array_from_callback(variable.shape, sharding, callback)
+    sharding, dtype = flat_shardings[path], variable.dtype
+    if not layer_stacked(path):
+      array = jax.make_array_from_callback(
+          variable.shape, sharding, lambda index, path=path, dtype=dtype: read(path, index, dtype))
+    else:
+      layer_sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+      array = _zeros(variable.shape, dtype, sharding)
+      for layer in range(variable.shape[0]):
+        block = jax.make_array_from_callback(
+            variable.shape[1:], layer_sharding,
+            lambda index, path=path, dtype=dtype, layer=layer: read(path, (layer, *index), dtype))
+        # Wait for each update: under async dispatch every pending layer block stays alive.
+        array = _set_layer(array, block, layer).block_until_ready()
     leaves.append((path, variable.replace(array)))
   return nnx.from_flat_state(leaves)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zeros(shape, dtype, sharding):
+  return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(stacked, block, layer):
+  return jax.lax.dynamic_update_index_in_dim(stacked, block, layer, axis=0)
 
 
 def _hf_reader(checkpoint: weights.HFCheckpoint, config: Qwen2Config):
   rules = {rule.path: rule for rule in weights.rules_for(config)}
 
   def read(path, index, dtype):
+    """index: slices of the whole parameter, or (layer, *slices) for a layer-stacked one."""
     rule = rules[path]
-    if not rule.per_layer:
-      return checkpoint.layer_slice(rule, config, None)[index].astype(dtype, copy=False)
-    layers = range(config.num_hidden_layers)[index[0]]
-    first = checkpoint.layer_slice(rule, config, layers[0])[index[1:]]
-    out = np.empty((len(layers), *first.shape), dtype)  # filled in place: no stacked copy
-    out[0] = first
-    for position, layer in enumerate(layers[1:], start=1):
-      out[position] = checkpoint.layer_slice(rule, config, layer)[index[1:]]
-    return out
+    layer, index = (index[0], index[1:]) if rule.per_layer else (None, index)
+    return checkpoint.layer_slice(rule, config, layer)[index].astype(dtype, copy=False)
 
-  return read
+  def layer_stacked(path):
+    return rules[path].per_layer
+
+  return read, layer_stacked
 
 
 def load_hf(directory: str, *, mesh: Mesh | None = None, **options) -> Qwen2:
@@ -101,7 +119,7 @@ def load_hf(directory: str, *, mesh: Mesh | None = None, **options) -> Qwen2:
   checkpoint = weights.HFCheckpoint(directory)
   checkpoint.check(config)
   graphdef, abstract_state, shardings = _sharded_abstract(config, mesh or _single_device_mesh(), options)
-  state = _from_host_slices(abstract_state, shardings, _hf_reader(checkpoint, config))
+  state = _from_host_slices(abstract_state, shardings, *_hf_reader(checkpoint, config))
   return nnx.merge(graphdef, state)
 
 
@@ -149,17 +167,19 @@ def _check_orbax_tree(stored, target, params_dir: str) -> None:
 def save_orbax(model: Qwen2, directory: str, *, tokenizer_from: str | None = None) -> None:
   """Writes a grpo_jax checkpoint: config.json, params/ (orbax) and the tokenizer files.
 
-  One file per array (no OCDBT) and a bounded write concurrency: OCDBT would buffer the whole
-  compressed checkpoint in host memory before committing it.
+  One file per array (no OCDBT, which buffers the whole compressed checkpoint in host memory
+  before committing it), and at most the largest array's bytes in flight at once.
   """
   import orbax.checkpoint as ocp
 
   os.makedirs(directory, exist_ok=True)
+  params = nnx.to_pure_dict(nnx.state(model))
+  largest = max(leaf.nbytes for leaf in jax.tree.leaves(params))
+  # Orbax rejects an array larger than its in-flight budget, so the budget is at least the largest.
+  handler = ocp.StandardCheckpointHandler(use_ocdbt=False, save_concurrent_gb=max(1, math.ceil(largest / 1e9)))
   params_dir = os.path.abspath(os.path.join(directory, PARAMS_DIR))
-  handler = ocp.StandardCheckpointHandler(use_ocdbt=False, save_concurrent_gb=1)
   with ocp.Checkpointer(handler) as checkpointer:
-    checkpointer.save(params_dir, args=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model))),
-                      force=True)
+    checkpointer.save(params_dir, args=ocp.args.StandardSave(params), force=True)
   _write_config(model.config, directory, model.param_dtype.name)
   if tokenizer_from:
     copy_tokenizer_files(tokenizer_from, directory)
