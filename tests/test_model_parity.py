@@ -137,3 +137,21 @@ def test_unrolled_layers_and_remat_agree_with_scan(seed, make_hf_checkpoint):
     np.testing.assert_allclose(value, base_value, rtol=1e-6, err_msg=str(options))
     for got, want in zip(grads, base_grads):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=str(options))
+
+
+def test_scanned_program_size_does_not_grow_with_depth():
+  """With scan_layers the lowered program is the same size for 2 or 16 layers; unrolled, it grows."""
+  from grpo_jax.model import Qwen2Config
+  from grpo_jax.model.loading import abstract_model
+
+  def program_size(layers, scan):
+    model = abstract_model(Qwen2Config(num_hidden_layers=layers), scan_layers=scan)
+    graphdef, state = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    lowered = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens)).lower(state, tokens)
+    return len(lowered.as_text())
+
+  scanned = program_size(2, True), program_size(16, True)
+  unrolled = program_size(2, False), program_size(16, False)
+  assert abs(scanned[1] - scanned[0]) < 0.02 * scanned[0], scanned
+  assert unrolled[1] > 4 * unrolled[0], unrolled
