@@ -1,0 +1,105 @@
+"""The group sampler against transformers' greedy generate and the model's own forward pass."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from grpo_jax.model import from_pretrained
+from grpo_jax.sampler import SamplingConfig
+from grpo_jax.sampler.rollout import GroupSampler
+
+GREEDY = SamplingConfig(greedy=True)
+
+
+def left_padded(sequences, pad_id=0):
+  width = max(len(s) for s in sequences)
+  tokens = np.full((len(sequences), width), pad_id, np.int32)
+  mask = np.zeros((len(sequences), width), np.int32)
+  for row, sequence in enumerate(sequences):
+    tokens[row, width - len(sequence):] = sequence
+    mask[row, width - len(sequence):] = 1
+  return tokens, mask
+
+
+def random_prompts(seed, lengths, vocab=1000):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, vocab, n, dtype=np.int32) for n in lengths]
+
+
+def test_greedy_matches_transformers_generate(seed, make_hf_checkpoint):
+  directory, reference = make_hf_checkpoint(seed)
+  model = from_pretrained(directory)
+  prompts = random_prompts(seed, [5, 17, 11])
+  tokens, mask = left_padded(prompts)
+  rollout = GroupSampler(model, group_size=1, max_new_tokens=16, sampling=GREEDY)(
+      nnx.state(model), tokens, mask, jax.random.key(0))
+  with torch.no_grad():
+    expected = reference.generate(torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask),
+                                  do_sample=False, max_new_tokens=16, pad_token_id=0, eos_token_id=None)
+  np.testing.assert_array_equal(np.asarray(rollout.tokens), expected[:, tokens.shape[1]:].numpy())
+  assert np.asarray(rollout.mask).all() and not np.asarray(rollout.stopped).any()
+
+
+def test_groups_share_one_prefill_and_equal_separate_prefills(seed, make_hf_checkpoint):
+  """G greedy samples of a prompt equal one another and the result of prefilling it alone."""
+  directory, _ = make_hf_checkpoint(seed)
+  model = from_pretrained(directory)
+  prompts = random_prompts(seed, [9, 4])
+  tokens, mask = left_padded(prompts)
+  grouped = GroupSampler(model, group_size=3, max_new_tokens=8, sampling=GREEDY)(
+      nnx.state(model), tokens, mask, jax.random.key(0))
+  for index, prompt in enumerate(prompts):
+    alone = GroupSampler(model, group_size=1, max_new_tokens=8, sampling=GREEDY)(
+        nnx.state(model), prompt[None], np.ones((1, len(prompt)), np.int32), jax.random.key(0))
+    for g in range(3):
+      np.testing.assert_array_equal(np.asarray(grouped.tokens[index * 3 + g]), np.asarray(alone.tokens[0]))
+
+
+def test_sampler_log_probs_equal_full_forward(seed, make_hf_checkpoint):
+  directory, _ = make_hf_checkpoint(seed)
+  model = from_pretrained(directory)
+  prompts = random_prompts(seed, [6, 13])
+  tokens, mask = left_padded(prompts)
+  sampling = SamplingConfig(temperature=0.8, top_k=50)
+  rollout = GroupSampler(model, group_size=2, max_new_tokens=10, sampling=sampling)(
+      nnx.state(model), tokens, mask, jax.random.key(seed))
+  for row in range(4):
+    prompt = prompts[row // 2]
+    completion = np.asarray(rollout.tokens[row])
+    full = np.concatenate([prompt, completion])[None]
+    logits = np.asarray(model(full))[0, len(prompt) - 1:-1] / 0.8
+    log_softmax = logits - logits.max(-1, keepdims=True)
+    log_softmax -= np.log(np.exp(log_softmax).sum(-1, keepdims=True))
+    expected = np.take_along_axis(log_softmax, completion[:, None], axis=-1)[:, 0]
+    np.testing.assert_allclose(np.asarray(rollout.log_probs[row]), expected, rtol=0, atol=1e-4)
+
+
+def test_stop_tokens_end_rows_and_seeds_reproduce(seed, make_hf_checkpoint):
+  directory, _ = make_hf_checkpoint(seed)
+  model = from_pretrained(directory)
+  tokens, mask = left_padded(random_prompts(seed, [7, 12]))
+  state = nnx.state(model)
+  free = GroupSampler(model, group_size=1, max_new_tokens=12, sampling=GREEDY)(state, tokens, mask, jax.random.key(0))
+  stop = int(free.tokens[0, 3])
+  first_stop = [int(np.argmax(np.asarray(free.tokens[r]) == stop)) if stop in np.asarray(free.tokens[r]) else None
+                for r in range(2)]
+  stopped = GroupSampler(model, group_size=1, max_new_tokens=12, sampling=GREEDY, stop_token_ids=(stop,),
+                         pad_id=-1)(state, tokens, mask, jax.random.key(0))
+  for row in range(2):
+    end = first_stop[row]
+    if end is None:
+      assert not bool(stopped.stopped[row]) and int(stopped.lengths[row]) == 12
+      continue
+    assert bool(stopped.stopped[row]) and int(stopped.lengths[row]) == end + 1
+    np.testing.assert_array_equal(np.asarray(stopped.tokens[row, :end + 1]), np.asarray(free.tokens[row, :end + 1]))
+    assert (np.asarray(stopped.tokens[row, end + 1:]) == -1).all()
+    assert not np.asarray(stopped.mask[row, end + 1:]).any() and (np.asarray(stopped.log_probs[row, end + 1:]) == 0).all()
+
+  sampler = GroupSampler(model, group_size=4, max_new_tokens=6, sampling=SamplingConfig(temperature=1.0))
+  a = sampler(state, tokens, mask, jax.random.key(seed))
+  b = sampler(state, tokens, mask, jax.random.key(seed))
+  c = sampler(state, tokens, mask, jax.random.key(seed + 1))
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
