@@ -1,0 +1,50 @@
+"""python -m grpo_jax.generate: JSON output against transformers, tokenizer prompts, errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+from test_api import write_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def generate(*args):
+  result = subprocess.run([sys.executable, '-m', 'grpo_jax.generate', *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+  return result.returncode, result.stdout, result.stderr
+
+
+def test_greedy_json_matches_transformers(seed, make_hf_checkpoint):
+  directory, reference = make_hf_checkpoint(seed)
+  prompt = np.random.default_rng(seed).integers(3, 1000, 7)
+  code, stdout, stderr = generate('--ckpt', directory, '--prompt-ids', ' '.join(map(str, prompt)),
+                                  '--greedy', '--max-new-tokens', 9, '--num-samples', 2, '--json')
+  assert code == 0, stderr
+  output = json.loads(stdout)
+  with torch.no_grad():
+    expected = reference.generate(torch.tensor(prompt[None]), do_sample=False, max_new_tokens=9,
+                                  eos_token_id=None, pad_token_id=0)[0, 7:].tolist()
+  assert output['token_ids'] == [expected, expected]
+  assert output['finish_reason'] == ['length', 'length']
+  assert len(output['logprobs'][0]) == 9 and all(x <= 0 for x in output['logprobs'][0])
+  assert 'text' not in output
+
+
+def test_text_prompt_with_tokenizer_and_errors(seed, make_hf_checkpoint):
+  directory, _ = make_hf_checkpoint(seed)
+  code, _, stderr = generate('--ckpt', directory, '--prompt', 'one plus two')
+  assert code == 2 and stderr.strip().startswith('error: --prompt needs a tokenizer')
+  code, _, stderr = generate('--ckpt', directory, '--prompt-ids', '5 99999')
+  assert code == 2 and 'prompt token id 99999 is outside the vocabulary' in stderr
+  write_tokenizer(directory)
+  code, stdout, stderr = generate('--ckpt', directory, '--prompt', 'seven plus two is',
+                                  '--temperature', 0.7, '--top-p', 0.9, '--seed', 3,
+                                  '--max-new-tokens', 5, '--json')
+  assert code == 0, stderr
+  output = json.loads(stdout)
+  assert isinstance(output['text'][0], str) and len(output['token_ids'][0]) <= 5
