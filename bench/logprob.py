@@ -24,9 +24,12 @@ def parse_args():
   parser.add_argument('--model', type=int, default=896, help='D, hidden size')
   parser.add_argument('--vocab', type=int, default=151936, help='V, vocabulary size')
   parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32')
-  parser.add_argument('--time-tokens', type=int, default=None, help='T for timing (default --tokens)')
-  parser.add_argument('--implementations', default='naive,xla_chunked,pallas')
-  parser.add_argument('--pallas-interpret', action='store_true', help='run pallas interpreted on CPU')
+  parser.add_argument('--time-tokens', type=int, default=None,
+                      help='T for timing (default: --tokens)')
+  parser.add_argument('--implementations', default='naive,xla_chunked,pallas',
+                      help="comma-separated; 'name:N' sets block_vocab N for that entry")
+  parser.add_argument('--pallas-interpret', action='store_true',
+                      help='run pallas interpreted on CPU')
   parser.add_argument('--block-tokens', type=int, default=None)
   parser.add_argument('--block-vocab', type=int, default=None)
   parser.add_argument('--block-model', type=int, default=None)
@@ -67,12 +70,14 @@ def shapes(tokens: int):
           jax.ShapeDtypeStruct((tokens,), jnp.int32))
 
 
-def step_function(implementation: str):
-  blocks = dict(block_tokens=args.block_tokens, block_vocab=args.block_vocab,
+def step_function(entry: str):
+  implementation, _, block_vocab = entry.partition(':')
+  blocks = dict(block_tokens=args.block_tokens,
+                block_vocab=int(block_vocab or 0) or args.block_vocab,
                 block_model=args.block_model)
   if implementation == 'naive':
     blocks = {}
-  interpret = True if implementation == 'pallas' and args.pallas_interpret else None
+  interpret = True if implementation.startswith('pallas') and args.pallas_interpret else None
 
   def loss(hidden, weight, targets):
     return jnp.sum(token_logprobs(hidden, weight, targets, implementation=implementation,
@@ -81,14 +86,18 @@ def step_function(implementation: str):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
-def median_seconds(compiled, operands) -> float:
-  jax.block_until_ready(compiled(*operands))
-  times = []
-  for _ in range(args.repeats):
-    start = time.perf_counter()
+def median_seconds(runs: dict) -> dict:
+  """{name: (compiled, operands)} -> {name: median seconds}. Runs interleave round-robin after a
+  warm-up of each, so load from other processes on the machine hits every implementation alike."""
+  for compiled, operands in runs.values():
     jax.block_until_ready(compiled(*operands))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  times = {name: [] for name in runs}
+  for _ in range(args.repeats):
+    for name, (compiled, operands) in runs.items():
+      start = time.perf_counter()
+      jax.block_until_ready(compiled(*operands))
+      times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(values) for name, values in times.items()}
 
 
 def matmul_peak(size: int) -> float:
@@ -96,25 +105,26 @@ def matmul_peak(size: int) -> float:
   keys = jax.random.split(jax.random.key(1))
   a, b = (jax.random.normal(key, (size, size), jnp.dtype(args.dtype)) for key in keys)
   dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-  return 2 * size ** 3 / median_seconds(dot.lower(a, b).compile(), (a, b)) / 1e12
+  seconds = median_seconds({'dot': (dot.lower(a, b).compile(), (a, b))})['dot']
+  return 2 * size ** 3 / seconds / 1e12
 
 
 def main():
   backend = jax.default_backend()
   implementations = [name for name in args.implementations.split(',')
-                     if name != 'pallas' or backend != 'cpu' or args.pallas_interpret]
+                     if not name.startswith('pallas') or backend != 'cpu' or args.pallas_interpret]
   time_tokens = args.time_tokens or args.tokens
   operands = None if args.no_time else inputs(time_tokens)
   nominal_flops = 4 * 2 * time_tokens * args.model * args.vocab
-  rows = []
+  temps, runs = {}, {}
   for name in implementations:
     step = step_function(name)
     memory = step.lower(*shapes(args.tokens)).compile().memory_analysis()
-    temp = memory.temp_size_in_bytes if memory is not None else float('nan')
-    seconds = float('nan')
+    temps[name] = memory.temp_size_in_bytes if memory is not None else float('nan')
     if operands is not None:
-      seconds = median_seconds(step.lower(*shapes(time_tokens)).compile(), operands)
-    rows.append((name, temp, seconds))
+      runs[name] = (step.lower(*shapes(time_tokens)).compile(), operands)
+  timings = median_seconds(runs) if runs else {}
+  rows = [(name, temps[name], timings.get(name, float('nan'))) for name in implementations]
 
   print(f'{backend} ({jax.devices()[0].device_kind}), jax {jax.__version__}, {args.dtype}, '
         f'D={args.model}, V={args.vocab}, {args.threads} threads; memory at T={args.tokens}, '

@@ -2,7 +2,6 @@
 
 import jax
 import numpy as np
-import pytest
 import torch
 from flax import nnx
 

@@ -7,7 +7,6 @@ are read in place: no copy and no resharding when sampler and trainer share a me
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -1,0 +1,245 @@
+"""Per-token log-probs (and entropy) of targets under the lm_head, without [B, T, V] logits.
+
+GRPO needs log pi(y_t) = log_softmax((h_t @ W) / temperature)[y_t] for every sampled token. With
+Qwen2.5's 151,936-word vocabulary the fp32 logits of 8 x 4,096 tokens alone take ~20 GB, so
+`token_logprobs` streams the vocabulary in tiles, keeps a running max / log-sum-exp per token,
+and recomputes the tiles in a custom VJP that saves only h, W, y and per-token lse (and entropy).
+
+Implementations (same signature, same results up to rounding):
+  'pallas'       fused kernels (logprob_pallas.py): Mosaic on TPU, Triton on GPU, and the Mosaic
+                 schedule in interpret mode elsewhere ('pallas_mosaic' / 'pallas_triton' force a
+                 schedule, e.g. to interpret the GPU kernels on CPU).
+  'xla_chunked'  the same algorithm as a lax.scan over vocabulary chunks in plain XLA.
+  'naive'        full logits, log_softmax, take_along_axis; the reference, plain autodiff.
+  'auto'         'xla_chunked' on every platform for now: the Pallas kernels are tested in
+                 interpret mode and lower for TPU and GPU, but have not yet been compiled and
+                 measured on the hardware, so they are opt-in ('pallas').
+
+Targets must lie in [0, V). Padding tokens may carry any valid id; mask them in the loss, and
+their rows of dh are then exactly zero.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from grpo_jax.ops import logprob_pallas
+from grpo_jax.ops.logprob_pallas import (F32, CONTRACT_TOKENS, CONTRACT_VOCAB, dot_precision,
+                                         finish_stats, initial_stats, logit_gradient, update_stats)
+
+IMPLEMENTATIONS = ('auto', 'pallas', 'pallas_mosaic', 'pallas_triton', 'xla_chunked', 'naive')
+# The XLA fallback sizes its vocabulary chunk so that one fp32 [T, chunk] tile holds about this
+# many elements (64 MiB), and takes at least 32 chunks, so that its temporaries stay a few percent
+# of the naive path's [T, V] ones at any T. On CPU, chunks of 1,024 to 4,096 columns ran equally
+# fast at D = 896 (512 was 10% slower).
+XLA_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static configuration of one fused call (hashable: it is a custom_vjp nondiff argument)."""
+  schedule: str  # 'xla', 'mosaic' or 'triton'
+  inv_temperature: float
+  with_entropy: bool
+  block_tokens: int | None
+  block_vocab: int | None
+  block_model: int | None
+  interpret: bool
+
+
+def token_logprobs(hidden, weight, targets, *, temperature: float = 1.0,
+                   return_entropy: bool = False, implementation: str = 'auto',
+                   block_tokens: int | None = None, block_vocab: int | None = None,
+                   block_model: int | None = None, interpret: bool | None = None):
+  """log pi(targets) under logits = (hidden @ weight) / temperature, optionally with entropy.
+
+  hidden [B, T, D] or [T, D]; weight [D, V]; targets [B, T] or [T] integer ids in [0, V).
+  Returns logp with targets' shape, fp32, or (logp, entropy) with return_entropy. Differentiable
+  with respect to hidden and weight; gradients come back in their dtypes. Dots run in the common
+  dtype of hidden and weight with fp32 accumulation (true fp32 products for fp32 inputs).
+
+  temperature is static (a Python float). block_tokens / block_vocab / block_model override the
+  tile sizes (block_model: the D slice of the Triton kernels); for 'xla_chunked', block_vocab is
+  the vocabulary chunk. interpret (pallas only) defaults to True exactly when running on CPU.
+  """
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f'implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}')
+  if not temperature > 0:
+    raise ValueError(f'temperature must be positive, got {temperature}')
+  model = weight.shape[0]
+  if weight.ndim != 2 or hidden.shape[-1] != model or hidden.shape[:-1] != targets.shape:
+    raise ValueError(f'hidden {hidden.shape}, weight {weight.shape} and targets {targets.shape} '
+                     'must be [..., D], [D, V] and [...]')
+  dtype = jnp.result_type(hidden.dtype, weight.dtype)
+  h = hidden.reshape(-1, model).astype(dtype)
+  w = weight.astype(dtype)
+  y = targets.reshape(-1).astype(jnp.int32)
+  inv_temperature = 1.0 / float(temperature)
+
+  if implementation == 'naive':
+    logp, entropy = _naive(h, w, y, inv_temperature, return_entropy)
+  else:
+    platform = jax.default_backend()
+    schedule = _schedule(implementation, platform)
+    defaults = default_blocks(schedule, model)
+    plan = _Plan(schedule, inv_temperature, return_entropy,
+                 block_tokens or defaults[0], block_vocab or defaults[1],
+                 block_model or defaults[2],
+                 platform == 'cpu' if interpret is None else interpret)
+    logp, entropy = _fused(plan, h, w, y)
+  logp = logp.reshape(targets.shape)
+  return (logp, entropy.reshape(targets.shape)) if return_entropy else logp
+
+
+def default_blocks(schedule: str, model: int) -> tuple:
+  """(block_tokens, block_vocab, block_model) for a schedule, None where it takes no such block.
+
+  These follow each backend's tiling rules but are untuned: no TPU or GPU was at hand.
+  mosaic: VMEM holds double-buffered [block_tokens, D] and [D, block_vocab] tiles and fp32
+    accumulators of both shapes; narrowing the vocabulary block as D grows keeps that within
+    the default scoped VMEM limit (512 columns up to D = 1024, 128 from D = 4096).
+  triton: the backward kernels keep [block_tokens, D] (dh) and [D, block_vocab] (dW) fp32
+    accumulators in registers, about 112 registers a thread at D = 896 with 8 warps; much larger
+    D spills.
+  xla: the vocabulary chunk is sized from the token count (see XLA_CHUNK_ELEMENTS).
+  """
+  if schedule == 'mosaic':
+    return 256, min(512, max(128, (1 << 19) // model // 128 * 128)), None
+  if schedule == 'triton':
+    return 32, 32, 64
+  return None, None, None
+
+
+def _schedule(implementation: str, platform: str) -> str:
+  if implementation == 'auto':
+    # Pallas becomes the default on TPU / GPU once a hardware run has checked it compiles there
+    # and beats the XLA path (bench/logprob.py); until then a compile failure must not be the default.
+    implementation = 'xla_chunked'
+  if implementation == 'xla_chunked':
+    return 'xla'
+  if implementation == 'pallas':
+    return 'triton' if platform == 'gpu' else 'mosaic'
+  return implementation.removeprefix('pallas_')
+
+
+def _naive(h, w, y, inv_temperature: float, with_entropy: bool):
+  """The reference: h [T, D], w [D, V], y [T] -> logp [T] (, entropy [T]) via full logits."""
+  logits = jnp.einsum('TD,DV->TV', h, w, preferred_element_type=F32,
+                      precision=dot_precision(h.dtype)) * inv_temperature
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  logp = jnp.take_along_axis(log_probs, y[:, None], axis=-1)[:, 0]
+  entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1) if with_entropy else None
+  return logp, entropy
+
+
+# ---- fused path: one custom VJP for the Pallas kernels and the XLA fallback ----
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(plan: _Plan, h, w, y):
+  logp, _, entropy = _fused_forward(plan, h, w, y)
+  return logp, entropy
+
+
+def _fused_forward(plan: _Plan, h, w, y):
+  """-> logp [T], lse [T], entropy [T] or None."""
+  if plan.schedule == 'xla':
+    return _chunked_forward(h, w, y, plan)
+  return logprob_pallas.pallas_forward(
+      h, w, y, schedule=plan.schedule, block_tokens=plan.block_tokens,
+      block_vocab=plan.block_vocab, block_model=plan.block_model,
+      inv_temperature=plan.inv_temperature, with_entropy=plan.with_entropy,
+      interpret=plan.interpret)
+
+
+def _fused_fwd(plan: _Plan, h, w, y):
+  logp, lse, entropy = _fused_forward(plan, h, w, y)
+  return (logp, entropy), (h, w, y, lse, entropy)
+
+
+def _fused_bwd(plan: _Plan, residuals, cotangents):
+  h, w, y, lse, entropy = residuals
+  g_logp, g_entropy = cotangents
+  if plan.schedule == 'xla':
+    dh, dw = _chunked_backward(h, w, y, lse, entropy, g_logp, g_entropy, plan)
+  else:
+    dh, dw = logprob_pallas.pallas_backward(
+        h, w, y, lse, entropy, g_logp, g_entropy, schedule=plan.schedule,
+        block_tokens=plan.block_tokens, block_vocab=plan.block_vocab,
+        block_model=plan.block_model, inv_temperature=plan.inv_temperature,
+        interpret=plan.interpret)
+  return dh, dw, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+# ---- XLA fallback: lax.scan over vocabulary chunks ----
+
+def _chunk_size(plan: _Plan, tokens: int, vocab: int) -> int:
+  if plan.block_vocab:
+    return min(plan.block_vocab, vocab)
+  chunk = min(XLA_CHUNK_ELEMENTS // max(tokens, 1), vocab // 32) // 256 * 256
+  return min(vocab, max(512, chunk))
+
+
+def _chunk(h, w, y, index, chunk: int, inv_temperature: float):
+  """Logits of vocabulary chunk `index` -> z [T, C] fp32, its W columns [D, C], start, the
+  target hits [T, C] and fresh [1, C].
+
+  V is rarely a multiple of the chunk (151,936 = 2^7 x 1187), and padding W would copy it, so
+  the last chunk is shifted left to end at V; `fresh` [1, C] marks the columns no earlier chunk
+  covered, so the overlap is counted once.
+  """
+  vocab = w.shape[1]
+  start = jnp.minimum(index * chunk, vocab - chunk)
+  w_chunk = lax.dynamic_slice_in_dim(w, start, chunk, axis=1)
+  z = jnp.einsum('TD,DV->TV', h, w_chunk, preferred_element_type=F32,
+                 precision=dot_precision(h.dtype))
+  if inv_temperature != 1.0:
+    z = z * inv_temperature
+  cols = start + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+  fresh = cols >= index * chunk
+  return z, w_chunk, start, cols == y[:, None], fresh
+
+
+def _chunked_forward(h, w, y, plan: _Plan):
+  tokens, vocab = h.shape[0], w.shape[1]
+  chunk = _chunk_size(plan, tokens, vocab)
+
+  def step(stats, index):
+    z, _, _, hit, fresh = _chunk(h, w, y, index, chunk, plan.inv_temperature)
+    return update_stats(stats, z, hit & fresh, fresh, plan.with_entropy), None
+
+  stats, _ = lax.scan(step, initial_stats(tokens), jnp.arange(-(-vocab // chunk)))
+  logp, lse, entropy = (column[:, 0] for column in finish_stats(stats))
+  return logp, lse, (entropy if plan.with_entropy else None)
+
+
+def _chunked_backward(h, w, y, lse, entropy, g_logp, g_entropy, plan: _Plan):
+  """dh [T, D] accumulates over chunks in fp32; dW is written chunk by chunk into its own
+  buffer (dynamic_update_slice on the scan carry, done in place by XLA)."""
+  tokens, vocab = h.shape[0], w.shape[1]
+  chunk = _chunk_size(plan, tokens, vocab)
+  columns = dict(lse=lse[:, None], g_logp=g_logp[:, None])
+  if entropy is not None:
+    columns.update(entropy=entropy[:, None], g_entropy=g_entropy[:, None])
+
+  def step(carry, index):
+    dh, dw = carry
+    z, w_chunk, start, hit, fresh = _chunk(h, w, y, index, chunk, plan.inv_temperature)
+    # Overlapped columns get their full gradient again for dW (rewriting identical values) but
+    # are masked out of dh, which sums over columns.
+    dz = logit_gradient(z, hit, None, inv_temperature=plan.inv_temperature, **columns)
+    dh = dh + lax.dot_general(jnp.where(fresh, dz, 0.0).astype(w.dtype), w_chunk, CONTRACT_VOCAB,
+                              preferred_element_type=F32, precision=dot_precision(w.dtype))
+    dw_chunk = lax.dot_general(h, dz.astype(h.dtype), CONTRACT_TOKENS, preferred_element_type=F32,
+                               precision=dot_precision(h.dtype))
+    dw = lax.dynamic_update_slice_in_dim(dw, dw_chunk.astype(dw.dtype), start, axis=1)
+    return (dh, dw), None
+
+  initial = (jnp.zeros(h.shape, F32), jnp.zeros(w.shape, w.dtype))
+  (dh, dw), _ = lax.scan(step, initial, jnp.arange(-(-vocab // chunk)))
+  return dh.astype(h.dtype), dw

@@ -1,0 +1,253 @@
+"""token_logprobs: the fused paths (XLA chunks, and both Pallas schedules interpreted on CPU)
+against the naive full-logits reference, in values and in gradients with respect to h and W."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_jax.ops import token_logprobs
+from grpo_jax.ops import logprob, logprob_pallas
+
+# Blocks small enough that V=1000 and T=100 span several tiles, end in partial ones (vocab masked,
+# tokens padded), and, for Triton, D=40 is walked in 16-wide slices after padding to 48.
+FUSED = {
+    'xla_chunked': dict(block_vocab=384),
+    'pallas_mosaic': dict(block_tokens=32, block_vocab=256),
+    'pallas_triton': dict(block_tokens=32, block_vocab=128, block_model=16),
+}
+fused = pytest.mark.parametrize('implementation', sorted(FUSED))
+
+# fp32: rtol 1e-5 as asked, plus an absolute floor of 1e-5 of the array's largest magnitude.
+# Gradient entries are sums of up to V (dh) or T (dW) products that cancel to near zero in places,
+# where no two summation orders agree to a relative 1e-5; their error scales with the summands.
+# Measured (beyond rtol) over many seeds: <= 5.4e-7 of max at V=1000, and at V=151,936 up to
+# 2.9e-6 for the Triton schedule, whose dh adds 2,374 vocabulary tiles one after another.
+RTOL, ATOL_SCALE = 1e-5, 1e-5
+# bf16 h and W, against fp32 maths on the same bf16-rounded inputs. Log-probs and entropy
+# accumulate in fp32 from exactly representable inputs, so they meet the fp32 tolerance (worst
+# seen over 20 seeds: 3.6e-7 of max). dh and dW round d logits to bf16 before their matmuls and
+# are returned in bf16: worst seen 4.7e-3 of max |grad| for every fused path, against 3.0e-3 for
+# the naive path's own bf16 autodiff (rounding the output alone costs up to 2^-8 = 3.9e-3).
+BF16_GRAD = 1e-2
+
+
+def assert_close(actual, expected, rtol=RTOL, atol_scale=ATOL_SCALE, what=''):
+  expected = np.asarray(expected, np.float64)
+  np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol,
+                             atol=atol_scale * np.abs(expected).max(), err_msg=what)
+
+
+def random_problem(rng, tokens, model, vocab, spread=2.0):
+  """h [T, D], W [D, V], y [T] with logits of standard deviation ~spread, as a trained head
+  gives (never zeros: a zero W would make every softmax uniform and hide indexing mistakes)."""
+  h = rng.standard_normal((tokens, model)).astype(np.float32)
+  w = (rng.standard_normal((model, vocab)) * spread / np.sqrt(model)).astype(np.float32)
+  return h, w, rng.integers(0, vocab, tokens).astype(np.int32)
+
+
+def value_and_grads(implementation, h, w, y, g_logp, g_entropy=None, **options):
+  """(logp, entropy, dh, dW) of sum(g_logp * logp + g_entropy * entropy); random cotangents
+  check the whole Jacobian-vector product, not just the gradient of a plain sum."""
+  step = _step(implementation, g_entropy is not None, tuple(sorted(options.items())))
+  return step(h, w, y, g_logp, g_entropy)
+
+
+@functools.cache
+def _step(implementation, with_entropy, options):
+  """One jitted step per configuration, shared by the tests (interpret-mode compiles dominate)."""
+
+  def loss(h, w, y, g_logp, g_entropy):
+    out = token_logprobs(h, w, y, return_entropy=with_entropy, implementation=implementation,
+                         **dict(options))
+    logp, entropy = out if with_entropy else (out, None)
+    total = jnp.sum(g_logp * logp) + (jnp.sum(g_entropy * entropy) if with_entropy else 0.0)
+    return total, (logp, entropy)
+
+  def step(h, w, y, g_logp, g_entropy):
+    (_, (logp, entropy)), (dh, dw) = jax.value_and_grad(loss, (0, 1), has_aux=True)(
+        h, w, y, g_logp, g_entropy)
+    return logp, entropy, dh, dw
+
+  return jax.jit(step)
+
+
+def check_against_naive(implementation, h, w, y, g_logp, g_entropy=None, **options):
+  ours = value_and_grads(implementation, h, w, y, g_logp, g_entropy,
+                         **FUSED.get(implementation, {}), **options)
+  reference = value_and_grads('naive', h, w, y, g_logp, g_entropy, **options)
+  for name, a, b in zip(('logp', 'entropy', 'dh', 'dW'), ours, reference):
+    if b is not None:
+      assert a.dtype == b.dtype, name
+      assert_close(a, b, what=f'{implementation} {name}')
+  return ours
+
+
+@fused
+def test_matches_naive_fp32(implementation, seed):
+  """Values and gradients, with random cotangents on both outputs and then on each alone, so an
+  error in one gradient term cannot hide behind the other."""
+  rng = np.random.default_rng(seed)
+  h, w, y = random_problem(rng, tokens=100, model=40, vocab=1000)
+  g_logp, g_entropy = rng.standard_normal((2, 100)).astype(np.float32)
+  check_against_naive(implementation, h, w, y, g_logp, g_entropy)
+  check_against_naive(implementation, h, w, y, g_logp, np.zeros_like(g_entropy))
+  check_against_naive(implementation, h, w, y, np.zeros_like(g_logp), g_entropy)
+
+
+@fused
+def test_temperature_without_entropy(implementation, seed):
+  """The sampler's temperature divides the logits (hotter than 1 here, 0.7 in the GRPO test);
+  return_entropy=False runs kernels that carry no entropy terms at all."""
+  rng = np.random.default_rng(seed)
+  h, w, y = random_problem(rng, tokens=100, model=40, vocab=1000)
+  check_against_naive(implementation, h, w, y, rng.standard_normal(100).astype(np.float32),
+                      temperature=1.6)
+
+
+# Vocabulary blocks that leave a partial last block of 151,936 = 2^7 x 1187 (the Triton default
+# of 32 divides it); the XLA default here is 33 chunks of 4,608, the last one shifted.
+FULL_VOCAB_BLOCKS = {'xla_chunked': {}, 'pallas_mosaic': dict(block_vocab=1024),
+                     'pallas_triton': dict(block_vocab=256)}
+
+
+@fused
+def test_full_qwen_vocabulary(implementation, seed):
+  """V = 151,936 at tiny D, targets at both ends of the vocabulary and in the last block."""
+  rng = np.random.default_rng(seed)
+  h, w, y = random_problem(rng, tokens=24, model=8, vocab=151936, spread=3.0)
+  y[:3] = [0, 151935, 151935 - 37]
+  g_logp, g_entropy = rng.standard_normal((2, 24)).astype(np.float32)
+  ours = value_and_grads(implementation, h, w, y, g_logp, g_entropy,
+                         **FULL_VOCAB_BLOCKS[implementation])
+  reference = value_and_grads('naive', h, w, y, g_logp, g_entropy)
+  for name, a, b in zip(('logp', 'entropy', 'dh', 'dW'), ours, reference):
+    assert_close(a, b, what=name)
+
+
+@fused
+def test_masked_tokens_get_no_gradient(implementation, seed):
+  """GRPO zeroes padding with a mask: those rows of dh must be exactly 0, and dW must be that of
+  the real tokens alone."""
+  rng = np.random.default_rng(seed)
+  h, w, y = random_problem(rng, tokens=100, model=40, vocab=1000)
+  mask = rng.random(100) < 0.6
+  g = rng.standard_normal(100).astype(np.float32)
+  options = FUSED[implementation]
+  _, _, dh, dw = value_and_grads(implementation, h, w, y, g * mask, g * mask, **options)
+  np.testing.assert_array_equal(np.asarray(dh)[~mask], 0.0)
+  # The subset goes through the reference path, which sees no masked tokens at all.
+  _, _, dh_real, dw_real = value_and_grads('naive', h[mask], w, y[mask], g[mask], g[mask])
+  assert_close(np.asarray(dh)[mask], dh_real)
+  assert_close(dw, dw_real)
+
+
+@fused
+def test_grpo_loss_gradient(implementation, seed):
+  """jax.grad of a PPO-clipped GRPO loss with an entropy bonus, on [B, T, D] hidden states and at
+  a sampling temperature of 0.7."""
+  rng = np.random.default_rng(seed)
+  batch, length, model, vocab = 4, 25, 40, 1000
+  h, w, y = random_problem(rng, batch * length, model, vocab)
+  h, y = h.reshape(batch, length, model), y.reshape(batch, length)
+  mask = (np.arange(length)[None, :] < rng.integers(length // 2, length + 1, (batch, 1)))
+  advantages = rng.standard_normal((batch, 1)).astype(np.float32)
+  reference_logp = token_logprobs(h, w, y, implementation='naive', temperature=0.7)
+  # Old log-probs spread by 0.15 so that about a quarter of the ratios leave [0.8, 1.2].
+  old_logp = reference_logp + 0.15 * rng.standard_normal((batch, length)).astype(np.float32)
+  assert np.any(np.abs(old_logp - reference_logp)[mask] > np.log(1.2))
+
+  def grpo_loss(h, w, implementation):
+    logp, entropy = token_logprobs(h, w, y, return_entropy=True, implementation=implementation,
+                                   temperature=0.7, **FUSED.get(implementation, {}))
+    ratio = jnp.exp(logp - old_logp)
+    clipped = jnp.clip(ratio, 1 - 0.2, 1 + 0.2)
+    per_token = -jnp.minimum(ratio * advantages, clipped * advantages) - 0.01 * entropy
+    return jnp.sum(per_token * mask) / jnp.sum(mask)
+
+  grad = jax.jit(jax.value_and_grad(grpo_loss, (0, 1)), static_argnums=2)
+  (loss, (dh, dw)), (loss_ref, (dh_ref, dw_ref)) = grad(h, w, implementation), grad(h, w, 'naive')
+  assert_close(loss, loss_ref)
+  assert_close(dh, dh_ref, what='dh')
+  assert_close(dw, dw_ref, what='dW')
+  np.testing.assert_array_equal(np.asarray(dh)[~mask], 0.0)
+
+
+@fused
+def test_bf16_bound(implementation, seed):
+  """bf16 h and W: logits accumulate in fp32, so log-probs stay fp32-accurate; gradients carry
+  the rounding of d logits to bf16 before the dh / dW matmuls (as the naive path's autodiff
+  does with bf16 operands). Truth is fp32 maths on the same bf16-rounded inputs."""
+  rng = np.random.default_rng(seed)
+  h, w, y = random_problem(rng, tokens=100, model=40, vocab=1000)
+  h16, w16 = jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+  g = rng.standard_normal(100).astype(np.float32)
+  truth = value_and_grads('naive', h16.astype(jnp.float32), w16.astype(jnp.float32), y, g, g)
+  ours = value_and_grads(implementation, h16, w16, y, g, g, **FUSED[implementation])
+  assert ours[2].dtype == ours[3].dtype == jnp.bfloat16
+  for name, a, b in zip(('logp', 'entropy'), ours, truth):
+    assert_close(a, b, what=name)
+  for name, a, b in zip(('dh', 'dW'), ours[2:], truth[2:]):
+    error = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()
+    assert error <= BF16_GRAD * np.abs(np.asarray(b)).max(), (name, error)
+
+
+def test_chunked_memory_stays_small():
+  """Guards the point of the op: compiled forward + backward temporaries of the XLA path stay
+  a few percent of the naive path's, whose [T, V] fp32 logits alone are 311 MB here."""
+  shapes = (jax.ShapeDtypeStruct((512, 64), jnp.float32),
+            jax.ShapeDtypeStruct((64, 151936), jnp.float32),
+            jax.ShapeDtypeStruct((512,), jnp.int32))
+
+  def temp_bytes(implementation):
+    def loss(h, w, y):
+      return jnp.sum(token_logprobs(h, w, y, implementation=implementation))
+    step = jax.jit(jax.value_and_grad(loss, (0, 1)))
+    return step.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+
+  assert temp_bytes('xla_chunked') < 0.05 * temp_bytes('naive')
+
+
+@pytest.mark.parametrize('schedule,platform', [('mosaic', 'tpu'), ('triton', 'cuda')])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_kernels_lower_for_accelerators(schedule, platform, dtype):
+  """Forward and both backward kernels lower for the real backend (not interpreted): Mosaic for
+  TPU and Triton for GPU, with the model's shapes. This runs jax's lowering rules and block
+  checks only; Mosaic's and Triton's own compilers need the device."""
+  hidden = jax.ShapeDtypeStruct((2, 128, 896), dtype)
+  weight = jax.ShapeDtypeStruct((896, 151936), dtype)
+  targets = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+
+  def loss(h, w, y):
+    logp, entropy = token_logprobs(h, w, y, return_entropy=True, temperature=0.8,
+                                   implementation=f'pallas_{schedule}', interpret=False)
+    return jnp.sum(logp) + jnp.sum(entropy)
+
+  step = jax.jit(jax.value_and_grad(loss, (0, 1)))
+  text = step.trace(hidden, weight, targets).lower(lowering_platforms=(platform,)).as_text()
+  target = {'tpu': '@tpu_custom_call', 'cuda': 'triton'}[platform]
+  assert text.count(target) >= 3
+
+
+def test_auto_and_pallas_schedules_per_platform():
+  for platform in ('cpu', 'gpu', 'tpu'):  # Pallas stays opt-in until checked on hardware
+    assert logprob._schedule('auto', platform) == 'xla'
+  assert logprob._schedule('pallas', 'tpu') == 'mosaic'
+  assert logprob._schedule('pallas', 'gpu') == 'triton'
+  assert logprob._schedule('pallas', 'cpu') == 'mosaic'
+
+
+def test_rejects_bad_arguments():
+  h, w, y = jnp.ones((4, 8)), jnp.ones((8, 300)), jnp.zeros(4, jnp.int32)
+  with pytest.raises(ValueError, match='implementation'):
+    token_logprobs(h, w, y, implementation='fast')
+  with pytest.raises(ValueError, match='must be'):
+    token_logprobs(h, w, y[:3])
+  with pytest.raises(ValueError, match='temperature'):
+    token_logprobs(h, w, y, temperature=0.0)
+  with pytest.raises(ValueError, match='power of two'):
+    logprob_pallas.block_shapes('triton', 4, 8, 300, 32, 96, 16)
+  with pytest.raises(ValueError, match='128'):
+    logprob_pallas.block_shapes('mosaic', 4, 8, 300, 32, 100, None)
