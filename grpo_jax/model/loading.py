@@ -100,11 +100,16 @@ def _set_layer(stacked, block, layer):
 def _hf_reader(checkpoint: weights.HFCheckpoint, config: Qwen2Config):
   rules = {rule.path: rule for rule in weights.rules_for(config)}
 
+  last = {}  # the most recent (path, layer) tensor: every device's shard of it is cut from one read
+
   def read(path, index, dtype):
     """index: slices of the whole parameter, or (layer, *slices) for a layer-stacked one."""
     rule = rules[path]
     layer, index = (index[0], index[1:]) if rule.per_layer else (None, index)
-    return checkpoint.layer_slice(rule, config, layer)[index].astype(dtype, copy=False)
+    if last.get('key') != (path, layer):
+      last.clear()  # drop the previous tensor before reading the next
+      last.update(key=(path, layer), tensor=checkpoint.layer_slice(rule, config, layer))
+    return last['tensor'][index].astype(dtype, copy=False)
 
   def layer_stacked(path):
     return rules[path].per_layer
