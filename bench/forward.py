@@ -7,10 +7,10 @@ On an accelerator the PyTorch reference (always on CPU) runs only with --referen
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
+
+import harness
 
 PRESETS = {
     'mid': dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -34,36 +34,13 @@ def parse_args():
 
 
 args = parse_args()
-# XLA reads its thread settings once, when the CPU client starts, so they go in before jax.
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_multi_thread_eigen=true'
-                           f' intra_op_parallelism_threads={args.threads}').strip()
-if args.threads < os.cpu_count() and hasattr(os, 'sched_setaffinity'):
-  # The flags above do not cap XLA:CPU's pool (measured: still ~1.9 cores busy with N=1); it is
-  # sized from the cores this process may run on, so pin the process to N of them.
-  os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])
+harness.limit_threads(args.threads)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from grpo_jax.model import Qwen2Config, from_pretrained, init_model, to_hf_dict  # noqa: E402
-
-
-def timed(step) -> float:
-  start = time.perf_counter()
-  step()
-  return time.perf_counter() - start
-
-
-def interleaved(steps: dict, repeats: int) -> dict:
-  """name -> (first call incl. compile, median of `repeats` calls). The implementations take
-  turns each repetition so drift in machine load (a shared VM) hits both alike."""
-  first = {name: timed(step) for name, step in steps.items()}
-  times = {name: [] for name in steps}
-  for _ in range(repeats):
-    for name, step in steps.items():
-      times[name].append(timed(step))
-  return {name: (first[name], statistics.median(times[name])) for name in steps}
 
 
 def torch_reference(config: Qwen2Config, directory: str):
@@ -115,7 +92,7 @@ def main():
         return reference(torch_tokens).logits
 
     steps[torch_name], devices[torch_name] = torch_step, 'cpu'
-  results = interleaved(steps, args.repeats)  # the first call of each compiles / warms up
+  results = harness.interleaved(steps, args.repeats)  # the first call of each compiles / warms up
   logits['jax'] = np.asarray(forward(state, device_tokens))
   if use_torch:
     logits['torch'] = torch_step().float().numpy()

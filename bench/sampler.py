@@ -10,10 +10,10 @@ only with --reference, and the decode steps are set against a measured copy band
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
+
+import harness
 
 PRESETS = {
     'small': dict(vocab_size=32000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
@@ -44,13 +44,7 @@ def parse_args():
 
 
 args = parse_args()
-# XLA reads its thread settings once, when the CPU client starts, so they go in before jax.
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_multi_thread_eigen=true'
-                           f' intra_op_parallelism_threads={args.threads}').strip()
-if args.threads < os.cpu_count() and hasattr(os, 'sched_setaffinity'):
-  # The flags above do not cap XLA:CPU's pool; it is sized from the cores this process may run
-  # on, so pin the process (and with it PyTorch) to N of them.
-  os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])
+harness.limit_threads(args.threads)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -59,23 +53,6 @@ from flax import nnx  # noqa: E402
 
 from grpo_jax.model import Qwen2Config, from_pretrained, init_model, to_hf_dict  # noqa: E402
 from grpo_jax.sampler import GroupSampler, SamplingConfig  # noqa: E402
-
-
-def timed(step) -> float:
-  start = time.perf_counter()
-  step()
-  return time.perf_counter() - start
-
-
-def interleaved(steps: dict, repeats: int) -> dict:
-  """name -> (first call incl. compile, median of `repeats` calls). The implementations take
-  turns each repetition so drift in machine load (a shared VM) hits all alike."""
-  first = {name: timed(step) for name, step in steps.items()}
-  times = {name: [] for name in steps}
-  for _ in range(repeats):
-    for name, step in steps.items():
-      times[name].append(timed(step))
-  return {name: (first[name], statistics.median(times[name])) for name in steps}
 
 
 def torch_reference(config: Qwen2Config, directory: str):
@@ -99,7 +76,7 @@ def copy_bandwidth() -> float:
   """Bytes/s of a jitted elementwise pass over 1 GiB (read + write), the attainable HBM rate."""
   x = jnp.ones((2**28,), jnp.float32)
   bump = jax.jit(lambda x: x + 1)  # `+ 0` could be simplified away to a plain alias
-  seconds = interleaved({'copy': lambda: bump(x).block_until_ready()}, 10)['copy'][1]
+  seconds = harness.interleaved({'copy': lambda: bump(x).block_until_ready()}, 10)['copy'][1]
   return 2 * x.nbytes / seconds
 
 
@@ -145,7 +122,7 @@ def run(model, reference, config: Qwen2Config, rows: int):
 
     # generate() of one new token is transformers' prefill (+ one sampling step): its estimate.
     steps[torch_name], steps['torch prefill'] = torch_step, lambda: generate(1)
-  results = interleaved(steps, args.repeats)
+  results = harness.interleaved(steps, args.repeats)
 
   assert out['jax'].tokens.shape == (rows, N) and int(out['jax'].lengths.min()) == N
   if reference is not None:

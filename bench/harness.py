@@ -1,0 +1,34 @@
+"""Shared benchmark plumbing: CPU thread limits and interleaved timing. Imports no jax, so
+`limit_threads` can run before jax starts its CPU client."""
+
+import os
+import statistics
+import time
+
+
+def limit_threads(threads: int) -> None:
+  """Caps XLA:CPU (and PyTorch in this process) at `threads` cores. Call before importing jax."""
+  # XLA reads its thread settings once, when the CPU client starts.
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_multi_thread_eigen=true'
+                             f' intra_op_parallelism_threads={threads}').strip()
+  if threads < os.cpu_count() and hasattr(os, 'sched_setaffinity'):
+    # The flags above do not cap XLA:CPU's pool (measured: still ~1.9 cores busy with N=1); it
+    # is sized from the cores this process may run on, so pin the process to N of them.
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
+
+
+def timed(step) -> float:
+  start = time.perf_counter()
+  step()
+  return time.perf_counter() - start
+
+
+def interleaved(steps: dict, repeats: int) -> dict:
+  """name -> (first call incl. compile, median of `repeats` calls). The implementations take
+  turns each repetition so drift in machine load (a shared VM) hits all alike."""
+  first = {name: timed(step) for name, step in steps.items()}
+  times = {name: [] for name in steps}
+  for _ in range(repeats):
+    for name, step in steps.items():
+      times[name].append(timed(step))
+  return {name: (first[name], statistics.median(times[name])) for name in steps}
