@@ -14,11 +14,16 @@ $(VENV)/.runtime: requirements.txt pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --no-deps -e .
 	touch $@
 
-$(VENV)/.test: requirements-test.txt $(VENV)/.runtime
+# TensorFlow-backed extras: clu's TensorBoard writer, JetStream serving, tfds / HF datasets.
+$(VENV)/.extras: requirements-extras.txt $(VENV)/.runtime
+	$(BIN)/pip install --quiet -r requirements-extras.txt
+	touch $@
+
+$(VENV)/.test: requirements-test.txt $(VENV)/.extras
 	$(BIN)/pip install --quiet -r requirements-test.txt
 	touch $@
 
-demo: $(VENV)/.runtime
+demo: $(VENV)/.extras
 	$(BIN)/python -m grpo_jax.train --config configs/tiny_arith.yaml
 
 test: $(VENV)/.test

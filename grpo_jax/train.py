@@ -1,7 +1,10 @@
 """python -m grpo_jax.train --config configs/X.yaml [--set a.b=c ...] [--workdir DIR]
 
-Resolves and saves the config, builds the device mesh and the model on it. The GRPO loop
-(rollout -> reward -> advantages -> update) plugs in after `setup`.
+GRPO on a device mesh: each step samples G completions for P prompts from the live parameters,
+scores them, computes group advantages and applies the optax update. With a reward written in JAX
+(the built-in arithmetic task) `train.steps_per_call` whole steps run inside one jit; otherwise
+each step is jitted rollout -> host reward -> jitted update. Restarting with the same workdir
+resumes from the newest complete checkpoint.
 """
 
 import argparse
@@ -10,12 +13,17 @@ import sys
 import time
 
 import jax
-import numpy as np
+import jax.numpy as jnp
+from flax import nnx
 
 from grpo_jax import config as config_lib
+from grpo_jax import metrics as metrics_lib
+from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import sharding
 from grpo_jax.model.loading import from_pretrained, init_model
+from grpo_jax.rl.loop import Trainer, make_batch, matmul_peak_flops, model_flops_per_step, rollout_metrics, to_host
+from grpo_jax.rl.step import init_train_state
 
 
 def parse_args(argv):
@@ -25,6 +33,22 @@ def parse_args(argv):
                       help='override one config key, e.g. --set mesh.tensor=2 (repeatable)')
   parser.add_argument('--workdir', help='output directory (default: run.workdir or runs/<name>-<time>)')
   return parser.parse_args(argv)
+
+
+def build_task(config: config_lib.Config):
+  task = config.task
+  if task.name == 'arith':
+    from grpo_jax.data.arith import ArithmeticTask
+    try:
+      built = ArithmeticTask(task.max_operand, task.operators)
+    except ValueError as error:
+      raise UserError(f'task: {error}') from None
+    if config.rollout.max_new_tokens < built.answer_length:
+      raise UserError(f'rollout.max_new_tokens ({config.rollout.max_new_tokens}) is shorter than the '
+                      f'longest answer with its end token ({built.answer_length})')
+    return built
+  from grpo_jax.data.math_task import MathTask
+  return MathTask(task, config)
 
 
 def build_model(config: config_lib.Config, mesh):
@@ -48,40 +72,136 @@ def setup(config: config_lib.Config, config_path: str | None, workdir: str | Non
   return workdir, mesh, model
 
 
-def forward_check(model, mesh, seed: int, batch: int = 8, length: int = 64) -> float:
-  """Runs the jitted forward on the mesh once and returns tokens/s of the second call."""
-  from flax import nnx
-  graphdef, state = nnx.split(model)
-  tokens_sharding = sharding.named_sharding(mesh, (batch, length), ('batch', 'seq'))
+class Run:
+  """The state of one training run between jitted calls: what the host logs and checkpoints."""
 
-  @jax.jit
-  def forward(state, tokens):
-    return nnx.merge(graphdef, state)(tokens).mean()
+  def __init__(self, config: config_lib.Config, workdir: str, mesh, model, task):
+    self.config, self.workdir, self.mesh, self.task = config, workdir, mesh, task
+    if task.vocab_size > model.config.vocab_size:
+      raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but model vocab_size is '
+                      f'{model.config.vocab_size}')
+    graphdef, params = nnx.split(model)
+    # beta = 0 keeps no reference policy in memory.
+    self.ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
+    self.trainer = Trainer(config, graphdef, task, config.train.steps)
+    with jax.set_mesh(mesh):
+      self.state = jax.jit(lambda p: init_train_state(p, self.trainer.optimizer, config.run.seed))(params)
+    self.checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'), max_to_keep=config.train.max_to_keep)
+    self.step = 0
+    self.data_position = 0
+    latest = self.checkpointer.latest_step()
+    if latest is not None:
+      self.state, meta = self.checkpointer.restore(latest, self.state)
+      self.step, self.data_position = int(meta['step']), int(meta['data_position'])
+      print(f'resumed from {self.checkpointer.directory}/{latest}', flush=True)
+    self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step)
+    self.num_params = model.config.num_params()
+    self.peak_flops = matmul_peak_flops(config.model.dtype)
+    self.step_flops = model_flops_per_step(self.num_params, config, task.prompt_length)
+    self.saved_step = latest
 
-  tokens = np.random.default_rng(seed).integers(0, model.config.vocab_size, (batch, length))
-  tokens = jax.device_put(tokens.astype(np.int32), tokens_sharding)
-  with jax.set_mesh(mesh):
-    value = forward(state, tokens)
-    if not np.isfinite(float(value)):
-      raise UserError('the model produced non-finite logits; check model.path and model.dtype')
+  # ---- one chunk of steps ----
+
+  def fused_steps(self, count: int) -> list[dict]:
+    """`count` RL steps inside one jitted call (reward in JAX)."""
     start = time.perf_counter()
-    forward(state, tokens).block_until_ready()
-  return batch * length / (time.perf_counter() - start)
+    with jax.set_mesh(self.mesh):
+      self.state, stacked = self.trainer.run_steps(self.state, self.ref_params, count)
+      stacked = to_host(stacked)
+    elapsed = (time.perf_counter() - start) / count
+    self.data_position += count * self.config.rollout.prompts_per_step
+    timing = dict(rollout_s=None, reward_s=None, update_s=None, step_time_s=elapsed)
+    return [dict({name: value[i] for name, value in stacked.items()}, **timing) for i in range(count)]
+
+  def host_step(self) -> dict:
+    """One RL step as jitted rollout -> reward -> jitted update, timing each part."""
+    trainer, task = self.trainer, self.task
+    begin = time.perf_counter()
+    with jax.set_mesh(self.mesh):
+      self.state, prompt_key, sample_key = trainer.split_key(self.state)
+      prompts = task.batch(prompt_key, self.config.rollout.prompts_per_step, self.data_position)
+      rollout = jax.block_until_ready(trainer.rollout(self.state.params, prompts.tokens, prompts.mask, sample_key))
+      rolled = time.perf_counter()
+      rewards = task.score(rollout, prompts, self.config.algo.group_size)
+      scored = time.perf_counter()
+      batch = make_batch(prompts.tokens, prompts.mask, rollout, rewards, self.config)
+      self.state, update_metrics = trainer.update(self.state, batch, self.ref_params)
+      metrics = to_host(dict(rollout_metrics(rollout, rewards, self.config.algo.group_size), **update_metrics))
+    end = time.perf_counter()
+    self.data_position += self.config.rollout.prompts_per_step
+    return dict(metrics, rollout_s=rolled - begin, reward_s=scored - rolled, update_s=end - scored,
+                step_time_s=end - begin)
+
+  def record(self, metrics: dict) -> dict:
+    self.step += 1
+    step_time = metrics['step_time_s']
+    metrics['tokens_per_s'] = float(metrics.pop('completion_tokens')) / step_time
+    metrics['mfu'] = self.step_flops / step_time / self.peak_flops
+    return self.log.write(self.step, metrics)
+
+  def save(self) -> None:
+    meta = dict(step=self.step, data_position=self.data_position, config=config_lib.to_dict(self.config))
+    self.checkpointer.save(self.step, self.state, meta)
+    self.saved_step = self.step
+
+  def check_skips(self) -> None:
+    skips = int(self.state.skips)
+    limit = self.config.train.max_consecutive_skips
+    if skips >= limit:
+      self.checkpointer.wait()
+      last = self.checkpointer.latest_step()
+      where = f'the last good checkpoint is step {last}' if last is not None else 'no checkpoint was saved'
+      raise UserError(f'{skips} updates in a row had a non-finite loss or gradient (train.max_consecutive_skips='
+                      f'{limit}); stopped at step {self.step}, {where}. Lower optim.learning_rate or check the data.')
+
+
+def train(config: config_lib.Config, workdir: str, mesh, model) -> list[dict]:
+  """Runs (or resumes) the loop to `train.steps`; returns the metrics history."""
+  task = build_task(config)
+  run = Run(config, workdir, mesh, model, task)
+  total, every = config.train.steps, config.train.checkpoint_every
+  chunk = config.train.steps_per_call if task.jittable else 1
+  progress = metrics_lib.ProgressBar(total, start=run.step, enabled=config.train.progress)
+  try:
+    while run.step < total:
+      if task.jittable and chunk > 1:
+        rows = run.fused_steps(min(chunk, total - run.step))
+      else:
+        rows = [run.host_step()]
+      for row in rows:
+        written = run.record(row)
+      progress.update(run.step, written['reward_mean'])
+      run.check_skips()
+      if every and run.step % every == 0 and run.step < total:
+        run.save()
+    if run.saved_step != run.step:
+      run.save()
+  finally:
+    run.checkpointer.close()
+    run.log.close()
+  return run.log.history
+
+
+def report(history: list[dict], workdir: str, name: str) -> None:
+  print('\n' + metrics_lib.summary_table(history))
+  plot = metrics_lib.plot_rewards(history, os.path.join(workdir, 'reward.png'), f'{name}: mean reward per step')
+  first = [row['reward_mean'] for row in history[:10]]
+  last = [row['reward_mean'] for row in history[-10:]]
+  print(f'\nmean reward: first {len(first)} steps {sum(first) / len(first):.3f}, '
+        f'last {len(last)} steps {sum(last) / len(last):.3f}')
+  print(f'outputs: {workdir} (config.yaml, metrics.jsonl, tensorboard/, checkpoints/'
+        f'{", reward.png" if plot else ""})')
 
 
 @cli_main
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  config = config_lib.load_config(args.config, args.overrides)
+  config = config_lib.validate(config_lib.load_config(args.config, args.overrides))
   workdir, mesh, model = setup(config, args.config, args.workdir)
-  from flax import nnx
-  state = nnx.state(model)
-  print(f'mesh: {sharding.describe(mesh)}')
-  print(f'model: {model.config.num_params() / 1e6:.2f}M parameters, '
-        f'{sharding.bytes_per_device(state) / 2**20:.1f} MiB on the fullest device')
-  print(f'forward: {forward_check(model, mesh, config.run.seed):,.0f} tokens/s')
-  print('The GRPO update loop is not part of this build yet; the run stopped after building the '
-        f'model on the mesh. Outputs: {workdir}')
+  print(f'mesh: {sharding.describe(mesh)}; model: {model.config.num_params() / 1e6:.2f}M parameters, '
+        f'{sharding.bytes_per_device(nnx.state(model)) / 2**20:.1f} MiB on the fullest device', flush=True)
+  history = train(config, workdir, mesh, model)
+  report(history, workdir, config.run.name)
 
 
 if __name__ == '__main__':

@@ -1,0 +1,49 @@
+"""Training checkpoints with orbax's CheckpointManager: state pytree + JSON metadata, saved async.
+
+A checkpoint step directory holds `state` (params, optimizer state, step, PRNG key, counters) and
+`meta` (data position, resolved config). Orbax writes each step into a temporary directory and
+renames it when complete, so a crash or kill -9 mid-save leaves the previous step as the latest
+restorable one; `latest_step` only ever reports finished steps.
+"""
+
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+from grpo_jax.errors import UserError
+
+
+class Checkpointer:
+  def __init__(self, directory: str, *, max_to_keep: int, asynchronous: bool = True):
+    self.directory = os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                           enable_async_checkpointing=asynchronous)
+    self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                         item_names=('state', 'meta'))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state, meta: dict) -> None:
+    """Starts saving (returns before the write finishes when asynchronous)."""
+    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                     meta=ocp.args.JsonSave(meta)))
+
+  def restore(self, step: int, abstract_state):
+    """(state placed like `abstract_state`'s shardings, meta dict)."""
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+    except (ValueError, KeyError, FileNotFoundError) as error:
+      raise UserError(f'checkpoint {self.directory}/{step} does not match this run '
+                      f'(model or optimizer changed?): {str(error).splitlines()[0]}') from None
+    return restored.state, restored.meta
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()

@@ -1,0 +1,138 @@
+"""The built-in task: short integer arithmetic, with prompts and rewards written in JAX.
+
+A prompt is `<bos>a+b=` (operators from the config), the answer is the integer result followed by
+`<|endoftext|>`, and the reward is 1 exactly when the completion starts with those tokens. Both
+sampling prompts and scoring completions are jittable, so whole RL steps can run inside one jit
+with no host round trip. The character-level tokenizer is built here with the `tokenizers`
+library, so the task needs no files and no network.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+PAD, EOS, BOS = '<pad>', '<|endoftext|>', '<bos>'
+SYMBOLS = (PAD, EOS, BOS) + tuple('0123456789+-*=')
+OPERATORS = '+-*'
+
+
+def build_tokenizer() -> Tokenizer:
+  """One token per character; ids: <pad> 0, <|endoftext|> 1, <bos> 2, digits 3..12, + - * =."""
+  tokenizer = Tokenizer(models.WordLevel({s: i for i, s in enumerate(SYMBOLS)}, unk_token=PAD))
+  tokenizer.pre_tokenizer = pre_tokenizers.Split('', 'isolated')
+  tokenizer.decoder = decoders.Fuse()
+  return tokenizer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+  """tokens [P, Tp] int32 left-padded; mask [P, Tp] int32 (1 on real tokens); answers [P, A] int32:
+  the expected completion tokens (result and EOS), -1 where anything may follow."""
+
+  tokens: jax.Array
+  mask: jax.Array
+  answers: jax.Array
+
+
+class ArithmeticTask:
+  """`a op b =` with operands in [0, max_operand] and operators from `operators`."""
+
+  jittable = True
+
+  def __init__(self, max_operand: int = 9, operators: str = '+'):
+    if max_operand < 1 or max_operand > 9999:
+      raise ValueError(f'max_operand must be in [1, 9999], got {max_operand}')
+    bad = [op for op in operators if op not in OPERATORS]
+    if not operators or bad:
+      raise ValueError(f'operators must be characters from {OPERATORS!r}, got {operators!r}')
+    self.max_operand = max_operand
+    self.operators = operators
+    self.tokenizer = build_tokenizer()
+    self.vocab_size = len(SYMBOLS)
+    self.pad_id, self.eos_id, self.bos_id = 0, 1, 2
+    self.stop_token_ids = (self.eos_id,)
+    self.operand_width = len(str(max_operand))
+    largest = max_operand * max_operand if '*' in operators else 2 * max_operand
+    self.result_width = len(str(largest)) + ('-' in operators)  # digits and a sign
+    self.prompt_length = 2 + 2 * self.operand_width + 1  # <bos> a op b =
+    self.answer_length = self.result_width + 1  # result and EOS
+
+  def _id(self, symbol: str) -> int:
+    return SYMBOLS.index(symbol)
+
+  def _number(self, value: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+    """Right-aligned tokens [P, width] of integers (with a '-' sign) and their real-token mask."""
+    magnitude = jnp.abs(value)
+    powers = 10 ** jnp.arange(width - 1, -1, -1)
+    digits = (magnitude[:, None] // powers) % 10
+    # A digit is shown from the most significant non-zero one on (and the last digit always).
+    shown = (magnitude[:, None] >= powers) | (powers == 1)
+    tokens = jnp.where(shown, digits + self._id('0'), self.pad_id)
+    # The sign goes in the slot just before the first shown digit.
+    first = jnp.argmax(shown, axis=1)
+    sign_slot = (jnp.arange(width)[None] == (first - 1)[:, None]) & (value < 0)[:, None]
+    tokens = jnp.where(sign_slot, self._id('-'), tokens)
+    return tokens.astype(jnp.int32), (shown | sign_slot).astype(jnp.int32)
+
+  @staticmethod
+  def _pack(tokens: jax.Array, real: jax.Array, left: bool) -> tuple[jax.Array, jax.Array]:
+    """Moves each row's real tokens to the right end (left=True: left padding) or the left end."""
+    order = jnp.argsort(real if left else 1 - real, axis=1, stable=True)
+    return jnp.take_along_axis(tokens, order, axis=1), jnp.take_along_axis(real, order, axis=1)
+
+  def sample(self, key: jax.Array, num_prompts: int) -> Prompts:
+    """P random problems. Jittable."""
+    operand_key, operator_key = jax.random.split(key)
+    a, b = jax.random.randint(operand_key, (2, num_prompts), 0, self.max_operand + 1)
+    operator = jax.random.randint(operator_key, (num_prompts,), 0, len(self.operators))
+    operator_ids = jnp.asarray([self._id(op) for op in self.operators], jnp.int32)[operator]
+    results = jnp.zeros_like(a)
+    for index, op in enumerate(self.operators):
+      value = {'+': a + b, '-': a - b, '*': a * b}[op]
+      results = jnp.where(operator == index, value, results)
+    a_tokens, a_real = self._number(a, self.operand_width)
+    b_tokens, b_real = self._number(b, self.operand_width)
+    ones = jnp.ones((num_prompts, 1), jnp.int32)
+    tokens = jnp.concatenate([ones * self.bos_id, a_tokens, operator_ids[:, None], b_tokens,
+                              ones * self._id('=')], axis=1)
+    real = jnp.concatenate([ones, a_real, ones, b_real, ones], axis=1)
+    tokens, real = self._pack(tokens, real, left=True)
+    result_tokens, result_real = self._number(results, self.result_width)
+    answers = jnp.concatenate([result_tokens, ones * self.eos_id], axis=1)
+    answers, answer_real = self._pack(answers, jnp.concatenate([result_real, ones], axis=1), left=False)
+    return Prompts(tokens=tokens, mask=real, answers=jnp.where(answer_real > 0, answers, -1))
+
+  def reward(self, completions: jax.Array, answers: jax.Array) -> jax.Array:
+    """1.0 where a completion [B, N] starts with its expected tokens answers [B, A], else 0.0."""
+    width = answers.shape[1]
+    if completions.shape[1] < width:
+      completions = jnp.pad(completions, ((0, 0), (0, width - completions.shape[1])), constant_values=-2)
+    head = completions[:, :width]
+    return jnp.all((head == answers) | (answers < 0), axis=1).astype(jnp.float32)
+
+  # ---- the host-loop interface shared with dataset tasks ----
+
+  def batch(self, key: jax.Array, num_prompts: int, position: int) -> Prompts:
+    """The step's prompts; they come from `key` alone, so `position` (data consumed) is unused."""
+    del position
+    return self._sample(key, num_prompts)
+
+  def score(self, rollout, prompts: Prompts, group_size: int) -> jax.Array:
+    """Rewards [P * G] of a rollout of `prompts`."""
+    return self._score(rollout.tokens, prompts.answers, group_size)
+
+  @functools.partial(jax.jit, static_argnums=(0, 2))
+  def _sample(self, key, num_prompts):
+    return self.sample(key, num_prompts)
+
+  @functools.partial(jax.jit, static_argnums=(0, 3))
+  def _score(self, tokens, answers, group_size):
+    return self.reward(tokens, jnp.repeat(answers, group_size, axis=0))
+
+  def decode(self, ids) -> str:
+    return self.tokenizer.decode([int(i) for i in np.asarray(ids) if i != self.pad_id], skip_special_tokens=False)

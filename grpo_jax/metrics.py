@@ -1,0 +1,149 @@
+"""Run outputs: metrics.jsonl, TensorBoard events through clu, a live progress bar, a summary table
+and a reward-curve PNG.
+
+clu's metric writers import TensorFlow; where it is not installed (e.g. a GPU image without the
+extras) the run says so once and writes metrics.jsonl only.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+
+# Columns of the end-of-run summary table: (metric, format).
+SUMMARY = (('reward_mean', '{:.3f}'), ('reward_std', '{:.3f}'), ('response_len_mean', '{:.1f}'),
+           ('policy_loss', '{:+.4f}'), ('kl', '{:.4f}'), ('entropy', '{:.3f}'), ('grad_norm', '{:.3f}'),
+           ('step_time_s', '{:.3f}'))
+
+
+def _clu_writer(logdir: str):
+  try:
+    from clu import metric_writers
+  except ImportError as error:
+    print(f'note: no TensorBoard events ({error}); install requirements-extras.txt for clu + '
+          'TensorFlow. metrics.jsonl is written regardless.', file=sys.stderr)
+    return None
+  return metric_writers.AsyncWriter(metric_writers.SummaryWriter(logdir))
+
+
+def _plain(value):
+  if value is None:
+    return None
+  value = float(value)
+  return value if math.isfinite(value) else None
+
+
+class MetricsLog:
+  """Appends one JSON object per step to metrics.jsonl and mirrors scalars to TensorBoard.
+
+  On resume from step s, lines for steps after s (written before a crash, and about to be
+  recomputed) are dropped, so the file reads as one uninterrupted run.
+  """
+
+  def __init__(self, workdir: str, *, resume_step: int = 0, tensorboard: bool = True):
+    self.path = os.path.join(workdir, 'metrics.jsonl')
+    self.history: list[dict] = []
+    if os.path.exists(self.path):
+      with open(self.path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+      self.history = [row for row in lines if row['step'] <= resume_step]
+      temporary = self.path + '.tmp'
+      with open(temporary, 'w') as f:
+        f.writelines(json.dumps(row) + '\n' for row in self.history)
+      os.replace(temporary, self.path)
+    self.file = open(self.path, 'a')
+    self.writer = _clu_writer(os.path.join(workdir, 'tensorboard')) if tensorboard else None
+
+  def write(self, step: int, metrics: dict) -> dict:
+    row = {'step': step, **{name: _plain(value) for name, value in metrics.items()}}
+    self.history.append(row)
+    self.file.write(json.dumps(row) + '\n')
+    self.file.flush()
+    if self.writer is not None:
+      self.writer.write_scalars(step, {k: v for k, v in row.items() if k != 'step' and v is not None})
+    return row
+
+  def close(self) -> None:
+    self.file.close()
+    if self.writer is not None:
+      self.writer.flush()
+      self.writer.close()
+
+
+class ProgressBar:
+  """`step 40/200 [#####-----] 20% reward 0.41 | 12s elapsed, ETA 48s` on a terminal; on a pipe
+  (CI, logs) the same text as a plain line about every 10% of the run."""
+
+  def __init__(self, total: int, start: int = 0, stream=sys.stderr, enabled: bool = True):
+    self.total, self.start, self.stream, self.enabled = total, start, stream, enabled
+    self.started = time.perf_counter()
+    self.tty = getattr(stream, 'isatty', lambda: False)()
+    self.last_line = -1
+
+  def update(self, step: int, reward: float | None) -> None:
+    if not self.enabled:
+      return
+    elapsed = time.perf_counter() - self.started
+    done = max(step - self.start, 1)
+    eta = elapsed / done * (self.total - step)
+    width = 24
+    filled = int(width * step / max(self.total, 1))
+    reward_text = '-' if reward is None else f'{reward:.3f}'
+    text = (f'step {step}/{self.total} [{"#" * filled}{"-" * (width - filled)}] '
+            f'{100 * step / max(self.total, 1):3.0f}% reward {reward_text} | '
+            f'{elapsed:.0f}s elapsed, ETA {eta:.0f}s')
+    if self.tty:
+      self.stream.write('\r' + text)
+      if step >= self.total:
+        self.stream.write('\n')
+    else:
+      bucket = 10 * step // max(self.total, 1)
+      if bucket == self.last_line and step < self.total:
+        return
+      self.last_line = bucket
+      self.stream.write(text + '\n')
+    self.stream.flush()
+
+
+def summary_table(history: list[dict], rows: int = 8) -> str:
+  """Evenly spaced steps of the run (first and last included) as an aligned text table."""
+  if not history:
+    return '(no steps)'
+  picks = sorted({round(i * (len(history) - 1) / max(rows - 1, 1)) for i in range(rows)})
+  header = ['step'] + [name for name, _ in SUMMARY]
+  table = [header]
+  for index in picks:
+    row = history[index]
+    table.append([str(row['step'])] + ['-' if row.get(name) is None else fmt.format(row[name])
+                                       for name, fmt in SUMMARY])
+  widths = [max(len(r[c]) for r in table) for c in range(len(header))]
+  return '\n'.join('  '.join(cell.rjust(w) for cell, w in zip(r, widths)) for r in table)
+
+
+def plot_rewards(history: list[dict], path: str, title: str) -> str | None:
+  """Mean reward per step (and its 10-step running mean) as a PNG; None without matplotlib."""
+  try:
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return None
+  steps = [row['step'] for row in history]
+  rewards = [row.get('reward_mean') for row in history]
+  figure, axes = plt.subplots(figsize=(7, 4))
+  axes.plot(steps, rewards, color='tab:blue', alpha=0.35, label='reward_mean')
+  window = 10
+  smooth = [sum(rewards[max(0, i - window + 1):i + 1]) / len(rewards[max(0, i - window + 1):i + 1])
+            for i in range(len(rewards))]
+  axes.plot(steps, smooth, color='tab:blue', label=f'{window}-step mean')
+  axes.set_xlabel('RL step')
+  axes.set_ylabel('mean reward')
+  axes.set_ylim(-0.02, 1.02)
+  axes.grid(alpha=0.3)
+  axes.legend(loc='lower right')
+  axes.set_title(title)
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+  plt.close(figure)
+  return path

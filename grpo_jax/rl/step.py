@@ -1,0 +1,234 @@
+"""The GRPO update: one jitted, optax-based function from a scored batch to new parameters.
+
+Inside one call: pi_old and pi_ref log-probs (only when needed), then mu passes x mini-batches of
+optimizer updates, each accumulating gradients over micro-batches with `lax.scan`. Log-probs come
+from the fused op (`ops.token_logprobs`): no [tokens, vocab] logits are materialised. A non-finite
+loss or gradient leaves parameters and optimizer state untouched and counts a skip.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from grpo_jax.config import AlgoConfig, OptimConfig
+from grpo_jax.model.qwen2 import Qwen2
+from grpo_jax.ops import token_logprobs
+from grpo_jax.rl import algo
+
+
+@struct.dataclass
+class TrainState:
+  """Everything that changes during training (and is checkpointed)."""
+
+  step: jax.Array  # int32 RL steps done
+  params: nnx.State  # master parameters (param_dtype)
+  opt_state: optax.OptState
+  key: jax.Array  # uint32[2] PRNG state for rollouts and mini-batch shuffling
+  updates: jax.Array  # int32 optimizer updates applied (drives the learning-rate schedule)
+  skips: jax.Array  # int32 consecutive updates skipped for non-finite loss or gradients
+
+
+@struct.dataclass
+class Batch:
+  """A scored rollout ready for the update; B = P * G rows.
+
+  tokens        [B, Tp + N] int32  left-padded prompt followed by the completion
+  segment_ids   [B, Tp + N] int32  1 on real prompt and completion tokens, 0 on padding
+  mask          [B, N] bool        completion tokens (the stop token included)
+  advantages    [B] fp32
+  sampler_log_probs [B, N] fp32    the sampler's log pi(y_t) (for the TIS correction)
+  """
+
+  tokens: jax.Array
+  segment_ids: jax.Array
+  mask: jax.Array
+  advantages: jax.Array
+  sampler_log_probs: jax.Array
+
+  @property
+  def completion_length(self) -> int:
+    return self.mask.shape[1]
+
+
+def learning_rate_schedule(config: OptimConfig, total_updates: int) -> optax.Schedule:
+  peak = config.learning_rate
+  if config.schedule == 'constant':
+    if config.warmup_steps == 0:
+      return optax.constant_schedule(peak)
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, config.warmup_steps),
+                                 optax.constant_schedule(peak)], [config.warmup_steps])
+  decay = config.decay_steps or max(total_updates, config.warmup_steps + 1)
+  return optax.warmup_cosine_decay_schedule(0.0, peak, config.warmup_steps, decay,
+                                            end_value=peak * config.min_lr_ratio)
+
+
+def make_optimizer(config: OptimConfig, total_updates: int) -> optax.GradientTransformation:
+  schedule = learning_rate_schedule(config, total_updates)
+  adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+                      weight_decay=config.weight_decay)
+  if config.max_grad_norm > 0:
+    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
+  return adamw
+
+
+def completion_log_probs(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array, completion_length: int,
+                         *, temperature: float, implementation: str, with_entropy: bool = False):
+  """log pi(y_t) [B, N] (and entropy [B, N]) of the last N tokens, from the fused op.
+
+  The logits predicting completion token t sit at position Tp + t - 1, so the op reads the hidden
+  states of positions Tp - 1 .. Tp + N - 2; prompts must be left-padded.
+  """
+  hidden = model.hidden_states(tokens, segment_ids=segment_ids)
+  hidden = hidden[:, -completion_length - 1:-1]
+  return token_logprobs(hidden, model.lm_head_weight(), tokens[:, -completion_length:],
+                        temperature=temperature, return_entropy=with_entropy,
+                        implementation=implementation)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSettings:
+  """Static settings of the update (hashable)."""
+
+  algo: AlgoConfig
+  temperature: float
+  rows: int  # B = P * G
+
+  @property
+  def on_policy(self) -> bool:
+    """mu = 1 and one mini-batch: pi_old is the current policy, so its log-probs need no pass."""
+    return self.algo.ppo_epochs == 1 and self.algo.num_minibatches == 1
+
+  @property
+  def minibatch_rows(self) -> int:
+    return self.rows // self.algo.num_minibatches
+
+  @property
+  def micro_rows(self) -> int:
+    return self.algo.micro_batch_size or self.minibatch_rows
+
+
+def _split_rows(tree, chunk: int):
+  """[B, ...] leaves -> [B / chunk, chunk, ...]."""
+  return jax.tree.map(lambda x: x.reshape(x.shape[0] // chunk, chunk, *x.shape[1:]), tree)
+
+
+def _merge_rows(x):
+  return x.reshape(-1, *x.shape[2:])
+
+
+def policy_loss(params, graphdef, micro: dict, settings: UpdateSettings):
+  """Weighted-sum GRPO loss of one micro-batch and its weighted metric sums.
+
+  micro holds tokens, segment_ids, mask, advantages, old/ref/sampler log-probs and `weights`,
+  the aggregation weights already normalised over the whole mini-batch, so micro-batch losses
+  (and gradients) add up to the mini-batch loss exactly.
+  """
+  config = settings.algo
+  model = nnx.merge(graphdef, params)
+  mask = micro['mask']
+  log_probs, entropy = completion_log_probs(
+      model, micro['tokens'], micro['segment_ids'], mask.shape[1], temperature=settings.temperature,
+      implementation=config.logprob_implementation, with_entropy=True)
+  old = jax.lax.stop_gradient(log_probs) if settings.on_policy else micro['old_log_probs']
+  if config.importance_ratio == 'sequence':
+    log_ratio = algo.sequence_log_ratio(log_probs, old, mask)
+  else:
+    log_ratio = algo.token_log_ratio(log_probs, old)
+  surrogate = algo.clipped_surrogate(log_ratio, micro['advantages'][:, None],
+                                     epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
+                                     dual_clip=config.dual_clip)
+  token_loss = surrogate['loss']
+  if config.tis_cap > 0:
+    token_loss = token_loss * algo.truncated_importance_weight(old, micro['sampler_log_probs'], config.tis_cap)
+  pg_loss = token_loss
+  kl = jnp.zeros_like(token_loss)
+  if config.kl_beta > 0:
+    kl = algo.KL_ESTIMATORS[config.kl_estimator](log_probs - micro['ref_log_probs'])
+    token_loss = token_loss + config.kl_beta * kl
+  if config.entropy_coef > 0:
+    token_loss = token_loss - config.entropy_coef * entropy
+  loss = jnp.sum(token_loss * micro['weights'])
+  # Reported metrics are token means over the mini-batch, whatever the loss aggregation.
+  per_token = micro['token_weights']
+  metrics = dict(policy_loss=jnp.sum(pg_loss * per_token), kl=jnp.sum(kl * per_token),
+                 entropy=jnp.sum(jax.lax.stop_gradient(entropy) * per_token),
+                 clip_frac_low=jnp.sum(surrogate['clipped_low'] * per_token),
+                 clip_frac_high=jnp.sum(surrogate['clipped_high'] * per_token),
+                 ratio_mean=jnp.sum(surrogate['ratio'] * per_token))
+  return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def _scored_log_probs(graphdef, params, batch: Batch, settings: UpdateSettings):
+  """Log-probs of the whole batch without gradients, one micro-batch at a time."""
+  def score(chunk):
+    model = nnx.merge(graphdef, params)
+    return completion_log_probs(model, chunk['tokens'], chunk['segment_ids'], batch.completion_length,
+                                temperature=settings.temperature,
+                                implementation=settings.algo.logprob_implementation)
+  chunks = _split_rows(dict(tokens=batch.tokens, segment_ids=batch.segment_ids), settings.micro_rows)
+  return _merge_rows(jax.lax.map(score, chunks))
+
+
+def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, graphdef,
+           optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+           settings: UpdateSettings) -> tuple[TrainState, dict]:
+  """mu passes of mini-batch optimizer updates over `batch`. Traceable; see `make_update`."""
+  config = settings.algo
+  rows = dict(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask,
+              advantages=batch.advantages, sampler_log_probs=batch.sampler_log_probs)
+  if not settings.on_policy:
+    rows['old_log_probs'] = _scored_log_probs(graphdef, state.params, batch, settings)
+  if config.kl_beta > 0:
+    rows['ref_log_probs'] = _scored_log_probs(graphdef, ref_params, batch, settings)
+
+  key, shuffle_key = jax.random.split(state.key)
+  if config.num_minibatches > 1:
+    orders = [jax.random.permutation(k, settings.rows) for k in jax.random.split(shuffle_key, config.ppo_epochs)]
+  else:
+    orders = [jnp.arange(settings.rows)] * config.ppo_epochs
+  orders = jnp.stack(orders).reshape(-1, settings.minibatch_rows)  # [mu * minibatches, rows per minibatch]
+
+  def minibatch_update(carry, order):
+    params, opt_state, updates, skips = carry
+    minibatch = jax.tree.map(lambda x: x[order], rows)
+    minibatch['weights'] = algo.aggregation_weights(minibatch['mask'], config.loss_aggregation,
+                                                    batch.completion_length)
+    minibatch['token_weights'] = algo.aggregation_weights(minibatch['mask'], 'token-mean')
+    grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
+
+    def accumulate(totals, micro):
+      (loss, metrics), grads = grad_fn(params, graphdef, micro, settings)
+      return jax.tree.map(jnp.add, totals, (loss, metrics, grads)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+        lambda: grad_fn(params, graphdef, jax.tree.map(lambda x: x[:settings.micro_rows], minibatch), settings)))
+    (loss, metrics), grads = zeros[0], zeros[1]
+    (loss, metrics, grads), _ = jax.lax.scan(accumulate, (loss, metrics, grads),
+                                             _split_rows(minibatch, settings.micro_rows))
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    step_updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, step_updates)
+    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+    carry = (keep(new_params, params), keep(new_opt_state, opt_state),
+             updates + finite.astype(jnp.int32), jnp.where(finite, 0, skips + 1))
+    metrics = dict(metrics, loss=loss, grad_norm=grad_norm, lr=schedule(updates),
+                   nonfinite=(~finite).astype(jnp.float32))
+    return carry, metrics
+
+  carry = (state.params, state.opt_state, state.updates, state.skips)
+  (params, opt_state, updates, skips), metrics = jax.lax.scan(minibatch_update, carry, orders)
+  metrics = jax.tree.map(jnp.mean, metrics)
+  metrics['nonfinite'] = metrics['nonfinite'] * orders.shape[0]  # count, not mean
+  new_state = state.replace(params=params, opt_state=opt_state, key=key, updates=updates, skips=skips)
+  return new_state, metrics
+
+
+def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                    key=jax.random.PRNGKey(seed), updates=jnp.zeros((), jnp.int32),
+                    skips=jnp.zeros((), jnp.int32))
