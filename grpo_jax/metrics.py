@@ -5,6 +5,7 @@ clu's metric writers import TensorFlow; where it is not installed (e.g. a GPU im
 extras) the run says so once and writes metrics.jsonl only.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -17,14 +18,32 @@ SUMMARY = (('reward_mean', '{:.3f}'), ('reward_std', '{:.3f}'), ('response_len_m
            ('step_time_s', '{:.3f}'))
 
 
-def _clu_writer(logdir: str):
+@contextlib.contextmanager
+def _quiet_native_stderr():
+  """Silences file descriptor 2 while TensorFlow's native libraries load: they log cuInit and
+  oneDNN notices before TF_CPP_MIN_LOG_LEVEL takes effect. Python exceptions are unaffected."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with open(os.devnull, 'w') as devnull:
+    os.dup2(devnull.fileno(), 2)
   try:
-    from clu import metric_writers
+    yield
+  finally:
+    os.dup2(saved, 2)
+    os.close(saved)
+
+
+def _clu_writer(logdir: str):
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  try:
+    with _quiet_native_stderr():
+      from clu import metric_writers
+      writer = metric_writers.AsyncWriter(metric_writers.SummaryWriter(logdir))
   except ImportError as error:
     print(f'note: no TensorBoard events ({error}); install requirements-extras.txt for clu + '
           'TensorFlow. metrics.jsonl is written regardless.', file=sys.stderr)
     return None
-  return metric_writers.AsyncWriter(metric_writers.SummaryWriter(logdir))
+  return writer
 
 
 def _plain(value):
@@ -75,8 +94,9 @@ class ProgressBar:
   """`step 40/200 [#####-----] 20% reward 0.41 | 12s elapsed, ETA 48s` on a terminal; on a pipe
   (CI, logs) the same text as a plain line about every 10% of the run."""
 
-  def __init__(self, total: int, start: int = 0, stream=sys.stderr, enabled: bool = True):
-    self.total, self.start, self.stream, self.enabled = total, start, stream, enabled
+  def __init__(self, total: int, start: int = 0, stream=None, enabled: bool = True):
+    self.total, self.start, self.enabled = total, start, enabled
+    self.stream = stream or sys.stderr
     self.started = time.perf_counter()
     self.tty = getattr(stream, 'isatty', lambda: False)()
     self.last_line = -1

@@ -93,7 +93,7 @@ class Run:
     if latest is not None:
       self.state, meta = self.checkpointer.restore(latest, self.state)
       self.step, self.data_position = int(meta['step']), int(meta['data_position'])
-      print(f'resumed from {self.checkpointer.directory}/{latest}', flush=True)
+      print(f'resumed from {self.checkpointer.directory}/{latest}', file=sys.stderr, flush=True)
     self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step)
     self.num_params = model.config.num_params()
     self.peak_flops = matmul_peak_flops(config.model.dtype)
@@ -172,7 +172,8 @@ def train(config: config_lib.Config, workdir: str, mesh, model) -> list[dict]:
         written = run.record(row)
       progress.update(run.step, written['reward_mean'])
       run.check_skips()
-      if every and run.step % every == 0 and run.step < total:
+      # A step whose update was skipped adds nothing worth keeping: checkpoints stay good ones.
+      if every and run.step % every == 0 and run.step < total and int(run.state.skips) == 0:
         run.save()
     if run.saved_step != run.step:
       run.save()

@@ -209,7 +209,7 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
     (loss, metrics), grads = zeros[0], zeros[1]
     (loss, metrics, grads), _ = jax.lax.scan(accumulate, (loss, metrics, grads),
                                              _split_rows(minibatch, settings.micro_rows))
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     step_updates, new_opt_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, step_updates)
