@@ -86,6 +86,7 @@ class Run:
     self.trainer = Trainer(config, graphdef, task, config.train.steps)
     with jax.set_mesh(mesh):
       self.state = jax.jit(lambda p: init_train_state(p, self.trainer.optimizer, config.run.seed))(params)
+    self.trainer.pin_shardings(self.state, mesh)
     self.checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'), max_to_keep=config.train.max_to_keep)
     self.step = 0
     self.data_position = 0

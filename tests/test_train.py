@@ -170,3 +170,64 @@ def test_nonfinite_updates_stop_the_run_with_checkpoint_intact(tmp_path, capsys)
   assert message.startswith('error: 3 updates in a row had a non-finite loss or gradient')
   rows = read_metrics(tmp_path)
   assert sum(row['nonfinite'] for row in rows) >= 3
+
+
+def test_mesh_layouts_agree_and_state_keeps_its_shardings(tmp_path):
+  """data x fsdp x tensor = 2 x 2 x 2 trains like fsdp = 8 (same samples, same losses), and the
+  parameters and Adam moments keep their rule-table shardings through the donated update."""
+  from grpo_jax import config as config_lib
+  from grpo_jax.model import sharding
+  common = [*SMALL, '--set', 'train.steps=4', '--set', 'train.steps_per_call=2', '--set', 'train.checkpoint_every=0']
+  run_cli(tmp_path / 'fsdp', *common)
+  run_cli(tmp_path / 'mixed', *common, '--set', 'mesh.data=2', '--set', 'mesh.fsdp=2', '--set', 'mesh.tensor=2')
+  fsdp, mixed = (without_timing(read_metrics(tmp_path / name)) for name in ('fsdp', 'mixed'))
+  assert [row['reward_mean'] for row in fsdp] == [row['reward_mean'] for row in mixed]
+  for a, b in zip(fsdp, mixed):
+    assert a['policy_loss'] == pytest.approx(b['policy_loss'], rel=1e-4, abs=1e-6)
+    assert a['grad_norm'] == pytest.approx(b['grad_norm'], rel=1e-4)
+
+  config = config_lib.validate(config_lib.load_config(CONFIG, ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2',
+                                                                'rollout.prompts_per_step=8', 'algo.group_size=4',
+                                                                'train.progress=false', 'train.steps=2']))
+  mesh = sharding.make_mesh(config.mesh)
+  model = train.build_model(config, mesh)
+  run = train.Run(config, str(tmp_path / 'run'), mesh, model, train.build_task(config))
+  before = jax_shardings(run.state)
+  run.fused_steps(1)
+  run.host_step()
+  assert jax_shardings(run.state) == before
+  q_weight = run.state.params['layers']['q_weight']
+  assert q_weight.sharding.spec == sharding.spec_for(q_weight.shape, ('layers', 'embed', 'q_heads', 'head_dim'),
+                                                     dict(mesh.shape))
+  run.checkpointer.close()
+  run.log.close()
+
+
+def jax_shardings(state):
+  import jax
+  return [leaf.sharding.spec for leaf in jax.tree.leaves(state)]
+
+
+def test_bf16_compute_keeps_fp32_master_weights(tmp_path):
+  from grpo_jax import config as config_lib
+  from grpo_jax.model import sharding
+  config = config_lib.validate(config_lib.load_config(CONFIG, [
+      'model.dtype=bfloat16', 'model.param_dtype=float32', 'rollout.prompts_per_step=8', 'algo.group_size=4',
+      'train.progress=false', 'train.steps=3']))
+  mesh = sharding.make_mesh(config.mesh)
+  run = train.Run(config, str(tmp_path), mesh, train.build_model(config, mesh), train.build_task(config))
+  start = {path: np.array(leaf, copy=True) for path, leaf in _leaves(run.state.params)}  # the update donates
+  rows = [run.record(run.host_step()) for _ in range(3)]
+  run.checkpointer.close()
+  run.log.close()
+  assert all(np.isfinite(row['policy_loss']) and np.isfinite(row['grad_norm']) for row in rows)
+  for path, leaf in _leaves(run.state.params):
+    assert leaf.dtype == np.float32, path
+  # Updates smaller than bf16's resolution still move the fp32 master weights.
+  moved = [path for path, leaf in _leaves(run.state.params) if not np.array_equal(np.asarray(leaf), start[path])]
+  assert len(moved) == len(start)
+
+
+def _leaves(tree):
+  import jax
+  return [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]

@@ -65,6 +65,16 @@ class Trainer:
     self.update = jax.jit(self._update, donate_argnums=0)
     self.run_steps = jax.jit(self._run_steps, static_argnums=2, donate_argnums=0)
 
+  def pin_shardings(self, state: TrainState, mesh) -> None:
+    """Makes the jitted update and K-step loop return the train state in exactly `state`'s
+    shardings (parameters and optimizer moments laid out by the logical-axis rules), so the
+    donated buffers are reused in place and nothing is relaid out between steps."""
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    self.update = jax.jit(self._update, donate_argnums=0, out_shardings=(state_shardings, replicated))
+    self.run_steps = jax.jit(self._run_steps, static_argnums=2, donate_argnums=0,
+                             out_shardings=(state_shardings, replicated))
+
   def _rollout(self, params, prompt_tokens, prompt_mask, key) -> Rollout:
     model = nnx.merge(self.graphdef, params)
     return sample_groups(model, prompt_tokens, prompt_mask, key, group_size=self.config.algo.group_size,
