@@ -262,8 +262,12 @@ class Qwen2(nnx.Module):
                    length=jnp.zeros((batch_size,), jnp.int32))
 
   def extend(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array | None = None,
-             segment_ids: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+             segment_ids: jax.Array | None = None, return_hidden: bool = False) -> tuple[jax.Array, KVCache]:
     """Appends T tokens per row to the cache and returns their logits [B, T, V] and the new cache.
+
+    return_hidden: return the final-norm hidden states [B, T, D] instead of logits, so a prefill
+    can project only the positions it samples from (a [P, Tp, V] logits array of a long prompt
+    batch over Qwen's 151,936-token vocabulary would be tens of GB).
 
     Prefill is `extend` of a (left- or right-padded) prompt on an empty cache; decoding is `extend`
     of one token. Each row holds one sequence; by default a token's position is the number of
@@ -303,4 +307,4 @@ class Qwen2(nnx.Module):
     x, k_cache, v_cache = carry
     hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
     new_cache = KVCache(k=k_cache, v=v_cache, segment_ids=key_segments, length=cache.length + length)
-    return self.project(hidden), new_cache
+    return (hidden if return_hidden else self.project(hidden)), new_cache

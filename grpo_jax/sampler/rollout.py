@@ -52,10 +52,11 @@ def sample_groups(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, key:
   num_prompts, prompt_length = prompts.shape
   rows = num_prompts * group_size
   cache = model.init_cache(num_prompts, prompt_length + max_new_tokens)
-  logits, cache = model.extend(prompts, cache, segment_ids=prompt_mask)
-  # The next-token logits sit at each prompt's last real token (left or right padding alike).
+  hidden, cache = model.extend(prompts, cache, segment_ids=prompt_mask, return_hidden=True)
+  # The next-token logits sit at each prompt's last real token (left or right padding alike);
+  # only those P positions are projected onto the vocabulary.
   last = jnp.max(jnp.where(prompt_mask > 0, jnp.arange(prompt_length), -1), axis=1)
-  next_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+  next_logits = model.project(jnp.take_along_axis(hidden, last[:, None, None], axis=1))[:, 0]
   cache = _repeat_rows(cache, group_size)
   next_logits = jnp.repeat(next_logits, group_size, axis=0)
   stop_ids = jnp.asarray(stop_token_ids or (-1,), jnp.int32)
