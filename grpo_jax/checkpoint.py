@@ -19,8 +19,9 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                            enable_async_checkpointing=asynchronous)
-    self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                         item_names=('state', 'meta'))
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=options, item_names=('state', 'meta'),
+        item_handlers={'state': ocp.StandardCheckpointHandler(), 'meta': ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -32,14 +33,24 @@ class Checkpointer:
 
   def restore(self, step: int, abstract_state):
     """(state placed like `abstract_state`'s shardings, meta dict)."""
+    self._check_shapes(step, abstract_state)
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
-    try:
-      restored = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-    except (ValueError, KeyError, FileNotFoundError) as error:
-      raise UserError(f'checkpoint {self.directory}/{step} does not match this run '
-                      f'(model or optimizer changed?): {str(error).splitlines()[0]}') from None
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
     return restored.state, restored.meta
+
+  def _check_shapes(self, step: int, abstract_state) -> None:
+    """One sentence naming the first tensor whose stored shape differs from this run's."""
+    stored = {_name(path): leaf.shape for path, leaf in
+              jax.tree_util.tree_leaves_with_path(self.manager.item_metadata(step)['state'])}
+    where = f'checkpoint {self.directory}/{step} does not match this run'
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_state):
+      name = _name(path)
+      if name not in stored:
+        raise UserError(f'{where}: it has no tensor {name} (model or optimizer changed?)')
+      if tuple(stored[name]) != tuple(leaf.shape):
+        raise UserError(f'{where}: {name} is {tuple(stored[name])} there and {tuple(leaf.shape)} here '
+                        '(model or optimizer changed?)')
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -47,3 +58,8 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def _name(path) -> str:
+  """'params.layers.q_weight.value' from a pytree key path (dict keys, indices, attributes)."""
+  return '.'.join(str(getattr(key, 'key', getattr(key, 'idx', getattr(key, 'name', key)))) for key in path)

@@ -242,3 +242,16 @@ def test_bf16_compute_keeps_fp32_master_weights(tmp_path, seed):
 def _leaves(tree):
   import jax
   return [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def test_resume_with_a_different_model_is_one_line_error(tmp_path, capsys):
+  common = [*SMALL, '--set', 'train.steps=2', '--set', 'train.steps_per_call=1']
+  run_cli(tmp_path, *common)
+  with pytest.raises(SystemExit) as exit_info:
+    run_cli(tmp_path, *common, '--set', 'train.steps=4', '--set', 'model.architecture.hidden_size=32',
+            '--set', 'model.architecture.intermediate_size=64')
+  assert exit_info.value.code == 2
+  message = capsys.readouterr().err.strip().splitlines()[-1]
+  assert message == (f'error: checkpoint {tmp_path / "checkpoints"}/2 does not match this run: '
+                     'params.embedding.value is (17, 64) there and (17, 32) here (model or optimizer changed?)')
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2']  # nothing lost
