@@ -51,17 +51,20 @@ def test_mistakes_name_the_key(tmp_path, text, overrides, message):
   assert message in str(error.value)
 
 
-def test_train_cli_saves_resolved_config_and_builds_the_model(tmp_path):
+def test_train_cli_saves_resolved_config_and_trains(tmp_path):
   workdir = tmp_path / 'run'
   result = subprocess.run(
       [sys.executable, '-m', 'grpo_jax.train', '--config', 'configs/tiny_arith.yaml',
-       '--set', 'run.seed=5', '--workdir', str(workdir)],
+       '--set', 'run.seed=5', '--set', 'train.steps=2', '--set', 'train.steps_per_call=1',
+       '--set', 'optim.learning_rate=2e-4', '--workdir', str(workdir)],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr
   saved = yaml.safe_load((workdir / 'config.yaml').read_text())
-  assert saved['run']['seed'] == 5
-  assert saved['model']['architecture']['vocab_size'] == 64
-  assert 'resolved config' in result.stdout and 'tokens/s' in result.stdout
+  assert saved['run']['seed'] == 5 and saved['train']['steps'] == 2
+  assert saved['optim']['learning_rate'] == 2e-4  # '2e-4' (a string to YAML 1.1) read as a float
+  assert saved['model']['architecture']['vocab_size'] == 17
+  assert 'resolved config' in result.stdout and 'mean reward: first 2 steps' in result.stdout
+  assert len((workdir / 'metrics.jsonl').read_text().splitlines()) == 2
 
 
 def test_train_cli_bad_key_is_one_line(tmp_path):
@@ -71,4 +74,5 @@ def test_train_cli_bad_key_is_one_line(tmp_path):
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert result.returncode == 2
   assert result.stderr.strip() == \
-      "error: unknown config key 'optimiser' (valid keys here: run, model, mesh)"
+      ("error: unknown config key 'optimiser' (valid keys here: run, model, mesh, task, rollout, algo, "
+       "optim, train)")
