@@ -17,8 +17,15 @@ from grpo_jax import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, 'configs', 'tiny_arith.yaml')
 TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'mfu'}
-# A smaller, quicker variant of the demo for the resume and reproducibility tests.
+# A smaller batch for the resume and reproducibility tests.
 SMALL = ['--set', 'rollout.prompts_per_step=8', '--set', 'algo.group_size=4', '--set', 'train.progress=false']
+# CLI runs see one CPU device: conftest's 8 fake devices only add collectives to these runs (the
+# mesh test below covers them).
+def device_env(count: int) -> dict:
+  return dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={count}')
+
+
+ONE_DEVICE_ENV = device_env(1)
 
 
 def read_metrics(workdir):
@@ -30,12 +37,18 @@ def without_timing(rows):
   return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
 
 
-def run_cli(workdir, *overrides):
-  train.main(['--config', CONFIG, '--workdir', str(workdir), *overrides])
+def run_cli(workdir, *overrides, check=True, devices=1):
+  """python -m grpo_jax.train in a subprocess on `devices` CPU devices; returns the CompletedProcess."""
+  result = subprocess.run([sys.executable, '-m', 'grpo_jax.train', '--config', CONFIG, '--workdir', str(workdir),
+                           *overrides], cwd=ROOT, env=device_env(devices), capture_output=True, text=True,
+                          timeout=600)
+  if check:
+    assert result.returncode == 0, result.stderr
+  return result
 
 
-def test_demo_reward_rises(tmp_path, capsys):
-  run_cli(tmp_path, '--set', 'train.steps=250', '--set', 'train.checkpoint_every=50')
+def test_demo_reward_rises(tmp_path):
+  result = run_cli(tmp_path, '--set', 'train.steps=250', '--set', 'train.checkpoint_every=50')
   rows = read_metrics(tmp_path)
   assert [row['step'] for row in rows] == list(range(1, 251))
   first = np.mean([row['reward_mean'] for row in rows[:10]])
@@ -48,8 +61,7 @@ def test_demo_reward_rises(tmp_path, capsys):
   assert all(row['tokens_per_s'] > 0 and 0 < row['mfu'] < 1 for row in rows)
   assert os.path.isfile(tmp_path / 'config.yaml') and os.path.getsize(tmp_path / 'reward.png') > 10_000
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['150', '200', '250']  # max_to_keep: 3
-  out = capsys.readouterr()
-  assert 'reward_mean' in out.out and 'step 250/250' in out.err  # summary table, progress bar
+  assert 'reward_mean' in result.stdout and 'step 250/250' in result.stderr  # summary table, progress bar
 
 
 def test_tensorboard_events_through_clu(tmp_path):
@@ -86,7 +98,8 @@ def test_same_seed_same_curve_and_fused_equals_host_loop(tmp_path):
 def _start(workdir, steps, *overrides):
   command = [sys.executable, '-m', 'grpo_jax.train', '--config', CONFIG, '--workdir', str(workdir), *SMALL,
              '--set', f'train.steps={steps}', *overrides]
-  return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  return subprocess.Popen(command, cwd=ROOT, env=ONE_DEVICE_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
 
 
 def _finished_steps(workdir):
@@ -151,38 +164,37 @@ def test_kill_mid_save_leaves_last_complete_checkpoint(tmp_path):
 
 
 def test_bad_config_is_one_line_error(tmp_path):
-  result = subprocess.run([sys.executable, '-m', 'grpo_jax.train', '--config', CONFIG, '--workdir', str(tmp_path),
-                           '--set', 'algo.num_minibatches=3'], cwd=ROOT, capture_output=True, text=True)
+  result = run_cli(tmp_path, '--set', 'algo.num_minibatches=3', check=False)
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [
       'error: algo.num_minibatches (3) must divide prompts_per_step * group_size (256)']
 
 
-def test_nonfinite_updates_stop_the_run_with_checkpoint_intact(tmp_path, capsys):
+def test_nonfinite_updates_stop_the_run_with_checkpoint_intact(tmp_path):
   # A learning rate of 1e30 sends the parameters to inf after the first update; every later
   # update is non-finite and skipped, and the run stops after max_consecutive_skips of them.
-  with pytest.raises(SystemExit) as exit_info:
-    run_cli(tmp_path, *SMALL, '--set', 'optim.learning_rate=1e30', '--set', 'optim.max_grad_norm=0',
-            '--set', 'optim.warmup_steps=0', '--set', 'train.steps=40', '--set', 'train.steps_per_call=1',
-            '--set', 'train.checkpoint_every=1', '--set', 'train.max_consecutive_skips=3')
-  assert exit_info.value.code == 2
-  message = capsys.readouterr().err.strip().splitlines()[-1]
+  result = run_cli(tmp_path, *SMALL, '--set', 'optim.learning_rate=1e30', '--set', 'optim.max_grad_norm=0',
+                   '--set', 'optim.warmup_steps=0', '--set', 'train.steps=40', '--set', 'train.steps_per_call=1',
+                   '--set', 'train.checkpoint_every=1', '--set', 'train.max_consecutive_skips=3', check=False)
+  assert result.returncode == 2
+  message = result.stderr.strip().splitlines()[-1]
   assert message.startswith('error: 3 updates in a row had a non-finite loss or gradient')
   rows = read_metrics(tmp_path)
   assert sum(row['nonfinite'] for row in rows) >= 3
 
 
 def test_mesh_layouts_agree_and_state_keeps_its_shardings(tmp_path):
-  """data x fsdp x tensor = 2 x 2 x 2 trains like fsdp = 8 (same samples, same losses), and the
+  """data x fsdp x tensor = 2 x 2 x 2 trains like one device (same samples, same losses), and the
   parameters and Adam moments keep their rule-table shardings through the donated update."""
   from grpo_jax import config as config_lib
   from grpo_jax.model import sharding
   common = [*SMALL, '--set', 'train.steps=4', '--set', 'train.steps_per_call=2', '--set', 'train.checkpoint_every=0']
-  run_cli(tmp_path / 'fsdp', *common)
-  run_cli(tmp_path / 'mixed', *common, '--set', 'mesh.data=2', '--set', 'mesh.fsdp=2', '--set', 'mesh.tensor=2')
-  fsdp, mixed = (without_timing(read_metrics(tmp_path / name)) for name in ('fsdp', 'mixed'))
-  assert [row['reward_mean'] for row in fsdp] == [row['reward_mean'] for row in mixed]
-  for a, b in zip(fsdp, mixed):
+  run_cli(tmp_path / 'single', *common)
+  run_cli(tmp_path / 'mixed', *common, '--set', 'mesh.data=2', '--set', 'mesh.fsdp=2', '--set', 'mesh.tensor=2',
+          devices=8)
+  single, mixed = (without_timing(read_metrics(tmp_path / name)) for name in ('single', 'mixed'))
+  assert [row['reward_mean'] for row in single] == [row['reward_mean'] for row in mixed]
+  for a, b in zip(single, mixed):
     assert a['policy_loss'] == pytest.approx(b['policy_loss'], rel=1e-4, abs=1e-6)
     assert a['grad_norm'] == pytest.approx(b['grad_norm'], rel=1e-4)
 
@@ -244,14 +256,13 @@ def _leaves(tree):
   return [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def test_resume_with_a_different_model_is_one_line_error(tmp_path, capsys):
+def test_resume_with_a_different_model_is_one_line_error(tmp_path):
   common = [*SMALL, '--set', 'train.steps=2', '--set', 'train.steps_per_call=1']
   run_cli(tmp_path, *common)
-  with pytest.raises(SystemExit) as exit_info:
-    run_cli(tmp_path, *common, '--set', 'train.steps=4', '--set', 'model.architecture.hidden_size=32',
-            '--set', 'model.architecture.intermediate_size=64')
-  assert exit_info.value.code == 2
-  message = capsys.readouterr().err.strip().splitlines()[-1]
+  result = run_cli(tmp_path, *common, '--set', 'train.steps=4', '--set', 'model.architecture.hidden_size=32',
+                   '--set', 'model.architecture.intermediate_size=64', check=False)
+  assert result.returncode == 2
+  message = result.stderr.strip().splitlines()[-1]
   assert message == (f'error: checkpoint {tmp_path / "checkpoints"}/2 does not match this run: '
                      'params.embedding.value is (17, 64) there and (17, 32) here (model or optimizer changed?)')
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2']  # nothing lost
