@@ -93,7 +93,7 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-  """What the policy is asked and how it is scored (data/tasks.py)."""
+  """What the policy is asked and how it is scored (data/arith.py, data/math_task.py)."""
 
   name: Literal['arith', 'math'] = 'arith'  # built-in arithmetic (reward in JAX) | math dataset (host reward)
   max_operand: int = 9  # arith: operands drawn from [0, max_operand]
@@ -302,6 +302,8 @@ def validate(config: Config) -> Config:
           f'({train.steps_per_call}): checkpoints are taken between jitted calls')
   require(train.max_to_keep >= 1, f'train.max_to_keep must be >= 1, got {train.max_to_keep}')
   require(train.max_consecutive_skips >= 1, f'train.max_consecutive_skips must be >= 1, got {train.max_consecutive_skips}')
+  require(config.task.reward_workers >= 1, f'task.reward_workers must be >= 1, got {config.task.reward_workers}')
+  require(config.task.max_prompt_tokens >= 1, f'task.max_prompt_tokens must be >= 1, got {config.task.max_prompt_tokens}')
   require(train.steps_per_call == 1 or config.task.name == 'arith',
           f'train.steps_per_call > 1 needs a reward computed in JAX; task {config.task.name!r} scores on the host')
   return config

@@ -19,7 +19,7 @@ SUMMARY = (('reward_mean', '{:.3f}'), ('reward_std', '{:.3f}'), ('response_len_m
 
 
 @contextlib.contextmanager
-def _quiet_native_stderr():
+def quiet_native_stderr():
   """Silences file descriptor 2 while TensorFlow's native libraries load: they log cuInit and
   oneDNN notices before TF_CPP_MIN_LOG_LEVEL takes effect. Python exceptions are unaffected."""
   sys.stderr.flush()
@@ -36,7 +36,7 @@ def _quiet_native_stderr():
 def _clu_writer(logdir: str):
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   try:
-    with _quiet_native_stderr():
+    with quiet_native_stderr():
       from clu import metric_writers
       writer = metric_writers.AsyncWriter(metric_writers.SummaryWriter(logdir))
   except ImportError as error:

@@ -181,6 +181,7 @@ def train(config: config_lib.Config, workdir: str, mesh, model) -> list[dict]:
   finally:
     run.checkpointer.close()
     run.log.close()
+    getattr(task, 'close', lambda: None)()  # the math task's reward worker processes
   return run.log.history
 
 

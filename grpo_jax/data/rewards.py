@@ -1,0 +1,195 @@
+"""Host-side rewards: completions checked against reference answers with math-verify, in a pool
+of worker processes that a hanging or crashing check cannot take down.
+
+`math_reward(completion, answer)` is 1.0 when the completion's answer equals the reference
+(symbolically or numerically, as math-verify decides: `\\boxed{1/2}` matches `0.5`), else 0.0.
+The answer is the content of the completion's last complete `\\boxed{...}` when it has one,
+otherwise whatever math-verify extracts from the whole text.
+
+`RewardPool(workers)` scores lists of (completion, answer) pairs in `workers` processes, one item
+per process at a time, and returns the rewards in input order. math-verify interrupts its own slow
+parses and comparisons with SIGALRM (it must run on a process's main thread, hence processes, not
+threads); an item that still outlives `timeout_s` (a loop in C that ignores the alarm, a crash)
+gets 0.0 and its process is replaced, so one bad completion never stops a run.
+"""
+
+import atexit
+import collections
+import logging
+import math
+import multiprocessing
+import re
+import signal
+import time
+from multiprocessing import connection
+
+from grpo_jax.errors import UserError
+
+VERIFY_TIMEOUT_S = 3  # math-verify's own alarm for each parse and comparison (whole seconds)
+ITEM_TIMEOUT_S = 10.0  # hard limit per completion: past it the worker is killed and the reward is 0
+START_TIMEOUT_S = 300.0  # a worker imports math-verify (and sympy) before its first item
+BOX_COMMANDS = ('\\boxed', '\\fbox')
+
+
+def last_boxed(text: str) -> str | None:
+  """The content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text` whose braces close; None if none."""
+  starts = sorted(((match.start(), len(command)) for command in BOX_COMMANDS
+                   for match in re.finditer(re.escape(command + '{'), text)), reverse=True)
+  for start, length in starts:
+    depth = 0
+    for index in range(start + length, len(text)):
+      depth += {'{': 1, '}': -1}.get(text[index], 0)
+      if depth == 0:
+        return text[start + length + 1:index]
+  return None
+
+
+def math_reward(completion: str, answer: str, timeout_s: int = VERIFY_TIMEOUT_S) -> float:
+  """1.0 if the completion's final answer equals the reference `answer` per math-verify, else 0.0."""
+  from math_verify import parse, verify
+
+  boxed = last_boxed(completion)
+  prediction = parse(completion if boxed is None else '\\boxed{' + boxed + '}', parsing_timeout=timeout_s)
+  # References are bare expressions ('0.5', '\frac{1}{2}', '(1, 2)'): boxed, math-verify reads them
+  # as LaTeX, which keeps intervals, tuples and commands intact.
+  delimited = any(mark in answer for mark in BOX_COMMANDS + ('$',))
+  gold = parse(answer if delimited else '\\boxed{' + answer + '}', parsing_timeout=timeout_s)
+  if not gold and not delimited:
+    gold = parse(answer, parsing_timeout=timeout_s)
+  if not gold or not prediction:
+    return 0.0
+  return 1.0 if verify(gold, prediction, timeout_seconds=timeout_s) else 0.0
+
+
+def _serve(conn, score_fn) -> None:
+  """A worker: warms `score_fn` up, says 'ready', then answers (completion, answer) with a reward."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+  logging.getLogger('math_verify').setLevel(logging.CRITICAL)  # its timeout notices, once per item
+  try:
+    score_fn('\\boxed{1}', '1')  # imports math-verify and its LaTeX grammar before the first deadline
+  except ImportError as error:
+    conn.send(('error', f'{type(error).__name__}: {error}'))
+    return
+  except Exception:
+    pass  # a scorer that rejects the warm-up input can still score real ones
+  conn.send(('ready', None))
+  while True:
+    try:
+      completion, answer = conn.recv()
+    except (EOFError, OSError):  # the parent closed the pool or exited
+      return
+    try:
+      reward = float(score_fn(completion, answer))
+    except Exception:
+      reward = 0.0
+    conn.send(reward if math.isfinite(reward) else 0.0)
+
+
+class _Worker:
+  """One process, its end of the pipe, and the item it is working on (with its deadline)."""
+
+  def __init__(self, context, score_fn):
+    self.conn, child = context.Pipe()
+    self.process = context.Process(target=_serve, args=(child, score_fn), name='reward-worker', daemon=True)
+    self.process.start()
+    child.close()
+    self.ready = False
+    self.item = None
+    self.deadline = time.monotonic() + START_TIMEOUT_S
+
+  def stop(self) -> None:
+    self.conn.close()
+    self.process.kill()
+    self.process.join(timeout=5)
+
+
+class RewardPool:
+  """`workers` processes applying `score_fn(completion, answer) -> float` with a per-item deadline.
+
+  score_fn must be importable by name (a module-level function): it is sent to spawned processes.
+  """
+
+  def __init__(self, workers: int, score_fn=math_reward, timeout_s: float = ITEM_TIMEOUT_S):
+    if workers < 1:
+      raise ValueError(f'a reward pool needs at least one worker, got {workers}')
+    # spawn, not fork: forking a process that runs JAX's threads can deadlock the child.
+    self._context = multiprocessing.get_context('spawn')
+    self.score_fn, self.timeout_s = score_fn, timeout_s
+    self._workers = [_Worker(self._context, score_fn) for _ in range(workers)]
+    self.failures = 0  # items that got 0.0 because their worker outlived the deadline or died
+    atexit.register(self.close)
+
+  def map(self, completions: list[str], answers: list[str]) -> list[float]:
+    """Rewards of each (completion, answer) pair, in order."""
+    if len(completions) != len(answers):
+      raise ValueError(f'{len(completions)} completions but {len(answers)} answers')
+    if self._workers is None:
+      raise RuntimeError('the reward pool is closed')
+    rewards = [0.0] * len(completions)
+    queue = collections.deque(range(len(completions)))
+    while queue or any(worker.item is not None for worker in self._workers):
+      for slot, worker in enumerate(self._workers):
+        if worker.ready and worker.item is None and queue:
+          index = queue.popleft()
+          try:
+            worker.conn.send((completions[index], answers[index]))
+          except OSError:  # it died while idle: retry the item on a fresh worker
+            queue.appendleft(index)
+            self._replace(slot)
+            continue
+          worker.item, worker.deadline = index, time.monotonic() + self.timeout_s
+      waiting = [worker for worker in self._workers if not worker.ready or worker.item is not None]
+      wait_s = max(0.0, min(worker.deadline for worker in waiting) - time.monotonic())
+      answered = connection.wait([worker.conn for worker in waiting], timeout=wait_s)
+      for worker in waiting:
+        if worker.conn in answered:
+          self._receive(worker, rewards)
+      now = time.monotonic()
+      for slot, worker in enumerate(self._workers):
+        if (not worker.ready or worker.item is not None) and now > worker.deadline:
+          if not worker.ready:
+            raise UserError(f'a reward worker did not start within {START_TIMEOUT_S:.0f} s')
+          self.failures += 1  # its reward stays 0.0
+          self._replace(slot)
+    return rewards
+
+  def _receive(self, worker: _Worker, rewards: list[float]) -> None:
+    try:
+      message = worker.conn.recv()
+    except (EOFError, OSError):  # the process died (a crash inside the scorer)
+      if not worker.ready:
+        raise UserError('a reward worker exited while starting (see its traceback above)') from None
+      self.failures += 1
+      self._replace(self._workers.index(worker))
+      return
+    if worker.ready:
+      rewards[worker.item] = message
+      worker.item = None
+    elif message[0] == 'ready':
+      worker.ready = True
+    else:
+      raise UserError(f'a reward worker could not start: {message[1]} (math-verify==0.9.0 is in requirements.txt)')
+
+  def _replace(self, slot: int) -> None:
+    self._workers[slot].stop()
+    self._workers[slot] = _Worker(self._context, self.score_fn)
+
+  def close(self) -> None:
+    """Ends the worker processes (they exit on their own when the pipe closes)."""
+    if self._workers is None:
+      return
+    for worker in self._workers:
+      worker.conn.close()
+    for worker in self._workers:
+      worker.process.join(timeout=2)
+      if worker.process.is_alive():
+        worker.process.kill()
+        worker.process.join(timeout=5)
+    self._workers = None
+    atexit.unregister(self.close)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc_info):
+    self.close()

@@ -1,0 +1,335 @@
+"""The math task: dataset sources, math-verify rewards in a worker pool, prompt order and padding,
+and a short training run on a dataset file through the train CLI."""
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from grpo_jax import config as config_lib
+from grpo_jax import train
+from grpo_jax.data import rewards
+from grpo_jax.data.math_task import MathTask
+from grpo_jax.data.sources import column, load_records
+from grpo_jax.errors import UserError
+from grpo_jax.sampler.rollout import Rollout
+from test_api import write_tokenizer
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+# (completion, reference answer, expected reward)
+TABLE = [
+    ('so the answer is \\boxed{1/2}', '0.5', 1.0),
+    ('\\boxed{\\frac{1}{2}}', '0.5', 1.0),
+    ('\\boxed{\\frac{1}{2}}', '\\frac{1}{2}', 1.0),
+    ('first \\boxed{3}, no: \\boxed{0.5}', '1/2', 1.0),  # the last boxed answer counts
+    ('first \\boxed{0.5}, no: \\boxed{3}', '1/2', 0.0),
+    ('\\boxed{34}', '34', 1.0),
+    ('\\boxed{35}', '34', 0.0),
+    ('\\boxed{(1, 2)}', '(1,2)', 1.0),
+    ('\\boxed{\\sqrt{2}}', '\\sqrt 2', 1.0),
+    ('\\boxed{2}', '\\sqrt 2', 0.0),
+    ('I do not know.', '0.5', 0.0),
+    ('', '7', 0.0),
+    ('}{ \\boxed{ ^^ $$ \\frac{', '0.5', 0.0),
+    ('The answer is 12.', '12', 1.0),  # no box: whatever math-verify extracts from the text
+]
+
+
+def score_needing_a_missing_package(completion, answer):
+  import grpo_jax_no_such_package  # noqa: F401
+
+
+def score_with_failures(completion, answer):
+  """A scorer for the pool tests: references 'hang' and 'crash' misbehave, others use math-verify."""
+  if answer == 'hang':
+    time.sleep(600)
+  if answer == 'crash':
+    os._exit(3)
+  if answer == 'raise':
+    raise RuntimeError('scorer failed')
+  return rewards.math_reward(completion, answer)
+
+
+# ---- rewards ----
+
+def test_math_reward_table():
+  got = [rewards.math_reward(completion, answer) for completion, answer, _ in TABLE]
+  assert got == [expected for _, _, expected in TABLE]
+  # math-verify's own alarm stops a comparison that would evaluate a 10^8-digit power.
+  start = time.monotonic()
+  assert rewards.math_reward('\\boxed{9^{9^{9^{9}}}}', '5', timeout_s=1) == 0.0
+  assert time.monotonic() - start < 10
+
+
+def test_last_boxed():
+  assert rewards.last_boxed('a \\boxed{1} b \\boxed{\\frac{1}{2}} c') == '\\frac{1}{2}'
+  assert rewards.last_boxed('\\boxed{2} then cut off \\boxed{3') == '2'
+  assert rewards.last_boxed('\\boxed{5} then \\fbox{6}') == '6'
+  assert rewards.last_boxed('no box here') is None
+
+
+def test_pool_keeps_order_and_gives_zero_for_hangs_and_crashes():
+  completions = [completion for completion, _, _ in TABLE]
+  answers = [answer for _, answer, _ in TABLE]
+  expected = [reward for _, _, reward in TABLE]
+  with rewards.RewardPool(2, score_fn=score_with_failures, timeout_s=2.0) as pool:
+    assert pool.map(completions, answers) == expected
+    # Misbehaving items get 0.0; the others keep their place and their reward.
+    mixed = ['\\boxed{1}', 'x', '\\boxed{2}', 'x', '\\boxed{3}', 'x', '\\boxed{4}']
+    references = ['1', 'hang', '2', 'crash', '5', 'raise', '4']
+    start = time.monotonic()
+    assert pool.map(mixed, references) == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    assert 2.0 <= time.monotonic() - start < 60
+    assert pool.failures == 2  # the hang and the crash; both workers were replaced
+    assert pool.map(completions[:4], answers[:4]) == expected[:4]
+
+
+def test_pool_says_when_workers_cannot_start():
+  with rewards.RewardPool(1, score_fn=score_needing_a_missing_package) as pool:
+    with pytest.raises(UserError, match="could not start: ModuleNotFoundError: No module named 'grpo_jax_no_such"):
+      pool.map(['x'], ['1'])
+
+
+# ---- sources ----
+
+RECORDS = [{'question': f'What is {i} plus {i}?', 'answer': str(2 * i), 'meta': {'level': i % 3}}
+           for i in range(5)]
+
+
+def test_sources_round_trip(tmp_path):
+  jsonl = tmp_path / 'data.jsonl'
+  jsonl.write_text('\n'.join(json.dumps(r) for r in RECORDS) + '\n\n')
+  assert load_records(str(jsonl)) == RECORDS
+  plain = tmp_path / 'data.json'
+  plain.write_text(json.dumps(RECORDS))
+  assert load_records(str(plain)) == RECORDS
+  by_split = tmp_path / 'splits.json'
+  by_split.write_text(json.dumps({'train': RECORDS[:2], 'test': RECORDS[2:]}))
+  assert load_records(str(by_split), 'test') == RECORDS[2:]
+  lines_named_json = tmp_path / 'lines.json'  # what datasets' to_json writes
+  lines_named_json.write_text('\n'.join(json.dumps(r) for r in RECORDS))
+  assert load_records(str(lines_named_json)) == RECORDS
+  pyarrow = pytest.importorskip('pyarrow', reason='parquet files need pyarrow (requirements-extras.txt)')
+  import pyarrow.parquet
+  parquet = tmp_path / 'data.parquet'
+  pyarrow.parquet.write_table(pyarrow.Table.from_pylist(RECORDS), parquet)
+  assert load_records(str(parquet)) == RECORDS
+  assert column(RECORDS, 'meta.level', 'task.answer_field', 'x') == [0, 1, 2, 0, 1]
+
+
+def test_tfds_source_gives_plain_strings():
+  tfds = pytest.importorskip('tensorflow_datasets', reason='tfds comes with requirements-extras.txt')
+  with tfds.testing.mock_data(num_examples=3):  # random examples with gsm8k's features, no files
+    records = load_records('tfds:gsm8k', 'train')
+  assert len(records) == 3
+  assert all(isinstance(value, str) for record in records for value in record.values())
+  assert len(column(records, 'question', 'task.prompt_field', 'tfds:gsm8k')) == 3
+
+
+def one_line_error(call, *args, **kwargs) -> str:
+  with pytest.raises(UserError) as raised:
+    call(*args, **kwargs)
+  message = str(raised.value)
+  assert '\n' not in message
+  return message
+
+
+def test_source_errors(tmp_path):
+  path = tmp_path / 'data.jsonl'
+  path.write_text('\n'.join(json.dumps(r) for r in RECORDS))
+  message = one_line_error(column, load_records(str(path)), 'problem', 'task.prompt_field', str(path))
+  assert "task.prompt_field 'problem'" in message and str(path) in message and 'question' in message
+  assert 'not found' in one_line_error(load_records, str(tmp_path / 'missing.jsonl'))
+  assert '.parquet' in one_line_error(load_records, str(tmp_path / 'data.csv'))
+  (tmp_path / 'empty.jsonl').write_text('\n')
+  assert 'no records' in one_line_error(load_records, str(tmp_path / 'empty.jsonl'))
+  (tmp_path / 'bad.jsonl').write_text('{"a": 1}\n{"a": \n')
+  assert 'line 2' in one_line_error(load_records, str(tmp_path / 'bad.jsonl'))
+  message = one_line_error(load_records, 'hf:grpo-jax-tests/not-a-cached-dataset', 'train')
+  assert 'hf:grpo-jax-tests/not-a-cached-dataset' in message
+  try:
+    import datasets  # noqa: F401
+    assert 'local Hugging Face cache' in message
+  except ImportError:
+    assert 'needs the datasets package' in message
+
+
+# ---- MathTask: prompts ----
+
+def chat_tokenizer_dir(directory) -> str:
+  """The byte-level BPE of test_api plus Qwen's chat tokens and a ChatML template."""
+  from tokenizers import Tokenizer
+  os.makedirs(directory, exist_ok=True)
+  write_tokenizer(directory)
+  tokenizer = Tokenizer.from_file(os.path.join(directory, 'tokenizer.json'))
+  tokenizer.add_special_tokens(['<|im_start|>', '<|im_end|>'])
+  tokenizer.save(os.path.join(directory, 'tokenizer.json'))
+  with open(os.path.join(directory, 'tokenizer_config.json'), 'w') as f:
+    json.dump({'tokenizer_class': 'Qwen2Tokenizer', 'eos_token': '<|im_end|>', 'pad_token': '<|endoftext|>',
+               'chat_template': CHAT_TEMPLATE}, f)
+  return str(directory)
+
+
+def write_problems(path, count, long_ones=()):
+  with open(path, 'w') as f:
+    for i in range(count):
+      question = 'nine ' * 200 if i in long_ones else f'What is {i} plus one?'
+      f.write(json.dumps({'problem': question, 'solution': i + 1}) + '\n')
+  return str(path)
+
+
+def make_config(model_path, source, seed=0, **task):
+  task = dict(dict(name='math', source=source, prompt_field='problem', answer_field='solution',
+                   max_prompt_tokens=48, reward_workers=2), **task)
+  return config_lib.Config(run=config_lib.RunConfig(seed=seed), model=config_lib.ModelConfig(path=model_path),
+                           task=config_lib.TaskConfig(**task))
+
+
+def make_task(model_path, source, seed=0, **task):
+  config = make_config(model_path, source, seed, **task)
+  return MathTask(config.task, config)
+
+
+def test_prompts_left_padded_through_the_chat_template(tmp_path):
+  model_path = chat_tokenizer_dir(tmp_path / 'tok')
+  task = make_task(model_path, write_problems(tmp_path / 'p.jsonl', 8), prompt_template='Q: {prompt}')
+  tokenizer = task.tokenizer
+  assert task.stop_token_ids == (tokenizer.convert_tokens_to_ids('<|im_end|>'),
+                                 tokenizer.convert_tokens_to_ids('<|endoftext|>'))
+  assert task.eos_id == task.stop_token_ids[0] and task.pad_id == tokenizer.convert_tokens_to_ids('<|endoftext|>')
+  assert task.vocab_size == 302 and task.prompt_length == 48
+  prompts = task.batch(jax.random.key(0), 5, 0)
+  tokens, mask = np.asarray(prompts.tokens), np.asarray(prompts.mask)
+  assert tokens.shape == mask.shape == (5, 48) and tokens.dtype == mask.dtype == np.int32
+  for row, index in enumerate(prompts.indices):
+    expected = tokenizer(f'<|im_start|>user\nQ: What is {index} plus one?<|im_end|>\n<|im_start|>assistant\n',
+                         add_special_tokens=False)['input_ids']
+    length = len(expected)
+    np.testing.assert_array_equal(mask[row], [0] * (48 - length) + [1] * length)
+    np.testing.assert_array_equal(tokens[row, 48 - length:], expected)
+    assert np.all(tokens[row, :48 - length] == task.pad_id)
+    assert prompts.answers[row] == str(index + 1)
+
+
+def test_plain_prompts_without_chat_template(tmp_path):
+  write_tokenizer(tmp_path)
+  task = make_task(str(tmp_path), write_problems(tmp_path / 'p.jsonl', 4),
+                   prompt_template='{prompt} Put the answer in \\boxed{{}}.')
+  assert task.stop_token_ids == (0,) and task.pad_id == 0
+  prompts = task.batch(None, 1, 0)
+  index = int(prompts.indices[0])
+  real = np.asarray(prompts.tokens)[0][np.asarray(prompts.mask)[0] == 1]
+  assert task.tokenizer.decode(real) == f'What is {index} plus one? Put the answer in \\boxed{{}}.'
+  with pytest.raises(UserError, match='literal braces'):
+    make_task(str(tmp_path), str(tmp_path / 'p.jsonl'), prompt_template='{prompt} \\boxed{}')
+  with pytest.raises(UserError, match='has no {prompt}'):
+    make_task(str(tmp_path), str(tmp_path / 'p.jsonl'), prompt_template='Solve it.')
+
+
+def test_chat_message_prompts_and_nested_answers(tmp_path):
+  """The layout of DAPO-Math-17k: prompt = chat messages, answer under reward_model.ground_truth."""
+  model_path = chat_tokenizer_dir(tmp_path / 'tok')
+  source = tmp_path / 'dapo.jsonl'
+  source.write_text(json.dumps({'prompt': [{'role': 'user', 'content': 'What is two plus two?'}],
+                                'reward_model': {'ground_truth': '4', 'style': 'rule'}}))
+  task = make_task(model_path, str(source), prompt_field='prompt', answer_field='reward_model.ground_truth')
+  assert task.texts == ['<|im_start|>user\nWhat is two plus two?<|im_end|>\n<|im_start|>assistant\n']
+  assert task.answers == ['4']
+
+
+def test_order_is_a_function_of_seed_and_position(tmp_path):
+  model_path = chat_tokenizer_dir(tmp_path / 'tok')
+  source = write_problems(tmp_path / 'p.jsonl', 8)
+  task = make_task(model_path, source, seed=3)
+  stream = np.concatenate([task.batch(None, 3, position).indices for position in range(0, 24, 3)])
+  epochs = stream.reshape(3, 8)
+  for epoch in epochs:
+    assert sorted(epoch) == list(range(8))  # each epoch is a permutation of the data
+  assert len({tuple(epoch) for epoch in epochs}) == 3  # reshuffled at each wrap-around
+  np.testing.assert_array_equal(epochs[1], np.random.default_rng([3, 1]).permutation(8))
+  # A resumed run (a new task, same seed) continues the same stream from the recorded position,
+  # also across an epoch boundary and regardless of the batch size.
+  resumed = make_task(model_path, source, seed=3)
+  np.testing.assert_array_equal(resumed.batch(None, 5, 6).indices, stream[6:11])
+  np.testing.assert_array_equal(resumed.batch(None, 2, 20).indices, stream[20:22])
+  other_seed = make_task(model_path, source, seed=4)
+  assert not np.array_equal(other_seed.batch(None, 8, 0).indices, stream[:8])
+
+
+def test_overlong_prompts_are_dropped_once(tmp_path, capsys):
+  model_path = chat_tokenizer_dir(tmp_path / 'tok')
+  task = make_task(model_path, write_problems(tmp_path / 'p.jsonl', 8, long_ones=(2, 5)))
+  assert 'skipped 2 of 8 prompts' in capsys.readouterr().err
+  assert task.num_prompts == 6
+  seen = set(task.answers[i] for i in task.batch(None, 12, 0).indices)
+  assert seen == {str(i + 1) for i in range(8) if i not in (2, 5)}
+  assert capsys.readouterr().err == ''
+  with pytest.raises(UserError, match='every prompt'):
+    make_task(model_path, str(tmp_path / 'p.jsonl'), max_prompt_tokens=4)
+
+
+def test_configuration_errors(tmp_path):
+  source = write_problems(tmp_path / 'p.jsonl', 2)
+  assert 'no tokenizer' in one_line_error(make_task, str(tmp_path), source)
+  assert 'task.source' in one_line_error(make_task, str(tmp_path), None)
+  model_path = chat_tokenizer_dir(tmp_path / 'tok')
+  message = one_line_error(make_task, model_path, source, answer_field='answer')
+  assert "task.answer_field 'answer'" in message and source in message
+
+
+# ---- MathTask: rewards ----
+
+def test_score_decodes_groups_in_order(tmp_path):
+  model_path = chat_tokenizer_dir(tmp_path / 'tok')
+  task = make_task(model_path, write_problems(tmp_path / 'p.jsonl', 8))
+  prompts = task.batch(None, 2, 0)
+  first, second = (int(answer) for answer in prompts.answers)
+  texts = [f'\\boxed{{{first}}}', f'\\boxed{{{first + 1}}}', f'it is {second}', 'no idea']
+  rows = [task.tokenizer(text, add_special_tokens=False)['input_ids'] + [task.eos_id] for text in texts]
+  width = max(map(len, rows)) + 2
+  tokens = np.full((4, width), task.pad_id, np.int32)
+  mask = np.zeros((4, width), bool)
+  for i, row in enumerate(rows):
+    tokens[i, :len(row)], mask[i, :len(row)] = row, True
+  tokens[1, len(rows[1])] = 999  # beyond the tokenizer (masked out anyway), must not break decoding
+  rollout = Rollout(tokens=tokens, log_probs=np.zeros(tokens.shape, np.float32), mask=mask,
+                    lengths=mask.sum(1), stopped=np.ones(4, bool))
+  assert task.decode(tokens, mask) == texts
+  try:
+    rewards_out = task.score(rollout, prompts, group_size=2)
+  finally:
+    task.close()
+  assert rewards_out.dtype == np.float32
+  np.testing.assert_array_equal(np.asarray(rewards_out), [1.0, 0.0, 1.0, 0.0])
+
+
+# ---- end to end ----
+
+@pytest.mark.slow
+def test_training_run_on_a_math_dataset(tmp_path, make_hf_checkpoint, seed):
+  model_path, _ = make_hf_checkpoint(seed)
+  chat_tokenizer_dir(model_path)
+  source = write_problems(tmp_path / 'problems.jsonl', 8)
+  config = tmp_path / 'math.yaml'
+  config.write_text(f"""
+model: {{path: {model_path}}}
+task: {{name: math, source: {source}, prompt_field: problem, answer_field: solution,
+       prompt_template: '{{prompt}} Put the answer in \\boxed{{{{}}}}.', max_prompt_tokens: 64, reward_workers: 2}}
+rollout: {{prompts_per_step: 2, max_new_tokens: 4}}
+algo: {{group_size: 2}}
+optim: {{learning_rate: 1.0e-4}}
+train: {{steps: 3, checkpoint_every: 0, progress: false}}
+""")
+  train.main(['--config', str(config), '--workdir', str(tmp_path / 'run')])
+  with open(tmp_path / 'run' / 'metrics.jsonl') as f:
+    rows = [json.loads(line) for line in f]
+  assert [row['step'] for row in rows] == [1, 2, 3]
+  for row in rows:
+    assert row['reward_s'] > 0 and 0 <= row['reward_mean'] <= 1 and np.isfinite(row['policy_loss'])
+    assert 1 <= row['response_len_mean'] <= 4
+  assert sorted(os.listdir(tmp_path / 'run' / 'checkpoints')) == ['3']
