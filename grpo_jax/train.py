@@ -22,7 +22,7 @@ from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import sharding
 from grpo_jax.model.loading import from_pretrained, init_model
-from grpo_jax.rl.loop import Trainer, make_batch, matmul_peak_flops, model_flops_per_step, rollout_metrics, to_host
+from grpo_jax.rl.loop import Trainer, matmul_peak_flops, model_flops_per_step, rollout_metrics, to_host
 from grpo_jax.rl.step import init_train_state
 
 
@@ -125,7 +125,7 @@ class Run:
       rolled = time.perf_counter()
       rewards = task.score(rollout, prompts, self.config.algo.group_size)
       scored = time.perf_counter()
-      batch = make_batch(prompts.tokens, prompts.mask, rollout, rewards, self.config)
+      batch = trainer.make_batch(prompts.tokens, prompts.mask, rollout, rewards)
       self.state, update_metrics = trainer.update(self.state, batch, self.ref_params)
       metrics = to_host(dict(rollout_metrics(rollout, rewards, self.config.algo.group_size), **update_metrics))
     end = time.perf_counter()

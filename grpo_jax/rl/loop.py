@@ -62,6 +62,8 @@ class Trainer:
     r = config.rollout
     self.sampling = SamplingConfig(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
     self.rollout = jax.jit(self._rollout)
+    self.make_batch = jax.jit(functools.partial(make_batch, config=config))
+    self._split3 = jax.jit(lambda key: tuple(jax.random.split(key, 3)))
     self.update = jax.jit(self._update, donate_argnums=0)
     self.run_steps = jax.jit(self._run_steps, static_argnums=2, donate_argnums=0)
 
@@ -88,7 +90,7 @@ class Trainer:
 
   def split_key(self, state: TrainState) -> tuple[TrainState, jax.Array, jax.Array]:
     """(state with a fresh key, prompt key, sampling key): the step's randomness comes from the state."""
-    key, prompt_key, sample_key = jax.random.split(state.key, 3)
+    key, prompt_key, sample_key = self._split3(state.key)
     return state.replace(key=key), prompt_key, sample_key
 
   def _fused_step(self, state: TrainState, ref_params) -> tuple[TrainState, dict]:

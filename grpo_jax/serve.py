@@ -1,0 +1,164 @@
+"""python -m grpo_jax.serve --ckpt DIR --port P [--host 127.0.0.1] [--slots N] [options]
+
+Serves a Qwen2 / Qwen2.5 checkpoint through JetStream's own orchestrator and gRPC server
+(`jetstream.core.server_lib.run`, interleaved mode: one engine prefills and generates). Clients use
+JetStream's stubs (`jetstream.core.proto.jetstream_pb2_grpc.OrchestratorStub(channel).Decode`):
+
+  token_content: token ids, used as sent; the response carries token ids only.
+  text_content:  text, rendered with the tokenizer's chat template (--chat-template auto: when the
+                 tokenizer has one) as one user message, or as a conversation when the text is a
+                 JSON list of {"role", "content"} objects; the response carries text and token ids.
+
+Sampling (--greedy / --temperature / --top-k / --top-p) is fixed for the server: JetStream's
+DecodeRequest has no field for it. Stop tokens end a sample and are not sent, as JetStream does.
+Needs the extras (google-jetstream); nothing else in grpo_jax imports jetstream.
+"""
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+
+import jax
+
+from grpo_jax.errors import UserError, cli_main
+from grpo_jax.sampler.engine import QwenEngine, ResultTokens
+from grpo_jax.sampler.engine_tokenizer import CHAT_TEMPLATE_MODES, HFTokenizer
+from grpo_jax.sampler.sampling import SamplingConfig
+
+# JetStream 0.2.2 pads token requests to one of these lengths, and max_prefill_length must be one.
+PREFILL_BUCKETS = tuple(16 << i for i in range(12))
+JETSTREAM_THREADS = ('prefill-', 'transfer-', 'generate-', 'detokenize-')
+
+
+def register_with_jetstream() -> None:
+  """Makes QwenEngine, ResultTokens and HFTokenizer virtual subclasses of JetStream's ABCs (its
+  detokenizer tells results from requests with isinstance). Imports jetstream: serving only."""
+  from jetstream.core import orchestrator
+  from jetstream.engine import engine_api, tokenizer_api
+
+  engine_api.Engine.register(QwenEngine)
+  engine_api.ResultTokens.register(ResultTokens)
+  tokenizer_api.Tokenizer.register(HFTokenizer)
+  if not hasattr(jax, 'tree_map'):
+    # 0.2.2 frees each inserted prefix with jax.tree_map, which newer jax no longer has.
+    orchestrator.delete_pytree = _delete_arrays
+
+
+def _delete_arrays(tree) -> None:
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.Array):
+      leaf.delete()
+
+
+def start_server(engine: QwenEngine, port: int, host: str = '127.0.0.1', *, threads: int | None = None,
+                 verbose: bool = False):
+  """Starts JetStream's gRPC server over `engine`; returns its JetStreamServer (call .stop())."""
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')  # jetstream imports TensorFlow (via seqio)
+  register_with_jetstream()
+  from jetstream.core import config_lib, server_lib
+
+  if not verbose:
+    logging.getLogger().setLevel(logging.WARNING)  # the orchestrator logs every step at INFO
+  devices = list(engine.mesh.devices.flat)
+  config = config_lib.ServerConfig(
+      interleaved_slices=(f'{devices[0].platform}={len(devices)}',),
+      interleaved_engine_create_fns=(lambda _devices: engine,))
+  server_lib._HOST = host  # 0.2.2 always binds [::]; this is the one place it reads the host
+  return server_lib.run(port=port, config=config, devices=devices, threads=threads, jax_padding=False)
+
+
+def check_port(host: str, port: int) -> None:
+  family = socket.AF_INET6 if ':' in host else socket.AF_INET
+  with socket.socket(family, socket.SOCK_STREAM) as probe:
+    try:
+      probe.bind((host.strip('[]'), port))
+    except OSError as error:
+      raise UserError(f'cannot listen on {host}:{port}: {error.strerror or error}') from None
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(prog='python -m grpo_jax.serve', description=__doc__.splitlines()[0])
+  parser.add_argument('--ckpt', required=True, help='Hugging Face directory or grpo_jax checkpoint')
+  parser.add_argument('--port', type=int, required=True)
+  parser.add_argument('--host', default='127.0.0.1', help='address to listen on ([::] for all)')
+  parser.add_argument('--slots', type=int, default=8, help='concurrent decodes (decode batch B)')
+  parser.add_argument('--max-prefill-length', type=int, default=1024,
+                      help=f'longest prompt in tokens; one of {", ".join(map(str, PREFILL_BUCKETS))}')
+  parser.add_argument('--max-new-tokens', type=int, default=512, help='longest completion per request')
+  parser.add_argument('--greedy', action='store_true', help='argmax decoding')
+  parser.add_argument('--temperature', type=float, default=1.0)
+  parser.add_argument('--top-p', type=float, default=1.0)
+  parser.add_argument('--top-k', type=int, default=0)
+  parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default='bfloat16')
+  parser.add_argument('--tensor', type=int, default=1, help='devices to shard the model over (tensor parallel)')
+  parser.add_argument('--chat-template', choices=CHAT_TEMPLATE_MODES, default='auto',
+                      help='apply the tokenizer chat template to text requests')
+  parser.add_argument('--token-ids-only', action='store_true',
+                      help='serve a checkpoint without tokenizer (text requests get an empty answer)')
+  parser.add_argument('--verbose', action='store_true', help="keep JetStream's per-step logs")
+  return parser.parse_args(argv)
+
+
+def build_engine(args) -> QwenEngine:
+  from grpo_jax.model.loading import from_pretrained, load_tokenizer
+  from grpo_jax.model.sharding import MeshConfig, make_mesh
+
+  if not os.path.isdir(args.ckpt):
+    raise UserError(f'--ckpt {args.ckpt} is not a directory')
+  tokenizer = load_tokenizer(args.ckpt)
+  if tokenizer is None and not args.token_ids_only:
+    raise UserError(f'{args.ckpt} has no tokenizer, which text requests need; add tokenizer.json '
+                    'or pass --token-ids-only')
+  if args.chat_template == 'always' and not getattr(tokenizer, 'chat_template', None):
+    raise UserError(f'--chat-template always, but the tokenizer in {args.ckpt} has no chat template')
+  if args.max_prefill_length not in PREFILL_BUCKETS:
+    raise UserError(f'--max-prefill-length must be one of {", ".join(map(str, PREFILL_BUCKETS))} '
+                    f'(JetStream pads prompts to these), got {args.max_prefill_length}')
+  if args.slots < 1 or args.max_new_tokens < 1:
+    raise UserError('--slots and --max-new-tokens must be at least 1')
+  if not 1 <= args.tensor <= len(jax.devices()):
+    raise UserError(f'--tensor must be between 1 and the {len(jax.devices())} available devices')
+  try:
+    sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p)
+  except ValueError as error:
+    raise UserError(str(error)) from None
+  check_port(args.host, args.port)
+  mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=args.tensor), devices=jax.devices()[:args.tensor])
+  model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
+  stop = set(model.config.eos_token_ids)
+  if tokenizer is not None and tokenizer.eos_token_id is not None:
+    stop.add(tokenizer.eos_token_id)
+  pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+  return QwenEngine(model, slots=args.slots, max_prefill_length=args.max_prefill_length,
+                    max_new_tokens=args.max_new_tokens, sampling=sampling, stop_token_ids=tuple(sorted(stop)),
+                    pad_id=pad_id, seed=args.seed, tokenizer_path=args.ckpt if tokenizer else None,
+                    chat_template=args.chat_template)
+
+
+@cli_main
+def main(argv=None):
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  engine = build_engine(args)
+  try:
+    server = start_server(engine, args.port, args.host, verbose=args.verbose)
+  except ImportError as error:
+    raise UserError(f'serving needs google-jetstream (pip install -r requirements-extras.txt): {error}') from None
+  except RuntimeError as error:  # grpc could not bind after all
+    raise UserError(f'cannot listen on {args.host}:{args.port}: {error}') from None
+  print(f'serving {args.ckpt} on {args.host}:{args.port} with {engine.slots} slots', file=sys.stderr, flush=True)
+  # SIGINT and SIGTERM stop cleanly (a shell may start a background job with SIGINT ignored).
+  signal.signal(signal.SIGINT, signal.default_int_handler)
+  signal.signal(signal.SIGTERM, signal.default_int_handler)
+  try:
+    server.wait_for_termination()  # stops the orchestrator threads and the gRPC server on exit
+  except KeyboardInterrupt:
+    pass
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,204 @@
+"""QwenEngine (JetStream Engine API) and slot refilling against transformers and the full forward."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import torch
+from flax import nnx
+
+from grpo_jax.model import from_pretrained
+from grpo_jax.sampler import SamplingConfig
+from grpo_jax.sampler.engine import QwenEngine, pad_prompt
+from grpo_jax.sampler.slots import generate_groups
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GREEDY = SamplingConfig(greedy=True)
+
+
+def random_prompts(seed, lengths, vocab=1000):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def transformers_greedy(reference, prompt, max_new_tokens):
+  with torch.no_grad():
+    out = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=None, pad_token_id=0)
+  return out[0, len(prompt):].numpy()
+
+
+def full_forward_log_probs(model, pairs, temperature=1.0):
+  """log softmax(logits / T) of each completion token, from one forward over the right-padded
+  batch of prompt + completion sequences. pairs: [(prompt, completion)] -> one array per pair."""
+  sequences = [list(prompt) + list(completion) for prompt, completion in pairs]
+  width = max(map(len, sequences))
+  tokens = np.zeros((len(sequences), width), np.int32)
+  mask = np.zeros((len(sequences), width), np.int32)
+  for row, sequence in enumerate(sequences):
+    tokens[row, :len(sequence)], mask[row, :len(sequence)] = sequence, 1
+  logits = np.asarray(nnx.jit(lambda m, t, s: m(t, segment_ids=s))(model, tokens, mask), np.float64) / temperature
+  results = []
+  for row, (prompt, completion) in enumerate(pairs):
+    step_logits = logits[row, len(prompt) - 1:len(prompt) + len(completion) - 1]
+    step_logits -= step_logits.max(-1, keepdims=True)
+    log_softmax = step_logits - np.log(np.exp(step_logits).sum(-1, keepdims=True))
+    results.append(np.take_along_axis(log_softmax, np.asarray(completion)[:, None], axis=-1)[:, 0])
+  return results
+
+
+def test_greedy_matches_transformers_and_log_probs_match_full_forward(seed, make_hf_checkpoint):
+  directory, reference = make_hf_checkpoint(seed)
+  model = from_pretrained(directory)
+  engine = QwenEngine(model, slots=4, max_prefill_length=32, max_new_tokens=8, sampling=GREEDY)
+  params = engine.load_params()
+  state = engine.init_decode_state()
+  prompts = random_prompts(seed, [5, 17, 11])
+  slots = [3, 0, 2]  # slot 1 stays free
+  for prompt, slot in zip(prompts, slots):
+    prefix = engine.prefill(params=params, padded_tokens=pad_prompt(prompt, 32), true_length=len(prompt))
+    state = engine.insert(prefix, state, slot)
+  steps = []
+  for _ in range(9):
+    state, result = engine.generate(params, state)
+    steps.append(result.convert_to_numpy())
+  pairs, engine_log_probs = [], []
+  for prompt, slot in zip(prompts, slots):
+    tokens = np.array([step.get_result_at_slot(slot).tokens[0, 0] for step in steps])
+    valid = np.array([step.get_result_at_slot(slot).valid[0, 0] for step in steps])
+    lengths = np.array([step.get_result_at_slot(slot).lengths[0] for step in steps])
+    np.testing.assert_array_equal(tokens[:8], transformers_greedy(reference, prompt, 8))
+    np.testing.assert_array_equal(valid, [1] * 8 + [0])  # max_new_tokens reached: the slot is done
+    np.testing.assert_array_equal(lengths, [1, 2, 3, 4, 5, 6, 7, 8, 8])
+    pairs.append((prompt, tokens[:8]))
+    engine_log_probs.append(np.array([step.log_probs[slot] for step in steps[:8]]))
+  assert not any(step.valid[1] for step in steps)
+  for actual, expected in zip(engine_log_probs, full_forward_log_probs(model, pairs)):
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4)
+
+
+def test_one_prefill_shared_by_group_equals_separate_prefills(seed, make_hf_checkpoint):
+  """A prompt prefilled once and inserted into G slots samples exactly what G prefills would."""
+  directory, _ = make_hf_checkpoint(seed)
+  model = from_pretrained(directory)
+  sampling = SamplingConfig(temperature=1.0, top_k=50)
+  prompt = random_prompts(seed, [9])[0]
+
+  def run(shared):
+    engine = QwenEngine(model, slots=3, max_prefill_length=16, max_new_tokens=6, sampling=sampling, seed=seed)
+    params, state = engine.load_params(), engine.init_decode_state()
+    prefix = None
+    for slot in range(3):
+      if prefix is None or not shared:
+        prefix = engine.prefill(params=params, padded_tokens=pad_prompt(prompt, 16), true_length=len(prompt))
+      state = engine.insert(prefix, state, slot)
+    results = []
+    for _ in range(6):
+      state, result = engine.generate(params, state)
+      results.append(result.convert_to_numpy())
+    tokens, log_probs = (np.stack([getattr(r, name) for r in results], 1) for name in ('tokens', 'log_probs'))
+    return engine.prefill_count, tokens, log_probs
+
+  shared_count, shared, shared_log_probs = run(shared=True)
+  separate_count, separate, _ = run(shared=False)
+  assert (shared_count, separate_count) == (1, 3)
+  np.testing.assert_array_equal(shared, separate)
+  assert len({tuple(row) for row in shared}) > 1  # each slot samples with its own key
+  expected = full_forward_log_probs(model, [(prompt, row) for row in shared])
+  for row in range(3):
+    np.testing.assert_allclose(shared_log_probs[row], expected[row], rtol=0, atol=1e-4)
+
+
+def test_refilling_few_slots_equals_one_slot_per_request(seed, make_hf_checkpoint):
+  directory, reference = make_hf_checkpoint(seed)
+  model = from_pretrained(directory)
+  prompts = random_prompts(seed, [7, 12, 4])
+
+  def run(slots, sampling, stop=()):
+    engine = QwenEngine(model, slots=slots, max_prefill_length=16, max_new_tokens=10, sampling=sampling,
+                        stop_token_ids=stop, pad_id=-1)
+    completions = generate_groups(engine, engine.load_params(), prompts, group_size=2,
+                                  key=jax.random.key(seed), check_every=3)
+    return engine.prefill_count, completions
+
+  count, free = run(8, GREEDY)
+  assert count == 3
+  for p, prompt in enumerate(prompts):
+    for g in range(2):
+      np.testing.assert_array_equal(free.tokens[2 * p + g], transformers_greedy(reference, prompt, 10))
+  assert free.mask.all() and free.finish_reasons == ['length'] * 6
+
+  stop = int(free.tokens[0, 2])  # ends row 0 early, and others wherever it appears
+  count, narrow = run(2, GREEDY, stop=(stop,))  # 6 requests through 2 slots
+  assert count == 3
+  for row in range(6):
+    hits = np.flatnonzero(free.tokens[row] == stop)
+    end = hits[0] + 1 if len(hits) else 10
+    assert narrow.lengths[row] == end
+    assert narrow.finish_reasons[row] == ('stop' if len(hits) else 'length')
+    np.testing.assert_array_equal(narrow.tokens[row, :end], free.tokens[row, :end])
+    assert (narrow.tokens[row, end:] == -1).all() and not narrow.mask[row, end:].any()
+    assert narrow.mask[row, :end].all() and (narrow.log_probs[row, end:] == 0).all()
+
+  sampling = SamplingConfig(temperature=0.8, top_p=0.95)
+  _, wide = run(6, sampling)
+  _, narrow = run(4, sampling)  # per-request keys: slot placement does not change the samples
+  np.testing.assert_array_equal(wide.tokens, narrow.tokens)
+  np.testing.assert_allclose(wide.log_probs, narrow.log_probs, rtol=0, atol=1e-5)  # batch size B differs
+  expected = full_forward_log_probs(model, [(prompts[row // 2], narrow.tokens[row]) for row in range(6)], 0.8)
+  for row in range(6):
+    np.testing.assert_allclose(narrow.log_probs[row], expected[row], rtol=0, atol=1e-4)
+
+
+def test_core_modules_do_not_import_jetstream_or_tensorflow():
+  code = ('import sys, grpo_jax, grpo_jax.sampler, grpo_jax.sampler.engine, grpo_jax.sampler.slots, '
+          'grpo_jax.sampler.engine_tokenizer, grpo_jax.train, grpo_jax.serve; '
+          'print(sorted({m.split(".")[0] for m in sys.modules} & {"jetstream", "tensorflow", "seqio"}))')
+  result = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip() == '[]'
+
+
+def test_engine_on_a_mesh_shards_the_decode_state_and_matches_transformers(seed, make_hf_checkpoint):
+  from grpo_jax.model.sharding import MeshConfig, make_mesh
+  directory, reference = make_hf_checkpoint(seed)
+  mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=2), devices=jax.devices()[:4])
+  model = from_pretrained(directory, mesh=mesh)
+  engine = QwenEngine(model, slots=4, max_prefill_length=16, max_new_tokens=6, sampling=GREEDY)
+  assert engine.mesh is mesh
+  prompts = random_prompts(seed, [3, 10, 8, 5])
+  completions = generate_groups(engine, engine.load_params(), prompts)
+  state = engine.init_decode_state()
+  assert state.cache.k.sharding.spec == jax.sharding.PartitionSpec(None, 'fsdp', None, 'tensor')
+  assert state.live.sharding.spec == jax.sharding.PartitionSpec('fsdp')
+  for row, prompt in enumerate(prompts):
+    np.testing.assert_array_equal(completions.tokens[row], transformers_greedy(reference, prompt, 6))
+
+
+def test_prefill_skips_the_bos_placeholder_and_continues_an_existing_prefix(seed, make_hf_checkpoint):
+  """JetStream prepends bos_id (-1 for Qwen) to token requests; a prefix can be extended by a
+  second prefill. Both must decode as the plain concatenated prompt."""
+  directory, reference = make_hf_checkpoint(seed)
+  model = from_pretrained(directory)
+  engine = QwenEngine(model, slots=3, max_prefill_length=32, max_new_tokens=6, sampling=GREEDY)
+  params, state = engine.load_params(), engine.init_decode_state()
+  rejected = engine.prefill(params=params, padded_tokens=np.full(16, -1), true_length=1)  # no real token
+  state = engine.insert(rejected, state, 2)
+  first, second = random_prompts(seed, [5, 7])
+  with_bos = pad_prompt([-1] + first, 16)
+  prefix = engine.prefill(params=params, padded_tokens=with_bos, true_length=len(first) + 1)
+  state = engine.insert(prefix, state, 0)
+  longer = engine.prefill(params=params, existing_prefix=prefix, padded_tokens=pad_prompt(second, 16),
+                          true_length=len(second))
+  state = engine.insert(longer, state, 1)
+  steps = []
+  for _ in range(6):
+    state, result = engine.generate(params, state)
+    steps.append(np.asarray(result.tokens))
+    assert list(np.asarray(result.valid)) == [True, True, False]  # the empty request finishes at once
+  steps = np.stack(steps, 1)
+  np.testing.assert_array_equal(steps[0], transformers_greedy(reference, first, 6))
+  np.testing.assert_array_equal(steps[1], transformers_greedy(reference, first + second, 6))

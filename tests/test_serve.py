@@ -1,0 +1,160 @@
+"""python -m grpo_jax.serve: JetStream's gRPC server and client stubs end to end, and CLI errors.
+
+The server runs in a subprocess: JetStream's orchestrator SIGKILLs its own process when one of
+its threads fails, and a subprocess also bounds shutdown with a timeout.
+"""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from test_api import write_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def serve(*args, **kwargs):
+  return subprocess.Popen([sys.executable, '-m', 'grpo_jax.serve', *map(str, args)], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def greedy_until_stop(reference, prompt, max_new_tokens, stop_ids):
+  """transformers' greedy tokens, cut before the first stop token (JetStream does not send it)."""
+  with torch.no_grad():
+    out = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+  for index, token in enumerate(out):
+    if token in stop_ids:
+      return out[:index]
+  return out
+
+
+@pytest.mark.slow
+def test_jetstream_grpc_server_matches_greedy_decoding(seed, make_hf_checkpoint):
+  # Only the stubs are imported here: importing JetStream's orchestrator reconfigures the root logger.
+  pytest.importorskip('jetstream.core.proto.jetstream_pb2_grpc',
+                      reason='google-jetstream (requirements-extras.txt) is not installed')
+  import grpc
+  import portpicker
+  from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+
+  from grpo_jax.model import load_tokenizer
+
+  directory, reference = make_hf_checkpoint(seed)
+  write_tokenizer(directory)
+  config_path = os.path.join(directory, 'tokenizer_config.json')
+  with open(config_path) as f:
+    tokenizer_config = json.load(f)
+  with open(config_path, 'w') as f:
+    json.dump(dict(tokenizer_config, chat_template=CHAT_TEMPLATE), f)
+  tokenizer = load_tokenizer(directory)
+  stop_ids = {tokenizer.eos_token_id} | set(np.atleast_1d(reference.config.eos_token_id or []).tolist())
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(3, 1000, n).tolist() for n in (6, 13)]
+  question = 'seven plus two is'
+  chat_ids = tokenizer.apply_chat_template([{'role': 'user', 'content': question}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
+  expected = [greedy_until_stop(reference, prompt, 7, stop_ids) for prompt in prompts]
+  expected.append(greedy_until_stop(reference, chat_ids, 5, stop_ids))
+  assert len(chat_ids) <= 64  # fits --max-prefill-length untruncated
+
+  port = portpicker.pick_unused_port()
+  server = serve('--ckpt', directory, '--port', port, '--slots', 2, '--max-prefill-length', 64,
+                 '--max-new-tokens', 8, '--greedy', '--dtype', 'float32')
+  try:
+    with grpc.insecure_channel(f'127.0.0.1:{port}') as channel:
+      grpc.channel_ready_future(channel).result(timeout=240)
+      stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+      requests = [jetstream_pb2.DecodeRequest(token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=p),
+                                              max_tokens=7) for p in prompts]
+      requests.append(jetstream_pb2.DecodeRequest(
+          text_content=jetstream_pb2.DecodeRequest.TextContent(text=question), max_tokens=5))
+
+      def decode(request):
+        ids, text = [], ''
+        for response in stub.Decode(request, timeout=240):
+          for sample in response.stream_content.samples:
+            ids.extend(sample.token_ids)
+            text += sample.text
+        return ids, text
+
+      # Three requests at once through two slots: JetStream refills the slot that frees first.
+      with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(decode, requests))
+      assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30).is_live
+  finally:
+    server.send_signal(signal.SIGINT)
+    try:
+      _, stderr = server.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+      server.kill()
+      raise AssertionError('the server did not shut down within 60 s')
+  assert server.returncode == 0, stderr[-3000:]
+  assert [ids for ids, _ in answers] == expected and any(expected)
+  assert answers[0][1] == '' and answers[2][1] == tokenizer.decode(expected[2])
+
+
+def test_cli_errors_are_one_line(seed, make_hf_checkpoint, tmp_path):
+  def run(*args):
+    process = serve(*args)
+    _, stderr = process.communicate(timeout=120)
+    return process.returncode, stderr.strip()
+
+  code, stderr = run('--ckpt', tmp_path / 'missing', '--port', 1)
+  assert code == 2 and stderr == f'error: --ckpt {tmp_path / "missing"} is not a directory'
+  directory, _ = make_hf_checkpoint(seed)
+  code, stderr = run('--ckpt', directory, '--port', 1)
+  assert code == 2 and stderr.startswith('error: ') and 'has no tokenizer' in stderr and '\n' not in stderr
+  with socket.socket() as taken:
+    taken.bind(('127.0.0.1', 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    code, stderr = run('--ckpt', directory, '--port', port, '--token-ids-only')
+  assert code == 2 and stderr.startswith(f'error: cannot listen on 127.0.0.1:{port}') and '\n' not in stderr
+
+
+def test_tokenizer_chat_template_padding_and_token_requests(make_hf_checkpoint, seed, tmp_path):
+  from grpo_jax.sampler.engine_tokenizer import HFTokenizer
+
+  directory, _ = make_hf_checkpoint(seed)
+  write_tokenizer(directory)
+  plain = HFTokenizer(directory, stop_token_ids=(0, 7), pad_id=5)
+  ids = plain.tokenizer('seven plus two is')['input_ids']
+  padded, length = plain.encode('seven plus two is', max_prefill_length=64)
+  assert length == len(ids) and len(padded) == 16 and padded[:length].tolist() == ids
+  assert (padded[length:] == 5).all()
+  padded, length = plain.encode(' '.join(['seven plus two is'] * 20), max_prefill_length=16)
+  every = plain.tokenizer(' '.join(['seven plus two is'] * 20))['input_ids']
+  assert length == 16 and padded.tolist() == every[-16:]  # too long: the last tokens are kept
+  assert plain.bos_id == -1 and plain.stop_tokens == {0, 7} and plain.pad_id == 5
+
+  config_path = os.path.join(directory, 'tokenizer_config.json')
+  with open(config_path) as f:
+    tokenizer_config = json.load(f)
+  with open(config_path, 'w') as f:
+    json.dump(dict(tokenizer_config, chat_template=CHAT_TEMPLATE), f)
+  chat = HFTokenizer(directory)
+  conversation = [{'role': 'system', 'content': 'be brief'}, {'role': 'user', 'content': 'one plus one'}]
+  for text, messages in (('one plus one', conversation[1:]), (json.dumps(conversation), conversation)):
+    padded, length = chat.encode(text, max_prefill_length=256)
+    expected = chat.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+    assert padded[:length].tolist() == list(expected)
+    assert len(padded) in (16, 32, 64, 128, 256) and len(padded) // 2 < max(length, 16) <= len(padded)
+  never = HFTokenizer(directory, chat_template='never')
+  assert never.encode('one plus one')[0][:3].tolist() == never.tokenizer('one plus one')['input_ids'][:3]
+
+  empty = tmp_path / 'no_tokenizer'
+  empty.mkdir()
+  padded, length = HFTokenizer(str(empty)).encode('one plus one')
+  assert length == 1 and (padded == -1).all()  # rejected: the engine finishes it with no tokens
