@@ -32,30 +32,38 @@ def _register(table: dict, name: str):
   return add
 
 
+def _centred(rewards: jax.Array) -> jax.Array:
+  """r - mean_G r, exactly 0 for a group of equal rewards.
+
+  Rewards are first shifted by the group's first reward, so an all-equal group becomes exact
+  zeros; subtracting a rounded fp32 mean from r directly leaves a few ulps, which GRPO's division
+  by a std just as tiny would blow up into a random advantage.
+  """
+  shifted = rewards.astype(jnp.float32) - rewards[..., :1].astype(jnp.float32)
+  return shifted - shifted.mean(axis=-1, keepdims=True)
+
+
 @_register(ADVANTAGES, 'grpo')
 def grpo_advantages(rewards: jax.Array, epsilon: float = 1e-6) -> jax.Array:
   """A_i = (r_i - mean_G r) / (std_G r + eps), std with Bessel's correction (G - 1), as verl/TRL."""
-  rewards = rewards.astype(jnp.float32)
-  mean = rewards.mean(axis=-1, keepdims=True)
-  std = jnp.std(rewards, axis=-1, ddof=1, keepdims=True)
-  return (rewards - mean) / (std + epsilon)
+  centred = _centred(rewards)
+  std = jnp.sqrt(jnp.sum(jnp.square(centred), axis=-1, keepdims=True) / (rewards.shape[-1] - 1))
+  return centred / (std + epsilon)
 
 
 @_register(ADVANTAGES, 'drgrpo')
 def drgrpo_advantages(rewards: jax.Array, epsilon: float = 1e-6) -> jax.Array:
   """A_i = r_i - mean_G r (Dr.GRPO: no division by the group's std)."""
   del epsilon
-  rewards = rewards.astype(jnp.float32)
-  return rewards - rewards.mean(axis=-1, keepdims=True)
+  return _centred(rewards)
 
 
 @_register(ADVANTAGES, 'rloo')
 def rloo_advantages(rewards: jax.Array, epsilon: float = 1e-6) -> jax.Array:
   """A_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean_G r)."""
   del epsilon
-  rewards = rewards.astype(jnp.float32)
   group = rewards.shape[-1]
-  return (rewards - rewards.mean(axis=-1, keepdims=True)) * group / (group - 1)
+  return _centred(rewards) * group / (group - 1)
 
 
 # ---- KL to the reference policy, per token: log_ratio = log pi(y) - log pi_ref(y) ----
@@ -97,7 +105,9 @@ def sequence_log_ratio(log_probs: jax.Array, old_log_probs: jax.Array, mask: jax
   mask = mask.astype(jnp.float32)
   lengths = jnp.maximum(mask.sum(axis=-1, keepdims=True), 1.0)
   log_s = ((log_probs - old_log_probs) * mask).sum(axis=-1, keepdims=True) / lengths
-  return jax.lax.stop_gradient(log_s) + log_probs - jax.lax.stop_gradient(log_probs)
+  # Parenthesised so the value is exactly log s_i (lp - sg(lp) is exactly 0, adding then
+  # subtracting lp would round log s_i to the ulp of lp).
+  return jax.lax.stop_gradient(log_s) + (log_probs - jax.lax.stop_gradient(log_probs))
 
 
 def clipped_surrogate(log_ratio: jax.Array, advantages: jax.Array, *, epsilon_low: float,
