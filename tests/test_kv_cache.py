@@ -1,5 +1,7 @@
 """Prefill + one-token decode steps through the KV cache equal the full forward pass."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -68,3 +70,26 @@ def test_chunked_prefill_matches_single_prefill(seed, make_hf_checkpoint):
   np.testing.assert_allclose(np.concatenate(pieces, axis=1), np.asarray(whole), rtol=0, atol=TOLERANCE)
   full = np.asarray(model(tokens))
   np.testing.assert_allclose(np.asarray(whole), full, rtol=0, atol=TOLERANCE)
+
+
+def test_decode_ignores_stale_slots_past_length(seed, make_hf_checkpoint):
+  """A cache rewound to an earlier length (as the engine does over a prompt's padding) must not
+  attend to what its later slots still hold, even when they keep a live segment id."""
+  directory, _ = make_hf_checkpoint(seed)
+  model = from_pretrained(directory)
+  graphdef, state = nnx.split(model)
+  # Explicit positions: the default counts the stale slots' nonzero segment ids as earlier tokens.
+  extend = jax.jit(lambda state, tokens, cache, positions: nnx.merge(graphdef, state).extend(
+      tokens, cache, positions=positions))
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, 1000, (2, 14), dtype=np.int32)
+  junk = rng.integers(0, 1000, (2, 5), dtype=np.int32)
+  _, cache = extend(state, np.concatenate([tokens[:, :10], junk], axis=1), model.init_cache(2, 16),
+                    np.broadcast_to(np.arange(15, dtype=np.int32), (2, 15)))
+  cache = dataclasses.replace(cache, length=cache.length - 5)  # slots 10-14 keep junk, segment 1
+  decoded = []
+  for step in range(10, 14):
+    logits, cache = extend(state, tokens[:, step:step + 1], cache, np.full((2, 1), step, np.int32))
+    decoded.append(np.asarray(logits[:, 0]))
+  full = np.asarray(model(tokens))
+  np.testing.assert_allclose(np.stack(decoded, axis=1), full[:, 10:], rtol=0, atol=TOLERANCE)

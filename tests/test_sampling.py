@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from grpo_jax.sampler import SamplingConfig, select
+from grpo_jax.sampler.sampling import block_log_masses, draw
 
 DRAWS = 40_000
 # Upper 1e-4 tail of chi-square with df degrees of freedom (Wilson-Hilferty, z = 3.719): a correct
@@ -84,3 +85,35 @@ def test_top_k_keeps_ties_and_top_p_keeps_the_best_token():
 def test_invalid_settings(fields):
   with pytest.raises(ValueError):
     SamplingConfig(**fields)
+
+
+def test_draw_matches_reference_over_many_blocks(seed):
+  """V = 150 splits into 12 blocks of 13 (the last padded): the block stage and the within-block
+  stage together must give softmax(logits)."""
+  rng = np.random.default_rng(seed)
+  logits = rng.normal(0, 1, 150).astype(np.float32)
+  expected = reference_distribution(logits, 1.0, 0, 1.0)
+  tokens = jax.jit(draw)(jax.random.key(seed), jnp.broadcast_to(logits, (DRAWS, 150)))
+  counts = np.bincount(np.asarray(tokens), minlength=150)
+  assert counts.size == 150, 'drew a padding slot'
+  # Tokens expected fewer than 5 times share one bin, so the chi-square approximation holds.
+  small = DRAWS * expected < 5
+  observed = np.append(counts[~small], counts[small].sum())
+  predicted = DRAWS * np.append(expected[~small], expected[small].sum())
+  observed, predicted = observed[predicted > 0], predicted[predicted > 0]
+  statistic = ((observed - predicted) ** 2 / predicted).sum()
+  assert statistic < chi_square_critical(observed.size - 1), statistic
+
+
+def test_block_log_masses_keep_precision_far_below_the_best_token():
+  """A block 200 nats below the best token keeps its relative mass (a row-wide shift would
+  underflow it to 0), and a block of excluded tokens gets -inf."""
+  scaled = np.full((1, 16), -np.inf, np.float32)
+  scaled[0, :4] = [0.0, -1.0, -2.0, -3.0]
+  scaled[0, 4:8] = [-200.0, -200.5, -201.0, -203.0]
+  scaled[0, 8:11] = [-50.0, -49.0, -48.0]
+  grouped, masses = block_log_masses(jnp.asarray(scaled), 4)
+  assert grouped.shape == (1, 4, 4)
+  expected = [np.logaddexp.reduce(scaled[0, i:i + 4].astype(np.float64)) for i in range(0, 12, 4)]
+  np.testing.assert_allclose(np.asarray(masses[0, :3]), expected, rtol=1e-6)
+  assert np.asarray(masses[0, 3]) == -np.inf

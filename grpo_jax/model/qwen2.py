@@ -101,6 +101,31 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
   return out.reshape(batch, length, num_heads, head_dim)
 
 
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, k_cache: jax.Array,
+                     v_cache: jax.Array, cache_mask: jax.Array) -> jax.Array:
+  """`attention` over the cache's earlier tokens and the T new tokens, without writing the new
+  keys and values into the cache first. q, k, v: [B, T, *, H]; mask: [B, T, T]; k_cache, v_cache:
+  [B, S, K, H]; cache_mask: [B, T, S] -> [B, T, N, H].
+
+  One softmax runs over the concatenated S + T scores, so this is the same attention as over
+  the cache with the new tokens written in; only the small score arrays are concatenated, never
+  the [B, S, K, H] cache, which the layer scan then reads in place.
+  """
+  batch, length, num_heads, head_dim = q.shape
+  num_kv_heads, slots = k.shape[2], k_cache.shape[1]
+  q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
+  scores = jnp.concatenate(
+      [jnp.einsum('BTKGH,BSKH->BKGTS', q, k_cache, preferred_element_type=jnp.float32),
+       jnp.einsum('BTKGH,BSKH->BKGTS', q, k, preferred_element_type=jnp.float32)], axis=-1)
+  scores = scores * (head_dim ** -0.5)
+  mask = jnp.concatenate([cache_mask, mask], axis=-1)
+  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = (jnp.einsum('BKGTS,BSKH->BTKGH', probs[..., :slots], v_cache)
+         + jnp.einsum('BKGTS,BSKH->BTKGH', probs[..., slots:], v))
+  return out.reshape(batch, length, num_heads, head_dim)
+
+
 def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
   """Writes new [B, T, ...] into cache [B, S, ...] at slot start[b] of each row."""
   def write_row(row, update, index):
@@ -108,11 +133,23 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
   return jax.vmap(write_row)(cache, new, start)
 
 
+def _write_layers(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+  """Writes new [L, B, T, ...] into cache [L, B, S, ...] at slot start[b] of each row b."""
+  # One scatter indexed on (row, slot): a vmap over the row axis would move it to the front,
+  # transposing the whole cache there and back.
+  rows = jnp.arange(new.shape[1])[:, None]
+  slots = start[:, None] + jnp.arange(new.shape[2])
+  return cache.at[:, rows, slots].set(new, indices_are_sorted=True, unique_indices=True)
+
+
 def decoder_block(params: dict, x: jax.Array, positions: jax.Array, mask: jax.Array,
-                  kv: tuple[jax.Array, jax.Array] | None, write_start: jax.Array | None,
+                  cache: tuple[jax.Array, jax.Array, jax.Array] | None = None,
                   *, config: Qwen2Config, dtype) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-  """One pre-norm decoder layer. x: [B, T, D]. With `kv` ([B, S, K, H] each), the new keys and
-  values are written at `write_start` and attention reads the whole cache row."""
+  """One pre-norm decoder layer. x: [B, T, D] -> (x, this layer's new keys and values [B, T, K, H]).
+
+  mask [B, T, T] is among the T tokens. With `cache` = (k, v [B, S, K, H], cache_mask [B, T, S]),
+  the tokens also attend to the cached tokens that cache_mask allows; the cache is only read.
+  """
   p = {name: value.astype(dtype) for name, value in params.items()}
   h = rms_norm(x, p['attn_norm'], config.rms_norm_eps)
   q = jnp.einsum('BTD,DNH->BTNH', h, p['q_weight']) + p['q_bias']
@@ -120,10 +157,13 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, mask: jax.Ar
   v = jnp.einsum('BTD,DKH->BTKH', h, p['v_weight']) + p['v_bias']
   q = apply_rope(q, positions, config.rope_theta)
   k = apply_rope(k, positions, config.rope_theta)
-  if kv is not None:
-    k = _write_rows(kv[0], k.astype(kv[0].dtype), write_start)
-    v = _write_rows(kv[1], v.astype(kv[1].dtype), write_start)
-  attended = attention(q, k, v, mask)
+  if cache is None:
+    attended = attention(q, k, v, mask)
+  else:
+    k_cache, v_cache, cache_mask = cache
+    # Round the new keys and values to the cache dtype, as writing them first would.
+    k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
+    attended = cached_attention(q, k, v, mask, k_cache, v_cache, cache_mask)
   x = x + jnp.einsum('BTNH,NHD->BTD', attended, p['o_weight'])
   x = constrain(x, ('batch', 'seq', 'act_embed'))
   h = rms_norm(x, p['mlp_norm'], config.rms_norm_eps)
@@ -224,7 +264,7 @@ class Qwen2(nnx.Module):
       block = jax.checkpoint(block, policy=_REMAT_POLICIES[self.remat])
 
     def layer(x, params):
-      x, _ = block(params, x, positions, mask, None, None)
+      x, _ = block(params, x, positions, mask)
       return x, None
 
     x = self._embed(tokens)
@@ -282,29 +322,34 @@ class Qwen2(nnx.Module):
       positions = previous[:, None] + jnp.maximum(running, 0)
     length = tokens.shape[1]
     query_slots = cache.length[:, None] + jnp.arange(length, dtype=jnp.int32)
-    key_segments = _write_rows(cache.segment_ids, segment_ids, cache.length)
-    key_slots = jnp.broadcast_to(jnp.arange(cache.max_length, dtype=jnp.int32), key_segments.shape)
-    mask = attention_mask(query_slots, segment_ids, key_slots, key_segments)
+    key_slots = jnp.broadcast_to(jnp.arange(cache.max_length, dtype=jnp.int32),
+                                 cache.segment_ids.shape)
+    # Cached slots before `length` (the slots from `length` on are this call's tokens, attended
+    # through `mask`, or still empty).
+    cache_mask = (attention_mask(query_slots, segment_ids, key_slots, cache.segment_ids)
+                  & (key_slots < cache.length[:, None])[:, None, :])
+    mask = attention_mask(query_slots, segment_ids, query_slots, segment_ids)
     block = functools.partial(decoder_block, config=self.config, dtype=self.dtype)
 
-    def layer(carry, xs):
-      x, k_cache, v_cache = carry
-      params, index = xs
-      kv = (k_cache[index], v_cache[index])
-      x, (k_layer, v_layer) = block(params, x, positions, mask, kv, cache.length)
-      k_cache = jax.lax.dynamic_update_index_in_dim(k_cache, k_layer, index, axis=0)
-      v_cache = jax.lax.dynamic_update_index_in_dim(v_cache, v_layer, index, axis=0)
-      return (x, k_cache, v_cache), None
+    # The cache is a scan input, read in place; only the T new tokens' keys and values leave each
+    # layer, and they are written into the cache once, after the scan. Carrying the stacked cache
+    # through the scan instead copies each layer's [B, S, K, H] slice in and out every step.
+    def layer(x, xs):
+      params, k_cache, v_cache = xs
+      return block(params, x, positions, mask, (k_cache, v_cache, cache_mask))
 
-    carry = (self._embed(tokens), cache.k, cache.v)
-    params = self.layers.arrays()
-    indices = jnp.arange(self.config.num_hidden_layers)
+    x, params = self._embed(tokens), self.layers.arrays()
     if self.scan_layers:
-      carry, _ = jax.lax.scan(layer, carry, (params, indices))
+      x, (k_new, v_new) = jax.lax.scan(layer, x, (params, cache.k, cache.v))
     else:
+      new = []
       for index in range(self.config.num_hidden_layers):
-        carry, _ = layer(carry, (jax.tree.map(lambda a, i=index: a[i], params), index))
-    x, k_cache, v_cache = carry
+        x, kv = layer(x, jax.tree.map(lambda a, i=index: a[i], (params, cache.k, cache.v)))
+        new.append(kv)
+      k_new, v_new = (jnp.stack(parts) for parts in zip(*new))
     hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
-    new_cache = KVCache(k=k_cache, v=v_cache, segment_ids=key_segments, length=cache.length + length)
+    new_cache = KVCache(k=_write_layers(cache.k, k_new, cache.length),
+                        v=_write_layers(cache.v, v_new, cache.length),
+                        segment_ids=_write_rows(cache.segment_ids, segment_ids, cache.length),
+                        length=cache.length + length)
     return (hidden if return_hidden else self.project(hidden)), new_cache

@@ -7,6 +7,7 @@ truncation only changes which tokens can be drawn.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,40 @@ def truncated_logits(scaled: jax.Array, top_k: int, top_p: float) -> jax.Array:
   return scaled
 
 
+def block_log_masses(scaled: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+  """scaled [B, V] -> (grouped [B, V/block, block] padded with -inf, block log-masses [B, V/block]).
+
+  Each block's log-mass is its own max plus the log-sum-exp below it, so every block keeps fp32
+  relative precision however far it sits below the row's best token (no underflow to 0 at
+  max - 87 as a row-wide shift would give); a block with no kept token gets -inf.
+  """
+  batch, vocab = scaled.shape
+  pad = -vocab % block
+  grouped = jnp.pad(scaled, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(batch, -1, block)
+  block_max = jnp.max(grouped, axis=-1)
+  finite_max = jnp.where(jnp.isfinite(block_max), block_max, 0.0)
+  mass = jnp.sum(jnp.exp(grouped - finite_max[..., None]), axis=-1)
+  return grouped, jnp.where(mass > 0, finite_max + jnp.log(mass), -jnp.inf)
+
+
+def draw(key: jax.Array, scaled: jax.Array) -> jax.Array:
+  """One token per row from softmax(scaled) [B, V] (-inf marks excluded tokens) -> [B] int32.
+
+  Exact, in two stages: a block of ~sqrt(V) tokens with probability proportional to its mass,
+  then a token within it in proportion to its own probability; P(block) P(token | block) is the
+  token's probability. Each stage is Gumbel-max (`jax.random.categorical`), so only ~2 sqrt(V)
+  random numbers are drawn per row instead of V: on XLA:CPU the [B, V] threefry bits and the
+  Gumbel transform cost more than the model step of a small model (measured in BENCHMARKS.md).
+  """
+  block = math.isqrt(scaled.shape[-1] - 1) + 1  # ceil(sqrt(V)): both stages draw ~sqrt(V) numbers
+  grouped, block_logits = block_log_masses(scaled, block)
+  block_key, token_key = jax.random.split(key)
+  chosen = jax.random.categorical(block_key, block_logits, axis=-1)
+  within = jnp.take_along_axis(grouped, chosen[:, None, None], axis=1)[:, 0]  # [B, block]
+  offset = jax.random.categorical(token_key, within, axis=-1)
+  return (chosen * block + offset).astype(jnp.int32)
+
+
 def select(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> tuple[jax.Array, jax.Array]:
   """logits [B, V] -> (tokens [B] int32, log-probs [B] fp32 under softmax(logits / T))."""
   logits = logits.astype(jnp.float32)
@@ -59,6 +94,5 @@ def select(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> tuple[j
   else:
     scaled = logits / config.temperature
     log_probs = jax.nn.log_softmax(scaled, axis=-1)
-    tokens = jax.random.categorical(key, truncated_logits(scaled, config.top_k, config.top_p),
-                                    axis=-1).astype(jnp.int32)
+    tokens = draw(key, truncated_logits(scaled, config.top_k, config.top_p))
   return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
