@@ -52,11 +52,7 @@ def test_jetstream_grpc_server_matches_greedy_decoding(seed, make_hf_checkpoint)
 
   directory, reference = make_hf_checkpoint(seed)
   write_tokenizer(directory)
-  config_path = os.path.join(directory, 'tokenizer_config.json')
-  with open(config_path) as f:
-    tokenizer_config = json.load(f)
-  with open(config_path, 'w') as f:
-    json.dump(dict(tokenizer_config, chat_template=CHAT_TEMPLATE), f)
+  add_chat_template(directory)
   tokenizer = load_tokenizer(directory)
   stop_ids = {tokenizer.eos_token_id} | set(np.atleast_1d(reference.config.eos_token_id or []).tolist())
   rng = np.random.default_rng(seed)
@@ -138,11 +134,7 @@ def test_tokenizer_chat_template_padding_and_token_requests(make_hf_checkpoint, 
   assert length == 16 and padded.tolist() == every[-16:]  # too long: the last tokens are kept
   assert plain.bos_id == -1 and plain.stop_tokens == {0, 7} and plain.pad_id == 5
 
-  config_path = os.path.join(directory, 'tokenizer_config.json')
-  with open(config_path) as f:
-    tokenizer_config = json.load(f)
-  with open(config_path, 'w') as f:
-    json.dump(dict(tokenizer_config, chat_template=CHAT_TEMPLATE), f)
+  add_chat_template(directory)
   chat = HFTokenizer(directory)
   conversation = [{'role': 'system', 'content': 'be brief'}, {'role': 'user', 'content': 'one plus one'}]
   for text, messages in (('one plus one', conversation[1:]), (json.dumps(conversation), conversation)):
@@ -158,3 +150,12 @@ def test_tokenizer_chat_template_padding_and_token_requests(make_hf_checkpoint, 
   empty.mkdir()
   padded, length = HFTokenizer(str(empty)).encode('one plus one')
   assert length == 1 and (padded == -1).all()  # rejected: the engine finishes it with no tokens
+
+
+def add_chat_template(directory):
+  """Gives the tokenizer in `directory` the test's ChatML-style chat template."""
+  config_path = os.path.join(directory, 'tokenizer_config.json')
+  with open(config_path) as f:
+    tokenizer_config = json.load(f)
+  with open(config_path, 'w') as f:
+    json.dump(dict(tokenizer_config, chat_template=CHAT_TEMPLATE), f)

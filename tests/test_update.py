@@ -81,7 +81,7 @@ def make_update(algo_config: AlgoConfig, optim: OptimConfig = OptimConfig(learni
                 optimizer=None):
   """The jitted step.update as the Trainer builds it (without donation), and its optimizer."""
   total = 10 * algo_config.ppo_epochs * algo_config.num_minibatches
-  optimizer = optimizer or step.make_optimizer(optim, total)
+  optimizer = optimizer or step.make_optimizer(optim, step.learning_rate_schedule(optim, total))
   update = functools.partial(step.update, graphdef=_initial_model()[0], optimizer=optimizer,
                              schedule=step.learning_rate_schedule(optim, total),
                              settings=step.UpdateSettings(algo=algo_config, temperature=TEMPERATURE, rows=ROWS))

@@ -55,8 +55,8 @@ class Trainer:
     self.task = task
     algo_config = config.algo
     updates_per_step = algo_config.ppo_epochs * algo_config.num_minibatches
-    self.optimizer = make_optimizer(config.optim, total_steps * updates_per_step)
     self.schedule = learning_rate_schedule(config.optim, total_steps * updates_per_step)
+    self.optimizer = make_optimizer(config.optim, self.schedule)
     rows = config.rollout.prompts_per_step * algo_config.group_size
     self.settings = UpdateSettings(algo=algo_config, temperature=config.rollout.temperature, rows=rows)
     r = config.rollout

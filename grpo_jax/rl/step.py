@@ -66,8 +66,8 @@ def learning_rate_schedule(config: OptimConfig, total_updates: int) -> optax.Sch
                                             end_value=peak * config.min_lr_ratio)
 
 
-def make_optimizer(config: OptimConfig, total_updates: int) -> optax.GradientTransformation:
-  schedule = learning_rate_schedule(config, total_updates)
+def make_optimizer(config: OptimConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+  """AdamW on `schedule` (see learning_rate_schedule), after global-norm clipping when enabled."""
   adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
                       weight_decay=config.weight_decay)
   if config.max_grad_norm > 0:
