@@ -19,6 +19,7 @@ logits as the unpadded sequence.
 
 import dataclasses
 import functools
+import math
 from typing import Literal
 
 import jax
@@ -142,6 +143,21 @@ def _write_layers(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Arr
   return cache.at[:, rows, slots].set(new, indices_are_sorted=True, unique_indices=True)
 
 
+def matmul(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+  """x [B, T, *I] @ w [*I, *O] -> [B, T, *O], contracting x's last `contract` dims, as one 2-D
+  [B*T, prod I] @ [prod I, prod O] matmul.
+
+  Same maths as einsum('BTI,IO->BTO'), but its gradient with respect to w is then one dot with a
+  single contracting dimension: with B and T kept apart, XLA:CPU contracts two dimensions and
+  copies the activation gradient into a transposed layout first (measured on one SwiGLU block,
+  [64, 37, 256] x F=704, forward + backward: 87 ms as an einsum, 37 ms flattened).
+  """
+  rows = x.shape[:x.ndim - contract]
+  inner = w.shape[:contract]
+  flat = x.reshape(-1, math.prod(inner)) @ w.reshape(math.prod(inner), -1)
+  return flat.reshape(*rows, *w.shape[contract:])
+
+
 def decoder_block(params: dict, x: jax.Array, positions: jax.Array, mask: jax.Array,
                   cache: tuple[jax.Array, jax.Array, jax.Array] | None = None,
                   *, config: Qwen2Config, dtype) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -152,9 +168,9 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, mask: jax.Ar
   """
   p = {name: value.astype(dtype) for name, value in params.items()}
   h = rms_norm(x, p['attn_norm'], config.rms_norm_eps)
-  q = jnp.einsum('BTD,DNH->BTNH', h, p['q_weight']) + p['q_bias']
-  k = jnp.einsum('BTD,DKH->BTKH', h, p['k_weight']) + p['k_bias']
-  v = jnp.einsum('BTD,DKH->BTKH', h, p['v_weight']) + p['v_bias']
+  q = matmul(h, p['q_weight']) + p['q_bias']
+  k = matmul(h, p['k_weight']) + p['k_bias']
+  v = matmul(h, p['v_weight']) + p['v_bias']
   q = apply_rope(q, positions, config.rope_theta)
   k = apply_rope(k, positions, config.rope_theta)
   if cache is None:
@@ -164,12 +180,10 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, mask: jax.Ar
     # Round the new keys and values to the cache dtype, as writing them first would.
     k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
     attended = cached_attention(q, k, v, mask, k_cache, v_cache, cache_mask)
-  x = x + jnp.einsum('BTNH,NHD->BTD', attended, p['o_weight'])
+  x = x + matmul(attended, p['o_weight'], contract=2)
   x = constrain(x, ('batch', 'seq', 'act_embed'))
   h = rms_norm(x, p['mlp_norm'], config.rms_norm_eps)
-  gate = jnp.einsum('BTD,DF->BTF', h, p['gate_weight'])
-  up = jnp.einsum('BTD,DF->BTF', h, p['up_weight'])
-  x = x + jnp.einsum('BTF,FD->BTD', jax.nn.silu(gate) * up, p['down_weight'])
+  x = x + matmul(jax.nn.silu(matmul(h, p['gate_weight'])) * matmul(h, p['up_weight']), p['down_weight'])
   return constrain(x, ('batch', 'seq', 'act_embed')), (k, v)
 
 
