@@ -7,7 +7,9 @@ task's 17-token vocabulary), 8 prompts x G=8 completions of exactly 32 new token
 either side), one fp32 AdamW update per batch (mu=1), beta=0, the same learning rate and CPU threads.
 
 grpo_jax runs in this process: train.Run.host_step (jitted rollout -> JAX reward -> jitted update),
-then the fused K-steps-per-jit path that `python -m grpo_jax.train` takes for this task. TRL runs in
+then the fused K-steps-per-jit path that `python -m grpo_jax.train` takes for this task, with the
+four layers unrolled (model.scan_layers: false, as configs/tiny_arith.yaml: on XLA:CPU the scan's
+stacked residuals cost more than they save at this depth). TRL runs in
 a subprocess of bench/.venv-trl/bin/python (this script with --trl-worker; set it up with the
 command in TRL_SETUP). The two sides take turns step by step, so drift in the load of a shared
 machine reaches both alike; each reports the median of S steps after W warm-up steps. MFU divides
@@ -287,7 +289,7 @@ def run_both(args, model_dir: str, workdir: str) -> tuple[dict, dict | None]:
   total_steps = 2 * args.warmup + args.steps + 2 * args.fused_steps
   config = config_lib.validate(config_lib.Config(
       run=config_lib.RunConfig(name='bench_grpo_step', seed=0),
-      model=config_lib.ModelConfig(path=model_dir),
+      model=config_lib.ModelConfig(path=model_dir, scan_layers=False),
       task=config_lib.TaskConfig(name='arith', max_operand=MAX_OPERAND, operators='+'),
       rollout=config_lib.RolloutConfig(prompts_per_step=args.prompts, max_new_tokens=args.new_tokens),
       algo=config_lib.AlgoConfig(group_size=args.group),
