@@ -70,6 +70,9 @@ def parse_args():
   parser.add_argument('--micro-batch-size', type=int, default=0,
                       help='rows per gradient-accumulation chunk inside the jit (default: the mini-batch)')
   parser.add_argument('--no-scan-layers', action='store_true', help='unroll the layer loop')
+  parser.add_argument('--attention', choices=('dense', 'chunked', 'cudnn'), default='dense',
+                      help='training attention (model.attention)')
+  parser.add_argument('--attention-chunk', type=int, default=512, help='queries per chunk for --attention chunked')
   parser.add_argument('--logprob-implementation', choices=LOGPROB_IMPLEMENTATIONS, default='auto')
   parser.add_argument('--ppo-epochs', type=int, default=1, help='mu')
   parser.add_argument('--num-minibatches', type=int, default=1)
@@ -81,7 +84,7 @@ def parse_args():
                       help='also time the update in PyTorch (transformers Qwen2ForCausalLM)')
   args = parser.parse_args()
   for name in ('rows', 'prompt_length', 'completion_length', 'ppo_epochs', 'num_minibatches',
-               'warmup', 'repeats', 'threads'):
+               'warmup', 'repeats', 'threads', 'attention_chunk'):
     if getattr(args, name) < 1:
       parser.error(f'--{name.replace("_", "-")} must be >= 1, got {getattr(args, name)}')
   if args.rows < 2:
@@ -124,7 +127,8 @@ def run_config(architecture: Qwen2Config, dtype: str) -> config_lib.Config:
   """The run config the trainer would see: one prompt with G = B completions of N tokens."""
   return config_lib.validate(config_lib.Config(
       model=config_lib.ModelConfig(architecture=architecture, dtype=dtype, param_dtype=args.param_dtype,
-                                   remat=args.remat, scan_layers=not args.no_scan_layers),
+                                   remat=args.remat, scan_layers=not args.no_scan_layers,
+                                   attention=args.attention, attention_chunk=args.attention_chunk),
       rollout=config_lib.RolloutConfig(prompts_per_step=1, max_new_tokens=args.completion_length),
       algo=config_lib.AlgoConfig(group_size=args.rows, ppo_epochs=args.ppo_epochs,
                                  num_minibatches=args.num_minibatches, kl_beta=args.kl_beta,
@@ -174,7 +178,8 @@ def jax_update(architecture: Qwen2Config, config: config_lib.Config, arrays: dic
   """(step, trainer, live) where step() runs one donated update and waits for it."""
   mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
   model = init_model(architecture, mesh=mesh, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-                     remat=config.model.remat, scan_layers=config.model.scan_layers)
+                     remat=config.model.remat, scan_layers=config.model.scan_layers,
+                     attention=config.model.attention, attention_chunk=config.model.attention_chunk)
   graphdef, params = nnx.split(model)
   ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
   trainer = Trainer(config, graphdef, task=None, total_steps=args.warmup + args.repeats + 1)
@@ -265,7 +270,8 @@ def main():
   B, Tp, N = args.rows, args.prompt_length, args.completion_length
   print(f'{args.preset}: {architecture.num_params() / 1e6:.0f}M params, {B} rows x ({Tp} + {N}) tokens, '
         f'{dtype} compute / {args.param_dtype} params, remat {args.remat}, micro-batch '
-        f'{args.micro_batch_size}, {"unrolled" if args.no_scan_layers else "scanned"} layers, log-probs '
+        f'{args.micro_batch_size}, {"unrolled" if args.no_scan_layers else "scanned"} layers, {args.attention} '
+        f'attention, log-probs '
         f'{args.logprob_implementation}, mu={args.ppo_epochs} x {args.num_minibatches} mini-batch(es), '
         f'beta={args.kl_beta}')
   print(f'device: {backend} ({device.device_kind}), jax {jax.__version__}'

@@ -30,6 +30,10 @@ class ModelConfig:
   param_dtype: DType = 'float32'  # storage dtype of parameters (fp32 master weights with bf16 compute)
   remat: Literal['none', 'full', 'dots', 'dots_no_batch'] = 'none'  # per-layer rematerialisation
   scan_layers: bool = True  # one lax.scan over layers: compile time independent of depth
+  # Training / scoring attention: dense [T, T] scores; chunked (attention_chunk queries at a time,
+  # rematerialised: O(chunk x T) memory, for long completions); cudnn (NVIDIA GPUs).
+  attention: Literal['dense', 'chunked', 'cudnn'] = 'dense'
+  attention_chunk: int = 512  # queries per chunk with attention: chunked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +279,7 @@ def validate(config: Config) -> Config:
     if not condition:
       raise UserError(message)
 
+  require(config.model.attention_chunk >= 1, f'model.attention_chunk must be >= 1, got {config.model.attention_chunk}')
   require(algo.group_size >= 2, f'algo.group_size must be >= 2 (a group needs a baseline), got {algo.group_size}')
   require(rollout.prompts_per_step >= 1, f'rollout.prompts_per_step must be >= 1, got {rollout.prompts_per_step}')
   require(rollout.max_new_tokens >= 1, f'rollout.max_new_tokens must be >= 1, got {rollout.max_new_tokens}')

@@ -52,8 +52,12 @@ def build_task(config: config_lib.Config):
 
 
 def build_model(config: config_lib.Config, mesh):
+  if config.model.attention == 'cudnn' and jax.default_backend() != 'gpu':
+    raise UserError(f'model.attention: cudnn runs on NVIDIA GPUs only; this run\'s devices are '
+                    f'{jax.default_backend()} (use dense or chunked)')
   options = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-                 remat=config.model.remat, scan_layers=config.model.scan_layers)
+                 remat=config.model.remat, scan_layers=config.model.scan_layers,
+                 attention=config.model.attention, attention_chunk=config.model.attention_chunk)
   if config.model.path:
     return from_pretrained(config.model.path, mesh=mesh, **options)
   return init_model(config.model.architecture, mesh=mesh, seed=config.run.seed, **options)

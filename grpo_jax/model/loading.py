@@ -238,7 +238,8 @@ def save_hf(model: Qwen2, directory: str, *, max_shard_bytes: int = 4 << 30,
 
 
 def from_pretrained(path: str, dtype='float32', *, mesh: Mesh | None = None, param_dtype=None,
-                    remat: str = 'none', scan_layers: bool = True) -> Qwen2:
+                    remat: str = 'none', scan_layers: bool = True, attention: str = 'dense',
+                    attention_chunk: int = 512) -> Qwen2:
   """Loads a Hugging Face directory or a grpo_jax (orbax) checkpoint as a `Qwen2` module.
 
   dtype: compute dtype; param_dtype: storage dtype (defaults to dtype). With `mesh`, parameters
@@ -246,7 +247,8 @@ def from_pretrained(path: str, dtype='float32', *, mesh: Mesh | None = None, par
   """
   if not os.path.isdir(path):
     raise UserError(f'model path {path} is not a directory')
-  options = dict(dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, scan_layers=scan_layers)
+  options = dict(dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, scan_layers=scan_layers,
+                 attention=attention, attention_chunk=attention_chunk)
   if is_orbax_checkpoint(path):
     return load_orbax(path, mesh=mesh, **options)
   return load_hf(path, mesh=mesh, **options)

@@ -30,6 +30,11 @@ from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.sharding import constrain
 
 RematPolicy = Literal['none', 'full', 'dots', 'dots_no_batch']
+# Full-sequence attention: 'dense' (the [T, T] scores at once), 'chunked' (query chunks one at a
+# time, rematerialised: O(chunk x T) memory), 'cudnn' (cuDNN flash attention through
+# jax.nn.dot_product_attention; NVIDIA GPUs only).
+AttentionImplementation = Literal['dense', 'chunked', 'cudnn']
+ATTENTION_IMPLEMENTATIONS = ('dense', 'chunked', 'cudnn')
 
 _REMAT_POLICIES = {
     'full': None,  # save nothing, recompute the whole block
@@ -102,6 +107,50 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
   return out.reshape(batch, length, num_heads, head_dim)
 
 
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, segments: jax.Array,
+                      chunk: int) -> jax.Array:
+  """`attention` of T tokens over themselves, `chunk` queries at a time. q: [B, T, N, H];
+  k, v: [B, T, K, H]; slots, segments: [B, T] (the causal order and segment of each token).
+
+  Exact (each chunk's softmax runs over all T keys under the same mask as `attention`). The
+  chunks run one after another under `lax.map`, each rematerialised under autodiff, so only one
+  chunk's [chunk, T] scores exist at a time, forward or backward: peak score memory is
+  O(chunk x T) per layer instead of O(T^2) (measured: T = 1024, chunk 64: 11 MiB of compiled
+  temporaries for forward + backward against 129 MiB dense). FLOPs are the dense path's plus
+  one recomputation of the attention; the masked upper triangle is still computed.
+  """
+  batch, length = q.shape[:2]
+  chunk = min(chunk, length)
+  pad = -length % chunk
+  if pad:  # extra query rows copy the last real one (a non-empty mask) and are dropped below
+    q, query_slots, query_segments = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode='edge')
+                                      for x in (q, slots, segments))
+  else:
+    query_slots, query_segments = slots, segments
+
+  def chunks(x):  # [B, T + pad, ...] -> [(T + pad) / chunk, B, chunk, ...]
+    return jnp.moveaxis(x.reshape(batch, -1, chunk, *x.shape[2:]), 1, 0)
+
+  @jax.checkpoint
+  def one_chunk(inputs):
+    q_chunk, chunk_slots, chunk_segments = inputs
+    return attention(q_chunk, k, v, attention_mask(chunk_slots, chunk_segments, slots, segments))
+
+  out = jax.lax.map(one_chunk, (chunks(q), chunks(query_slots), chunks(query_segments)))
+  return jnp.moveaxis(out, 0, 1).reshape(batch, length + pad, *out.shape[3:])[:, :length]
+
+
+def library_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                      implementation: str) -> jax.Array:
+  """`attention` of T tokens over themselves through jax.nn.dot_product_attention ('cudnn':
+  cuDNN's fused flash attention on NVIDIA GPUs; 'xla': the library's own XLA path). mask
+  [B, T, T] must be causal in slot order, as `attention_mask` makes it: the call also declares
+  causality, which lets cuDNN skip the upper triangle."""
+  out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], is_causal=True,
+                                     implementation=implementation)
+  return out.astype(q.dtype)
+
+
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, k_cache: jax.Array,
                      v_cache: jax.Array, cache_mask: jax.Array) -> jax.Array:
   """`attention` over the cache's earlier tokens and the T new tokens, without writing the new
@@ -160,10 +209,11 @@ def matmul(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
 
 def decoder_block(params: dict, x: jax.Array, positions: jax.Array, mask: jax.Array,
                   cache: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-                  *, config: Qwen2Config, dtype) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                  *, config: Qwen2Config, dtype, attend=None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
   """One pre-norm decoder layer. x: [B, T, D] -> (x, this layer's new keys and values [B, T, K, H]).
 
-  mask [B, T, T] is among the T tokens. With `cache` = (k, v [B, S, K, H], cache_mask [B, T, S]),
+  mask [B, T, T] is among the T tokens; without a cache, `attend(q, k, v)`, when given, replaces
+  the dense `attention` over it (the model's `attention` setting). With `cache` = (k, v [B, S, K, H], cache_mask [B, T, S]),
   the tokens also attend to the cached tokens that cache_mask allows; the cache is only read.
   """
   p = {name: value.astype(dtype) for name, value in params.items()}
@@ -174,7 +224,7 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, mask: jax.Ar
   q = apply_rope(q, positions, config.rope_theta)
   k = apply_rope(k, positions, config.rope_theta)
   if cache is None:
-    attended = attention(q, k, v, mask)
+    attended = attend(q, k, v) if attend is not None else attention(q, k, v, mask)
   else:
     k_cache, v_cache, cache_mask = cache
     # Round the new keys and values to the cache dtype, as writing them first would.
@@ -234,13 +284,22 @@ class Qwen2(nnx.Module):
 
   dtype: compute dtype (activations, matmul inputs); param_dtype: storage dtype of parameters.
   remat: rematerialisation policy of each layer under autodiff ('none', 'full', 'dots',
-  'dots_no_batch'). scan_layers: run the layer stack as one lax.scan.
+  'dots_no_batch'). scan_layers: run the layer stack as one lax.scan. attention: how the
+  full-sequence forward attends (see AttentionImplementation), attention_chunk: queries per chunk
+  for 'chunked'. Incremental decoding (`extend`) always reads the cache densely.
   """
 
   def __init__(self, config: Qwen2Config, *, dtype='float32', param_dtype='float32',
-               remat: RematPolicy = 'none', scan_layers: bool = True, rngs: nnx.Rngs):
+               remat: RematPolicy = 'none', scan_layers: bool = True,
+               attention: AttentionImplementation = 'dense', attention_chunk: int = 512, rngs: nnx.Rngs):
     if remat != 'none' and remat not in _REMAT_POLICIES:
       raise ValueError(f'remat must be one of none, {", ".join(_REMAT_POLICIES)}; got {remat!r}')
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f'attention must be one of {", ".join(ATTENTION_IMPLEMENTATIONS)}; got {attention!r}')
+    if attention_chunk < 1:
+      raise ValueError(f'attention_chunk must be >= 1, got {attention_chunk}')
+    self.attention = attention
+    self.attention_chunk = attention_chunk
     self.config = config
     self.dtype = jnp.dtype(dtype)
     self.param_dtype = jnp.dtype(param_dtype)
@@ -272,8 +331,15 @@ class Qwen2(nnx.Module):
     if positions is None:
       positions = segment_positions(segment_ids)
     slots = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    mask = attention_mask(slots, segment_ids, slots, segment_ids)
-    block = functools.partial(decoder_block, config=self.config, dtype=self.dtype)
+    mask, attend = None, None
+    if self.attention == 'chunked':
+      attend = functools.partial(chunked_attention, slots=slots, segments=segment_ids,
+                                 chunk=self.attention_chunk)
+    else:
+      mask = attention_mask(slots, segment_ids, slots, segment_ids)
+      if self.attention == 'cudnn':
+        attend = functools.partial(library_attention, mask=mask, implementation='cudnn')
+    block = functools.partial(decoder_block, config=self.config, dtype=self.dtype, attend=attend)
     if self.remat != 'none':
       block = jax.checkpoint(block, policy=_REMAT_POLICIES[self.remat])
 
