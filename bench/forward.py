@@ -12,13 +12,7 @@ import tempfile
 
 import harness
 
-PRESETS = {
-    'mid': dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
-    'qwen2.5-0.5b': dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         tie_word_embeddings=True, rope_theta=1_000_000.0),
-}
+PRESETS = harness.presets('mid', 'qwen2.5-0.5b')
 
 
 def parse_args():

@@ -15,13 +15,7 @@ import tempfile
 
 import harness
 
-PRESETS = {
-    'small': dict(vocab_size=32000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
-    'qwen2.5-0.5b': dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         tie_word_embeddings=True, rope_theta=1_000_000.0),
-}
+PRESETS = harness.presets('small', 'qwen2.5-0.5b')
 OVERRIDES = dict(hidden='hidden_size', intermediate='intermediate_size', layers='num_hidden_layers',
                  heads='num_attention_heads', kv_heads='num_key_value_heads', vocab='vocab_size')
 

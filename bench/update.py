@@ -37,19 +37,7 @@ import time
 
 import harness
 
-PRESETS = {
-    'small': dict(vocab_size=32000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
-    'qwen2.5-0.5b': dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         tie_word_embeddings=True, rope_theta=1_000_000.0),
-    'qwen2.5-1.5b': dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         tie_word_embeddings=True, rope_theta=1_000_000.0),
-    'qwen2.5-7b': dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       tie_word_embeddings=False, rope_theta=1_000_000.0),
-}
+PRESETS = harness.presets('small', 'qwen2.5-0.5b', 'qwen2.5-1.5b', 'qwen2.5-7b')
 # NVIDIA's dense (no sparsity) bf16 tensor-core peaks; the first matching name wins.
 NOMINAL_BF16_PEAKS = (('H100 PCIe', 756e12), ('H100 NVL', 835e12), ('H200 NVL', 835e12),
                       ('H100', 989e12), ('H200', 989e12))
