@@ -15,6 +15,7 @@ import yaml
 
 from grpo_jax.errors import UserError
 from grpo_jax.model.config import Qwen2Config
+from grpo_jax.model.qwen2 import AttentionImplementation
 from grpo_jax.model.sharding import MeshConfig
 
 DType = Literal['float32', 'bfloat16']
@@ -32,7 +33,7 @@ class ModelConfig:
   scan_layers: bool = True  # one lax.scan over layers: compile time independent of depth
   # Training / scoring attention: dense [T, T] scores; chunked (attention_chunk queries at a time,
   # rematerialised: O(chunk x T) memory, for long completions); cudnn (NVIDIA GPUs).
-  attention: Literal['dense', 'chunked', 'cudnn'] = 'dense'
+  attention: AttentionImplementation = 'dense'
   attention_chunk: int = 512  # queries per chunk with attention: chunked
 
 

@@ -20,6 +20,7 @@ logits as the unpadded sequence.
 import dataclasses
 import functools
 import math
+import typing
 from typing import Literal
 
 import jax
@@ -34,7 +35,7 @@ RematPolicy = Literal['none', 'full', 'dots', 'dots_no_batch']
 # time, rematerialised: O(chunk x T) memory), 'cudnn' (cuDNN flash attention through
 # jax.nn.dot_product_attention; NVIDIA GPUs only).
 AttentionImplementation = Literal['dense', 'chunked', 'cudnn']
-ATTENTION_IMPLEMENTATIONS = ('dense', 'chunked', 'cudnn')
+ATTENTION_IMPLEMENTATIONS = typing.get_args(AttentionImplementation)
 
 _REMAT_POLICIES = {
     'full': None,  # save nothing, recompute the whole block
@@ -122,11 +123,9 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array
   batch, length = q.shape[:2]
   chunk = min(chunk, length)
   pad = -length % chunk
-  if pad:  # extra query rows copy the last real one (a non-empty mask) and are dropped below
-    q, query_slots, query_segments = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode='edge')
-                                      for x in (q, slots, segments))
-  else:
-    query_slots, query_segments = slots, segments
+  # Extra query rows (pad of them) copy the last real one (a non-empty mask) and are dropped below.
+  q, query_slots, query_segments = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode='edge')
+                                    for x in (q, slots, segments))
 
   def chunks(x):  # [B, T + pad, ...] -> [(T + pad) / chunk, B, chunk, ...]
     return jnp.moveaxis(x.reshape(batch, -1, chunk, *x.shape[2:]), 1, 0)
