@@ -2,6 +2,7 @@
 against the naive full-logits reference, in values and in gradients with respect to h and W."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -236,6 +237,57 @@ def test_kernels_lower_for_accelerators(schedule, platform, dtype):
   text = step.trace(hidden, weight, targets).lower(lowering_platforms=(platform,)).as_text()
   target = {'tpu': '@tpu_custom_call', 'cuda': 'triton'}[platform]
   assert text.count(target) >= 3
+  if platform == 'tpu':  # each kernel carries its VMEM limit, within the smallest TPU's VMEM
+    limits = [int(size) for size in re.findall(r'scoped_memory_configs.*?size.*?(\d+)\}', text)]
+    assert len(limits) == 3 and all(limit <= 0.9 * (16 << 20) for limit in limits), limits
+
+
+# Hidden sizes of Qwen2.5 0.5B, 1.5B, 3B, 7B, 14B / 32B and 72B.
+QWEN_MODEL_DIMS = (896, 1536, 2048, 3584, 5120, 8192)
+
+
+def test_mosaic_default_blocks_fit_vmem():
+  """Default Mosaic blocks are (8, 128)-aligned and fit the share of VMEM they are sized to on
+  every TPU generation (16, 64, 128 MiB per core); more VMEM never gives smaller blocks; a model
+  too wide for any block gets an error that names the way out."""
+  for itemsize in (2, 4):
+    for model in QWEN_MODEL_DIMS:
+      previous = (0, 0)
+      for capacity in (16 << 20, 64 << 20, 128 << 20):
+        try:
+          blocks = logprob_pallas.mosaic_blocks(model, itemsize, capacity)
+        except ValueError as error:
+          assert capacity == 16 << 20 and 'xla_chunked' in str(error), (model, itemsize, error)
+          continue
+        block_tokens, block_vocab = blocks
+        assert block_tokens % 8 == 0 and block_vocab % 128 == 0
+        need = logprob_pallas.mosaic_vmem_bytes(block_tokens, block_vocab, model, itemsize)
+        assert need <= logprob_pallas.VMEM_SHARE * capacity
+        assert min(blocks) >= min(previous), (model, itemsize, capacity, blocks, previous)
+        previous = blocks
+      # Every Qwen2.5 width gets blocks on the TPUs with 64 MiB of VMEM or more.
+      assert previous != (0, 0), (model, itemsize)
+
+
+def test_mosaic_refuses_blocks_beyond_vmem():
+  """Widest Qwen2.5 shapes lowered for a TPU (the smallest VMEM is assumed off a TPU): 32B's
+  D = 5120 in bf16 gets blocks that fit; 72B's D = 8192 is refused with a pointer to the XLA
+  path, as are explicit blocks that cannot fit, before Mosaic's compiler would fail on them."""
+  def lower(model, **blocks):
+    def loss(h, w, y):
+      return jnp.sum(token_logprobs(h, w, y, implementation='pallas_mosaic', interpret=False,
+                                    **blocks))
+    shapes = (jax.ShapeDtypeStruct((512, model), jnp.bfloat16),
+              jax.ShapeDtypeStruct((model, 151936), jnp.bfloat16),
+              jax.ShapeDtypeStruct((512,), jnp.int32))
+    step = jax.jit(jax.value_and_grad(loss, (0, 1)))
+    return step.trace(*shapes).lower(lowering_platforms=('tpu',)).as_text()
+
+  assert lower(5120).count('@tpu_custom_call') >= 3
+  with pytest.raises(ValueError, match='xla_chunked'):
+    lower(8192)
+  with pytest.raises(ValueError, match=r'blocks \(512, 1024\) at D=896.*smaller block_tokens'):
+    lower(896, block_tokens=512, block_vocab=1024)
 
 
 def test_auto_and_pallas_schedules_per_platform():

@@ -84,7 +84,7 @@ def token_logprobs(hidden, weight, targets, *, temperature: float = 1.0,
   else:
     platform = jax.default_backend()
     schedule = _schedule(implementation, platform)
-    defaults = default_blocks(schedule, model)
+    defaults = default_blocks(schedule, model, jnp.dtype(dtype).itemsize)
     plan = _Plan(schedule, inv_temperature, return_entropy,
                  block_tokens or defaults[0], block_vocab or defaults[1],
                  block_model or defaults[2],
@@ -94,20 +94,19 @@ def token_logprobs(hidden, weight, targets, *, temperature: float = 1.0,
   return (logp, entropy.reshape(targets.shape)) if return_entropy else logp
 
 
-def default_blocks(schedule: str, model: int) -> tuple:
+def default_blocks(schedule: str, model: int, itemsize: int) -> tuple:
   """(block_tokens, block_vocab, block_model) for a schedule, None where it takes no such block.
 
-  These follow each backend's tiling rules but are untuned: no TPU or GPU was at hand.
-  mosaic: VMEM holds double-buffered [block_tokens, D] and [D, block_vocab] tiles and fp32
-    accumulators of both shapes; narrowing the vocabulary block as D grows keeps that within
-    the default scoped VMEM limit (512 columns up to D = 1024, 128 from D = 4096).
+  mosaic: the largest blocks whose buffers fit this TPU's VMEM (logprob_pallas.mosaic_blocks);
+    they are compiled with a matching scoped VMEM limit. Sized from a VMEM estimate, not tuned
+    on a TPU.
   triton: the backward kernels keep [block_tokens, D] (dh) and [D, block_vocab] (dW) fp32
     accumulators in registers, about 112 registers a thread at D = 896 with 8 warps; much larger
-    D spills.
+    D spills. Untuned: no GPU was at hand.
   xla: the vocabulary chunk is sized from the token count (see XLA_CHUNK_ELEMENTS).
   """
   if schedule == 'mosaic':
-    return 256, min(512, max(128, (1 << 19) // model // 128 * 128)), None
+    return (*logprob_pallas.mosaic_blocks(model, itemsize, logprob_pallas.vmem_capacity()), None)
   if schedule == 'triton':
     return 32, 32, 64
   return None, None, None

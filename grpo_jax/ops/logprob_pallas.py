@@ -14,7 +14,8 @@ owns one output tile and loops over the other axis: the logits are computed thre
 
 Two schedules share the tile maths:
   'mosaic'  (TPU) the reduction axis is the last grid axis, marked 'arbitrary', and running
-            statistics live in VMEM scratch; blocks are (8, 128)-aligned, D is taken whole.
+            statistics live in VMEM scratch; blocks are (8, 128)-aligned, D is taken whole, and
+            default blocks are the largest whose buffers fit the TPU's VMEM (`mosaic_blocks`).
   'triton'  (GPU) every grid axis is parallel, so each program loops over the reduction axis
             itself with lax.fori_loop and masked loads; every loaded tile has power-of-two sides,
             so D is walked in `block_model` slices and padded columns read as zeros.
@@ -178,7 +179,7 @@ def _mosaic_backward_kernel(h_ref, w_ref, y_ref, lse_ref, g_ref, *refs, vocab, i
 
 
 def _mosaic_forward(h, w, y, *, block_tokens, block_vocab, inv_temperature, with_entropy,
-                    interpret):
+                    interpret, vmem_limit):
   tokens, model = h.shape
   vocab = w.shape[1]
   token_spec = pl.BlockSpec((block_tokens, 1), lambda i, j: (i, 0))
@@ -194,14 +195,15 @@ def _mosaic_forward(h, w, y, *, block_tokens, block_vocab, inv_temperature, with
       out_specs=[token_spec] * outputs,
       out_shape=[column] * outputs,
       scratch_shapes=[pltpu.VMEM((block_tokens, 1), F32)] * 4,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=('parallel', 'arbitrary')),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=('parallel', 'arbitrary'),
+                                           vmem_limit_bytes=vmem_limit),
       interpret=interpret,
       name='token_logprobs_forward',
   )(h, w, y)
 
 
 def _mosaic_backward(h, w, token_columns, *, block_tokens, block_vocab, inv_temperature,
-                     with_entropy, interpret):
+                     with_entropy, interpret, vmem_limit):
   """token_columns: y, lse, g_logp[, entropy, g_entropy], each [T, 1]. -> dh [T, D], dW [D, V]."""
   tokens, model = h.shape
   vocab = w.shape[1]
@@ -221,7 +223,8 @@ def _mosaic_backward(h, w, token_columns, *, block_tokens, block_vocab, inv_temp
         out_specs=out_spec,
         out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM(acc_shape, F32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=('parallel', 'arbitrary')),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=('parallel', 'arbitrary'),
+                                             vmem_limit_bytes=vmem_limit),
         interpret=interpret,
         name=f'token_logprobs_grad_{grad_of}',
     )(h, w, *token_columns)
@@ -377,6 +380,72 @@ def _triton_backward(h, w, token_columns, *, block_tokens, block_vocab, block_mo
       for grad_of in ('hidden', 'weight'))
 
 
+# ---- Mosaic block sizes: what fits in VMEM ----
+
+# VMEM per TensorCore in jax's TPU table: 16 MiB on v2-v4, 64 MiB on v5p and v7x, 128 MiB on v5e
+# and v6e. Lowering for a TPU from another host assumes the smallest.
+SMALLEST_VMEM = 16 << 20
+# Default blocks use this share of VMEM; the rest is left to Mosaic (internal scratch, relayouts).
+VMEM_SHARE = 0.75
+LANES = 128  # VMEM tiles are (8, 128): a [rows, 1] block occupies [rows, 128]
+
+
+def vmem_capacity() -> int:
+  """VMEM bytes per TensorCore of the TPU in use, or of the smallest TPU when not on one."""
+  if jax.default_backend() == 'tpu':
+    return pltpu.get_tpu_info().vmem_capacity_bytes
+  return SMALLEST_VMEM
+
+
+def mosaic_vmem_bytes(block_tokens: int, block_vocab: int, model: int, itemsize: int) -> int:
+  """VMEM the largest of the three Mosaic kernels holds: its blocks, double-buffered by the
+  pipeline, its accumulator scratch, and the fp32 temporaries of one logits tile (logits,
+  exponentials, d logits and a cast: four [block_tokens, block_vocab] arrays) plus the masked
+  copy of the W block that the dh kernel makes. itemsize is that of h and W."""
+  hidden = block_tokens * model * itemsize
+  weight = model * block_vocab * itemsize
+  column = block_tokens * LANES * 4
+  tile = 4 * block_tokens * block_vocab * 4 + weight
+  forward = 2 * (hidden + weight + column) + 2 * 3 * column + 4 * column + tile
+  streamed = 2 * (hidden + weight + 5 * column) + tile  # h, W, y, lse, g, entropy, g_entropy
+  grad_hidden = streamed + 2 * hidden + block_tokens * model * 4
+  grad_weight = streamed + 2 * weight + model * block_vocab * 4
+  return max(forward, grad_hidden, grad_weight)
+
+
+def mosaic_blocks(model: int, itemsize: int, capacity: int) -> tuple[int, int]:
+  """Default (block_tokens, block_vocab): the largest pair whose blocks fit VMEM_SHARE of VMEM.
+
+  The forward and dh kernels read every W block once per token block, so each W byte from HBM
+  feeds block_tokens multiply-adds; the dW kernel reads every h block once per vocabulary block
+  (block_vocab). A TPU needs a few hundred FLOPs per HBM byte to be compute-bound (bf16 peak over
+  HBM bandwidth: ~170 on v5p, ~240 on v5e, ~560 on v6e), so the smaller of the two blocks is
+  maximised first, then the token block.
+  """
+  budget = VMEM_SHARE * capacity
+  fitting = [(tokens, vocab) for tokens in (1024, 512, 256, 128, 64, 32, 16, 8)
+             for vocab in (1024, 512, 256, 128)
+             if mosaic_vmem_bytes(tokens, vocab, model, itemsize) <= budget]
+  if not fitting:
+    raise ValueError(f'the Mosaic kernels take D={model} whole, and even (8, 128) blocks need '
+                     f'{mosaic_vmem_bytes(8, 128, model, itemsize) / 2**20:.1f} MiB of the '
+                     f'{capacity / 2**20:.0f} MiB of VMEM; use implementation=\'xla_chunked\'')
+  return max(fitting, key=lambda blocks: (min(blocks), blocks[0]))
+
+
+def mosaic_vmem_limit(block_tokens: int, block_vocab: int, model: int, itemsize: int) -> int:
+  """The scoped VMEM limit the Mosaic kernels are compiled with: twice the blocks' estimate
+  (headroom for Mosaic's own scratch), at least 16 MiB (the compiler's usual default), at most
+  90% of the TPU's VMEM. Blocks over that are refused here, before Mosaic's compiler runs."""
+  ceiling = vmem_capacity() * 9 // 10
+  need = mosaic_vmem_bytes(block_tokens, block_vocab, model, itemsize)
+  if need > ceiling:
+    raise ValueError(f'mosaic blocks ({block_tokens}, {block_vocab}) at D={model} need about '
+                     f'{need / 2**20:.1f} MiB of VMEM, more than the {ceiling / 2**20:.1f} MiB '
+                     'a kernel may take on this TPU; pass smaller block_tokens / block_vocab')
+  return min(ceiling, max(2 * need, 16 << 20))
+
+
 # ---- entry points: padding, block checks, schedule dispatch ----
 
 def _round_up(value: int, multiple: int) -> int:
@@ -431,7 +500,8 @@ def pallas_forward(h, w, y, *, schedule, block_tokens, block_vocab, block_model,
   common = dict(block_tokens=block_tokens, block_vocab=block_vocab,
                 inv_temperature=inv_temperature, with_entropy=with_entropy, interpret=interpret)
   if schedule == 'mosaic':
-    columns = _mosaic_forward(h, w, y, **common)
+    vmem_limit = mosaic_vmem_limit(block_tokens, block_vocab, h.shape[1], h.dtype.itemsize)
+    columns = _mosaic_forward(h, w, y, vmem_limit=vmem_limit, **common)
   else:
     columns = _triton_forward(h, w, y, block_model=block_model, **common)
   logp, lse, *entropy = (column[:tokens, 0] for column in columns)
@@ -451,7 +521,8 @@ def pallas_backward(h, w, y, lse, entropy, g_logp, g_entropy, *, schedule, block
   common = dict(block_tokens=block_tokens, block_vocab=block_vocab,
                 inv_temperature=inv_temperature, with_entropy=with_entropy, interpret=interpret)
   if schedule == 'mosaic':
-    dh, dw = _mosaic_backward(h_padded, w_padded, columns, **common)
+    vmem_limit = mosaic_vmem_limit(block_tokens, block_vocab, model, h.dtype.itemsize)
+    dh, dw = _mosaic_backward(h_padded, w_padded, columns, vmem_limit=vmem_limit, **common)
   else:
     dh, dw = _triton_backward(h_padded, w_padded, columns, block_model=block_model, **common)
   return dh[:tokens, :model], dw[:model]
