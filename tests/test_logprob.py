@@ -34,6 +34,9 @@ RTOL, ATOL_SCALE = 1e-5, 1e-5
 # the naive path's own bf16 autodiff (rounding the output alone costs up to 2^-8 = 3.9e-3).
 BF16_GRAD = 1e-2
 
+# Hidden sizes of Qwen2.5 0.5B, 1.5B, 3B, 7B, 14B / 32B and 72B.
+QWEN_MODEL_DIMS = (896, 1536, 2048, 3584, 5120, 8192)
+
 
 def assert_close(actual, expected, rtol=RTOL, atol_scale=ATOL_SCALE, what=''):
   expected = np.asarray(expected, np.float64)
@@ -202,6 +205,43 @@ def test_bf16_bound(implementation, seed):
     assert error <= BF16_GRAD * np.abs(np.asarray(b)).max(), (name, error)
 
 
+@pytest.mark.parametrize('slices_per_group', [1, 2])
+def test_triton_model_groups(monkeypatch, slices_per_group, seed):
+  """Wide models split the Triton backward kernels' D into groups on a second grid axis. With
+  the register budget shrunk to 1 or 2 slices, D = 64 in 16-wide slices runs as 4 or 2 groups
+  per kernel, and values and gradients still match the naive path."""
+  monkeypatch.setattr(logprob_pallas, 'TRITON_ACCUMULATOR_BYTES', slices_per_group * 32 * 16 * 4)
+  assert logprob_pallas.triton_model_groups(4, 32, 16) == 4 // slices_per_group
+  rng = np.random.default_rng(seed)
+  h, w, y = random_problem(rng, tokens=100, model=64, vocab=1000)
+  g_logp, g_entropy = rng.standard_normal((2, 100)).astype(np.float32)
+
+  def loss(h, w):
+    logp, entropy = token_logprobs(h, w, y, return_entropy=True, implementation='pallas_triton',
+                                   block_tokens=32, block_vocab=32, block_model=16)
+    return jnp.sum(g_logp * logp) + jnp.sum(g_entropy * entropy), (logp, entropy)
+
+  # A fresh jit, so the kernels are traced under the patched budget.
+  (_, ours), ours_grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(h, w)
+  reference = value_and_grads('naive', h, w, y, g_logp, g_entropy)
+  for name, a, b in zip(('logp', 'entropy', 'dh', 'dW'), (*ours, *ours_grads), reference):
+    assert_close(a, b, what=name)
+
+
+def test_triton_groups_bound_accumulators():
+  """Every Qwen2.5 width, at the default Triton blocks, gets D groups whose accumulators fit the
+  register budget and divide D's slices evenly; widths up to 1024 need none."""
+  for model in QWEN_MODEL_DIMS:
+    block_tokens, block_vocab, block_model = logprob.default_blocks('triton', model, 2)
+    _, _, block_model = logprob_pallas.block_shapes('triton', 4096, model, 151936, block_tokens,
+                                                    block_vocab, block_model)
+    slices = model // block_model
+    for block in (block_tokens, block_vocab):
+      groups = logprob_pallas.triton_model_groups(slices, block, block_model)
+      assert slices % groups == 0
+      assert block * (slices // groups) * block_model * 4 <= logprob_pallas.TRITON_ACCUMULATOR_BYTES
+      assert (groups == 1) == (model <= 1024), (model, groups)
+
 def test_chunked_memory_stays_small():
   """Guards the point of the op: compiled forward + backward temporaries of the XLA path stay
   a few percent of the naive path's, whose [T, V] fp32 logits alone are 311 MB here."""
@@ -219,13 +259,15 @@ def test_chunked_memory_stays_small():
 
 
 @pytest.mark.parametrize('schedule,platform', [('mosaic', 'tpu'), ('triton', 'cuda')])
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
-def test_kernels_lower_for_accelerators(schedule, platform, dtype):
+@pytest.mark.parametrize('dtype,model', [(jnp.float32, 896), (jnp.bfloat16, 896),
+                                         (jnp.bfloat16, 5120)])
+def test_kernels_lower_for_accelerators(schedule, platform, dtype, model):
   """Forward and both backward kernels lower for the real backend (not interpreted): Mosaic for
-  TPU and Triton for GPU, with the model's shapes. This runs jax's lowering rules and block
-  checks only; Mosaic's and Triton's own compilers need the device."""
-  hidden = jax.ShapeDtypeStruct((2, 128, 896), dtype)
-  weight = jax.ShapeDtypeStruct((896, 151936), dtype)
+  TPU and Triton for GPU, with Qwen2.5-0.5B's and 32B's shapes (the latter splits the Triton
+  backward kernels into D groups). This runs jax's lowering rules and block checks only;
+  Mosaic's and Triton's own compilers need the device."""
+  hidden = jax.ShapeDtypeStruct((2, 128, model), dtype)
+  weight = jax.ShapeDtypeStruct((model, 151936), dtype)
   targets = jax.ShapeDtypeStruct((2, 128), jnp.int32)
 
   def loss(h, w, y):
@@ -241,9 +283,6 @@ def test_kernels_lower_for_accelerators(schedule, platform, dtype):
     limits = [int(size) for size in re.findall(r'scoped_memory_configs.*?size.*?(\d+)\}', text)]
     assert len(limits) == 3 and all(limit <= 0.9 * (16 << 20) for limit in limits), limits
 
-
-# Hidden sizes of Qwen2.5 0.5B, 1.5B, 3B, 7B, 14B / 32B and 72B.
-QWEN_MODEL_DIMS = (896, 1536, 2048, 3584, 5120, 8192)
 
 
 def test_mosaic_default_blocks_fit_vmem():

@@ -101,8 +101,9 @@ def default_blocks(schedule: str, model: int, itemsize: int) -> tuple:
     they are compiled with a matching scoped VMEM limit. Sized from a VMEM estimate, not tuned
     on a TPU.
   triton: the backward kernels keep [block_tokens, D] (dh) and [D, block_vocab] (dW) fp32
-    accumulators in registers, about 112 registers a thread at D = 896 with 8 warps; much larger
-    D spills. Untuned: no GPU was at hand.
+    accumulators in registers, about 112 registers a thread at D = 896 with 8 warps; wider
+    models split D into groups over a second grid axis (logprob_pallas.triton_model_groups).
+    Untuned: no GPU was at hand.
   xla: the vocabulary chunk is sized from the token count (see XLA_CHUNK_ELEMENTS).
   """
   if schedule == 'mosaic':

@@ -18,7 +18,9 @@ Two schedules share the tile maths:
             default blocks are the largest whose buffers fit the TPU's VMEM (`mosaic_blocks`).
   'triton'  (GPU) every grid axis is parallel, so each program loops over the reduction axis
             itself with lax.fori_loop and masked loads; every loaded tile has power-of-two sides,
-            so D is walked in `block_model` slices and padded columns read as zeros.
+            so D is walked in `block_model` slices and padded columns read as zeros. The
+            backward kernels' accumulators live in registers, so wide models split D into
+            groups on a second grid axis, each recomputing the logits tiles.
 Both run under `interpret=True` on CPU, which is how the tests exercise the kernel bodies.
 """
 
@@ -291,13 +293,17 @@ def _triton_forward_kernel(h_ref, w_ref, y_ref, logp_ref, lse_ref, *entropy_ref,
 
 
 def _triton_backward_kernel(h_ref, w_ref, y_ref, lse_ref, g_ref, *refs, grad_of, vocab,
-                            block_tokens, block_vocab, block_model, inv_temperature, with_entropy):
-  """grad_of='hidden': program i owns dh rows of token block i and loops over the vocabulary.
-  grad_of='weight': program j owns dW columns of vocab block j and loops over tokens.
-  The fp32 accumulator is a tuple of block_model-wide slices along D, because Triton tiles cannot
-  be updated in place and D (e.g. 896) is rarely a power of two."""
+                            block_tokens, block_vocab, block_model, group_slices, inv_temperature,
+                            with_entropy):
+  """grad_of='hidden': program (i, g) owns the dh rows of token block i in D group g, and loops
+  over the vocabulary. grad_of='weight': program (j, g) owns the dW columns of vocab block j in
+  D group g, and loops over tokens. A D group is `group_slices` block_model-wide slices of D,
+  held as a tuple of fp32 accumulators (Triton tiles cannot be updated in place, and D, e.g. 896,
+  is rarely a power of two). Every group recomputes the full logits tile (a contraction over all
+  of D), so more groups cost more FLOPs; they exist to keep the accumulators in registers."""
   entropy_ref, g_entropy_ref, out_ref = refs if with_entropy else (None, None, refs[0])
-  slices = range(h_ref.shape[1] // block_model)
+  slices = range(group_slices)
+  first_slice = pl.program_id(1) * group_slices
   tile = functools.partial(_triton_tile, h_ref, w_ref, vocab=vocab, block_vocab=block_vocab,
                            block_model=block_model, inv_temperature=inv_temperature)
 
@@ -308,7 +314,7 @@ def _triton_backward_kernel(h_ref, w_ref, y_ref, lse_ref, g_ref, *refs, grad_of,
                           inv_temperature=inv_temperature), valid
 
   def model_slice(k):
-    return pl.ds(k * block_model, block_model)
+    return pl.ds(pl.multiple_of((first_slice + k) * block_model, block_model), block_model)
 
   if grad_of == 'hidden':
     rows = pl.ds(pl.multiple_of(pl.program_id(0) * block_tokens, block_tokens), block_tokens)
@@ -366,18 +372,40 @@ def _triton_forward(h, w, y, *, block_tokens, block_vocab, block_model, inv_temp
                       interpret, 'token_logprobs_forward', num_warps=4)(h, w, y)
 
 
+# The backward kernels' fp32 accumulators per program are capped at half the 256 KiB register
+# file of an A100 / H100 streaming multiprocessor; wider ones would spill to local memory.
+TRITON_ACCUMULATOR_BYTES = 128 << 10
+
+
+def triton_model_groups(slices: int, block: int, block_model: int) -> int:
+  """How many D groups a backward kernel splits its `slices` block_model-wide slices of D into:
+  the fewest that divide them evenly and keep a [block, group width] fp32 accumulator within
+  TRITON_ACCUMULATOR_BYTES (block is block_tokens for dh, block_vocab for dW). One group up to
+  D = 1024 at 32-wide blocks (Qwen2.5-0.5B's 896); 7B's 3584 takes 4."""
+  per_group = max(1, TRITON_ACCUMULATOR_BYTES // (block * block_model * 4))
+  return next(groups for groups in range(1, slices + 1)
+              if slices % groups == 0 and slices // groups <= per_group)
+
+
 def _triton_backward(h, w, token_columns, *, block_tokens, block_vocab, block_model,
                      inv_temperature, with_entropy, interpret):
-  kernel = functools.partial(_triton_backward_kernel, vocab=w.shape[1], block_tokens=block_tokens,
-                             block_vocab=block_vocab, block_model=block_model,
-                             inv_temperature=inv_temperature, with_entropy=with_entropy)
-  grids = {'hidden': (h.shape[0] // block_tokens,), 'weight': (pl.cdiv(w.shape[1], block_vocab),)}
+  slices = h.shape[1] // block_model
+  blocks = {'hidden': (h.shape[0] // block_tokens, block_tokens),
+            'weight': (pl.cdiv(w.shape[1], block_vocab), block_vocab)}
   shapes = {'hidden': h, 'weight': w}
-  return tuple(
-      _triton_call(functools.partial(kernel, grad_of=grad_of), grids[grad_of],
-                   jax.ShapeDtypeStruct(shapes[grad_of].shape, shapes[grad_of].dtype), interpret,
-                   f'token_logprobs_grad_{grad_of}', num_warps=8)(h, w, *token_columns)
-      for grad_of in ('hidden', 'weight'))
+  outputs = []
+  for grad_of in ('hidden', 'weight'):
+    programs, block = blocks[grad_of]
+    groups = triton_model_groups(slices, block, block_model)
+    kernel = functools.partial(
+        _triton_backward_kernel, grad_of=grad_of, vocab=w.shape[1], block_tokens=block_tokens,
+        block_vocab=block_vocab, block_model=block_model, group_slices=slices // groups,
+        inv_temperature=inv_temperature, with_entropy=with_entropy)
+    outputs.append(_triton_call(
+        kernel, (programs, groups),
+        jax.ShapeDtypeStruct(shapes[grad_of].shape, shapes[grad_of].dtype), interpret,
+        f'token_logprobs_grad_{grad_of}', num_warps=8)(h, w, *token_columns))
+  return tuple(outputs)
 
 
 # ---- Mosaic block sizes: what fits in VMEM ----
