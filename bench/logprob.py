@@ -1,4 +1,4 @@
-"""python bench/logprob.py [--tokens T] [--model D] [--vocab V] [--dtype D] [--time-tokens T]
+"""python bench/logprob.py [--tokens T] [--model D] [--vocab V] [--dtype D] [--time-tokens T] [--mesh M]
 
 Token log-probs over the lm_head, forward + backward (value_and_grad of sum(logp) with respect to
 hidden and weight): peak temporary device memory from XLA's memory analysis and median wall time
@@ -10,6 +10,10 @@ too little RAM for the naive path's [T, V] fp32 arrays time a smaller problem. P
 on TPU/GPU, or in interpret mode with --pallas-interpret (a correctness path, not a fast one).
 FLOP rates count 4 matmuls of 2*T*D*V (forward, recomputed logits, dh, dW); naive really does 3
 and the Pallas kernels 5, so the column compares against the same nominal work.
+
+--mesh data=A,fsdp=B,tensor=C runs every implementation under that device mesh (on CPU, as many
+host devices are made), with tokens split over data x fsdp and W laid out as the model lays out
+its lm_head (D over fsdp, V over tensor). Memory is then per device, and FLOP rates are totals.
 """
 
 import argparse
@@ -38,18 +42,39 @@ def parse_args():
   parser.add_argument('--matmul-peak', type=int, default=0, metavar='N',
                       help='also time an N x N x N matmul in --dtype for a measured peak')
   parser.add_argument('--threads', type=int, default=os.cpu_count(), help='CPU threads')
+  parser.add_argument('--mesh', default='', metavar='data=A,fsdp=B,tensor=C',
+                      help='run under this device mesh')
   return parser.parse_args()
 
 
 args = parse_args()
-# XLA:CPU reads its thread settings once, when the client starts, so they go in before jax.
+mesh_sizes = {name: int(size) for name, _, size in
+              (item.partition('=') for item in args.mesh.split(',') if item)}
+# XLA:CPU reads its settings once, when the client starts, so they go in before jax.
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_multi_thread_eigen=true'
                            f' intra_op_parallelism_threads={args.threads}').strip()
+
+import math  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+if mesh_sizes:  # host devices for a mesh on CPU (ignored by other backends)
+  jax.config.update('jax_num_cpu_devices', math.prod(mesh_sizes.values()))
+
+from grpo_jax.model.sharding import MeshConfig, make_mesh, named_sharding  # noqa: E402
 from grpo_jax.ops import token_logprobs  # noqa: E402
+
+MESH = make_mesh(MeshConfig(**{'fsdp': 1, **mesh_sizes})) if mesh_sizes else None
+
+
+def layout(tokens: int):
+  """Shardings of h, W, y under --mesh (None without one)."""
+  if MESH is None:
+    return None, None, None
+  return (named_sharding(MESH, (tokens, args.model), ('batch', 'act_embed')),
+          named_sharding(MESH, (args.model, args.vocab), ('embed', 'vocab')),
+          named_sharding(MESH, (tokens,), ('batch',)))
 
 
 def inputs(tokens: int):
@@ -60,14 +85,17 @@ def inputs(tokens: int):
   weight = (jax.random.normal(keys[1], (args.model, args.vocab), jnp.float32)
             * args.model ** -0.5).astype(dtype)
   targets = jax.random.randint(keys[2], (tokens,), 0, args.vocab)
-  return hidden, weight, targets
+  if MESH is None:
+    return hidden, weight, targets
+  return tuple(jax.device_put(array, sharding)
+               for array, sharding in zip((hidden, weight, targets), layout(tokens)))
 
 
 def shapes(tokens: int):
   dtype = jnp.dtype(args.dtype)
-  return (jax.ShapeDtypeStruct((tokens, args.model), dtype),
-          jax.ShapeDtypeStruct((args.model, args.vocab), dtype),
-          jax.ShapeDtypeStruct((tokens,), jnp.int32))
+  return tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype, sharding in
+               zip(((tokens, args.model), (args.model, args.vocab), (tokens,)),
+                   (dtype, dtype, jnp.int32), layout(tokens)))
 
 
 def step_function(entry: str):
@@ -110,6 +138,13 @@ def matmul_peak(size: int) -> float:
 
 
 def main():
+  if MESH is not None:
+    with jax.set_mesh(MESH):
+      return report()
+  return report()
+
+
+def report():
   backend = jax.default_backend()
   implementations = [name for name in args.implementations.split(',')
                      if not name.startswith('pallas') or backend != 'cpu' or args.pallas_interpret]
@@ -129,6 +164,8 @@ def main():
   print(f'{backend} ({jax.devices()[0].device_kind}), jax {jax.__version__}, {args.dtype}, '
         f'D={args.model}, V={args.vocab}, {args.threads} threads; memory at T={args.tokens}, '
         f'time at T={time_tokens} (median of {args.repeats})')
+  if MESH is not None:
+    print(f'mesh {dict(MESH.shape)}: temp memory per device')
   if args.block_tokens or args.block_vocab or args.block_model:
     print(f'blocks: tokens {args.block_tokens}, vocab {args.block_vocab}, model {args.block_model}')
   naive = {name: (temp, seconds) for name, temp, seconds in rows}.get('naive')

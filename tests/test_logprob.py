@@ -242,6 +242,43 @@ def test_triton_groups_bound_accumulators():
       assert block * (slices // groups) * block_model * 4 <= logprob_pallas.TRITON_ACCUMULATOR_BYTES
       assert (groups == 1) == (model <= 1024), (model, groups)
 
+# (mesh, V): tokens and vocabulary both split; tokens only (1002 does not divide by tensor=4, so
+# W's columns stay whole); vocabulary only (every token axis is of size 1).
+MESH_CASES = [(dict(data=1, fsdp=2, tensor=4), 1000), (dict(data=2, fsdp=1, tensor=4), 1002),
+              (dict(data=1, fsdp=1, tensor=8), 1000)]
+
+
+@fused
+@pytest.mark.parametrize('mesh_shape,vocab', MESH_CASES, ids=['tokens+vocab', 'tokens', 'vocab'])
+def test_on_a_mesh(implementation, mesh_shape, vocab, seed):
+  """Under a device mesh each device runs the op on its tokens and its slice of W's columns, and
+  per-token statistics are combined over the vocabulary axis (Megatron's vocab-parallel layout).
+  Values and gradients match the naive path on one device; and no device holds an array as wide
+  as the whole vocabulary, which the partitioned program's shapes show."""
+  from grpo_jax.model.sharding import MeshConfig, make_mesh, named_sharding
+  mesh = make_mesh(MeshConfig(**mesh_shape))
+  rng = np.random.default_rng(seed)
+  h, w, y = random_problem(rng, tokens=200, model=40, vocab=vocab)
+  h, y = h.reshape(4, 50, 40), y.reshape(4, 50)
+  g_logp, g_entropy = rng.standard_normal((2, 4, 50)).astype(np.float32)
+  reference = value_and_grads('naive', h, w, y, g_logp, g_entropy)
+
+  def loss(h, w):
+    logp, entropy = token_logprobs(h, w, y, return_entropy=True, implementation=implementation,
+                                   **FUSED[implementation])
+    return jnp.sum(g_logp * logp) + jnp.sum(g_entropy * entropy), (logp, entropy)
+
+  with jax.set_mesh(mesh):
+    shardings = (named_sharding(mesh, h.shape, ('batch', 'seq', 'act_embed')),
+                 named_sharding(mesh, w.shape, ('embed', 'vocab')))
+    step = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True), in_shardings=shardings)
+    compiled = step.lower(h, w).compile()
+    (_, ours), grads = compiled(*(jax.device_put(a, s) for a, s in zip((h, w), shardings)))
+  for name, a, b in zip(('logp', 'entropy', 'dh', 'dW'), (*ours, *grads), reference):
+    assert_close(a, b, what=f'{mesh_shape} {name}')
+  if mesh_shape['tensor'] > 1 and vocab % mesh_shape['tensor'] == 0:
+    assert not re.search(rf'\[(\d+,)*{vocab}(,\d+)*\]', compiled.as_text())
+
 def test_chunked_memory_stays_small():
   """Guards the point of the op: compiled forward + backward temporaries of the XLA path stay
   a few percent of the naive path's, whose [T, V] fp32 logits alone are 311 MB here."""

@@ -17,6 +17,13 @@ Implementations (same signature, same results up to rounding):
 
 Targets must lie in [0, V). Padding tokens may carry any valid id; mask them in the loss, and
 their rows of dh are then exactly zero.
+
+Under a device mesh (`jax.set_mesh`) the fused implementations run inside shard_map in the
+vocabulary-parallel layout Megatron uses for its cross-entropy: tokens split over the mesh axes of
+the 'batch' rule, W's columns over those of the 'vocab' rule (model/sharding.py), each device
+computing its tokens against its columns, with per-token log-sum-exp, target logit and entropy
+combined over the vocabulary axis. Without it XLA would gather W's columns on every device, and
+a Pallas call, which XLA cannot partition, would run whole on every device.
 """
 
 import dataclasses
@@ -26,6 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax.sharding import PartitionSpec as P
+
+from grpo_jax.model.sharding import spec_for
 from grpo_jax.ops import logprob_pallas
 from grpo_jax.ops.logprob_pallas import (F32, CONTRACT_TOKENS, CONTRACT_VOCAB, dot_precision,
                                          finish_stats, initial_stats, logit_gradient, update_stats)
@@ -89,7 +99,11 @@ def token_logprobs(hidden, weight, targets, *, temperature: float = 1.0,
                  block_tokens or defaults[0], block_vocab or defaults[1],
                  block_model or defaults[2],
                  platform == 'cpu' if interpret is None else interpret)
-    logp, entropy = _fused(plan, h, w, y)
+    token_axes, vocab_axes = _mesh_axes(h.shape[0], w.shape[1])
+    if token_axes or vocab_axes:
+      logp, entropy = _fused_on_mesh(plan, token_axes, vocab_axes, h, w, y)
+    else:
+      logp, entropy = _fused(plan, h, w, y)
   logp = logp.reshape(targets.shape)
   return (logp, entropy.reshape(targets.shape)) if return_entropy else logp
 
@@ -159,21 +173,125 @@ def _fused_fwd(plan: _Plan, h, w, y):
   return (logp, entropy), (h, w, y, lse, entropy)
 
 
-def _fused_bwd(plan: _Plan, residuals, cotangents):
-  h, w, y, lse, entropy = residuals
-  g_logp, g_entropy = cotangents
+def _fused_backward(plan: _Plan, h, w, y, lse, entropy, g_logp, g_entropy):
+  """-> dh [T, D], dW [D, V] in the dtypes of h and w."""
   if plan.schedule == 'xla':
-    dh, dw = _chunked_backward(h, w, y, lse, entropy, g_logp, g_entropy, plan)
-  else:
-    dh, dw = logprob_pallas.pallas_backward(
-        h, w, y, lse, entropy, g_logp, g_entropy, schedule=plan.schedule,
-        block_tokens=plan.block_tokens, block_vocab=plan.block_vocab,
-        block_model=plan.block_model, inv_temperature=plan.inv_temperature,
-        interpret=plan.interpret)
-  return dh, dw, None
+    return _chunked_backward(h, w, y, lse, entropy, g_logp, g_entropy, plan)
+  return logprob_pallas.pallas_backward(
+      h, w, y, lse, entropy, g_logp, g_entropy, schedule=plan.schedule,
+      block_tokens=plan.block_tokens, block_vocab=plan.block_vocab, block_model=plan.block_model,
+      inv_temperature=plan.inv_temperature, interpret=plan.interpret)
+
+
+def _fused_bwd(plan: _Plan, residuals, cotangents):
+  return (*_fused_backward(plan, *residuals, *cotangents), None)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+# ---- on a device mesh: tokens split over the batch axes, the vocabulary over the tensor axis ----
+
+def _mesh_axes(tokens: int, vocab: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """Mesh axes that split the flattened tokens ('batch' rule) and the vocabulary ('vocab' rule)
+  when tracing under a mesh (`jax.set_mesh`); ((), ()) off a mesh or where nothing divides."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return (), ()
+  shape = dict(mesh.shape)
+
+  def axes(size, logical):
+    spec = spec_for((size,), (logical,), shape)
+    first = spec[0] if len(spec) else None
+    return () if first is None else (first,) if isinstance(first, str) else tuple(first)
+
+  return axes(tokens, 'batch'), axes(vocab, 'vocab')
+
+
+def _local_offset(vocab_axes, local_vocab: int):
+  """First vocabulary id of this device's W columns."""
+  return lax.axis_index(vocab_axes) * local_vocab if vocab_axes else 0
+
+
+def _combine_vocab_shards(logp, lse, entropy, in_shard, vocab_axes):
+  """Per-token results over each device's vocabulary slice -> results over the whole vocabulary.
+
+  With slice k's log-sum-exp L_k, the whole one is L = log sum_k exp(L_k). The target's logit z_y
+  is logp_k + L_k on the slice that holds y. The entropy is H = L - sum_v p_v z_v, and slice k's
+  part of sum_v p_v z_v is exp(L_k - L) (L_k - H_k), hence H = sum_k exp(L_k - L) (H_k + L - L_k)
+  (a weighted mean of non-negative terms: no large logits cancel).
+  """
+  top = lax.pmax(lse, vocab_axes)
+  scaled = jnp.exp(lse - top)
+  total = lax.psum(scaled, vocab_axes)
+  whole = top + jnp.log(total)
+  target_logit = lax.psum(jnp.where(in_shard, logp + lse, 0.0), vocab_axes)
+  if entropy is not None:
+    entropy = lax.psum(scaled * (entropy + whole - lse), vocab_axes) / total
+  return target_logit - whole, whole, entropy
+
+
+def _mesh_forward(plan: _Plan, token_axes, vocab_axes, h, w, y):
+  """-> logp [T], lse [T], entropy [T] or None, each split over token_axes like h."""
+
+  def local(h, w, y):
+    offset = _local_offset(vocab_axes, w.shape[1])
+    logp, lse, entropy = _fused_forward(plan, h, w, y - offset)
+    if vocab_axes:
+      in_shard = (y >= offset) & (y < offset + w.shape[1])
+      logp, lse, entropy = _combine_vocab_shards(logp, lse, entropy, in_shard, vocab_axes)
+    return (logp, lse) + ((entropy,) if plan.with_entropy else ())
+
+  tokens = P(token_axes or None)
+  columns = jax.shard_map(
+      local, in_specs=(P(token_axes or None, None), P(None, vocab_axes or None), tokens),
+      out_specs=(tokens,) * (3 if plan.with_entropy else 2), check_vma=False)(h, w, y)
+  return columns[0], columns[1], (columns[2] if plan.with_entropy else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused_on_mesh(plan: _Plan, token_axes, vocab_axes, h, w, y):
+  """The fused op inside shard_map, Megatron's vocabulary-parallel layout: each device runs the
+  kernels on its tokens against its slice of W's columns, and per-token statistics are combined
+  across the vocabulary axes. No device computes another's tokens or holds all of W's columns;
+  without this a Pallas call, which XLA cannot partition, would run whole on every device."""
+  logp, _, entropy = _mesh_forward(plan, token_axes, vocab_axes, h, w, y)
+  return logp, entropy
+
+
+def _fused_on_mesh_fwd(plan: _Plan, token_axes, vocab_axes, h, w, y):
+  logp, lse, entropy = _mesh_forward(plan, token_axes, vocab_axes, h, w, y)
+  return (logp, entropy), (h, w, y, lse, entropy)
+
+
+def _fused_on_mesh_bwd(plan: _Plan, token_axes, vocab_axes, residuals, cotangents):
+  """Each device's d logits need only the whole-vocabulary lse and entropy (residuals), so its
+  dh sums over its vocabulary slice (then over the vocabulary axes) and its dW columns over its
+  tokens (then over the token axes). The sums run in fp32."""
+  h, w, y, lse, entropy = residuals
+  g_logp, g_entropy = cotangents
+  with_entropy = entropy is not None
+
+  def local(h, w, y, lse, g_logp, *entropy_terms):
+    entropy, g_entropy = entropy_terms if with_entropy else (None, None)
+    offset = _local_offset(vocab_axes, w.shape[1])
+    dh, dw = _fused_backward(plan, h, w, y - offset, lse, entropy, g_logp, g_entropy)
+    if vocab_axes:
+      dh = lax.psum(dh.astype(F32), vocab_axes).astype(h.dtype)
+    if token_axes:
+      dw = lax.psum(dw.astype(F32), token_axes).astype(w.dtype)
+    return dh, dw
+
+  tokens = P(token_axes or None)
+  rows, columns = P(token_axes or None, None), P(None, vocab_axes or None)
+  entropy_terms = (entropy, g_entropy) if with_entropy else ()
+  dh, dw = jax.shard_map(
+      local, in_specs=(rows, columns, tokens, tokens, tokens) + (tokens,) * len(entropy_terms),
+      out_specs=(rows, columns), check_vma=False)(h, w, y, lse, g_logp, *entropy_terms)
+  return dh, dw, None
+
+
+_fused_on_mesh.defvjp(_fused_on_mesh_fwd, _fused_on_mesh_bwd)
 
 
 # ---- XLA fallback: lax.scan over vocabulary chunks ----
