@@ -32,7 +32,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-
 from jax.sharding import PartitionSpec as P
 
 from grpo_jax.model.sharding import spec_for
