@@ -49,6 +49,15 @@ def full_forward_log_probs(model, pairs, temperature=1.0):
   return results
 
 
+def decode(engine, params, state, steps):
+  """Runs `steps` generate calls -> (state, [ResultTokens as numpy] per step)."""
+  results = []
+  for _ in range(steps):
+    state, result = engine.generate(params, state)
+    results.append(result.convert_to_numpy())
+  return state, results
+
+
 def test_greedy_matches_transformers_and_log_probs_match_full_forward(seed, make_hf_checkpoint):
   directory, reference = make_hf_checkpoint(seed)
   model = from_pretrained(directory)
@@ -60,10 +69,7 @@ def test_greedy_matches_transformers_and_log_probs_match_full_forward(seed, make
   for prompt, slot in zip(prompts, slots):
     prefix = engine.prefill(params=params, padded_tokens=pad_prompt(prompt, 32), true_length=len(prompt))
     state = engine.insert(prefix, state, slot)
-  steps = []
-  for _ in range(9):
-    state, result = engine.generate(params, state)
-    steps.append(result.convert_to_numpy())
+  state, steps = decode(engine, params, state, 9)
   pairs, engine_log_probs = [], []
   for prompt, slot in zip(prompts, slots):
     tokens = np.array([step.get_result_at_slot(slot).tokens[0, 0] for step in steps])
@@ -94,10 +100,7 @@ def test_one_prefill_shared_by_group_equals_separate_prefills(seed, make_hf_chec
       if prefix is None or not shared:
         prefix = engine.prefill(params=params, padded_tokens=pad_prompt(prompt, 16), true_length=len(prompt))
       state = engine.insert(prefix, state, slot)
-    results = []
-    for _ in range(6):
-      state, result = engine.generate(params, state)
-      results.append(result.convert_to_numpy())
+    state, results = decode(engine, params, state, 6)
     tokens, log_probs = (np.stack([getattr(r, name) for r in results], 1) for name in ('tokens', 'log_probs'))
     return engine.prefill_count, tokens, log_probs
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grpo_jax.model.sharding import MeshConfig, make_mesh, named_sharding
 from grpo_jax.ops import token_logprobs
 from grpo_jax.ops import logprob, logprob_pallas
 
@@ -255,7 +256,6 @@ def test_on_a_mesh(implementation, mesh_shape, vocab, seed):
   per-token statistics are combined over the vocabulary axis (Megatron's vocab-parallel layout).
   Values and gradients match the naive path on one device; and no device holds an array as wide
   as the whole vocabulary, which the partitioned program's shapes show."""
-  from grpo_jax.model.sharding import MeshConfig, make_mesh, named_sharding
   mesh = make_mesh(MeshConfig(**mesh_shape))
   rng = np.random.default_rng(seed)
   h, w, y = random_problem(rng, tokens=200, model=40, vocab=vocab)
