@@ -23,3 +23,21 @@ def cli_main(main):
       sys.exit(2)
 
   return wrapper
+
+
+class FieldError(UserError, ValueError):
+  """A bad value of one named field; whoever knows where the field lives (a config section, a
+  command-line flag) renames it with `renamed`, so the message names it as the user wrote it."""
+
+  def __init__(self, field: str, message: str):
+    super().__init__(f'{field} {message}')
+    self.field, self.message = field, message
+
+  def renamed(self, field: str) -> 'FieldError':
+    return FieldError(field, self.message)
+
+
+def require(condition: bool, field: str, message: str) -> None:
+  """Raises FieldError(field, message) unless condition holds."""
+  if not condition:
+    raise FieldError(field, message)

@@ -15,7 +15,10 @@ from flax import nnx
 
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model.loading import from_pretrained, load_tokenizer
-from grpo_jax.sampler import GroupSampler, SamplingConfig
+from grpo_jax.sampler.decode import DecodeSettings
+from grpo_jax.sampler.rollout import GroupSampler
+from grpo_jax.sampler.sampling import add_sampling_flags, sampling_from_flags
+from grpo_jax.sampler.special_tokens import special_tokens
 
 
 def parse_args(argv):
@@ -25,10 +28,7 @@ def parse_args(argv):
   prompt.add_argument('--prompt', help='prompt text (needs a tokenizer in --ckpt)')
   prompt.add_argument('--prompt-ids', help='prompt as space-separated token ids')
   parser.add_argument('--max-new-tokens', type=int, default=64)
-  parser.add_argument('--greedy', action='store_true', help='argmax decoding')
-  parser.add_argument('--temperature', type=float, default=1.0)
-  parser.add_argument('--top-p', type=float, default=1.0)
-  parser.add_argument('--top-k', type=int, default=0)
+  add_sampling_flags(parser)
   parser.add_argument('--num-samples', type=int, default=1, help='G: completions of the prompt')
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32')
@@ -59,28 +59,24 @@ def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
   if args.max_new_tokens < 1 or args.num_samples < 1:
     raise UserError('--max-new-tokens and --num-samples must be at least 1')
-  try:
-    sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p)
-  except ValueError as error:
-    raise UserError(str(error)) from None
+  sampling = sampling_from_flags(args)
   model = from_pretrained(args.ckpt, dtype=args.dtype)
   tokenizer = load_tokenizer(args.ckpt)
   ids = prompt_ids(args, tokenizer, model.config.vocab_size)
-  stop = tuple(model.config.eos_token_ids)
-  if tokenizer is not None and tokenizer.eos_token_id is not None:
-    stop = tuple(sorted(set(stop) | {tokenizer.eos_token_id}))
-  sampler = GroupSampler(model, group_size=args.num_samples, max_new_tokens=args.max_new_tokens,
-                         sampling=sampling, stop_token_ids=stop)
+  special = special_tokens(tokenizer, model.config.eos_token_ids)
+  settings = DecodeSettings(sampling=sampling, max_new_tokens=args.max_new_tokens, stop_token_ids=special.stop_ids,
+                            pad_id=special.pad_id)
+  sampler = GroupSampler(model, group_size=args.num_samples, settings=settings)
   prompt = np.array([ids], np.int32)
   rollout = jax.device_get(sampler(nnx.state(model), prompt, np.ones_like(prompt), jax.random.key(args.seed)))
+  finish_reasons = rollout.finish_reasons
 
   samples = []
   for row in range(args.num_samples):
     length = int(rollout.lengths[row])
     sample = {'token_ids': rollout.tokens[row, :length].tolist(),
               'logprobs': [round(float(x), 6) for x in rollout.log_probs[row, :length]],
-              'finish_reason': 'stop' if rollout.stopped[row] else 'length'}
+              'finish_reason': finish_reasons[row]}
     if tokenizer is not None:
       sample['text'] = tokenizer.decode(sample['token_ids'], skip_special_tokens=True)
     samples.append(sample)

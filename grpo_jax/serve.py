@@ -24,9 +24,11 @@ import sys
 import jax
 
 from grpo_jax.errors import UserError, cli_main
+from grpo_jax.sampler.decode import DecodeSettings
 from grpo_jax.sampler.engine import QwenEngine, ResultTokens
 from grpo_jax.sampler.engine_tokenizer import CHAT_TEMPLATE_MODES, HFTokenizer
-from grpo_jax.sampler.sampling import SamplingConfig
+from grpo_jax.sampler.sampling import add_sampling_flags, sampling_from_flags
+from grpo_jax.sampler.special_tokens import special_tokens
 
 # JetStream 0.2.2 pads token requests to one of these lengths, and max_prefill_length must be one.
 PREFILL_BUCKETS = tuple(16 << i for i in range(12))
@@ -88,10 +90,7 @@ def parse_args(argv):
   parser.add_argument('--max-prefill-length', type=int, default=1024,
                       help=f'longest prompt in tokens; one of {", ".join(map(str, PREFILL_BUCKETS))}')
   parser.add_argument('--max-new-tokens', type=int, default=512, help='longest completion per request')
-  parser.add_argument('--greedy', action='store_true', help='argmax decoding')
-  parser.add_argument('--temperature', type=float, default=1.0)
-  parser.add_argument('--top-p', type=float, default=1.0)
-  parser.add_argument('--top-k', type=int, default=0)
+  add_sampling_flags(parser)
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default='bfloat16')
   parser.add_argument('--tensor', type=int, default=1, help='devices to shard the model over (tensor parallel)')
@@ -122,21 +121,15 @@ def build_engine(args) -> QwenEngine:
     raise UserError('--slots and --max-new-tokens must be at least 1')
   if not 1 <= args.tensor <= len(jax.devices()):
     raise UserError(f'--tensor must be between 1 and the {len(jax.devices())} available devices')
-  try:
-    sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p)
-  except ValueError as error:
-    raise UserError(str(error)) from None
+  sampling = sampling_from_flags(args)
   check_port(args.host, args.port)
   mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=args.tensor), devices=jax.devices()[:args.tensor])
   model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
-  stop = set(model.config.eos_token_ids)
-  if tokenizer is not None and tokenizer.eos_token_id is not None:
-    stop.add(tokenizer.eos_token_id)
-  pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
-  return QwenEngine(model, slots=args.slots, max_prefill_length=args.max_prefill_length,
-                    max_new_tokens=args.max_new_tokens, sampling=sampling, stop_token_ids=tuple(sorted(stop)),
-                    pad_id=pad_id, seed=args.seed, tokenizer_path=args.ckpt if tokenizer else None,
+  special = special_tokens(tokenizer, model.config.eos_token_ids)
+  settings = DecodeSettings(sampling=sampling, max_new_tokens=args.max_new_tokens, stop_token_ids=special.stop_ids,
+                            pad_id=special.pad_id)
+  return QwenEngine(model, slots=args.slots, max_prefill_length=args.max_prefill_length, settings=settings,
+                    seed=args.seed, tokenizer_path=args.ckpt if tokenizer else None,
                     chat_template=args.chat_template)
 
 

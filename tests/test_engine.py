@@ -10,8 +10,9 @@ import torch
 from flax import nnx
 
 from grpo_jax.model import from_pretrained
-from grpo_jax.sampler import SamplingConfig
-from grpo_jax.sampler.engine import QwenEngine, pad_prompt
+from grpo_jax.sampler import DecodeSettings, SamplingConfig
+from grpo_jax.sampler.engine import QwenEngine
+from grpo_jax.sampler.engine_tokenizer import pad_prompt
 from grpo_jax.sampler.slots import generate_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,7 +62,8 @@ def decode(engine, params, state, steps):
 def test_greedy_matches_transformers_and_log_probs_match_full_forward(seed, make_hf_checkpoint):
   directory, reference = make_hf_checkpoint(seed)
   model = from_pretrained(directory)
-  engine = QwenEngine(model, slots=4, max_prefill_length=32, max_new_tokens=8, sampling=GREEDY)
+  engine = QwenEngine(model, slots=4, max_prefill_length=32,
+                      settings=DecodeSettings(max_new_tokens=8, sampling=GREEDY))
   params = engine.load_params()
   state = engine.init_decode_state()
   prompts = random_prompts(seed, [5, 17, 11])
@@ -93,7 +95,8 @@ def test_one_prefill_shared_by_group_equals_separate_prefills(seed, make_hf_chec
   prompt = random_prompts(seed, [9])[0]
 
   def run(shared):
-    engine = QwenEngine(model, slots=3, max_prefill_length=16, max_new_tokens=6, sampling=sampling, seed=seed)
+    engine = QwenEngine(model, slots=3, max_prefill_length=16, seed=seed,
+                        settings=DecodeSettings(max_new_tokens=6, sampling=sampling))
     params, state = engine.load_params(), engine.init_decode_state()
     prefix = None
     for slot in range(3):
@@ -120,8 +123,8 @@ def test_refilling_few_slots_equals_one_slot_per_request(seed, make_hf_checkpoin
   prompts = random_prompts(seed, [7, 12, 4])
 
   def run(slots, sampling, stop=()):
-    engine = QwenEngine(model, slots=slots, max_prefill_length=16, max_new_tokens=10, sampling=sampling,
-                        stop_token_ids=stop, pad_id=-1)
+    engine = QwenEngine(model, slots=slots, max_prefill_length=16,
+                        settings=DecodeSettings(max_new_tokens=10, sampling=sampling, stop_token_ids=stop, pad_id=-1))
     completions = generate_groups(engine, engine.load_params(), prompts, group_size=2,
                                   key=jax.random.key(seed), check_every=3)
     return engine.prefill_count, completions
@@ -170,7 +173,7 @@ def test_engine_on_a_mesh_shards_the_decode_state_and_matches_transformers(seed,
   directory, reference = make_hf_checkpoint(seed)
   mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=2), devices=jax.devices()[:4])
   model = from_pretrained(directory, mesh=mesh)
-  engine = QwenEngine(model, slots=4, max_prefill_length=16, max_new_tokens=6, sampling=GREEDY)
+  engine = QwenEngine(model, slots=4, max_prefill_length=16, settings=DecodeSettings(max_new_tokens=6, sampling=GREEDY))
   assert engine.mesh is mesh
   prompts = random_prompts(seed, [3, 10, 8, 5])
   completions = generate_groups(engine, engine.load_params(), prompts)
@@ -186,7 +189,7 @@ def test_prefill_skips_the_bos_placeholder_and_continues_an_existing_prefix(seed
   second prefill. Both must decode as the plain concatenated prompt."""
   directory, reference = make_hf_checkpoint(seed)
   model = from_pretrained(directory)
-  engine = QwenEngine(model, slots=3, max_prefill_length=32, max_new_tokens=6, sampling=GREEDY)
+  engine = QwenEngine(model, slots=3, max_prefill_length=32, settings=DecodeSettings(max_new_tokens=6, sampling=GREEDY))
   params, state = engine.load_params(), engine.init_decode_state()
   rejected = engine.prefill(params=params, padded_tokens=np.full(16, -1), true_length=1)  # no real token
   state = engine.insert(rejected, state, 2)
@@ -205,3 +208,34 @@ def test_prefill_skips_the_bos_placeholder_and_continues_an_existing_prefix(seed
   steps = np.stack(steps, 1)
   np.testing.assert_array_equal(steps[0], transformers_greedy(reference, first, 6))
   np.testing.assert_array_equal(steps[1], transformers_greedy(reference, first + second, 6))
+
+
+def test_group_sampler_and_engine_give_the_same_samples_for_the_same_key(seed, make_hf_checkpoint):
+  """One prefill, one decode step, one PRNG policy: the trainer's jitted group sampler (left-padded
+  batch, P x G rows in one loop) and the engine's slot refilling (right-padded prompts, 4 slots)
+  draw the same tokens for request p * G + g from the same key."""
+  from grpo_jax.sampler.rollout import GroupSampler
+  directory, _ = make_hf_checkpoint(seed)
+  model = from_pretrained(directory)
+  prompts = random_prompts(seed, [7, 12, 3])
+  sampling = SamplingConfig(temperature=1.0, top_k=50)
+  free = DecodeSettings(max_new_tokens=10, sampling=sampling)
+  first = generate_groups(QwenEngine(model, slots=4, max_prefill_length=16, settings=free), nnx.state(model),
+                          prompts, group_size=3, key=jax.random.key(seed))
+  stop = int(first.tokens[1, 4])  # ends some rows early on both paths
+  settings = DecodeSettings(max_new_tokens=10, sampling=sampling, stop_token_ids=(stop,), pad_id=-1)
+  width = max(map(len, prompts))
+  tokens = np.zeros((3, width), np.int32)
+  mask = np.zeros((3, width), np.int32)
+  for row, prompt in enumerate(prompts):
+    tokens[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+  grouped = jax.device_get(GroupSampler(model, group_size=3, settings=settings)(
+      nnx.state(model), tokens, mask, jax.random.key(seed)))
+  engine = generate_groups(QwenEngine(model, slots=4, max_prefill_length=16, settings=settings), nnx.state(model),
+                           prompts, group_size=3, key=jax.random.key(seed))
+  assert len({tuple(row) for row in engine.tokens}) > 3  # the requests really sample
+  assert 0 < int(np.sum(engine.stopped)) < 9
+  np.testing.assert_array_equal(grouped.tokens, engine.tokens)
+  np.testing.assert_array_equal(grouped.lengths, engine.lengths)
+  assert grouped.finish_reasons == engine.finish_reasons
+  np.testing.assert_allclose(grouped.log_probs, engine.log_probs, rtol=0, atol=1e-5)

@@ -11,7 +11,7 @@ import pytest
 
 from grpo_jax.model.sharding import MeshConfig, make_mesh, named_sharding
 from grpo_jax.ops import token_logprobs
-from grpo_jax.ops import logprob, logprob_pallas
+from grpo_jax.ops import logprob, logprob_mosaic, logprob_pallas, logprob_triton
 
 # Blocks small enough that V=1000 and T=100 span several tiles, end in partial ones (vocab masked,
 # tokens padded), and, for Triton, D=40 is walked in 16-wide slices after padding to 48.
@@ -211,8 +211,8 @@ def test_triton_model_groups(monkeypatch, slices_per_group, seed):
   """Wide models split the Triton backward kernels' D into groups on a second grid axis. With
   the register budget shrunk to 1 or 2 slices, D = 64 in 16-wide slices runs as 4 or 2 groups
   per kernel, and values and gradients still match the naive path."""
-  monkeypatch.setattr(logprob_pallas, 'TRITON_ACCUMULATOR_BYTES', slices_per_group * 32 * 16 * 4)
-  assert logprob_pallas.triton_model_groups(4, 32, 16) == 4 // slices_per_group
+  monkeypatch.setattr(logprob_triton, 'TRITON_ACCUMULATOR_BYTES', slices_per_group * 32 * 16 * 4)
+  assert logprob_triton.triton_model_groups(4, 32, 16) == 4 // slices_per_group
   rng = np.random.default_rng(seed)
   h, w, y = random_problem(rng, tokens=100, model=64, vocab=1000)
   g_logp, g_entropy = rng.standard_normal((2, 100)).astype(np.float32)
@@ -238,9 +238,9 @@ def test_triton_groups_bound_accumulators():
                                                     block_vocab, block_model)
     slices = model // block_model
     for block in (block_tokens, block_vocab):
-      groups = logprob_pallas.triton_model_groups(slices, block, block_model)
+      groups = logprob_triton.triton_model_groups(slices, block, block_model)
       assert slices % groups == 0
-      assert block * (slices // groups) * block_model * 4 <= logprob_pallas.TRITON_ACCUMULATOR_BYTES
+      assert block * (slices // groups) * block_model * 4 <= logprob_triton.TRITON_ACCUMULATOR_BYTES
       assert (groups == 1) == (model <= 1024), (model, groups)
 
 # (mesh, V): tokens and vocabulary both split; tokens only (1002 does not divide by tensor=4, so
@@ -331,14 +331,14 @@ def test_mosaic_default_blocks_fit_vmem():
       previous = (0, 0)
       for capacity in (16 << 20, 64 << 20, 128 << 20):
         try:
-          blocks = logprob_pallas.mosaic_blocks(model, itemsize, capacity)
+          blocks = logprob_mosaic.mosaic_blocks(model, itemsize, capacity)
         except ValueError as error:
           assert capacity == 16 << 20 and 'xla_chunked' in str(error), (model, itemsize, error)
           continue
         block_tokens, block_vocab = blocks
         assert block_tokens % 8 == 0 and block_vocab % 128 == 0
-        need = logprob_pallas.mosaic_vmem_bytes(block_tokens, block_vocab, model, itemsize)
-        assert need <= logprob_pallas.VMEM_SHARE * capacity
+        need = logprob_mosaic.mosaic_vmem_bytes(block_tokens, block_vocab, model, itemsize)
+        assert need <= logprob_mosaic.VMEM_SHARE * capacity
         assert min(blocks) >= min(previous), (model, itemsize, capacity, blocks, previous)
         previous = blocks
       # Every Qwen2.5 width gets blocks on the TPUs with 64 MiB of VMEM or more.

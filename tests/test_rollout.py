@@ -6,7 +6,7 @@ import torch
 from flax import nnx
 
 from grpo_jax.model import from_pretrained
-from grpo_jax.sampler import SamplingConfig
+from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.sampler.rollout import GroupSampler
 
 GREEDY = SamplingConfig(greedy=True)
@@ -32,7 +32,7 @@ def test_greedy_matches_transformers_generate(seed, make_hf_checkpoint):
   model = from_pretrained(directory)
   prompts = random_prompts(seed, [5, 17, 11])
   tokens, mask = left_padded(prompts)
-  rollout = GroupSampler(model, group_size=1, max_new_tokens=16, sampling=GREEDY)(
+  rollout = GroupSampler(model, group_size=1, settings=DecodeSettings(max_new_tokens=16, sampling=GREEDY))(
       nnx.state(model), tokens, mask, jax.random.key(0))
   with torch.no_grad():
     expected = reference.generate(torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask),
@@ -47,10 +47,10 @@ def test_groups_share_one_prefill_and_equal_separate_prefills(seed, make_hf_chec
   model = from_pretrained(directory)
   prompts = random_prompts(seed, [9, 4])
   tokens, mask = left_padded(prompts)
-  grouped = GroupSampler(model, group_size=3, max_new_tokens=8, sampling=GREEDY)(
+  grouped = GroupSampler(model, group_size=3, settings=DecodeSettings(max_new_tokens=8, sampling=GREEDY))(
       nnx.state(model), tokens, mask, jax.random.key(0))
   for index, prompt in enumerate(prompts):
-    alone = GroupSampler(model, group_size=1, max_new_tokens=8, sampling=GREEDY)(
+    alone = GroupSampler(model, group_size=1, settings=DecodeSettings(max_new_tokens=8, sampling=GREEDY))(
         nnx.state(model), prompt[None], np.ones((1, len(prompt)), np.int32), jax.random.key(0))
     for g in range(3):
       np.testing.assert_array_equal(np.asarray(grouped.tokens[index * 3 + g]), np.asarray(alone.tokens[0]))
@@ -62,7 +62,7 @@ def test_sampler_log_probs_equal_full_forward(seed, make_hf_checkpoint):
   prompts = random_prompts(seed, [6, 13])
   tokens, mask = left_padded(prompts)
   sampling = SamplingConfig(temperature=0.8, top_k=50)
-  rollout = GroupSampler(model, group_size=2, max_new_tokens=10, sampling=sampling)(
+  rollout = GroupSampler(model, group_size=2, settings=DecodeSettings(max_new_tokens=10, sampling=sampling))(
       nnx.state(model), tokens, mask, jax.random.key(seed))
   for row in range(4):
     prompt = prompts[row // 2]
@@ -80,12 +80,13 @@ def test_stop_tokens_end_rows_and_seeds_reproduce(seed, make_hf_checkpoint):
   model = from_pretrained(directory)
   tokens, mask = left_padded(random_prompts(seed, [7, 12]))
   state = nnx.state(model)
-  free = GroupSampler(model, group_size=1, max_new_tokens=12, sampling=GREEDY)(state, tokens, mask, jax.random.key(0))
+  free = GroupSampler(model, group_size=1, settings=DecodeSettings(max_new_tokens=12, sampling=GREEDY))(
+      state, tokens, mask, jax.random.key(0))
   stop = int(free.tokens[0, 3])
   first_stop = [int(np.argmax(np.asarray(free.tokens[r]) == stop)) if stop in np.asarray(free.tokens[r]) else None
                 for r in range(2)]
-  stopped = GroupSampler(model, group_size=1, max_new_tokens=12, sampling=GREEDY, stop_token_ids=(stop,),
-                         pad_id=-1)(state, tokens, mask, jax.random.key(0))
+  stopped = GroupSampler(model, group_size=1, settings=DecodeSettings(
+      max_new_tokens=12, sampling=GREEDY, stop_token_ids=(stop,), pad_id=-1))(state, tokens, mask, jax.random.key(0))
   for row in range(2):
     end = first_stop[row]
     if end is None:
@@ -96,7 +97,8 @@ def test_stop_tokens_end_rows_and_seeds_reproduce(seed, make_hf_checkpoint):
     assert (np.asarray(stopped.tokens[row, end + 1:]) == -1).all()
     assert not np.asarray(stopped.mask[row, end + 1:]).any() and (np.asarray(stopped.log_probs[row, end + 1:]) == 0).all()
 
-  sampler = GroupSampler(model, group_size=4, max_new_tokens=6, sampling=SamplingConfig(temperature=1.0))
+  sampler = GroupSampler(model, group_size=4,
+                         settings=DecodeSettings(max_new_tokens=6, sampling=SamplingConfig(temperature=1.0)))
   a = sampler(state, tokens, mask, jax.random.key(seed))
   b = sampler(state, tokens, mask, jax.random.key(seed))
   c = sampler(state, tokens, mask, jax.random.key(seed + 1))

@@ -6,10 +6,12 @@ Qwen2.5's 151,936-word vocabulary the fp32 logits of 8 x 4,096 tokens alone take
 and recomputes the tiles in a custom VJP that saves only h, W, y and per-token lse (and entropy).
 
 Implementations (same signature, same results up to rounding):
-  'pallas'       fused kernels (logprob_pallas.py): Mosaic on TPU, Triton on GPU, and the Mosaic
-                 schedule in interpret mode elsewhere ('pallas_mosaic' / 'pallas_triton' force a
-                 schedule, e.g. to interpret the GPU kernels on CPU).
-  'xla_chunked'  the same algorithm as a lax.scan over vocabulary chunks in plain XLA.
+  'pallas'       fused kernels (logprob_pallas.py): Mosaic on TPU (logprob_mosaic.py), Triton on
+                 GPU (logprob_triton.py), and the Mosaic schedule in interpret mode elsewhere
+                 ('pallas_mosaic' / 'pallas_triton' force a schedule, e.g. to interpret the GPU
+                 kernels on CPU). Imported only when one of them runs.
+  'xla_chunked'  the same algorithm, with the same tile maths (tiles.py), as a lax.scan over
+                 vocabulary chunks in plain XLA.
   'naive'        full logits, log_softmax, take_along_axis; the reference, plain autodiff.
   'auto'         'xla_chunked' on every platform for now: the Pallas kernels are tested in
                  interpret mode and lower for TPU and GPU, but have not yet been compiled and
@@ -28,6 +30,8 @@ a Pallas call, which XLA cannot partition, would run whole on every device.
 
 import dataclasses
 import functools
+import typing
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -35,11 +39,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from grpo_jax.model.sharding import spec_for
-from grpo_jax.ops import logprob_pallas
-from grpo_jax.ops.logprob_pallas import (F32, CONTRACT_TOKENS, CONTRACT_VOCAB, dot_precision,
-                                         finish_stats, initial_stats, logit_gradient, update_stats)
+from grpo_jax.ops.tiles import (F32, CONTRACT_TOKENS, CONTRACT_VOCAB, dot_precision, finish_stats,
+                                initial_stats, logit_gradient, update_stats)
 
-IMPLEMENTATIONS = ('auto', 'pallas', 'pallas_mosaic', 'pallas_triton', 'xla_chunked', 'naive')
+LogprobImplementation = Literal['auto', 'pallas', 'pallas_mosaic', 'pallas_triton', 'xla_chunked',
+                                'naive']
+IMPLEMENTATIONS = typing.get_args(LogprobImplementation)
 # The XLA fallback sizes its vocabulary chunk so that one fp32 [T, chunk] tile holds about this
 # many elements (64 MiB), and takes at least 32 chunks, so that its temporaries stay a few percent
 # of the naive path's [T, V] ones at any T. On CPU, chunks of 1,024 to 4,096 columns ran equally
@@ -60,7 +65,7 @@ class _Plan:
 
 
 def token_logprobs(hidden, weight, targets, *, temperature: float = 1.0,
-                   return_entropy: bool = False, implementation: str = 'auto',
+                   return_entropy: bool = False, implementation: LogprobImplementation = 'auto',
                    block_tokens: int | None = None, block_vocab: int | None = None,
                    block_model: int | None = None, interpret: bool | None = None):
   """log pi(targets) under logits = (hidden @ weight) / temperature, optionally with entropy.
@@ -110,17 +115,18 @@ def token_logprobs(hidden, weight, targets, *, temperature: float = 1.0,
 def default_blocks(schedule: str, model: int, itemsize: int) -> tuple:
   """(block_tokens, block_vocab, block_model) for a schedule, None where it takes no such block.
 
-  mosaic: the largest blocks whose buffers fit this TPU's VMEM (logprob_pallas.mosaic_blocks);
+  mosaic: the largest blocks whose buffers fit this TPU's VMEM (logprob_mosaic.mosaic_blocks);
     they are compiled with a matching scoped VMEM limit. Sized from a VMEM estimate, not tuned
     on a TPU.
   triton: the backward kernels keep [block_tokens, D] (dh) and [D, block_vocab] (dW) fp32
     accumulators in registers, about 112 registers a thread at D = 896 with 8 warps; wider
-    models split D into groups over a second grid axis (logprob_pallas.triton_model_groups).
+    models split D into groups over a second grid axis (logprob_triton.triton_model_groups).
     Untuned: no GPU was at hand.
   xla: the vocabulary chunk is sized from the token count (see XLA_CHUNK_ELEMENTS).
   """
   if schedule == 'mosaic':
-    return (*logprob_pallas.mosaic_blocks(model, itemsize, logprob_pallas.vmem_capacity()), None)
+    from grpo_jax.ops import logprob_mosaic  # Pallas TPU, imported only when it runs
+    return (*logprob_mosaic.mosaic_blocks(model, itemsize, logprob_mosaic.vmem_capacity()), None)
   if schedule == 'triton':
     return 32, 32, 64
   return None, None, None
@@ -160,6 +166,7 @@ def _fused_forward(plan: _Plan, h, w, y):
   """-> logp [T], lse [T], entropy [T] or None."""
   if plan.schedule == 'xla':
     return _chunked_forward(h, w, y, plan)
+  from grpo_jax.ops import logprob_pallas  # Pallas TPU and Triton, imported only when they run
   return logprob_pallas.pallas_forward(
       h, w, y, schedule=plan.schedule, block_tokens=plan.block_tokens,
       block_vocab=plan.block_vocab, block_model=plan.block_model,
@@ -176,6 +183,7 @@ def _fused_backward(plan: _Plan, h, w, y, lse, entropy, g_logp, g_entropy):
   """-> dh [T, D], dW [D, V] in the dtypes of h and w."""
   if plan.schedule == 'xla':
     return _chunked_backward(h, w, y, lse, entropy, g_logp, g_entropy, plan)
+  from grpo_jax.ops import logprob_pallas
   return logprob_pallas.pallas_backward(
       h, w, y, lse, entropy, g_logp, g_entropy, schedule=plan.schedule,
       block_tokens=plan.block_tokens, block_vocab=plan.block_vocab, block_model=plan.block_model,

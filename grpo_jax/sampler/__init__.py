@@ -1,10 +1,14 @@
-"""Sampling from Qwen2 models: token selection, the GRPO group sampler (prefill once, decode in one
-jit) and the JetStream engine with host-side slot refilling. Nothing here imports jetstream."""
+"""Sampling from Qwen2 models: token selection, the one prefill and decode step, the GRPO group
+sampler (prefill once, decode in one jit) and the JetStream engine with host-side slot refilling.
+Nothing here imports jetstream."""
 
+from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, Prefix, decode_step, prefill
 from grpo_jax.sampler.engine import QwenEngine
 from grpo_jax.sampler.rollout import GroupSampler, Rollout, sample_groups
 from grpo_jax.sampler.sampling import SamplingConfig, select, truncated_logits
-from grpo_jax.sampler.slots import Completions, generate_groups
+from grpo_jax.sampler.slots import generate_groups
+from grpo_jax.sampler.special_tokens import SpecialTokens, special_tokens
 
-__all__ = ['Completions', 'GroupSampler', 'QwenEngine', 'Rollout', 'SamplingConfig', 'generate_groups',
-           'sample_groups', 'select', 'truncated_logits']
+__all__ = ['DecodeSettings', 'DecodeState', 'Emitted', 'GroupSampler', 'Prefix', 'QwenEngine', 'Rollout',
+           'SamplingConfig', 'SpecialTokens', 'decode_step', 'generate_groups', 'prefill', 'sample_groups',
+           'select', 'special_tokens', 'truncated_logits']

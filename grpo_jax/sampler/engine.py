@@ -5,21 +5,17 @@ importing jetstream, whose engine package pulls in seqio and TensorFlow: the cor
 machines that have neither. `grpo_jax.serve.register_with_jetstream()` makes `QwenEngine` and
 `ResultTokens` virtual subclasses of JetStream's classes when serving.
 
-The decode state holds B = `max_concurrent_decodes` slots, each a KV-cache row of
-S = max_prefill_length + max_new_tokens entries, laid out on the parameters' mesh:
+The decode state (decode.DecodeState) holds B = `max_concurrent_decodes` slots, each a KV-cache
+row of S = max_prefill_length + max_new_tokens entries, laid out on the parameters' mesh:
 
-  prefill(tokens)  -> Prefix: the prompt's KV cache [L, 1, W, K, H] and the final-norm hidden state
-                      [1, D] of its last token (its projection gives the first token's logits).
+  prefill(tokens)  -> decode.Prefix: the prompt's KV cache [L, 1, W, K, H] and the final-norm hidden
+                      state [1, D] of its last token (its projection gives the first token's logits).
   insert(prefix, state, slot) copies the prefix into row `slot`; one prefix can go into G slots.
-  generate(state)  -> samples one token per slot from the stored hidden state, then runs that token
-                      through the model, so the next step's logits are ready: one forward per step.
-
-Each slot draws its randomness from its own key (folded with the slot's step count), so a request's
-samples do not depend on which slot it lands in or on what the other slots hold.
+  generate(state)  -> decode.decode_step: one token per slot, the same step the trainer's group
+                      sampler runs inside its jit, so the same request key gives the same tokens.
 """
 
 import dataclasses
-import functools
 import types
 
 import jax
@@ -29,26 +25,12 @@ from flax import nnx
 
 from grpo_jax.model.qwen2 import KVCache, Qwen2
 from grpo_jax.model.sharding import named_sharding
-from grpo_jax.sampler.sampling import SamplingConfig, select
+from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Prefix, decode_step, prefill, request_keys, typed_key
+from grpo_jax.sampler.engine_tokenizer import HFTokenizer
 
 # Column ranges of ResultTokens.data, one int32 row per slot.
 TOKEN_COLUMNS, VALID_COLUMNS, LENGTH_COLUMNS, LOG_PROB_COLUMNS = (0, 1), (1, 2), (2, 3), (3, 4)
 CACHE_AXES = ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim')
-NO_TOKEN = -1  # a prompt position prefill skips (JetStream's BOS slot: Qwen has no BOS token)
-MIN_BUCKET = 16
-
-
-def pad_prompt(ids, max_length: int, pad_id: int = 0) -> np.ndarray:
-  """ids right-padded to the smallest power of two >= len(ids) (at least 16, at most max_length),
-  so prompts of similar lengths share one compiled prefill."""
-  if len(ids) > max_length:
-    raise ValueError(f'prompt of {len(ids)} tokens exceeds max_prefill_length={max_length}')
-  bucket = MIN_BUCKET
-  while bucket < len(ids):
-    bucket *= 2
-  padded = np.full((min(bucket, max_length),), pad_id, np.int32)
-  padded[:len(ids)] = ids
-  return padded
 
 
 def _static():
@@ -120,57 +102,21 @@ class ResultTokens:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Prefix:
-  """A prefilled prompt. cache: [L, 1, W, K, H] with length = the slot after its last real token;
-  hidden: [1, D], the final-norm hidden state of the last real token; empty: [1] bool, the prompt
-  had no real token (a rejected request: its slot finishes at once with no tokens)."""
-
-  cache: KVCache
-  hidden: jax.Array
-  empty: jax.Array
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DecodeState:
-  """Everything a generate step transforms, for B slots.
-
-  cache:       KVCache [L, B, S, K, H].
-  hidden:      [B, D] hidden state whose projection gives each slot's next-token logits.
-  keys:        [B] PRNG keys, one per request; step n of a slot uses fold_in(key, n).
-  generated:   [B] int32 tokens emitted by the slot's request so far.
-  live:        [B] bool, the slot holds a request that has not finished.
-  base_key:    PRNG key for requests inserted without a key of their own.
-  inserts:     int32 count of inserts, folded into base_key for such requests.
-  """
-
-  cache: KVCache
-  hidden: jax.Array
-  keys: jax.Array
-  generated: jax.Array
-  live: jax.Array
-  base_key: jax.Array
-  inserts: jax.Array
-
-
 class QwenEngine:
   """JetStream Engine (0.2.2 API) over a `Qwen2` module; params are `nnx.state(model)`.
 
   slots: B, concurrent decodes. max_prefill_length: longest prompt (or prompt bucket) in tokens.
-  max_new_tokens: tokens a slot may generate before it is marked finished (its cache is full).
-  stop_token_ids: tokens that finish a request (emitted, then the slot stops).
+  settings: sampling, max_new_tokens (tokens a slot may generate: its cache row holds
+  max_prefill_length + max_new_tokens entries), stop and pad ids.
   tokenizer_path: directory with the Hugging Face tokenizer that `build_tokenizer` loads.
   chat_template: 'auto' (apply the tokenizer's chat template to text requests when it has one),
   'always' or 'never'.
   """
 
   def __init__(self, model: Qwen2, *, slots: int = 8, max_prefill_length: int = 256,
-               max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
-               stop_token_ids: tuple[int, ...] = (), pad_id: int = 0, seed: int = 0,
+               settings: DecodeSettings = DecodeSettings(), seed: int = 0,
                tokenizer_path: str | None = None, chat_template: str = 'auto'):
-    if slots < 1 or max_prefill_length < 1 or max_new_tokens < 1:
+    if slots < 1 or max_prefill_length < 1 or settings.max_new_tokens < 1:
       raise ValueError('slots, max_prefill_length and max_new_tokens must be at least 1')
     graphdef, params = nnx.split(model)
     self._model = model
@@ -178,24 +124,32 @@ class QwenEngine:
     self._params = params
     self._mesh = jax.tree.leaves(params)[0].sharding.mesh
     self.slots = slots
-    self.cache_length = max_prefill_length + max_new_tokens
+    self.settings = settings
+    self.cache_length = max_prefill_length + settings.max_new_tokens
     self._max_prefill_length = max_prefill_length
-    self.max_new_tokens = max_new_tokens
-    self.sampling = sampling
-    self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
-    self.pad_id = pad_id
     self.seed = seed
     self.tokenizer_path = tokenizer_path
     self.chat_template = chat_template
     self.prefill_count = 0  # prefills run so far: prompts shared across G slots count once
+    self._inserts = 0  # requests inserted without a key of their own draw from fold_in(seed, count)
 
     state_shardings = self._decode_state_shardings()
-    prefix_sharding = self.get_prefix_destination_sharding()
     self._init = jax.jit(self._init_state, out_shardings=state_shardings)
-    self._prefill = jax.jit(self._prefill_step, out_shardings=prefix_sharding)
+    self._prefill = jax.jit(self._prefill_step, out_shardings=self.get_prefix_destination_sharding())
     self._insert = jax.jit(self._insert_step, donate_argnums=1, out_shardings=state_shardings)
-    self._generate = jax.jit(self._generate_step, donate_argnums=1,
-                             out_shardings=(state_shardings, None))
+    self._generate = jax.jit(self._generate_step, donate_argnums=1, out_shardings=(state_shardings, None))
+
+  @property
+  def max_new_tokens(self) -> int:
+    return self.settings.max_new_tokens
+
+  @property
+  def stop_token_ids(self) -> tuple[int, ...]:
+    return self.settings.stop_token_ids
+
+  @property
+  def pad_id(self) -> int:
+    return self.settings.pad_id
 
   # ---- the Engine API ----
 
@@ -207,7 +161,7 @@ class QwenEngine:
   def init_decode_state(self, *args, **kwargs) -> DecodeState:
     del args, kwargs
     with jax.set_mesh(self._mesh):
-      return self._init(jax.random.key(self.seed))
+      return self._init()
 
   def prefill(self, *, params, existing_prefix: Prefix | None = None, padded_tokens,
               true_length: int) -> Prefix:
@@ -224,12 +178,15 @@ class QwenEngine:
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
              key: jax.Array | None = None) -> DecodeState:
-    """Puts `prefix` into `slot`. key: the request's PRNG key; by default one is derived from the
-    engine seed and the number of inserts so far."""
+    """Puts `prefix` into `slot`. key: the request's PRNG key (decode.request_keys); by default
+    request n inserted without one draws from fold_in(key(seed), n)."""
     if not 0 <= slot < self.slots:
       raise ValueError(f'slot {slot} is outside [0, {self.slots})')
+    if key is None:
+      key = request_keys(jax.random.key(self.seed), 1, self._inserts)[0]
+      self._inserts += 1
     with jax.set_mesh(self._mesh):
-      return self._insert(prefix, decode_state, np.int32(slot), key)
+      return self._insert(prefix, decode_state, np.int32(slot), typed_key(key))
 
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     with jax.set_mesh(self._mesh):
@@ -254,8 +211,7 @@ class QwenEngine:
       return types.SimpleNamespace(path=self.tokenizer_path or '', extra_ids=0)
     return tokenizer_pb2.TokenizerParameters(path=self.tokenizer_path or '')
 
-  def build_tokenizer(self, metadata):
-    from grpo_jax.sampler.engine_tokenizer import HFTokenizer
+  def build_tokenizer(self, metadata) -> HFTokenizer:
     return HFTokenizer(metadata.path or None, stop_token_ids=self.stop_token_ids,
                        pad_id=self.pad_id, chat_template=self.chat_template)
 
@@ -285,43 +241,35 @@ class QwenEngine:
     c, B, S, mesh = self._model.config, self.slots, self.cache_length, self._mesh
     cache_shape = (c.num_hidden_layers, B, S, c.num_key_value_heads, c.resolved_head_dim)
     per_slot = named_sharding(mesh, (B,), ('batch',))
-    scalar = named_sharding(mesh, (), ())
     return DecodeState(
         cache=KVCache(k=named_sharding(mesh, cache_shape, CACHE_AXES),
                       v=named_sharding(mesh, cache_shape, CACHE_AXES),
                       segment_ids=named_sharding(mesh, (B, S), ('batch', 'cache_seq')), length=per_slot),
         hidden=named_sharding(mesh, (B, c.hidden_size), ('batch', 'act_embed')),
-        keys=per_slot, generated=per_slot, live=per_slot, base_key=scalar, inserts=scalar)
+        keys=per_slot, generated=per_slot, live=per_slot)
 
-  def _init_state(self, base_key: jax.Array) -> DecodeState:
+  def _init_state(self) -> DecodeState:
     B = self.slots
     return DecodeState(cache=self._model.init_cache(B, self.cache_length),
                        hidden=jnp.zeros((B, self._model.config.hidden_size), self._model.dtype),
-                       keys=jax.random.split(base_key, B), generated=jnp.zeros((B,), jnp.int32),
-                       live=jnp.zeros((B,), bool), base_key=base_key, inserts=jnp.int32(0))
+                       keys=request_keys(jax.random.key(self.seed), B), generated=jnp.zeros((B,), jnp.int32),
+                       live=jnp.zeros((B,), bool))
 
   def _prefill_step(self, params, existing: Prefix | None, tokens: jax.Array,
                     true_length: jax.Array) -> Prefix:
     model = nnx.merge(self._graphdef, params)
     T = tokens.shape[0]
     real = (jnp.arange(T) < true_length) & (tokens >= 0)
-    tokens = jnp.where(real, tokens, 0)
-    previous = existing.cache.max_length if existing is not None else 0
-    cache = model.init_cache(1, previous + T)
-    if existing is not None:
-      old = existing.cache
+    if existing is None:
+      cache = model.init_cache(1, T)
+    else:  # continue the earlier prefix in a cache row widened by T slots
+      old, previous = existing.cache, existing.cache.max_length
+      cache = model.init_cache(1, previous + T)
       cache = KVCache(k=cache.k.at[:, :, :previous].set(old.k), v=cache.v.at[:, :, :previous].set(old.v),
                       segment_ids=cache.segment_ids.at[:, :previous].set(old.segment_ids), length=old.length)
-    start = cache.length
-    hidden, cache = model.extend(tokens[None], cache, segment_ids=real[None].astype(jnp.int32),
-                                 return_hidden=True)
-    last = jnp.max(jnp.where(real, jnp.arange(T), -1))
-    # The next token goes right after the last real one: the padding slots get overwritten.
-    cache = dataclasses.replace(cache, length=start + true_length)
-    return Prefix(cache=cache, hidden=hidden[:, jnp.maximum(last, 0)], empty=(last < 0)[None])
+    return prefill(model, jnp.where(real, tokens, 0)[None], real[None].astype(jnp.int32), cache)
 
-  def _insert_step(self, prefix: Prefix, state: DecodeState, slot: jax.Array,
-                   key: jax.Array | None) -> DecodeState:
+  def _insert_step(self, prefix: Prefix, state: DecodeState, slot: jax.Array, key: jax.Array) -> DecodeState:
     width = prefix.cache.max_length
     if width > self.cache_length:
       raise ValueError(f'prefix of {width} tokens does not fit a cache row of {self.cache_length}')
@@ -331,39 +279,13 @@ class QwenEngine:
                     v=jax.lax.dynamic_update_slice(cache.v, prefix.cache.v, (0, slot, 0, 0, 0)),
                     segment_ids=jax.lax.dynamic_update_slice(cache.segment_ids, segment_row, (slot, 0)),
                     length=cache.length.at[slot].set(prefix.cache.length[0]))
-    if key is None:
-      key = jax.random.fold_in(state.base_key, state.inserts)
-    return dataclasses.replace(
-        state, cache=cache, hidden=state.hidden.at[slot].set(prefix.hidden[0].astype(state.hidden.dtype)),
-        keys=state.keys.at[slot].set(key), generated=state.generated.at[slot].set(0),
-        live=state.live.at[slot].set(~prefix.empty[0]), inserts=state.inserts + 1)
+    return DecodeState(cache=cache, hidden=state.hidden.at[slot].set(prefix.hidden[0].astype(state.hidden.dtype)),
+                       keys=state.keys.at[slot].set(key), generated=state.generated.at[slot].set(0),
+                       live=state.live.at[slot].set(~prefix.empty[0]))
 
   def _generate_step(self, params, state: DecodeState) -> tuple[DecodeState, ResultTokens]:
-    model = nnx.merge(self._graphdef, params)
-    logits = model.project(state.hidden[:, None])[:, 0]  # [B, V]
-    step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.generated)
-    pick = functools.partial(_select_one, config=self.sampling)
-    tokens, log_probs = jax.vmap(pick)(logits, step_keys)
-    live = state.live
-    generated = state.generated + live
-    hidden, cache = model.extend(tokens[:, None], state.cache, segment_ids=live[:, None].astype(jnp.int32),
-                                 return_hidden=True)
-    # Free slots keep their length, so they never run past the end of their row.
-    cache = dataclasses.replace(cache, length=jnp.where(live, cache.length, state.cache.length))
-    stop_ids = jnp.asarray(self.stop_token_ids or (-1,), jnp.int32)
-    finished = jnp.isin(tokens, stop_ids) | (generated >= self.max_new_tokens)
-    tokens = jnp.where(live, tokens, self.pad_id)
-    log_probs = jnp.where(live, log_probs, 0.0)
-    data = jnp.stack([tokens, live.astype(jnp.int32), generated,
-                      jax.lax.bitcast_convert_type(log_probs, jnp.int32)], axis=1)
-    result = ResultTokens(data=data, tokens_idx=TOKEN_COLUMNS, valid_idx=VALID_COLUMNS,
-                          length_idx=LENGTH_COLUMNS, samples_per_slot=1, log_prob_idx=LOG_PROB_COLUMNS)
-    state = dataclasses.replace(state, cache=cache, hidden=hidden[:, 0].astype(state.hidden.dtype),
-                                generated=generated, live=live & ~finished)
-    return state, result
-
-
-def _select_one(logits: jax.Array, key: jax.Array, config: SamplingConfig):
-  """select() for one slot: logits [V] -> (token, log-prob) scalars."""
-  tokens, log_probs = select(logits[None], key, config)
-  return tokens[0], log_probs[0]
+    state, emitted = decode_step(nnx.merge(self._graphdef, params), state, self.settings)
+    data = jnp.stack([emitted.tokens, emitted.valid.astype(jnp.int32), emitted.lengths,
+                      jax.lax.bitcast_convert_type(emitted.log_probs, jnp.int32)], axis=1)
+    return state, ResultTokens(data=data, tokens_idx=TOKEN_COLUMNS, valid_idx=VALID_COLUMNS,
+                               length_idx=LENGTH_COLUMNS, samples_per_slot=1, log_prob_idx=LOG_PROB_COLUMNS)

@@ -18,9 +18,22 @@ import numpy as np
 
 from grpo_jax.model.loading import load_tokenizer
 
-from grpo_jax.sampler.engine import MIN_BUCKET, NO_TOKEN, pad_prompt
-
 CHAT_TEMPLATE_MODES = ('auto', 'always', 'never')
+NO_TOKEN = -1  # a prompt position prefill skips (JetStream's BOS slot: Qwen has no BOS token)
+MIN_BUCKET = 16
+
+
+def pad_prompt(ids, max_length: int, pad_id: int = 0) -> np.ndarray:
+  """ids right-padded to the smallest power of two >= len(ids) (at least 16, at most max_length),
+  so prompts of similar lengths share one compiled prefill."""
+  if len(ids) > max_length:
+    raise ValueError(f'prompt of {len(ids)} tokens exceeds max_prefill_length={max_length}')
+  bucket = MIN_BUCKET
+  while bucket < len(ids):
+    bucket *= 2
+  padded = np.full((min(bucket, max_length),), pad_id, np.int32)
+  padded[:len(ids)] = ids
+  return padded
 
 
 def chat_messages(text: str) -> list[dict]:

@@ -1,31 +1,36 @@
 """GRPO groups: P prompts x G completions, decoded in one jitted function.
 
-Each prompt is prefilled once; its KV prefix is copied into G decode rows; the decode loop is a
-`lax.while_loop` that stops when every row has emitted a stop token or `max_new_tokens` tokens.
-The function takes the model's parameter state as an argument, so the trainer's live parameters
-are read in place: no copy and no resharding when sampler and trainer share a mesh.
+The P prompts are prefilled once (decode.prefill); each prefix is copied into its G decode rows;
+a `lax.while_loop` runs decode.decode_step until every row has emitted a stop token or
+`max_new_tokens` tokens. Request p * G + g (sample g of prompt p) draws from its own key, exactly
+as on the JetStream engine's path. The function takes the model's parameter state as an argument,
+so the trainer's live parameters are read in place: no copy and no resharding when sampler and
+trainer share a mesh.
 """
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from grpo_jax.model.qwen2 import KVCache, Qwen2
-from grpo_jax.sampler.sampling import SamplingConfig, select
+from grpo_jax.sampler.decode import DecodeSettings, DecodeState, decode_step, prefill, request_keys
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Rollout:
-  """Completions of P prompts x G samples; row p * G + g is sample g of prompt p.
+  """Completions of P prompts x G samples; row p * G + g is sample g of prompt p. The output of
+  every sampling path (jax arrays from the jitted sampler, numpy from the engine's host loop).
 
   tokens:     [P*G, N] int32, N = max_new_tokens; `pad_id` after a row finished.
   log_probs:  [P*G, N] fp32, log softmax(logits / T) of each sampled token; 0 where masked.
   mask:       [P*G, N] bool, True on completion tokens (the stop token included).
   lengths:    [P*G] int32, completion tokens per row.
-  stopped:    [P*G] bool, True if the row ended with a stop token ('stop'), else 'length'.
+  stopped:    [P*G] bool, True if the row ended with a stop token (finish reason 'stop'), False
+              if it ran out of tokens ('length').
   """
 
   tokens: jax.Array
@@ -34,64 +39,54 @@ class Rollout:
   lengths: jax.Array
   stopped: jax.Array
 
+  @property
+  def finish_reasons(self) -> list[str]:
+    """'stop' or 'length' per row (reads `stopped` back to the host)."""
+    return ['stop' if stopped else 'length' for stopped in np.asarray(self.stopped)]
 
-def _repeat_rows(cache: KVCache, group_size: int) -> KVCache:
-  """Copies each prompt's cache row into G consecutive decode rows."""
-  return KVCache(k=jnp.repeat(cache.k, group_size, axis=1), v=jnp.repeat(cache.v, group_size, axis=1),
-                 segment_ids=jnp.repeat(cache.segment_ids, group_size, axis=0),
-                 length=jnp.repeat(cache.length, group_size, axis=0))
+
+def _repeat_rows(tree, group_size: int, axis: int = 0):
+  return jax.tree.map(lambda x: jnp.repeat(x, group_size, axis=axis), tree)
 
 
 def sample_groups(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
-                  group_size: int, max_new_tokens: int, sampling: SamplingConfig,
-                  stop_token_ids: tuple[int, ...] = (), pad_id: int = 0) -> Rollout:
+                  group_size: int, settings: DecodeSettings) -> Rollout:
   """Samples G completions for each of P prompts. Traceable: run it under jit (see GroupSampler).
 
   prompts [P, Tp] int32, left- or right-padded; prompt_mask [P, Tp], 1 on real tokens.
   """
   num_prompts, prompt_length = prompts.shape
-  rows = num_prompts * group_size
-  cache = model.init_cache(num_prompts, prompt_length + max_new_tokens)
-  hidden, cache = model.extend(prompts, cache, segment_ids=prompt_mask, return_hidden=True)
-  # The next-token logits sit at each prompt's last real token (left or right padding alike);
-  # only those P positions are projected onto the vocabulary.
-  last = jnp.max(jnp.where(prompt_mask > 0, jnp.arange(prompt_length), -1), axis=1)
-  next_logits = model.project(jnp.take_along_axis(hidden, last[:, None, None], axis=1))[:, 0]
-  cache = _repeat_rows(cache, group_size)
-  next_logits = jnp.repeat(next_logits, group_size, axis=0)
-  stop_ids = jnp.asarray(stop_token_ids or (-1,), jnp.int32)
-
-  def emit(state, step, logits, key):
-    tokens, log_probs, done = state['tokens'], state['log_probs'], state['done']
-    token, log_prob = select(logits, key, sampling)
-    live = ~done
-    tokens = tokens.at[:, step].set(jnp.where(live, token, pad_id))
-    log_probs = log_probs.at[:, step].set(jnp.where(live, log_prob, 0.0))
-    stopped = state['stopped'] | (live & jnp.isin(token, stop_ids))
-    return dict(state, tokens=tokens, log_probs=log_probs, stopped=stopped, done=done | stopped,
-                mask=state['mask'].at[:, step].set(live), last=token)
-
-  key, first = jax.random.split(key)
-  state = dict(tokens=jnp.full((rows, max_new_tokens), pad_id, jnp.int32),
-               log_probs=jnp.zeros((rows, max_new_tokens), jnp.float32),
-               mask=jnp.zeros((rows, max_new_tokens), bool),
-               stopped=jnp.zeros((rows,), bool), done=jnp.zeros((rows,), bool),
-               last=jnp.zeros((rows,), jnp.int32))
-  state = emit(state, 0, next_logits, first)
+  rows, steps = num_prompts * group_size, settings.max_new_tokens
+  prefix = prefill(model, prompts, prompt_mask.astype(jnp.int32),
+                   model.init_cache(num_prompts, prompt_length + steps))
+  cache = prefix.cache
+  state = DecodeState(
+      cache=KVCache(k=_repeat_rows(cache.k, group_size, axis=1), v=_repeat_rows(cache.v, group_size, axis=1),
+                    segment_ids=_repeat_rows(cache.segment_ids, group_size),
+                    length=_repeat_rows(cache.length, group_size)),
+      hidden=_repeat_rows(prefix.hidden, group_size), keys=request_keys(key, rows),
+      generated=jnp.zeros((rows,), jnp.int32), live=~_repeat_rows(prefix.empty, group_size))
+  # Every row starts at step 0, so a live row emits its n-th token at loop step n.
+  outputs = Rollout(tokens=jnp.full((rows, steps), settings.pad_id, jnp.int32),
+                    log_probs=jnp.zeros((rows, steps), jnp.float32), mask=jnp.zeros((rows, steps), bool),
+                    lengths=jnp.zeros((rows,), jnp.int32), stopped=jnp.zeros((rows,), bool))
 
   def keep_going(carry):
-    step, _, state, _ = carry
-    return (step < max_new_tokens) & ~jnp.all(state['done'])
+    _, state, _ = carry
+    return jnp.any(state.live)
 
-  def decode_step(carry):
-    step, cache, state, key = carry
-    logits, cache = model.extend(state['last'][:, None], cache)
-    key, subkey = jax.random.split(key)
-    return step + 1, cache, emit(state, step, logits[:, 0], subkey), key
+  def step(carry):
+    index, state, out = carry
+    state, emitted = decode_step(model, state, settings)
+    out = Rollout(tokens=out.tokens.at[:, index].set(emitted.tokens),
+                  log_probs=out.log_probs.at[:, index].set(emitted.log_probs),
+                  mask=out.mask.at[:, index].set(emitted.valid),
+                  lengths=jnp.where(emitted.valid, emitted.lengths, out.lengths),
+                  stopped=out.stopped | emitted.stopped)
+    return index + 1, state, out
 
-  _, _, state, _ = jax.lax.while_loop(keep_going, decode_step, (jnp.int32(1), cache, state, key))
-  return Rollout(tokens=state['tokens'], log_probs=state['log_probs'], mask=state['mask'],
-                 lengths=state['mask'].sum(axis=1, dtype=jnp.int32), stopped=state['stopped'])
+  _, _, outputs = jax.lax.while_loop(keep_going, step, (jnp.int32(0), state, outputs))
+  return outputs
 
 
 class GroupSampler:
@@ -101,16 +96,13 @@ class GroupSampler:
   live parameters); the graph definition and the static settings are fixed at construction.
   """
 
-  def __init__(self, model: Qwen2, *, group_size: int, max_new_tokens: int,
-               sampling: SamplingConfig = SamplingConfig(), stop_token_ids: tuple[int, ...] = (),
-               pad_id: int = 0):
+  def __init__(self, model: Qwen2, *, group_size: int, settings: DecodeSettings):
     graphdef, _ = nnx.split(model)
-    settings = dict(group_size=group_size, max_new_tokens=max_new_tokens, sampling=sampling,
-                    stop_token_ids=tuple(stop_token_ids), pad_id=pad_id)
 
     @jax.jit
     def run(state, prompts, prompt_mask, key):
-      return sample_groups(nnx.merge(graphdef, state), prompts, prompt_mask, key, **settings)
+      return sample_groups(nnx.merge(graphdef, state), prompts, prompt_mask, key, group_size=group_size,
+                           settings=settings)
 
     self._run = run
 

@@ -6,11 +6,14 @@ its own parameters (at the same temperature), so their ratio is the honest impor
 truncation only changes which tokens can be drawn.
 """
 
+import argparse
 import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
+
+from grpo_jax.errors import FieldError, UserError, require
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,12 +26,30 @@ class SamplingConfig:
   top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches p; 1.0 keeps all
 
   def __post_init__(self):
-    if not self.greedy and not self.temperature > 0:
-      raise ValueError(f'temperature must be positive, got {self.temperature}')
-    if self.top_k < 0:
-      raise ValueError(f'top_k must be >= 0, got {self.top_k}')
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f'top_p must be in (0, 1], got {self.top_p}')
+    require(self.greedy or self.temperature > 0, 'temperature', f'must be > 0, got {self.temperature}')
+    require(self.top_k >= 0, 'top_k', f'must be >= 0, got {self.top_k}')
+    require(0 < self.top_p <= 1, 'top_p', f'must be in (0, 1], got {self.top_p}')
+
+  @property
+  def settings(self) -> 'SamplingConfig':
+    """The plain sampling settings (a subclass, such as the rollout config section, adds fields
+    that must not reach the jitted sampler's static arguments)."""
+    return SamplingConfig(**{field.name: getattr(self, field.name) for field in dataclasses.fields(SamplingConfig)})
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+  """--greedy, --temperature, --top-k, --top-p: the command-line spelling of SamplingConfig."""
+  parser.add_argument('--greedy', action='store_true', help='argmax decoding')
+  parser.add_argument('--temperature', type=float, default=1.0)
+  parser.add_argument('--top-p', type=float, default=1.0)
+  parser.add_argument('--top-k', type=int, default=0)
+
+
+def sampling_from_flags(args: argparse.Namespace) -> SamplingConfig:
+  try:
+    return SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+  except FieldError as error:
+    raise UserError(str(error.renamed('--' + error.field.replace('_', '-')))) from None
 
 
 def truncated_logits(scaled: jax.Array, top_k: int, top_p: float) -> jax.Array:

@@ -3,47 +3,33 @@
 Each prompt is prefilled once, when its first sample gets a slot, and that prefix is inserted into
 G slots. The jitted generate step runs back to back; every `check_every` steps the host pulls
 the steps' results and each slot's live flag in one transfer, records the tokens, and refills the
-slots that finished. Request r = p * G + g draws from fold_in(key, r), so its tokens do not
-depend on B, on the slot it gets, or on what runs beside it.
+slots that finished. Request r = p * G + g draws from decode.request_keys(key, ...)[r], as in the
+trainer's group sampler, so its tokens do not depend on B, on the slot it gets, or on the path.
 """
 
 import collections
-import dataclasses
 
 import jax
 import numpy as np
 
-from grpo_jax.sampler.engine import QwenEngine, pad_prompt
-
-
-@dataclasses.dataclass(frozen=True)
-class Completions:
-  """Row p * G + g is sample g of prompt p; N = the engine's max_new_tokens.
-
-  tokens:          [P*G, N] int32, the engine's pad_id after a row ends.
-  log_probs:       [P*G, N] fp32, log softmax(logits / T) of each token; 0 where masked.
-  mask:            [P*G, N] bool, True on completion tokens (the stop token included).
-  lengths:         [P*G] int32.
-  finish_reasons:  P*G strings: 'stop' (ended with a stop token) or 'length'.
-  """
-
-  tokens: np.ndarray
-  log_probs: np.ndarray
-  mask: np.ndarray
-  lengths: np.ndarray
-  finish_reasons: list[str]
+from grpo_jax.sampler.decode import request_keys
+from grpo_jax.sampler.engine import QwenEngine
+from grpo_jax.sampler.engine_tokenizer import pad_prompt
+from grpo_jax.sampler.rollout import Rollout
 
 
 def generate_groups(engine: QwenEngine, params, prompts, *, group_size: int = 1,
-                    key: jax.Array | None = None, check_every: int = 4) -> Completions:
-  """Samples `group_size` completions of each prompt (a list of token-id lists)."""
+                    key: jax.Array | None = None, check_every: int = 4) -> Rollout:
+  """Samples `group_size` completions of each prompt (a list of token-id lists); numpy arrays."""
   if group_size < 1 or check_every < 1:
     raise ValueError('group_size and check_every must be at least 1')
   key = jax.random.key(engine.seed) if key is None else key
   rows, N = len(prompts) * group_size, engine.max_new_tokens
+  keys = request_keys(key, rows)
   tokens = np.full((rows, N), engine.pad_id, np.int32)
   log_probs = np.zeros((rows, N), np.float32)
   lengths = np.zeros((rows,), np.int32)
+  stopped = np.zeros((rows,), bool)
   pending = collections.deque(range(rows))
   prefixes = {}  # prompt index -> (prefix, samples still to insert)
   owner = [None] * engine.max_concurrent_decodes  # slot -> request
@@ -61,31 +47,29 @@ def generate_groups(engine: QwenEngine, params, prompts, *, group_size: int = 1,
       del prefixes[prompt_index]
     return entry[0]
 
+  stop_ids = np.asarray(engine.stop_token_ids or (-1,))
   while pending or any(request is not None for request in owner):
     for slot in range(len(owner)):
       if owner[slot] is None and pending:
         request = pending.popleft()
-        state = engine.insert(prefix_for(request // group_size), state, slot,
-                              key=jax.random.fold_in(key, request))
+        state = engine.insert(prefix_for(request // group_size), state, slot, key=keys[request])
         owner[slot] = request
     results = []
     for _ in range(check_every):
       state, result = engine.generate(params, state)
-      results.append(result.data)
-    data, live = jax.device_get((results, state.live))
+      results.append(result)
+    results, live = jax.device_get((results, state.live))
     requests = np.array([-1 if request is None else request for request in owner])
-    for step in data:  # [B, 4]: token | valid | length | log-prob bits
-      taken = (requests >= 0) & (step[:, 1] != 0)
-      row, column = requests[taken], step[taken, 2] - 1
-      tokens[row, column] = step[taken, 0]
-      log_probs[row, column] = step[taken, 3].astype(np.int32).view(np.float32)
-      lengths[row] = step[taken, 2]
+    for step in results:
+      taken = (requests >= 0) & step.valid
+      row, column = requests[taken], step.lengths[taken] - 1
+      tokens[row, column] = step.tokens[taken]
+      log_probs[row, column] = step.log_probs[taken]
+      lengths[row] = step.lengths[taken]
+      stopped[row] |= np.isin(step.tokens[taken], stop_ids)
     for slot in range(len(owner)):
       if not live[slot]:
         owner[slot] = None
 
   mask = np.arange(N)[None, :] < lengths[:, None]
-  stop = set(engine.stop_token_ids)
-  finish_reasons = ['stop' if n and tokens[r, n - 1] in stop else 'length' for r, n in enumerate(lengths)]
-  return Completions(tokens=tokens, log_probs=log_probs, mask=mask, lengths=lengths,
-                     finish_reasons=finish_reasons)
+  return Rollout(tokens=tokens, log_probs=log_probs, mask=mask, lengths=lengths, stopped=stopped)

@@ -1,0 +1,149 @@
+"""The one prefill and the one decode step behind every sampling path.
+
+The trainer's group sampler (rollout.py), the JetStream engine (engine.py), `python -m
+grpo_jax.generate` and `python -m grpo_jax.serve` all sample through these two functions, so a
+request's tokens depend only on its prompt, its key and the parameters, never on the path:
+
+  prefill(model, tokens, segment_ids, cache) -> Prefix
+      runs P prompts (left- or right-padded) through the model once, and keeps the final-norm
+      hidden state of each prompt's last real token: its projection gives the first token's logits.
+  decode_step(model, state, settings) -> (state, Emitted)
+      samples one token per row from the stored hidden states, then, if any row is still live,
+      runs those tokens through the model so the next step's hidden states are ready. One forward
+      per step; the forward after the last token is skipped when every row has finished.
+
+PRNG policy: request r of a call draws from `request_keys(key, R)[r] = fold_in(key, r)`, and the
+n-th token of a request from `fold_in(request key, n)`. A request's samples therefore do not depend
+on the batch around it, on the slot it lands in, or on how many slots there are.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from grpo_jax.model.qwen2 import KVCache, Qwen2
+from grpo_jax.sampler.sampling import SamplingConfig, select
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+  """Static settings of decoding (hashable, fixed at trace time)."""
+
+  sampling: SamplingConfig = SamplingConfig()
+  max_new_tokens: int = 16  # N: a request finishes with reason 'length' after this many tokens
+  stop_token_ids: tuple[int, ...] = ()  # a request finishes with reason 'stop' after emitting one
+  pad_id: int = 0  # written where a row emits nothing
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+  """P prefilled prompts.
+
+  cache:   KVCache [L, P, W, K, H]; `length` is the slot after each prompt's last real token, so
+           decoding continues right after it (right padding is overwritten, left padding masked).
+  hidden:  [P, D] final-norm hidden state of each prompt's last real token.
+  empty:   [P] bool, the prompt had no real token (its request finishes at once, with no tokens).
+  """
+
+  cache: KVCache
+  hidden: jax.Array
+  empty: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  """Everything a decode step transforms, for B rows (slots).
+
+  cache:      KVCache [L, B, S, K, H].
+  hidden:     [B, D] hidden state whose projection gives each row's next-token logits.
+  keys:       [B] typed PRNG keys, one per request.
+  generated:  [B] int32 tokens the row's request has emitted so far.
+  live:       [B] bool, the row holds a request that has not finished.
+  """
+
+  cache: KVCache
+  hidden: jax.Array
+  keys: jax.Array
+  generated: jax.Array
+  live: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Emitted:
+  """One decode step's output, one entry per row.
+
+  tokens:     [B] int32, the sampled token; `pad_id` where the row emitted nothing.
+  log_probs:  [B] fp32 log softmax(logits / T)[token]; 0 where the row emitted nothing.
+  valid:      [B] bool, the row held a live request and emitted this token.
+  lengths:    [B] int32 tokens the row's request has emitted, this one included.
+  stopped:    [B] bool, this token is a stop token (the request finished with reason 'stop').
+  """
+
+  tokens: jax.Array
+  log_probs: jax.Array
+  valid: jax.Array
+  lengths: jax.Array
+  stopped: jax.Array
+
+
+def typed_key(key: jax.Array) -> jax.Array:
+  """A typed PRNG key from a typed one or raw uint32 key data (as `jax.random.PRNGKey` gives)."""
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return key
+  return jax.random.wrap_key_data(key)
+
+
+def request_keys(key: jax.Array, count: int, first: int = 0) -> jax.Array:
+  """[count] keys of requests first .. first + count - 1: fold_in(key, r)."""
+  return jax.vmap(jax.random.fold_in, (None, 0))(typed_key(key), first + jnp.arange(count))
+
+
+def prefill(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array, cache: KVCache) -> Prefix:
+  """Runs tokens [P, T] (segment_ids [P, T], 0 on padding) into `cache` [L, P, S, K, H] from its
+  current length on (an empty cache, or an earlier prefix to continue). Only the P hidden states
+  that are sampled from leave the model: the [P, T, V] logits of a long prompt batch would be
+  tens of GB over Qwen's 151,936-token vocabulary."""
+  start = cache.length
+  hidden, cache = model.extend(tokens, cache, segment_ids=segment_ids, return_hidden=True)
+  last = jnp.max(jnp.where(segment_ids != 0, jnp.arange(tokens.shape[1]), -1), axis=1)  # [P]
+  cache = dataclasses.replace(cache, length=start + last + 1)
+  hidden = jnp.take_along_axis(hidden, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]
+  return Prefix(cache=cache, hidden=hidden, empty=last < 0)
+
+
+def _select_one(logits: jax.Array, key: jax.Array, sampling: SamplingConfig):
+  """select() for one row: logits [V] -> (token, log-prob) scalars."""
+  tokens, log_probs = select(logits[None], key, sampling)
+  return tokens[0], log_probs[0]
+
+
+def _advance(model: Qwen2, state: DecodeState, tokens: jax.Array) -> DecodeState:
+  """Feeds each live row's token through the model into its cache row; other rows are untouched."""
+  live = state.live
+  hidden, cache = model.extend(tokens[:, None], state.cache, segment_ids=live[:, None].astype(jnp.int32),
+                               return_hidden=True)
+  # A free row writes a padding entry at its current slot but keeps its length, so it never runs
+  # past the end of its row and the entry is overwritten by the next request inserted there.
+  cache = dataclasses.replace(cache, length=jnp.where(live, cache.length, state.cache.length))
+  return dataclasses.replace(state, cache=cache, hidden=hidden[:, 0].astype(state.hidden.dtype))
+
+
+def decode_step(model: Qwen2, state: DecodeState, settings: DecodeSettings) -> tuple[DecodeState, Emitted]:
+  """Emits one token per live row, then advances the rows still live. Traceable."""
+  logits = model.project(state.hidden[:, None])[:, 0]  # [B, V]
+  step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.generated)
+  tokens, log_probs = jax.vmap(_select_one, (0, 0, None))(logits, step_keys, settings.sampling)
+  live = state.live
+  generated = state.generated + live
+  stop_ids = jnp.asarray(settings.stop_token_ids or (-1,), jnp.int32)
+  stopped = live & jnp.isin(tokens, stop_ids)
+  emitted = Emitted(tokens=jnp.where(live, tokens, settings.pad_id), log_probs=jnp.where(live, log_probs, 0.0),
+                    valid=live, lengths=generated, stopped=stopped)
+  state = dataclasses.replace(state, generated=generated,
+                              live=live & ~stopped & (generated < settings.max_new_tokens))
+  state = jax.lax.cond(jnp.any(state.live), lambda s: _advance(model, s, tokens), lambda s: s, state)
+  return state, emitted
