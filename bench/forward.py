@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from grpo_jax.model import Qwen2Config, from_pretrained, init_model, to_hf_dict  # noqa: E402
+from grpo_jax.model import ModelOptions, Qwen2Config, from_pretrained, init_model, to_hf_dict  # noqa: E402
 
 
 def torch_reference(config: Qwen2Config, directory: str):
@@ -68,7 +68,7 @@ def main():
       reference = torch_reference(config, directory)
       model = from_pretrained(directory, dtype=args.dtype)
     else:
-      model = init_model(config, dtype=args.dtype, param_dtype=args.dtype)
+      model = init_model(config, options=ModelOptions(dtype=args.dtype, param_dtype=args.dtype))
 
   graphdef, state = nnx.split(model)
   forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))

@@ -98,7 +98,7 @@ class OtherLoad:
 # ---- the TRL side (runs under bench/.venv-trl; imports no jax and no grpo_jax) ----
 
 def torch_matmul_peak(size: int = 1024, repeats: int = 5) -> float:
-  """FLOP/s of a square fp32 torch matmul, best of `repeats` (as rl.loop.matmul_peak_flops)."""
+  """FLOP/s of a square fp32 torch matmul, best of `repeats` (as grpo_jax.metrics.matmul_peak_flops)."""
   import torch
   x = torch.full((size, size), 0.5)
   x @ x
@@ -287,19 +287,19 @@ def run_both(args, model_dir: str, workdir: str) -> tuple[dict, dict | None]:
   from grpo_jax.train import Run, build_model, build_task
 
   total_steps = 2 * args.warmup + args.steps + 2 * args.fused_steps
-  config = config_lib.validate(config_lib.Config(
+  config = config_lib.Config(
       run=config_lib.RunConfig(name='bench_grpo_step', seed=0),
       model=config_lib.ModelConfig(path=model_dir, scan_layers=False),
       task=config_lib.TaskConfig(name='arith', max_operand=MAX_OPERAND, operators='+'),
       rollout=config_lib.RolloutConfig(prompts_per_step=args.prompts, max_new_tokens=args.new_tokens),
       algo=config_lib.AlgoConfig(group_size=args.group),
       optim=config_lib.OptimConfig(learning_rate=args.learning_rate),
-      train=config_lib.TrainConfig(steps=total_steps, checkpoint_every=0, progress=False)))
+      train=config_lib.TrainConfig(steps=total_steps, checkpoint_every=0, progress=False))
   mesh = sharding.make_mesh(config.mesh)
   task = build_task(config)
   # The end token no longer stops the sampler, so every completion is N tokens, as on TRL's side.
   task.stop_token_ids = ()
-  run = Run(config, workdir, mesh, build_model(config, mesh), task)
+  run = Run(config, workdir, mesh, build_model(config.model, mesh, config.run.seed), task)
   try:
     for _ in range(args.warmup):  # compiles, before the worker starts
       run.host_step()

@@ -45,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from grpo_jax.model import Qwen2Config, from_pretrained, init_model, to_hf_dict  # noqa: E402
+from grpo_jax.model import ModelOptions, Qwen2Config, from_pretrained, init_model, to_hf_dict  # noqa: E402
 from grpo_jax.sampler import GroupSampler, SamplingConfig  # noqa: E402
 
 
@@ -79,8 +79,8 @@ def run(model, reference, config: Qwen2Config, rows: int):
   P, G, Tp, N = rows // args.group, args.group, args.prompt_length, args.new_tokens
   prompts = np.random.default_rng(0).integers(1, config.vocab_size, (P, Tp), dtype=np.int32)
   mask = np.ones((P, Tp), np.int32)
-  sampler = GroupSampler(model, group_size=G, max_new_tokens=N, stop_token_ids=(), pad_id=0,
-                         sampling=SamplingConfig(temperature=1.0, top_k=0, top_p=1.0))
+  sampler = GroupSampler(model, group_size=G, settings=DecodeSettings(max_new_tokens=N, stop_token_ids=(), pad_id=0,
+                         sampling=SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)))
   graphdef, state = nnx.split(model)
 
   @jax.jit
@@ -163,7 +163,7 @@ def main():
       reference = torch_reference(config, directory)
       model = from_pretrained(directory, dtype=args.dtype)
     else:
-      model = init_model(config, dtype=args.dtype, param_dtype=args.dtype)
+      model = init_model(config, options=ModelOptions(dtype=args.dtype, param_dtype=args.dtype))
   batch_sizes = [int(b) for b in args.batch_sizes.split(',') if b] or [args.prompts * args.group]
   for rows in batch_sizes:
     if rows % args.group:

@@ -3,8 +3,8 @@
 Seconds per jitted GRPO update (rl/step.py's optimizer step on one scored batch), trained tokens/s
 and model-FLOPs utilisation, optionally against the same update in PyTorch (--torch).
 
-The update is the trainer's own: rl.loop.Trainer.update on a one-device mesh with the state donated
-and its shardings pinned, compiled ahead of time so XLA's memory analysis can be printed before it
+The update is the trainer's own: rl.step.update, jitted as rl/loop.py jits it, on a one-device mesh
+with the state donated and its shardings pinned, compiled ahead of time so XLA's memory analysis can be printed before it
 runs. Weights are random (init_model), the batch is random token ids with left padding on every
 eighth row, completion masks of random length, random advantages and sampler log-probs. Defaults:
 mu = 1, one mini-batch, beta = 0 (the on-policy update: no pi_old or pi_ref pass).
@@ -20,7 +20,7 @@ or added: every row is B x T dense tokens). With T = Tp + N tokens per row, N co
   update = B * (3 * mu * forward(row) + scoring_passes * forward(row))
     backward = 2 x forward; scoring_passes = [mu > 1 or several mini-batches] (pi_old) + [beta > 0]
 MFU = update FLOPs / median seconds / peak, with peak the measured FLOP/s of a square matmul at the
-compute dtype on the device (8192^3 on an accelerator, 1024^3 on CPU; rl.loop.matmul_peak_flops)
+compute dtype on the device (8192^3 on an accelerator, 1024^3 on CPU; metrics.matmul_peak_flops)
 and, on H100/H200 in bfloat16, also NVIDIA's nominal dense bf16 peak.
 
 --torch builds transformers' Qwen2ForCausalLM from the same architecture with its own random
@@ -31,6 +31,7 @@ CUDA). On-policy this is the gradient of the GRPO clipped surrogate. Both sides 
 """
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -105,15 +106,15 @@ from flax import nnx  # noqa: E402
 from grpo_jax import config as config_lib  # noqa: E402
 from grpo_jax.errors import UserError  # noqa: E402
 from grpo_jax.model import MeshConfig, Qwen2Config, init_model, make_mesh, to_hf_dict  # noqa: E402
-from grpo_jax.rl.loop import Trainer, matmul_peak_flops  # noqa: E402
-from grpo_jax.rl.step import Batch, init_train_state  # noqa: E402
+from grpo_jax.metrics import matmul_peak_flops  # noqa: E402
+from grpo_jax.rl import step as step_lib  # noqa: E402
 
 GiB = 2 ** 30
 
 
 def run_config(architecture: Qwen2Config, dtype: str) -> config_lib.Config:
   """The run config the trainer would see: one prompt with G = B completions of N tokens."""
-  return config_lib.validate(config_lib.Config(
+  return config_lib.Config(
       model=config_lib.ModelConfig(architecture=architecture, dtype=dtype, param_dtype=args.param_dtype,
                                    remat=args.remat, scan_layers=not args.no_scan_layers,
                                    attention=args.attention, attention_chunk=args.attention_chunk),
@@ -121,7 +122,7 @@ def run_config(architecture: Qwen2Config, dtype: str) -> config_lib.Config:
       algo=config_lib.AlgoConfig(group_size=args.rows, ppo_epochs=args.ppo_epochs,
                                  num_minibatches=args.num_minibatches, kl_beta=args.kl_beta,
                                  micro_batch_size=args.micro_batch_size,
-                                 logprob_implementation=args.logprob_implementation)))
+                                 logprob_implementation=args.logprob_implementation))
 
 
 def random_batch(vocab_size: int, seed: int = 0) -> dict:
@@ -163,21 +164,25 @@ def memory_line(compiled) -> str:
 
 
 def jax_update(architecture: Qwen2Config, config: config_lib.Config, arrays: dict):
-  """(step, trainer, live) where step() runs one donated update and waits for it."""
+  """(step, settings, live) where step() runs one donated update and waits for it."""
   mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
-  model = init_model(architecture, mesh=mesh, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-                     remat=config.model.remat, scan_layers=config.model.scan_layers,
-                     attention=config.model.attention, attention_chunk=config.model.attention_chunk)
+  model = init_model(architecture, options=config.model, mesh=mesh)
   graphdef, params = nnx.split(model)
   ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
-  trainer = Trainer(config, graphdef, task=None, total_steps=args.warmup + args.repeats + 1)
+  schedule = step_lib.learning_rate_schedule(config.optim, args.warmup + args.repeats + 1)
+  optimizer = step_lib.make_optimizer(config.optim, schedule)
+  settings = step_lib.UpdateSettings(algo=config.algo, temperature=config.rollout.temperature,
+                                     rows=config.rollout.prompts_per_step * config.algo.group_size)
   with jax.set_mesh(mesh):
-    state = jax.jit(lambda p: init_train_state(p, trainer.optimizer, 0))(params)
-  trainer.pin_shardings(state, mesh)
-  batch = Batch(**jax.device_put(arrays))
+    state = jax.jit(lambda p: step_lib.init_train_state(p, optimizer, 0))(params)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  update = jax.jit(functools.partial(step_lib.update, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
+                                     settings=settings),
+                   donate_argnums=0, out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated))
+  batch = step_lib.Batch(**jax.device_put(arrays))
   start = time.perf_counter()
   with jax.set_mesh(mesh):
-    compiled = trainer.update.lower(state, batch, ref_params).compile()
+    compiled = update.lower(state, batch, ref_params).compile()
   print(f'compile {time.perf_counter() - start:.1f} s; {memory_line(compiled)}', flush=True)
   live = dict(state=state)
 
@@ -185,7 +190,7 @@ def jax_update(architecture: Qwen2Config, config: config_lib.Config, arrays: dic
     with jax.set_mesh(mesh):
       live['state'], live['metrics'] = jax.block_until_ready(compiled(live['state'], batch, ref_params))
 
-  return step, trainer, live
+  return step, settings, live
 
 
 def torch_update(architecture: Qwen2Config, config: config_lib.Config, arrays: dict):
@@ -265,7 +270,7 @@ def main():
   print(f'device: {backend} ({device.device_kind}), jax {jax.__version__}'
         + (f', {args.threads} threads' if backend == 'cpu' else ''), flush=True)
 
-  jax_step, trainer, live = jax_update(architecture, config, arrays)
+  jax_step, settings, live = jax_update(architecture, config, arrays)
   jax_name = 'grpo_jax'
   steps = {jax_name: jax_step}
   if args.torch:
@@ -276,7 +281,7 @@ def main():
       step()
   results = harness.interleaved(steps, args.repeats)
 
-  flops = update_flops(architecture, trainer.settings)
+  flops = update_flops(architecture, settings)
   tokens = B * (Tp + N)
   peak = matmul_peak_flops(dtype, 1024 if backend == 'cpu' else 8192)
   nominal = nominal_peak(device.device_kind, dtype)

@@ -2,8 +2,8 @@
 
 Converts a Hugging Face Qwen2/Qwen2.5 checkpoint (model.safetensors or a sharded index) to a
 grpo_jax checkpoint: config.json, params/ (orbax, restorable straight onto any mesh) and the
-tokenizer files. Tensors are read one at a time from memory-mapped files, so host memory stays
-near one copy of the model.
+tokenizer files. Tensors are read one at a time with positioned reads, so host memory stays near
+one copy of the model.
 """
 
 import argparse
@@ -16,6 +16,7 @@ from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import weights
 from grpo_jax.model.config import load_hf_config
 from grpo_jax.model.loading import load_hf, save_orbax
+from grpo_jax.model.qwen2 import ModelOptions
 
 DTYPES = ('float32', 'bfloat16', 'float16')
 
@@ -36,7 +37,8 @@ def main(argv=None):
     raise UserError(f'{args.hf}/config.json: dtype {dtype!r} is not supported; pass --dtype')
   weights.HFCheckpoint(args.hf).check(config)  # fail before anything is written
   with atomic_directory(args.out, args.force) as staging:
-    model = load_hf(args.hf, mesh=host_mesh(), dtype=dtype, param_dtype=dtype)
+    # Only the storage dtype matters: conversion runs no forward pass.
+    model = load_hf(args.hf, options=ModelOptions(param_dtype=dtype), mesh=host_mesh())
     save_orbax(model, staging, tokenizer_from=args.hf)
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
   print(f'wrote {args.out}: {config.num_params() / 1e9:.3f}B parameters as {dtype} '

@@ -15,6 +15,7 @@ from conversion.common import atomic_directory, host_mesh
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model.config import load_hf_config
 from grpo_jax.model.loading import copy_tokenizer_files, is_orbax_checkpoint, load_orbax, save_hf
+from grpo_jax.model.qwen2 import ModelOptions
 
 
 @cli_main
@@ -34,7 +35,8 @@ def main(argv=None):
     load_hf_config(args.like)  # fail early on a wrong --like
   stored_dtype = load_hf_config(args.ckpt).checkpoint_dtype
   with atomic_directory(args.out, args.force) as staging:
-    model = load_orbax(args.ckpt, mesh=host_mesh(), dtype=stored_dtype, param_dtype=stored_dtype)
+    # Only the storage dtype matters: conversion runs no forward pass.
+    model = load_orbax(args.ckpt, options=ModelOptions(param_dtype=stored_dtype), mesh=host_mesh())
     save_hf(model, staging, max_shard_bytes=int(args.max_shard_gb * 2**30))
     copy_tokenizer_files(args.like or args.ckpt, staging)
     if args.like:

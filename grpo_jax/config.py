@@ -4,6 +4,7 @@ Every field has a default and a one-line comment. Loading checks every key and t
 first mistake in one sentence naming the key, e.g. `config key 'mesh.tensor' expects int, got 'two'`.
 """
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -13,28 +14,36 @@ from typing import Literal
 
 import yaml
 
-from grpo_jax.errors import UserError
+from grpo_jax.data.arith import check_arguments as check_arith_arguments
+from grpo_jax.errors import FieldError, UserError, require
 from grpo_jax.model.config import Qwen2Config
-from grpo_jax.model.qwen2 import AttentionImplementation
+from grpo_jax.model.qwen2 import ModelOptions
 from grpo_jax.model.sharding import MeshConfig
+from grpo_jax.ops import LogprobImplementation
+from grpo_jax.rl.algo import Advantage, KLEstimator, LossAggregation
+from grpo_jax.sampler.sampling import SamplingConfig
 
-DType = Literal['float32', 'bfloat16']
+
+@contextlib.contextmanager
+def _section(name: str):
+  """Names the fields of a section's own checks as the user writes them: `algo.group_size`."""
+  try:
+    yield
+  except FieldError as error:
+    raise error.renamed(f'{name}.{error.field}') from None
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """Which model to load and how to run it."""
+class ModelConfig(ModelOptions):
+  """Which model to load, and how to run it (the ModelOptions fields: dtype, param_dtype, remat,
+  scan_layers, attention, attention_chunk; see model/qwen2.py)."""
 
   path: str | None = None  # Hugging Face dir or grpo_jax checkpoint; None: random init from `architecture`
   architecture: Qwen2Config = Qwen2Config()  # used only when `path` is None
-  dtype: DType = 'float32'  # compute dtype of activations and matmuls
-  param_dtype: DType = 'float32'  # storage dtype of parameters (fp32 master weights with bf16 compute)
-  remat: Literal['none', 'full', 'dots', 'dots_no_batch'] = 'none'  # per-layer rematerialisation
-  scan_layers: bool = True  # one lax.scan over layers: compile time independent of depth
-  # Training / scoring attention: dense [T, T] scores; chunked (attention_chunk queries at a time,
-  # rematerialised: O(chunk x T) memory, for long completions); cudnn (NVIDIA GPUs).
-  attention: AttentionImplementation = 'dense'
-  attention_chunk: int = 512  # queries per chunk with attention: chunked
+
+  def __post_init__(self):
+    with _section('model'):
+      super().__post_init__()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,14 +56,18 @@ class RunConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-  """How the policy samples completions (the sampler's settings)."""
+class RolloutConfig(SamplingConfig):
+  """How the policy samples completions: the SamplingConfig fields (greedy, temperature T, which
+  the trainer's log-probs also use, top_k, top_p) and the step's shape."""
 
   prompts_per_step: int = 16  # P: prompts per RL step; a step scores P * G completions
   max_new_tokens: int = 8  # N_max: completion budget; longer answers end with finish reason 'length'
-  temperature: float = 1.0  # T: sampling temperature, also applied to the trainer's log-probs
-  top_k: int = 0  # 0 keeps every token
-  top_p: float = 1.0  # 1.0 keeps every token
+
+  def __post_init__(self):
+    with _section('rollout'):
+      super().__post_init__()
+      require(self.prompts_per_step >= 1, 'prompts_per_step', f'must be >= 1, got {self.prompts_per_step}')
+      require(self.max_new_tokens >= 1, 'max_new_tokens', f'must be >= 1, got {self.max_new_tokens}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,22 +75,33 @@ class AlgoConfig:
   """The GRPO family (rl/algo.py). Symbols follow the papers cited there."""
 
   group_size: int = 8  # G: completions per prompt
-  advantage: Literal['grpo', 'drgrpo', 'rloo'] = 'grpo'  # (r - mean_G)/(std_G + eps) | r - mean_G | leave-one-out
+  advantage: Advantage = 'grpo'  # (r - mean_G)/(std_G + eps) | r - mean_G | leave-one-out
   advantage_epsilon: float = 1e-6  # eps in the GRPO advantage denominator
   epsilon_low: float = 0.2  # eps_low: ratio clipped below at 1 - eps_low
   epsilon_high: float = 0.2  # eps_high: ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)
   dual_clip: float = 0.0  # c > 1 bounds the surrogate below by c * A for A < 0; 0 disables
   importance_ratio: Literal['token', 'sequence'] = 'token'  # 'sequence' is GSPO's s_i (use eps ~ 3e-4)
   kl_beta: float = 0.0  # beta: weight of KL(pi || pi_ref); 0 keeps no reference parameters
-  kl_estimator: Literal['k1', 'k2', 'k3'] = 'k3'  # per-token KL estimator (Schulman 2020)
+  kl_estimator: KLEstimator = 'k3'  # per-token KL estimator (Schulman 2020)
   entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
-  loss_aggregation: Literal['token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum',
-                            'seq-mean-token-sum-norm'] = 'token-mean'  # see algo.aggregation_weights
+  loss_aggregation: LossAggregation = 'token-mean'  # see algo.aggregation_weights
   ppo_epochs: int = 1  # mu: passes over each batch; > 1 uses pi_old log-probs and clipping
   num_minibatches: int = 1  # optimizer steps per pass; P * G must divide evenly
   micro_batch_size: int = 0  # rows per gradient-accumulation chunk (lax.scan); 0: whole mini-batch
   tis_cap: float = 0.0  # C: truncated importance weight min(pi_old / pi_sampler, C); 0 disables
-  logprob_implementation: Literal['auto', 'pallas', 'xla_chunked', 'naive'] = 'auto'  # ops.token_logprobs
+  logprob_implementation: LogprobImplementation = 'auto'  # ops.token_logprobs
+
+  def __post_init__(self):
+    with _section('algo'):
+      require(self.group_size >= 2, 'group_size', f'must be >= 2 (a group needs a baseline), got {self.group_size}')
+      require(self.num_minibatches >= 1, 'num_minibatches', f'must be >= 1, got {self.num_minibatches}')
+      require(self.micro_batch_size >= 0, 'micro_batch_size', f'must be >= 0, got {self.micro_batch_size}')
+      require(self.ppo_epochs >= 1, 'ppo_epochs', f'must be >= 1, got {self.ppo_epochs}')
+      require(0 <= self.epsilon_low < 1, 'epsilon_low', f'must be in [0, 1), got {self.epsilon_low}')
+      require(self.epsilon_high >= 0, 'epsilon_high', f'must be >= 0, got {self.epsilon_high}')
+      require(self.dual_clip == 0 or self.dual_clip > 1, 'dual_clip', f'must be 0 (off) or > 1, got {self.dual_clip}')
+      require(self.kl_beta >= 0, 'kl_beta', f'must be >= 0, got {self.kl_beta}')
+      require(self.tis_cap == 0 or self.tis_cap >= 1, 'tis_cap', f'must be 0 (off) or >= 1, got {self.tis_cap}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +118,10 @@ class OptimConfig:
   eps: float = 1e-8
   weight_decay: float = 0.0
   max_grad_norm: float = 1.0  # global-norm clipping; 0 disables
+
+  def __post_init__(self):
+    with _section('optim'):
+      require(self.learning_rate > 0, 'learning_rate', f'must be > 0, got {self.learning_rate}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +140,13 @@ class TaskConfig:
   max_prompt_tokens: int = 512  # math: prompts are left-padded to this; longer prompts are skipped
   reward_workers: int = 4  # math: processes verifying answers with math-verify
 
+  def __post_init__(self):
+    with _section('task'):
+      if self.name == 'arith':
+        check_arith_arguments(self.max_operand, self.operators)
+      require(self.reward_workers >= 1, 'reward_workers', f'must be >= 1, got {self.reward_workers}')
+      require(self.max_prompt_tokens >= 1, 'max_prompt_tokens', f'must be >= 1, got {self.max_prompt_tokens}')
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -124,9 +159,24 @@ class TrainConfig:
   max_consecutive_skips: int = 5  # stop after this many updates in a row with non-finite loss or grads
   progress: bool = True  # live progress bar on stderr
 
+  def __post_init__(self):
+    with _section('train'):
+      require(self.steps >= 1, 'steps', f'must be >= 1, got {self.steps}')
+      require(self.steps_per_call >= 1, 'steps_per_call', f'must be >= 1, got {self.steps_per_call}')
+      require(self.checkpoint_every >= 0, 'checkpoint_every', f'must be >= 0, got {self.checkpoint_every}')
+      require(self.checkpoint_every % self.steps_per_call == 0, 'checkpoint_every',
+              f'({self.checkpoint_every}) must be a multiple of train.steps_per_call ({self.steps_per_call}): '
+              'checkpoints are taken between jitted calls')
+      require(self.max_to_keep >= 1, 'max_to_keep', f'must be >= 1, got {self.max_to_keep}')
+      require(self.max_consecutive_skips >= 1, 'max_consecutive_skips',
+              f'must be >= 1, got {self.max_consecutive_skips}')
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+  """A run's configuration: each section checks its own fields; this class the fields that span
+  sections."""
+
   run: RunConfig = RunConfig()
   model: ModelConfig = ModelConfig()
   mesh: MeshConfig = MeshConfig()
@@ -135,6 +185,22 @@ class Config:
   algo: AlgoConfig = AlgoConfig()
   optim: OptimConfig = OptimConfig()
   train: TrainConfig = TrainConfig()
+
+  def __post_init__(self):
+    algo = self.algo
+    rows = self.rollout.prompts_per_step * algo.group_size
+    require(rows % algo.num_minibatches == 0, 'algo.num_minibatches',
+            f'({algo.num_minibatches}) must divide prompts_per_step * group_size ({rows})')
+    minibatch = rows // algo.num_minibatches
+    require(algo.micro_batch_size == 0 or minibatch % algo.micro_batch_size == 0, 'algo.micro_batch_size',
+            f'({algo.micro_batch_size}) must divide the mini-batch of {minibatch} rows')
+    require(self.train.steps_per_call == 1 or self.task.name == 'arith', 'train.steps_per_call',
+            f'> 1 needs a reward computed in JAX; task {self.task.name!r} scores on the host')
+    require(self.task.name != 'math' or bool(self.task.source), 'task.source',
+            'must name the problems for task.name=math (a .jsonl/.json/.parquet file, hf:<name>[:<config>] '
+            'or tfds:<name>)')
+    require(self.task.name != 'math' or bool(self.model.path), 'model.path',
+            'must be set for task.name=math: the tokenizer is read from the model directory')
 
 
 # ---- loading ----
@@ -209,6 +275,8 @@ def _build(cls, data: dict, prefix: str = ''):
   values = {name: _coerce(hints[name], data[name], prefix + name) for name in names if name in data}
   try:
     return cls(**values)
+  except FieldError:
+    raise  # a section's own check, already naming the field as the user writes it
   except UserError as error:
     raise UserError(f'config section {prefix.rstrip(".") or "top level"}: {error}') from None
 
@@ -270,46 +338,3 @@ def resolve_workdir(config: Config, config_path: str | None, workdir: str | None
     name = os.path.splitext(os.path.basename(config_path))[0]
   stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
   return os.path.join('runs', f'{name}-{stamp}')
-
-
-def validate(config: Config) -> Config:
-  """Cross-field checks that a single key's type cannot express; one sentence per mistake."""
-  algo, rollout, train = config.algo, config.rollout, config.train
-
-  def require(condition: bool, message: str):
-    if not condition:
-      raise UserError(message)
-
-  require(config.model.attention_chunk >= 1, f'model.attention_chunk must be >= 1, got {config.model.attention_chunk}')
-  require(algo.group_size >= 2, f'algo.group_size must be >= 2 (a group needs a baseline), got {algo.group_size}')
-  require(rollout.prompts_per_step >= 1, f'rollout.prompts_per_step must be >= 1, got {rollout.prompts_per_step}')
-  require(rollout.max_new_tokens >= 1, f'rollout.max_new_tokens must be >= 1, got {rollout.max_new_tokens}')
-  require(rollout.temperature > 0, f'rollout.temperature must be > 0, got {rollout.temperature}')
-  require(rollout.top_k >= 0, f'rollout.top_k must be >= 0, got {rollout.top_k}')
-  require(0 < rollout.top_p <= 1, f'rollout.top_p must be in (0, 1], got {rollout.top_p}')
-  rows = rollout.prompts_per_step * algo.group_size
-  require(algo.num_minibatches >= 1 and rows % algo.num_minibatches == 0,
-          f'algo.num_minibatches ({algo.num_minibatches}) must divide prompts_per_step * group_size ({rows})')
-  minibatch = rows // algo.num_minibatches
-  require(algo.micro_batch_size >= 0 and (algo.micro_batch_size == 0 or minibatch % algo.micro_batch_size == 0),
-          f'algo.micro_batch_size ({algo.micro_batch_size}) must divide the mini-batch of {minibatch} rows')
-  require(algo.ppo_epochs >= 1, f'algo.ppo_epochs must be >= 1, got {algo.ppo_epochs}')
-  require(0 <= algo.epsilon_low < 1, f'algo.epsilon_low must be in [0, 1), got {algo.epsilon_low}')
-  require(algo.epsilon_high >= 0, f'algo.epsilon_high must be >= 0, got {algo.epsilon_high}')
-  require(algo.dual_clip == 0 or algo.dual_clip > 1, f'algo.dual_clip must be 0 (off) or > 1, got {algo.dual_clip}')
-  require(algo.kl_beta >= 0, f'algo.kl_beta must be >= 0, got {algo.kl_beta}')
-  require(algo.tis_cap == 0 or algo.tis_cap >= 1, f'algo.tis_cap must be 0 (off) or >= 1, got {algo.tis_cap}')
-  require(config.optim.learning_rate > 0, f'optim.learning_rate must be > 0, got {config.optim.learning_rate}')
-  require(train.steps >= 1, f'train.steps must be >= 1, got {train.steps}')
-  require(train.steps_per_call >= 1, f'train.steps_per_call must be >= 1, got {train.steps_per_call}')
-  require(train.checkpoint_every >= 0, f'train.checkpoint_every must be >= 0, got {train.checkpoint_every}')
-  require(train.checkpoint_every % train.steps_per_call == 0,
-          f'train.checkpoint_every ({train.checkpoint_every}) must be a multiple of train.steps_per_call '
-          f'({train.steps_per_call}): checkpoints are taken between jitted calls')
-  require(train.max_to_keep >= 1, f'train.max_to_keep must be >= 1, got {train.max_to_keep}')
-  require(train.max_consecutive_skips >= 1, f'train.max_consecutive_skips must be >= 1, got {train.max_consecutive_skips}')
-  require(config.task.reward_workers >= 1, f'task.reward_workers must be >= 1, got {config.task.reward_workers}')
-  require(config.task.max_prompt_tokens >= 1, f'task.max_prompt_tokens must be >= 1, got {config.task.max_prompt_tokens}')
-  require(train.steps_per_call == 1 or config.task.name == 'arith',
-          f'train.steps_per_call > 1 needs a reward computed in JAX; task {config.task.name!r} scores on the host')
-  return config

@@ -1,21 +1,27 @@
-"""Run outputs: metrics.jsonl, TensorBoard events through clu, a live progress bar, a summary table
-and a reward-curve PNG.
+"""Run outputs: metrics.jsonl, TensorBoard events through clu, a live progress bar, a summary table,
+a reward-curve PNG, and the FLOP count and matmul peak behind the MFU column.
 
 clu's metric writers import TensorFlow; where it is not installed (e.g. a GPU image without the
 extras) the run says so once and writes metrics.jsonl only.
 """
 
 import contextlib
+import functools
 import json
 import math
 import os
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+
+from grpo_jax.config import AlgoConfig, RolloutConfig
+
 # Columns of the end-of-run summary table: (metric, format).
 SUMMARY = (('reward_mean', '{:.3f}'), ('reward_std', '{:.3f}'), ('response_len_mean', '{:.1f}'),
            ('policy_loss', '{:+.4f}'), ('kl', '{:.4f}'), ('entropy', '{:.3f}'), ('grad_norm', '{:.3f}'),
-           ('step_time_s', '{:.3f}'))
+           ('reward_failures', '{:.0f}'), ('step_time_s', '{:.3f}'))
 
 
 @contextlib.contextmanager
@@ -167,3 +173,28 @@ def plot_rewards(history: list[dict], path: str, title: str) -> str | None:
   figure.savefig(path, dpi=100)
   plt.close(figure)
   return path
+
+
+def model_flops_per_step(num_params: int, prompt_length: int, rollout: RolloutConfig, algo: AlgoConfig) -> float:
+  """Approximate model FLOPs of one RL step: 2 N per sampled token, 6 N per trained token (plus
+  2 N per token for each extra scoring pass: pi_old when mu > 1 or several mini-batches, pi_ref)."""
+  rows = rollout.prompts_per_step * algo.group_size
+  sequence = prompt_length + rollout.max_new_tokens
+  sampled = rollout.prompts_per_step * prompt_length + rows * rollout.max_new_tokens
+  trained = rows * sequence * algo.ppo_epochs
+  scoring_passes = (algo.ppo_epochs > 1 or algo.num_minibatches > 1) + (algo.kl_beta > 0)
+  return 2.0 * num_params * sampled + 6.0 * num_params * trained + 2.0 * num_params * rows * sequence * scoring_passes
+
+
+@functools.cache
+def matmul_peak_flops(dtype: str = 'float32', size: int = 1024, repeats: int = 5) -> float:
+  """Measured FLOP/s of a square jitted matmul on the default device (the MFU denominator)."""
+  x = jnp.ones((size, size), dtype) * 0.5
+  matmul = jax.jit(lambda a: a @ a)
+  matmul(x).block_until_ready()
+  best = float('inf')
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(x).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return 2.0 * size ** 3 / best

@@ -1,10 +1,11 @@
 """python -m grpo_jax.train --config configs/X.yaml [--set a.b=c ...] [--workdir DIR]
 
-GRPO on a device mesh: each step samples G completions for P prompts from the live parameters,
-scores them, computes group advantages and applies the optax update. With a reward written in JAX
-(the built-in arithmetic task) `train.steps_per_call` whole steps run inside one jit; otherwise
-each step is jitted rollout -> host reward -> jitted update. Restarting with the same workdir
-resumes from the newest complete checkpoint.
+GRPO on a device mesh: each step (rl/loop.py) samples G completions for P prompts from the live
+parameters, scores them, computes group advantages and applies the optax update. With a reward
+written in JAX (the built-in arithmetic task) `train.steps_per_call` whole steps run inside one
+jit; otherwise each step runs jitted rollout -> host reward -> jitted update. This file keeps the
+command line, logging and checkpoints around that step. Restarting with the same workdir resumes
+from the newest complete checkpoint.
 """
 
 import argparse
@@ -14,16 +15,18 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from grpo_jax import config as config_lib
 from grpo_jax import metrics as metrics_lib
 from grpo_jax.checkpoint import Checkpointer
+from grpo_jax.data.task import Task
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import sharding
 from grpo_jax.model.loading import from_pretrained, init_model
-from grpo_jax.rl.loop import Trainer, matmul_peak_flops, model_flops_per_step, rollout_metrics, to_host
-from grpo_jax.rl.step import init_train_state
+from grpo_jax.rl.loop import RLStep
+from grpo_jax.rl.step import init_train_state, learning_rate_schedule, make_optimizer
 
 
 def parse_args(argv):
@@ -35,32 +38,26 @@ def parse_args(argv):
   return parser.parse_args(argv)
 
 
-def build_task(config: config_lib.Config):
+def build_task(config: config_lib.Config) -> Task:
   task = config.task
   if task.name == 'arith':
     from grpo_jax.data.arith import ArithmeticTask
-    try:
-      built = ArithmeticTask(task.max_operand, task.operators)
-    except ValueError as error:
-      raise UserError(f'task: {error}') from None
+    built = ArithmeticTask(task.max_operand, task.operators)
     if config.rollout.max_new_tokens < built.answer_length:
       raise UserError(f'rollout.max_new_tokens ({config.rollout.max_new_tokens}) is shorter than the '
                       f'longest answer with its end token ({built.answer_length})')
     return built
   from grpo_jax.data.math_task import MathTask
-  return MathTask(task, config)
+  return MathTask(task, config.model.path, config.run.seed)
 
 
-def build_model(config: config_lib.Config, mesh):
-  if config.model.attention == 'cudnn' and jax.default_backend() != 'gpu':
+def build_model(model: config_lib.ModelConfig, mesh, seed: int):
+  if model.attention == 'cudnn' and jax.default_backend() != 'gpu':
     raise UserError(f'model.attention: cudnn runs on NVIDIA GPUs only; this run\'s devices are '
                     f'{jax.default_backend()} (use dense or chunked)')
-  options = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-                 remat=config.model.remat, scan_layers=config.model.scan_layers,
-                 attention=config.model.attention, attention_chunk=config.model.attention_chunk)
-  if config.model.path:
-    return from_pretrained(config.model.path, mesh=mesh, **options)
-  return init_model(config.model.architecture, mesh=mesh, seed=config.run.seed, **options)
+  if model.path:
+    return from_pretrained(model.path, mesh=mesh, options=model)
+  return init_model(model.architecture, options=model, mesh=mesh, seed=seed)
 
 
 def setup(config: config_lib.Config, config_path: str | None, workdir: str | None):
@@ -72,46 +69,56 @@ def setup(config: config_lib.Config, config_path: str | None, workdir: str | Non
     f.write(resolved)
   print(f'# resolved config (saved to {workdir}/config.yaml)\n{resolved}', flush=True)
   mesh = sharding.make_mesh(config.mesh)
-  model = build_model(config, mesh)
+  model = build_model(config.model, mesh, config.run.seed)
   return workdir, mesh, model
 
 
-class Run:
-  """The state of one training run between jitted calls: what the host logs and checkpoints."""
+def to_host(metrics: dict) -> dict:
+  return {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
 
-  def __init__(self, config: config_lib.Config, workdir: str, mesh, model, task):
-    self.config, self.workdir, self.mesh, self.task = config, workdir, mesh, task
+
+class Run:
+  """A training run on the host: the train state between jitted calls, its checkpoints and logs.
+  The RL step itself is rl/loop.py's; the step counter is the state's."""
+
+  def __init__(self, config: config_lib.Config, workdir: str, mesh, model, task: Task):
+    self.config, self.mesh = config, mesh
     if task.vocab_size > model.config.vocab_size:
       raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but model vocab_size is '
                       f'{model.config.vocab_size}')
     graphdef, params = nnx.split(model)
     # beta = 0 keeps no reference policy in memory.
     self.ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
-    self.trainer = Trainer(config, graphdef, task, config.train.steps)
+    algo = config.algo
+    schedule = learning_rate_schedule(config.optim, config.train.steps * algo.ppo_epochs * algo.num_minibatches)
+    optimizer = make_optimizer(config.optim, schedule)
     with jax.set_mesh(mesh):
-      self.state = jax.jit(lambda p: init_train_state(p, self.trainer.optimizer, config.run.seed))(params)
-    self.trainer.pin_shardings(self.state, mesh)
+      self.state = jax.jit(lambda p: init_train_state(p, optimizer, config.run.seed))(params)
+    self.rl_step = RLStep(graphdef, task, config.rollout, algo, optimizer, schedule,
+                          jax.tree.map(lambda x: x.sharding, self.state))
     self.checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'), max_to_keep=config.train.max_to_keep)
-    self.step = 0
-    self.data_position = 0
-    latest = self.checkpointer.latest_step()
-    if latest is not None:
-      self.state, meta = self.checkpointer.restore(latest, self.state)
-      self.step, self.data_position = int(meta['step']), int(meta['data_position'])
-      print(f'resumed from {self.checkpointer.directory}/{latest}', file=sys.stderr, flush=True)
+    self.data_position = 0  # prompts consumed: a dataset task's order depends only on it and run.seed
+    self.saved_step = self.checkpointer.latest_step()
+    if self.saved_step is not None:
+      self.state, meta = self.checkpointer.restore(self.saved_step, self.state)
+      self.data_position = int(meta['data_position'])
+      print(f'resumed from {self.checkpointer.directory}/{self.saved_step}', file=sys.stderr, flush=True)
     self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step)
     self.num_params = model.config.num_params()
-    self.peak_flops = matmul_peak_flops(config.model.dtype)
-    self.step_flops = model_flops_per_step(self.num_params, config, task.prompt_length)
-    self.saved_step = latest
+    self.peak_flops = metrics_lib.matmul_peak_flops(config.model.dtype)
+    self.step_flops = metrics_lib.model_flops_per_step(self.num_params, task.prompt_length, config.rollout, algo)
+
+  @property
+  def step(self) -> int:
+    return int(self.state.step)
 
   # ---- one chunk of steps ----
 
   def fused_steps(self, count: int) -> list[dict]:
-    """`count` RL steps inside one jitted call (reward in JAX)."""
+    """`count` RL steps inside one jitted call (a jittable task)."""
     start = time.perf_counter()
     with jax.set_mesh(self.mesh):
-      self.state, stacked = self.trainer.run_steps(self.state, self.ref_params, count)
+      self.state, stacked = self.rl_step.run_steps(self.state, self.ref_params, self.data_position, count)
       stacked = to_host(stacked)
     elapsed = (time.perf_counter() - start) / count
     self.data_position += count * self.config.rollout.prompts_per_step
@@ -119,30 +126,26 @@ class Run:
     return [dict({name: value[i] for name, value in stacked.items()}, **timing) for i in range(count)]
 
   def host_step(self) -> dict:
-    """One RL step as jitted rollout -> reward -> jitted update, timing each part."""
-    trainer, task = self.trainer, self.task
-    begin = time.perf_counter()
+    """One RL step with its stages run one by one, the reward on the host; times each stage."""
+    times = [time.perf_counter()]
+
+    def observe(stage, value):
+      jax.block_until_ready(value)
+      times.append(time.perf_counter())
+
     with jax.set_mesh(self.mesh):
-      self.state, prompt_key, sample_key = trainer.split_key(self.state)
-      prompts = task.batch(prompt_key, self.config.rollout.prompts_per_step, self.data_position)
-      rollout = jax.block_until_ready(trainer.rollout(self.state.params, prompts.tokens, prompts.mask, sample_key))
-      rolled = time.perf_counter()
-      rewards = task.score(rollout, prompts, self.config.algo.group_size)
-      scored = time.perf_counter()
-      batch = trainer.make_batch(prompts.tokens, prompts.mask, rollout, rewards)
-      self.state, update_metrics = trainer.update(self.state, batch, self.ref_params)
-      metrics = to_host(dict(rollout_metrics(rollout, rewards, self.config.algo.group_size), **update_metrics))
-    end = time.perf_counter()
+      self.state, metrics = self.rl_step(self.state, self.ref_params, self.data_position, observe)
+      metrics = to_host(metrics)
     self.data_position += self.config.rollout.prompts_per_step
+    begin, rolled, scored, end = times
     return dict(metrics, rollout_s=rolled - begin, reward_s=scored - rolled, update_s=end - scored,
                 step_time_s=end - begin)
 
-  def record(self, metrics: dict) -> dict:
-    self.step += 1
+  def record(self, step: int, metrics: dict) -> dict:
     step_time = metrics['step_time_s']
     metrics['tokens_per_s'] = float(metrics.pop('completion_tokens')) / step_time
     metrics['mfu'] = self.step_flops / step_time / self.peak_flops
-    return self.log.write(self.step, metrics)
+    return self.log.write(step, metrics)
 
   def save(self) -> None:
     meta = dict(step=self.step, data_position=self.data_position, config=config_lib.to_dict(self.config))
@@ -159,33 +162,36 @@ class Run:
       raise UserError(f'{skips} updates in a row had a non-finite loss or gradient (train.max_consecutive_skips='
                       f'{limit}); stopped at step {self.step}, {where}. Lower optim.learning_rate or check the data.')
 
+  def close(self) -> None:
+    self.checkpointer.close()
+    self.log.close()
+
 
 def train(config: config_lib.Config, workdir: str, mesh, model) -> list[dict]:
   """Runs (or resumes) the loop to `train.steps`; returns the metrics history."""
   task = build_task(config)
-  run = Run(config, workdir, mesh, model, task)
-  total, every = config.train.steps, config.train.checkpoint_every
-  chunk = config.train.steps_per_call if task.jittable else 1
-  progress = metrics_lib.ProgressBar(total, start=run.step, enabled=config.train.progress)
   try:
-    while run.step < total:
-      if task.jittable and chunk > 1:
-        rows = run.fused_steps(min(chunk, total - run.step))
-      else:
-        rows = [run.host_step()]
-      for row in rows:
-        written = run.record(row)
-      progress.update(run.step, written['reward_mean'])
-      run.check_skips()
-      # A step whose update was skipped adds nothing worth keeping: checkpoints stay good ones.
-      if every and run.step % every == 0 and run.step < total and int(run.state.skips) == 0:
+    run = Run(config, workdir, mesh, model, task)
+    try:
+      total, every = config.train.steps, config.train.checkpoint_every
+      chunk = config.train.steps_per_call if task.jittable else 1
+      progress = metrics_lib.ProgressBar(total, start=run.step, enabled=config.train.progress)
+      while run.step < total:
+        first = run.step
+        rows = run.fused_steps(min(chunk, total - first)) if chunk > 1 else [run.host_step()]
+        for offset, row in enumerate(rows, start=1):
+          written = run.record(first + offset, row)
+        progress.update(run.step, written['reward_mean'])
+        run.check_skips()
+        # A step whose update was skipped adds nothing worth keeping: checkpoints stay good ones.
+        if every and run.step % every == 0 and run.step < total and int(run.state.skips) == 0:
+          run.save()
+      if run.saved_step != run.step:
         run.save()
-    if run.saved_step != run.step:
-      run.save()
+    finally:
+      run.close()
   finally:
-    run.checkpointer.close()
-    run.log.close()
-    getattr(task, 'close', lambda: None)()  # the math task's reward worker processes
+    task.close()  # the math task's reward worker processes
   return run.log.history
 
 
@@ -203,7 +209,7 @@ def report(history: list[dict], workdir: str, name: str) -> None:
 @cli_main
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  config = config_lib.validate(config_lib.load_config(args.config, args.overrides))
+  config = config_lib.load_config(args.config, args.overrides)
   workdir, mesh, model = setup(config, args.config, args.workdir)
   print(f'mesh: {sharding.describe(mesh)}; model: {model.config.num_params() / 1e6:.2f}M parameters, '
         f'{sharding.bytes_per_device(nnx.state(model)) / 2**20:.1f} MiB on the fullest device', flush=True)

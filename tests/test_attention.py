@@ -12,7 +12,7 @@ from flax import nnx
 from conftest import torch_logits
 from grpo_jax import config as config_lib
 from grpo_jax.errors import UserError
-from grpo_jax.model import from_pretrained, qwen2
+from grpo_jax.model import ModelOptions, attention, from_pretrained
 
 
 def left_padded(rng, rows, width, vocab):
@@ -39,8 +39,8 @@ def loss_and_grads(model, tokens, segments):
 def test_chunked_attention_matches_transformers_and_dense(seed, make_hf_checkpoint, chunk):
   directory, reference = make_hf_checkpoint(seed, num_hidden_layers=2)
   tokens, segments = left_padded(np.random.default_rng(seed), rows=3, width=40, vocab=1000)
-  value, logits, grads = loss_and_grads(
-      from_pretrained(directory, attention='chunked', attention_chunk=chunk), tokens, segments)
+  chunked = ModelOptions(attention='chunked', attention_chunk=chunk)
+  value, logits, grads = loss_and_grads(from_pretrained(directory, options=chunked), tokens, segments)
   base_value, base_logits, base_grads = loss_and_grads(from_pretrained(directory), tokens, segments)
 
   positions = np.maximum(np.cumsum(segments, axis=1) - 1, 0)
@@ -66,8 +66,9 @@ def test_chunked_attention_keeps_one_chunk_of_scores():
     step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v))), (0, 1, 2)))
     return step.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
 
-  dense = temp_bytes(lambda q, k, v: qwen2.attention(q, k, v, qwen2.attention_mask(slots, segments, slots, segments)))
-  chunked = temp_bytes(functools.partial(qwen2.chunked_attention, slots=slots, segments=segments, chunk=64))
+  mask = attention.attention_mask(slots, segments, slots, segments)
+  dense = temp_bytes(lambda q, k, v: attention.attention(q, k, v, mask))
+  chunked = temp_bytes(functools.partial(attention.chunked_attention, slots=slots, segments=segments, chunk=64))
   scores = batch * heads * length * length * 4  # one fp32 [T, T] score array
   assert dense >= scores
   assert chunked < 0.15 * dense  # measured 11 MiB vs 129 MiB
@@ -82,18 +83,18 @@ def test_library_attention_mapping(seed):
   k, v = (rng.standard_normal((batch, length, kv_heads, head_dim)).astype(np.float32) for _ in range(2))
   segments = (np.arange(length)[None, :] >= rng.integers(0, length // 2, (batch, 1))).astype(np.int32)
   slots = np.broadcast_to(np.arange(length), (batch, length))
-  mask = qwen2.attention_mask(slots, segments, slots, segments)
-  np.testing.assert_allclose(qwen2.library_attention(q, k, v, mask, implementation='xla'),
-                             qwen2.attention(q, k, v, mask), rtol=1e-5, atol=1e-6)
+  mask = attention.attention_mask(slots, segments, slots, segments)
+  np.testing.assert_allclose(attention.library_attention(q, k, v, mask, implementation='xla'),
+                             attention.attention(q, k, v, mask), rtol=1e-5, atol=1e-6)
 
 
 def test_attention_settings_are_checked():
   with pytest.raises(UserError, match='model.attention_chunk'):
-    config_lib.validate(config_lib.Config(model=config_lib.ModelConfig(attention_chunk=0)))
+    config_lib.Config(model=config_lib.ModelConfig(attention_chunk=0))
   with pytest.raises(UserError, match='model.attention'):
     config_lib.load_config(None, ['model.attention=flash'])
   if jax.default_backend() != 'gpu':
     from grpo_jax.train import build_model
-    config = config_lib.validate(config_lib.Config(model=config_lib.ModelConfig(attention='cudnn')))
+    config = config_lib.Config(model=config_lib.ModelConfig(attention='cudnn'))
     with pytest.raises(UserError, match='model.attention: cudnn runs on NVIDIA GPUs only'):
-      build_model(config, mesh=None)
+      build_model(config.model, mesh=None, seed=0)

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from grpo_jax.errors import UserError
-from grpo_jax.model import from_hf_dict, to_hf_dict
+from grpo_jax.model import ModelOptions, from_hf_dict, to_hf_dict
 from grpo_jax.model.loading import abstract_model
 from grpo_jax.model.sharding import spec_for
 
@@ -61,7 +61,7 @@ def test_every_qwen2_5_size(size):
   assert abs(config.num_params() / 1e9 - published_billions) <= 0.01 * published_billions
 
   # The module built for this config (abstractly: no memory) has exactly that many parameters.
-  model = abstract_model(config, param_dtype='bfloat16')
+  model = abstract_model(config, ModelOptions(param_dtype='bfloat16'))
   leaves = jax.tree.leaves(nnx.state(model))
   assert sum(math.prod(leaf.shape) for leaf in leaves) == config.num_params()
 

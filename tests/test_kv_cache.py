@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from conftest import torch_logits
-from grpo_jax.model import from_pretrained
+from grpo_jax.model import ModelOptions, from_pretrained
 
 TOLERANCE = 1e-4
 
@@ -27,7 +27,7 @@ def jitted_extend(model):
 def test_prefill_then_decode_matches_full_forward(seed, make_hf_checkpoint, scan_layers):
   """Left-padded prompts of different lengths, then N decode steps, against transformers."""
   directory, reference = make_hf_checkpoint(seed, num_key_value_heads=1)
-  model = from_pretrained(directory, scan_layers=scan_layers)
+  model = from_pretrained(directory, options=ModelOptions(scan_layers=scan_layers))
   extend = jitted_extend(model)
   rng = np.random.default_rng(seed)
   prompt_lengths, width, steps = [9, 23, 16], 24, 12

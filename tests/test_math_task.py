@@ -192,7 +192,7 @@ def make_config(model_path, source, seed=0, **task):
 
 def make_task(model_path, source, seed=0, **task):
   config = make_config(model_path, source, seed, **task)
-  return MathTask(config.task, config)
+  return MathTask(config.task, config.model.path, config.run.seed)
 
 
 def test_prompts_left_padded_through_the_chat_template(tmp_path):
@@ -203,10 +203,10 @@ def test_prompts_left_padded_through_the_chat_template(tmp_path):
                                  tokenizer.convert_tokens_to_ids('<|endoftext|>'))
   assert task.eos_id == task.stop_token_ids[0] and task.pad_id == tokenizer.convert_tokens_to_ids('<|endoftext|>')
   assert task.vocab_size == 302 and task.prompt_length == 48
-  prompts = task.batch(jax.random.key(0), 5, 0)
+  prompts = task.prompts(jax.random.key(0), 0, 5)
   tokens, mask = np.asarray(prompts.tokens), np.asarray(prompts.mask)
   assert tokens.shape == mask.shape == (5, 48) and tokens.dtype == mask.dtype == np.int32
-  for row, index in enumerate(prompts.indices):
+  for row, index in enumerate(task.order(0, 5)):
     expected = tokenizer(f'<|im_start|>user\nQ: What is {index} plus one?<|im_end|>\n<|im_start|>assistant\n',
                          add_special_tokens=False)['input_ids']
     length = len(expected)
@@ -221,8 +221,8 @@ def test_plain_prompts_without_chat_template(tmp_path):
   task = make_task(str(tmp_path), write_problems(tmp_path / 'p.jsonl', 4),
                    prompt_template='{prompt} Put the answer in \\boxed{{}}.')
   assert task.stop_token_ids == (0,) and task.pad_id == 0
-  prompts = task.batch(None, 1, 0)
-  index = int(prompts.indices[0])
+  prompts = task.prompts(None, 0, 1)
+  index = int(task.order(0, 1)[0])
   real = np.asarray(prompts.tokens)[0][np.asarray(prompts.mask)[0] == 1]
   assert task.tokenizer.decode(real) == f'What is {index} plus one? Put the answer in \\boxed{{}}.'
   with pytest.raises(UserError, match='literal braces'):
@@ -246,7 +246,7 @@ def test_order_is_a_function_of_seed_and_position(tmp_path):
   model_path = chat_tokenizer_dir(tmp_path / 'tok')
   source = write_problems(tmp_path / 'p.jsonl', 8)
   task = make_task(model_path, source, seed=3)
-  stream = np.concatenate([task.batch(None, 3, position).indices for position in range(0, 24, 3)])
+  stream = np.concatenate([task.order(position, 3) for position in range(0, 24, 3)])
   epochs = stream.reshape(3, 8)
   for epoch in epochs:
     assert sorted(epoch) == list(range(8))  # each epoch is a permutation of the data
@@ -255,10 +255,10 @@ def test_order_is_a_function_of_seed_and_position(tmp_path):
   # A resumed run (a new task, same seed) continues the same stream from the recorded position,
   # also across an epoch boundary and regardless of the batch size.
   resumed = make_task(model_path, source, seed=3)
-  np.testing.assert_array_equal(resumed.batch(None, 5, 6).indices, stream[6:11])
-  np.testing.assert_array_equal(resumed.batch(None, 2, 20).indices, stream[20:22])
+  np.testing.assert_array_equal(resumed.order(6, 5), stream[6:11])
+  np.testing.assert_array_equal(resumed.order(20, 2), stream[20:22])
   other_seed = make_task(model_path, source, seed=4)
-  assert not np.array_equal(other_seed.batch(None, 8, 0).indices, stream[:8])
+  assert not np.array_equal(other_seed.order(0, 8), stream[:8])
 
 
 def test_overlong_prompts_are_dropped_once(tmp_path, capsys):
@@ -266,7 +266,7 @@ def test_overlong_prompts_are_dropped_once(tmp_path, capsys):
   task = make_task(model_path, write_problems(tmp_path / 'p.jsonl', 8, long_ones=(2, 5)))
   assert 'skipped 2 of 8 prompts' in capsys.readouterr().err
   assert task.num_prompts == 6
-  seen = set(task.answers[i] for i in task.batch(None, 12, 0).indices)
+  seen = set(task.answers[i] for i in task.order(0, 12))
   assert seen == {str(i + 1) for i in range(8) if i not in (2, 5)}
   assert capsys.readouterr().err == ''
   with pytest.raises(UserError, match='every prompt'):
@@ -287,7 +287,7 @@ def test_configuration_errors(tmp_path):
 def test_score_decodes_groups_in_order(tmp_path):
   model_path = chat_tokenizer_dir(tmp_path / 'tok')
   task = make_task(model_path, write_problems(tmp_path / 'p.jsonl', 8))
-  prompts = task.batch(None, 2, 0)
+  prompts = task.prompts(None, 0, 2)
   first, second = (int(answer) for answer in prompts.answers)
   texts = [f'\\boxed{{{first}}}', f'\\boxed{{{first + 1}}}', f'it is {second}', 'no idea']
   rows = [task.tokenizer(text, add_special_tokens=False)['input_ids'] + [task.eos_id] for text in texts]
@@ -301,11 +301,11 @@ def test_score_decodes_groups_in_order(tmp_path):
                     lengths=mask.sum(1), stopped=np.ones(4, bool))
   assert task.decode(tokens, mask) == texts
   try:
-    rewards_out = task.score(rollout, prompts, group_size=2)
+    scores = task.reward(rollout, prompts, group_size=2)
   finally:
     task.close()
-  assert rewards_out.dtype == np.float32
-  np.testing.assert_array_equal(np.asarray(rewards_out), [1.0, 0.0, 1.0, 0.0])
+  assert scores.rewards.dtype == np.float32 and int(scores.failures) == 0
+  np.testing.assert_array_equal(np.asarray(scores.rewards), [1.0, 0.0, 1.0, 0.0])
 
 
 # ---- end to end ----

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from conftest import torch_logits
-from grpo_jax.model import from_pretrained
+from grpo_jax.model import ModelOptions, from_pretrained
 
 FP32_TOLERANCE = 1e-4
 # bf16 compute against the fp32 reference. bf16 keeps 8 mantissa bits (relative rounding 2^-9 per
@@ -108,7 +108,7 @@ def test_bfloat16_within_documented_tolerance(seed, make_hf_checkpoint):
 
 def test_fp32_params_with_bf16_compute(seed, make_hf_checkpoint):
   directory, reference = make_hf_checkpoint(seed)
-  model = from_pretrained(directory, dtype='bfloat16', param_dtype='float32')
+  model = from_pretrained(directory, options=ModelOptions(dtype='bfloat16', param_dtype='float32'))
   assert model.embedding[...].dtype == jnp.float32
   tokens = np.random.default_rng(seed).integers(0, 1000, (2, 100), dtype=np.int32)
   error = np.abs(jitted(model)(tokens) - torch_logits(reference, tokens))
@@ -131,9 +131,9 @@ def test_unrolled_layers_and_remat_agree_with_scan(seed, make_hf_checkpoint):
     return value, jax.tree.leaves(grads)
 
   base_value, base_grads = loss_and_grad(from_pretrained(directory))
-  for options in (dict(scan_layers=False), dict(remat='full'), dict(remat='dots'),
-                  dict(remat='dots_no_batch', scan_layers=False)):
-    value, grads = loss_and_grad(from_pretrained(directory, **options))
+  for options in (ModelOptions(scan_layers=False), ModelOptions(remat='full'), ModelOptions(remat='dots'),
+                  ModelOptions(remat='dots_no_batch', scan_layers=False)):
+    value, grads = loss_and_grad(from_pretrained(directory, options=options))
     np.testing.assert_allclose(value, base_value, rtol=1e-6, err_msg=str(options))
     for got, want in zip(grads, base_grads):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=str(options))
@@ -145,7 +145,7 @@ def test_scanned_program_size_does_not_grow_with_depth():
   from grpo_jax.model.loading import abstract_model
 
   def program_size(layers, scan):
-    model = abstract_model(Qwen2Config(num_hidden_layers=layers), scan_layers=scan)
+    model = abstract_model(Qwen2Config(num_hidden_layers=layers), ModelOptions(scan_layers=scan))
     graphdef, state = nnx.split(model)
     tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
     lowered = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens)).lower(state, tokens)

@@ -198,11 +198,11 @@ def test_mesh_layouts_agree_and_state_keeps_its_shardings(tmp_path):
     assert a['policy_loss'] == pytest.approx(b['policy_loss'], rel=1e-4, abs=1e-6)
     assert a['grad_norm'] == pytest.approx(b['grad_norm'], rel=1e-4)
 
-  config = config_lib.validate(config_lib.load_config(CONFIG, ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2',
-                                                                'rollout.prompts_per_step=8', 'algo.group_size=4',
-                                                                'train.progress=false', 'train.steps=2']))
+  config = config_lib.load_config(CONFIG, ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2',
+                                            'rollout.prompts_per_step=8', 'algo.group_size=4',
+                                            'train.progress=false', 'train.steps=2'])
   mesh = sharding.make_mesh(config.mesh)
-  model = train.build_model(config, mesh)
+  model = train.build_model(config.model, mesh, config.run.seed)
   run = train.Run(config, str(tmp_path / 'run'), mesh, model, train.build_task(config))
   before = jax_shardings(run.state)
   run.fused_steps(1)
@@ -211,8 +211,7 @@ def test_mesh_layouts_agree_and_state_keeps_its_shardings(tmp_path):
   q_weight = run.state.params['layers']['q_weight']
   assert q_weight.sharding.spec == sharding.spec_for(q_weight.shape, ('layers', 'embed', 'q_heads', 'head_dim'),
                                                      dict(mesh.shape))
-  run.checkpointer.close()
-  run.log.close()
+  run.close()
 
 
 def jax_shardings(state):
@@ -223,26 +222,27 @@ def jax_shardings(state):
 def test_bf16_compute_keeps_fp32_master_weights(tmp_path, seed):
   from grpo_jax import config as config_lib
   from grpo_jax.model import sharding
-  config = config_lib.validate(config_lib.load_config(CONFIG, [
+  config = config_lib.load_config(CONFIG, [
       'model.dtype=bfloat16', 'model.param_dtype=float32', 'rollout.prompts_per_step=8', 'algo.group_size=4',
-      'train.progress=false', 'train.steps=3']))
+      'train.progress=false', 'train.steps=3'])
   mesh = sharding.make_mesh(config.mesh)
-  run = train.Run(config, str(tmp_path), mesh, train.build_model(config, mesh), train.build_task(config))
+  run = train.Run(config, str(tmp_path), mesh, train.build_model(config.model, mesh, config.run.seed),
+                  train.build_task(config))
   start = {path: np.array(leaf, copy=True) for path, leaf in _leaves(run.state.params)}  # the update donates
   import jax
-  from grpo_jax.rl.loop import make_batch
+  from grpo_jax.data.task import Scores
   rng = np.random.default_rng(seed)
   rows = []
+  step = run.rl_step
   with jax.set_mesh(mesh):
-    for step in range(3):
-      prompts = run.task.batch(jax.random.PRNGKey(step), 8, 0)
-      rollout = run.trainer.rollout(run.state.params, prompts.tokens, prompts.mask, jax.random.PRNGKey(10 + step))
+    for index in range(3):
+      prompts = step.prompts(jax.random.PRNGKey(index), 0, 8)
+      rollout = step.sample(run.state.params, prompts.tokens, prompts.mask, jax.random.PRNGKey(10 + index))
       rewards = rng.random(32).astype(np.float32)  # random scores: every group has a signal
-      batch = make_batch(prompts.tokens, prompts.mask, rollout, rewards, config)
-      run.state, metrics = run.trainer.update(run.state, batch, None)
+      run.state, metrics = step.learn(run.state, None, prompts.tokens, prompts.mask, rollout,
+                                      Scores(rewards=rewards, failures=np.int32(0)))
       rows.append({k: float(v) for k, v in metrics.items()})
-  run.checkpointer.close()
-  run.log.close()
+  run.close()
   assert all(np.isfinite(row['policy_loss']) and row['grad_norm'] > 0 for row in rows)
   for path, leaf in _leaves(run.state.params):
     assert leaf.dtype == np.float32, path

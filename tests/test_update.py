@@ -1,6 +1,6 @@
 """rl/step.py: the jitted GRPO update on a tiny random fp32 Qwen2 — its loss and gradients against
 a loss written here on full logits, micro-batch accumulation, on-policy identities, the
-non-finite guard, the reference-policy paths and the optimizer-update count; and config.validate."""
+non-finite guard, the reference-policy paths and the optimizer-update count; and the config's checks."""
 
 import dataclasses
 import functools
@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-from grpo_jax.config import AlgoConfig, Config, OptimConfig, RolloutConfig, TrainConfig, validate
+from grpo_jax.config import AlgoConfig, Config, OptimConfig, RolloutConfig, TrainConfig
 from grpo_jax.errors import UserError
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.loading import init_model
@@ -79,7 +79,7 @@ def random_batch(rng, advantages=None) -> step.Batch:
 
 def make_update(algo_config: AlgoConfig, optim: OptimConfig = OptimConfig(learning_rate=1e-3),
                 optimizer=None):
-  """The jitted step.update as the Trainer builds it (without donation), and its optimizer."""
+  """The jitted step.update as rl/loop.py builds it (without donation), and its optimizer."""
   total = 10 * algo_config.ppo_epochs * algo_config.num_minibatches
   optimizer = optimizer or step.make_optimizer(optim, step.learning_rate_schedule(optim, total))
   update = functools.partial(step.update, graphdef=_initial_model()[0], optimizer=optimizer,
@@ -190,10 +190,10 @@ def test_policy_loss_gradient_matches_full_logits(case, seed):
 
   settings = step.UpdateSettings(algo=config, temperature=TEMPERATURE, rows=ROWS)
   weights = algo.aggregation_weights(batch.mask, config.loss_aggregation, COMPLETION_LENGTH)
-  micro = dict(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask,
-               advantages=batch.advantages, sampler_log_probs=batch.sampler_log_probs,
-               old_log_probs=jnp.asarray(old), ref_log_probs=jnp.asarray(ref), weights=weights,
-               token_weights=algo.aggregation_weights(batch.mask, 'token-mean'))
+  micro = step.LossInputs(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask,
+                          advantages=batch.advantages, sampler_log_probs=batch.sampler_log_probs,
+                          old_log_probs=jnp.asarray(old), ref_log_probs=jnp.asarray(ref), weights=weights,
+                          token_weights=algo.aggregation_weights(batch.mask, 'token-mean'))
   ours = jax.jit(jax.value_and_grad(step.policy_loss, has_aux=True), static_argnums=(1, 3))
   (loss, metrics), grads = ours(params, graphdef, micro, settings)
   theirs = jax.jit(jax.value_and_grad(reference_loss, has_aux=True), static_argnums=(1, 5))
@@ -327,7 +327,7 @@ def test_epochs_times_minibatches_optimizer_updates(seed):
   assert max(np.abs(d).max() for d in jax.tree.leaves(delta(state.params, params))) > 1e-3
 
 
-# ---- config.validate ----
+# ---- config checks ----
 
 VALID = Config(rollout=RolloutConfig(prompts_per_step=4), algo=AlgoConfig(group_size=4),
                train=TrainConfig(steps=10, checkpoint_every=4))
@@ -346,6 +346,6 @@ def replace(config, **sections):
     (dict(train=dict(steps_per_call=3)), 'train.checkpoint_every'),  # 4 is not a multiple of 3
 ])
 def test_validate_names_the_field(sections, field):
-  assert validate(VALID) is VALID
+  assert replace(VALID) == VALID
   with pytest.raises(UserError, match=field.replace('.', r'\.')):
-    validate(replace(VALID, **sections))
+    replace(VALID, **sections)

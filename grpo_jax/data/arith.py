@@ -7,13 +7,14 @@ with no host round trip. The character-level tokenizer is built here with the `t
 library, so the task needs no files and no network.
 """
 
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from grpo_jax.data.task import Prompts, Scores
+from grpo_jax.errors import require
+from grpo_jax.sampler.rollout import Rollout
 
 PAD, EOS, BOS = '<pad>', '<|endoftext|>', '<bos>'
 SYMBOLS = (PAD, EOS, BOS) + tuple('0123456789+-*=')
@@ -28,28 +29,20 @@ def build_tokenizer() -> Tokenizer:
   return tokenizer
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Prompts:
-  """tokens [P, Tp] int32 left-padded; mask [P, Tp] int32 (1 on real tokens); answers [P, A] int32:
-  the expected completion tokens (result and EOS), -1 where anything may follow."""
-
-  tokens: jax.Array
-  mask: jax.Array
-  answers: jax.Array
+def check_arguments(max_operand: int, operators: str) -> None:
+  """The task's own checks of its two settings (the config's task section runs them)."""
+  require(1 <= max_operand <= 9999, 'max_operand', f'must be in [1, 9999], got {max_operand}')
+  require(bool(operators) and all(op in OPERATORS for op in operators), 'operators',
+          f'must be characters from {OPERATORS!r}, got {operators!r}')
 
 
 class ArithmeticTask:
-  """`a op b =` with operands in [0, max_operand] and operators from `operators`."""
+  """`a op b =` with operands in [0, max_operand] and operators from `operators` (a Task)."""
 
   jittable = True
 
   def __init__(self, max_operand: int = 9, operators: str = '+'):
-    if max_operand < 1 or max_operand > 9999:
-      raise ValueError(f'max_operand must be in [1, 9999], got {max_operand}')
-    bad = [op for op in operators if op not in OPERATORS]
-    if not operators or bad:
-      raise ValueError(f'operators must be characters from {OPERATORS!r}, got {operators!r}')
+    check_arguments(max_operand, operators)
     self.max_operand = max_operand
     self.operators = operators
     self.tokenizer = build_tokenizer()
@@ -85,11 +78,12 @@ class ArithmeticTask:
     order = jnp.argsort(real if left else 1 - real, axis=1, stable=True)
     return jnp.take_along_axis(tokens, order, axis=1), jnp.take_along_axis(real, order, axis=1)
 
-  def sample(self, key: jax.Array, num_prompts: int) -> Prompts:
-    """P random problems. Jittable."""
+  def prompts(self, key: jax.Array, position, count: int) -> Prompts:
+    """`count` random problems drawn from `key` (`position` is unused: nothing is consumed). Jittable."""
+    del position
     operand_key, operator_key = jax.random.split(key)
-    a, b = jax.random.randint(operand_key, (2, num_prompts), 0, self.max_operand + 1)
-    operator = jax.random.randint(operator_key, (num_prompts,), 0, len(self.operators))
+    a, b = jax.random.randint(operand_key, (2, count), 0, self.max_operand + 1)
+    operator = jax.random.randint(operator_key, (count,), 0, len(self.operators))
     operator_ids = jnp.asarray([self._id(op) for op in self.operators], jnp.int32)[operator]
     results = jnp.zeros_like(a)
     for index, op in enumerate(self.operators):
@@ -97,7 +91,7 @@ class ArithmeticTask:
       results = jnp.where(operator == index, value, results)
     a_tokens, a_real = self._number(a, self.operand_width)
     b_tokens, b_real = self._number(b, self.operand_width)
-    ones = jnp.ones((num_prompts, 1), jnp.int32)
+    ones = jnp.ones((count, 1), jnp.int32)
     tokens = jnp.concatenate([ones * self.bos_id, a_tokens, operator_ids[:, None], b_tokens,
                               ones * self._id('=')], axis=1)
     real = jnp.concatenate([ones, a_real, ones, b_real, ones], axis=1)
@@ -107,32 +101,18 @@ class ArithmeticTask:
     answers, answer_real = self._pack(answers, jnp.concatenate([result_real, ones], axis=1), left=False)
     return Prompts(tokens=tokens, mask=real, answers=jnp.where(answer_real > 0, answers, -1))
 
-  def reward(self, completions: jax.Array, answers: jax.Array) -> jax.Array:
-    """1.0 where a completion [B, N] starts with its expected tokens answers [B, A], else 0.0."""
-    width = answers.shape[1]
+  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
+    """1.0 where a completion starts with its expected tokens (result and EOS), else 0.0. Jittable."""
+    answers = jnp.repeat(prompts.answers, group_size, axis=0)  # [P*G, A]
+    completions, width = rollout.tokens, answers.shape[1]
     if completions.shape[1] < width:
       completions = jnp.pad(completions, ((0, 0), (0, width - completions.shape[1])), constant_values=-2)
     head = completions[:, :width]
-    return jnp.all((head == answers) | (answers < 0), axis=1).astype(jnp.float32)
+    rewards = jnp.all((head == answers) | (answers < 0), axis=1).astype(jnp.float32)
+    return Scores(rewards=rewards, failures=jnp.zeros((), jnp.int32))
 
-  # ---- the host-loop interface shared with dataset tasks ----
-
-  def batch(self, key: jax.Array, num_prompts: int, position: int) -> Prompts:
-    """The step's prompts; they come from `key` alone, so `position` (data consumed) is unused."""
-    del position
-    return self._sample(key, num_prompts)
-
-  def score(self, rollout, prompts: Prompts, group_size: int) -> jax.Array:
-    """Rewards [P * G] of a rollout of `prompts`."""
-    return self._score(rollout.tokens, prompts.answers, group_size)
-
-  @functools.partial(jax.jit, static_argnums=(0, 2))
-  def _sample(self, key, num_prompts):
-    return self.sample(key, num_prompts)
-
-  @functools.partial(jax.jit, static_argnums=(0, 3))
-  def _score(self, tokens, answers, group_size):
-    return self.reward(tokens, jnp.repeat(answers, group_size, axis=0))
+  def close(self) -> None:
+    pass
 
   def decode(self, ids) -> str:
     return self.tokenizer.decode([int(i) for i in np.asarray(ids) if i != self.pad_id], skip_special_tokens=False)

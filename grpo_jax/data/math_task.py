@@ -6,10 +6,10 @@ once, and drops prompts longer than `task.max_prompt_tokens`. Prompts are served
 shuffle per epoch: the prompts of a step depend only on (run.seed, number of prompts consumed so
 far), so a resumed run sees exactly the prompts the uninterrupted run would have seen.
 Completions are decoded and scored 1.0 / 0.0 against the reference answers in a pool of
-`task.reward_workers` processes (data/rewards.py).
+`task.reward_workers` processes (data/rewards.py); checks that time out or crash score 0 and are
+counted in `Scores.failures`.
 """
 
-import dataclasses
 import sys
 import weakref
 
@@ -17,48 +17,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.config import Config, TaskConfig
+from grpo_jax.config import TaskConfig
 from grpo_jax.data.rewards import RewardPool
 from grpo_jax.data.sources import column, load_records
+from grpo_jax.data.task import Prompts, Scores
 from grpo_jax.errors import UserError
 from grpo_jax.model.loading import load_tokenizer
-
-# Beyond the tokenizer's eos: Qwen chat models end a turn with <|im_end|>, base models with <|endoftext|>.
-STOP_TOKENS = ('<|im_end|>', '<|endoftext|>')
-
-
-@dataclasses.dataclass(frozen=True)
-class MathPrompts:
-  """tokens [P, Tp] int32 left-padded; mask [P, Tp] int32 (1 on real tokens); answers: the P
-  reference answers (host strings); indices [P]: which dataset prompts these are."""
-
-  tokens: jax.Array
-  mask: jax.Array
-  answers: list[str]
-  indices: np.ndarray
+from grpo_jax.sampler.rollout import Rollout
+from grpo_jax.sampler.special_tokens import special_tokens
 
 
 class MathTask:
-  """Prompts from `task.source`, rewards from math-verify (the host-loop task interface)."""
+  """Prompts from `task.source`, rewards from math-verify on the host (a Task). The tokenizer is
+  read from `model_path`; `seed` (run.seed) orders the prompts."""
 
   jittable = False
 
-  def __init__(self, task: TaskConfig, config: Config):
-    if not task.source:
-      raise UserError('task.source must name the problems for task.name=math '
-                      '(a .jsonl/.json/.parquet file, hf:<name>[:<config>] or tfds:<name>)')
-    if not config.model.path:
-      raise UserError('task.name=math needs model.path: the tokenizer is read from the model directory')
-    if task.max_prompt_tokens < 1:
-      raise UserError(f'task.max_prompt_tokens must be >= 1, got {task.max_prompt_tokens}')
-    if task.reward_workers < 1:
-      raise UserError(f'task.reward_workers must be >= 1, got {task.reward_workers}')
-    self.tokenizer = load_tokenizer(config.model.path)
+  def __init__(self, task: TaskConfig, model_path: str, seed: int):
+    self.tokenizer = load_tokenizer(model_path)
     if self.tokenizer is None:
-      raise UserError(f'model.path {config.model.path} has no tokenizer (tokenizer.json or vocab.json)')
-    self.task_config, self.seed = task, config.run.seed
+      raise UserError(f'model.path {model_path} has no tokenizer (tokenizer.json or vocab.json)')
+    self.task_config, self.seed = task, seed
     self.vocab_size = len(self.tokenizer)
-    self.eos_id, self.pad_id, self.stop_token_ids = _special_ids(self.tokenizer, config.model.path)
+    special = special_tokens(self.tokenizer)
+    if special.eos_id is None:
+      raise UserError(f'the tokenizer in model.path {model_path} has no eos token (set eos_token in '
+                      'tokenizer_config.json)')
+    self.eos_id, self.pad_id, self.stop_token_ids = special.eos_id, special.pad_id, special.stop_ids
     self.prompt_length = task.max_prompt_tokens
     self.use_chat_template = task.chat_template and bool(getattr(self.tokenizer, 'chat_template', None))
     if '\0' not in _format(task.prompt_template, '\0'):
@@ -122,19 +107,20 @@ class MathTask:
       self._permutations[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_prompts)
     return self._permutations[epoch]
 
-  def batch(self, key: jax.Array, num_prompts: int, position: int) -> MathPrompts:
-    """Prompts `position` .. `position + num_prompts - 1` of the run, left-padded to prompt_length.
-    `key` is unused: the order comes from run.seed and `position`, which checkpoints record."""
+  def prompts(self, key: jax.Array, position: int, count: int) -> Prompts:
+    """Prompts `position` .. `position + count - 1` of the run, left-padded to prompt_length;
+    answers: their reference answers. `key` is unused: the order comes from run.seed and
+    `position`, which checkpoints record."""
     del key
-    indices = self.order(position, num_prompts)
-    tokens = np.full((num_prompts, self.prompt_length), self.pad_id, np.int32)
-    mask = np.zeros((num_prompts, self.prompt_length), np.int32)
+    indices = self.order(position, count)
+    tokens = np.full((count, self.prompt_length), self.pad_id, np.int32)
+    mask = np.zeros((count, self.prompt_length), np.int32)
     for row, index in enumerate(indices):
       ids = self.prompt_ids[index]
       tokens[row, self.prompt_length - len(ids):] = ids
       mask[row, self.prompt_length - len(ids):] = 1
-    return MathPrompts(tokens=jnp.asarray(tokens), mask=jnp.asarray(mask),
-                       answers=[self.answers[index] for index in indices], indices=indices)
+    return Prompts(tokens=jnp.asarray(tokens), mask=jnp.asarray(mask),
+                   answers=[self.answers[index] for index in indices])
 
   # ---- rewards ----
 
@@ -145,7 +131,7 @@ class MathTask:
     return [self.tokenizer.decode(row[keep & (row < self.vocab_size)], skip_special_tokens=True)
             for row, keep in zip(tokens, mask)]
 
-  def score(self, rollout, prompts: MathPrompts, group_size: int) -> jax.Array:
+  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
     """Rewards [P * G] (float32): row p * G + g is completion g of prompt p."""
     completions = self.decode(rollout.tokens, rollout.mask)
     answers = [answer for answer in prompts.answers for _ in range(group_size)]
@@ -154,7 +140,10 @@ class MathTask:
     if self._pool is None:
       self._pool = RewardPool(self.task_config.reward_workers)
       weakref.finalize(self, self._pool.close)  # the workers end with the task, not only at exit
-    return jnp.asarray(self._pool.map(completions, answers), jnp.float32)
+    failures = self._pool.failures
+    rewards = self._pool.map(completions, answers)
+    return Scores(rewards=jnp.asarray(rewards, jnp.float32),
+                  failures=jnp.asarray(self._pool.failures - failures, jnp.int32))
 
   def close(self) -> None:
     if self._pool is not None:
@@ -168,16 +157,3 @@ def _format(template: str, question) -> str:
   except (KeyError, IndexError, ValueError) as error:
     raise UserError(f'task.prompt_template {template!r} is not a format string with only {{prompt}} '
                     f'({type(error).__name__}: {error}); write literal braces doubled, e.g. \\boxed{{{{}}}}') from None
-
-
-def _special_ids(tokenizer, path: str) -> tuple[int, int, tuple[int, ...]]:
-  """(eos, pad, stop ids): pad falls back to eos; stops are eos and the STOP_TOKENS it has."""
-  vocab = tokenizer.get_vocab()
-  eos_id = tokenizer.eos_token_id
-  if eos_id is None:
-    eos_id = next((vocab[token] for token in STOP_TOKENS if token in vocab), None)
-  if eos_id is None:
-    raise UserError(f'the tokenizer in model.path {path} has no eos token (set eos_token in tokenizer_config.json)')
-  pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-  stops = [eos_id] + [vocab[token] for token in STOP_TOKENS if token in vocab]
-  return eos_id, pad_id, tuple(dict.fromkeys(stops))

@@ -56,11 +56,6 @@ class Qwen2Config:
   def resolved_head_dim(self) -> int:
     return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
-  @property
-  def num_groups(self) -> int:
-    """G in attention: query heads per key/value head."""
-    return self.num_attention_heads // self.num_key_value_heads
-
   def num_params(self) -> int:
     """Parameter count, counting a tied embedding once."""
     d, f, v, h = self.hidden_size, self.intermediate_size, self.vocab_size, self.resolved_head_dim

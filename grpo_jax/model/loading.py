@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpo_jax.errors import UserError
 from grpo_jax.model import weights
 from grpo_jax.model.config import Qwen2Config, load_hf_config, to_hf_dict
-from grpo_jax.model.qwen2 import Qwen2
+from grpo_jax.model.qwen2 import ModelOptions, Qwen2
 from grpo_jax.model.sharding import MeshConfig, make_mesh, state_shardings
 
 PARAMS_DIR = 'params'
@@ -36,24 +36,25 @@ def _single_device_mesh() -> Mesh:
   return make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
 
 
-def abstract_model(config: Qwen2Config, **options) -> Qwen2:
-  """The model with ShapeDtypeStructs in place of arrays; `options` go to `Qwen2`."""
-  return nnx.eval_shape(lambda: Qwen2(config, rngs=nnx.Rngs(0), **options))
+def abstract_model(config: Qwen2Config, options: ModelOptions = ModelOptions()) -> Qwen2:
+  """The model with ShapeDtypeStructs in place of arrays."""
+  return nnx.eval_shape(lambda: Qwen2(config, options, rngs=nnx.Rngs(0)))
 
 
-def _sharded_abstract(config: Qwen2Config, mesh: Mesh, options: dict):
-  graphdef, abstract_state = nnx.split(abstract_model(config, **options))
+def _sharded_abstract(config: Qwen2Config, mesh: Mesh, options: ModelOptions):
+  graphdef, abstract_state = nnx.split(abstract_model(config, options))
   return graphdef, abstract_state, state_shardings(abstract_state, mesh)
 
 
-def init_model(config: Qwen2Config, *, mesh: Mesh | None = None, seed: int = 0, **options) -> Qwen2:
+def init_model(config: Qwen2Config, *, options: ModelOptions = ModelOptions(), mesh: Mesh | None = None,
+               seed: int = 0) -> Qwen2:
   """A randomly initialised model whose parameters are created already sharded on `mesh`."""
   mesh = mesh or _single_device_mesh()
   graphdef, _, shardings = _sharded_abstract(config, mesh, options)
 
   @functools.partial(jax.jit, out_shardings=shardings)
   def create():
-    return nnx.state(Qwen2(config, rngs=nnx.Rngs(seed), **options))
+    return nnx.state(Qwen2(config, options, rngs=nnx.Rngs(seed)))
 
   return nnx.merge(graphdef, create())
 
@@ -117,7 +118,7 @@ def _hf_reader(checkpoint: weights.HFCheckpoint, config: Qwen2Config):
   return read, layer_stacked
 
 
-def load_hf(directory: str, *, mesh: Mesh | None = None, **options) -> Qwen2:
+def load_hf(directory: str, *, options: ModelOptions = ModelOptions(), mesh: Mesh | None = None) -> Qwen2:
   """Loads a Hugging Face Qwen2 directory onto `mesh`, one tensor at a time."""
   config = load_hf_config(directory)
   checkpoint = weights.HFCheckpoint(directory)
@@ -131,7 +132,7 @@ def is_orbax_checkpoint(path: str) -> bool:
   return os.path.isdir(os.path.join(path, PARAMS_DIR))
 
 
-def load_orbax(directory: str, *, mesh: Mesh | None = None, **options) -> Qwen2:
+def load_orbax(directory: str, *, options: ModelOptions = ModelOptions(), mesh: Mesh | None = None) -> Qwen2:
   """Restores a grpo_jax checkpoint straight into the model's shardings on `mesh`."""
   import orbax.checkpoint as ocp
 
@@ -203,8 +204,7 @@ def copy_tokenizer_files(source: str, destination: str) -> list[str]:
   return copied
 
 
-def save_hf(model: Qwen2, directory: str, *, max_shard_bytes: int = 4 << 30,
-            like: str | None = None) -> None:
+def save_hf(model: Qwen2, directory: str, *, max_shard_bytes: int = 4 << 30) -> None:
   """Writes safetensors (split above `max_shard_bytes`, with an index) and config.json.
 
   Shards are planned from the tensors' shapes first, then each tensor is produced and written
@@ -232,26 +232,29 @@ def save_hf(model: Qwen2, directory: str, *, max_shard_bytes: int = 4 << 30,
     with open(os.path.join(directory, weights.INDEX_FILE), 'w') as f:
       json.dump({'metadata': {'total_size': sum(e.nbytes for e in entries)}, 'weight_map': weight_map},
                 f, indent=2)
-  if like:
-    copy_tokenizer_files(like, directory)
   _write_config(model.config, directory, model.param_dtype.name)
 
 
-def from_pretrained(path: str, dtype='float32', *, mesh: Mesh | None = None, param_dtype=None,
-                    remat: str = 'none', scan_layers: bool = True, attention: str = 'dense',
-                    attention_chunk: int = 512) -> Qwen2:
+def from_pretrained(path: str, dtype=None, *, mesh: Mesh | None = None,
+                    options: ModelOptions | None = None) -> Qwen2:
   """Loads a Hugging Face directory or a grpo_jax (orbax) checkpoint as a `Qwen2` module.
 
-  dtype: compute dtype; param_dtype: storage dtype (defaults to dtype). With `mesh`, parameters
-  are laid out by the logical-axis table in `sharding.py`; without, on the first device.
+  dtype: compute and storage dtype ('float32' when neither it nor `options` is given), a
+  shorthand for `options=ModelOptions(dtype=dtype, param_dtype=dtype)`; options: all the model's
+  options. With `mesh`, parameters are laid out by the logical-axis table in `sharding.py`;
+  without, on the first device.
   """
   if not os.path.isdir(path):
     raise UserError(f'model path {path} is not a directory')
-  options = dict(dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, scan_layers=scan_layers,
-                 attention=attention, attention_chunk=attention_chunk)
+  if dtype is not None and options is not None:
+    raise ValueError('from_pretrained: pass dtype or options, not both (options has dtype and param_dtype)')
+  if options is None:
+    # .name turns a dtype object such as jnp.bfloat16 into the option's spelling.
+    name = jnp.dtype(dtype or 'float32').name
+    options = ModelOptions(dtype=name, param_dtype=name)
   if is_orbax_checkpoint(path):
-    return load_orbax(path, mesh=mesh, **options)
-  return load_hf(path, mesh=mesh, **options)
+    return load_orbax(path, options=options, mesh=mesh)
+  return load_hf(path, options=options, mesh=mesh)
 
 
 def load_tokenizer(path: str):

@@ -21,27 +21,59 @@ import dataclasses
 import functools
 import math
 import typing
+from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_jax.errors import require
+from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, Attend, AttentionImplementation,
+                                      attention_mask, grouped_attention, sequence_attention)
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.sharding import constrain
 
+DType = Literal['float32', 'bfloat16']
+# Storage dtypes: float16 too, so a float16 checkpoint converts without a change of precision.
+ParamDType = Literal['float32', 'bfloat16', 'float16']
 RematPolicy = Literal['none', 'full', 'dots', 'dots_no_batch']
-# Full-sequence attention: 'dense' (the [T, T] scores at once), 'chunked' (query chunks one at a
-# time, rematerialised: O(chunk x T) memory), 'cudnn' (cuDNN flash attention through
-# jax.nn.dot_product_attention; NVIDIA GPUs only).
-AttentionImplementation = Literal['dense', 'chunked', 'cudnn']
-ATTENTION_IMPLEMENTATIONS = typing.get_args(AttentionImplementation)
 
 _REMAT_POLICIES = {
     'full': None,  # save nothing, recompute the whole block
     'dots': jax.checkpoint_policies.dots_saveable,
     'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+  """How the model computes; what it computes is its `Qwen2Config`. Checked on construction."""
+
+  dtype: DType = 'float32'  # compute dtype of activations, matmul inputs and the KV cache
+  param_dtype: ParamDType = 'float32'  # storage dtype of parameters (fp32 master weights with bf16 compute)
+  remat: RematPolicy = 'none'  # rematerialisation of each layer under autodiff
+  scan_layers: bool = True  # one lax.scan over layers: compile time independent of depth
+  attention: AttentionImplementation = 'dense'  # full-sequence attention (attention.py); decoding is dense
+  attention_chunk: int = 512  # queries per chunk with attention='chunked'
+
+  def __post_init__(self):
+    choices = {'dtype': typing.get_args(DType), 'param_dtype': typing.get_args(ParamDType),
+               'remat': typing.get_args(RematPolicy), 'attention': ATTENTION_IMPLEMENTATIONS}
+    for name, allowed in choices.items():
+      require(getattr(self, name) in allowed, name,
+              f'must be one of {" | ".join(map(repr, allowed))}, got {getattr(self, name)!r}')
+    require(self.attention_chunk >= 1, 'attention_chunk', f'must be >= 1, got {self.attention_chunk}')
+
+  @classmethod
+  def of(cls, options: 'ModelOptions') -> 'ModelOptions':
+    """A plain ModelOptions with the fields of `options`, which may be a subclass (the training
+    config's model section): the module keeps only these six, so its graph def carries no more."""
+    if type(options) is ModelOptions:
+      return options
+    names = (field.name for field in dataclasses.fields(ModelOptions))
+    return ModelOptions(**{name: getattr(options, name) for name in names})
+
 
 LAYER_PARAMS = ('attn_norm', 'q_weight', 'q_bias', 'k_weight', 'k_bias', 'v_weight', 'v_bias',
                 'o_weight', 'mlp_norm', 'gate_weight', 'up_weight', 'down_weight')
@@ -84,97 +116,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention_mask(query_slots, query_segments, key_slots, key_segments) -> jax.Array:
-  """[B, T, S] bool: causal in slot order and restricted to the query's own segment."""
-  causal = key_slots[:, None, :] <= query_slots[:, :, None]
-  same_segment = key_segments[:, None, :] == query_segments[:, :, None]
-  return causal & same_segment
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """Grouped-query attention. q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B, T, S] -> [B, T, N, H].
-
-  Query head n uses key/value head n // G, G = N / K. Scores and softmax are fp32. Masked
-  scores use the most negative finite fp32 so a fully masked row gives a uniform, not NaN, row.
-  """
-  batch, length, num_heads, head_dim = q.shape
-  num_kv_heads = k.shape[2]
-  q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
-  scores = jnp.einsum('BTKGH,BSKH->BKGTS', q, k, preferred_element_type=jnp.float32)
-  scores = scores * (head_dim ** -0.5)
-  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum('BKGTS,BSKH->BTKGH', probs, v)
-  return out.reshape(batch, length, num_heads, head_dim)
-
-
-def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, segments: jax.Array,
-                      chunk: int) -> jax.Array:
-  """`attention` of T tokens over themselves, `chunk` queries at a time. q: [B, T, N, H];
-  k, v: [B, T, K, H]; slots, segments: [B, T] (the causal order and segment of each token).
-
-  Exact (each chunk's softmax runs over all T keys under the same mask as `attention`). The
-  chunks run one after another under `lax.map`, each rematerialised under autodiff, so only one
-  chunk's [chunk, T] scores exist at a time, forward or backward: peak score memory is
-  O(chunk x T) per layer instead of O(T^2) (measured: T = 1024, chunk 64: 11 MiB of compiled
-  temporaries for forward + backward against 129 MiB dense). FLOPs are the dense path's plus
-  one recomputation of the attention; the masked upper triangle is still computed.
-  """
-  batch, length = q.shape[:2]
-  chunk = min(chunk, length)
-  pad = -length % chunk
-  # Extra query rows (pad of them) copy the last real one (a non-empty mask) and are dropped below.
-  q, query_slots, query_segments = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode='edge')
-                                    for x in (q, slots, segments))
-
-  def chunks(x):  # [B, T + pad, ...] -> [(T + pad) / chunk, B, chunk, ...]
-    return jnp.moveaxis(x.reshape(batch, -1, chunk, *x.shape[2:]), 1, 0)
-
-  @jax.checkpoint
-  def one_chunk(inputs):
-    q_chunk, chunk_slots, chunk_segments = inputs
-    return attention(q_chunk, k, v, attention_mask(chunk_slots, chunk_segments, slots, segments))
-
-  out = jax.lax.map(one_chunk, (chunks(q), chunks(query_slots), chunks(query_segments)))
-  return jnp.moveaxis(out, 0, 1).reshape(batch, length + pad, *out.shape[3:])[:, :length]
-
-
-def library_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                      implementation: str) -> jax.Array:
-  """`attention` of T tokens over themselves through jax.nn.dot_product_attention ('cudnn':
-  cuDNN's fused flash attention on NVIDIA GPUs; 'xla': the library's own XLA path). mask
-  [B, T, T] must be causal in slot order, as `attention_mask` makes it: the call also declares
-  causality, which lets cuDNN skip the upper triangle."""
-  out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], is_causal=True,
-                                     implementation=implementation)
-  return out.astype(q.dtype)
-
-
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, k_cache: jax.Array,
-                     v_cache: jax.Array, cache_mask: jax.Array) -> jax.Array:
-  """`attention` over the cache's earlier tokens and the T new tokens, without writing the new
-  keys and values into the cache first. q, k, v: [B, T, *, H]; mask: [B, T, T]; k_cache, v_cache:
-  [B, S, K, H]; cache_mask: [B, T, S] -> [B, T, N, H].
-
-  One softmax runs over the concatenated S + T scores, so this is the same attention as over
-  the cache with the new tokens written in; only the small score arrays are concatenated, never
-  the [B, S, K, H] cache, which the layer scan then reads in place.
-  """
-  batch, length, num_heads, head_dim = q.shape
-  num_kv_heads, slots = k.shape[2], k_cache.shape[1]
-  q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
-  scores = jnp.concatenate(
-      [jnp.einsum('BTKGH,BSKH->BKGTS', q, k_cache, preferred_element_type=jnp.float32),
-       jnp.einsum('BTKGH,BSKH->BKGTS', q, k, preferred_element_type=jnp.float32)], axis=-1)
-  scores = scores * (head_dim ** -0.5)
-  mask = jnp.concatenate([cache_mask, mask], axis=-1)
-  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = (jnp.einsum('BKGTS,BSKH->BTKGH', probs[..., :slots], v_cache)
-         + jnp.einsum('BKGTS,BSKH->BTKGH', probs[..., slots:], v))
-  return out.reshape(batch, length, num_heads, head_dim)
-
-
 def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
   """Writes new [B, T, ...] into cache [B, S, ...] at slot start[b] of each row."""
   def write_row(row, update, index):
@@ -206,14 +147,12 @@ def matmul(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
   return flat.reshape(*rows, *w.shape[contract:])
 
 
-def decoder_block(params: dict, x: jax.Array, positions: jax.Array, mask: jax.Array,
-                  cache: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-                  *, config: Qwen2Config, dtype, attend=None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-  """One pre-norm decoder layer. x: [B, T, D] -> (x, this layer's new keys and values [B, T, K, H]).
-
-  mask [B, T, T] is among the T tokens; without a cache, `attend(q, k, v)`, when given, replaces
-  the dense `attention` over it (the model's `attention` setting). With `cache` = (k, v [B, S, K, H], cache_mask [B, T, S]),
-  the tokens also attend to the cached tokens that cache_mask allows; the cache is only read.
+def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Attend, *,
+                  config: Qwen2Config, dtype) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """One pre-norm decoder layer. params: one layer's slice of `LAYER_PARAMS`; x: [B, T, D];
+  positions: [B, T]; attend(q [B, T, N, H], k, v [B, T, K, H]) -> [B, T, N, H] is the attention
+  (over the T tokens, and for `extend` over the cache too). -> (x [B, T, D], this layer's keys and
+  values [B, T, K, H] in the compute dtype).
   """
   p = {name: value.astype(dtype) for name, value in params.items()}
   h = rms_norm(x, p['attn_norm'], config.rms_norm_eps)
@@ -222,18 +161,18 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, mask: jax.Ar
   v = matmul(h, p['v_weight']) + p['v_bias']
   q = apply_rope(q, positions, config.rope_theta)
   k = apply_rope(k, positions, config.rope_theta)
-  if cache is None:
-    attended = attend(q, k, v) if attend is not None else attention(q, k, v, mask)
-  else:
-    k_cache, v_cache, cache_mask = cache
-    # Round the new keys and values to the cache dtype, as writing them first would.
-    k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
-    attended = cached_attention(q, k, v, mask, k_cache, v_cache, cache_mask)
-  x = x + matmul(attended, p['o_weight'], contract=2)
+  x = x + matmul(attend(q, k, v), p['o_weight'], contract=2)
   x = constrain(x, ('batch', 'seq', 'act_embed'))
   h = rms_norm(x, p['mlp_norm'], config.rms_norm_eps)
   x = x + matmul(jax.nn.silu(matmul(h, p['gate_weight'])) * matmul(h, p['up_weight']), p['down_weight'])
   return constrain(x, ('batch', 'seq', 'act_embed')), (k, v)
+
+
+def _segments(tokens: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+  """segment_ids as int32 [B, T]; when None, every token is real and each row one sequence."""
+  if segment_ids is None:
+    return jnp.ones(tokens.shape, jnp.int32)
+  return segment_ids.astype(jnp.int32)
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
@@ -281,29 +220,14 @@ class DecoderLayers(nnx.Module):
 class Qwen2(nnx.Module):
   """Qwen2 causal LM. `model(tokens)` -> fp32 logits [B, T, V].
 
-  dtype: compute dtype (activations, matmul inputs); param_dtype: storage dtype of parameters.
-  remat: rematerialisation policy of each layer under autodiff ('none', 'full', 'dots',
-  'dots_no_batch'). scan_layers: run the layer stack as one lax.scan. attention: how the
-  full-sequence forward attends (see AttentionImplementation), attention_chunk: queries per chunk
-  for 'chunked'. Incremental decoding (`extend`) always reads the cache densely.
+  options: dtypes, rematerialisation, layer scan and full-sequence attention (see ModelOptions);
+  kept as `self.options`, a plain ModelOptions. Incremental decoding (`extend`) always reads the
+  cache densely.
   """
 
-  def __init__(self, config: Qwen2Config, *, dtype='float32', param_dtype='float32',
-               remat: RematPolicy = 'none', scan_layers: bool = True,
-               attention: AttentionImplementation = 'dense', attention_chunk: int = 512, rngs: nnx.Rngs):
-    if remat != 'none' and remat not in _REMAT_POLICIES:
-      raise ValueError(f'remat must be one of none, {", ".join(_REMAT_POLICIES)}; got {remat!r}')
-    if attention not in ATTENTION_IMPLEMENTATIONS:
-      raise ValueError(f'attention must be one of {", ".join(ATTENTION_IMPLEMENTATIONS)}; got {attention!r}')
-    if attention_chunk < 1:
-      raise ValueError(f'attention_chunk must be >= 1, got {attention_chunk}')
-    self.attention = attention
-    self.attention_chunk = attention_chunk
+  def __init__(self, config: Qwen2Config, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
     self.config = config
-    self.dtype = jnp.dtype(dtype)
-    self.param_dtype = jnp.dtype(param_dtype)
-    self.remat = remat
-    self.scan_layers = scan_layers
+    self.options = ModelOptions.of(options)
     normal = nnx.initializers.normal(config.initializer_range)
     V, D = config.vocab_size, config.hidden_size
     self.embedding = nnx.Param(normal(rngs.params(), (V, D), self.param_dtype),
@@ -313,6 +237,33 @@ class Qwen2(nnx.Module):
     if not config.tie_word_embeddings:
       self.lm_head = nnx.Param(normal(rngs.params(), (D, V), self.param_dtype),
                                logical_axes=('embed', 'vocab'))
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    """Compute dtype: activations, matmul inputs, the KV cache."""
+    return jnp.dtype(self.options.dtype)
+
+  @property
+  def param_dtype(self) -> jnp.dtype:
+    """Storage dtype of the parameters."""
+    return jnp.dtype(self.options.param_dtype)
+
+  def run_layers(self, x: jax.Array, layer: Callable, xs=None) -> tuple[jax.Array, typing.Any]:
+    """Runs the L layers on x [B, T, D]: `layer(x, params, xs_l) -> (x, out_l)`, where params is
+    one layer's slice of the stacked parameters and xs_l of `xs` (a pytree of [L, ...] arrays, or
+    None). -> (x, the out_l stacked along a leading L axis).
+
+    As one lax.scan with `scan_layers`, otherwise unrolled over the same arrays; either way xs is
+    sliced one layer at a time, so a stacked KV cache is read in place, never carried.
+    """
+    params = self.layers.arrays()
+    if self.options.scan_layers:
+      return jax.lax.scan(lambda x, inputs: layer(x, *inputs), x, (params, xs))
+    outs = []
+    for index in range(self.config.num_hidden_layers):
+      x, out = layer(x, *jax.tree.map(lambda a, i=index: a[i], (params, xs)))
+      outs.append(out)
+    return x, jax.tree.map(lambda *parts: jnp.stack(parts), *outs)
 
   # ---- full-sequence forward (training, scoring) ----
 
@@ -324,35 +275,20 @@ class Qwen2(nnx.Module):
   def hidden_states(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                     segment_ids: jax.Array | None = None) -> jax.Array:
     """Final-norm hidden states [B, T, D] (what the fused log-prob op consumes)."""
-    if segment_ids is None:
-      segment_ids = jnp.ones(tokens.shape, jnp.int32)
-    segment_ids = segment_ids.astype(jnp.int32)
+    segment_ids = _segments(tokens, segment_ids)
     if positions is None:
       positions = segment_positions(segment_ids)
     slots = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    mask, attend = None, None
-    if self.attention == 'chunked':
-      attend = functools.partial(chunked_attention, slots=slots, segments=segment_ids,
-                                 chunk=self.attention_chunk)
-    else:
-      mask = attention_mask(slots, segment_ids, slots, segment_ids)
-      if self.attention == 'cudnn':
-        attend = functools.partial(library_attention, mask=mask, implementation='cudnn')
-    block = functools.partial(decoder_block, config=self.config, dtype=self.dtype, attend=attend)
-    if self.remat != 'none':
-      block = jax.checkpoint(block, policy=_REMAT_POLICIES[self.remat])
+    attend = sequence_attention(self.options.attention, slots, segment_ids, self.options.attention_chunk)
+    block = functools.partial(decoder_block, attend=attend, config=self.config, dtype=self.dtype)
+    if self.options.remat != 'none':
+      block = jax.checkpoint(block, policy=_REMAT_POLICIES[self.options.remat])
 
-    def layer(x, params):
-      x, _ = block(params, x, positions, mask)
+    def layer(x, params, _):
+      x, _ = block(params, x, positions)
       return x, None
 
-    x = self._embed(tokens)
-    params = self.layers.arrays()
-    if self.scan_layers:
-      x, _ = jax.lax.scan(layer, x, params)
-    else:
-      for index in range(self.config.num_hidden_layers):
-        x, _ = layer(x, jax.tree.map(lambda a, i=index: a[i], params))
+    x, _ = self.run_layers(self._embed(tokens), layer)
     return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
 
   def lm_head_weight(self) -> jax.Array:
@@ -392,9 +328,7 @@ class Qwen2(nnx.Module):
     of one token. Each row holds one sequence; by default a token's position is the number of
     real (segment id != 0) tokens before it in its row. The caller keeps length + T <= S.
     """
-    if segment_ids is None:
-      segment_ids = jnp.ones(tokens.shape, jnp.int32)
-    segment_ids = segment_ids.astype(jnp.int32)
+    segment_ids = _segments(tokens, segment_ids)
     if positions is None:
       previous = jnp.sum(cache.segment_ids != 0, axis=1, dtype=jnp.int32)
       running = jnp.cumsum(segment_ids != 0, axis=1, dtype=jnp.int32) - 1
@@ -408,27 +342,24 @@ class Qwen2(nnx.Module):
     cache_mask = (attention_mask(query_slots, segment_ids, key_slots, cache.segment_ids)
                   & (key_slots < cache.length[:, None])[:, None, :])
     mask = attention_mask(query_slots, segment_ids, query_slots, segment_ids)
-    block = functools.partial(decoder_block, config=self.config, dtype=self.dtype)
 
-    # The cache is a scan input, read in place; only the T new tokens' keys and values leave each
-    # layer, and they are written into the cache once, after the scan. Carrying the stacked cache
-    # through the scan instead copies each layer's [B, S, K, H] slice in and out every step.
-    def layer(x, xs):
-      params, k_cache, v_cache = xs
-      return block(params, x, positions, mask, (k_cache, v_cache, cache_mask))
+    # The cache is a layer input, read in place; only the T new tokens' keys and values leave each
+    # layer, and they are written into the cache once, after the loop. Carrying the stacked cache
+    # through a scan instead copies each layer's [B, S, K, H] slice in and out every step.
+    def layer(x, params, layer_cache):
+      k_cache, v_cache = layer_cache
 
-    x, params = self._embed(tokens), self.layers.arrays()
-    if self.scan_layers:
-      x, (k_new, v_new) = jax.lax.scan(layer, x, (params, cache.k, cache.v))
-    else:
-      new = []
-      for index in range(self.config.num_hidden_layers):
-        x, kv = layer(x, jax.tree.map(lambda a, i=index: a[i], (params, cache.k, cache.v)))
-        new.append(kv)
-      k_new, v_new = (jnp.stack(parts) for parts in zip(*new))
+      def attend(q, k, v):
+        # Round the new keys and values to the cache dtype, as writing them first would.
+        k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
+        return grouped_attention(q, [(k_cache, v_cache, cache_mask), (k, v, mask)])
+
+      return decoder_block(params, x, positions, attend, config=self.config, dtype=self.dtype)
+
+    x, (k_new, v_new) = self.run_layers(self._embed(tokens), layer, (cache.k, cache.v))
     hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
-    new_cache = KVCache(k=_write_layers(cache.k, k_new, cache.length),
-                        v=_write_layers(cache.v, v_new, cache.length),
+    new_cache = KVCache(k=_write_layers(cache.k, k_new.astype(cache.k.dtype), cache.length),
+                        v=_write_layers(cache.v, v_new.astype(cache.v.dtype), cache.length),
                         segment_ids=_write_rows(cache.segment_ids, segment_ids, cache.length),
                         length=cache.length + length)
     return (hidden if return_hidden else self.project(hidden)), new_cache

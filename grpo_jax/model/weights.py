@@ -4,8 +4,8 @@ Each rule maps a Hugging Face tensor name (per layer, `{i}`) to a grpo_jax param
 how the layout changes: PyTorch Linear weights are [out, in] and are transposed to [in, out], then
 split into heads. Both directions are read from the same table.
 
-Reading goes one tensor at a time from memory-mapped safetensors files, so converting or loading a
-checkpoint never holds more than the destination arrays plus one source tensor.
+Reading goes one tensor at a time, with positioned reads of the safetensors files, so converting or
+loading a checkpoint never holds more than the destination arrays plus one source tensor.
 """
 
 import dataclasses
@@ -97,12 +97,6 @@ def to_hf(rule: Rule, array: np.ndarray, config: Qwen2Config) -> np.ndarray:
   if rule.transpose:
     return np.ascontiguousarray(array.reshape(shape[::-1]).T)
   return np.ascontiguousarray(array.reshape(shape))
-
-
-def param_shape(rule: Rule, config: Qwen2Config) -> tuple[int, ...]:
-  """Shape of the full (layer-stacked) grpo_jax parameter."""
-  shape = rule.shape(config)
-  return (config.num_hidden_layers, *shape) if rule.per_layer else shape
 
 
 # ---- safetensors files ----

@@ -15,10 +15,17 @@ References for the symbols used in the docstrings and in `AlgoConfig`:
   KL k1/k2/k3  Schulman 2020, Approximating KL divergence
 """
 
-from typing import Callable
+import typing
+from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
+
+# The names the config accepts (AlgoConfig imports these types); each registry below holds
+# exactly one function per name, checked at the end of this module.
+Advantage = Literal['grpo', 'drgrpo', 'rloo']  # (r - mean_G)/(std_G + eps) | r - mean_G | leave-one-out
+KLEstimator = Literal['k1', 'k2', 'k3']
+LossAggregation = Literal['token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm']
 
 # ---- advantages: rewards [P, G] -> advantages [P, G] ----
 
@@ -138,7 +145,7 @@ def truncated_importance_weight(old_log_probs: jax.Array, sampler_log_probs: jax
 
 # ---- aggregation: per-token loss [B, N] -> scalar, as weights summing the loss ----
 
-AGGREGATIONS = ('token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm')
+AGGREGATIONS = typing.get_args(LossAggregation)
 
 
 def aggregation_weights(mask: jax.Array, mode: str, max_tokens: int | None = None) -> jax.Array:
@@ -164,3 +171,6 @@ def aggregation_weights(mask: jax.Array, mode: str, max_tokens: int | None = Non
 
 def aggregate(token_loss: jax.Array, mask: jax.Array, mode: str, max_tokens: int | None = None) -> jax.Array:
   return jnp.sum(token_loss * aggregation_weights(mask, mode, max_tokens))
+
+
+assert tuple(ADVANTAGES) == typing.get_args(Advantage) and tuple(KL_ESTIMATORS) == typing.get_args(KLEstimator)

@@ -24,7 +24,7 @@ from grpo_jax.rl import algo
 class TrainState:
   """Everything that changes during training (and is checkpointed)."""
 
-  step: jax.Array  # int32 RL steps done
+  step: jax.Array  # int32 RL steps done: the run's one step counter
   params: nnx.State  # master parameters (param_dtype)
   opt_state: optax.OptState
   key: jax.Array  # uint32[2] PRNG state for rollouts and mini-batch shuffling
@@ -52,6 +52,29 @@ class Batch:
   @property
   def completion_length(self) -> int:
     return self.mask.shape[1]
+
+
+@struct.dataclass
+class LossInputs:
+  """The rows the loss reads: a mini-batch, or one micro-batch of it. B rows, N completion tokens.
+
+  tokens, segment_ids, mask, advantages, sampler_log_probs: as in `Batch`.
+  old_log_probs  [B, N] fp32 pi_old(y_t); None on-policy (pi_old is the current policy, no pass).
+  ref_log_probs  [B, N] fp32 pi_ref(y_t); None when beta = 0.
+  weights        [B, N] fp32 the loss aggregation's weights, normalised over the whole mini-batch,
+                 so micro-batch losses (and gradients) add up to the mini-batch loss exactly.
+  token_weights  [B, N] fp32 token-mean weights over the mini-batch, for the reported metrics.
+  """
+
+  tokens: jax.Array
+  segment_ids: jax.Array
+  mask: jax.Array
+  advantages: jax.Array
+  sampler_log_probs: jax.Array
+  old_log_probs: jax.Array | None = None
+  ref_log_probs: jax.Array | None = None
+  weights: jax.Array | None = None
+  token_weights: jax.Array | None = None
 
 
 def learning_rate_schedule(config: OptimConfig, total_updates: int) -> optax.Schedule:
@@ -120,40 +143,35 @@ def _merge_rows(x):
   return x.reshape(-1, *x.shape[2:])
 
 
-def policy_loss(params, graphdef, micro: dict, settings: UpdateSettings):
-  """Weighted-sum GRPO loss of one micro-batch and its weighted metric sums.
-
-  micro holds tokens, segment_ids, mask, advantages, old/ref/sampler log-probs and `weights`,
-  the aggregation weights already normalised over the whole mini-batch, so micro-batch losses
-  (and gradients) add up to the mini-batch loss exactly.
-  """
+def policy_loss(params, graphdef, micro: LossInputs, settings: UpdateSettings):
+  """Weighted-sum GRPO loss of one micro-batch and its weighted metric sums."""
   config = settings.algo
   model = nnx.merge(graphdef, params)
-  mask = micro['mask']
+  mask = micro.mask
   log_probs, entropy = completion_log_probs(
-      model, micro['tokens'], micro['segment_ids'], mask.shape[1], temperature=settings.temperature,
+      model, micro.tokens, micro.segment_ids, mask.shape[1], temperature=settings.temperature,
       implementation=config.logprob_implementation, with_entropy=True)
-  old = jax.lax.stop_gradient(log_probs) if settings.on_policy else micro['old_log_probs']
+  old = jax.lax.stop_gradient(log_probs) if settings.on_policy else micro.old_log_probs
   if config.importance_ratio == 'sequence':
     log_ratio = algo.sequence_log_ratio(log_probs, old, mask)
   else:
     log_ratio = algo.token_log_ratio(log_probs, old)
-  surrogate = algo.clipped_surrogate(log_ratio, micro['advantages'][:, None],
+  surrogate = algo.clipped_surrogate(log_ratio, micro.advantages[:, None],
                                      epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
                                      dual_clip=config.dual_clip)
   token_loss = surrogate['loss']
   if config.tis_cap > 0:
-    token_loss = token_loss * algo.truncated_importance_weight(old, micro['sampler_log_probs'], config.tis_cap)
+    token_loss = token_loss * algo.truncated_importance_weight(old, micro.sampler_log_probs, config.tis_cap)
   pg_loss = token_loss
   kl = jnp.zeros_like(token_loss)
   if config.kl_beta > 0:
-    kl = algo.KL_ESTIMATORS[config.kl_estimator](log_probs - micro['ref_log_probs'])
+    kl = algo.KL_ESTIMATORS[config.kl_estimator](log_probs - micro.ref_log_probs)
     token_loss = token_loss + config.kl_beta * kl
   if config.entropy_coef > 0:
     token_loss = token_loss - config.entropy_coef * entropy
-  loss = jnp.sum(token_loss * micro['weights'])
+  loss = jnp.sum(token_loss * micro.weights)
   # Reported metrics are token means over the mini-batch, whatever the loss aggregation.
-  per_token = micro['token_weights']
+  per_token = micro.token_weights
   metrics = dict(policy_loss=jnp.sum(pg_loss * per_token), kl=jnp.sum(kl * per_token),
                  entropy=jnp.sum(jax.lax.stop_gradient(entropy) * per_token),
                  clip_frac_low=jnp.sum(surrogate['clipped_low'] * per_token),
@@ -176,14 +194,13 @@ def _scored_log_probs(graphdef, params, batch: Batch, settings: UpdateSettings):
 def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, graphdef,
            optimizer: optax.GradientTransformation, schedule: optax.Schedule,
            settings: UpdateSettings) -> tuple[TrainState, dict]:
-  """mu passes of mini-batch optimizer updates over `batch`. Traceable; see `make_update`."""
+  """mu passes of mini-batch optimizer updates over `batch`. Traceable (rl/loop.py jits it)."""
   config = settings.algo
-  rows = dict(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask,
-              advantages=batch.advantages, sampler_log_probs=batch.sampler_log_probs)
-  if not settings.on_policy:
-    rows['old_log_probs'] = _scored_log_probs(graphdef, state.params, batch, settings)
-  if config.kl_beta > 0:
-    rows['ref_log_probs'] = _scored_log_probs(graphdef, ref_params, batch, settings)
+  rows = LossInputs(
+      tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask, advantages=batch.advantages,
+      sampler_log_probs=batch.sampler_log_probs,
+      old_log_probs=None if settings.on_policy else _scored_log_probs(graphdef, state.params, batch, settings),
+      ref_log_probs=_scored_log_probs(graphdef, ref_params, batch, settings) if config.kl_beta > 0 else None)
 
   key, shuffle_key = jax.random.split(state.key)
   if config.num_minibatches > 1:
@@ -195,9 +212,9 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
   def minibatch_update(carry, order):
     params, opt_state, updates, skips = carry
     minibatch = jax.tree.map(lambda x: x[order], rows)
-    minibatch['weights'] = algo.aggregation_weights(minibatch['mask'], config.loss_aggregation,
-                                                    batch.completion_length)
-    minibatch['token_weights'] = algo.aggregation_weights(minibatch['mask'], 'token-mean')
+    minibatch = minibatch.replace(
+        weights=algo.aggregation_weights(minibatch.mask, config.loss_aggregation, batch.completion_length),
+        token_weights=algo.aggregation_weights(minibatch.mask, 'token-mean'))
     grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
 
     def accumulate(totals, micro):
