@@ -4,8 +4,8 @@ Peak host memory of `python -m conversion.hf_to_orbax` on a random multi-GB Qwen
 (a Qwen2.5-1.5B shape by default), against the checkpoint's size on disk.
 
 The converter runs in a child process whose resident set is sampled from /proc while it runs,
-split into anonymous memory (arrays) and file-backed pages (the memory-mapped safetensors), since
-both count towards the peak that `ru_maxrss` reports.
+split into anonymous memory (arrays) and file-backed pages (the safetensors files the converter
+reads), since both count towards the peak that `ru_maxrss` reports.
 """
 
 import argparse

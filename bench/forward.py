@@ -34,24 +34,20 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from grpo_jax import testing  # noqa: E402
 from grpo_jax.model import ModelOptions, Qwen2Config, from_pretrained, init_model, to_hf_dict  # noqa: E402
 
 
 def torch_reference(config: Qwen2Config, directory: str):
-  """A random transformers model saved to `directory`; biases and norms randomised too, since
+  """A random transformers model saved to `directory`; biases and norms jittered too, since
   their default init (0 and 1) would hide a layout mistake in the parity check."""
   import torch
   import transformers
 
   torch.set_num_threads(args.threads)
   transformers.utils.logging.disable_progress_bar()
-  torch.manual_seed(0)
-  model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**to_hf_dict(config))).eval()
-  with torch.no_grad():
-    for name, parameter in model.named_parameters():
-      if name.endswith('bias') or name.endswith('norm.weight'):
-        parameter.add_(0.1 * torch.randn_like(parameter))
-  model.save_pretrained(directory)
+  model = testing.save_random_hf_checkpoint(directory, 0, init='default', jitter={'bias': 0.1, 'norm.weight': 0.1},
+                                            **to_hf_dict(config))
   return model.to(getattr(torch, args.dtype))
 
 

@@ -1,25 +1,21 @@
-"""Shared benchmark plumbing: CPU thread limits and interleaved timing. Imports no jax, so
-`limit_threads` can run before jax starts its CPU client."""
+"""Shared benchmark plumbing: architectures, CPU thread limits and interleaved timing. Imports no
+jax (grpo_jax.testing starts none either), so `limit_threads` can run before jax starts its CPU
+client."""
 
 import os
 import statistics
 import time
 
-# Qwen2 architectures the benchmarks run (keyword arguments of grpo_jax.model.Qwen2Config).
+from grpo_jax.testing import QWEN2_5_PRESETS
+
+# Qwen2 architectures the benchmarks run (keyword arguments of grpo_jax.model.Qwen2Config): two
+# bench-only shapes, and the Qwen2.5 sizes as 'qwen2.5-0.5b' ... 'qwen2.5-72b'.
 ARCHITECTURES = {
     'small': dict(vocab_size=32000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
     'mid': dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                 num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
-    'qwen2.5-0.5b': dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         tie_word_embeddings=True, rope_theta=1_000_000.0),
-    'qwen2.5-1.5b': dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         tie_word_embeddings=True, rope_theta=1_000_000.0),
-    'qwen2.5-7b': dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       tie_word_embeddings=False, rope_theta=1_000_000.0),
+    **{f'qwen2.5-{size.lower()}': shape for size, shape in QWEN2_5_PRESETS.items()},
 }
 
 

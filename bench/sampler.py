@@ -45,8 +45,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from grpo_jax import testing  # noqa: E402
 from grpo_jax.model import ModelOptions, Qwen2Config, from_pretrained, init_model, to_hf_dict  # noqa: E402
-from grpo_jax.sampler import GroupSampler, SamplingConfig  # noqa: E402
+from grpo_jax.sampler import DecodeSettings, GroupSampler, SamplingConfig, decode  # noqa: E402
 
 
 def torch_reference(config: Qwen2Config, directory: str):
@@ -57,12 +58,7 @@ def torch_reference(config: Qwen2Config, directory: str):
 
   torch.set_num_threads(args.threads)
   transformers.utils.logging.disable_progress_bar()
-  torch.manual_seed(0)
-  model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**to_hf_dict(config))).eval()
-  with torch.no_grad():
-    for parameter in model.parameters():
-      parameter.add_(0.02 * torch.randn_like(parameter))
-  model.save_pretrained(directory)
+  model = testing.save_random_hf_checkpoint(directory, 0, init='default', jitter=0.02, **to_hf_dict(config))
   return model.to(getattr(torch, args.dtype))
 
 
@@ -85,11 +81,11 @@ def run(model, reference, config: Qwen2Config, rows: int):
 
   @jax.jit
   def prefill(state, prompts, mask):
-    # What the sampler does before its decode loop: prefill, last logits, copy into G rows.
+    # What the sampler does before its decode loop: decode.prefill, copied into G rows.
     model = nnx.merge(graphdef, state)
-    logits, cache = model.extend(prompts, model.init_cache(P, Tp + N), segment_ids=mask)
+    prefix = decode.prefill(model, prompts, mask, model.init_cache(P, Tp + N))
     rows_of = lambda a: jnp.repeat(a, G, axis=1 if a.ndim == 5 else 0)  # k, v: [L, B, S, K, H]
-    return jnp.repeat(logits[:, -1], G, axis=0), jax.tree.map(rows_of, cache)
+    return jax.tree.map(rows_of, prefix)
 
   device_prompts, device_mask, key = jax.device_put(prompts), jax.device_put(mask), jax.random.key(0)
   out, jax_name = {}, f'grpo_jax (jax {jax.__version__})'

@@ -104,6 +104,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from grpo_jax import config as config_lib  # noqa: E402
+from grpo_jax import testing  # noqa: E402
 from grpo_jax.errors import UserError  # noqa: E402
 from grpo_jax.model import MeshConfig, Qwen2Config, init_model, make_mesh, to_hf_dict  # noqa: E402
 from grpo_jax.metrics import matmul_peak_flops  # noqa: E402
@@ -172,7 +173,7 @@ def jax_update(architecture: Qwen2Config, config: config_lib.Config, arrays: dic
   schedule = step_lib.learning_rate_schedule(config.optim, args.warmup + args.repeats + 1)
   optimizer = step_lib.make_optimizer(config.optim, schedule)
   settings = step_lib.UpdateSettings(algo=config.algo, temperature=config.rollout.temperature,
-                                     rows=config.rollout.prompts_per_step * config.algo.group_size)
+                                     rows=config_lib.completions_per_step(config.rollout, config.algo))
   with jax.set_mesh(mesh):
     state = jax.jit(lambda p: step_lib.init_train_state(p, optimizer, 0))(params)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -206,10 +207,9 @@ def torch_update(architecture: Qwen2Config, config: config_lib.Config, arrays: d
                      f'({torch.__version__}) has no CUDA device; the comparison would be meaningless')
   if device == 'cpu':
     torch.set_num_threads(args.threads)
-  torch.manual_seed(0)
-  hf_config = transformers.Qwen2Config(**to_hf_dict(architecture), attn_implementation='sdpa')
-  with torch.device(device):
-    model = transformers.Qwen2ForCausalLM(hf_config).to(getattr(torch, args.param_dtype)).train()
+  model = testing.random_hf_model(0, init='default', device=device, attn_implementation='sdpa',
+                                 **to_hf_dict(architecture))
+  model = model.to(getattr(torch, args.param_dtype)).train()
   optim = config.optim
   optimizer = torch.optim.AdamW(model.parameters(), lr=optim.learning_rate, betas=(optim.b1, optim.b2),
                                 eps=optim.eps, weight_decay=optim.weight_decay,

@@ -17,7 +17,7 @@ import yaml
 from grpo_jax.data.arith import check_arguments as check_arith_arguments
 from grpo_jax.errors import FieldError, UserError, require
 from grpo_jax.model.config import Qwen2Config
-from grpo_jax.model.qwen2 import ModelOptions
+from grpo_jax.model.qwen2 import DType, ModelOptions
 from grpo_jax.model.sharding import MeshConfig
 from grpo_jax.ops import LogprobImplementation
 from grpo_jax.rl.algo import Advantage, KLEstimator, LossAggregation
@@ -38,6 +38,8 @@ class ModelConfig(ModelOptions):
   """Which model to load, and how to run it (the ModelOptions fields: dtype, param_dtype, remat,
   scan_layers, attention, attention_chunk; see model/qwen2.py)."""
 
+  # Training keeps master weights in float32 or bfloat16 (float16 storage is for conversion only).
+  param_dtype: DType = 'float32'
   path: str | None = None  # Hugging Face dir or grpo_jax checkpoint; None: random init from `architecture`
   architecture: Qwen2Config = Qwen2Config()  # used only when `path` is None
 
@@ -172,6 +174,11 @@ class TrainConfig:
               f'must be >= 1, got {self.max_consecutive_skips}')
 
 
+def completions_per_step(rollout: RolloutConfig, algo: AlgoConfig) -> int:
+  """B = P * G: the completions one RL step samples, scores and trains on."""
+  return rollout.prompts_per_step * algo.group_size
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """A run's configuration: each section checks its own fields; this class the fields that span
@@ -188,7 +195,7 @@ class Config:
 
   def __post_init__(self):
     algo = self.algo
-    rows = self.rollout.prompts_per_step * algo.group_size
+    rows = completions_per_step(self.rollout, algo)
     require(rows % algo.num_minibatches == 0, 'algo.num_minibatches',
             f'({algo.num_minibatches}) must divide prompts_per_step * group_size ({rows})')
     minibatch = rows // algo.num_minibatches

@@ -16,7 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.config import AlgoConfig, RolloutConfig
+from grpo_jax.config import AlgoConfig, RolloutConfig, completions_per_step
 
 # Columns of the end-of-run summary table: (metric, format).
 SUMMARY = (('reward_mean', '{:.3f}'), ('reward_std', '{:.3f}'), ('response_len_mean', '{:.1f}'),
@@ -178,7 +178,7 @@ def plot_rewards(history: list[dict], path: str, title: str) -> str | None:
 def model_flops_per_step(num_params: int, prompt_length: int, rollout: RolloutConfig, algo: AlgoConfig) -> float:
   """Approximate model FLOPs of one RL step: 2 N per sampled token, 6 N per trained token (plus
   2 N per token for each extra scoring pass: pi_old when mu > 1 or several mini-batches, pi_ref)."""
-  rows = rollout.prompts_per_step * algo.group_size
+  rows = completions_per_step(rollout, algo)
   sequence = prompt_length + rollout.max_new_tokens
   sampled = rollout.prompts_per_step * prompt_length + rows * rollout.max_new_tokens
   trained = rows * sequence * algo.ppo_epochs

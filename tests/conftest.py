@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Hugging Face Qwen2 checkpoints built inside the tests.
+"""Shared fixtures: tiny random Hugging Face Qwen2 checkpoints built inside the tests (by
+grpo_jax.testing, which benchmarks share).
 
 Eight fake CPU devices are configured before jax is imported so mesh tests can run in-process;
 single-device tests simply use the first device.
@@ -12,30 +13,7 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-
-def random_hf_model(seed: int, **overrides):
-  """A transformers Qwen2ForCausalLM with every parameter random, biases and norms included
-  (the default init leaves biases at 0 and norms at 1, which would hide layout mistakes)."""
-  import torch
-  from transformers import Qwen2Config, Qwen2ForCausalLM
-
-  fields = dict(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
-                max_position_embeddings=1024, tie_word_embeddings=False)
-  fields.update(overrides)
-  torch.manual_seed(seed)
-  model = Qwen2ForCausalLM(Qwen2Config(**fields)).eval()
-  generator = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for name, parameter in model.named_parameters():
-      noise = torch.randn(parameter.shape, generator=generator)
-      if name.endswith('norm.weight'):
-        parameter.copy_(1.0 + 0.2 * noise)
-      elif name.endswith('bias'):
-        parameter.copy_(0.5 * noise)
-      else:
-        parameter.copy_(0.08 * noise)
-  return model
+from grpo_jax.testing import save_random_hf_checkpoint  # noqa: E402
 
 
 @pytest.fixture
@@ -51,11 +29,8 @@ def make_hf_checkpoint(tmp_path):
   """make_hf_checkpoint(seed, name='hf', shard_size=None, **config) -> (directory, torch model)."""
 
   def make(seed, name='hf', shard_size=None, **overrides):
-    model = random_hf_model(seed, **overrides)
-    directory = tmp_path / name
-    kwargs = {'max_shard_size': shard_size} if shard_size else {}
-    model.save_pretrained(directory, **kwargs)
-    return str(directory), model
+    directory = str(tmp_path / name)
+    return directory, save_random_hf_checkpoint(directory, seed, max_shard_size=shard_size, **overrides)
 
   return make
 

@@ -13,15 +13,16 @@ from conftest import torch_logits
 from grpo_jax import config as config_lib
 from grpo_jax.errors import UserError
 from grpo_jax.model import ModelOptions, attention, from_pretrained
+from grpo_jax.testing import left_padded
 
 
-def left_padded(rng, rows, width, vocab):
-  """Token ids and segment ids (0 on left padding, 1 on tokens) of rows of random lengths."""
+def random_left_padded(rng, rows, width, vocab):
+  """Token ids and segment ids (0 on left padding, 1 on tokens), both [rows, width], of rows of
+  random lengths; the first row fills the width."""
   lengths = rng.integers(width // 3, width + 1, rows)
   lengths[0] = width
-  segments = (np.arange(width)[None, :] >= (width - lengths)[:, None]).astype(np.int32)
-  tokens = np.where(segments == 1, rng.integers(0, vocab, (rows, width)), 0).astype(np.int32)
-  return tokens, segments
+  draws = rng.integers(0, vocab, (rows, width))
+  return left_padded([row[width - length:] for row, length in zip(draws, lengths)])
 
 
 def loss_and_grads(model, tokens, segments):
@@ -38,7 +39,7 @@ def loss_and_grads(model, tokens, segments):
 @pytest.mark.parametrize('chunk', [7, 16, 64])  # not dividing T = 40, dividing a padded T, > T
 def test_chunked_attention_matches_transformers_and_dense(seed, make_hf_checkpoint, chunk):
   directory, reference = make_hf_checkpoint(seed, num_hidden_layers=2)
-  tokens, segments = left_padded(np.random.default_rng(seed), rows=3, width=40, vocab=1000)
+  tokens, segments = random_left_padded(np.random.default_rng(seed), rows=3, width=40, vocab=1000)
   chunked = ModelOptions(attention='chunked', attention_chunk=chunk)
   value, logits, grads = loss_and_grads(from_pretrained(directory, options=chunked), tokens, segments)
   base_value, base_logits, base_grads = loss_and_grads(from_pretrained(directory), tokens, segments)

@@ -14,14 +14,10 @@ from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.sampler.engine import QwenEngine
 from grpo_jax.sampler.engine_tokenizer import pad_prompt
 from grpo_jax.sampler.slots import generate_groups
+from grpo_jax.testing import left_padded, random_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = SamplingConfig(greedy=True)
-
-
-def random_prompts(seed, lengths, vocab=1000):
-  rng = np.random.default_rng(seed)
-  return [rng.integers(3, vocab, n).tolist() for n in lengths]
 
 
 def transformers_greedy(reference, prompt, max_new_tokens):
@@ -224,11 +220,7 @@ def test_group_sampler_and_engine_give_the_same_samples_for_the_same_key(seed, m
                           prompts, group_size=3, key=jax.random.key(seed))
   stop = int(first.tokens[1, 4])  # ends some rows early on both paths
   settings = DecodeSettings(max_new_tokens=10, sampling=sampling, stop_token_ids=(stop,), pad_id=-1)
-  width = max(map(len, prompts))
-  tokens = np.zeros((3, width), np.int32)
-  mask = np.zeros((3, width), np.int32)
-  for row, prompt in enumerate(prompts):
-    tokens[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+  tokens, mask = left_padded(prompts)
   grouped = jax.device_get(GroupSampler(model, group_size=3, settings=settings)(
       nnx.state(model), tokens, mask, jax.random.key(seed)))
   engine = generate_groups(QwenEngine(model, slots=4, max_prefill_length=16, settings=settings), nnx.state(model),

@@ -11,29 +11,14 @@ from grpo_jax.errors import UserError
 from grpo_jax.model import ModelOptions, from_hf_dict, to_hf_dict
 from grpo_jax.model.loading import abstract_model
 from grpo_jax.model.sharding import spec_for
+from grpo_jax.testing import QWEN2_5_PRESETS
 
-# The shape fields of the hub's Qwen2.5 config.json files (transformers-4.x spelling) and the
-# parameter counts on the model cards, in billions.
-QWEN2_5 = {
-    '0.5B': (dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True), 0.49),
-    '1.5B': (dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True), 1.54),
-    '3B': (dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True), 3.09),
-    '7B': (dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False), 7.61),
-    '14B': (dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
-                 num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False), 14.7),
-    '32B': (dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                 num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False), 32.5),
-    '72B': (dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
-                 num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False), 72.7),
-}
+# The parameter counts on the Qwen2.5 model cards, in billions.
+PUBLISHED_BILLIONS = {'0.5B': 0.49, '1.5B': 1.54, '3B': 3.09, '7B': 7.61, '14B': 14.7, '32B': 32.5, '72B': 72.7}
 
 
 def hub_v4(shape: dict) -> dict:
-  """A config.json as the hub ships it for transformers 4.x."""
+  """A config.json as the hub ships it for transformers 4.x, `shape` a QWEN2_5_PRESETS entry."""
   return {'architectures': ['Qwen2ForCausalLM'], 'model_type': 'qwen2', 'hidden_act': 'silu',
           'rope_theta': 1000000.0, 'rms_norm_eps': 1e-06, 'torch_dtype': 'bfloat16',
           'use_sliding_window': False, 'sliding_window': 131072, 'max_window_layers': 21,
@@ -50,9 +35,9 @@ def as_v5(raw: dict) -> dict:
   return raw
 
 
-@pytest.mark.parametrize('size', sorted(QWEN2_5))
+@pytest.mark.parametrize('size', sorted(QWEN2_5_PRESETS))
 def test_every_qwen2_5_size(size):
-  shape, published_billions = QWEN2_5[size]
+  shape, published_billions = QWEN2_5_PRESETS[size], PUBLISHED_BILLIONS[size]
   config = from_hf_dict(hub_v4(shape))
   assert from_hf_dict(as_v5(hub_v4(shape))) == config
   assert config.rope_theta == 1e6 and config.checkpoint_dtype == 'bfloat16'
@@ -81,7 +66,7 @@ def test_every_qwen2_5_size(size):
 
 
 def test_round_trip_through_hf_dict():
-  config = from_hf_dict(hub_v4(QWEN2_5['7B'][0]))
+  config = from_hf_dict(hub_v4(QWEN2_5_PRESETS['7B']))
   assert from_hf_dict(to_hf_dict(config)) == config
 
 
@@ -94,7 +79,7 @@ def test_round_trip_through_hf_dict():
     (dict(hidden_size=None), 'missing field hidden_size'),
 ])
 def test_refusals_are_clear(change, message):
-  raw = hub_v4(QWEN2_5['0.5B'][0])
+  raw = hub_v4(QWEN2_5_PRESETS['0.5B'])
   raw.update(change)
   if raw.get('hidden_size') is None:
     raw.pop('hidden_size')

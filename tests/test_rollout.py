@@ -8,23 +8,9 @@ from flax import nnx
 from grpo_jax.model import from_pretrained
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.sampler.rollout import GroupSampler
+from grpo_jax.testing import left_padded, random_prompts
 
 GREEDY = SamplingConfig(greedy=True)
-
-
-def left_padded(sequences, pad_id=0):
-  width = max(len(s) for s in sequences)
-  tokens = np.full((len(sequences), width), pad_id, np.int32)
-  mask = np.zeros((len(sequences), width), np.int32)
-  for row, sequence in enumerate(sequences):
-    tokens[row, width - len(sequence):] = sequence
-    mask[row, width - len(sequence):] = 1
-  return tokens, mask
-
-
-def random_prompts(seed, lengths, vocab=1000):
-  rng = np.random.default_rng(seed)
-  return [rng.integers(3, vocab, n, dtype=np.int32) for n in lengths]
 
 
 def test_greedy_matches_transformers_generate(seed, make_hf_checkpoint):
@@ -51,7 +37,7 @@ def test_groups_share_one_prefill_and_equal_separate_prefills(seed, make_hf_chec
       nnx.state(model), tokens, mask, jax.random.key(0))
   for index, prompt in enumerate(prompts):
     alone = GroupSampler(model, group_size=1, settings=DecodeSettings(max_new_tokens=8, sampling=GREEDY))(
-        nnx.state(model), prompt[None], np.ones((1, len(prompt)), np.int32), jax.random.key(0))
+        nnx.state(model), np.asarray([prompt], np.int32), np.ones((1, len(prompt)), np.int32), jax.random.key(0))
     for g in range(3):
       np.testing.assert_array_equal(np.asarray(grouped.tokens[index * 3 + g]), np.asarray(alone.tokens[0]))
 
@@ -67,7 +53,7 @@ def test_sampler_log_probs_equal_full_forward(seed, make_hf_checkpoint):
   for row in range(4):
     prompt = prompts[row // 2]
     completion = np.asarray(rollout.tokens[row])
-    full = np.concatenate([prompt, completion])[None]
+    full = np.asarray([prompt + completion.tolist()], np.int32)
     logits = np.asarray(model(full))[0, len(prompt) - 1:-1] / 0.8
     log_softmax = logits - logits.max(-1, keepdims=True)
     log_softmax -= np.log(np.exp(log_softmax).sum(-1, keepdims=True))

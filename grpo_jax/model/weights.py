@@ -25,7 +25,7 @@ SINGLE_FILE = 'model.safetensors'
 
 
 def dim_sizes(config: Qwen2Config) -> dict[str, int]:
-  """The dimension letters of DESIGN.md for this architecture."""
+  """Sizes of the dimension letters (D, F, V, N, K, H; see model/config.py) for this architecture."""
   return {'D': config.hidden_size, 'F': config.intermediate_size, 'V': config.vocab_size,
           'N': config.num_attention_heads, 'K': config.num_key_value_heads,
           'H': config.resolved_head_dim}

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from grpo_jax.config import AlgoConfig, RolloutConfig
+from grpo_jax.config import AlgoConfig, RolloutConfig, completions_per_step
 from grpo_jax.data.task import Prompts, Scores, Task
 from grpo_jax.rl import algo
 from grpo_jax.rl.step import Batch, TrainState, UpdateSettings, update
@@ -63,7 +63,7 @@ class RLStep:
     self.optimizer, self.schedule = optimizer, schedule
     self.prompts_per_step = rollout.prompts_per_step
     self.settings = UpdateSettings(algo=algo_config, temperature=rollout.temperature,
-                                   rows=rollout.prompts_per_step * algo_config.group_size)
+                                   rows=completions_per_step(rollout, algo_config))
     self.decode = DecodeSettings(sampling=rollout.settings, max_new_tokens=rollout.max_new_tokens,
                                  stop_token_ids=tuple(task.stop_token_ids), pad_id=task.pad_id)
     replicated = jax.sharding.NamedSharding(jax.tree.leaves(state_shardings)[0].mesh, jax.sharding.PartitionSpec())

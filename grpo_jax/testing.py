@@ -1,0 +1,124 @@
+"""Test kit: the models, configs and inputs that tests and benchmarks build for themselves.
+
+  QWEN2_5_PRESETS, preset(name)     the public Qwen2.5 sizes as Qwen2Config keyword dicts
+  random_hf_model(seed, ...)        a random transformers Qwen2ForCausalLM (the PyTorch reference)
+  save_random_hf_checkpoint(...)    the same, saved as a Hugging Face checkpoint directory
+  random_prompts(seed, lengths)     prompts of given lengths as lists of token ids
+  left_padded(sequences)            those prompts as one left-padded batch and its mask
+
+Only the standard library is imported at module level; numpy, torch, transformers and grpo_jax's
+model are imported where used. bench/harness.py reads the presets before its limit_threads pins
+the process to N cores, which must come before jax starts its CPU client (and before numpy's BLAS
+sizes its thread pool), so `import grpo_jax.testing` may start neither.
+"""
+
+import contextlib
+
+# The Qwen2.5-*-Instruct config.json files on the Hugging Face hub, as keyword arguments of
+# grpo_jax.model.Qwen2Config (and of transformers.Qwen2Config). Every size has rope_theta 1e6 and
+# max_position_embeddings 32768; some base (not -Instruct) checkpoints give 131072 instead.
+_SHAPE_FIELDS = ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads',
+                 'num_key_value_heads', 'vocab_size', 'tie_word_embeddings')
+_QWEN2_5_SHAPES = {  # D, F, L, N, K, V, tied
+    '0.5B': (896, 4864, 24, 14, 2, 151936, True),
+    '1.5B': (1536, 8960, 28, 12, 2, 151936, True),
+    '3B': (2048, 11008, 36, 16, 2, 151936, True),
+    '7B': (3584, 18944, 28, 28, 4, 152064, False),
+    '14B': (5120, 13824, 48, 40, 8, 152064, False),
+    '32B': (5120, 27648, 64, 40, 8, 152064, False),
+    '72B': (8192, 29568, 80, 64, 8, 152064, False),
+}
+QWEN2_5_PRESETS = {size: dict(zip(_SHAPE_FIELDS, shape), rope_theta=1_000_000.0, max_position_embeddings=32768)
+                   for size, shape in _QWEN2_5_SHAPES.items()}
+
+# The tests' reference model: small enough to build and run at once on CPU, with GQA (N = 4 query
+# heads over K = 2 key/value heads); tests that need tied embeddings or more layers override it.
+TINY_HF_FIELDS = dict(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+                      max_position_embeddings=1024, tie_word_embeddings=False)
+
+
+def preset(name: str, **overrides):
+  """grpo_jax.model.Qwen2Config of the Qwen2.5 size `name` ('0.5B', ..., '72B'), fields overridden."""
+  if name not in QWEN2_5_PRESETS:
+    raise KeyError(f'no Qwen2.5 preset {name!r}; one of {", ".join(QWEN2_5_PRESETS)}')
+  # Imported here: grpo_jax.model's package imports jax (see the module docstring).
+  from grpo_jax.model import Qwen2Config
+  return Qwen2Config(**{**QWEN2_5_PRESETS[name], **overrides})
+
+
+def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None, **overrides):
+  """A transformers Qwen2ForCausalLM in eval mode: TINY_HF_FIELDS updated by `overrides` (any
+  transformers.Qwen2Config keyword, e.g. **to_hf_dict(config) or attn_implementation='sdpa').
+
+  init: 'random' draws every parameter from a normal distribution, biases and norms included
+    (transformers' default init leaves biases at 0 and norm weights at 1, which would hide a
+    layout mistake in a parity check); 'default' keeps transformers' init under
+    torch.manual_seed(seed), for benchmarks where the values do not matter.
+  jitter: after init, adds std * N(0, 1) from torch's global generator to each parameter: a
+    float for all of them, or {name suffix: std} for those whose name ends so (e.g. 'bias').
+  device: where the parameters are created (e.g. 'cuda'); the host by default.
+  """
+  import torch
+  from transformers import Qwen2Config, Qwen2ForCausalLM
+
+  if init not in ('random', 'default'):
+    raise ValueError(f"init must be 'random' or 'default', got {init!r}")
+  torch.manual_seed(seed)
+  with torch.device(device) if device is not None else contextlib.nullcontext():
+    model = Qwen2ForCausalLM(Qwen2Config(**{**TINY_HF_FIELDS, **overrides})).eval()
+  with torch.no_grad():
+    if init == 'random':
+      # A generator of its own: the draws depend on the seed alone, not on how much of the global
+      # stream the constructor consumed.
+      generator = torch.Generator().manual_seed(seed)
+      for name, parameter in model.named_parameters():
+        noise = torch.randn(parameter.shape, generator=generator)
+        if name.endswith('norm.weight'):
+          parameter.copy_(1.0 + 0.2 * noise)
+        elif name.endswith('bias'):
+          parameter.copy_(0.5 * noise)
+        else:
+          parameter.copy_(0.08 * noise)
+    if jitter is not None:
+      for name, parameter in model.named_parameters():
+        if isinstance(jitter, dict):
+          std = next((value for suffix, value in jitter.items() if name.endswith(suffix)), 0.0)
+        else:
+          std = jitter
+        if std:
+          parameter.add_(std * torch.randn_like(parameter))
+  return model
+
+
+def save_random_hf_checkpoint(directory: str, seed: int, *, max_shard_size=None, **model_kwargs):
+  """random_hf_model(seed, **model_kwargs), saved to `directory` (in safetensors shards of at most
+  `max_shard_size`, e.g. '200KB', when given) for grpo_jax to load; returns the torch model."""
+  model = random_hf_model(seed, **model_kwargs)
+  model.save_pretrained(directory, **({'max_shard_size': max_shard_size} if max_shard_size else {}))
+  return model
+
+
+def random_prompts(seed: int, lengths, vocab: int = 1000) -> list[list[int]]:
+  """One prompt of each length in `lengths`, token ids uniform in [3, vocab): never the pad id 0.
+  Lists of Python ints, as a tokenizer returns them; np.asarray(prompt, np.int32) where an array
+  is needed."""
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def left_padded(sequences, pad_id: int = 0):
+  """P token sequences as one batch, right-aligned the way the sampler takes prompts.
+
+  -> (tokens [P, T] int32, pad_id before each sequence; mask [P, T] int32, 1 on its tokens),
+  T = the longest sequence's length.
+  """
+  import numpy as np
+  width = max(len(s) for s in sequences)
+  tokens = np.full((len(sequences), width), pad_id, np.int32)
+  mask = np.zeros((len(sequences), width), np.int32)
+  for row, sequence in enumerate(sequences):
+    tokens[row, width - len(sequence):] = sequence
+    mask[row, width - len(sequence):] = 1
+  return tokens, mask
