@@ -2,7 +2,6 @@
 sampler (prefill once, decode in one jit) and the JetStream engine with host-side slot refilling.
 Nothing here imports jetstream."""
 
-from grpo_jax.sampler import decode
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, Prefix, decode_step, prefill
 from grpo_jax.sampler.engine import QwenEngine
 from grpo_jax.sampler.rollout import GroupSampler, Rollout, sample_groups
