@@ -6,6 +6,8 @@ it directly, and each stage runs where it can: the sampler and the update as jit
 the task's prompts and reward on the host between them. Only where the reward runs differs.
 """
 
+import types
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -67,6 +69,10 @@ class RLStep:
     self.decode = DecodeSettings(sampling=rollout.settings, max_new_tokens=rollout.max_new_tokens,
                                  stop_token_ids=tuple(task.stop_token_ids), pad_id=task.pad_id)
     replicated = jax.sharding.NamedSharding(jax.tree.leaves(state_shardings)[0].mesh, jax.sharding.PartitionSpec())
+    # The stages as traced inside run_steps' jit (jitting each again there only costs compile time) ...
+    self._bodies = types.SimpleNamespace(split_key=self._split_key_body, prompts=task.prompts,
+                                         sample=self._sample_body, reward=task.reward, learn=self._learn_body)
+    # ... and as called one by one from the host.
     self.split_key = jax.jit(self._split_key_body)
     self.sample = jax.jit(self._sample_body)
     self.learn = jax.jit(self._learn_body, donate_argnums=0, out_shardings=(state_shardings, replicated))
@@ -76,22 +82,27 @@ class RLStep:
                              out_shardings=(state_shardings, replicated))
 
   def __call__(self, state: TrainState, ref_params, position, observe=_no_observer) -> tuple[TrainState, dict]:
-    """One RL step from `state`; `position`: prompts the run has consumed. `observe(stage,
-    value)` is called after the 'rollout', 'reward' and 'update' stages (the host path times them)."""
-    state, prompt_key, sample_key = self.split_key(state)
-    prompts = self.prompts(prompt_key, position, self.prompts_per_step)
-    rollout = self.sample(state.params, prompts.tokens, prompts.mask, sample_key)
+    """One RL step from `state`, its stages called from the host; `position`: prompts the run has
+    consumed. `observe(stage, value)` is called after the 'rollout', 'reward' and 'update' stages
+    (the host path times them)."""
+    return self._step(self, state, ref_params, position, observe)
+
+  def _step(self, stages, state: TrainState, ref_params, position, observe=_no_observer) -> tuple[TrainState, dict]:
+    """The RL step, written once: `stages` are this object's jitted stages or their bodies."""
+    state, prompt_key, sample_key = stages.split_key(state)
+    prompts = stages.prompts(prompt_key, position, self.prompts_per_step)
+    rollout = stages.sample(state.params, prompts.tokens, prompts.mask, sample_key)
     observe('rollout', rollout)
-    scores = self.reward(rollout, prompts, self.algo.group_size)
+    scores = stages.reward(rollout, prompts, self.algo.group_size)
     observe('reward', scores)
-    state, metrics = self.learn(state, ref_params, prompts.tokens, prompts.mask, rollout, scores)
+    state, metrics = stages.learn(state, ref_params, prompts.tokens, prompts.mask, rollout, scores)
     observe('update', metrics)
     return state, metrics
 
   def _run_steps(self, state: TrainState, ref_params, position, num_steps: int) -> tuple[TrainState, dict]:
     """num_steps whole RL steps in one jit (jittable tasks); metrics come back stacked [num_steps]."""
     def one(state, index):
-      return self(state, ref_params, position + index * self.prompts_per_step)
+      return self._step(self._bodies, state, ref_params, position + index * self.prompts_per_step)
     return jax.lax.scan(one, state, jnp.arange(num_steps))
 
   # ---- the jitted stages ----
