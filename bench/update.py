@@ -175,7 +175,7 @@ def jax_update(architecture: Qwen2Config, config: config_lib.Config, arrays: dic
   settings = step_lib.UpdateSettings(algo=config.algo, temperature=config.rollout.temperature,
                                      rows=config_lib.completions_per_step(config.rollout, config.algo))
   with jax.set_mesh(mesh):
-    state = jax.jit(lambda p: step_lib.init_train_state(p, optimizer, 0))(params)
+    state = step_lib.create_train_state(params, optimizer, 0)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   update = jax.jit(functools.partial(step_lib.update, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
                                      settings=settings),

@@ -26,7 +26,7 @@ from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import sharding
 from grpo_jax.model.loading import from_pretrained, init_model
 from grpo_jax.rl.loop import RLStep
-from grpo_jax.rl.step import init_train_state, learning_rate_schedule, make_optimizer
+from grpo_jax.rl.step import create_train_state, learning_rate_schedule, make_optimizer
 
 
 def parse_args(argv):
@@ -93,7 +93,7 @@ class Run:
     schedule = learning_rate_schedule(config.optim, config.train.steps * algo.ppo_epochs * algo.num_minibatches)
     optimizer = make_optimizer(config.optim, schedule)
     with jax.set_mesh(mesh):
-      self.state = jax.jit(lambda p: init_train_state(p, optimizer, config.run.seed))(params)
+      self.state = create_train_state(params, optimizer, config.run.seed)
     self.rl_step = RLStep(graphdef, task, config.rollout, algo, optimizer, schedule,
                           jax.tree.map(lambda x: x.sharding, self.state))
     self.checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'), max_to_keep=config.train.max_to_keep)

@@ -214,6 +214,46 @@ def test_mesh_layouts_agree_and_state_keeps_its_shardings(tmp_path):
   run.close()
 
 
+def test_fsdp_shards_the_optimizer_state_like_the_parameters(tmp_path):
+  """fsdp=8 on 8 devices: each device holds 1/8 of the parameters and of each AdamW moment (plus
+  the small tensors the rules replicate), before and after fused and host steps."""
+  import jax
+  import optax
+  from grpo_jax import config as config_lib
+  from grpo_jax.model import sharding
+  config = config_lib.load_config(CONFIG, ['mesh.fsdp=8', 'rollout.prompts_per_step=8', 'algo.group_size=4',
+                                           'train.progress=false', 'train.steps=2'])
+  mesh = sharding.make_mesh(config.mesh)
+  run = train.Run(config, str(tmp_path), mesh, train.build_model(config.model, mesh, config.run.seed),
+                  train.build_task(config))
+
+  def fullest_device_bytes(tree):
+    per_device = {}
+    for leaf in jax.tree.leaves(tree):
+      for shard in leaf.addressable_shards:
+        per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())
+
+  def check(state):
+    is_adam = lambda node: isinstance(node, optax.ScaleByAdamState)  # noqa: E731
+    (adam,) = [node for node in jax.tree.leaves(state.opt_state, is_leaf=is_adam) if is_adam(node)]
+    params = jax.tree.leaves(state.params)
+    replicated = sum(leaf.nbytes for leaf in params if leaf.sharding.is_fully_replicated)
+    total = sum(leaf.nbytes for leaf in params)
+    assert 0 < replicated < total / 20  # the norms and biases, not the matrices
+    for tree in (state.params, adam.mu, adam.nu):
+      assert fullest_device_bytes(tree) <= total / 8 + replicated
+      assert [leaf.sharding.spec for leaf in jax.tree.leaves(tree)] == [leaf.sharding.spec for leaf in params]
+
+  try:
+    check(run.state)
+    run.fused_steps(1)
+    run.host_step()
+    check(run.state)
+  finally:
+    run.close()
+
+
 def jax_shardings(state):
   import jax
   return [leaf.sharding.spec for leaf in jax.tree.leaves(state)]
