@@ -295,6 +295,39 @@ def test_chunked_memory_stays_small():
   assert temp_bytes('xla_chunked') < 0.05 * temp_bytes('naive')
 
 
+def _pallas_calls(jaxpr) -> list:
+  """Every pallas_call equation in a jaxpr, inner jaxprs (custom_vjp, jit) included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'pallas_call':
+      found.append(eqn)
+    for value in eqn.params.values():
+      inner = getattr(value, 'jaxpr', value)
+      if hasattr(inner, 'eqns'):
+        found += _pallas_calls(inner)
+  return found
+
+
+@pytest.mark.parametrize('platform,schedule,interpreted', [('tpu', 'mosaic', False), ('cuda', 'triton', False),
+                                                           ('cpu', 'mosaic', True)])
+def test_interpret_and_schedule_follow_the_target_not_the_host(platform, schedule, interpreted):
+  """implementation='pallas' traced under a mesh of TPU or GPU devices (what compiling for a
+  topology from this CPU-only host does) picks that target's kernel, not interpreted; only a CPU
+  target interprets. Both used to follow the host's backend, so deviceless compiles silently
+  built the interpreted kernel."""
+  from jax._src.mesh import AbstractDevice
+  mesh = jax.sharding.AbstractMesh((1,), ('data',), abstract_device=AbstractDevice(
+      device_kind=platform, num_cores=None, platform=platform))
+  shapes = (jax.ShapeDtypeStruct((64, 128), jnp.float32), jax.ShapeDtypeStruct((128, 1024), jnp.float32),
+            jax.ShapeDtypeStruct((64,), jnp.int32))
+  with jax.sharding.use_abstract_mesh(mesh):
+    assert logprob.target_platform() == ('gpu' if platform == 'cuda' else platform)
+    jaxpr = jax.make_jaxpr(lambda h, w, y: token_logprobs(h, w, y, implementation='pallas'))(*shapes)
+  (call,) = _pallas_calls(jaxpr.jaxpr)
+  assert bool(call.params['interpret']) == interpreted
+  assert schedule in type(call.params['compiler_params']).__module__
+
+
 @pytest.mark.parametrize('schedule,platform', [('mosaic', 'tpu'), ('triton', 'cuda')])
 @pytest.mark.parametrize('dtype,model', [(jnp.float32, 896), (jnp.bfloat16, 896),
                                          (jnp.bfloat16, 5120)])

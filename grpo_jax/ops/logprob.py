@@ -77,7 +77,8 @@ def token_logprobs(hidden, weight, targets, *, temperature: float = 1.0,
 
   temperature is static (a Python float). block_tokens / block_vocab / block_model override the
   tile sizes (block_model: the D slice of the Triton kernels); for 'xla_chunked', block_vocab is
-  the vocabulary chunk. interpret (pallas only) defaults to True exactly when running on CPU.
+  the vocabulary chunk. interpret (pallas only) defaults to True exactly when the target is a CPU
+  (`target_platform`), wherever the compiler runs.
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f'implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}')
@@ -96,7 +97,7 @@ def token_logprobs(hidden, weight, targets, *, temperature: float = 1.0,
   if implementation == 'naive':
     logp, entropy = _naive(h, w, y, inv_temperature, return_entropy)
   else:
-    platform = jax.default_backend()
+    platform = target_platform()
     schedule = _schedule(implementation, platform)
     defaults = default_blocks(schedule, model, jnp.dtype(dtype).itemsize)
     plan = _Plan(schedule, inv_temperature, return_entropy,
@@ -110,6 +111,16 @@ def token_logprobs(hidden, weight, targets, *, temperature: float = 1.0,
       logp, entropy = _fused(plan, h, w, y)
   logp = logp.reshape(targets.shape)
   return (logp, entropy.reshape(targets.shape)) if return_entropy else logp
+
+
+def target_platform() -> str:
+  """'cpu', 'gpu' or 'tpu': what the code being traced is compiled for. Under `jax.set_mesh` that is
+  the mesh's devices, which may be a TPU or GPU topology compiled for from a CPU-only host
+  (deviceless AOT); otherwise the default backend. Kernels are interpreted only on CPU targets."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else mesh.abstract_device
+  platform = device.platform if device is not None else jax.default_backend()
+  return 'gpu' if platform in ('cuda', 'rocm') else platform
 
 
 def default_blocks(schedule: str, model: int, itemsize: int) -> tuple:
