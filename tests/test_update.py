@@ -25,15 +25,17 @@ PROMPTS, GROUP = 2, 4
 ROWS = PROMPTS * GROUP  # B
 PROMPT_LENGTH, COMPLETION_LENGTH = 5, 6  # Tp, N
 TEMPERATURE = 0.8
-# fp32, as tests/test_logprob.py: rtol 1e-5 plus a floor of 1e-5 of each array's largest magnitude,
-# for entries whose summands cancel to near zero.
+# fp32, as tests/test_logprob.py: rtol 1e-5 plus a floor of 1e-5 of each array's largest magnitude
+# (for a scalar loss, of its summands' magnitude), for entries whose summands cancel to near zero.
 RTOL, ATOL_SCALE = 1e-5, 1e-5
 
 
-def assert_close(actual, expected, what=''):
+def assert_close(actual, expected, what='', scale=0.0):
+  """scale: the magnitude of the summands behind a scalar that may cancel (its rounding error
+  follows them, not the cancelled result), as test_logprob's GRPO-loss check."""
   expected = np.asarray(expected, np.float64)
   np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=RTOL,
-                             atol=ATOL_SCALE * np.abs(expected).max(), err_msg=what)
+                             atol=ATOL_SCALE * max(np.abs(expected).max(), float(scale)), err_msg=what)
 
 
 def assert_trees_close(actual, expected):
@@ -135,6 +137,7 @@ def reference_loss(params, graphdef, batch, old, ref, config: AlgoConfig):
     s = jnp.exp(jnp.sum((log_probs - old) * mask, axis=1) / lengths)
     per_row = -jnp.minimum(s * advantages, jnp.clip(s, low, high) * advantages)
     policy = jnp.mean(per_row)
+    policy_scale = jnp.mean(jnp.abs(per_row))
     token_terms = jnp.zeros_like(log_probs)
   else:
     ratio = jnp.exp(log_probs - old)
@@ -142,17 +145,19 @@ def reference_loss(params, graphdef, batch, old, ref, config: AlgoConfig):
     objective = jnp.minimum(ratio * a, jnp.clip(ratio, low, high) * a)
     objective = jnp.where(a < 0, jnp.maximum(objective, config.dual_clip * a), objective)
     tis = jnp.minimum(jnp.exp(old - batch.sampler_log_probs), config.tis_cap)
-    policy = 0.0
+    policy = policy_scale = 0.0
     token_terms = -objective * tis
   x = log_probs - ref
   kl = {'k1': x, 'k2': 0.5 * x ** 2, 'k3': jnp.exp(-x) - 1.0 + x}[config.kl_estimator]
   token_terms = token_terms + config.kl_beta * kl - config.entropy_coef * entropy
   if config.loss_aggregation == 'token-mean':
-    aggregated = jnp.sum(token_terms * mask) / jnp.sum(mask)
+    aggregate = lambda terms: jnp.sum(terms * mask) / jnp.sum(mask)  # noqa: E731
   else:
     assert config.loss_aggregation == 'seq-mean-token-mean'
-    aggregated = jnp.mean(jnp.sum(token_terms * mask, axis=1) / lengths)
-  return policy + aggregated, (jnp.sum(kl * mask) / jnp.sum(mask), jnp.sum(entropy * mask) / jnp.sum(mask))
+    aggregate = lambda terms: jnp.mean(jnp.sum(terms * mask, axis=1) / lengths)  # noqa: E731
+  summand_scale = jax.lax.stop_gradient(policy_scale + aggregate(jnp.abs(token_terms)))
+  return policy + aggregate(token_terms), (jnp.sum(kl * mask) / jnp.sum(mask),
+                                           jnp.sum(entropy * mask) / jnp.sum(mask), summand_scale)
 
 
 @pytest.mark.parametrize('case', sorted(GRADIENT_CASES))
@@ -197,8 +202,8 @@ def test_policy_loss_gradient_matches_full_logits(case, seed):
   ours = jax.jit(jax.value_and_grad(step.policy_loss, has_aux=True), static_argnums=(1, 3))
   (loss, metrics), grads = ours(params, graphdef, micro, settings)
   theirs = jax.jit(jax.value_and_grad(reference_loss, has_aux=True), static_argnums=(1, 5))
-  (loss_ref, (kl_ref, entropy_ref)), grads_ref = theirs(params, graphdef, batch, old, ref, config)
-  assert_close(loss, loss_ref, 'loss')
+  (loss_ref, (kl_ref, entropy_ref, summand_scale)), grads_ref = theirs(params, graphdef, batch, old, ref, config)
+  assert_close(loss, loss_ref, 'loss', scale=summand_scale)
   assert_close(metrics['kl'], kl_ref, 'kl')
   assert_close(metrics['entropy'], entropy_ref, 'entropy')
   assert_trees_close(grads, grads_ref)
