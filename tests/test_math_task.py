@@ -71,6 +71,10 @@ def test_last_boxed():
   assert rewards.last_boxed('\\boxed{2} then cut off \\boxed{3') == '2'
   assert rewards.last_boxed('\\boxed{5} then \\fbox{6}') == '6'
   assert rewards.last_boxed('no box here') is None
+  assert rewards.last_boxed('\\boxed{a {b}') is None and rewards.last_boxed('} \\boxed{x}}') == 'x'
+  # A right answer then 100,000 unclosed boxes: one linear pass (the per-opening depth count was
+  # quadratic here and outlived the reward deadline).
+  assert rewards.last_boxed('\\boxed{7}' + '\\boxed{' * 100_000) == '7'
 
 
 def test_pool_keeps_order_and_gives_zero_for_hangs_and_crashes():

@@ -29,18 +29,26 @@ VERIFY_TIMEOUT_S = 3  # math-verify's own alarm for each parse and comparison (w
 ITEM_TIMEOUT_S = 10.0  # hard limit per completion: past it the worker is killed and the reward is 0
 START_TIMEOUT_S = 300.0  # a worker imports math-verify (and sympy) before its first item
 BOX_COMMANDS = ('\\boxed', '\\fbox')
+BOX_PATTERN = '(?:' + '|'.join(re.escape(command) for command in BOX_COMMANDS) + r')\{'
 
 
 def last_boxed(text: str) -> str | None:
-  """The content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text` whose braces close; None if none."""
-  starts = sorted(((match.start(), len(command)) for command in BOX_COMMANDS
-                   for match in re.finditer(re.escape(command + '{'), text)), reverse=True)
-  for start, length in starts:
-    depth = 0
-    for index in range(start + length, len(text)):
-      depth += {'{': 1, '}': -1}.get(text[index], 0)
-      if depth == 0:
-        return text[start + length + 1:index]
+  """The content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text` whose braces close; None if none.
+
+  Linear in len(text): one pass pairs every brace with its match, then the box openings are tried
+  from the last one back. (Counting depth afresh from each opening was quadratic: a right answer
+  followed by 100,000 unclosed `\\boxed{` outlived the reward deadline.)
+  """
+  closing, open_braces = {}, []
+  for match in re.finditer('[{}]', text):
+    if match.group() == '{':
+      open_braces.append(match.start())
+    elif open_braces:
+      closing[open_braces.pop()] = match.start()
+  openings = [match.end() - 1 for match in re.finditer(BOX_PATTERN, text)]
+  for brace in reversed(openings):
+    if brace in closing:
+      return text[brace + 1:closing[brace]]
   return None
 
 
