@@ -337,3 +337,48 @@ train: {{steps: 3, checkpoint_every: 0, progress: false}}
     assert row['reward_s'] > 0 and 0 <= row['reward_mean'] <= 1 and np.isfinite(row['policy_loss'])
     assert 1 <= row['response_len_mean'] <= 4
   assert sorted(os.listdir(tmp_path / 'run' / 'checkpoints')) == ['3']
+
+
+def test_workers_die_with_a_killed_trainer(tmp_path):
+  """kill -9 of the process that owns the pool, while a worker is inside a slow check: the worker
+  does not outlive it (parent-death signal / watchdog), it does not run on until its item ends."""
+  import signal
+  import subprocess
+  import sys
+  (tmp_path / 'slow_scorer.py').write_text(
+      'import time\n\ndef score(completion, answer):\n  if answer == "hang":\n    time.sleep(600)\n  return 1.0\n')
+  (tmp_path / 'owner.py').write_text(
+      'import slow_scorer\nfrom grpo_jax.data import rewards\n\n'
+      'if __name__ == "__main__":  # the workers are spawned: they import this file\n'
+      '  pool = rewards.RewardPool(2, score_fn=slow_scorer.score, timeout_s=600)\n'
+      '  print(" ".join(str(w.process.pid) for w in pool._workers), flush=True)\n'
+      '  pool.map(["a", "b"], ["hang", "hang"])\n')
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get('PYTHONPATH', '')]))
+  owner = subprocess.Popen([sys.executable, str(tmp_path / 'owner.py')], stdout=subprocess.PIPE, text=True, env=env)
+  pids = []
+  try:
+    pids = [int(pid) for pid in owner.stdout.readline().split()]
+    assert len(pids) == 2
+    time.sleep(3)  # both workers are now busy (warm-up done, each inside a 600 s check)
+    assert all(_alive(pid) for pid in pids)
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+      time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids)
+  finally:
+    if owner.poll() is None:
+      owner.kill()
+    for pid in pids:
+      if _alive(pid):  # only when the test failed: leave nothing running
+        os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+  """Running (a zombie waiting for a reaper counts as gone)."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+  except FileNotFoundError:
+    return False

@@ -15,11 +15,15 @@ gets 0.0 and its process is replaced, so one bad completion never stops a run.
 
 import atexit
 import collections
+import ctypes
 import logging
 import math
 import multiprocessing
+import os
 import re
 import signal
+import sys
+import threading
 import time
 from multiprocessing import connection
 
@@ -69,8 +73,32 @@ def math_reward(completion: str, answer: str, timeout_s: int = VERIFY_TIMEOUT_S)
   return 1.0 if verify(gold, prediction, timeout_seconds=timeout_s) else 0.0
 
 
-def _serve(conn, score_fn) -> None:
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent_pid: int) -> None:
+  """Ends this worker as soon as the trainer dies (kill -9, the OOM killer, pre-emption), whatever
+  it is computing: the kernel's parent-death signal on Linux (it needs no Python thread, so a scorer
+  stuck in C holding the GIL dies too), and a watchdog thread on the parent's pid everywhere."""
+  if sys.platform.startswith('linux'):
+    try:
+      ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+      pass
+  if os.getppid() != parent_pid:  # the parent died before the signal was armed
+    os._exit(1)
+
+  def watch():
+    while os.getppid() == parent_pid:
+      time.sleep(1.0)
+    os._exit(1)
+
+  threading.Thread(target=watch, name='parent-watchdog', daemon=True).start()
+
+
+def _serve(conn, score_fn, parent_pid: int) -> None:
   """A worker: warms `score_fn` up, says 'ready', then answers (completion, answer) with a reward."""
+  _die_with_parent(parent_pid)
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
   logging.getLogger('math_verify').setLevel(logging.CRITICAL)  # its timeout notices, once per item
   try:
@@ -98,7 +126,8 @@ class _Worker:
 
   def __init__(self, context, score_fn):
     self.conn, child = context.Pipe()
-    self.process = context.Process(target=_serve, args=(child, score_fn), name='reward-worker', daemon=True)
+    self.process = context.Process(target=_serve, args=(child, score_fn, os.getpid()), name='reward-worker',
+                                   daemon=True)
     self.process.start()
     child.close()
     self.ready = False
