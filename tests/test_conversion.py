@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import torch_logits
+from grpo_jax.errors import UserError
 from grpo_jax.model import MeshConfig, from_pretrained, make_mesh
 from grpo_jax.model.weights import HFCheckpoint, SafetensorsFile
 
@@ -194,3 +195,43 @@ def test_safetensors_reader_reads_bfloat16(tmp_path):
   assert x.dtype == ml_dtypes.bfloat16 and x.shape == (5, 7)
   np.testing.assert_array_equal(x.astype(np.float32), values.float().numpy())
   np.testing.assert_array_equal(reader.tensor('y'), load_file(str(tmp_path / 'a.safetensors'))['y'].numpy())
+
+
+def _write_raw_safetensors(path, header: dict, data: bytes) -> None:
+  text = json.dumps(header).encode()
+  with open(path, 'wb') as f:
+    f.write(len(text).to_bytes(8, 'little') + text + data)
+
+
+@pytest.mark.parametrize('damage, message', [
+    # The issue's case: a [64] fp32 tensor given 8 bytes that overlap another tensor's.
+    (lambda h: h['x'].update(data_offsets=[256, 264]), 'data_offsets [256, 264] spanning 8 bytes, but F32 [64] needs 256'),
+    (lambda h: h['y'].pop('data_offsets'), 'tensor y has an entry without dtype, shape and data_offsets'),
+    (lambda h: h['y'].update(dtype='F31'), "tensor y has unknown dtype 'F31'"),
+    (lambda h: h['y'].update(shape=[8, -1]), 'tensor y has shape [8, -1]'),
+    (lambda h: h['y'].update(data_offsets=[200, 232]), 'tensor y overlaps the tensor before it'),
+    (lambda h: h['y'].update(data_offsets=[288, 320]), 'tensor y leaves a gap of 32 bytes'),
+    (lambda h: h.update(z={'dtype': 'F32', 'shape': [4], 'data_offsets': [288, 304]}), 'is truncated'),
+])
+def test_corrupt_safetensors_headers_are_refused_like_the_reference_reader(tmp_path, seed, damage, message):
+  """Headers the `safetensors` library refuses are refused here too, naming file and tensor, instead
+  of converting into wrong weights; the undamaged file reads back exactly."""
+  from safetensors import SafetensorError
+  from safetensors.numpy import load_file
+  rng = np.random.default_rng(seed)
+  x, y = rng.standard_normal(64).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+  header = {'x': {'dtype': 'F32', 'shape': [64], 'data_offsets': [0, 256]},
+            'y': {'dtype': 'F32', 'shape': [8], 'data_offsets': [256, 288]}}
+  good = tmp_path / 'good.safetensors'
+  _write_raw_safetensors(good, header, x.tobytes() + y.tobytes())
+  reader = SafetensorsFile(str(good))
+  np.testing.assert_array_equal(reader.tensor('x'), x)
+  np.testing.assert_array_equal(reader.tensor('y'), y)
+  damage(header)
+  bad = tmp_path / 'bad.safetensors'
+  _write_raw_safetensors(bad, header, x.tobytes() + y.tobytes())
+  with pytest.raises(SafetensorError):  # the reference reader refuses it as well
+    load_file(str(bad))
+  with pytest.raises(UserError) as error:
+    SafetensorsFile(str(bad))
+  assert message in str(error.value) and str(bad) in str(error.value)

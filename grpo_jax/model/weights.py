@@ -10,6 +10,7 @@ loading a checkpoint never holds more than the destination arrays plus one sourc
 
 import dataclasses
 import json
+import math
 import os
 import re
 import struct
@@ -113,6 +114,52 @@ def _numpy_dtype(code: str, path: str, name: str):
   return _DTYPES[code]
 
 
+# Bytes per element of every safetensors dtype code (the format's own list), so that headers of
+# tensors this reader does not convert are still checked.
+_ITEM_SIZES = {'BOOL': 1, 'U8': 1, 'I8': 1, 'F8_E5M2': 1, 'F8_E4M3': 1, 'I16': 2, 'U16': 2, 'F16': 2,
+               'BF16': 2, 'I32': 4, 'U32': 4, 'F32': 4, 'I64': 8, 'U64': 8, 'F64': 8}
+
+
+def _checked_header(header, path: str, data_size: int) -> dict:
+  """The tensor entries of a safetensors header, checked as strictly as the format's reference
+  reader: every entry has a known dtype, a shape of non-negative ints and two data offsets whose
+  span is exactly dtype size x elements, and the spans tile the data section in order with no gap,
+  overlap or byte past its end. A header that fails names the file and the tensor, so a corrupt
+  file never converts into another tensor's bytes."""
+  if not isinstance(header, dict):
+    raise UserError(f'{path}: the safetensors header is not a JSON object')
+  entries = {name: entry for name, entry in header.items() if name != '__metadata__'}
+  spans = []
+  for name, entry in entries.items():
+    def bad(problem, name=name):
+      return UserError(f'{path}: tensor {name} has {problem} in the safetensors header')
+    if not isinstance(entry, dict) or not {'dtype', 'shape', 'data_offsets'} <= set(entry):
+      raise bad('an entry without dtype, shape and data_offsets')
+    dtype, shape, offsets = entry['dtype'], entry['shape'], entry['data_offsets']
+    if dtype not in _ITEM_SIZES:
+      raise bad(f'unknown dtype {dtype!r}')
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+      raise bad(f'shape {shape!r} (not a list of non-negative integers)')
+    if (not isinstance(offsets, list) or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
+      raise bad(f'data_offsets {offsets!r} (not [begin, end] with 0 <= begin <= end)')
+    expected = math.prod(shape) * _ITEM_SIZES[dtype]
+    if offsets[1] - offsets[0] != expected:
+      raise bad(f'data_offsets {offsets} spanning {offsets[1] - offsets[0]} bytes, but {dtype} {shape} needs {expected}')
+    spans.append((offsets[0], offsets[1], name))
+  position = 0
+  for begin, end, name in sorted(spans):
+    if begin != position:
+      problem = 'overlaps the tensor before it' if begin < position else f'leaves a gap of {begin - position} bytes'
+      raise UserError(f'{path}: tensor {name} {problem} in the safetensors data (offsets {begin}..{end})')
+    position = end
+  if position > data_size:
+    raise UserError(f'{path} is truncated: its tensors need {position} bytes of data, the file holds {data_size}')
+  if position < data_size:
+    raise UserError(f'{path}: {data_size - position} bytes after the last tensor are not described by the header')
+  return entries
+
+
 class SafetensorsFile:
   """A safetensors file; `tensor(name)` reads that one tensor with a positioned read.
 
@@ -135,13 +182,8 @@ class SafetensorsFile:
         header = json.loads(f.read(header_length))
     except (OSError, ValueError, UnicodeDecodeError) as error:
       raise UserError(f'{path} is not a readable safetensors file ({error})') from None
-    header.pop('__metadata__', None)
     self._data_start = 8 + header_length
-    self._entries = header
-    for name, entry in header.items():
-      begin, end = entry['data_offsets']
-      if self._data_start + end > size:
-        raise UserError(f'{path} is truncated: tensor {name} ends past the end of the file')
+    self._entries = _checked_header(header, path, size - self._data_start)
 
   def names(self) -> list[str]:
     return list(self._entries)
