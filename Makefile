@@ -1,4 +1,5 @@
-# make demo: set up .venv and run the default job; make test: set up .venv and run every test.
+# make demo: set up .venv and run the default job; make test: set up .venv (and the deviceless TPU/GPU
+# compilers in .venv/compilers) and run every test.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -23,10 +24,18 @@ $(VENV)/.test: requirements-test.txt $(VENV)/.extras
 	$(BIN)/pip install --quiet -r requirements-test.txt
 	touch $@
 
+# The TPU and GPU compilers for deviceless compiles, in a folder of their own (requirements-compile.txt).
+# Where their wheels cannot be installed, the compile tests skip and say so.
+$(VENV)/.compilers: requirements-compile.txt | $(BIN)/python
+	rm -rf $(VENV)/compilers
+	$(BIN)/pip install --quiet --no-deps --target $(VENV)/compilers -r requirements-compile.txt \
+	  || (rm -rf $(VENV)/compilers; echo "the TPU/GPU compilers could not be installed: compile tests will skip")
+	touch $@
+
 demo: $(VENV)/.extras
 	$(BIN)/python -m grpo_jax.train --config configs/tiny_arith.yaml
 
-test: $(VENV)/.test
+test: $(VENV)/.test $(VENV)/.compilers
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q
 
 bench: $(VENV)/.test

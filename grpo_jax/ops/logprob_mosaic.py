@@ -164,18 +164,26 @@ def backward(h, w, token_columns, *, block_tokens, block_vocab, inv_temperature,
 # ---- block sizes: what fits in VMEM ----
 
 # VMEM per TensorCore in jax's TPU table: 16 MiB on v2-v4, 64 MiB on v5p and v7x, 128 MiB on v5e
-# and v6e. Lowering for a TPU from another host assumes the smallest.
+# and v6e. Interpreted off a TPU, the kernels are sized for the smallest.
 SMALLEST_VMEM = 16 << 20
-# Default blocks use this share of VMEM; the rest is left to Mosaic (internal scratch, relayouts).
+# Default blocks use this share of VMEM, of at most BLOCK_VMEM_CAP; the rest is left to Mosaic
+# (internal scratch, relayouts). Blocks of 256 x 256 already feed a v5e or v5p enough FLOPs per HBM
+# byte (see mosaic_blocks); larger ones only made Mosaic spill registers into VMEM and compile
+# slowly: sized from v5e's 128 MiB, D = 5,120 fp32 blocks needed 72 MiB of spill slots (143 MiB in
+# all: refused) and the D = 3,584 kernels compiled in 40-70 s, against 1-5 s when sized from 16 MiB.
 VMEM_SHARE = 0.75
+BLOCK_VMEM_CAP = 32 << 20
 LANES = 128  # VMEM tiles are (8, 128): a [rows, 1] block occupies [rows, 128]
 
 
 def vmem_capacity() -> int:
-  """VMEM bytes per TensorCore of the TPU in use, or of the smallest TPU when not on one."""
-  if jax.default_backend() == 'tpu':
+  """VMEM bytes per TensorCore of the TPU compiled for (the mesh's devices, which may be a TPU
+  topology compiled for from another host, else the default device), or of the smallest TPU when
+  the target is not a TPU (interpret mode)."""
+  try:
     return pltpu.get_tpu_info().vmem_capacity_bytes
-  return SMALLEST_VMEM
+  except ValueError:  # not a TPU
+    return SMALLEST_VMEM
 
 
 def mosaic_vmem_bytes(block_tokens: int, block_vocab: int, model: int, itemsize: int) -> int:
@@ -195,7 +203,8 @@ def mosaic_vmem_bytes(block_tokens: int, block_vocab: int, model: int, itemsize:
 
 
 def mosaic_blocks(model: int, itemsize: int, capacity: int) -> tuple[int, int]:
-  """Default (block_tokens, block_vocab): the largest pair whose blocks fit VMEM_SHARE of VMEM.
+  """Default (block_tokens, block_vocab): the largest pair whose blocks fit VMEM_SHARE of VMEM
+  (of at most BLOCK_VMEM_CAP).
 
   The forward and dh kernels read every W block once per token block, so each W byte from HBM
   feeds block_tokens multiply-adds; the dW kernel reads every h block once per vocabulary block
@@ -203,7 +212,7 @@ def mosaic_blocks(model: int, itemsize: int, capacity: int) -> tuple[int, int]:
   HBM bandwidth: ~170 on v5p, ~240 on v5e, ~560 on v6e), so the smaller of the two blocks is
   maximised first, then the token block.
   """
-  budget = VMEM_SHARE * capacity
+  budget = VMEM_SHARE * min(capacity, BLOCK_VMEM_CAP)
   fitting = [(tokens, vocab) for tokens in (1024, 512, 256, 128, 64, 32, 16, 8)
              for vocab in (1024, 512, 256, 128)
              if mosaic_vmem_bytes(tokens, vocab, model, itemsize) <= budget]

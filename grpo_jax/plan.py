@@ -1,0 +1,296 @@
+"""python -m grpo_jax.plan --config configs/X.yaml --target v5p-128 [--model-size 32B] [--set a.b=c ...]
+
+Compiles a run's RL step for a TPU slice or GPU cluster that is not attached (targets.py) and
+reports the target compiler's own per-device memory: the parameters, the optimizer state, the
+reference policy, the KV cache, each compiled program's arguments, outputs and temporaries, and
+whether the step fits. Nothing is extrapolated: the program compiled is the run's own, at full
+depth and the run's real shapes. With a jittable task that is the K-steps-in-one-jit loop; with a
+host-scored task, the sampler and the update (the reward runs on the host between them).
+
+The model's shape comes from --model-size (a Qwen2.5 size: 0.5B ... 72B), else from
+model.path's config.json, else from model.architecture; no weights are read. --layers overrides
+the depth (to see how memory grows with it).
+
+Needs the target's compiler: `pip install -r requirements-compile.txt` (`make test` puts it in
+.venv/compilers: run with PYTHONPATH=.venv/compilers). The host's own devices stay CPUs.
+"""
+
+import os
+
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # compile for the target; never initialise it here
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from grpo_jax import config as config_lib  # noqa: E402
+from grpo_jax import metrics as metrics_lib  # noqa: E402
+from grpo_jax import targets  # noqa: E402
+from grpo_jax.config import completions_per_step  # noqa: E402
+from grpo_jax.data.task import Scores  # noqa: E402
+from grpo_jax.errors import UserError, cli_main  # noqa: E402
+from grpo_jax.model import sharding  # noqa: E402
+from grpo_jax.model.config import load_hf_config  # noqa: E402
+from grpo_jax.model.loading import abstract_model, load_tokenizer  # noqa: E402
+from grpo_jax.rl.loop import RLStep  # noqa: E402
+from grpo_jax.rl.step import init_train_state, learning_rate_schedule, make_optimizer, train_state_shardings  # noqa: E402
+from grpo_jax.targets import GiB  # noqa: E402
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(prog='python -m grpo_jax.plan', description=__doc__.splitlines()[0])
+  parser.add_argument('--config', required=True, help='YAML run config (see configs/)')
+  parser.add_argument('--target', required=True, help='v4-N, v5p-N, v5e-N, v6e-N, h100xN, h200xN, h100xHOSTSxGPUS')
+  parser.add_argument('--model-size', help='a Qwen2.5 size (0.5B, 1.5B, 3B, 7B, 14B, 32B, 72B) for the model shape')
+  parser.add_argument('--layers', type=int, help='override the number of layers')
+  parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE', dest='overrides',
+                      help='override one config key, e.g. --set rollout.max_new_tokens=12288 (repeatable)')
+  parser.add_argument('--json', help='also write the report as JSON to this file')
+  return parser.parse_args(argv)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTaskShape:
+  """A host-scored task as the compiled programs see it: the prompt width and the special ids.
+  Its prompts and rewards come from the host between the compiled sampler and update, so the plan
+  has none to give; the ids do not change the programs' shapes or memory."""
+
+  prompt_length: int
+  vocab_size: int
+  stop_token_ids: tuple[int, ...]
+  pad_id: int
+  jittable = False
+  prompts = None
+  reward = None
+
+  def close(self) -> None:
+    pass
+
+
+def model_architecture(config: config_lib.Config, model_size: str | None, layers: int | None):
+  from grpo_jax.testing import QWEN2_5_PRESETS, preset
+  if model_size is not None:
+    if model_size not in QWEN2_5_PRESETS:
+      raise UserError(f'--model-size {model_size}: one of {", ".join(QWEN2_5_PRESETS)}')
+    architecture = preset(model_size)
+  elif config.model.path:
+    if not os.path.isfile(os.path.join(config.model.path, 'config.json')):
+      raise UserError(f'model.path {config.model.path} has no config.json; give --model-size for the shape')
+    architecture = load_hf_config(config.model.path)
+  else:
+    architecture = config.model.architecture
+  if layers is not None:
+    if layers < 1:
+      raise UserError(f'--layers must be >= 1, got {layers}')
+    architecture = dataclasses.replace(architecture, num_hidden_layers=layers)
+  return architecture
+
+
+def build_task(config: config_lib.Config, architecture):
+  if config.task.name == 'arith':
+    from grpo_jax.train import build_task as train_task
+    return train_task(config)
+  tokenizer = load_tokenizer(config.model.path) if config.model.path and os.path.isdir(config.model.path) else None
+  if tokenizer is not None:
+    from grpo_jax.sampler.special_tokens import special_tokens
+    special = special_tokens(tokenizer)
+    stop, pad = tuple(special.stop_ids), special.pad_id
+  else:
+    stop, pad = (architecture.vocab_size - 1,), 0
+  return HostTaskShape(config.task.max_prompt_tokens, architecture.vocab_size, stop, pad)
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def bytes_per_device(tree) -> int:
+  """Bytes one device holds of a tree of sharded arrays or ShapeDtypeStructs (the largest shard)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+  return total
+
+
+def kv_cache_bytes_per_device(architecture, config: config_lib.Config, mesh) -> int:
+  """The sampler's K and V caches: [L, P*G, Tp + N, K, H] each, batch over the batch axes and
+  KV heads over 'tensor' where they divide (model/sharding.py's rules)."""
+  rows = completions_per_step(config.rollout, config.algo)
+  shape = (architecture.num_hidden_layers, rows, config.task.max_prompt_tokens + config.rollout.max_new_tokens,
+           architecture.num_key_value_heads, architecture.resolved_head_dim)
+  if config.task.name == 'arith':
+    from grpo_jax.data.arith import ArithmeticTask
+    length = ArithmeticTask(config.task.max_operand, config.task.operators).prompt_length + config.rollout.max_new_tokens
+    shape = shape[:2] + (length,) + shape[3:]
+  spec = sharding.spec_for(shape, ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim'), dict(mesh.shape))
+  shard = jax.sharding.NamedSharding(mesh, spec).shard_shape(shape)
+  return 2 * math.prod(shard) * jnp.dtype(config.model.dtype).itemsize
+
+
+@dataclasses.dataclass
+class Program:
+  name: str
+  compile_s: float
+  arguments: int
+  outputs: int
+  aliased: int
+  temporaries: int
+  code: int
+  flops: float | None
+  note: str = ''
+
+  @property
+  def peak(self) -> int:
+    """The compiler's per-device total: live arguments, outputs not written over an argument, and
+    temporaries."""
+    return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+# Deviceless, XLA:GPU cannot autotune, so every Triton GEMM fusion gets XLA's default tile config;
+# for some fusions of the rematerialised backward that config cannot be nested ("Couldn't find
+# output tile sizes that satisfy ..."). On a GPU the autotuner picks among many configs and cuBLAS;
+# here the program is compiled again with cuBLAS GEMMs (xla_gpu_enable_triton_gemm=false), which
+# the autotuner may also choose, and the report says so.
+_TRITON_GEMM_TILING = "Couldn't find output tile sizes"
+NO_TRITON_GEMM = {'xla_gpu_enable_triton_gemm': False}
+
+
+def compile_for_target(jitted, args, platform: str):
+  """(compiled, note): `jitted` traced on `args` and compiled by the target's compiler."""
+  lowered = jitted.trace(*args).lower()
+  try:
+    return lowered.compile(), ''
+  except Exception as error:
+    if platform != 'gpu' or _TRITON_GEMM_TILING not in str(error):
+      raise
+  return lowered.compile(compiler_options=NO_TRITON_GEMM), 'GEMMs on cuBLAS (no default Triton GEMM tiling fits)'
+
+
+def compile_program(name: str, platform: str, jitted, *args) -> Program:
+  start = time.perf_counter()
+  try:
+    compiled, note = compile_for_target(jitted, args, platform)
+  except Exception as error:  # the target's compiler refused it: say so, in its own words
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    raise UserError(f'{name}: the target compiler refused the program: {message}') from error
+  seconds = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+  flops = float(cost['flops']) if cost and 'flops' in cost else None
+  return Program(name, seconds, memory.argument_size_in_bytes, memory.output_size_in_bytes,
+                 memory.alias_size_in_bytes, memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
+                 flops, note)
+
+
+def plan(config: config_lib.Config, target: targets.Target, architecture) -> dict:
+  devices = target.devices()
+  mesh = sharding.make_mesh(config.mesh, devices=devices)
+  task = build_task(config, architecture)
+  if task.vocab_size > architecture.vocab_size:
+    raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but the model has {architecture.vocab_size}')
+  model = abstract_model(architecture, config.model)
+  from flax import nnx
+  graphdef, abstract_params = nnx.split(model)
+  shardings = sharding.state_shardings(abstract_params, mesh)
+  params = jax.tree.map(lambda variable, s: variable.replace(jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=s)),
+                        abstract_params, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  algo = config.algo
+  schedule = learning_rate_schedule(config.optim, config.train.steps * algo.ppo_epochs * algo.num_minibatches)
+  optimizer = make_optimizer(config.optim, schedule)
+  state_shardings = train_state_shardings(params, optimizer)
+  state = _abstract(jax.eval_shape(functools.partial(init_train_state, optimizer=optimizer, seed=0), params),
+                    state_shardings)
+  ref_params = params if algo.kl_beta > 0 else None
+  step = RLStep(graphdef, task, config.rollout, algo, optimizer, schedule, state_shardings)
+
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  programs = []
+  with jax.set_mesh(mesh):
+    if task.jittable:
+      programs.append(compile_program(f'{config.train.steps_per_call} RL steps in one jit', target.platform, step.run_steps,
+                                      state, ref_params, 0, config.train.steps_per_call))
+    else:
+      prompts = jax.ShapeDtypeStruct((config.rollout.prompts_per_step, task.prompt_length), jnp.int32,
+                                     sharding=replicated)
+      key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
+      programs.append(compile_program('rollout', target.platform, step.sample, state.params, prompts, prompts, key))
+      rollout = jax.eval_shape(step._sample_body, state.params, prompts, prompts, key)
+      rows = completions_per_step(config.rollout, algo)
+      scores = Scores(rewards=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated),
+                      failures=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+      rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
+      programs.append(compile_program('update', target.platform, step.learn, state, ref_params, prompts, prompts, rollout, scores))
+
+  params_bytes = bytes_per_device(state.params)
+  opt_bytes = bytes_per_device(state.opt_state)
+  peak = max(program.peak for program in programs)
+  report = dict(
+      target=target.name, device=target.describe(), devices=len(devices),
+      mesh=dict(mesh.shape), model=dict(layers=architecture.num_hidden_layers, hidden=architecture.hidden_size,
+                                        parameters=architecture.num_params()),
+      per_device=dict(parameters=params_bytes, optimizer_state=opt_bytes,
+                      reference=bytes_per_device(ref_params) if ref_params is not None else 0,
+                      kv_cache=kv_cache_bytes_per_device(architecture, config, mesh)),
+      programs=[dataclasses.asdict(program) | dict(peak=program.peak) for program in programs],
+      peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes)
+  step_flops = metrics_lib.model_flops_per_step(architecture.num_params(), task.prompt_length, config.rollout, algo)
+  # Roofline estimate: the model FLOPs at the target's peak, and the sampler's reads at its HBM
+  # bandwidth: every decoded token reads the weights (gathered whole over FSDP, split over
+  # 'tensor') and, on average, half of each row's KV cache. The step takes at least the larger.
+  compute_s = step_flops / (len(devices) * target.peak_flops)
+  weights_read = architecture.num_params() * jnp.dtype(config.model.dtype).itemsize / mesh.shape['tensor']
+  decode_s = config.rollout.max_new_tokens * (weights_read + report['per_device']['kv_cache'] / 2) / target.hbm_bandwidth
+  report['estimate'] = dict(model_flops=step_flops, compute_s=compute_s, decode_memory_s=decode_s,
+                            step_s=max(compute_s, decode_s))
+  return report
+
+
+def _size(value: int) -> str:
+  return f'{value / GiB:.2f} GiB' if value >= GiB / 4 else f'{value / (1 << 20):.1f} MiB'
+
+
+def format_report(report: dict) -> str:
+  lines = [f'# {report["device"]}', f'mesh {report["mesh"]} over {report["devices"]} devices; model '
+           f'{report["model"]["parameters"] / 1e9:.2f}B parameters, {report["model"]["layers"]} layers',
+           'per device (the target compiler\'s memory analysis for the programs):']
+  for name, value in report['per_device'].items():
+    lines.append(f'  {name.replace("_", " "):<18}{_size(value):>12}')
+  for program in report['programs']:
+    lines.append(f'  program "{program["name"]}" (compiled in {program["compile_s"]:.1f} s): arguments '
+                 f'{_size(program["arguments"])}, outputs {_size(program["outputs"])} ({_size(program["aliased"])} '
+                 f'in place), temporaries {_size(program["temporaries"])} -> peak {_size(program["peak"])}'
+                 + (f'; {program["note"]}' if program['note'] else ''))
+  verdict = 'fits' if report['fits'] else 'DOES NOT FIT'
+  lines.append(f'peak {_size(report["peak"])} of {_size(report["hbm"])} per device: {verdict}')
+  estimate = report['estimate']
+  lines.append(f'estimate (roofline, not measured): {estimate["model_flops"] / 1e15:.1f} PFLOP per step; compute '
+               f'>= {estimate["compute_s"]:.2f} s at peak, sampler weight/cache reads >= '
+               f'{estimate["decode_memory_s"]:.2f} s at HBM bandwidth -> step >= {estimate["step_s"]:.2f} s')
+  return '\n'.join(lines)
+
+
+@cli_main
+def main(argv=None) -> int:
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  target = targets.parse_target(args.target)
+  config = config_lib.load_config(args.config, args.overrides)
+  architecture = model_architecture(config, args.model_size, args.layers)
+  report = plan(config, target, architecture)
+  print(format_report(report), flush=True)
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(report, f, indent=1, default=float)
+  return 0 if report['fits'] else 1
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,221 @@
+"""Accelerators to compile for without having them: TPU slices and GPU clusters, deviceless.
+
+JAX compiles for a topology that is not attached ("deviceless" ahead-of-time compilation): with
+the TPU compiler (the `libtpu` wheel) or the GPU one (`jax-cuda12-plugin`, plus `ptxas` from
+`nvidia-cuda-nvcc-cu12`) importable, `jax.experimental.topologies` describes the target's devices,
+a mesh is built over them, and `jit(f).trace(...).lower().compile()` runs the real XLA:TPU /
+XLA:GPU passes and the real Mosaic / Triton kernel compilers, with `memory_analysis()` giving the
+compiler's own per-device numbers. `requirements-compile.txt` pins the compilers; `make test`
+installs them into `.venv/compilers` and the compile tests put that folder on PYTHONPATH.
+
+Run deviceless compiles with `JAX_PLATFORMS=cpu` (the host's own devices are CPUs; the targets
+are only compiled for, never initialised). Target names:
+
+  v4-N, v5p-N   N TensorCores (two per chip), as Cloud TPU names them: v5p-128 is 64 chips
+  v5e-N, v6e-N  N chips: v5e-8 is 8 chips
+  h100xN, h200xN        N GPUs on one host (N <= 8)
+  h100xHxG, h200xHxG    H hosts of G GPUs each: h100x8x8 is 64 GPUs; h100x64 means the same
+"""
+
+import dataclasses
+import os
+import re
+
+from grpo_jax.errors import UserError
+
+GiB = 1 << 30
+
+# Per chip: HBM bytes, peak dense bf16 FLOP/s, HBM bytes/s (public specifications; the HBM sizes
+# are the capacity the TPU compiler reports when a program does not fit).
+_TPU = {
+    'v4': dict(hbm=32 * GiB, flops=275e12, bandwidth=1.2e12, cores_per_chip=2, dims=3),
+    'v5p': dict(hbm=int(95.74 * GiB), flops=459e12, bandwidth=2.765e12, cores_per_chip=2, dims=3),
+    'v5e': dict(hbm=16 * GiB, flops=197e12, bandwidth=0.819e12, cores_per_chip=1, dims=2),
+    'v6e': dict(hbm=32 * GiB, flops=918e12, bandwidth=1.64e12, cores_per_chip=1, dims=2),
+}
+# The compiler's topology names: chips -> physical shape (x, y[, z]).
+_SHAPES_3D = {4: '2x2x1', 8: '2x2x2', 16: '2x2x4', 32: '2x4x4', 64: '4x4x4', 128: '4x4x8',
+              256: '4x8x8', 512: '8x8x8', 1024: '8x8x16', 2048: '8x16x16', 4096: '16x16x16'}
+_SHAPES_2D = {1: '1x1', 4: '2x2', 8: '2x4', 16: '4x4', 32: '4x8', 64: '8x8', 128: '8x16', 256: '16x16'}
+
+# NVIDIA Hopper GPUs (SXM), from NVIDIA's public specifications: 132 SMs of 228 KiB shared memory
+# (227 KiB opt-in per block) and 64 Ki 32-bit registers, compute capability 9.0; what XLA:GPU's
+# passes and Triton's tiling read from a stream_executor.GpuTargetConfigProto. device_memory_size
+# is the HBM as the driver reports it.
+_GPU = {
+    'h100': dict(name='H100 SXM 80GB', hbm=85_520_809_984, flops=989e12, bandwidth=3.35e12,
+                 clock_ghz=1.98),
+    'h200': dict(name='H200 SXM 141GB', hbm=150_754_820_096, flops=989e12, bandwidth=4.8e12,
+                 clock_ghz=1.98),
+}
+
+
+def gpu_target_config(kind: str) -> str:
+  """The text-format GpuTargetConfigProto of an NVIDIA GPU kind ('h100' or 'h200')."""
+  spec = _GPU[kind]
+  return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  shared_memory_per_block_optin: 232448
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  thread_dim_limit_x: 1024
+  thread_dim_limit_y: 1024
+  thread_dim_limit_z: 64
+  memory_bandwidth: {int(spec['bandwidth'])}
+  l2_cache_size: 52428800
+  clock_rate_ghz: {spec['clock_ghz']}
+  device_memory_size: {spec['hbm']}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  cuda_compute_capability {{ major: 9 minor: 0 }}
+  device_vendor: "NVIDIA Corporation"
+  name: "{spec['name']}"
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+device_description_str: "{spec['name']}"
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """One accelerator slice or cluster, compiled for from any host."""
+
+  name: str  # as given, e.g. 'v5p-128' or 'h100x8x8'
+  kind: str  # 'v4', 'v5p', 'v5e', 'v6e', 'h100', 'h200'
+  platform: str  # 'tpu' or 'gpu'
+  chips: int  # TPU chips or GPUs
+  hosts: int  # GPU hosts (TPU: the compiler's own host layout)
+  hbm_bytes: int  # per chip
+  peak_flops: float  # dense bf16 FLOP/s per chip
+  hbm_bandwidth: float  # bytes/s per chip
+
+  def devices(self):
+    """The target's devices, as the compiler describes them (needs its compiler installed)."""
+    from jax.experimental import topologies
+    try:
+      if self.platform == 'tpu':
+        os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')  # no Cloud metadata server to ask
+        shape = (_SHAPES_3D if _TPU[self.kind]['dims'] == 3 else _SHAPES_2D)[self.chips]
+        options = dict(chips_per_host_bounds=[1, 1, 1]) if self.chips == 1 else {}
+        topology = topologies.get_topology_desc(platform='tpu', topology_name=f'{self.kind}:{shape}', **options)
+      else:
+        layout = f'1x{self.hosts}x{self.chips // self.hosts}'
+        topology = topologies.get_topology_desc(layout, platform='cuda', topology=layout,
+                                                target_config=gpu_target_config(self.kind))
+    except Exception as error:  # the compiler's plugin is missing or refused the topology
+      raise UserError(f'cannot describe target {self.name}: {error} (install the compilers: '
+                      f'pip install -r requirements-compile.txt; see grpo_jax/targets.py)') from error
+    return list(topology.devices)
+
+  def describe(self) -> str:
+    return (f'{self.name}: {self.chips} x {self.kind} ({self.platform}), {self.hbm_bytes / GiB:.2f} GiB HBM, '
+            f'{self.peak_flops / 1e12:.0f} TFLOP/s bf16, {self.hbm_bandwidth / 1e12:.2f} TB/s per chip')
+
+
+def parse_target(name: str) -> Target:
+  """'v5p-128', 'v5e-8', 'v6e-16', 'v4-32', 'h100x8', 'h100x8x8', 'h100x64', 'h200x8' -> Target."""
+  text = name.strip().lower()
+  tpu = re.fullmatch(r'(v4|v5p|v5e|v6e)-(\d+)', text)
+  if tpu:
+    kind, count = tpu.group(1), int(tpu.group(2))
+    spec = _TPU[kind]
+    chips, extra = divmod(count, spec['cores_per_chip'])
+    shapes = _SHAPES_3D if spec['dims'] == 3 else _SHAPES_2D
+    if extra or chips not in shapes:
+      sizes = ', '.join(f'{kind}-{c * spec["cores_per_chip"]}' for c in shapes)
+      raise UserError(f'--target {name}: not a {kind} slice this tool knows; one of {sizes}')
+    return Target(name, kind, 'tpu', chips, 1, spec['hbm'], spec['flops'], spec['bandwidth'])
+  gpu = re.fullmatch(r'(h100|h200)x(\d+)(?:x(\d+))?', text)
+  if gpu:
+    kind, first, second = gpu.group(1), int(gpu.group(2)), gpu.group(3)
+    if second is not None:
+      hosts, per_host = first, int(second)
+    else:
+      hosts, per_host = (first // 8, 8) if first > 8 and first % 8 == 0 else (1, first)
+    if per_host < 1 or per_host > 8 or hosts < 1 or (second is None and first > 8 and first % 8):
+      raise UserError(f'--target {name}: GPUs come 1 to 8 per host (h100x8, h100x8x8 = 8 hosts x 8)')
+    spec = _GPU[kind]
+    return Target(name, kind, 'gpu', hosts * per_host, hosts, spec['hbm'], spec['flops'], spec['bandwidth'])
+  raise UserError(f'--target {name}: expected v4-N, v5p-N, v5e-N, v6e-N (Cloud TPU names) or '
+                  f'h100xN, h200xN, h100xHOSTSxGPUS')
+
+
+# The Qwen2.5 hidden widths the kernels are compiled at: 0.5B, 7B, 14B/32B.
+KERNEL_WIDTHS = (896, 3584, 5120)
+KERNEL_CALLS = {'tpu': 'tpu_custom_call', 'gpu': '__gpu$xla.gpu.triton'}
+
+
+def compile_logprob_kernels(target: Target, widths=KERNEL_WIDTHS, dtypes=('bfloat16', 'float32'),
+                            tokens: int = 2048, vocab: int = 152064, **blocks) -> list[dict]:
+  """Compiles the fused log-prob op's forward and backward Pallas kernels (ops/logprob.py) for one
+  chip of `target` at each width and dtype; one dict per compile: width, dtype, kernel calls in
+  the lowered program, seconds, and the compiler's error if it refused. `blocks` overrides the tile
+  sizes (block_tokens, block_vocab, block_model)."""
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from grpo_jax.ops import token_logprobs
+
+  device = target.devices()[0]
+  mesh = jax.sharding.Mesh([device], ('data',))
+  one = NamedSharding(mesh, PartitionSpec())
+  results = []
+  for width in widths:
+    for dtype in dtypes:
+      def loss(h, w, y):
+        return token_logprobs(h, w, y, implementation='pallas', return_entropy=True, **blocks)[0].sum()
+
+      args = (jax.ShapeDtypeStruct((tokens, width), dtype, sharding=one),
+              jax.ShapeDtypeStruct((width, vocab), dtype, sharding=one),
+              jax.ShapeDtypeStruct((tokens,), jnp.int32, sharding=one))
+      start = time.perf_counter()
+      result = dict(target=target.name, width=width, dtype=dtype, kernel_calls=0, error=None)
+      try:
+        with jax.set_mesh(mesh):
+          lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(*args).lower()
+        result['kernel_calls'] = lowered.as_text().count(f'@{KERNEL_CALLS[target.platform]}')
+        lowered.compile()
+      except Exception as error:  # reported, not raised: the caller decides what a refusal means
+        result['error'] = f'{type(error).__name__}: {str(error).strip()[:500]}'
+      result['seconds'] = round(time.perf_counter() - start, 2)
+      results.append(result)
+  return results
+
+
+def main(argv=None) -> int:
+  """python -m grpo_jax.targets kernels TARGET [--width D ...]: compiles the Pallas kernels for
+  TARGET and prints one JSON line per compile (exit 1 if any was refused)."""
+  import argparse
+  import json
+  import sys
+  parser = argparse.ArgumentParser(prog='python -m grpo_jax.targets')
+  parser.add_argument('what', choices=['kernels'])
+  parser.add_argument('target')
+  parser.add_argument('--width', type=int, action='append', help='hidden width(s) (default: 896, 3584, 5120)')
+  parser.add_argument('--dtype', action='append', choices=['bfloat16', 'float32'])
+  parser.add_argument('--block', action='append', default=[], metavar='NAME=SIZE',
+                      help='tile size override, e.g. block_tokens=256 (repeatable)')
+  args = parser.parse_args(argv)
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  blocks = {name: int(size) for name, size in (item.split('=', 1) for item in args.block)}
+  results = compile_logprob_kernels(parse_target(args.target), tuple(args.width or KERNEL_WIDTHS),
+                                    tuple(args.dtype or ('bfloat16', 'float32')), **blocks)
+  for result in results:
+    print(json.dumps(result), flush=True)
+  return 1 if any(result['error'] for result in results) else 0
+
+
+if __name__ == '__main__':
+  from grpo_jax.errors import cli_main
+  raise SystemExit(cli_main(main)())
