@@ -14,8 +14,9 @@ Implementations (same signature, same results up to rounding):
                  vocabulary chunks in plain XLA.
   'naive'        full logits, log_softmax, take_along_axis; the reference, plain autodiff.
   'auto'         'xla_chunked' on every platform for now: the Pallas kernels are tested in
-                 interpret mode and lower for TPU and GPU, but have not yet been compiled and
-                 measured on the hardware, so they are opt-in ('pallas').
+                 interpret mode and compiled in CI for v5e, v5p, v6e and H100 by Mosaic and
+                 Triton (deviceless, tests/test_deviceless.py), but have not yet been measured
+                 on the hardware, so they are opt-in ('pallas').
 
 Targets must lie in [0, V). Padding tokens may carry any valid id; mask them in the loss, and
 their rows of dh are then exactly zero.
