@@ -204,7 +204,7 @@ def mosaic_vmem_bytes(block_tokens: int, block_vocab: int, model: int, itemsize:
 
 def mosaic_blocks(model: int, itemsize: int, capacity: int) -> tuple[int, int]:
   """Default (block_tokens, block_vocab): the largest pair whose blocks fit VMEM_SHARE of VMEM
-  (of at most BLOCK_VMEM_CAP).
+  (of at most BLOCK_VMEM_CAP, unless no block fits under it).
 
   The forward and dh kernels read every W block once per token block, so each W byte from HBM
   feeds block_tokens multiply-adds; the dW kernel reads every h block once per vocabulary block
@@ -212,10 +212,13 @@ def mosaic_blocks(model: int, itemsize: int, capacity: int) -> tuple[int, int]:
   HBM bandwidth: ~170 on v5p, ~240 on v5e, ~560 on v6e), so the smaller of the two blocks is
   maximised first, then the token block.
   """
-  budget = VMEM_SHARE * min(capacity, BLOCK_VMEM_CAP)
-  fitting = [(tokens, vocab) for tokens in (1024, 512, 256, 128, 64, 32, 16, 8)
-             for vocab in (1024, 512, 256, 128)
-             if mosaic_vmem_bytes(tokens, vocab, model, itemsize) <= budget]
+  def fitting(budget):
+    return [(tokens, vocab) for tokens in (1024, 512, 256, 128, 64, 32, 16, 8)
+            for vocab in (1024, 512, 256, 128)
+            if mosaic_vmem_bytes(tokens, vocab, model, itemsize) <= budget]
+
+  # The cap yields to the whole share where nothing fits under it (D = 8,192 fp32 on a 64 MiB TPU).
+  fitting = fitting(VMEM_SHARE * min(capacity, BLOCK_VMEM_CAP)) or fitting(VMEM_SHARE * capacity)
   if not fitting:
     raise ValueError(f'the Mosaic kernels take D={model} whole, and even (8, 128) blocks need '
                      f'{mosaic_vmem_bytes(8, 128, model, itemsize) / 2**20:.1f} MiB of the '
