@@ -111,28 +111,14 @@ def _abstract(tree, shardings):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def bytes_per_device(tree) -> int:
-  """Bytes one device holds of a tree of sharded arrays or ShapeDtypeStructs (the largest shard)."""
-  total = 0
-  for leaf in jax.tree.leaves(tree):
-    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-    total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
-  return total
-
-
-def kv_cache_bytes_per_device(architecture, config: config_lib.Config, mesh) -> int:
+def kv_cache_bytes_per_device(architecture, config: config_lib.Config, prompt_length: int, mesh) -> int:
   """The sampler's K and V caches: [L, P*G, Tp + N, K, H] each, batch over the batch axes and
   KV heads over 'tensor' where they divide (model/sharding.py's rules)."""
-  rows = completions_per_step(config.rollout, config.algo)
-  shape = (architecture.num_hidden_layers, rows, config.task.max_prompt_tokens + config.rollout.max_new_tokens,
-           architecture.num_key_value_heads, architecture.resolved_head_dim)
-  if config.task.name == 'arith':
-    from grpo_jax.data.arith import ArithmeticTask
-    length = ArithmeticTask(config.task.max_operand, config.task.operators).prompt_length + config.rollout.max_new_tokens
-    shape = shape[:2] + (length,) + shape[3:]
-  spec = sharding.spec_for(shape, ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim'), dict(mesh.shape))
-  shard = jax.sharding.NamedSharding(mesh, spec).shard_shape(shape)
-  return 2 * math.prod(shard) * jnp.dtype(config.model.dtype).itemsize
+  shape = (architecture.num_hidden_layers, completions_per_step(config.rollout, config.algo),
+           prompt_length + config.rollout.max_new_tokens, architecture.num_key_value_heads,
+           architecture.resolved_head_dim)
+  layout = sharding.named_sharding(mesh, shape, ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim'))
+  return 2 * math.prod(layout.shard_shape(shape)) * jnp.dtype(config.model.dtype).itemsize
 
 
 @dataclasses.dataclass
@@ -230,16 +216,16 @@ def plan(config: config_lib.Config, target: targets.Target, architecture) -> dic
       rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
       programs.append(compile_program('update', target.platform, step.learn, state, ref_params, prompts, prompts, rollout, scores))
 
-  params_bytes = bytes_per_device(state.params)
-  opt_bytes = bytes_per_device(state.opt_state)
+  params_bytes = sharding.bytes_per_device(state.params)
+  opt_bytes = sharding.bytes_per_device(state.opt_state)
   peak = max(program.peak for program in programs)
   report = dict(
       target=target.name, device=target.describe(), devices=len(devices),
       mesh=dict(mesh.shape), model=dict(layers=architecture.num_hidden_layers, hidden=architecture.hidden_size,
                                         parameters=architecture.num_params()),
       per_device=dict(parameters=params_bytes, optimizer_state=opt_bytes,
-                      reference=bytes_per_device(ref_params) if ref_params is not None else 0,
-                      kv_cache=kv_cache_bytes_per_device(architecture, config, mesh)),
+                      reference=sharding.bytes_per_device(ref_params) if ref_params is not None else 0,
+                      kv_cache=kv_cache_bytes_per_device(architecture, config, task.prompt_length, mesh)),
       programs=[dataclasses.asdict(program) | dict(peak=program.peak) for program in programs],
       peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes)
   step_flops = metrics_lib.model_flops_per_step(architecture.num_params(), task.prompt_length, config.rollout, algo)

@@ -198,7 +198,6 @@ def main(argv=None) -> int:
   TARGET and prints one JSON line per compile (exit 1 if any was refused)."""
   import argparse
   import json
-  import sys
   parser = argparse.ArgumentParser(prog='python -m grpo_jax.targets')
   parser.add_argument('what', choices=['kernels'])
   parser.add_argument('target')

@@ -128,13 +128,14 @@ def named_sharding(mesh: Mesh, shape: Sequence[int], logical_axes: Sequence[str 
   return NamedSharding(mesh, spec_for(shape, logical_axes, dict(mesh.shape)))
 
 
-def bytes_per_device(state: nnx.State) -> int:
-  """Largest number of parameter bytes that any one device holds."""
-  per_device: dict = {}
-  for leaf in jax.tree.leaves(state):
-    for shard in leaf.addressable_shards:
-      per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-  return max(per_device.values()) if per_device else 0
+def bytes_per_device(tree) -> int:
+  """Bytes the fullest device holds of a tree of sharded arrays or of ShapeDtypeStructs with
+  shardings (a plan for devices that are not attached): each leaf's largest shard."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+  return total
 
 
 def describe(mesh: Mesh) -> str:

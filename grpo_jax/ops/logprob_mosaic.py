@@ -212,13 +212,13 @@ def mosaic_blocks(model: int, itemsize: int, capacity: int) -> tuple[int, int]:
   HBM bandwidth: ~170 on v5p, ~240 on v5e, ~560 on v6e), so the smaller of the two blocks is
   maximised first, then the token block.
   """
-  def fitting(budget):
+  def candidates(budget):
     return [(tokens, vocab) for tokens in (1024, 512, 256, 128, 64, 32, 16, 8)
             for vocab in (1024, 512, 256, 128)
             if mosaic_vmem_bytes(tokens, vocab, model, itemsize) <= budget]
 
   # The cap yields to the whole share where nothing fits under it (D = 8,192 fp32 on a 64 MiB TPU).
-  fitting = fitting(VMEM_SHARE * min(capacity, BLOCK_VMEM_CAP)) or fitting(VMEM_SHARE * capacity)
+  fitting = candidates(VMEM_SHARE * min(capacity, BLOCK_VMEM_CAP)) or candidates(VMEM_SHARE * capacity)
   if not fitting:
     raise ValueError(f'the Mosaic kernels take D={model} whole, and even (8, 128) blocks need '
                      f'{mosaic_vmem_bytes(8, 128, model, itemsize) / 2**20:.1f} MiB of the '
