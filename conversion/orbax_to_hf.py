@@ -29,6 +29,8 @@ def main(argv=None):
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
   start = time.perf_counter()
+  if not args.max_shard_gb > 0:
+    raise UserError(f'--max-shard-gb must be > 0, got {args.max_shard_gb}')
   if not is_orbax_checkpoint(args.ckpt):
     raise UserError(f'--ckpt {args.ckpt} is not a grpo_jax checkpoint (no params/ directory)')
   if args.like:

@@ -11,7 +11,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from grpo_jax.errors import UserError
+from grpo_jax.errors import UserError, root_cause
 
 
 class Checkpointer:
@@ -32,11 +32,21 @@ class Checkpointer:
                                                      meta=ocp.args.JsonSave(meta)))
 
   def restore(self, step: int, abstract_state):
-    """(state placed like `abstract_state`'s shardings, meta dict)."""
-    self._check_shapes(step, abstract_state)
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+    """(state placed like `abstract_state`'s shardings, meta dict). A checkpoint whose files are
+    missing or cut short is one UserError naming it and the earlier steps to resume from instead."""
+    try:
+      self._check_shapes(step, abstract_state)
+      target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+    except UserError:
+      raise
+    except Exception as error:  # orbax and TensorStore raise bare Exceptions for missing or cut files
+      earlier = [s for s in self.manager.all_steps() if s < step]
+      way_out = (f'move it aside to resume from step {max(earlier)}' if earlier
+                 else 'no earlier checkpoint to resume from')
+      raise UserError(f'checkpoint {self.directory}/{step} cannot be restored (missing or damaged data?): '
+                      f'{root_cause(error)}; {way_out}') from None
     return restored.state, restored.meta
 
   def _check_shapes(self, step: int, abstract_state) -> None:

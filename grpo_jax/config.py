@@ -15,7 +15,7 @@ from typing import Literal
 import yaml
 
 from grpo_jax.data.arith import check_arguments as check_arith_arguments
-from grpo_jax.errors import FieldError, UserError, require
+from grpo_jax.errors import FieldError, UserError, read_text, require
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.qwen2 import DType, ModelOptions
 from grpo_jax.model.sharding import MeshConfig
@@ -124,6 +124,14 @@ class OptimConfig:
   def __post_init__(self):
     with _section('optim'):
       require(self.learning_rate > 0, 'learning_rate', f'must be > 0, got {self.learning_rate}')
+      require(self.warmup_steps >= 0, 'warmup_steps', f'must be >= 0, got {self.warmup_steps}')
+      require(self.decay_steps >= 0, 'decay_steps', f'must be >= 0, got {self.decay_steps}')
+      require(0 <= self.min_lr_ratio <= 1, 'min_lr_ratio', f'must be in [0, 1], got {self.min_lr_ratio}')
+      require(0 <= self.b1 < 1, 'b1', f'must be in [0, 1), got {self.b1}')
+      require(0 <= self.b2 < 1, 'b2', f'must be in [0, 1), got {self.b2}')
+      require(self.eps > 0, 'eps', f'must be > 0, got {self.eps}')
+      require(self.weight_decay >= 0, 'weight_decay', f'must be >= 0, got {self.weight_decay}')
+      require(self.max_grad_norm >= 0, 'max_grad_norm', f'must be >= 0 (0 disables clipping), got {self.max_grad_norm}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,11 +316,13 @@ def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Confi
   if path is not None:
     if not os.path.isfile(path):
       raise UserError(f'config file {path} not found')
+    text = read_text(path, 'config file')
     try:
-      with open(path) as f:
-        data = yaml.safe_load(f) or {}
+      data = yaml.safe_load(text)
     except yaml.YAMLError as error:
       raise UserError(f'config file {path} is not valid YAML: {str(error).splitlines()[0]}') from None
+    if data is None:
+      raise UserError(f'config file {path} is empty (write at least one section, e.g. from configs/)')
     if not isinstance(data, dict):
       raise UserError(f'config file {path} must hold a mapping of sections, got {type(data).__name__}')
   for assignment in overrides:

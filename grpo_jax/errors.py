@@ -41,3 +41,24 @@ def require(condition: bool, field: str, message: str) -> None:
   """Raises FieldError(field, message) unless condition holds."""
   if not condition:
     raise FieldError(field, message)
+
+
+def read_text(path: str, what: str) -> str:
+  """The UTF-8 text of the file at `path`; a UserError naming it (as `what`, e.g. 'config file')
+  when it is not UTF-8 or cannot be read."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      return f.read()
+  except UnicodeDecodeError as error:
+    raise UserError(f'{what} {path} is not UTF-8 text (byte {error.start}: {error.reason})') from None
+  except OSError as error:
+    raise UserError(f'{what} {path} cannot be read: {error.strerror or error}') from None
+
+
+def root_cause(error: BaseException) -> str:
+  """The first line of the innermost exception `error` was raised from (TensorStore and orbax wrap
+  the message that names the damaged file in several layers of bare exceptions)."""
+  while error.__cause__ is not None:
+    error = error.__cause__
+  text = str(error).strip()
+  return text.splitlines()[0] if text else type(error).__name__

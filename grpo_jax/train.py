@@ -60,17 +60,45 @@ def build_model(model: config_lib.ModelConfig, mesh, seed: int):
   return init_model(model.architecture, options=model, mesh=mesh, seed=seed)
 
 
+def check_workdir(workdir: str) -> None:
+  """One line if `workdir` cannot hold the run's outputs; creates and changes nothing."""
+  path = os.path.abspath(workdir)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise UserError(f'workdir {workdir} is a file, not a directory')
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise UserError(f'workdir {workdir} lies under {existing}, which is a file')
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise UserError(f'workdir {workdir}: {existing} is not writable')
+
+
 def setup(config: config_lib.Config, config_path: str | None, workdir: str | None):
-  """Writes the resolved config to the workdir and builds the mesh and the model."""
+  """Resolves and checks the workdir (writing nothing: Run writes once the run's inputs are all
+  validated) and builds the mesh and the model."""
   workdir = config_lib.resolve_workdir(config, config_path, workdir)
-  os.makedirs(workdir, exist_ok=True)
-  resolved = config_lib.to_yaml(config)
-  with open(os.path.join(workdir, 'config.yaml'), 'w') as f:
-    f.write(resolved)
-  print(f'# resolved config (saved to {workdir}/config.yaml)\n{resolved}', flush=True)
+  check_workdir(workdir)
   mesh = sharding.make_mesh(config.mesh)
   model = build_model(config.model, mesh, config.run.seed)
   return workdir, mesh, model
+
+
+def _flat(tree: dict, prefix: str = '') -> dict:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flat(value, f'{prefix}{key}.'))
+    else:
+      flat[f'{prefix}{key}'] = value
+  return flat
+
+
+def changed_keys(before: dict, after: dict) -> list[str]:
+  """'key: old -> new' for every config key whose value differs between two to_dict() configs."""
+  old, new = _flat(before), _flat(after)
+  return [f'{key}: {old.get(key)!r} -> {new.get(key)!r}' for key in sorted(old.keys() | new.keys())
+          if old.get(key) != new.get(key)]
 
 
 def to_host(metrics: dict) -> dict:
@@ -96,13 +124,30 @@ class Run:
       self.state = create_train_state(params, optimizer, config.run.seed)
     self.rl_step = RLStep(graphdef, task, config.rollout, algo, optimizer, schedule,
                           jax.tree.map(lambda x: x.sharding, self.state))
-    self.checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'), max_to_keep=config.train.max_to_keep)
+    checkpoints = os.path.join(workdir, 'checkpoints')
+    try:  # a new workdir gets its (empty) checkpoints directory; an existing one is not changed
+      os.makedirs(checkpoints, exist_ok=True)
+    except OSError as error:
+      raise UserError(f'workdir {workdir} cannot be created: {error.strerror or error}') from None
+    self.checkpointer = Checkpointer(checkpoints, max_to_keep=config.train.max_to_keep)
     self.data_position = 0  # prompts consumed: a dataset task's order depends only on it and run.seed
     self.saved_step = self.checkpointer.latest_step()
     if self.saved_step is not None:
-      self.state, meta = self.checkpointer.restore(self.saved_step, self.state)
+      try:
+        self.state, meta = self.checkpointer.restore(self.saved_step, self.state)
+      except UserError:
+        self.checkpointer.close()  # its background threads would otherwise die noisily at exit
+        raise
       self.data_position = int(meta['data_position'])
-      print(f'resumed from {self.checkpointer.directory}/{self.saved_step}', file=sys.stderr, flush=True)
+      changes = changed_keys(meta.get('config', {}), config_lib.to_dict(config))
+      print(f'resumed from {self.checkpointer.directory}/{self.saved_step}'
+            + (f' with a changed config: {"; ".join(changes)}' if changes else ''), file=sys.stderr, flush=True)
+    # Every input is validated by now (the task, mesh and model before this object, the
+    # checkpoint just above): only from here on is anything in an existing workdir written.
+    resolved = config_lib.to_yaml(config)
+    with open(os.path.join(workdir, 'config.yaml'), 'w') as f:
+      f.write(resolved)
+    print(f'# resolved config (saved to {workdir}/config.yaml)\n{resolved}', flush=True)
     self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step)
     self.num_params = model.config.num_params()
     self.peak_flops = metrics_lib.matmul_peak_flops(config.model.dtype)

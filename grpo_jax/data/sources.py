@@ -13,7 +13,7 @@ import json
 import os
 
 from grpo_jax import metrics
-from grpo_jax.errors import UserError
+from grpo_jax.errors import UserError, read_text
 
 FILE_FORMATS = ('.jsonl', '.json', '.parquet')
 
@@ -59,8 +59,7 @@ def _load_file(path: str, split: str) -> list[dict]:
     raise UserError(f'task.source {path} not found')
   if extension == '.parquet':
     return _read_parquet(path)
-  with open(path, encoding='utf-8') as f:
-    text = f.read()
+  text = read_text(path, 'task.source')
   if extension == '.jsonl':
     return _read_json_lines(text, path)
   try:

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import os
 
-from grpo_jax.errors import UserError
+from grpo_jax.errors import UserError, read_text
 
 SUPPORTED_ARCHITECTURES = ('Qwen2ForCausalLM',)
 
@@ -159,8 +159,9 @@ def load_hf_config(directory: str) -> Qwen2Config:
   if not os.path.isfile(path):
     raise UserError(f'{path} not found: a model directory needs a config.json')
   try:
-    with open(path) as f:
-      raw = json.load(f)
+    raw = json.loads(read_text(path, 'model config'))
   except json.JSONDecodeError as error:
     raise UserError(f'{path} is not valid JSON ({error.msg} at line {error.lineno})') from None
+  if not isinstance(raw, dict):
+    raise UserError(f'{path} must hold a JSON object of config fields, got a {type(raw).__name__}')
   return from_hf_dict(raw, source=path)

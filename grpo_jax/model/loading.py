@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo_jax.errors import UserError
+from grpo_jax.errors import UserError, root_cause
 from grpo_jax.model import weights
 from grpo_jax.model.config import Qwen2Config, load_hf_config, to_hf_dict
 from grpo_jax.model.qwen2 import ModelOptions, Qwen2
@@ -148,8 +148,10 @@ def load_orbax(directory: str, *, options: ModelOptions = ModelOptions(), mesh: 
       stored = checkpointer.metadata(params_dir).item_metadata
       _check_orbax_tree(stored, target, params_dir)
       restored = checkpointer.restore(params_dir, target)
-  except (ValueError, FileNotFoundError, KeyError) as error:
-    raise UserError(f'{params_dir} could not be restored: {str(error).splitlines()[0]}') from None
+  except UserError:
+    raise
+  except Exception as error:  # orbax and TensorStore raise bare Exceptions for missing or cut files
+    raise UserError(f'{params_dir} could not be restored (missing or damaged data?): {root_cause(error)}') from None
   nnx.replace_by_pure_dict(abstract_state, restored)
   return nnx.merge(graphdef, abstract_state)
 
