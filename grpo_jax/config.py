@@ -321,8 +321,9 @@ def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Confi
       data = yaml.safe_load(text)
     except yaml.YAMLError as error:
       raise UserError(f'config file {path} is not valid YAML: {str(error).splitlines()[0]}') from None
-    if data is None:
+    if data is None and not overrides:  # an empty file and no --set: not a silent default run
       raise UserError(f'config file {path} is empty (write at least one section, e.g. from configs/)')
+    data = data or {}
     if not isinstance(data, dict):
       raise UserError(f'config file {path} must hold a mapping of sections, got {type(data).__name__}')
   for assignment in overrides:
