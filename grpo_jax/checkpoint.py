@@ -11,7 +11,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from grpo_jax.errors import UserError, root_cause
+from grpo_jax.errors import UserError, quiet_abandoned_reads, root_cause
 
 
 class Checkpointer:
@@ -45,6 +45,7 @@ class Checkpointer:
       earlier = [s for s in self.manager.all_steps() if s < step]
       way_out = (f'move it aside to resume from step {max(earlier)}' if earlier
                  else 'no earlier checkpoint to resume from')
+      quiet_abandoned_reads()
       raise UserError(f'checkpoint {self.directory}/{step} cannot be restored (missing or damaged data?): '
                       f'{root_cause(error)}; {way_out}') from None
     return restored.state, restored.meta

@@ -7,6 +7,7 @@ first mistake in one sentence naming the key, e.g. `config key 'mesh.tensor' exp
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import types
 import typing
@@ -53,8 +54,12 @@ class RunConfig:
   """Identity and reproducibility of a run."""
 
   name: str = 'run'  # used in the default workdir runs/<name>-<timestamp>
-  seed: int = 0  # seeds parameter init, sampling and data order
+  seed: int = 0  # >= 0; seeds parameter init, sampling and data order
   workdir: str | None = None  # output directory; None: runs/<name>-<timestamp>
+
+  def __post_init__(self):
+    with _section('run'):
+      require(self.seed >= 0, 'seed', f'must be >= 0, got {self.seed}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +83,14 @@ class AlgoConfig:
 
   group_size: int = 8  # G: completions per prompt
   advantage: Advantage = 'grpo'  # (r - mean_G)/(std_G + eps) | r - mean_G | leave-one-out
-  advantage_epsilon: float = 1e-6  # eps in the GRPO advantage denominator
+  advantage_epsilon: float = 1e-6  # >= 0: eps in the GRPO advantage denominator
   epsilon_low: float = 0.2  # eps_low: ratio clipped below at 1 - eps_low
   epsilon_high: float = 0.2  # eps_high: ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)
   dual_clip: float = 0.0  # c > 1 bounds the surrogate below by c * A for A < 0; 0 disables
   importance_ratio: Literal['token', 'sequence'] = 'token'  # 'sequence' is GSPO's s_i (use eps ~ 3e-4)
   kl_beta: float = 0.0  # beta: weight of KL(pi || pi_ref); 0 keeps no reference parameters
   kl_estimator: KLEstimator = 'k3'  # per-token KL estimator (Schulman 2020)
-  entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
+  entropy_coef: float = 0.0  # >= 0: weight of the entropy bonus (subtracted from the loss)
   loss_aggregation: LossAggregation = 'token-mean'  # see algo.aggregation_weights
   ppo_epochs: int = 1  # mu: passes over each batch; > 1 uses pi_old log-probs and clipping
   num_minibatches: int = 1  # optimizer steps per pass; P * G must divide evenly
@@ -95,6 +100,8 @@ class AlgoConfig:
 
   def __post_init__(self):
     with _section('algo'):
+      require(self.advantage_epsilon >= 0, 'advantage_epsilon', f'must be >= 0, got {self.advantage_epsilon}')
+      require(self.entropy_coef >= 0, 'entropy_coef', f'must be >= 0 (a bonus), got {self.entropy_coef}')
       require(self.group_size >= 2, 'group_size', f'must be >= 2 (a group needs a baseline), got {self.group_size}')
       require(self.num_minibatches >= 1, 'num_minibatches', f'must be >= 1, got {self.num_minibatches}')
       require(self.micro_batch_size >= 0, 'micro_batch_size', f'must be >= 0, got {self.micro_batch_size}')
@@ -273,6 +280,8 @@ def _coerce(kind, value, key: str):
         pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise UserError(f'config key {key!r} expects float, got {value!r}')
+    if not math.isfinite(value):
+      raise UserError(f'config key {key!r} must be a finite number, got {value!r}')
     return float(value)
   if kind is str:
     if not isinstance(value, str):

@@ -1,7 +1,9 @@
 """User-facing errors: one sentence naming the field, file or tensor, and a clean exit."""
 
 import functools
+import logging
 import sys
+import threading
 
 
 class UserError(Exception):
@@ -62,3 +64,38 @@ def root_cause(error: BaseException) -> str:
     error = error.__cause__
   text = str(error).strip()
   return text.splitlines()[0] if text else type(error).__name__
+
+
+def quiet_abandoned_reads() -> None:
+  """After a checkpoint read failed (and was reported as one UserError), drops what orbax's and
+  TensorStore's abandoned concurrent reads print later: the exceptions of read coroutines that are
+  garbage-collected unawaited ('Exception ignored in: <coroutine ...>'), asyncio's 'Task exception
+  was never retrieved', and 'Event loop is closed' from TensorStore's callback threads. Anything
+  else still reaches the previous hooks."""
+  def from_checkpoint_io(exc_value, obj=None) -> bool:
+    code = getattr(obj, 'cr_code', None)
+    if code is not None and ('orbax' in code.co_filename or 'tensorstore' in code.co_filename):
+      return True
+    text = str(exc_value)
+    return 'Encountered error while reading array index' in text or 'Event loop is closed' in text
+
+  previous_unraisable = sys.unraisablehook
+  previous_thread = threading.excepthook
+
+  def unraisable(info):
+    if not from_checkpoint_io(info.exc_value, info.object):
+      previous_unraisable(info)
+
+  def thread(args):
+    if not from_checkpoint_io(args.exc_value):
+      previous_thread(args)
+
+  class _Filter(logging.Filter):
+    def filter(self, record):
+      error = record.exc_info[1] if record.exc_info else None
+      return not (record.getMessage().startswith('Task exception was never retrieved')
+                  or (error is not None and from_checkpoint_io(error)))
+
+  sys.unraisablehook = unraisable
+  threading.excepthook = thread
+  logging.getLogger('asyncio').addFilter(_Filter())

@@ -92,12 +92,13 @@ def test_spec_for_drops_axes_that_do_not_divide():
   assert spec_for((64, 64), ('embed', 'mlp'), {'data': 8, 'fsdp': 1, 'tensor': 1}) == P()
 
 
-@pytest.mark.parametrize('config, message', [
-    (MeshConfig(data=3, fsdp=1, tensor=1), 'but 8 are available'),
-    (MeshConfig(data=-1, fsdp=-1, tensor=1), 'at most one axis may be -1'),
-    (MeshConfig(data=3, fsdp=-1, tensor=1), 'cannot be split'),
-    (MeshConfig(data=0, fsdp=-1, tensor=1), 'mesh.data must be a positive size'),
+@pytest.mark.parametrize('sizes, message', [
+    ((3, 1, 1), 'but 8 are available'),
+    ((-1, -1, 1), 'mesh may have at most one axis of -1'),
+    ((3, -1, 1), 'cannot be split'),
+    ((0, -1, 1), 'mesh.data must be a positive size'),
+    ((1, 1, -2), 'mesh.tensor must be a positive size or -1, got -2'),
 ])
-def test_bad_mesh_shapes_are_one_line_errors(config, message):
+def test_bad_mesh_shapes_are_one_line_errors(sizes, message):
   with pytest.raises(UserError, match=message):
-    make_mesh(config)
+    make_mesh(MeshConfig(*sizes))

@@ -41,6 +41,16 @@ class Qwen2Config:
     for name in positive:
       if getattr(self, name) <= 0:
         raise UserError(f'model architecture field {name} must be positive, got {getattr(self, name)}')
+    if self.head_dim is not None and self.head_dim <= 0:
+      raise UserError(f'model architecture field head_dim must be positive, got {self.head_dim}')
+    for name in ('rope_theta', 'rms_norm_eps', 'max_position_embeddings'):
+      if not getattr(self, name) > 0:
+        raise UserError(f'model architecture field {name} must be positive, got {getattr(self, name)}')
+    if not self.initializer_range >= 0:
+      raise UserError(f'model architecture field initializer_range must be >= 0, got {self.initializer_range}')
+    for token in (*self.eos_token_ids, *([self.bos_token_id] if self.bos_token_id is not None else [])):
+      if token < 0:
+        raise UserError(f'model architecture token ids must be >= 0, got {token}')
     if self.num_attention_heads % self.num_key_value_heads:
       raise UserError(
           f'num_attention_heads ({self.num_attention_heads}) must be a multiple of '

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo_jax.errors import UserError, root_cause
+from grpo_jax.errors import UserError, quiet_abandoned_reads, root_cause
 from grpo_jax.model import weights
 from grpo_jax.model.config import Qwen2Config, load_hf_config, to_hf_dict
 from grpo_jax.model.qwen2 import ModelOptions, Qwen2
@@ -151,6 +151,7 @@ def load_orbax(directory: str, *, options: ModelOptions = ModelOptions(), mesh: 
   except UserError:
     raise
   except Exception as error:  # orbax and TensorStore raise bare Exceptions for missing or cut files
+    quiet_abandoned_reads()
     raise UserError(f'{params_dir} could not be restored (missing or damaged data?): {root_cause(error)}') from None
   nnx.replace_by_pure_dict(abstract_state, restored)
   return nnx.merge(graphdef, abstract_state)

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from grpo_jax.errors import UserError
+from grpo_jax.errors import UserError, require
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
 
@@ -47,16 +47,18 @@ class MeshConfig:
   fsdp: int = -1  # data parallelism with parameters sharded along the embed dimension
   tensor: int = 1  # tensor parallelism over heads, MLP hidden and vocab
 
+  def __post_init__(self):
+    shape = (self.data, self.fsdp, self.tensor)
+    for name, size in zip(MESH_AXES, shape):
+      require(size >= 1 or size == -1, f'mesh.{name}', f'must be a positive size or -1, got {size}')
+    require(shape.count(-1) <= 1, 'mesh',
+            f'may have at most one axis of -1, got data={shape[0]} fsdp={shape[1]} tensor={shape[2]}')
+
 
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """Builds a ('data', 'fsdp', 'tensor') mesh over `devices` (default: all devices)."""
   devices = list(devices) if devices is not None else jax.devices()
-  shape = [config.data, config.fsdp, config.tensor]
-  if sum(size == -1 for size in shape) > 1:
-    raise UserError(f'mesh: at most one axis may be -1, got data={shape[0]} fsdp={shape[1]} tensor={shape[2]}')
-  for name, size in zip(MESH_AXES, shape):
-    if size == 0 or size < -1:
-      raise UserError(f'mesh.{name} must be a positive size or -1, got {size}')
+  shape = [config.data, config.fsdp, config.tensor]  # sizes checked by MeshConfig
   known = math.prod(size for size in shape if size != -1)
   if -1 in shape:
     if len(devices) % known:
