@@ -122,6 +122,19 @@ def test_workdir_that_is_a_file_or_lies_under_one(tmp_path):
   assert blocker.read_text() == 'keep me\n'
 
 
+@pytest.mark.skipif(os.geteuid() == 0, reason='root writes into read-only directories')
+def test_workdir_that_is_not_writable(tmp_path):
+  locked = tmp_path / 'locked'
+  locked.mkdir()
+  locked.chmod(0o555)
+  try:
+    one_error_line(run_cli('grpo_jax.train', *TINY, '--workdir', str(locked / 'run')),
+                   f'{locked} is not writable')
+    assert not (locked / 'run').exists()
+  finally:
+    locked.chmod(0o755)
+
+
 def test_failed_run_changes_nothing_in_the_workdir(trained_workdir, tmp_path):
   """A bad mesh, a model of another shape (its checkpoint does not match) and a missing dataset
   all fail before anything in the existing workdir is written."""
