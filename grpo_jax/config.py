@@ -15,7 +15,9 @@ from typing import Literal
 
 import yaml
 
+from grpo_jax.data.adapters import DatasetFormat
 from grpo_jax.data.arith import check_arguments as check_arith_arguments
+from grpo_jax.data.reward_terms import RewardTerm
 from grpo_jax.errors import FieldError, UserError, read_text, require
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.qwen2 import DType, ModelOptions
@@ -97,6 +99,12 @@ class AlgoConfig:
   micro_batch_size: int = 0  # rows per gradient-accumulation chunk (lax.scan); 0: whole mini-batch
   tis_cap: float = 0.0  # C: truncated importance weight min(pi_old / pi_sampler, C); 0 disables
   logprob_implementation: LogprobImplementation = 'auto'  # ops.token_logprobs
+  # DAPO dynamic sampling: groups whose G rewards are all equal are dropped and further rounds of P
+  # prompts are sampled until P informative groups are found or max_sampling_rounds rounds are
+  # spent; then the step trains on the informative groups found, filled up with the latest dropped
+  # (zero-advantage) groups. Every prompt sampled counts as consumed.
+  dynamic_sampling: bool = False
+  max_sampling_rounds: int = 4  # >= 1: rounds of P prompts per step at most (dynamic_sampling)
 
   def __post_init__(self):
     with _section('algo'):
@@ -106,6 +114,7 @@ class AlgoConfig:
       require(self.num_minibatches >= 1, 'num_minibatches', f'must be >= 1, got {self.num_minibatches}')
       require(self.micro_batch_size >= 0, 'micro_batch_size', f'must be >= 0, got {self.micro_batch_size}')
       require(self.ppo_epochs >= 1, 'ppo_epochs', f'must be >= 1, got {self.ppo_epochs}')
+      require(self.max_sampling_rounds >= 1, 'max_sampling_rounds', f'must be >= 1, got {self.max_sampling_rounds}')
       require(0 <= self.epsilon_low < 1, 'epsilon_low', f'must be in [0, 1), got {self.epsilon_low}')
       require(self.epsilon_high >= 0, 'epsilon_high', f'must be >= 0, got {self.epsilon_high}')
       require(self.dual_clip == 0 or self.dual_clip > 1, 'dual_clip', f'must be 0 (off) or > 1, got {self.dual_clip}')
@@ -142,6 +151,20 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataSource:
+  """One more dataset a math task trains on (task.mix), read like task.source."""
+
+  source: str = ''  # .jsonl/.json/.parquet file, hf:<name>[:<config>] or tfds:<name>
+  split: str = 'train'
+  format: DatasetFormat = 'custom'  # dataset schema (data/adapters.py)
+  prompt_field: str = 'prompt'  # format custom: field holding the question
+  answer_field: str = 'answer'  # format custom: field holding the reference answer
+
+  def __post_init__(self):
+    require(bool(self.source), 'source', 'must name a dataset')
+
+
+@dataclasses.dataclass(frozen=True)
 class TaskConfig:
   """What the policy is asked and how it is scored (data/arith.py, data/math_task.py)."""
 
@@ -150,10 +173,13 @@ class TaskConfig:
   operators: str = '+'  # arith: operators drawn uniformly from these characters (+ - *)
   source: str | None = None  # math: .jsonl/.json/.parquet file, hf:<name>[:<config>] or tfds:<name>
   split: str = 'train'  # math: dataset split
-  prompt_field: str = 'prompt'  # math: field holding the question
-  answer_field: str = 'answer'  # math: field holding the reference answer
+  format: DatasetFormat = 'custom'  # math: dataset schema (data/adapters.py): custom uses the two fields below
+  prompt_field: str = 'prompt'  # math, format custom: field holding the question (or chat messages)
+  answer_field: str = 'answer'  # math, format custom: field holding the reference answer
+  mix: tuple[DataSource, ...] = ()  # math: more datasets, shuffled into one stream with task.source
   prompt_template: str = '{prompt}'  # math: format string; chat models go through the chat template
   chat_template: bool = True  # math: apply the tokenizer's chat template when it has one
+  tokenizer: str | None = None  # math: directory of the Hugging Face tokenizer; None: model.path's
   max_prompt_tokens: int = 512  # math: prompts are left-padded to this; longer prompts are skipped
   reward_workers: int = 4  # math: processes verifying answers with math-verify
 
@@ -163,6 +189,36 @@ class TaskConfig:
         check_arith_arguments(self.max_operand, self.operators)
       require(self.reward_workers >= 1, 'reward_workers', f'must be >= 1, got {self.reward_workers}')
       require(self.max_prompt_tokens >= 1, 'max_prompt_tokens', f'must be >= 1, got {self.max_prompt_tokens}')
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Held-out evaluation: `python -m grpo_jax.eval`, and every `every` steps of training. Prompts
+  are rendered like the task's (template, chat template, max_prompt_tokens)."""
+
+  source: str | None = None  # problems: .jsonl/.json/.parquet, hf:<name>[:<config>] or tfds:<name>; None: none
+  split: str = 'test'
+  format: DatasetFormat = 'custom'  # dataset schema (data/adapters.py)
+  prompt_field: str = 'prompt'  # format custom: field holding the question
+  answer_field: str = 'answer'  # format custom: field holding the reference answer
+  every: int = 0  # RL steps between evaluations during training (and after the last); 0: never
+  samples: int = 8  # n: answers sampled per problem, n >= k
+  k: int = 8  # pass@k, mean@k and maj@k are reported for k' = 1, 2, 4, ... up to k
+  temperature: float = 1.0  # sampling temperature of the n answers
+  greedy: bool = True  # also decode one greedy answer per problem (greedy accuracy)
+  max_problems: int = 0  # the first this many problems of the set; 0: all
+  batch_prompts: int = 8  # problems per sampler call (each with its n answers)
+  max_new_tokens: int = 0  # answer budget; 0: rollout.max_new_tokens
+
+  def __post_init__(self):
+    with _section('eval'):
+      require(self.every >= 0, 'every', f'must be >= 0, got {self.every}')
+      require(self.k >= 1, 'k', f'must be >= 1, got {self.k}')
+      require(self.samples >= self.k, 'samples', f'({self.samples}) must be >= k ({self.k})')
+      require(self.temperature > 0, 'temperature', f'must be > 0, got {self.temperature}')
+      require(self.max_problems >= 0, 'max_problems', f'must be >= 0, got {self.max_problems}')
+      require(self.batch_prompts >= 1, 'batch_prompts', f'must be >= 1, got {self.batch_prompts}')
+      require(self.max_new_tokens >= 0, 'max_new_tokens', f'must be >= 0, got {self.max_new_tokens}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +263,9 @@ class Config:
   algo: AlgoConfig = AlgoConfig()
   optim: OptimConfig = OptimConfig()
   train: TrainConfig = TrainConfig()
+  # Terms of a dataset task's reward (data/reward_terms.py); empty: the math check alone.
+  rewards: tuple[RewardTerm, ...] = ()
+  eval: EvalConfig = EvalConfig()
 
   def __post_init__(self):
     algo = self.algo
@@ -221,8 +280,17 @@ class Config:
     require(self.task.name != 'math' or bool(self.task.source), 'task.source',
             'must name the problems for task.name=math (a .jsonl/.json/.parquet file, hf:<name>[:<config>] '
             'or tfds:<name>)')
-    require(self.task.name != 'math' or bool(self.model.path), 'model.path',
-            'must be set for task.name=math: the tokenizer is read from the model directory')
+    require(self.train.steps_per_call == 1 or not algo.dynamic_sampling, 'train.steps_per_call',
+            '> 1 cannot be combined with algo.dynamic_sampling (the host decides how many rounds to sample)')
+    require(not self.rewards or self.task.name == 'math', 'rewards',
+            f'apply to dataset tasks (task.name=math); task {self.task.name!r} has its own reward')
+    for index, term in enumerate(self.rewards):
+      require(term.buffer_tokens <= self.rollout.max_new_tokens, f'rewards[{index}].buffer_tokens',
+              f'({term.buffer_tokens}) must be <= rollout.max_new_tokens ({self.rollout.max_new_tokens})')
+    require(self.eval.source is None or self.task.name == 'math', 'eval.source',
+            f'needs a dataset task (task.name=math); task {self.task.name!r} has no text answers to check')
+    require(self.task.name != 'math' or bool(self.model.path or self.task.tokenizer), 'model.path',
+            'or task.tokenizer must be set for task.name=math: the tokenizer is read from that directory')
 
 
 # ---- loading ----
@@ -299,8 +367,10 @@ def _build(cls, data: dict, prefix: str = ''):
   values = {name: _coerce(hints[name], data[name], prefix + name) for name in names if name in data}
   try:
     return cls(**values)
-  except FieldError:
-    raise  # a section's own check, already naming the field as the user writes it
+  except FieldError as error:  # a section's own check: name the field as the user writes it
+    if prefix and not error.field.startswith(prefix.split('.')[0]):
+      raise error.renamed(prefix + error.field) from None
+    raise
   except UserError as error:
     raise UserError(f'config section {prefix.rstrip(".") or "top level"}: {error}') from None
 

@@ -21,7 +21,7 @@ from grpo_jax.config import AlgoConfig, RolloutConfig, completions_per_step
 # Columns of the end-of-run summary table: (metric, format).
 SUMMARY = (('reward_mean', '{:.3f}'), ('reward_std', '{:.3f}'), ('response_len_mean', '{:.1f}'),
            ('policy_loss', '{:+.4f}'), ('kl', '{:.4f}'), ('entropy', '{:.3f}'), ('grad_norm', '{:.3f}'),
-           ('reward_failures', '{:.0f}'), ('step_time_s', '{:.3f}'))
+           ('reward_failures', '{:.0f}'), ('eval/pass@1', '{:.3f}'), ('step_time_s', '{:.3f}'))
 
 
 @contextlib.contextmanager
@@ -66,8 +66,8 @@ class MetricsLog:
   recomputed) are dropped, so the file reads as one uninterrupted run.
   """
 
-  def __init__(self, workdir: str, *, resume_step: int = 0, tensorboard: bool = True):
-    self.path = os.path.join(workdir, 'metrics.jsonl')
+  def __init__(self, workdir: str, *, resume_step: int = 0, tensorboard: bool = True, name: str = 'metrics.jsonl'):
+    self.path = os.path.join(workdir, name)
     self.history: list[dict] = []
     if os.path.exists(self.path):
       with open(self.path) as f:
@@ -100,11 +100,12 @@ class ProgressBar:
   """`step 40/200 [#####-----] 20% reward 0.41 | 12s elapsed, ETA 48s` on a terminal; on a pipe
   (CI, logs) the same text as a plain line about every 10% of the run."""
 
-  def __init__(self, total: int, start: int = 0, stream=None, enabled: bool = True):
-    self.total, self.start, self.enabled = total, start, enabled
+  def __init__(self, total: int, start: int = 0, stream=None, enabled: bool = True, noun: str = 'step',
+               metric: str = 'reward'):
+    self.total, self.start, self.enabled, self.noun, self.metric = total, start, enabled, noun, metric
     self.stream = stream or sys.stderr
     self.started = time.perf_counter()
-    self.tty = getattr(stream, 'isatty', lambda: False)()
+    self.tty = getattr(self.stream, 'isatty', lambda: False)()
     self.last_line = -1
 
   def update(self, step: int, reward: float | None) -> None:
@@ -116,8 +117,8 @@ class ProgressBar:
     width = 24
     filled = int(width * step / max(self.total, 1))
     reward_text = '-' if reward is None else f'{reward:.3f}'
-    text = (f'step {step}/{self.total} [{"#" * filled}{"-" * (width - filled)}] '
-            f'{100 * step / max(self.total, 1):3.0f}% reward {reward_text} | '
+    text = (f'{self.noun} {step}/{self.total} [{"#" * filled}{"-" * (width - filled)}] '
+            f'{100 * step / max(self.total, 1):3.0f}% {self.metric} {reward_text} | '
             f'{elapsed:.0f}s elapsed, ETA {eta:.0f}s')
     if self.tty:
       self.stream.write('\r' + text)
@@ -137,12 +138,13 @@ def summary_table(history: list[dict], rows: int = 8) -> str:
   if not history:
     return '(no steps)'
   picks = sorted({round(i * (len(history) - 1) / max(rows - 1, 1)) for i in range(rows)})
-  header = ['step'] + [name for name, _ in SUMMARY]
+  columns = [(name, fmt) for name, fmt in SUMMARY if any(row.get(name) is not None for row in history)]
+  header = ['step'] + [name for name, _ in columns]
   table = [header]
   for index in picks:
     row = history[index]
     table.append([str(row['step'])] + ['-' if row.get(name) is None else fmt.format(row[name])
-                                       for name, fmt in SUMMARY])
+                                       for name, fmt in columns])
   widths = [max(len(r[c]) for r in table) for c in range(len(header))]
   return '\n'.join('  '.join(cell.rjust(w) for cell, w in zip(r, widths)) for r in table)
 

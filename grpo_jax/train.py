@@ -48,7 +48,7 @@ def build_task(config: config_lib.Config) -> Task:
                       f'longest answer with its end token ({built.answer_length})')
     return built
   from grpo_jax.data.math_task import MathTask
-  return MathTask(task, config.model.path, config.run.seed)
+  return MathTask(task, config.model.path, config.run.seed, config.rewards, config.rollout.max_new_tokens)
 
 
 def build_model(model: config_lib.ModelConfig, mesh, seed: int):
@@ -171,20 +171,24 @@ class Run:
     return [dict({name: value[i] for name, value in stacked.items()}, **timing) for i in range(count)]
 
   def host_step(self) -> dict:
-    """One RL step with its stages run one by one, the reward on the host; times each stage."""
-    times = [time.perf_counter()]
+    """One RL step with its stages run one by one, the reward on the host; times each stage
+    (summed over the sampling rounds of dynamic sampling)."""
+    seconds = dict(rollout=0.0, reward=0.0, update=0.0)
+    begin = mark = time.perf_counter()
 
     def observe(stage, value):
+      nonlocal mark
       jax.block_until_ready(value)
-      times.append(time.perf_counter())
+      now = time.perf_counter()
+      seconds[stage] += now - mark
+      mark = now
 
     with jax.set_mesh(self.mesh):
       self.state, metrics = self.rl_step(self.state, self.ref_params, self.data_position, observe)
       metrics = to_host(metrics)
-    self.data_position += self.config.rollout.prompts_per_step
-    begin, rolled, scored, end = times
-    return dict(metrics, rollout_s=rolled - begin, reward_s=scored - rolled, update_s=end - scored,
-                step_time_s=end - begin)
+    self.data_position += int(metrics['sampling_rounds']) * self.config.rollout.prompts_per_step
+    return dict(metrics, rollout_s=seconds['rollout'], reward_s=seconds['reward'], update_s=seconds['update'],
+                step_time_s=mark - begin)
 
   def record(self, step: int, metrics: dict) -> dict:
     step_time = metrics['step_time_s']
@@ -212,18 +216,54 @@ class Run:
     self.log.close()
 
 
+class InTrainingEval:
+  """The `eval` section during training: the Evaluator on the live parameters every `eval.every`
+  steps, after the last step, and once before the first (the untrained baseline); each summary
+  goes to eval.jsonl (and the step's metrics row), each problem's samples to eval/samples_<step>.jsonl."""
+
+  def __init__(self, config: config_lib.Config, workdir: str, run: 'Run', task: Task):
+    from grpo_jax.eval import Evaluator
+    self.every, self.total, self.workdir, self.run = config.eval.every, config.train.steps, workdir, run
+    self.evaluator = Evaluator(config, task, run.rl_step.graphdef, run.state.params)
+    self.log = metrics_lib.MetricsLog(workdir, resume_step=run.step, tensorboard=False, name='eval.jsonl')
+
+  def due(self, step: int) -> bool:
+    return step % self.every == 0 or step == self.total
+
+  def __call__(self) -> dict:
+    step = self.run.step
+    with jax.set_mesh(self.run.mesh):
+      summary = self.evaluator.run(self.run.state.params, os.path.join(self.workdir, 'eval', f'samples_{step}.jsonl'))
+    self.log.write(step, summary)
+    shown = ', '.join(f'{name[5:]} {value:.3f}' for name, value in summary.items()
+                      if name.count('/') == 1 and isinstance(value, float))
+    print(f'eval at step {step}: {shown}', file=sys.stderr, flush=True)
+    return summary
+
+  def close(self) -> None:
+    self.evaluator.close()
+    self.log.close()
+
+
 def train(config: config_lib.Config, workdir: str, mesh, model) -> list[dict]:
   """Runs (or resumes) the loop to `train.steps`; returns the metrics history."""
   task = build_task(config)
+  evaluation = None
   try:
     run = Run(config, workdir, mesh, model, task)
     try:
       total, every = config.train.steps, config.train.checkpoint_every
+      if config.eval.every:
+        evaluation = InTrainingEval(config, workdir, run, task)
+        if run.step == 0:
+          evaluation()
       chunk = config.train.steps_per_call if task.jittable else 1
       progress = metrics_lib.ProgressBar(total, start=run.step, enabled=config.train.progress)
       while run.step < total:
         first = run.step
         rows = run.fused_steps(min(chunk, total - first)) if chunk > 1 else [run.host_step()]
+        if evaluation is not None and evaluation.due(run.step):
+          rows[-1].update(evaluation())
         for offset, row in enumerate(rows, start=1):
           written = run.record(first + offset, row)
         progress.update(run.step, written['reward_mean'])
@@ -234,6 +274,8 @@ def train(config: config_lib.Config, workdir: str, mesh, model) -> list[dict]:
       if run.saved_step != run.step:
         run.save()
     finally:
+      if evaluation is not None:
+        evaluation.close()
       run.close()
   finally:
     task.close()  # the math task's reward worker processes

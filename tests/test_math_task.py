@@ -268,7 +268,8 @@ def test_order_is_a_function_of_seed_and_position(tmp_path):
 def test_overlong_prompts_are_dropped_once(tmp_path, capsys):
   model_path = chat_tokenizer_dir(tmp_path / 'tok')
   task = make_task(model_path, write_problems(tmp_path / 'p.jsonl', 8, long_ones=(2, 5)))
-  assert 'skipped 2 of 8 prompts' in capsys.readouterr().err
+  assert 'kept 6 of 8 records; skipped 2 longer than task.max_prompt_tokens=48, 0 without an answer' in \
+      capsys.readouterr().err
   assert task.num_prompts == 6
   seen = set(task.answers[i] for i in task.order(0, 12))
   assert seen == {str(i + 1) for i in range(8) if i not in (2, 5)}
@@ -283,7 +284,9 @@ def test_configuration_errors(tmp_path):
   assert 'task.source' in one_line_error(make_task, str(tmp_path), None)
   model_path = chat_tokenizer_dir(tmp_path / 'tok')
   message = one_line_error(make_task, model_path, source, answer_field='answer')
-  assert "task.answer_field 'answer'" in message and source in message
+  assert "none of its 2 records has a usable reference answer (field 'answer')" in message and source in message
+  message = one_line_error(make_task, model_path, source, prompt_field='question')
+  assert "record 0 has no question in field 'question'" in message and source in message
 
 
 # ---- MathTask: rewards ----

@@ -1,13 +1,16 @@
 """Math word problems from a dataset, rewarded on the host by checking answers with math-verify.
 
-The task reads the records of `task.source` (data/sources.py), renders each question through
+The task reads the records of `task.source` (data/sources.py), maps them to (question, reference
+answer) with the `task.format` adapter (data/adapters.py), renders each question through
 `task.prompt_template` and, for chat models, the tokenizer's chat template, tokenizes everything
-once, and drops prompts longer than `task.max_prompt_tokens`. Prompts are served in a seeded
+once, and drops prompts longer than `task.max_prompt_tokens` (a ProblemSet; evaluation reads its
+held-out problems the same way). Prompts are served in a seeded
 shuffle per epoch: the prompts of a step depend only on (run.seed, number of prompts consumed so
 far), so a resumed run sees exactly the prompts the uninterrupted run would have seen.
-Completions are decoded and scored 1.0 / 0.0 against the reference answers in a pool of
-`task.reward_workers` processes (data/rewards.py); checks that time out or crash score 0 and are
-counted in `Scores.failures`.
+Completions are decoded and scored by the run's reward terms (data/reward_terms.py; by default the
+math-verify check alone, 1.0 / 0.0 against the reference answer, in a pool of
+`task.reward_workers` processes); checks that time out or crash score 0 and are counted in
+`Scores.failures`.
 """
 
 import sys
@@ -18,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.config import TaskConfig
-from grpo_jax.data.rewards import RewardPool
-from grpo_jax.data.sources import column, load_records
+from grpo_jax.data.adapters import adapt
+from grpo_jax.data.reward_terms import RewardComposer, RewardTerm
+from grpo_jax.data.sources import load_records
 from grpo_jax.data.task import Prompts, Scores
 from grpo_jax.errors import UserError
 from grpo_jax.model.loading import load_tokenizer
@@ -27,58 +31,51 @@ from grpo_jax.sampler.rollout import Rollout
 from grpo_jax.sampler.special_tokens import special_tokens
 
 
-class MathTask:
-  """Prompts from `task.source`, rewards from math-verify on the host (a Task). The tokenizer is
-  read from `model_path`; `seed` (run.seed) orders the prompts."""
+class ProblemSet:
+  """The problems of one or more datasets, ready for the policy: `prompt_ids` (token ids of each
+  rendered prompt, at most `max_prompt_tokens`), `answers` (reference strings), `data_sources`, `texts`.
 
-  jittable = False
+  datasets: sections naming each dataset (task, task.mix entries or eval config: source, split,
+  format, prompt_field, answer_field), `section` their name in messages; rendering follows `task`
+  (template, chat template, max_prompt_tokens). Prints the kept / skipped counts of each dataset.
+  """
 
-  def __init__(self, task: TaskConfig, model_path: str, seed: int):
-    self.tokenizer = load_tokenizer(model_path)
-    if self.tokenizer is None:
-      raise UserError(f'model.path {model_path} has no tokenizer (tokenizer.json or vocab.json)')
-    self.task_config, self.seed = task, seed
-    self.vocab_size = len(self.tokenizer)
-    special = special_tokens(self.tokenizer)
-    if special.eos_id is None:
-      raise UserError(f'the tokenizer in model.path {model_path} has no eos token (set eos_token in '
-                      'tokenizer_config.json)')
-    self.eos_id, self.pad_id, self.stop_token_ids = special.eos_id, special.pad_id, special.stop_ids
-    self.prompt_length = task.max_prompt_tokens
-    self.use_chat_template = task.chat_template and bool(getattr(self.tokenizer, 'chat_template', None))
-    if '\0' not in _format(task.prompt_template, '\0'):
-      raise UserError(f'task.prompt_template {task.prompt_template!r} has no {{prompt}} for the question')
-    self._load(task)
-    self._permutations = {}
-    self._pool = None
+  def __init__(self, tokenizer, use_chat_template: bool, task: TaskConfig, datasets, section: str):
+    self.tokenizer, self.use_chat_template, self.task_config = tokenizer, use_chat_template, task
+    self.prompt_ids, self.answers, self.data_sources, self.texts = [], [], [], []
+    for data in datasets:
+      self._add(data, section)
+    if not self.prompt_ids:
+      raise UserError(f'{section}: every prompt is longer than task.max_prompt_tokens={task.max_prompt_tokens} tokens')
 
-  # ---- data ----
-
-  def _load(self, task: TaskConfig) -> None:
-    records = load_records(task.source, task.split)
-    questions = column(records, task.prompt_field, 'task.prompt_field', task.source)
-    answers = column(records, task.answer_field, 'task.answer_field', task.source)
-    texts = [self.render(question, index) for index, question in enumerate(questions)]
-    ids = self.tokenizer(texts, add_special_tokens=not self.use_chat_template)['input_ids']
+  def _add(self, data, section: str) -> None:
+    task = self.task_config
+    records = load_records(data.source, data.split)
+    adapted = adapt(records, data.format, data.source, data.prompt_field, data.answer_field)
+    texts = [self.render(problem.prompt, index, section) for index, problem in enumerate(adapted.problems)]
+    ids = self.tokenizer(texts, add_special_tokens=not self.use_chat_template)['input_ids'] if texts else []
     keep = [index for index, row in enumerate(ids) if 0 < len(row) <= task.max_prompt_tokens]
-    if not keep:
-      raise UserError(f'every prompt of {task.source} is longer than task.max_prompt_tokens='
+    print(f'{section}: {data.source} ({data.split}, format {data.format}): kept {len(keep)} of {len(records)} '
+          f'records; skipped {len(ids) - len(keep)} longer than task.max_prompt_tokens={task.max_prompt_tokens}, '
+          f'{adapted.skipped_no_answer} without an answer', file=sys.stderr, flush=True)
+    if ids and not keep:
+      raise UserError(f'every prompt of {data.source} is longer than task.max_prompt_tokens='
                       f'{task.max_prompt_tokens} tokens (the shortest has {min(map(len, ids))})')
-    if len(keep) < len(ids):
-      print(f'task: skipped {len(ids) - len(keep)} of {len(ids)} prompts of {task.source} longer than '
-            f'task.max_prompt_tokens={task.max_prompt_tokens}', file=sys.stderr, flush=True)
-    self.prompt_ids = [np.asarray(ids[index], np.int32) for index in keep]
-    self.answers = [str(answers[index]) for index in keep]
-    self.texts = [texts[index] for index in keep]
+    self.prompt_ids += [np.asarray(ids[index], np.int32) for index in keep]
+    self.answers += [adapted.problems[index].answer for index in keep]
+    self.data_sources += [adapted.problems[index].data_source for index in keep]
+    self.texts += [texts[index] for index in keep]
 
-  def render(self, question, index: int = 0) -> str:
+  def __len__(self) -> int:
+    return len(self.prompt_ids)
+
+  def render(self, question, index: int = 0, section: str = 'task') -> str:
     """The prompt text of one question: the template, then the chat template for chat models."""
-    if isinstance(question, list):  # already chat messages, as in some RL datasets
+    if not isinstance(question, str):  # already chat messages, as in some RL datasets
       if not self.use_chat_template:
-        raise UserError(f'task.prompt_field {self.task_config.prompt_field!r} holds chat messages in record {index} '
-                        f'of {self.task_config.source}; they need task.chat_template: true and a tokenizer with a '
-                        'chat template')
-      messages = question
+        raise UserError(f'{section}: record {index} holds chat messages; they need task.chat_template: true and a '
+                        'tokenizer with a chat template')
+      messages = list(question)
     else:
       text = _format(self.task_config.prompt_template, question)
       if not self.use_chat_template:
@@ -86,9 +83,59 @@ class MathTask:
       messages = [{'role': 'user', 'content': text}]
     return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+  def left_padded(self, indices, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, mask) [len(indices), length] int32 of the problems at `indices`, left-padded."""
+    tokens = np.full((len(indices), length), pad_id, np.int32)
+    mask = np.zeros((len(indices), length), np.int32)
+    for row, index in enumerate(indices):
+      ids = self.prompt_ids[index]
+      tokens[row, length - len(ids):] = ids
+      mask[row, length - len(ids):] = 1
+    return tokens, mask
+
+
+class MathTask:
+  """Prompts from `task.source`, rewards from the run's terms on the host (a Task). The tokenizer
+  is read from `task.tokenizer`, else `model_path`; `seed` (run.seed) orders the prompts; `rewards` (the config's terms;
+  empty: the math check alone) and `max_new_tokens` (the overlong term's budget) shape the reward."""
+
+  jittable = False
+
+  def __init__(self, task: TaskConfig, model_path: str, seed: int, rewards: tuple[RewardTerm, ...] = (),
+               max_new_tokens: int = 0, problems: bool = True):
+    where = f'task.tokenizer {task.tokenizer}' if task.tokenizer else f'model.path {model_path}'
+    self.tokenizer = load_tokenizer(task.tokenizer or model_path)
+    if self.tokenizer is None:
+      raise UserError(f'{where} has no tokenizer (tokenizer.json or vocab.json)')
+    self.task_config, self.seed = task, seed
+    self.vocab_size = len(self.tokenizer)
+    special = special_tokens(self.tokenizer)
+    if special.eos_id is None:
+      raise UserError(f'the tokenizer in {where} has no eos token (set eos_token in '
+                      'tokenizer_config.json)')
+    self.eos_id, self.pad_id, self.stop_token_ids = special.eos_id, special.pad_id, special.stop_ids
+    self.prompt_length = task.max_prompt_tokens
+    self.use_chat_template = task.chat_template and bool(getattr(self.tokenizer, 'chat_template', None))
+    if '\0' not in _format(task.prompt_template, '\0'):
+      raise UserError(f'task.prompt_template {task.prompt_template!r} has no {{prompt}} for the question')
+    # problems=False: only the tokenizer, rendering and stop ids (evaluation brings its own problems).
+    self.problems = (ProblemSet(self.tokenizer, self.use_chat_template, task, (task, *task.mix), 'task')
+                     if problems else None)
+    self.composer = RewardComposer(rewards or (RewardTerm('math'),), max_new_tokens, task.reward_workers)
+    weakref.finalize(self, self.composer.close)  # the workers end with the task, not only at exit
+    self._permutations = {}
+
+  @property
+  def answers(self) -> list[str]:
+    return self.problems.answers
+
+  @property
+  def texts(self) -> list[str]:
+    return self.problems.texts
+
   @property
   def num_prompts(self) -> int:
-    return len(self.prompt_ids)
+    return len(self.problems)
 
   def order(self, position: int, count: int) -> np.ndarray:
     """Dataset indices of prompts position .. position + count - 1 of the run's stream: epoch e
@@ -113,12 +160,7 @@ class MathTask:
     `position`, which checkpoints record."""
     del key
     indices = self.order(position, count)
-    tokens = np.full((count, self.prompt_length), self.pad_id, np.int32)
-    mask = np.zeros((count, self.prompt_length), np.int32)
-    for row, index in enumerate(indices):
-      ids = self.prompt_ids[index]
-      tokens[row, self.prompt_length - len(ids):] = ids
-      mask[row, self.prompt_length - len(ids):] = 1
+    tokens, mask = self.problems.left_padded(indices, self.prompt_length, self.pad_id)
     return Prompts(tokens=jnp.asarray(tokens), mask=jnp.asarray(mask),
                    answers=[self.answers[index] for index in indices])
 
@@ -132,23 +174,18 @@ class MathTask:
             for row, keep in zip(tokens, mask)]
 
   def reward(self, rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
-    """Rewards [P * G] (float32): row p * G + g is completion g of prompt p."""
+    """Rewards [P * G] (float32): row p * G + g is completion g of prompt p; each term's values
+    in `Scores.terms`."""
     completions = self.decode(rollout.tokens, rollout.mask)
     answers = [answer for answer in prompts.answers for _ in range(group_size)]
     if len(completions) != len(answers):
       raise ValueError(f'{len(completions)} completions for {len(prompts.answers)} prompts x {group_size}')
-    if self._pool is None:
-      self._pool = RewardPool(self.task_config.reward_workers)
-      weakref.finalize(self, self._pool.close)  # the workers end with the task, not only at exit
-    failures = self._pool.failures
-    rewards = self._pool.map(completions, answers)
-    return Scores(rewards=jnp.asarray(rewards, jnp.float32),
-                  failures=jnp.asarray(self._pool.failures - failures, jnp.int32))
+    composed = self.composer.score(completions, answers, np.asarray(rollout.lengths), np.asarray(rollout.stopped))
+    return Scores(rewards=jnp.asarray(composed.total, jnp.float32), failures=jnp.asarray(composed.failures, jnp.int32),
+                  terms={label: jnp.asarray(values, jnp.float32) for label, values in composed.terms.items()})
 
   def close(self) -> None:
-    if self._pool is not None:
-      self._pool.close()
-      self._pool = None
+    self.composer.close()
 
 
 def _format(template: str, question) -> str:

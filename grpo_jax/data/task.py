@@ -35,12 +35,15 @@ class Prompts:
 class Scores:
   """Rewards of one step's P * G completions (row p * G + g is sample g of prompt p).
 
-  rewards:   [P*G] fp32.
+  rewards:   [P*G] fp32, the reward each completion trains on.
   failures:  int32 count of completions whose check timed out or crashed (scored 0).
+  terms:     {label: [P*G] fp32} the unweighted terms a composed reward is the sum of (logged as
+             reward/<label>); empty for a task with a single reward.
   """
 
   rewards: jax.Array
   failures: jax.Array
+  terms: dict = dataclasses.field(default_factory=dict)
 
 
 class Task(Protocol):

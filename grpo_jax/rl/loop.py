@@ -10,6 +10,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -42,7 +43,8 @@ def rollout_metrics(rollout: Rollout, scores: Scores, group_size: int) -> dict:
               frac_zero_std_groups=jnp.mean(jnp.all(grouped == grouped[:, :1], axis=1)),
               response_len_mean=lengths.mean(), response_len_max=lengths.max(),
               truncated_frac=1.0 - rollout.stopped.astype(jnp.float32).mean(),
-              completion_tokens=lengths.sum())
+              completion_tokens=lengths.sum(),
+              **{f'reward/{label}': values.mean() for label, values in scores.terms.items()})
 
 
 def _no_observer(stage: str, value) -> None:
@@ -83,9 +85,12 @@ class RLStep:
 
   def __call__(self, state: TrainState, ref_params, position, observe=_no_observer) -> tuple[TrainState, dict]:
     """One RL step from `state`, its stages called from the host; `position`: prompts the run has
-    consumed. `observe(stage, value)` is called after the 'rollout', 'reward' and 'update' stages
-    (the host path times them)."""
-    return self._step(self, state, ref_params, position, observe)
+    consumed. `observe(stage, value)` is called after each 'rollout', 'reward' and 'update' stage
+    (the host path times them). The metrics' `sampling_rounds` times P prompts were consumed."""
+    if self.algo.dynamic_sampling:
+      return self._dynamic_step(state, ref_params, position, observe)
+    state, metrics = self._step(self, state, ref_params, position, observe)
+    return state, dict(metrics, sampling_rounds=1)
 
   def _step(self, stages, state: TrainState, ref_params, position, observe=_no_observer) -> tuple[TrainState, dict]:
     """The RL step, written once: `stages` are this object's jitted stages or their bodies."""
@@ -97,6 +102,41 @@ class RLStep:
     observe('reward', scores)
     state, metrics = stages.learn(state, ref_params, prompts.tokens, prompts.mask, rollout, scores)
     observe('update', metrics)
+    return state, metrics
+
+  def _dynamic_step(self, state: TrainState, ref_params, position, observe) -> tuple[TrainState, dict]:
+    """DAPO's dynamic sampling (algo.dynamic_sampling): rounds of P prompts are sampled and scored
+    until P groups with unequal rewards are found or algo.max_sampling_rounds rounds are spent;
+    the update sees the first P informative groups, filled up (when the rounds run out) with the
+    latest all-equal groups, whose advantages are zero. reward_mean, reward_std, reward/<term> and
+    frac_zero_std_groups describe every completion sampled (the policy's reward); trained_reward_mean
+    the batch trained on."""
+    prompts_per_step, group = self.prompts_per_step, self.algo.group_size
+    rounds, informative, uninformative = [], [], []
+    while len(informative) < prompts_per_step and len(rounds) < self.algo.max_sampling_rounds:
+      state, prompt_key, sample_key = self.split_key(state)
+      prompts = self.prompts(prompt_key, position + len(rounds) * prompts_per_step, prompts_per_step)
+      rollout = self.sample(state.params, prompts.tokens, prompts.mask, sample_key)
+      observe('rollout', rollout)
+      scores = self.reward(rollout, prompts, group)
+      observe('reward', scores)
+      rewards = np.asarray(scores.rewards).reshape(prompts_per_step, group)
+      for index, varied in enumerate(np.any(rewards != rewards[:, :1], axis=1)):
+        (informative if varied else uninformative).append((len(rounds), index))
+      rounds.append((prompts, rollout, scores))
+    shortfall = max(0, prompts_per_step - len(informative))
+    chosen = sorted(informative[:prompts_per_step] + (uninformative[-shortfall:] if shortfall else []))
+    prompts, rollout, scores = _gather_groups(rounds, chosen, group)
+    state, metrics = self.learn(state, ref_params, prompts.tokens, prompts.mask, rollout, scores)
+    observe('update', metrics)
+    everything = np.concatenate([np.asarray(sampled.rewards) for _, _, sampled in rounds]).reshape(-1, group)
+    metrics = dict(metrics, trained_reward_mean=metrics['reward_mean'], reward_mean=everything.mean(),
+                   reward_std=everything.std(), frac_zero_std_groups=1.0 - len(informative) / everything.shape[0],
+                   reward_failures=sum(int(sampled.failures) for _, _, sampled in rounds),
+                   sampling_rounds=len(rounds), groups_dropped=len(rounds) * prompts_per_step - prompts_per_step,
+                   groups_filled=shortfall)
+    for label in scores.terms:
+      metrics[f'reward/{label}'] = np.concatenate([np.asarray(sampled.terms[label]) for _, _, sampled in rounds]).mean()
     return state, metrics
 
   def _run_steps(self, state: TrainState, ref_params, position, num_steps: int) -> tuple[TrainState, dict]:
@@ -126,3 +166,27 @@ class RLStep:
                                    schedule=self.schedule, settings=self.settings)
     metrics = dict(rollout_metrics(rollout, scores, self.algo.group_size), **update_metrics)
     return state.replace(step=state.step + 1), metrics
+
+
+def _gather_groups(rounds, chosen, group_size: int) -> tuple[Prompts, Rollout, Scores]:
+  """The prompts, rollout rows and scores of the `chosen` (round, prompt) groups, in that order."""
+  prompt_rows = [(round_index, index) for round_index, index in chosen]
+  sample_rows = [(round_index, index * group_size + g) for round_index, index in chosen for g in range(group_size)]
+
+  def take(arrays, rows):
+    arrays = [np.asarray(array) for array in arrays]  # one device-to-host copy per round
+    return jnp.asarray(np.stack([arrays[round_index][row] for round_index, row in rows]))
+
+  def field(get):
+    return [get(round_) for round_ in rounds]
+
+  prompts = Prompts(tokens=take(field(lambda r: r[0].tokens), prompt_rows),
+                    mask=take(field(lambda r: r[0].mask), prompt_rows),
+                    answers=[rounds[round_index][0].answers[index] for round_index, index in prompt_rows])
+  rollout = Rollout(**{name: take(field(lambda r, name=name: getattr(r[1], name)), sample_rows)
+                       for name in ('tokens', 'log_probs', 'mask', 'lengths', 'stopped')})
+  scores = Scores(rewards=take(field(lambda r: r[2].rewards), sample_rows),
+                  failures=jnp.asarray(sum(int(r[2].failures) for r in rounds), jnp.int32),
+                  terms={label: take(field(lambda r, label=label: r[2].terms[label]), sample_rows)
+                         for label in rounds[0][2].terms})
+  return prompts, rollout, scores
