@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench clean
+.PHONY: demo demo-math test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ $(VENV)/.compilers: requirements-compile.txt | $(BIN)/python
 demo: $(VENV)/.extras
 	$(BIN)/python -m grpo_jax.train --config configs/tiny_arith.yaml
 
+demo-math: $(VENV)/.extras
+	$(BIN)/python -m grpo_jax.data.word_problems --out data/tiny_math
+	$(BIN)/python -m grpo_jax.train --config configs/tiny_math.yaml
+
 test: $(VENV)/.test $(VENV)/.compilers
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q
 
@@ -42,4 +46,4 @@ bench: $(VENV)/.test
 	$(BIN)/python bench/forward.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs data/tiny_math

@@ -242,8 +242,9 @@ def main(argv=None):
     value = getattr(args, flag)
     if value is not None:
       overrides.append(f'eval.{key}={value}')
-  if args.k is not None and args.samples is None:
-    overrides.append(f'eval.samples={max(args.k, config_lib.EvalConfig.samples)}')
+  if args.k is not None and args.samples is None:  # --k alone: at least k samples, else the config's
+    samples = config_lib.load_config(args.config, [o for o in overrides if not o.startswith('eval.k=')]).eval.samples
+    overrides.append(f'eval.samples={max(args.k, samples)}')
   config = config_lib.load_config(args.config, overrides)
   if config.task.name != 'math':
     raise UserError(f'evaluation checks text answers: task.name must be math, got {config.task.name!r}')

@@ -97,7 +97,8 @@ def build_task(config: config_lib.Config, architecture):
   if config.task.name == 'arith':
     from grpo_jax.train import build_task as train_task
     return train_task(config)
-  tokenizer = load_tokenizer(config.model.path) if config.model.path and os.path.isdir(config.model.path) else None
+  directory = config.task.tokenizer or config.model.path
+  tokenizer = load_tokenizer(directory) if directory and os.path.isdir(directory) else None
   if tokenizer is not None:
     from grpo_jax.sampler.special_tokens import special_tokens
     special = special_tokens(tokenizer)
@@ -177,9 +178,19 @@ def compile_program(name: str, platform: str, jitted, *args) -> Program:
                  flops, note)
 
 
-def plan(config: config_lib.Config, target: targets.Target, architecture) -> dict:
-  devices = target.devices()
-  mesh = sharding.make_mesh(config.mesh, devices=devices)
+@dataclasses.dataclass
+class StepPrograms:
+  """A run's RL step on abstract shapes over `mesh`: the jitted programs and their arguments."""
+
+  task: object
+  state: object
+  ref_params: object
+  programs: list  # (name, jitted function, abstract arguments)
+
+
+def step_programs(config: config_lib.Config, architecture, mesh) -> StepPrograms:
+  """The programs a run compiles, on abstract inputs placed on `mesh` (no weights, no data): the
+  K-steps-in-one-jit loop for a jittable task, else the sampler and the update."""
   task = build_task(config, architecture)
   if task.vocab_size > architecture.vocab_size:
     raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but the model has {architecture.vocab_size}')
@@ -197,24 +208,32 @@ def plan(config: config_lib.Config, target: targets.Target, architecture) -> dic
                     state_shardings)
   ref_params = params if algo.kl_beta > 0 else None
   step = RLStep(graphdef, task, config.rollout, algo, optimizer, schedule, state_shardings)
-
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  programs = []
-  with jax.set_mesh(mesh):
-    if task.jittable:
-      programs.append(compile_program(f'{config.train.steps_per_call} RL steps in one jit', target.platform, step.run_steps,
-                                      state, ref_params, 0, config.train.steps_per_call))
-    else:
-      prompts = jax.ShapeDtypeStruct((config.rollout.prompts_per_step, task.prompt_length), jnp.int32,
-                                     sharding=replicated)
-      key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
-      programs.append(compile_program('rollout', target.platform, step.sample, state.params, prompts, prompts, key))
+  if task.jittable:
+    programs = [(f'{config.train.steps_per_call} RL steps in one jit', step.run_steps,
+                 (state, ref_params, 0, config.train.steps_per_call))]
+  else:
+    prompts = jax.ShapeDtypeStruct((config.rollout.prompts_per_step, task.prompt_length), jnp.int32, sharding=replicated)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
+    with jax.set_mesh(mesh):
       rollout = jax.eval_shape(step._sample_body, state.params, prompts, prompts, key)
-      rows = completions_per_step(config.rollout, algo)
-      scores = Scores(rewards=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated),
-                      failures=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
-      rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
-      programs.append(compile_program('update', target.platform, step.learn, state, ref_params, prompts, prompts, rollout, scores))
+    rows = completions_per_step(config.rollout, algo)
+    terms = {term.label: jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated) for term in config.rewards}
+    scores = Scores(rewards=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated),
+                    failures=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), terms=terms)
+    rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
+    programs = [('rollout', step.sample, (state.params, prompts, prompts, key)),
+                ('update', step.learn, (state, ref_params, prompts, prompts, rollout, scores))]
+  return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs)
+
+
+def plan(config: config_lib.Config, target: targets.Target, architecture) -> dict:
+  devices = target.devices()
+  mesh = sharding.make_mesh(config.mesh, devices=devices)
+  built = step_programs(config, architecture, mesh)
+  task, state, ref_params = built.task, built.state, built.ref_params
+  with jax.set_mesh(mesh):
+    programs = [compile_program(name, target.platform, jitted, *args) for name, jitted, args in built.programs]
 
   params_bytes = sharding.bytes_per_device(state.params)
   opt_bytes = sharding.bytes_per_device(state.opt_state)
@@ -228,7 +247,7 @@ def plan(config: config_lib.Config, target: targets.Target, architecture) -> dic
                       kv_cache=kv_cache_bytes_per_device(architecture, config, task.prompt_length, mesh)),
       programs=[dataclasses.asdict(program) | dict(peak=program.peak) for program in programs],
       peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes)
-  step_flops = metrics_lib.model_flops_per_step(architecture.num_params(), task.prompt_length, config.rollout, algo)
+  step_flops = metrics_lib.model_flops_per_step(architecture.num_params(), task.prompt_length, config.rollout, config.algo)
   # Roofline estimate: the model FLOPs at the target's peak, and the sampler's reads at its HBM
   # bandwidth: every decoded token reads the weights (gathered whole over FSDP, split over
   # 'tensor') and, on average, half of each row's KV cache. The step takes at least the larger.

@@ -60,11 +60,22 @@ def math_reward(completion: str, answer: str, timeout_s: int = VERIFY_TIMEOUT_S)
   """1.0 if the completion's final answer equals the reference `answer` per math-verify, else 0.0."""
   from math_verify import parse, verify
 
+  def join_digit_groups(text: str) -> str:
+    # math-verify reads juxtaposed numbers as a mixed number or a product, so digits grouped by a
+    # thin or plain space became another number ('1\,234' -> 235, '10\,000' -> 0): the right
+    # answer scored 0 and a wrong one 1. Comma groupings ('1,234', '1{,}234', '1,\!234') it reads
+    # as one number already.
+    return re.sub(r'(?<![\d.])\d{1,3}(?:(?:\\,|\\ | )\d{3})+(?!\d)',
+                  lambda number: re.sub(r'\\,|\\ | ', '', number.group()), text)
+
   boxed = last_boxed(completion)
-  prediction = parse(completion if boxed is None else '\\boxed{' + boxed + '}', parsing_timeout=timeout_s)
+  prediction = parse(completion if boxed is None else '\\boxed{' + join_digit_groups(boxed) + '}',
+                     parsing_timeout=timeout_s)
+  answer = join_digit_groups(answer)
   # References are bare expressions ('0.5', '\frac{1}{2}', '(1, 2)'): boxed, math-verify reads them
-  # as LaTeX, which keeps intervals, tuples and commands intact.
-  delimited = any(mark in answer for mark in BOX_COMMANDS + ('$',))
+  # as LaTeX, which keeps intervals, tuples and commands intact. An escaped dollar is a currency sign
+  # (MATH's '\$18.90'), not a math delimiter: unboxed, such a reference parsed to nothing.
+  delimited = any(mark in answer for mark in BOX_COMMANDS) or '$' in answer.replace('\\$', '')
   gold = parse(answer if delimited else '\\boxed{' + answer + '}', parsing_timeout=timeout_s)
   if not gold and not delimited:
     gold = parse(answer, parsing_timeout=timeout_s)

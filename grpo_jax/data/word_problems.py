@@ -23,7 +23,7 @@ ITEMS = ('apples', 'pens', 'cards', 'books', 'coins', 'shells')
 STORIES = (
     ('{name} has {a} {item} and gets {b} more . How many {item} does {name} have ?', '+'),
     ('{name} had {a} {item} . A friend gave {name} {b} {item} . How many {item} now ?', '+'),
-    ('{name} has {a} {item} and gives away {b} . How many {item} are left ?', '-'),
+    ('There are {a} {item} in a box and {name} puts in {b} more . How many {item} are in the box ?', '+'),
 )
 SPECIAL = ('<|endoftext|>', '<|im_start|>', '<|im_end|>', '<unk>')
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

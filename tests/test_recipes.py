@@ -1,0 +1,61 @@
+"""Every recipe in configs/ loads, passes every check, starts with the command that runs it, and its
+RL step traces and lowers on abstract shapes (no weights, no data) at reduced depth over 8 CPU
+devices: the recipe's mesh, batch, sequence lengths, rewards and algorithm as the run builds them."""
+
+import os
+
+import jax
+import pytest
+
+from grpo_jax import config as config_lib
+from grpo_jax.model import sharding
+from grpo_jax.plan import model_architecture, step_programs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# recipe -> (Qwen2.5 size, devices it is traced over here)
+RECIPES = {
+    'tiny_arith.yaml': (None, 1),
+    'tiny_math.yaml': (None, 1),
+    'qwen2_5_0_5b_gsm8k.yaml': ('0.5B', 1),
+    'qwen2_5_0_5b_math.yaml': ('0.5B', 8),
+    'qwen2_5_7b_math.yaml': ('7B', 8),
+    'qwen2_5_math_dapo.yaml': ('7B', 8),
+    'qwen2_5_32b_dapo_aime.yaml': ('32B', 8),
+}
+
+
+def test_every_config_is_listed():
+  assert sorted(RECIPES) == sorted(name for name in os.listdir(os.path.join(ROOT, 'configs')) if name.endswith('.yaml'))
+
+
+@pytest.mark.parametrize('name', sorted(RECIPES))
+def test_recipe_loads_and_its_step_lowers(name, tmp_path):
+  path = os.path.join(ROOT, 'configs', name)
+  with open(path) as f:
+    assert f.readline().startswith('# python -m ')  # the command that runs it
+  config = config_lib.load_config(path)
+  size, count = RECIPES[name]
+  if name == 'tiny_math.yaml':  # its tokenizer is written by the word-problem generator
+    from grpo_jax.data import word_problems
+    files = word_problems.write(str(tmp_path / 'data'))
+    config = config_lib.load_config(path, [f'task.tokenizer={files["tokenizer"]}'])
+  architecture = model_architecture(config, size, layers=2)
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:count])
+  built = step_programs(config, architecture, mesh)
+  with jax.set_mesh(mesh):
+    for _, jitted, args in built.programs:
+      jitted.trace(*args).lower()
+  built.task.close()
+
+
+def test_the_headline_recipe_is_the_megatron_one():
+  """Qwen2.5-32B on DAPO-Math-17k, 64 x 16 per step, lr 1e-6, beta 0, clip 0.2 / 0.28, ~12k tokens,
+  AIME 2024 pass@32 during training."""
+  config = config_lib.load_config(os.path.join(ROOT, 'configs', 'qwen2_5_32b_dapo_aime.yaml'))
+  assert (config.rollout.prompts_per_step, config.algo.group_size) == (64, 16)
+  assert config.optim.learning_rate == 1e-6 and config.algo.kl_beta == 0
+  assert (config.algo.epsilon_low, config.algo.epsilon_high) == (0.2, 0.28)
+  assert config.task.max_prompt_tokens + config.rollout.max_new_tokens == 12288
+  assert config.task.format == 'dapo_processed' and config.algo.dynamic_sampling
+  assert (config.eval.format, config.eval.k, config.eval.samples) == ('aime', 32, 32)
+  assert [term.name for term in config.rewards] == ['math', 'overlong']
