@@ -52,6 +52,8 @@ def score_with_failures(completion, answer):
     os._exit(3)
   if answer == 'raise':
     raise RuntimeError('scorer failed')
+  if answer == 'allocate':
+    return len(bytearray(8 << 30))
   return rewards.math_reward(completion, answer)
 
 
@@ -89,8 +91,16 @@ def test_pool_keeps_order_and_gives_zero_for_hangs_and_crashes():
     start = time.monotonic()
     assert pool.map(mixed, references) == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
     assert 2.0 <= time.monotonic() - start < 60
-    assert pool.failures == 2  # the hang and the crash; both workers were replaced
+    assert pool.failures == 3  # the hang, the crash (both workers replaced) and the raise
     assert pool.map(completions[:4], answers[:4]) == expected[:4]
+
+
+def test_pool_bounds_each_checks_memory():
+  """A check that would take 8 GiB fails inside its worker's address-space cap: scored 0,
+  counted, and the worker goes on scoring."""
+  with rewards.RewardPool(1, score_fn=score_with_failures, memory_bytes=1 << 30) as pool:
+    assert pool.map(['\\boxed{2}', 'x', '\\boxed{3}'], ['2', 'allocate', '3']) == [1.0, 0.0, 1.0]
+    assert pool.failures == 1
 
 
 def test_pool_says_when_workers_cannot_start():

@@ -10,7 +10,10 @@ otherwise whatever math-verify extracts from the whole text.
 per process at a time, and returns the rewards in input order. math-verify interrupts its own slow
 parses and comparisons with SIGALRM (it must run on a process's main thread, hence processes, not
 threads); an item that still outlives `timeout_s` (a loop in C that ignores the alarm, a crash)
-gets 0.0 and its process is replaced, so one bad completion never stops a run.
+gets 0.0 and its process is replaced, so one bad completion never stops a run. Each worker may
+also grow by at most `memory_bytes` beyond what it holds after start-up (its address space is
+capped), so a check that would build a gigantic number fails with MemoryError; a check that raises
+scores 0.0 too, and all three count in `failures`.
 """
 
 import atexit
@@ -21,6 +24,7 @@ import math
 import multiprocessing
 import os
 import re
+import resource
 import signal
 import sys
 import threading
@@ -31,6 +35,7 @@ from grpo_jax.errors import UserError
 
 VERIFY_TIMEOUT_S = 3  # math-verify's own alarm for each parse and comparison (whole seconds)
 ITEM_TIMEOUT_S = 10.0  # hard limit per completion: past it the worker is killed and the reward is 0
+ITEM_MEMORY_BYTES = 2 << 30  # address space a worker may add to what it holds after warm-up
 START_TIMEOUT_S = 300.0  # a worker imports math-verify (and sympy) before its first item
 BOX_COMMANDS = ('\\boxed', '\\fbox')
 BOX_PATTERN = '(?:' + '|'.join(re.escape(command) for command in BOX_COMMANDS) + r')\{'
@@ -107,8 +112,20 @@ def _die_with_parent(parent_pid: int) -> None:
   threading.Thread(target=watch, name='parent-watchdog', daemon=True).start()
 
 
-def _serve(conn, score_fn, parent_pid: int) -> None:
-  """A worker: warms `score_fn` up, says 'ready', then answers (completion, answer) with a reward."""
+def _limit_memory(extra_bytes: int) -> None:
+  """Caps this process's address space at its current size plus `extra_bytes`: a check that would
+  build a huge number or expression fails with MemoryError instead of taking the host's memory."""
+  try:
+    with open('/proc/self/statm') as f:
+      current = int(f.read().split()[0]) * os.sysconf('SC_PAGE_SIZE')
+    resource.setrlimit(resource.RLIMIT_AS, (current + extra_bytes, current + extra_bytes))
+  except (OSError, ValueError):  # not Linux, or a hard limit already lower: keep what there is
+    pass
+
+
+def _serve(conn, score_fn, parent_pid: int, memory_bytes: int) -> None:
+  """A worker: warms `score_fn` up, says 'ready', then answers (completion, answer) with a reward,
+  or None when the check raised (MemoryError included): the pool counts that as a failure."""
   _die_with_parent(parent_pid)
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
   logging.getLogger('math_verify').setLevel(logging.CRITICAL)  # its timeout notices, once per item
@@ -119,6 +136,7 @@ def _serve(conn, score_fn, parent_pid: int) -> None:
     return
   except Exception:
     pass  # a scorer that rejects the warm-up input can still score real ones
+  _limit_memory(memory_bytes)
   conn.send(('ready', None))
   while True:
     try:
@@ -128,16 +146,18 @@ def _serve(conn, score_fn, parent_pid: int) -> None:
     try:
       reward = float(score_fn(completion, answer))
     except Exception:
-      reward = 0.0
+      conn.send(None)
+      continue
     conn.send(reward if math.isfinite(reward) else 0.0)
 
 
 class _Worker:
   """One process, its end of the pipe, and the item it is working on (with its deadline)."""
 
-  def __init__(self, context, score_fn):
+  def __init__(self, context, score_fn, memory_bytes: int):
     self.conn, child = context.Pipe()
-    self.process = context.Process(target=_serve, args=(child, score_fn, os.getpid()), name='reward-worker',
+    self.process = context.Process(target=_serve, args=(child, score_fn, os.getpid(), memory_bytes),
+                                   name='reward-worker',
                                    daemon=True)
     self.process.start()
     child.close()
@@ -157,14 +177,15 @@ class RewardPool:
   score_fn must be importable by name (a module-level function): it is sent to spawned processes.
   """
 
-  def __init__(self, workers: int, score_fn=math_reward, timeout_s: float = ITEM_TIMEOUT_S):
+  def __init__(self, workers: int, score_fn=math_reward, timeout_s: float = ITEM_TIMEOUT_S,
+               memory_bytes: int = ITEM_MEMORY_BYTES):
     if workers < 1:
       raise ValueError(f'a reward pool needs at least one worker, got {workers}')
     # spawn, not fork: forking a process that runs JAX's threads can deadlock the child.
     self._context = multiprocessing.get_context('spawn')
-    self.score_fn, self.timeout_s = score_fn, timeout_s
-    self._workers = [_Worker(self._context, score_fn) for _ in range(workers)]
-    self.failures = 0  # items that got 0.0 because their worker outlived the deadline or died
+    self.score_fn, self.timeout_s, self.memory_bytes = score_fn, timeout_s, memory_bytes
+    self._workers = [_Worker(self._context, score_fn, memory_bytes) for _ in range(workers)]
+    self.failures = 0  # items that got 0.0: past the deadline, the worker died, or the check raised
     atexit.register(self.close)
 
   def map(self, completions: list[str], answers: list[str]) -> list[float]:
@@ -211,7 +232,9 @@ class RewardPool:
       self._replace(self._workers.index(worker))
       return
     if worker.ready:
-      rewards[worker.item] = message
+      if message is None:  # the check raised (MemoryError past the memory limit included)
+        self.failures += 1
+      rewards[worker.item] = message or 0.0
       worker.item = None
     elif message[0] == 'ready':
       worker.ready = True
@@ -220,7 +243,7 @@ class RewardPool:
 
   def _replace(self, slot: int) -> None:
     self._workers[slot].stop()
-    self._workers[slot] = _Worker(self._context, self.score_fn)
+    self._workers[slot] = _Worker(self._context, self.score_fn, self.memory_bytes)
 
   def close(self) -> None:
     """Ends the worker processes (they exit on their own when the pipe closes)."""
