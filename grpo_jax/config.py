@@ -18,6 +18,7 @@ import yaml
 from grpo_jax.data.adapters import DatasetFormat
 from grpo_jax.data.arith import check_arguments as check_arith_arguments
 from grpo_jax.data.reward_terms import RewardTerm
+from grpo_jax.distributed import DistributedConfig
 from grpo_jax.errors import FieldError, UserError, read_text, require
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.qwen2 import DType, ModelOptions
@@ -266,6 +267,7 @@ class Config:
   # Terms of a dataset task's reward (data/reward_terms.py); empty: the math check alone.
   rewards: tuple[RewardTerm, ...] = ()
   eval: EvalConfig = EvalConfig()
+  distributed: DistributedConfig = DistributedConfig()  # one process per host (grpo_jax/distributed.py)
 
   def __post_init__(self):
     algo = self.algo

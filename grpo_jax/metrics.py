@@ -66,9 +66,15 @@ class MetricsLog:
   recomputed) are dropped, so the file reads as one uninterrupted run.
   """
 
-  def __init__(self, workdir: str, *, resume_step: int = 0, tensorboard: bool = True, name: str = 'metrics.jsonl'):
+  def __init__(self, workdir: str, *, resume_step: int = 0, tensorboard: bool = True, name: str = 'metrics.jsonl',
+               write: bool = True):
+    """write=False (processes other than 0 of a multi-host run): the history is kept in memory
+    only, and no file or event is written."""
     self.path = os.path.join(workdir, name)
     self.history: list[dict] = []
+    self.file = self.writer = None
+    if not write:
+      return
     if os.path.exists(self.path):
       with open(self.path) as f:
         lines = [json.loads(line) for line in f if line.strip()]
@@ -83,6 +89,8 @@ class MetricsLog:
   def write(self, step: int, metrics: dict) -> dict:
     row = {'step': step, **{name: _plain(value) for name, value in metrics.items()}}
     self.history.append(row)
+    if self.file is None:
+      return row
     self.file.write(json.dumps(row) + '\n')
     self.file.flush()
     if self.writer is not None:
@@ -90,7 +98,8 @@ class MetricsLog:
     return row
 
   def close(self) -> None:
-    self.file.close()
+    if self.file is not None:
+      self.file.close()
     if self.writer is not None:
       self.writer.flush()
       self.writer.close()

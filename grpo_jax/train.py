@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax import config as config_lib
+from grpo_jax import distributed
 from grpo_jax import metrics as metrics_lib
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.data.task import Task
@@ -144,11 +145,14 @@ class Run:
             + (f' with a changed config: {"; ".join(changes)}' if changes else ''), file=sys.stderr, flush=True)
     # Every input is validated by now (the task, mesh and model before this object, the
     # checkpoint just above): only from here on is anything in an existing workdir written.
-    resolved = config_lib.to_yaml(config)
-    with open(os.path.join(workdir, 'config.yaml'), 'w') as f:
-      f.write(resolved)
-    print(f'# resolved config (saved to {workdir}/config.yaml)\n{resolved}', flush=True)
-    self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step)
+    # Only process 0 of a multi-host run writes logs; every process takes part in the checkpoints.
+    self.primary = distributed.is_primary()
+    if self.primary:
+      resolved = config_lib.to_yaml(config)
+      with open(os.path.join(workdir, 'config.yaml'), 'w') as f:
+        f.write(resolved)
+      print(f'# resolved config (saved to {workdir}/config.yaml)\n{resolved}', flush=True)
+    self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step, write=self.primary)
     self.num_params = model.config.num_params()
     self.peak_flops = metrics_lib.matmul_peak_flops(config.model.dtype)
     self.step_flops = metrics_lib.model_flops_per_step(self.num_params, task.prompt_length, config.rollout, algo)
@@ -225,7 +229,8 @@ class InTrainingEval:
     from grpo_jax.eval import Evaluator
     self.every, self.total, self.workdir, self.run = config.eval.every, config.train.steps, workdir, run
     self.evaluator = Evaluator(config, task, run.rl_step.graphdef, run.state.params)
-    self.log = metrics_lib.MetricsLog(workdir, resume_step=run.step, tensorboard=False, name='eval.jsonl')
+    self.log = metrics_lib.MetricsLog(workdir, resume_step=run.step, tensorboard=False, name='eval.jsonl',
+                                      write=run.primary)
 
   def due(self, step: int) -> bool:
     return step % self.every == 0 or step == self.total
@@ -258,7 +263,7 @@ def train(config: config_lib.Config, workdir: str, mesh, model) -> list[dict]:
         if run.step == 0:
           evaluation()
       chunk = config.train.steps_per_call if task.jittable else 1
-      progress = metrics_lib.ProgressBar(total, start=run.step, enabled=config.train.progress)
+      progress = metrics_lib.ProgressBar(total, start=run.step, enabled=config.train.progress and run.primary)
       while run.step < total:
         first = run.step
         rows = run.fused_steps(min(chunk, total - first)) if chunk > 1 else [run.host_step()]
@@ -297,11 +302,22 @@ def report(history: list[dict], workdir: str, name: str) -> None:
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
   config = config_lib.load_config(args.config, args.overrides)
+  distributed.initialize(config.distributed)
+  if jax.process_count() > 1:
+    if not (args.workdir or config.run.workdir):
+      raise UserError('a multi-host run needs one --workdir (or run.workdir) shared by every process')
+    if config.task.name != 'arith':
+      raise UserError(f'task {config.task.name!r} scores on the host, which runs on one process for now; '
+                      'multi-host runs take a task whose reward is computed in JAX (task.name=arith)')
   workdir, mesh, model = setup(config, args.config, args.workdir)
-  print(f'mesh: {sharding.describe(mesh)}; model: {model.config.num_params() / 1e6:.2f}M parameters, '
-        f'{sharding.bytes_per_device(nnx.state(model)) / 2**20:.1f} MiB on the fullest device', flush=True)
+  primary = distributed.is_primary()
+  if primary:
+    print(f'mesh: {sharding.describe(mesh)} over {jax.process_count()} process(es); model: '
+          f'{model.config.num_params() / 1e6:.2f}M parameters, '
+          f'{sharding.bytes_per_device(nnx.state(model)) / 2**20:.1f} MiB on the fullest device', flush=True)
   history = train(config, workdir, mesh, model)
-  report(history, workdir, config.run.name)
+  if primary:
+    report(history, workdir, config.run.name)
 
 
 if __name__ == '__main__':

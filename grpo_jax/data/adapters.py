@@ -1,42 +1,53 @@
 """Dataset adapters: the records of a math dataset as (prompt, reference answer, data source).
 
-`adapt(records, format, source, prompt_field, answer_field)` maps the plain dict records of
-data/sources.py with one of these schemas (`task.format` / `eval.format`):
+`adapt(records, format, source, prompt_field, answer_field)` reads the plain dict records of
+data/sources.py in one of these schemas (`task.format`, `eval.format`):
 
-  custom          the question in `prompt_field`, the answer in `answer_field` (dotted paths such as
-                  reward_model.ground_truth read nested fields); data_source from the record's
-                  `data_source` field when it has one
-  gsm8k           GSM8K (openai/gsm8k, tfds gsm8k): `question`; `answer` is a worked solution ending
-                  in `#### N`: the reference is N without thousands separators, `$` or a final period
-  math            MATH / MATH-500: `problem`; the `answer` field when present, else the content of
-                  the last \\boxed{} (or \\fbox{}) of `solution`
+  custom          the question in `prompt_field`, the answer in `answer_field`; dotted names such as
+                  reward_model.ground_truth read nested fields
+  gsm8k           GSM8K (openai/gsm8k, tfds gsm8k): `question`; `answer` is a worked solution that
+                  ends in `#### N`, and the reference is N without `$`, thousands separators or a
+                  final period
+  math            MATH (hendrycks competition_math) and MATH-500: `problem`; the reference is the
+                  `answer` field when it is filled (MATH-500), else the content of the last
+                  \\boxed{} or \\fbox{} of `solution`
   dapo            DAPO-Math-17k in verl's schema: `prompt` is a list of chat messages,
-                  `reward_model.ground_truth` the answer, `data_source` the source
-  dapo_processed  open-r1/DAPO-Math-17k-Processed: `prompt` (the problem text), `solution` (the answer)
-  aime            AIME 2024: `problem` (or `Problem`), `answer` (or `Answer`, often an integer)
+                  `reward_model.ground_truth` the reference
+  dapo_processed  open-r1/DAPO-Math-17k-Processed: `prompt` (problem text), `solution` (the reference)
+  aime            AIME 2024 (HuggingFaceH4/aime_2024, Maxwell-Jia/AIME_2024): `problem` or `Problem`,
+                  `answer` or `Answer` (often an integer); data source 'aime'
 
-A prompt is question text (rendered later through task.prompt_template and the chat template) or a
-tuple of chat messages (rendered through the chat template only). Records without a usable answer
-are dropped and counted; a record without its question is an error naming the field, the record
-and the source.
+Every format takes the data source (the key of per-source eval metrics) from the record's
+`data_source` field when it has one, else from the format's default, else from `source`.
+A record without its question is an error; one without a usable reference answer is dropped and
+counted in `Adapted.skipped_no_answer`.
 """
 
 import dataclasses
+import math
 import re
+from collections.abc import Callable
 from typing import Literal, get_args
 
 from grpo_jax.data.rewards import last_boxed
 from grpo_jax.errors import UserError
 
 DatasetFormat = Literal['custom', 'gsm8k', 'math', 'dapo', 'dapo_processed', 'aime']
-FORMATS = get_args(DatasetFormat)
-_THOUSANDS = re.compile(r'(?<=\d),(?=\d{3}(?:\D|$))')
+FORMATS: tuple[str, ...] = get_args(DatasetFormat)
+
+# Only a whole number with comma groups loses its commas: '1,234' is a number, '3,4' a pair.
+_GROUPED_NUMBER = re.compile(r'[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?')
 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """One problem: `prompt` (question text, or chat messages as a tuple of {'role', 'content'}
-  dicts), `answer` (the reference, a bare expression), `data_source` (for per-source metrics)."""
+  """One problem of a dataset.
+
+  prompt: question text (rendered later through task.prompt_template and the chat template) or
+    chat messages, a tuple of {'role': str, 'content': str} dicts (rendered by the chat template only).
+  answer: the reference answer, a bare expression such as '42', '\\frac{1}{2}' or '(1, 2)'.
+  data_source: the dataset the problem came from, for per-source evaluation metrics.
+  """
 
   prompt: str | tuple[dict, ...]
   answer: str
@@ -45,12 +56,26 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class Adapted:
+  """The problems of a dataset, in record order, and how many records had no usable answer."""
+
   problems: list[Problem]
-  skipped_no_answer: int  # records dropped for want of a usable reference answer
+  skipped_no_answer: int  # records dropped because their reference answer is missing or empty
 
 
-def _field(record: dict, path: str):
-  """record[a][b] for path 'a.b'; None when any part is missing."""
+@dataclasses.dataclass(frozen=True)
+class _Schema:
+  """Where one format keeps its fields. prompt_fields: the first one a record has holds the
+  question; answer: record -> reference or None; answer_fields: where `answer` looks, for messages;
+  data_source: used when a record has no `data_source` field (None: the config's source)."""
+
+  prompt_fields: tuple[str, ...]
+  answer: Callable[[dict], str | None]
+  answer_fields: str
+  data_source: str | None = None
+
+
+def _lookup(record: dict, path: str):
+  """record['a']['b'] for path 'a.b'; None when a part is missing."""
   value = record
   for part in path.split('.'):
     if not isinstance(value, dict) or part not in value:
@@ -59,80 +84,91 @@ def _field(record: dict, path: str):
   return value
 
 
-def _first(record: dict, *paths: str):
-  return next((value for value in (_field(record, path) for path in paths) if value is not None), None)
-
-
 def _text(value) -> str | None:
-  """An answer as a string: numbers without a spurious '.0', blanks as None."""
-  if value is None or isinstance(value, bool):
+  """A scalar field as stripped text: integral floats without '.0' (parquet and JSON store 204 as
+  204.0 in float columns); None for null, NaN (pandas' missing value), booleans, lists and blanks."""
+  if isinstance(value, float):
+    if not math.isfinite(value):
+      return None
+    value = int(value) if value.is_integer() else value
+  if isinstance(value, bool) or not isinstance(value, (str, int, float)):
     return None
-  if isinstance(value, float) and value.is_integer():
-    value = int(value)
-  text = str(value).strip()
-  return text or None
+  return str(value).strip() or None
 
 
-def gsm8k_answer(solution) -> str | None:
-  """The number after the last '####' of a GSM8K solution, as a bare number ('1,234.' -> '1234')."""
+def _gsm8k_answer(record: dict) -> str | None:
+  solution = record.get('answer')
   if not isinstance(solution, str) or '####' not in solution:
     return None
-  answer = solution.rsplit('####', 1)[1].strip()
-  answer = _THOUSANDS.sub('', answer).removeprefix('$').strip().rstrip('.').strip()
+  answer = solution.rpartition('####')[2].strip().removeprefix('$').strip().rstrip('.').strip()
+  if _GROUPED_NUMBER.fullmatch(answer):
+    answer = answer.replace(',', '')
   return answer or None
 
 
 def _math_answer(record: dict) -> str | None:
   answer = _text(record.get('answer'))
-  if answer is not None:
-    return answer
   solution = record.get('solution')
-  return _text(last_boxed(solution)) if isinstance(solution, str) else None
+  if answer is None and isinstance(solution, str):
+    answer = _text(last_boxed(solution))
+  return answer
 
 
-# format -> (question fields, answer function, default data source or None for the config's source)
+def _first_answer(*paths: str) -> Callable[[dict], str | None]:
+  return lambda record: next((text for text in (_text(_lookup(record, path)) for path in paths) if text), None)
+
+
 _SCHEMAS = {
-    'gsm8k': (('question',), lambda record: gsm8k_answer(record.get('answer')), 'gsm8k'),
-    'math': (('problem',), _math_answer, None),
-    'dapo': (('prompt',), lambda record: _text(_field(record, 'reward_model.ground_truth')), None),
-    'dapo_processed': (('prompt',), lambda record: _text(record.get('solution')), None),
-    'aime': (('problem', 'Problem'), lambda record: _text(_first(record, 'answer', 'Answer')), 'aime'),
+    'gsm8k': _Schema(('question',), _gsm8k_answer, "field 'answer' (a solution ending in '#### N')"),
+    'math': _Schema(('problem',), _math_answer, "field 'answer' or a \\boxed{} in field 'solution'"),
+    'dapo': _Schema(('prompt',), _first_answer('reward_model.ground_truth'), "field 'reward_model.ground_truth'"),
+    'dapo_processed': _Schema(('prompt',), _first_answer('solution'), "field 'solution'"),
+    'aime': _Schema(('problem', 'Problem'), _first_answer('answer', 'Answer'), "field 'answer' or 'Answer'", 'aime'),
 }
 
 
-def _messages(value, index: int, where: str) -> tuple[dict, ...]:
-  if not value or not all(isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), str)
-                          for m in value):
-    raise UserError(f'{where}: record {index} holds chat messages that are not all {{"role": str, "content": str}}')
-  return tuple({'role': m['role'], 'content': m['content']} for m in value)
+def _prompt(record: dict, fields: tuple[str, ...], where: str) -> str | tuple[dict, ...]:
+  """The question of `record`: text, or its chat messages as a tuple of plain dicts."""
+  field = next((field for field in fields if _lookup(record, field) is not None), None)
+  if field is None:
+    raise UserError(f'{where} has no question in field {" or ".join(map(repr, fields))} '
+                    f'(missing or null; its fields: {", ".join(map(str, record))})')
+  value = _lookup(record, field)
+  if isinstance(value, str):
+    if not value.strip():
+      raise UserError(f'{where} has an empty question in field {field!r}')
+    return value
+  if not isinstance(value, (list, tuple)):
+    raise UserError(f'{where} field {field!r} is a {type(value).__name__}, not question text or chat messages')
+  for message in value:
+    if not (isinstance(message, dict) and isinstance(message.get('role'), str)
+            and isinstance(message.get('content'), str)):
+      raise UserError(f'{where} field {field!r} holds a chat message that is not a {{"role": str, "content": str}} '
+                      f'dict: {str(message)[:80]}')
+  if not value:
+    raise UserError(f'{where} field {field!r} is an empty list of chat messages')
+  # Only role and content: parquet gives every message each key any message has, filled with None.
+  return tuple({'role': message['role'], 'content': message['content']} for message in value)
 
 
 def adapt(records: list[dict], format: str, source: str, prompt_field: str = 'prompt',
           answer_field: str = 'answer') -> Adapted:
-  """The problems of `records` read with `format` (see the module docstring); `source` (the
-  config's source string) names them in messages and is the default data source."""
+  """The problems of `records` read in `format` (see the module docstring). `source` (the config's
+  source string) names the dataset in messages and is the default data source; `prompt_field` and
+  `answer_field` (dotted names allowed) are read by the custom format only."""
   if format not in FORMATS:
-    raise UserError(f'dataset format {format!r} is not one of {", ".join(FORMATS)}')
-  if format == 'custom':
-    question_fields, answer_of, default_source = (prompt_field,), (lambda r: _text(_field(r, answer_field))), None
-  else:
-    question_fields, answer_of, default_source = _SCHEMAS[format]
-  where = f'{source} (format {format})'
+    raise UserError(f'dataset format {format!r} of {source} is not one of {", ".join(FORMATS)}')
+  schema = _SCHEMAS.get(format) or _Schema((prompt_field,), _first_answer(answer_field), f'field {answer_field!r}')
   problems, skipped = [], 0
   for index, record in enumerate(records):
-    question = _first(record, *question_fields)
-    if isinstance(question, (list, tuple)):
-      question = _messages(question, index, where)
-    elif not isinstance(question, str) or not question.strip():
-      raise UserError(f'{where}: record {index} has no question in field {" or ".join(map(repr, question_fields))} '
-                      f'(its fields: {", ".join(map(str, record))})')
-    answer = answer_of(record)
+    prompt = _prompt(record, schema.prompt_fields, f'record {index} of {source} (format {format})')
+    answer = schema.answer(record)
     if answer is None:
       skipped += 1
       continue
-    data_source = _text(record.get('data_source')) or default_source or source
-    problems.append(Problem(prompt=question, answer=answer, data_source=data_source))
+    data_source = _text(record.get('data_source')) or schema.data_source or source
+    problems.append(Problem(prompt=prompt, answer=answer, data_source=data_source))
   if not problems:
-    what = f'field {answer_field!r}' if format == 'custom' else f'the {format} answer'
-    raise UserError(f'{where}: none of its {len(records)} records has a usable reference answer ({what})')
+    raise UserError(f'none of the {len(records)} records of {source} (format {format}) has a usable reference '
+                    f'answer in {schema.answer_fields}')
   return Adapted(problems=problems, skipped_no_answer=skipped)

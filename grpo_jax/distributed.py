@@ -1,0 +1,81 @@
+"""Many hosts on JAX's own runtime: one process per host, `jax.distributed`, one global mesh.
+
+`initialize(config)` starts the multi-controller runtime before anything touches a device:
+  - with `distributed.coordinator_address`, `num_processes` and `process_id` from the config (or
+    JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID in the environment, which the
+    launch scripts set), it connects to that coordinator;
+  - under SLURM with several tasks, on a multi-host Cloud TPU slice, or under Open MPI, JAX's own
+    cluster detection fills all three in;
+  - otherwise the run is one process and nothing is started.
+On CPUs the cross-process collectives go through gloo. Every process runs the same program over
+the global mesh (no Pathways, no parameter server, no RPC of ours); only process 0 writes logs,
+metrics, plots and the resolved config, while all processes take part in each checkpoint.
+"""
+
+import dataclasses
+import os
+
+import jax
+
+from grpo_jax.errors import UserError, require
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """How this process joins a multi-host run (all unset: from the environment, else one process)."""
+
+  coordinator_address: str | None = None  # host:port of process 0's coordinator service
+  num_processes: int = 0  # processes in the run (one per host); 0: from the environment
+  process_id: int = -1  # this process's index; -1: from the environment
+  initialization_timeout_s: int = 300  # how long to wait for every process to join
+
+  def __post_init__(self):
+    require(self.num_processes >= 0, 'distributed.num_processes', f'must be >= 0, got {self.num_processes}')
+    require(self.process_id >= -1, 'distributed.process_id', f'must be >= -1, got {self.process_id}')
+    require(self.initialization_timeout_s >= 1, 'distributed.initialization_timeout_s',
+            f'must be >= 1, got {self.initialization_timeout_s}')
+
+
+def _from_environment(config: DistributedConfig) -> tuple[str | None, int, int]:
+  address = config.coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS') or None
+  count = config.num_processes or int(os.environ.get('JAX_NUM_PROCESSES', '0') or 0)
+  index = config.process_id if config.process_id >= 0 else int(os.environ.get('JAX_PROCESS_ID', '-1') or -1)
+  return address, count, index
+
+
+def _cluster_detected() -> bool:
+  """A launcher JAX can read the process layout from (SLURM, multi-host TPU, Open MPI)."""
+  if int(os.environ.get('SLURM_NTASKS', '1') or 1) > 1 and 'SLURM_JOB_ID' in os.environ:
+    return True
+  if len(os.environ.get('TPU_WORKER_HOSTNAMES', 'localhost').split(',')) > 1:
+    return True
+  return int(os.environ.get('OMPI_COMM_WORLD_SIZE', '1') or 1) > 1
+
+
+def initialize(config: DistributedConfig) -> None:
+  """Joins the multi-host run described by `config` / the environment (see the module docstring)."""
+  address, count, index = _from_environment(config)
+  if address is None and count <= 1 and not _cluster_detected():
+    return  # one process
+  if jax.distributed.is_initialized():
+    return
+  if address is not None and (count < 1 or index < 0):
+    raise UserError(f'distributed: coordinator {address} needs num_processes and process_id too '
+                    f'(got {count} and {index}; set them in the config or JAX_NUM_PROCESSES / JAX_PROCESS_ID)')
+  if os.environ.get('JAX_PLATFORMS', '').startswith('cpu'):
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  try:
+    if address is None:
+      jax.distributed.initialize(initialization_timeout=config.initialization_timeout_s)
+    else:
+      jax.distributed.initialize(address, num_processes=count, process_id=index,
+                                 initialization_timeout=config.initialization_timeout_s)
+  except Exception as error:  # a coordinator that never answers, a second process 0, ...
+    raise UserError(f'distributed: could not join the run (coordinator {address or "from the cluster"}, '
+                    f'{count or "?"} processes, this one {index if index >= 0 else "?"}): '
+                    f'{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}') from None
+
+
+def is_primary() -> bool:
+  """True on the process that writes logs, metrics and plots (process 0)."""
+  return jax.process_index() == 0
