@@ -4,8 +4,9 @@
   - with `distributed.coordinator_address`, `num_processes` and `process_id` from the config (or
     JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID in the environment, which the
     launch scripts set), it connects to that coordinator;
-  - under SLURM with several tasks, on a multi-host Cloud TPU slice, or under Open MPI, JAX's own
-    cluster detection fills all three in;
+  - under SLURM with several tasks, on a multi-host Cloud TPU slice, or under Open MPI (and
+    whenever `distributed.auto` is set, as launch/tpu_pod.sh does), JAX's own cluster detection
+    fills all three in;
   - otherwise the run is one process and nothing is started.
 On CPUs the cross-process collectives go through gloo. Every process runs the same program over
 the global mesh (no Pathways, no parameter server, no RPC of ours); only process 0 writes logs,
@@ -27,6 +28,7 @@ class DistributedConfig:
   coordinator_address: str | None = None  # host:port of process 0's coordinator service
   num_processes: int = 0  # processes in the run (one per host); 0: from the environment
   process_id: int = -1  # this process's index; -1: from the environment
+  auto: bool = False  # join through JAX's cluster detection (a Cloud TPU pod's metadata, SLURM, MPI)
   initialization_timeout_s: int = 300  # how long to wait for every process to join
 
   def __post_init__(self):
@@ -55,7 +57,7 @@ def _cluster_detected() -> bool:
 def initialize(config: DistributedConfig) -> None:
   """Joins the multi-host run described by `config` / the environment (see the module docstring)."""
   address, count, index = _from_environment(config)
-  if address is None and count <= 1 and not _cluster_detected():
+  if address is None and count <= 1 and not (config.auto or _cluster_detected()):
     return  # one process
   if jax.distributed.is_initialized():
     return
