@@ -75,4 +75,4 @@ def test_train_cli_bad_key_is_one_line(tmp_path):
   assert result.returncode == 2
   assert result.stderr.strip() == \
       ("error: unknown config key 'optimiser' (valid keys here: run, model, mesh, task, rollout, algo, "
-       "optim, train, rewards, eval)")
+       "optim, train, rewards, eval, distributed)")

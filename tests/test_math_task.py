@@ -294,9 +294,10 @@ def test_configuration_errors(tmp_path):
   assert 'task.source' in one_line_error(make_task, str(tmp_path), None)
   model_path = chat_tokenizer_dir(tmp_path / 'tok')
   message = one_line_error(make_task, model_path, source, answer_field='answer')
-  assert "none of its 2 records has a usable reference answer (field 'answer')" in message and source in message
+  assert "none of the 2 records of" in message and "usable reference answer in field 'answer'" in message
+  assert source in message
   message = one_line_error(make_task, model_path, source, prompt_field='question')
-  assert "record 0 has no question in field 'question'" in message and source in message
+  assert "has no question in field 'question'" in message and 'record 0 of' in message and source in message
 
 
 # ---- MathTask: rewards ----

@@ -183,21 +183,12 @@ def test_nonfinite_updates_stop_the_run_with_checkpoint_intact(tmp_path):
   assert sum(row['nonfinite'] for row in rows) >= 3
 
 
-def test_mesh_layouts_agree_and_state_keeps_its_shardings(tmp_path):
-  """data x fsdp x tensor = 2 x 2 x 2 trains like one device (same samples, same losses), and the
-  parameters and Adam moments keep their rule-table shardings through the donated update."""
+def test_mesh_layouts_keep_the_state_shardings(tmp_path):
+  """data x fsdp x tensor = 2 x 2 x 2: the parameters and Adam moments keep their rule-table
+  shardings through the donated update (test_mesh_equivalence.py compares the numbers with one
+  device)."""
   from grpo_jax import config as config_lib
   from grpo_jax.model import sharding
-  common = [*SMALL, '--set', 'train.steps=4', '--set', 'train.steps_per_call=2', '--set', 'train.checkpoint_every=0']
-  run_cli(tmp_path / 'single', *common)
-  run_cli(tmp_path / 'mixed', *common, '--set', 'mesh.data=2', '--set', 'mesh.fsdp=2', '--set', 'mesh.tensor=2',
-          devices=8)
-  single, mixed = (without_timing(read_metrics(tmp_path / name)) for name in ('single', 'mixed'))
-  assert [row['reward_mean'] for row in single] == [row['reward_mean'] for row in mixed]
-  for a, b in zip(single, mixed):
-    assert a['policy_loss'] == pytest.approx(b['policy_loss'], rel=1e-4, abs=1e-6)
-    assert a['grad_norm'] == pytest.approx(b['grad_norm'], rel=1e-4)
-
   config = config_lib.load_config(CONFIG, ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2',
                                             'rollout.prompts_per_step=8', 'algo.group_size=4',
                                             'train.progress=false', 'train.steps=2'])
