@@ -199,9 +199,8 @@ def parse_args(argv):
 
 def load_params(config: config_lib.Config, ckpt: str, mesh):
   """(graphdef, params) of --ckpt: a model directory, or the newest / named training checkpoint."""
-  from grpo_jax import train
   from grpo_jax.checkpoint import Checkpointer
-  from grpo_jax.model.loading import from_pretrained
+  from grpo_jax.model.loading import build_model, from_pretrained
   from grpo_jax.rl.step import create_train_state, learning_rate_schedule, make_optimizer
 
   ckpt = os.path.abspath(ckpt)
@@ -214,7 +213,7 @@ def load_params(config: config_lib.Config, ckpt: str, mesh):
     ckpt, step = os.path.dirname(ckpt), int(os.path.basename(ckpt))
   elif not any(name.isdigit() and os.path.isdir(os.path.join(ckpt, name, 'state')) for name in os.listdir(ckpt)):
     return nnx.split(from_pretrained(ckpt, mesh=mesh, options=config.model))  # a model directory
-  model = train.build_model(config.model, mesh, config.run.seed)
+  model = build_model(config.model, mesh, config.run.seed)
   graphdef, params = nnx.split(model)
   optimizer = make_optimizer(config.optim, learning_rate_schedule(config.optim, 1))
   with jax.set_mesh(mesh):
@@ -233,7 +232,6 @@ def load_params(config: config_lib.Config, ckpt: str, mesh):
 
 @cli_main
 def main(argv=None):
-  from grpo_jax import train
   from grpo_jax.model import sharding
 
   args = parse_args(sys.argv[1:] if argv is None else argv)

@@ -25,7 +25,7 @@ from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.data.task import Task
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import sharding
-from grpo_jax.model.loading import from_pretrained, init_model
+from grpo_jax.model.loading import build_model
 from grpo_jax.rl.loop import RLStep
 from grpo_jax.rl.step import create_train_state, learning_rate_schedule, make_optimizer
 
@@ -50,15 +50,6 @@ def build_task(config: config_lib.Config) -> Task:
     return built
   from grpo_jax.data.math_task import MathTask
   return MathTask(task, config.model.path, config.run.seed, config.rewards, config.rollout.max_new_tokens)
-
-
-def build_model(model: config_lib.ModelConfig, mesh, seed: int):
-  if model.attention == 'cudnn' and jax.default_backend() != 'gpu':
-    raise UserError(f'model.attention: cudnn runs on NVIDIA GPUs only; this run\'s devices are '
-                    f'{jax.default_backend()} (use dense or chunked)')
-  if model.path:
-    return from_pretrained(model.path, mesh=mesh, options=model)
-  return init_model(model.architecture, options=model, mesh=mesh, seed=seed)
 
 
 def check_workdir(workdir: str) -> None:

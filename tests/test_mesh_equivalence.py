@@ -1,6 +1,6 @@
 """A full GRPO step (sample, score, advantages, update) gives the same parameters and metrics on
 8 devices laid out as (data, fsdp, tensor) = (8,1,1), (1,8,1), (2,2,2), (2,1,4) as on 1 device
-(fp32, 1e-5), for the jittable arithmetic task and for the host-scored math task."""
+(fp32, 1e-5), for the jittable arithmetic task (all four) and the host-scored math task (two)."""
 
 import os
 
@@ -70,7 +70,8 @@ def test_host_scored_task_on_every_mesh_equals_one_device(tmp_path):
   task = MathTask(config.task, None, config.run.seed, config.rewards, config.rollout.max_new_tokens)
   try:  # one task (and one reward pool) for every mesh: its prompts depend only on seed and position
     reference = two_steps(tmp_path, config_path, overrides, (1, 1, 1), task)
-    for mesh_shape in MESHES:
+    # The host part (decode, score) does not see the mesh: two layouts keep the suite short.
+    for mesh_shape in [(2, 2, 2), (2, 1, 4)]:
       assert_equal_runs(reference, two_steps(tmp_path, config_path, overrides, mesh_shape, task))
   finally:
     task.close()

@@ -260,6 +260,17 @@ def from_pretrained(path: str, dtype=None, *, mesh: Mesh | None = None,
   return load_hf(path, options=options, mesh=mesh)
 
 
+def build_model(model, mesh: Mesh | None, seed: int) -> Qwen2:
+  """The run's model from its config section `model` (a config.ModelConfig): the checkpoint at
+  model.path, else random weights for model.architecture, laid out over `mesh`."""
+  if model.attention == 'cudnn' and jax.default_backend() != 'gpu':
+    raise UserError(f'model.attention: cudnn runs on NVIDIA GPUs only; this run\'s devices are '
+                    f'{jax.default_backend()} (use dense or chunked)')
+  if model.path:
+    return from_pretrained(model.path, mesh=mesh, options=model)
+  return init_model(model.architecture, options=model, mesh=mesh, seed=seed)
+
+
 def load_tokenizer(path: str):
   """The Hugging Face tokenizer stored beside the weights, or None when there is none."""
   if not any(os.path.isfile(os.path.join(path, name)) for name in ('tokenizer.json', 'vocab.json')):
