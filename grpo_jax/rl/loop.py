@@ -112,7 +112,7 @@ class RLStep:
     frac_zero_std_groups describe every completion sampled (the policy's reward); trained_reward_mean
     the batch trained on."""
     prompts_per_step, group = self.prompts_per_step, self.algo.group_size
-    rounds, informative, uninformative = [], [], []
+    rounds, sampled_rewards, informative, uninformative = [], [], [], []
     while len(informative) < prompts_per_step and len(rounds) < self.algo.max_sampling_rounds:
       state, prompt_key, sample_key = self.split_key(state)
       prompts = self.prompts(prompt_key, position + len(rounds) * prompts_per_step, prompts_per_step)
@@ -121,6 +121,7 @@ class RLStep:
       scores = self.reward(rollout, prompts, group)
       observe('reward', scores)
       rewards = np.asarray(scores.rewards).reshape(prompts_per_step, group)
+      sampled_rewards.append(rewards)
       for index, varied in enumerate(np.any(rewards != rewards[:, :1], axis=1)):
         (informative if varied else uninformative).append((len(rounds), index))
       rounds.append((prompts, rollout, scores))
@@ -129,7 +130,7 @@ class RLStep:
     prompts, rollout, scores = _gather_groups(rounds, chosen, group)
     state, metrics = self.learn(state, ref_params, prompts.tokens, prompts.mask, rollout, scores)
     observe('update', metrics)
-    everything = np.concatenate([np.asarray(sampled.rewards) for _, _, sampled in rounds]).reshape(-1, group)
+    everything = np.concatenate(sampled_rewards)
     metrics = dict(metrics, trained_reward_mean=metrics['reward_mean'], reward_mean=everything.mean(),
                    reward_std=everything.std(), frac_zero_std_groups=1.0 - len(informative) / everything.shape[0],
                    reward_failures=sum(int(sampled.failures) for _, _, sampled in rounds),
