@@ -1,8 +1,12 @@
-"""python -m conversion.orbax_to_hf --ckpt DIR --out DIR [--like HF_DIR]
+"""python -m conversion.orbax_to_hf --ckpt DIR --out DIR [--step N] [--like HF_DIR]
 
 Converts a grpo_jax checkpoint back to Hugging Face safetensors + config.json, loadable by
-`transformers.AutoModelForCausalLM.from_pretrained`. With --like, the original directory's
-config.json keys that grpo_jax does not model and its tokenizer files are carried over.
+`transformers.AutoModelForCausalLM.from_pretrained`. --ckpt is a model checkpoint (config.json +
+params/, as hf_to_orbax writes) or a training run's policy: its workdir, checkpoints/ directory
+(the newest step, or --step) or one checkpoints/<step>, whichever number of processes wrote it;
+only the parameters are read, not the optimizer state. With --like, the original directory's
+config.json keys that grpo_jax does not model and its tokenizer files are carried over (a training
+run's tokenizer is otherwise taken from its task.tokenizer or model.path, where they still exist).
 """
 
 import argparse
@@ -12,6 +16,7 @@ import sys
 import time
 
 from conversion.common import atomic_directory, host_mesh
+from grpo_jax.checkpoint import locate, restore_policy
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model.config import load_hf_config
 from grpo_jax.model.loading import copy_tokenizer_files, is_orbax_checkpoint, load_orbax, save_hf
@@ -21,7 +26,9 @@ from grpo_jax.model.qwen2 import ModelOptions
 @cli_main
 def main(argv=None):
   parser = argparse.ArgumentParser(prog='python -m conversion.orbax_to_hf', description=__doc__.splitlines()[0])
-  parser.add_argument('--ckpt', required=True, help='grpo_jax checkpoint directory (config.json + params/)')
+  parser.add_argument('--ckpt', required=True,
+                      help='grpo_jax checkpoint directory (config.json + params/), or a training workdir / checkpoint')
+  parser.add_argument('--step', type=int, help='with a training run: the checkpoint step (default: the newest)')
   parser.add_argument('--out', required=True, help='Hugging Face directory to write')
   parser.add_argument('--like', help='original Hugging Face directory to take extra config keys and tokenizer from')
   parser.add_argument('--max-shard-gb', type=float, default=4.0, help='split safetensors above this size')
@@ -31,19 +38,43 @@ def main(argv=None):
   start = time.perf_counter()
   if not args.max_shard_gb > 0:
     raise UserError(f'--max-shard-gb must be > 0, got {args.max_shard_gb}')
-  if not is_orbax_checkpoint(args.ckpt):
-    raise UserError(f'--ckpt {args.ckpt} is not a grpo_jax checkpoint (no params/ directory)')
+  training = None if is_orbax_checkpoint(args.ckpt) else locate(args.ckpt)
+  if training is None and not is_orbax_checkpoint(args.ckpt):
+    raise UserError(f'--ckpt {args.ckpt} is neither a grpo_jax checkpoint (no params/ directory) nor a training '
+                    'run with checkpoints')
+  if args.step is not None and training is None:
+    raise UserError('--step applies to a training run\'s checkpoints; --ckpt is a model checkpoint')
   if args.like:
     load_hf_config(args.like)  # fail early on a wrong --like
-  stored_dtype = load_hf_config(args.ckpt).checkpoint_dtype
   with atomic_directory(args.out, args.force) as staging:
-    # Only the storage dtype matters: conversion runs no forward pass.
-    model = load_orbax(args.ckpt, options=ModelOptions(param_dtype=stored_dtype), mesh=host_mesh())
+    if training is None:
+      # Only the storage dtype matters: conversion runs no forward pass.
+      model = load_orbax(args.ckpt, options=ModelOptions(param_dtype=load_hf_config(args.ckpt).checkpoint_dtype),
+                         mesh=host_mesh())
+      tokenizer = args.ckpt
+    else:
+      model, tokenizer = trained_policy(*training, step=args.step)
     save_hf(model, staging, max_shard_bytes=int(args.max_shard_gb * 2**30))
-    copy_tokenizer_files(args.like or args.ckpt, staging)
+    if args.like or tokenizer:
+      copy_tokenizer_files(args.like or tokenizer, staging)
     if args.like:
       _merge_config(os.path.join(args.like, 'config.json'), os.path.join(staging, 'config.json'))
   print(f'wrote {args.out} in {time.perf_counter() - start:.1f}s')
+
+
+def trained_policy(checkpoints: str, found_step: int | None, step: int | None):
+  """(model on the host, tokenizer directory or None) of a training run's checkpoint."""
+  from flax import nnx
+
+  if step is not None and found_step is not None and step != found_step:
+    raise UserError(f'--step {step} differs from the step of --ckpt {checkpoints}/{found_step}')
+  graphdef, params, config, step = restore_policy(checkpoints, step if step is not None else found_step, host_mesh(),
+                                                  options=None)
+  print(f'policy of run {config.run.name!r} at step {step} ({checkpoints}/{step})', file=sys.stderr, flush=True)
+  tokenizer = next((path for path in (config.task.tokenizer, config.model.path)
+                    if path and any(os.path.isfile(os.path.join(path, name)) for name in ('tokenizer.json', 'vocab.json'))),
+                   None)
+  return nnx.merge(graphdef, params), tokenizer
 
 
 def _merge_config(original_path: str, written_path: str) -> None:

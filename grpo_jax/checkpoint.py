@@ -50,6 +50,33 @@ class Checkpointer:
                       f'{root_cause(error)}; {way_out}') from None
     return restored.state, restored.meta
 
+  def meta(self, step: int) -> dict:
+    """The step's metadata (data position, resolved config) alone."""
+    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
+  def restore_params(self, step: int, abstract_params):
+    """Only the parameters of the step's state, placed like `abstract_params`' shardings; the
+    optimizer state is not read (exporting a 32B policy needs no room for its AdamW moments)."""
+    from flax import nnx
+    # The state is stored as nested dicts, each parameter as {'value': array} (its Variable's pytree).
+    target = dict(params=jax.tree.map(lambda leaf: dict(value=ocp.utils.to_shape_dtype_struct(leaf)),
+                                      nnx.to_pure_dict(abstract_params)))
+    try:
+      # The PyTree handler (which the standard one wraps) can read a part of the stored tree.
+      with ocp.CheckpointManager(self.directory, item_names=('state',),
+                                 item_handlers={'state': ocp.PyTreeCheckpointHandler()}) as reader:
+        restored = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
+    except Exception as error:  # orbax and TensorStore raise bare Exceptions for missing or cut files
+      quiet_abandoned_reads()
+      raise UserError(f'checkpoint {self.directory}/{step}: its parameters cannot be restored '
+                      f'(missing or damaged data, or another model?): {root_cause(error)}') from None
+    values = jax.tree.map(lambda node: node['value'], restored.state['params'],
+                          is_leaf=lambda node: isinstance(node, dict) and set(node) == {'value'})
+    params = jax.tree.map(lambda x: x, abstract_params)  # a copy to fill in
+    nnx.replace_by_pure_dict(params, values)
+    return params
+
   def _check_shapes(self, step: int, abstract_state) -> None:
     """One sentence naming the first tensor whose stored shape differs from this run's."""
     stored = {_name(path): leaf.shape for path, leaf in
@@ -74,3 +101,56 @@ class Checkpointer:
 def _name(path) -> str:
   """'params.layers.q_weight.value' from a pytree key path (dict keys, indices, attributes)."""
   return '.'.join(str(getattr(key, 'key', getattr(key, 'idx', getattr(key, 'name', key)))) for key in path)
+
+
+def locate(path: str) -> tuple[str, int | None] | None:
+  """(checkpoints directory, step) when `path` is a training workdir, its checkpoints/ directory
+  (step None: the newest) or one checkpoints/<step>; None when it is none of these."""
+  path = os.path.abspath(path)
+  if os.path.isdir(os.path.join(path, 'checkpoints')):
+    path = os.path.join(path, 'checkpoints')
+  if os.path.isdir(os.path.join(path, 'state')) and os.path.basename(path).isdigit():
+    return os.path.dirname(path), int(os.path.basename(path))
+  if os.path.isdir(path) and any(name.isdigit() and os.path.isdir(os.path.join(path, name, 'state'))
+                                 for name in os.listdir(path)):
+    return path, None
+  return None
+
+
+def restore_policy(checkpoints: str, step: int | None, mesh, options=None):
+  """(graphdef, params, config, step) of a training run's policy at `step` (None: the newest):
+  the parameters alone, placed on `mesh` whatever mesh and number of processes wrote them.
+  The architecture is the one stored in the checkpoint (older ones: the run's model section);
+  `options` (a ModelOptions; default the run's own) sets the dtypes and the attention."""
+  from flax import nnx
+
+  from grpo_jax import config as config_lib
+  from grpo_jax.model.config import from_hf_dict, load_hf_config
+  from grpo_jax.model.loading import abstract_model
+  from grpo_jax.model.sharding import state_shardings
+
+  checkpointer = Checkpointer(checkpoints, max_to_keep=1, asynchronous=False)
+  try:
+    step = checkpointer.latest_step() if step is None else step
+    if step is None or step not in checkpointer.manager.all_steps():
+      raise UserError(f'{checkpoints} holds no complete checkpoint' + (f' of step {step}' if step is not None else ''))
+    meta = checkpointer.meta(step)
+    config = config_lib.from_dict(meta['config'])
+    if 'architecture' in meta:
+      architecture = from_hf_dict(meta['architecture'], f'{checkpoints}/{step}/meta')
+    elif config.model.path and os.path.isfile(os.path.join(config.model.path, 'config.json')):
+      architecture = load_hf_config(config.model.path)
+    elif config.model.path:
+      raise UserError(f'{checkpoints}/{step} does not store its architecture and the run\'s model.path '
+                      f'{config.model.path} (where it was read from) is gone')
+    else:
+      architecture = config.model.architecture
+    graphdef, abstract = nnx.split(abstract_model(architecture, options if options is not None else config.model))
+    target = jax.tree.map(lambda variable, sharding: variable.replace(
+        jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=sharding)),
+        abstract, state_shardings(abstract, mesh), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    params = checkpointer.restore_params(step, target)
+  finally:
+    checkpointer.close()
+  return graphdef, params, config, step
+

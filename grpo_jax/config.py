@@ -412,6 +412,11 @@ def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Confi
   return _build(Config, data)
 
 
+def from_dict(data: dict) -> Config:
+  """The Config of a plain nested dict (to_dict's form, as stored in checkpoints), checked as a file is."""
+  return _build(Config, data)
+
+
 def to_dict(config) -> dict:
   """Plain nested dict (tuples as lists), the form written to config.yaml."""
   def plain(value):

@@ -17,6 +17,9 @@ import dataclasses
 import os
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.errors import UserError, require
 
@@ -81,3 +84,70 @@ def initialize(config: DistributedConfig) -> None:
 def is_primary() -> bool:
   """True on the process that writes logs, metrics and plots (process 0)."""
   return jax.process_index() == 0
+
+
+# ---- host values and global arrays ----
+# A jitted program over a multi-host mesh takes and returns global arrays, of which each process
+# holds only the shards on its own devices. The host parts of a run (a dataset's prompts, the
+# reward of a host-scored task, evaluation) cross that boundary through these.
+
+
+def replicated(value, mesh: jax.sharding.Mesh) -> jax.Array:
+  """A host value every process holds identically, as a global array replicated over `mesh`."""
+  value = np.asarray(value)
+  return jax.make_array_from_callback(value.shape, NamedSharding(mesh, PartitionSpec()), lambda index: value[index])
+
+
+def host_value(array) -> np.ndarray:
+  """The whole of `array` on this host: a copy from the local devices, or (when its shards span
+  processes) an all-gather every process must join."""
+  if not isinstance(array, jax.Array) or array.is_fully_addressable or array.is_fully_replicated:
+    return np.asarray(array)
+  return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def owned_groups(array: jax.Array, group_size: int) -> np.ndarray:
+  """The groups (runs of `group_size` rows along axis 0) of `array` this process works on: each
+  group goes to exactly one process that holds all of its rows, spread round-robin over the
+  processes that do (a replicated array splits evenly; a row-sharded one stays where it lies)."""
+  rows = array.shape[0]
+  groups = rows // group_size
+  held = {}
+  for device, index in array.sharding.devices_indices_map(array.shape).items():
+    mask = held.setdefault(device.process_index, np.zeros(rows, bool))
+    mask[index[0] if index else slice(None)] = True
+  holders = [[process for process in sorted(held) if held[process][g * group_size:(g + 1) * group_size].all()]
+             for g in range(groups)]
+  if not all(holders):
+    split = next(g for g, found in enumerate(holders) if not found)
+    raise UserError(f'group {split} of the rollout ({group_size} rows) is split over processes by the mesh layout; '
+                    'make rollout.prompts_per_step a multiple of the number of processes')
+  return np.asarray([g for g, found in enumerate(holders) if found[g % len(found)] == jax.process_index()], np.int64)
+
+
+def local_rows(array, rows: np.ndarray) -> np.ndarray:
+  """Rows `rows` (along axis 0) of `array`, read from this process's own shards only."""
+  if not isinstance(array, jax.Array) or array.is_fully_addressable:
+    return np.asarray(array)[rows]
+  out = np.empty((len(rows), *array.shape[1:]), array.dtype)
+  filled = np.zeros(len(rows), bool)
+  for shard in array.addressable_shards:
+    index = shard.index
+    if any(part != slice(None) and part.indices(size) != (0, size, 1) for part, size in zip(index[1:], array.shape[1:])):
+      raise ValueError(f'local_rows: a shard of shape {shard.data.shape} splits more than the rows')
+    start, stop, _ = index[0].indices(array.shape[0]) if index else (0, array.shape[0], 1)
+    wanted = ~filled & (rows >= start) & (rows < stop)
+    if wanted.any():
+      out[wanted] = np.asarray(shard.data)[rows[wanted] - start]
+      filled |= wanted
+  if not filled.all():
+    raise ValueError(f'local_rows: rows {rows[~filled][:4].tolist()} are not on this process')
+  return out
+
+
+def sum_over_processes(tree):
+  """Each leaf summed over all processes (a host all-gather; the tree itself on one process)."""
+  if jax.process_count() == 1:
+    return tree
+  gathered = multihost_utils.process_allgather(tree)
+  return jax.tree.map(lambda leaf: np.asarray(leaf).sum(axis=0, dtype=np.asarray(leaf).dtype), gathered)

@@ -25,11 +25,11 @@ import sys
 from collections import Counter
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from grpo_jax import config as config_lib
+from grpo_jax import distributed
 from grpo_jax import metrics as metrics_lib
 from grpo_jax.data.math_task import MathTask, ProblemSet
 from grpo_jax.data.rewards import RewardPool, last_boxed
@@ -144,16 +144,18 @@ class Evaluator:
       indices = list(range(start, min(start + batch, self.count)))
       padded = indices + [indices[0]] * (batch - len(indices))  # one shape: one compile
       tokens, mask = self.problems.left_padded(padded, self.task.prompt_length, self.task.pad_id)
-      tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+      # Global arrays over the parameters' mesh; the completions come back whole to every process
+      # (each scores them all: only process 0 writes, but every one runs the same program).
+      tokens, mask = _placed(tokens, params), _placed(mask, params)
       rollout = self.sampler(params, tokens, mask, jax.random.fold_in(self.key, start))
-      texts = self.task.decode(rollout.tokens, rollout.mask)
+      texts = self.task.decode(distributed.host_value(rollout.tokens), distributed.host_value(rollout.mask))
       references = [self.problems.answers[i] for i in padded for _ in range(settings.samples)]
       if self.greedy is not None:
         greedy = self.greedy(params, tokens, mask, self.key)
-        texts += self.task.decode(greedy.tokens, greedy.mask)
+        texts += self.task.decode(distributed.host_value(greedy.tokens), distributed.host_value(greedy.mask))
         references += [self.problems.answers[i] for i in padded]
       scores = self._pool.map(texts, references)
-      lengths = np.asarray(rollout.lengths)
+      lengths = distributed.host_value(rollout.lengths)
       for row, index in enumerate(indices):
         window = slice(row * settings.samples, (row + 1) * settings.samples)
         samples = texts[window]
@@ -166,7 +168,7 @@ class Evaluator:
           result.update(greedy=texts[offset], greedy_correct=scores[offset] == 1.0)
         results.append(result)
       bar.update(len(results), float(np.mean([np.mean(result['correct']) for result in results])))  # pass@1 so far
-    if out_path:
+    if out_path and distributed.is_primary():
       os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
       with open(out_path, 'w') as f:
         f.writelines(json.dumps(result) + '\n' for result in results)
@@ -176,6 +178,14 @@ class Evaluator:
     if self._pool is not None:
       self._pool.close()
       self._pool = None
+
+
+def _placed(value: np.ndarray, params) -> jax.Array:
+  """A host array replicated over the parameters' mesh (a global array on many processes)."""
+  layout = jax.tree.leaves(params)[0].sharding
+  if isinstance(layout, jax.sharding.NamedSharding):
+    return distributed.replicated(value, layout.mesh)
+  return jax.device_put(value, layout)
 
 
 # ---- command line ----
@@ -197,36 +207,20 @@ def parse_args(argv):
 
 
 def load_params(config: config_lib.Config, ckpt: str, mesh):
-  """(graphdef, params) of --ckpt: a model directory, or the newest / named training checkpoint."""
-  from grpo_jax.checkpoint import Checkpointer
-  from grpo_jax.model.loading import build_model, from_pretrained
-  from grpo_jax.rl.step import create_train_state, learning_rate_schedule, make_optimizer
+  """(graphdef, params) of --ckpt: a model directory, or the newest / named training checkpoint
+  (its policy's parameters alone, in this config's dtypes)."""
+  from grpo_jax.checkpoint import locate, restore_policy
+  from grpo_jax.model.loading import from_pretrained
 
   ckpt = os.path.abspath(ckpt)
   if not os.path.isdir(ckpt):
     raise UserError(f'--ckpt {ckpt} is not a directory')
-  if os.path.isdir(os.path.join(ckpt, 'checkpoints')):  # a training workdir
-    ckpt = os.path.join(ckpt, 'checkpoints')
-  step = None
-  if os.path.isdir(os.path.join(ckpt, 'state')):  # checkpoints/<step>
-    ckpt, step = os.path.dirname(ckpt), int(os.path.basename(ckpt))
-  elif not any(name.isdigit() and os.path.isdir(os.path.join(ckpt, name, 'state')) for name in os.listdir(ckpt)):
+  training = locate(ckpt)  # a workdir, its checkpoints/ or one checkpoints/<step>
+  if training is None:
     return nnx.split(from_pretrained(ckpt, mesh=mesh, options=config.model))  # a model directory
-  model = build_model(config.model, mesh, config.run.seed)
-  graphdef, params = nnx.split(model)
-  optimizer = make_optimizer(config.optim, learning_rate_schedule(config.optim, 1))
-  with jax.set_mesh(mesh):
-    state = create_train_state(params, optimizer, config.run.seed)
-  checkpointer = Checkpointer(ckpt, max_to_keep=config.train.max_to_keep)
-  try:
-    step = checkpointer.latest_step() if step is None else step
-    if step is None:
-      raise UserError(f'--ckpt {ckpt} holds no complete checkpoint')
-    state, _ = checkpointer.restore(step, state)
-  finally:
-    checkpointer.close()
-  print(f'eval: parameters of {ckpt}/{step}', file=sys.stderr, flush=True)
-  return graphdef, state.params
+  graphdef, params, _, step = restore_policy(*training, mesh, options=config.model)
+  print(f'eval: parameters of {training[0]}/{step}', file=sys.stderr, flush=True)
+  return graphdef, params
 
 
 @cli_main

@@ -52,6 +52,9 @@ def parse_args(argv):
   parser.add_argument('--layers', type=int, help='override the number of layers')
   parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE', dest='overrides',
                       help='override one config key, e.g. --set rollout.max_new_tokens=12288 (repeatable)')
+  parser.add_argument('--device-memory', help='memory per device to plan for instead of the target\'s, e.g. 40GiB or 16GB')
+  parser.add_argument('--no-advice', action='store_true',
+                      help='when the run does not fit, do not compile the knobs that might bring it under')
   parser.add_argument('--json', help='also write the report as JSON to this file')
   return parser.parse_args(argv)
 
@@ -227,13 +230,15 @@ def step_programs(config: config_lib.Config, architecture, mesh) -> StepPrograms
   return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs)
 
 
-def plan(config: config_lib.Config, target: targets.Target, architecture) -> dict:
+def plan(config: config_lib.Config, target: targets.Target, architecture, only: set[str] | None = None) -> dict:
+  """The report of `config`'s programs compiled for `target` (those named in `only`, else all)."""
   devices = target.devices()
   mesh = sharding.make_mesh(config.mesh, devices=devices)
   built = step_programs(config, architecture, mesh)
   task, state, ref_params = built.task, built.state, built.ref_params
   with jax.set_mesh(mesh):
-    programs = [compile_program(name, target.platform, jitted, *args) for name, jitted, args in built.programs]
+    programs = [compile_program(name, target.platform, jitted, *args) for name, jitted, args in built.programs
+                if only is None or name in only]
 
   params_bytes = sharding.bytes_per_device(state.params)
   opt_bytes = sharding.bytes_per_device(state.opt_state)
@@ -257,6 +262,111 @@ def plan(config: config_lib.Config, target: targets.Target, architecture) -> dic
   report['estimate'] = dict(model_flops=step_flops, compute_s=compute_s, decode_memory_s=decode_s,
                             step_s=max(compute_s, decode_s))
   return report
+
+
+# ---- what to change when a run does not fit ----
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+  """One change to try: `overrides` (--set assignments) and the programs it can shrink."""
+
+  overrides: tuple[str, ...]
+  programs: str  # 'update', 'rollout' or 'both'
+  why: str
+
+  @property
+  def name(self) -> str:
+    return ' '.join(self.overrides)
+
+
+def knobs(config: config_lib.Config, architecture, devices: int) -> list[Knob]:
+  """The changes that lower per-device memory without changing what is learned, cheapest first:
+  rematerialisation, smaller gradient-accumulation micro-batches, chunked attention (the update);
+  more tensor parallelism (both programs: the weights, the optimizer state and the KV cache split
+  further over heads). Micro-batches are tried from half the current one down to one row per
+  data-parallel device."""
+  model, algo, mesh = config.model, config.algo, config.mesh
+  found = []
+  if model.remat != 'full':
+    found.append(Knob(('model.remat=full',), 'update', 'recompute each layer in the backward pass'))
+  minibatch = completions_per_step(config.rollout, algo) // algo.num_minibatches
+  size = algo.micro_batch_size or minibatch
+  tensor = mesh.tensor if mesh.tensor > 0 else 1
+  while size % 2 == 0 and size // 2 >= devices // tensor:  # at least one row per data-parallel device
+    size //= 2
+    found.append(Knob((f'algo.micro_batch_size={size}',), 'update',
+                      f'accumulate gradients over {minibatch // size} micro-batches'))
+  if model.attention == 'dense':
+    found.append(Knob(('model.attention=chunked',), 'update', 'attention in query chunks, no [T, T] scores'))
+  for wider in (2, 4, 8):
+    if wider > tensor and devices % wider == 0 and architecture.num_key_value_heads % wider == 0:
+      found.append(Knob((f'mesh.tensor={wider}', 'mesh.data=1', 'mesh.fsdp=-1'), 'both',
+                        f'tensor parallelism over {wider} devices (heads, MLP, vocabulary and KV cache split)'))
+  return found
+
+
+def advise(load, target: targets.Target, architecture, report: dict, on_result=None) -> list[dict]:
+  """Compiles `report`'s run with each knob: first each alone (only the programs it can change;
+  micro-batches from large to small, stopping at the first that fits), then, when none was enough,
+  all the update knobs together, alone and with each mesh. `load(overrides)` is the run's config with extra --set assignments.
+  Returns one row per trial: knob, per-program peaks, fits."""
+  hbm, peaks = report['hbm'], {program['name']: program['peak'] for program in report['programs']}
+  over = {name for name, peak in peaks.items() if peak > hbm}
+  fused = any(name not in ('rollout', 'update') for name in peaks)
+  config = load(())
+  candidates = knobs(config, architecture, report['devices'])
+  update_knobs = [knob for knob in candidates if knob.programs == 'update']
+  micro = [knob for knob in update_knobs if knob.overrides[0].startswith('algo.micro_batch_size')]
+  chosen = [knob for knob in update_knobs if knob not in micro] + micro[-1:]  # the smallest micro-batch
+  combined = tuple(o for knob in chosen for o in knob.overrides)
+  together = [Knob(combined, 'update', 'all of the above for the update')] if len(chosen) > 1 else []
+  together += [Knob(combined + knob.overrides, 'both', 'with the update knobs above')
+               for knob in candidates if knob.programs == 'both' and combined]
+  rows, micro_done, seen = [], False, set()
+  for knob in candidates + [None] + together:
+    if knob is None:  # the knobs together only when none is enough alone
+      if any(row['fits'] for row in rows):
+        break
+      continue
+    if frozenset(knob.overrides) in seen:
+      continue
+    seen.add(frozenset(knob.overrides))
+    programs = None if fused or knob.programs == 'both' else {knob.programs}
+    if programs is not None and not programs & over:
+      continue  # it cannot change what does not fit
+    if micro_done and len(knob.overrides) == 1 and knob.overrides[0].startswith('algo.micro_batch_size'):
+      continue  # a smaller micro-batch than one that fits is not needed
+    try:
+      trial = plan(load(knob.overrides), target, architecture, only=programs)
+    except UserError as error:  # the knob is not valid for this run, or the compiler refused it
+      row = dict(knob=knob.name, why=knob.why, error=str(error), fits=False)
+    else:
+      new_peaks = dict(peaks, **{program['name']: program['peak'] for program in trial['programs']})
+      row = dict(knob=knob.name, why=knob.why, peaks=new_peaks, fits=max(new_peaks.values()) <= hbm)
+      micro_done |= row['fits'] and knob.overrides[0].startswith('algo.micro_batch_size')
+    rows.append(row)
+    if on_result is not None:
+      on_result(row)
+  return rows
+
+
+def format_advice(row: dict, peaks: dict) -> str:
+  if 'error' in row:
+    return f'  {row["knob"]}: not possible here ({row["error"]})'
+  changes = ', '.join(f'{name} {_size(peaks[name])} -> {_size(value)}' for name, value in row['peaks'].items()
+                      if value != peaks[name])
+  return f'  {row["knob"]} ({row["why"]}): {changes or "no change"}: {"fits" if row["fits"] else "still over"}'
+
+
+def parse_bytes(text: str, field: str) -> int:
+  """'80GiB', '16G' (binary), '95GB' (decimal), '1048576' -> bytes."""
+  import re
+  match = re.fullmatch(r'\s*([0-9]*\.?[0-9]+)\s*(?:([KMGT])(i?)(B?))?\s*', text, re.IGNORECASE)
+  if not match or float(match.group(1)) <= 0:
+    raise UserError(f'{field} {text!r}: write a positive size such as 80GiB, 95GB or 16G')
+  number, unit = float(match.group(1)), (match.group(2) or '').upper()
+  decimal = bool(match.group(4)) and not match.group(3)  # GB; GiB and G are binary
+  return int(number * (1000 if decimal else 1024) ** ' KMGT'.index(unit or ' '))
 
 
 def _size(value: int) -> str:
@@ -287,10 +397,23 @@ def format_report(report: dict) -> str:
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   target = targets.parse_target(args.target)
+  if args.device_memory:
+    target = dataclasses.replace(target, hbm_bytes=parse_bytes(args.device_memory, '--device-memory'))
   config = config_lib.load_config(args.config, args.overrides)
   architecture = model_architecture(config, args.model_size, args.layers)
   report = plan(config, target, architecture)
   print(format_report(report), flush=True)
+  if not report['fits'] and not args.no_advice:
+    print('trying the knobs that lower memory without changing what is learned (each compiled for the target):',
+          flush=True)
+    peaks = {program['name']: program['peak'] for program in report['programs']}
+    report['advice'] = advise(lambda extra: config_lib.load_config(args.config, [*args.overrides, *extra]),
+                              target, architecture, report,
+                              on_result=lambda row: print(format_advice(row, peaks), flush=True))
+    fitting = [row['knob'] for row in report['advice'] if row['fits']]
+    print(f'brings it under: {" | ".join(fitting)}' if fitting else
+          'no knob brings it under: more devices, a larger memory, or a smaller recipe (rows, sequence length)',
+          flush=True)
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(report, f, indent=1, default=float)

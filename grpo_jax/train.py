@@ -25,6 +25,7 @@ from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.data.task import Task
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import sharding
+from grpo_jax.model.config import to_hf_dict
 from grpo_jax.model.loading import build_model
 from grpo_jax.rl.loop import RLStep
 from grpo_jax.rl.step import create_train_state, learning_rate_schedule, make_optimizer
@@ -145,6 +146,7 @@ class Run:
       print(f'# resolved config (saved to {workdir}/config.yaml)\n{resolved}', flush=True)
     self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step, write=self.primary)
     self.num_params = model.config.num_params()
+    self.architecture = to_hf_dict(model.config, dtype=config.model.param_dtype)  # in each checkpoint, for export
     self.peak_flops = metrics_lib.matmul_peak_flops(config.model.dtype)
     self.step_flops = metrics_lib.model_flops_per_step(self.num_params, task.prompt_length, config.rollout, algo)
 
@@ -192,7 +194,8 @@ class Run:
     return self.log.write(step, metrics)
 
   def save(self) -> None:
-    meta = dict(step=self.step, data_position=self.data_position, config=config_lib.to_dict(self.config))
+    meta = dict(step=self.step, data_position=self.data_position, config=config_lib.to_dict(self.config),
+                architecture=self.architecture)
     self.checkpointer.save(self.step, self.state, meta)
     self.saved_step = self.step
 
@@ -233,7 +236,8 @@ class InTrainingEval:
     self.log.write(step, summary)
     shown = ', '.join(f'{name[5:]} {value:.3f}' for name, value in summary.items()
                       if name.count('/') == 1 and isinstance(value, float))
-    print(f'eval at step {step}: {shown}', file=sys.stderr, flush=True)
+    if self.run.primary:
+      print(f'eval at step {step}: {shown}', file=sys.stderr, flush=True)
     return summary
 
   def close(self) -> None:
@@ -297,9 +301,10 @@ def main(argv=None):
   if jax.process_count() > 1:
     if not (args.workdir or config.run.workdir):
       raise UserError('a multi-host run needs one --workdir (or run.workdir) shared by every process')
-    if config.task.name != 'arith':
-      raise UserError(f'task {config.task.name!r} scores on the host, which runs on one process for now; '
-                      'multi-host runs take a task whose reward is computed in JAX (task.name=arith)')
+    if config.task.name != 'arith' and config.rollout.prompts_per_step % jax.process_count():
+      # Each process scores whole groups of its own rows: the prompts must split evenly.
+      raise UserError(f'rollout.prompts_per_step={config.rollout.prompts_per_step} must be a multiple of the '
+                      f'{jax.process_count()} processes when the reward is scored on the hosts (task {config.task.name!r})')
   workdir, mesh, model = setup(config, args.config, args.workdir)
   primary = distributed.is_primary()
   if primary:

@@ -235,3 +235,47 @@ def test_corrupt_safetensors_headers_are_refused_like_the_reference_reader(tmp_p
   with pytest.raises(UserError) as error:
     SafetensorsFile(str(bad))
   assert message in str(error.value) and str(bad) in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_training_runs_policy_exports_to_transformers(seed, tmp_path):
+  """orbax_to_hf on a training workdir: the policy the run trained (its parameters after the last
+  step, as the run held them) loads in transformers with the same logits; --step picks an earlier
+  checkpoint, which differs; a path that is no checkpoint at all is one clear error."""
+  from flax import nnx
+  from transformers import AutoModelForCausalLM
+
+  from grpo_jax import config as config_lib
+  from grpo_jax import train
+
+  config = config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny_arith.yaml'), [
+      'rollout.prompts_per_step=8', 'algo.group_size=4', 'train.steps_per_call=1', 'train.progress=false',
+      'optim.warmup_steps=0', 'optim.learning_rate=0.01', 'algo.entropy_coef=0.01', f'run.seed={seed}'])
+  mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+  model = train.build_model(config.model, mesh, config.run.seed)
+  run = train.Run(config, str(tmp_path / 'run'), mesh, model, train.build_task(config))
+  try:
+    for _ in range(2):
+      run.fused_steps(1)
+      run.save()
+    trained = nnx.merge(run.rl_step.graphdef, jax.device_get(run.state.params))
+  finally:
+    run.close()
+
+  code, _, stderr = run_cli('conversion.orbax_to_hf', '--ckpt', tmp_path / 'run', '--out', tmp_path / 'hf')
+  assert code == 0, stderr
+  assert 'at step 2' in stderr
+  tokens = np.random.default_rng(seed).integers(0, config.model.architecture.vocab_size, (2, 12))
+  exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / 'hf')).eval()
+  np.testing.assert_allclose(torch_logits(exported, tokens), np.asarray(trained(tokens.astype(np.int32))),
+                             rtol=1e-5, atol=1e-5)
+
+  code, _, stderr = run_cli('conversion.orbax_to_hf', '--ckpt', tmp_path / 'run' / 'checkpoints', '--step', 1,
+                            '--out', tmp_path / 'hf1')
+  assert code == 0 and 'at step 1' in stderr, stderr
+  earlier = AutoModelForCausalLM.from_pretrained(str(tmp_path / 'hf1')).eval()
+  assert np.abs(torch_logits(earlier, tokens) - torch_logits(exported, tokens)).max() > 1e-4
+  code, _, stderr = run_cli('conversion.orbax_to_hf', '--ckpt', tmp_path / 'run', '--step', 7, '--out', tmp_path / 'x')
+  assert code == 2 and stderr.startswith('error:') and 'step 7' in stderr and 'Traceback' not in stderr, stderr
+  code, _, stderr = run_cli('conversion.orbax_to_hf', '--ckpt', tmp_path, '--out', tmp_path / 'y')
+  assert code == 2 and 'neither a grpo_jax checkpoint' in stderr and 'Traceback' not in stderr, stderr

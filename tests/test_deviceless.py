@@ -115,3 +115,29 @@ def test_plan_compiles_the_small_recipe_for_the_target(platform, target, tmp_pat
   assert update['arguments'] >= per_device['parameters'] + per_device['optimizer_state']
   assert update['aliased'] >= per_device['parameters'] + per_device['optimizer_state']  # donated state
   assert 0 < update['temporaries'] and report['peak'] <= report['hbm']
+
+
+@pytest.mark.slow
+def test_plan_names_the_knob_that_brings_a_run_under_the_device_memory(tmp_path):
+  """The 0.5B recipe's shapes at 2 layers on 8 H100s told they have 1.4 GiB each (the update needs
+  1.65): the plan says it does not fit, compiles the knobs, and one it names fits when planned again."""
+  def plan(*extra):
+    report_path = tmp_path / f'plan{len(extra)}.json'
+    result = _run('gpu', ['grpo_jax.plan', '--config', 'configs/qwen2_5_0_5b_math.yaml', '--model-size', '0.5B',
+                          '--layers', '2', '--target', 'h100x8', '--device-memory', '1.4GiB', '--json', str(report_path),
+                          *extra], timeout=900)
+    assert report_path.exists(), result.stdout[-2000:] + result.stderr[-3000:]
+    return result, json.loads(report_path.read_text())
+
+  result, report = plan()
+  assert result.returncode == 1 and 'DOES NOT FIT' in result.stdout
+  assert report['hbm'] == int(1.4 * 2**30) and not report['fits']
+  update = {program['name']: program['peak'] for program in report['programs']}['update']
+  assert update > report['hbm']
+  fitting = [row for row in report['advice'] if row['fits']]
+  assert fitting and f'brings it under: {fitting[0]["knob"]}' in result.stdout
+  assert all(max(row['peaks'].values()) <= report['hbm'] for row in fitting)
+  halved = next(row for row in report['advice'] if row['knob'] == 'algo.micro_batch_size=16')
+  assert halved['peaks']['update'] < update  # half the micro-batch, fewer activations
+  again, replanned = plan(*[arg for assignment in fitting[0]['knob'].split() for arg in ('--set', assignment)])
+  assert again.returncode == 0 and replanned['fits'] and 'advice' not in replanned

@@ -2,11 +2,13 @@
 devices) run the same RL steps as one process over the same 8 devices, and a checkpoint they wrote
 together resumes in one process on another mesh."""
 
+import collections
 import json
 import os
 import signal
 import socket
 import subprocess
+import types
 import sys
 
 import numpy as np
@@ -34,16 +36,17 @@ def environment(devices: int, **extra) -> dict:
   return env
 
 
-def launch(workdir, processes: int, devices_each: int, *overrides, timeout=420) -> list[subprocess.CompletedProcess]:
-  """`processes` trainers on this host (one coordinator on a free port); each ends by itself
-  within `timeout`, and none is left behind whatever happens."""
+def launch(workdir, processes: int, devices_each: int, *overrides, base=COMMON,
+           timeout=420) -> list[subprocess.CompletedProcess]:
+  """`processes` trainers on this host (one coordinator on a free port), each with the arguments
+  `base` + `overrides`; each ends by itself within `timeout`, and none is left behind whatever happens."""
   port = free_port()
   children = []
   for index in range(processes):
     extra = dict(JAX_COORDINATOR_ADDRESS=f'127.0.0.1:{port}', JAX_NUM_PROCESSES=str(processes),
                  JAX_PROCESS_ID=str(index)) if processes > 1 else {}
     children.append(subprocess.Popen(
-        [sys.executable, '-m', 'grpo_jax.train', *COMMON, '--workdir', str(workdir), *overrides],
+        [sys.executable, '-m', 'grpo_jax.train', *base, '--workdir', str(workdir), *overrides],
         cwd=ROOT, env=environment(devices_each, **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True))
   results = []
@@ -61,8 +64,8 @@ def launch(workdir, processes: int, devices_each: int, *overrides, timeout=420) 
   return results
 
 
-def metrics(workdir):
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+def metrics(workdir, name='metrics.jsonl'):
+  with open(os.path.join(workdir, name)) as f:
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
 
 
@@ -71,7 +74,10 @@ def assert_same_run(got, expected, tolerance=1e-5):
   for mine, theirs in zip(got, expected):
     assert mine.keys() == theirs.keys()
     for name in mine:
-      np.testing.assert_allclose(mine[name], theirs[name], rtol=tolerance, atol=tolerance, err_msg=name)
+      if isinstance(mine[name], str):
+        assert mine[name] == theirs[name], name
+      else:
+        np.testing.assert_allclose(mine[name], theirs[name], rtol=tolerance, atol=tolerance, err_msg=name)
 
 
 @pytest.mark.slow
@@ -89,3 +95,83 @@ def test_two_processes_equal_one_and_resume_on_one_process_with_another_mesh(tmp
   resumed = launch(tmp_path / 'two', 1, 8, '--set', 'train.steps=6', '--set', 'mesh.data=2')
   assert 'resumed from' in resumed[0].stderr and 'mesh.data: 1 -> 2' in resumed[0].stderr
   assert_same_run(metrics(tmp_path / 'two'), metrics(tmp_path / 'one'))
+
+
+@pytest.mark.slow
+def test_host_scored_math_task_on_two_processes_equals_one(tmp_path):
+  """The math task's reward runs on the hosts: each process decodes and scores the groups on its
+  own devices. With dynamic sampling (groups gathered across rounds) and in-training evaluation,
+  two processes give the one-process run; the one process loads a Hugging Face checkpoint, the two
+  its orbax conversion, each process reading only the shards of its own devices."""
+  from grpo_jax import testing
+  from grpo_jax.data import word_problems
+
+  files = word_problems.write(str(tmp_path / 'data'))
+  testing.save_random_hf_checkpoint(str(tmp_path / 'hf'), 5, vocab_size=64, tie_word_embeddings=True)
+  base = ['--config', 'configs/tiny_math.yaml', '--set', f'task.source={files["train"]}',
+          '--set', f'task.tokenizer={files["tokenizer"]}',
+          '--set', f'eval.source={files["eval"]}', '--set', 'eval.every=2', '--set', 'eval.max_problems=16',
+          '--set', 'eval.batch_prompts=8', '--set', 'rollout.prompts_per_step=8', '--set', 'algo.group_size=4',
+          '--set', 'algo.max_sampling_rounds=3', '--set', 'train.steps=3', '--set', 'train.checkpoint_every=2',
+          '--set', 'train.progress=false', '--set', 'optim.warmup_steps=0', '--set', 'algo.entropy_coef=0.01',
+          '--set', 'algo.kl_beta=0.01']
+  subprocess.run([sys.executable, '-m', 'conversion.hf_to_orbax', '--hf', str(tmp_path / 'hf'), '--out',
+                  str(tmp_path / 'orbax')], cwd=ROOT, env=environment(1), check=True, capture_output=True, timeout=300)
+  launch(tmp_path / 'one', 1, 8, '--set', f'model.path={tmp_path / "hf"}', base=base)
+  two = launch(tmp_path / 'two', 2, 4, '--set', f'model.path={tmp_path / "orbax"}', base=base)
+  assert 'eval at step 2' in two[0].stderr and 'eval at step' not in two[1].stderr
+  reference = metrics(tmp_path / 'one')
+  assert_same_run(metrics(tmp_path / 'two'), reference)
+  assert any(row['sampling_rounds'] > 1 for row in reference) and reference[-1]['grad_norm'] > 0
+  assert_same_run(metrics(tmp_path / 'two', 'eval.jsonl'), metrics(tmp_path / 'one', 'eval.jsonl'))
+  assert sorted(os.listdir(tmp_path / 'two' / 'eval')) == ['samples_0.jsonl', 'samples_2.jsonl', 'samples_3.jsonl']
+  # The trained policy exported to Hugging Face from the checkpoint two processes wrote (one process
+  # reads it, parameters only): the same tensors as the one-process run's export, moved by training.
+  for run in ('one', 'two'):
+    subprocess.run([sys.executable, '-m', 'conversion.orbax_to_hf', '--ckpt', str(tmp_path / run), '--out',
+                    str(tmp_path / f'{run}_hf')], cwd=ROOT, env=environment(1), check=True, capture_output=True,
+                   timeout=300)
+  from safetensors.numpy import load_file
+  one, two, initial = (load_file(str(tmp_path / name / 'model.safetensors')) for name in ('one_hf', 'two_hf', 'hf'))
+  assert one.keys() == two.keys() == initial.keys()
+  for name in one:
+    np.testing.assert_allclose(two[name], one[name], rtol=1e-5, atol=1e-5, err_msg=name)
+  assert max(np.abs(one[name] - initial[name]).max() for name in one) > 1e-4
+  assert os.path.isfile(tmp_path / 'two_hf' / 'tokenizer.json')  # from the run's task.tokenizer
+
+
+_FakeDevice = collections.namedtuple('_FakeDevice', 'process_index id')
+
+
+class _FakeLayout:
+  """A stand-in for a global array's sharding over `processes` x `per_process` devices."""
+
+  def __init__(self, rows: int, processes: int, per_process: int, shards: int):
+    self.map = {}
+    for device in range(processes * per_process):
+      block = rows // shards
+      start = (device % shards) * block
+      self.map[_FakeDevice(process_index=device // per_process, id=device)] = (slice(start, start + block),)
+
+  def devices_indices_map(self, shape):
+    del shape
+    return self.map
+
+
+@pytest.mark.parametrize('processes, per_process, shards, expected', [
+    (2, 4, 8, [[0, 1], [2, 3]]),  # rows sharded over all 8 devices: each process its own half
+    (2, 4, 1, [[0, 2], [1, 3]]),  # replicated: the groups alternate between the processes
+    (4, 2, 4, [[0], [2], [1], [3]]),  # each half on two processes: alternate among its holders
+])
+def test_each_group_is_scored_by_exactly_one_process_that_holds_it(monkeypatch, processes, per_process, shards,
+                                                                   expected):
+  from grpo_jax import distributed
+
+  array = types.SimpleNamespace(shape=(16, 5), sharding=_FakeLayout(16, processes, per_process, shards))
+  owned = []
+  for process in range(processes):
+    monkeypatch.setattr(distributed.jax, 'process_index', lambda process=process: process)
+    owned.append(distributed.owned_groups(array, 4).tolist())
+  assert owned == expected
+  with pytest.raises(distributed.UserError, match='rollout.prompts_per_step'):
+    distributed.owned_groups(types.SimpleNamespace(shape=(16, 5), sharding=_FakeLayout(16, 2, 4, 8)), 16)

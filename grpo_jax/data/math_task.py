@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax import distributed
 from grpo_jax.config import TaskConfig
 from grpo_jax.data.adapters import adapt
 from grpo_jax.data.reward_terms import RewardComposer, RewardTerm
@@ -55,9 +56,10 @@ class ProblemSet:
     texts = [self.render(problem.prompt, index, section) for index, problem in enumerate(adapted.problems)]
     ids = self.tokenizer(texts, add_special_tokens=not self.use_chat_template)['input_ids'] if texts else []
     keep = [index for index, row in enumerate(ids) if 0 < len(row) <= task.max_prompt_tokens]
-    print(f'{section}: {data.source} ({data.split}, format {data.format}): kept {len(keep)} of {len(records)} '
-          f'records; skipped {len(ids) - len(keep)} longer than task.max_prompt_tokens={task.max_prompt_tokens}, '
-          f'{adapted.skipped_no_answer} without an answer', file=sys.stderr, flush=True)
+    if distributed.is_primary():  # every process reads the same records; one says so
+      print(f'{section}: {data.source} ({data.split}, format {data.format}): kept {len(keep)} of {len(records)} '
+            f'records; skipped {len(ids) - len(keep)} longer than task.max_prompt_tokens={task.max_prompt_tokens}, '
+            f'{adapted.skipped_no_answer} without an answer', file=sys.stderr, flush=True)
     if ids and not keep:
       raise UserError(f'every prompt of {data.source} is longer than task.max_prompt_tokens='
                       f'{task.max_prompt_tokens} tokens (the shortest has {min(map(len, ids))})')

@@ -6,6 +6,8 @@ it directly, and each stage runs where it can: the sampler and the update as jit
 the task's prompts and reward on the host between them. Only where the reward runs differs.
 """
 
+import dataclasses
+import functools
 import types
 
 import jax
@@ -14,8 +16,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+from grpo_jax import distributed
 from grpo_jax.config import AlgoConfig, RolloutConfig, completions_per_step
 from grpo_jax.data.task import Prompts, Scores, Task
+from grpo_jax.model import sharding
 from grpo_jax.rl import algo
 from grpo_jax.rl.step import Batch, TrainState, UpdateSettings, update
 from grpo_jax.sampler.decode import DecodeSettings
@@ -70,7 +74,8 @@ class RLStep:
                                    rows=completions_per_step(rollout, algo_config))
     self.decode = DecodeSettings(sampling=rollout.settings, max_new_tokens=rollout.max_new_tokens,
                                  stop_token_ids=tuple(task.stop_token_ids), pad_id=task.pad_id)
-    replicated = jax.sharding.NamedSharding(jax.tree.leaves(state_shardings)[0].mesh, jax.sharding.PartitionSpec())
+    self.mesh = jax.tree.leaves(state_shardings)[0].mesh
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     # The stages as traced inside run_steps' jit (jitting each again there only costs compile time) ...
     self._bodies = types.SimpleNamespace(split_key=self._split_key_body, prompts=task.prompts,
                                          sample=self._sample_body, reward=task.reward, learn=self._learn_body)
@@ -78,8 +83,9 @@ class RLStep:
     self.split_key = jax.jit(self._split_key_body)
     self.sample = jax.jit(self._sample_body)
     self.learn = jax.jit(self._learn_body, donate_argnums=0, out_shardings=(state_shardings, replicated))
-    self.prompts = jax.jit(task.prompts, static_argnums=2) if task.jittable else task.prompts
-    self.reward = jax.jit(task.reward, static_argnums=2) if task.jittable else task.reward
+    self.prompts = jax.jit(task.prompts, static_argnums=2) if task.jittable else self._host_prompts
+    self.reward = jax.jit(task.reward, static_argnums=2) if task.jittable else self._host_reward
+    self._take_rows = jax.jit(_take_rows)
     self.run_steps = jax.jit(self._run_steps, static_argnums=3, donate_argnums=0,
                              out_shardings=(state_shardings, replicated))
 
@@ -120,24 +126,25 @@ class RLStep:
       observe('rollout', rollout)
       scores = self.reward(rollout, prompts, group)
       observe('reward', scores)
-      rewards = np.asarray(scores.rewards).reshape(prompts_per_step, group)
+      rewards = distributed.host_value(scores.rewards).reshape(prompts_per_step, group)
       sampled_rewards.append(rewards)
       for index, varied in enumerate(np.any(rewards != rewards[:, :1], axis=1)):
         (informative if varied else uninformative).append((len(rounds), index))
       rounds.append((prompts, rollout, scores))
     shortfall = max(0, prompts_per_step - len(informative))
     chosen = sorted(informative[:prompts_per_step] + (uninformative[-shortfall:] if shortfall else []))
-    prompts, rollout, scores = _gather_groups(rounds, chosen, group)
+    prompts, rollout, scores = _gather_groups(self._take_rows, self.mesh, rounds, chosen, group)
     state, metrics = self.learn(state, ref_params, prompts.tokens, prompts.mask, rollout, scores)
     observe('update', metrics)
     everything = np.concatenate(sampled_rewards)
     metrics = dict(metrics, trained_reward_mean=metrics['reward_mean'], reward_mean=everything.mean(),
                    reward_std=everything.std(), frac_zero_std_groups=1.0 - len(informative) / everything.shape[0],
-                   reward_failures=sum(int(sampled.failures) for _, _, sampled in rounds),
+                   reward_failures=sum(int(distributed.host_value(sampled.failures)) for _, _, sampled in rounds),
                    sampling_rounds=len(rounds), groups_dropped=len(rounds) * prompts_per_step - prompts_per_step,
                    groups_filled=shortfall)
     for label in scores.terms:
-      metrics[f'reward/{label}'] = np.concatenate([np.asarray(sampled.terms[label]) for _, _, sampled in rounds]).mean()
+      metrics[f'reward/{label}'] = np.concatenate([distributed.host_value(sampled.terms[label])
+                                                   for _, _, sampled in rounds]).mean()
     return state, metrics
 
   def _run_steps(self, state: TrainState, ref_params, position, num_steps: int) -> tuple[TrainState, dict]:
@@ -145,6 +152,43 @@ class RLStep:
     def one(state, index):
       return self._step(self._bodies, state, ref_params, position + index * self.prompts_per_step)
     return jax.lax.scan(one, state, jnp.arange(num_steps))
+
+  # ---- a host task's stages, on one process or many ----
+
+  def _host_prompts(self, key, position: int, count: int) -> Prompts:
+    """The task's prompts as global arrays (every process computes the same ones)."""
+    prompts = self.task.prompts(key, position, count)
+    return Prompts(tokens=distributed.replicated(prompts.tokens, self.mesh),
+                   mask=distributed.replicated(prompts.mask, self.mesh), answers=prompts.answers)
+
+  def _row_shardings(self, tree):
+    return jax.tree.map(lambda x: sharding.named_sharding(self.mesh, x.shape, ('batch',) + (None,) * (x.ndim - 1)),
+                        tree)
+
+  def _host_reward(self, rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
+    """Scores the rollout with the task's host reward. Each process decodes and scores only the
+    groups whose rows lie on its own devices (all of them on one process); the rewards are then
+    summed over processes (each row is scored by exactly one) into replicated global arrays."""
+    rollout = jax.device_put(rollout, self._row_shardings(rollout))  # every field laid out by rows alike
+    groups = distributed.owned_groups(rollout.tokens, group_size)
+    rows = (groups[:, None] * group_size + np.arange(group_size)).reshape(-1)
+    mine = Rollout(**{field.name: distributed.local_rows(getattr(rollout, field.name), rows)
+                      for field in dataclasses.fields(Rollout)})
+    scores = self.task.reward(mine, Prompts(tokens=None, mask=None, answers=[prompts.answers[g] for g in groups]),
+                              group_size)
+
+    def spread(values):  # this process's rows in place, zeros elsewhere
+      values = np.asarray(values, np.float32)
+      full = np.zeros(rollout.tokens.shape[:1], np.float32)
+      full[rows] = values
+      return full
+
+    total = distributed.sum_over_processes(dict(rewards=spread(scores.rewards),
+                                                failures=np.asarray(scores.failures, np.int32),
+                                                terms={label: spread(values) for label, values in scores.terms.items()}))
+    place = functools.partial(distributed.replicated, mesh=self.mesh)
+    return Scores(rewards=place(total['rewards']), failures=place(total['failures']),
+                  terms={label: place(values) for label, values in total['terms'].items()})
 
   # ---- the jitted stages ----
 
@@ -169,25 +213,30 @@ class RLStep:
     return state.replace(step=state.step + 1), metrics
 
 
-def _gather_groups(rounds, chosen, group_size: int) -> tuple[Prompts, Rollout, Scores]:
-  """The prompts, rollout rows and scores of the `chosen` (round, prompt) groups, in that order."""
-  prompt_rows = [(round_index, index) for round_index, index in chosen]
-  sample_rows = [(round_index, index * group_size + g) for round_index, index in chosen for g in range(group_size)]
+def _take_rows(arrays: list, rows: jax.Array) -> jax.Array:
+  """Rows `rows` of the arrays stacked along axis 0, on the devices."""
+  return jnp.concatenate(arrays)[rows]
 
-  def take(arrays, rows):
-    arrays = [np.asarray(array) for array in arrays]  # one device-to-host copy per round
-    return jnp.asarray(np.stack([arrays[round_index][row] for round_index, row in rows]))
 
-  def field(get):
-    return [get(round_) for round_ in rounds]
+def _gather_groups(take, mesh, rounds, chosen, group_size: int) -> tuple[Prompts, Rollout, Scores]:
+  """The prompts, rollout rows and scores of the `chosen` (round, prompt) groups, in that order,
+  gathered on the devices by `take` (_take_rows, jitted): nothing but the indices crosses to or
+  from the host, so it works the same when the arrays span processes."""
+  prompts_per_round = rounds[0][0].tokens.shape[0]
+  prompt_rows = np.asarray([round_index * prompts_per_round + index for round_index, index in chosen])
+  sample_rows = (prompt_rows[:, None] * group_size + np.arange(group_size)).reshape(-1)
+  prompt_rows, sample_rows = (distributed.replicated(rows.astype(np.int32), mesh) for rows in (prompt_rows, sample_rows))
 
-  prompts = Prompts(tokens=take(field(lambda r: r[0].tokens), prompt_rows),
-                    mask=take(field(lambda r: r[0].mask), prompt_rows),
-                    answers=[rounds[round_index][0].answers[index] for round_index, index in prompt_rows])
-  rollout = Rollout(**{name: take(field(lambda r, name=name: getattr(r[1], name)), sample_rows)
-                       for name in ('tokens', 'log_probs', 'mask', 'lengths', 'stopped')})
-  scores = Scores(rewards=take(field(lambda r: r[2].rewards), sample_rows),
-                  failures=jnp.asarray(sum(int(r[2].failures) for r in rounds), jnp.int32),
-                  terms={label: take(field(lambda r, label=label: r[2].terms[label]), sample_rows)
+  def gathered(get, rows):
+    return take([get(round_) for round_ in rounds], rows)
+
+  prompts = Prompts(tokens=gathered(lambda r: r[0].tokens, prompt_rows), mask=gathered(lambda r: r[0].mask, prompt_rows),
+                    answers=[rounds[round_index][0].answers[index] for round_index, index in chosen])
+  rollout = Rollout(**{field.name: gathered(lambda r, name=field.name: getattr(r[1], name), sample_rows)
+                       for field in dataclasses.fields(Rollout)})
+  failures = sum(int(distributed.host_value(r[2].failures)) for r in rounds)
+  scores = Scores(rewards=gathered(lambda r: r[2].rewards, sample_rows),
+                  failures=distributed.replicated(np.int32(failures), mesh),
+                  terms={label: gathered(lambda r, label=label: r[2].terms[label], sample_rows)
                          for label in rounds[0][2].terms})
   return prompts, rollout, scores
