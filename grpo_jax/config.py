@@ -72,12 +72,16 @@ class RolloutConfig(SamplingConfig):
 
   prompts_per_step: int = 16  # P: prompts per RL step; a step scores P * G completions
   max_new_tokens: int = 8  # N_max: completion budget; longer answers end with finish reason 'length'
+  # B: decode slots (continuous batching, sampler/rollout.py); a slot freed by a finished answer
+  # takes the next waiting request. 0: one slot per completion (P * G); fewer bounds the KV cache.
+  slots: int = 0
 
   def __post_init__(self):
     with _section('rollout'):
       super().__post_init__()
       require(self.prompts_per_step >= 1, 'prompts_per_step', f'must be >= 1, got {self.prompts_per_step}')
       require(self.max_new_tokens >= 1, 'max_new_tokens', f'must be >= 1, got {self.max_new_tokens}')
+      require(self.slots >= 0, 'slots', f'must be >= 0 (0: one per completion), got {self.slots}')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,13 +116,18 @@ def _abstract(tree, shardings):
 
 
 def kv_cache_bytes_per_device(architecture, config: config_lib.Config, prompt_length: int, mesh) -> int:
-  """The sampler's K and V caches: [L, P*G, Tp + N, K, H] each, batch over the batch axes and
-  KV heads over 'tensor' where they divide (model/sharding.py's rules)."""
-  shape = (architecture.num_hidden_layers, completions_per_step(config.rollout, config.algo),
-           prompt_length + config.rollout.max_new_tokens, architecture.num_key_value_heads,
-           architecture.resolved_head_dim)
-  layout = sharding.named_sharding(mesh, shape, ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim'))
-  return 2 * math.prod(layout.shard_shape(shape)) * jnp.dtype(config.model.dtype).itemsize
+  """The sampler's K and V caches (sampler/rollout.py): the shared prompt cache [L, P, Tp, K, H]
+  and the slots' own rows [L, B, N, K, H] (B = rollout.slots, else P * G), each with its rows
+  over the batch axes and KV heads over 'tensor' where they divide (model/sharding.py's rules)."""
+  rows = completions_per_step(config.rollout, config.algo)
+  slots = min(config.rollout.slots or rows, rows)
+  total = 0
+  for count, width in ((config.rollout.prompts_per_step, prompt_length), (slots, config.rollout.max_new_tokens)):
+    shape = (architecture.num_hidden_layers, count, width, architecture.num_key_value_heads,
+             architecture.resolved_head_dim)
+    layout = sharding.named_sharding(mesh, shape, ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim'))
+    total += 2 * math.prod(layout.shard_shape(shape)) * jnp.dtype(config.model.dtype).itemsize
+  return total
 
 
 @dataclasses.dataclass
@@ -282,8 +287,8 @@ class Knob:
 def knobs(config: config_lib.Config, architecture, devices: int) -> list[Knob]:
   """The changes that lower per-device memory without changing what is learned, cheapest first:
   rematerialisation, smaller gradient-accumulation micro-batches, chunked attention (the update);
-  more tensor parallelism (both programs: the weights, the optimizer state and the KV cache split
-  further over heads). Micro-batches are tried from half the current one down to one row per
+  fewer decode slots (the rollout: the same samples, fewer held at once); more tensor parallelism
+  (both programs: the weights, the optimizer state and the KV cache split further over heads). Micro-batches are tried from half the current one down to one row per
   data-parallel device."""
   model, algo, mesh = config.model, config.algo, config.mesh
   found = []
@@ -298,6 +303,12 @@ def knobs(config: config_lib.Config, architecture, devices: int) -> list[Knob]:
                       f'accumulate gradients over {minibatch // size} micro-batches'))
   if model.attention == 'dense':
     found.append(Knob(('model.attention=chunked',), 'update', 'attention in query chunks, no [T, T] scores'))
+  rows = completions_per_step(config.rollout, algo)
+  slots = min(config.rollout.slots or rows, rows)
+  while slots % 2 == 0 and slots // 2 >= devices // tensor and len([k for k in found if k.programs == 'rollout']) < 3:
+    slots //= 2
+    found.append(Knob((f'rollout.slots={slots}',), 'rollout', f'continuous batching: {slots} decode slots hold the '
+                      f'{rows} requests in turn (the KV cache holds {slots} rows)'))
   for wider in (2, 4, 8):
     if wider > tensor and devices % wider == 0 and architecture.num_key_value_heads % wider == 0:
       found.append(Knob((f'mesh.tensor={wider}', 'mesh.data=1', 'mesh.fsdp=-1'), 'both',
@@ -305,9 +316,24 @@ def knobs(config: config_lib.Config, architecture, devices: int) -> list[Knob]:
   return found
 
 
+def recipe_knobs(config: config_lib.Config) -> list[Knob]:
+  """Last resorts, which change the recipe: fewer prompts per step (the same data over more steps),
+  keeping each mini-batch's micro-batch within it."""
+  algo, prompts = config.algo, config.rollout.prompts_per_step
+  found = []
+  while prompts % 2 == 0 and prompts > 1 and len(found) < 2:
+    prompts //= 2
+    minibatch = prompts * algo.group_size // algo.num_minibatches
+    overrides = (f'rollout.prompts_per_step={prompts}',)
+    if algo.micro_batch_size > minibatch:
+      overrides += (f'algo.micro_batch_size={minibatch}',)
+    found.append(Knob(overrides, 'both', f'changes the recipe: {prompts} prompts per step'))
+  return found
+
+
 def advise(load, target: targets.Target, architecture, report: dict, on_result=None) -> list[dict]:
   """Compiles `report`'s run with each knob: first each alone (only the programs it can change;
-  micro-batches from large to small, stopping at the first that fits), then, when none was enough,
+  micro-batches and slots from large to small, stopping at the first that fits), then, when none was enough,
   all the update knobs together, alone and with each mesh. `load(overrides)` is the run's config with extra --set assignments.
   Returns one row per trial: knob, per-program peaks, fits."""
   hbm, peaks = report['hbm'], {program['name']: program['peak'] for program in report['programs']}
@@ -322,9 +348,10 @@ def advise(load, target: targets.Target, architecture, report: dict, on_result=N
   together = [Knob(combined, 'update', 'all of the above for the update')] if len(chosen) > 1 else []
   together += [Knob(combined + knob.overrides, 'both', 'with the update knobs above')
                for knob in candidates if knob.programs == 'both' and combined]
-  rows, micro_done, seen = [], False, set()
-  for knob in candidates + [None] + together:
-    if knob is None:  # the knobs together only when none is enough alone
+  rows, fitted_series, seen = [], set(), set()
+  series = lambda knob: knob.overrides[0].split('=')[0] if len(knob.overrides) == 1 else None  # noqa: E731
+  for knob in candidates + [None] + together + [None] + recipe_knobs(config):
+    if knob is None:  # the knobs together only when none is enough alone, the recipe's last
       if any(row['fits'] for row in rows):
         break
       continue
@@ -334,8 +361,8 @@ def advise(load, target: targets.Target, architecture, report: dict, on_result=N
     programs = None if fused or knob.programs == 'both' else {knob.programs}
     if programs is not None and not programs & over:
       continue  # it cannot change what does not fit
-    if micro_done and len(knob.overrides) == 1 and knob.overrides[0].startswith('algo.micro_batch_size'):
-      continue  # a smaller micro-batch than one that fits is not needed
+    if series(knob) in fitted_series:
+      continue  # a smaller micro-batch or fewer slots than one that fits are not needed
     try:
       trial = plan(load(knob.overrides), target, architecture, only=programs)
     except UserError as error:  # the knob is not valid for this run, or the compiler refused it
@@ -343,7 +370,8 @@ def advise(load, target: targets.Target, architecture, report: dict, on_result=N
     else:
       new_peaks = dict(peaks, **{program['name']: program['peak'] for program in trial['programs']})
       row = dict(knob=knob.name, why=knob.why, peaks=new_peaks, fits=max(new_peaks.values()) <= hbm)
-      micro_done |= row['fits'] and knob.overrides[0].startswith('algo.micro_batch_size')
+      if row['fits'] and series(knob):
+        fitted_series.add(series(knob))
     rows.append(row)
     if on_result is not None:
       on_result(row)
@@ -414,6 +442,7 @@ def main(argv=None) -> int:
     print(f'brings it under: {" | ".join(fitting)}' if fitting else
           'no knob brings it under: more devices, a larger memory, or a smaller recipe (rows, sequence length)',
           flush=True)
+    report['advice_fits'] = fitting
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(report, f, indent=1, default=float)

@@ -188,8 +188,10 @@ class Run:
                 step_time_s=mark - begin)
 
   def record(self, step: int, metrics: dict) -> dict:
-    step_time = metrics['step_time_s']
-    metrics['tokens_per_s'] = float(metrics.pop('completion_tokens')) / step_time
+    step_time, tokens = metrics['step_time_s'], float(metrics.pop('completion_tokens'))
+    metrics['tokens_per_s'] = tokens / step_time
+    if metrics.get('rollout_s'):  # the host loop times its stages: the sampler's own rate
+      metrics['rollout_tokens_per_s'] = tokens / metrics['rollout_s']
     metrics['mfu'] = self.step_flops / step_time / self.peak_flops
     return self.log.write(step, metrics)
 

@@ -16,7 +16,7 @@ from grpo_jax import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, 'configs', 'tiny_arith.yaml')
-TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'mfu'}
+TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'rollout_tokens_per_s', 'mfu'}
 # A smaller batch for the resume and reproducibility tests.
 SMALL = ['--set', 'rollout.prompts_per_step=8', '--set', 'algo.group_size=4', '--set', 'train.progress=false']
 # CLI runs see one CPU device: conftest's 8 fake devices only add collectives to these runs (the
@@ -62,6 +62,19 @@ def test_demo_reward_rises(tmp_path):
   assert os.path.isfile(tmp_path / 'config.yaml') and os.path.getsize(tmp_path / 'reward.png') > 10_000
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['150', '200', '250']  # max_to_keep: 3
   assert 'reward_mean' in result.stdout and 'step 250/250' in result.stderr  # summary table, progress bar
+
+
+@pytest.mark.slow
+def test_demo_learns_with_fewer_decode_slots_than_completions(tmp_path):
+  """Continuous batching inside the fused K-step jit: 256 completions through 48 slots."""
+  run_cli(tmp_path, '--set', 'train.steps=250', '--set', 'train.checkpoint_every=250', '--set', 'rollout.slots=48')
+  rows = read_metrics(tmp_path)
+  first = np.mean([row['reward_mean'] for row in rows[:10]])
+  last = np.mean([row['reward_mean'] for row in rows[-20:]])
+  assert first <= 0.2 and last >= 0.6 and last - first >= 0.4, (first, last)
+  for row in rows:  # every slot busy but for the tail of the queue
+    assert row['decode_steps'] >= row['response_len_mean'] * 256 / 48
+    assert 0.5 < row['slot_occupancy'] <= 1.0
 
 
 def test_tensorboard_events_through_clu(tmp_path):

@@ -99,6 +99,33 @@ class KVCache:
     return self.k.shape[2]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SharedPrefix:
+  """Prompt caches that many rows read without a copy of their own (the G samples of a prompt,
+  the slots of continuous batching): row r attends over prompt `index` of its group, then over
+  its own cache row.
+
+  The P = n * Pn prompts come in n groups, one per batch shard of the mesh, and the B = n * Bn rows
+  likewise: row g * Bn + j reads prompt (g, index[g, j]), so a row only ever reads prompts held on
+  its own devices (the gather is batched over the group axis, which stays sharded).
+
+  k, v:         [L, n, Pn, W, K, H] in the compute dtype.
+  segment_ids:  [n, Pn, W] int32, 0 on padding.
+  index:        [n, Bn] int32, the prompt each row reads, within its group.
+  """
+
+  k: jax.Array
+  v: jax.Array
+  segment_ids: jax.Array
+  index: jax.Array
+
+  def rows(self, shared: jax.Array) -> jax.Array:
+    """[n, Pn, ...] per-prompt values -> [B, ...] the value each row reads."""
+    picked = jax.vmap(lambda values, index: values[index])(shared, self.index)
+    return picked.reshape((-1,) + picked.shape[2:])
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   """RMSNorm computed in fp32, cast back to x's dtype before scaling (as Qwen2 does)."""
   x32 = x.astype(jnp.float32)
@@ -317,7 +344,8 @@ class Qwen2(nnx.Module):
                    length=jnp.zeros((batch_size,), jnp.int32))
 
   def extend(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array | None = None,
-             segment_ids: jax.Array | None = None, return_hidden: bool = False) -> tuple[jax.Array, KVCache]:
+             segment_ids: jax.Array | None = None, return_hidden: bool = False,
+             prefix: SharedPrefix | None = None) -> tuple[jax.Array, KVCache]:
     """Appends T tokens per row to the cache and returns their logits [B, T, V] and the new cache.
 
     return_hidden: return the final-norm hidden states [B, T, D] instead of logits, so a prefill
@@ -327,10 +355,17 @@ class Qwen2(nnx.Module):
     Prefill is `extend` of a (left- or right-padded) prompt on an empty cache; decoding is `extend`
     of one token. Each row holds one sequence; by default a token's position is the number of
     real (segment id != 0) tokens before it in its row. The caller keeps length + T <= S.
+
+    prefix: a SharedPrefix each row reads before its own cache row (which then holds only what
+    follows the prompt); its real tokens count towards the positions and are attended with the
+    same segment rule. Only `cache` is written.
     """
     segment_ids = _segments(tokens, segment_ids)
+    prefix_segments = None if prefix is None else prefix.rows(prefix.segment_ids)  # [B, W]
     if positions is None:
       previous = jnp.sum(cache.segment_ids != 0, axis=1, dtype=jnp.int32)
+      if prefix is not None:
+        previous = previous + jnp.sum(prefix_segments != 0, axis=1, dtype=jnp.int32)
       running = jnp.cumsum(segment_ids != 0, axis=1, dtype=jnp.int32) - 1
       positions = previous[:, None] + jnp.maximum(running, 0)
     length = tokens.shape[1]
@@ -346,17 +381,23 @@ class Qwen2(nnx.Module):
     # The cache is a layer input, read in place; only the T new tokens' keys and values leave each
     # layer, and they are written into the cache once, after the loop. Carrying the stacked cache
     # through a scan instead copies each layer's [B, S, K, H] slice in and out every step.
+    # The prompt's keys come before all of the row's own: only the segment rule applies.
+    prefix_mask = (None if prefix is None else
+                   (prefix_segments[:, None, :] == segment_ids[:, :, None]) & (prefix_segments != 0)[:, None, :])
+
     def layer(x, params, layer_cache):
-      k_cache, v_cache = layer_cache
+      k_cache, v_cache, *shared = layer_cache
+      parts = [] if prefix is None else [(prefix.rows(shared[0]), prefix.rows(shared[1]), prefix_mask)]
 
       def attend(q, k, v):
         # Round the new keys and values to the cache dtype, as writing them first would.
         k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
-        return grouped_attention(q, [(k_cache, v_cache, cache_mask), (k, v, mask)])
+        return grouped_attention(q, parts + [(k_cache, v_cache, cache_mask), (k, v, mask)])
 
       return decoder_block(params, x, positions, attend, config=self.config, dtype=self.dtype)
 
-    x, (k_new, v_new) = self.run_layers(self._embed(tokens), layer, (cache.k, cache.v))
+    layer_caches = (cache.k, cache.v) + (() if prefix is None else (prefix.k, prefix.v))
+    x, (k_new, v_new) = self.run_layers(self._embed(tokens), layer, layer_caches)
     hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
     new_cache = KVCache(k=_write_layers(cache.k, k_new.astype(cache.k.dtype), cache.length),
                         v=_write_layers(cache.v, v_new.astype(cache.v.dtype), cache.length),

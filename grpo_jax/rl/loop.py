@@ -6,7 +6,6 @@ it directly, and each stage runs where it can: the sampler and the update as jit
 the task's prompts and reward on the host between them. Only where the reward runs differs.
 """
 
-import dataclasses
 import functools
 import types
 
@@ -38,17 +37,23 @@ def make_batch(prompts: Prompts, rollout: Rollout, scores: Scores, algo_config: 
                mask=rollout.mask, advantages=advantages, sampler_log_probs=rollout.log_probs)
 
 
-def rollout_metrics(rollout: Rollout, scores: Scores, group_size: int) -> dict:
-  """Per-step statistics of the sampled completions and their rewards (jittable)."""
+def rollout_metrics(rollout: Rollout, scores: Scores, group_size: int, slots: int = 0) -> dict:
+  """Per-step statistics of the sampled completions and their rewards (jittable). With the
+  sampler's `decode_steps`: slot_occupancy, the fraction of the B slots' row-steps (B = `slots`,
+  0: one per completion) that emitted a completion token."""
   rewards = scores.rewards
   grouped = rewards.reshape(-1, group_size)
   lengths = rollout.lengths.astype(jnp.float32)
-  return dict(reward_mean=rewards.mean(), reward_std=rewards.std(), reward_failures=scores.failures,
-              frac_zero_std_groups=jnp.mean(jnp.all(grouped == grouped[:, :1], axis=1)),
-              response_len_mean=lengths.mean(), response_len_max=lengths.max(),
-              truncated_frac=1.0 - rollout.stopped.astype(jnp.float32).mean(),
-              completion_tokens=lengths.sum(),
-              **{f'reward/{label}': values.mean() for label, values in scores.terms.items()})
+  metrics = dict(reward_mean=rewards.mean(), reward_std=rewards.std(), reward_failures=scores.failures,
+                 frac_zero_std_groups=jnp.mean(jnp.all(grouped == grouped[:, :1], axis=1)),
+                 response_len_mean=lengths.mean(), response_len_max=lengths.max(),
+                 truncated_frac=1.0 - rollout.stopped.astype(jnp.float32).mean(),
+                 completion_tokens=lengths.sum(),
+                 **{f'reward/{label}': values.mean() for label, values in scores.terms.items()})
+  if rollout.decode_steps is not None:
+    row_steps = rollout.decode_steps.astype(jnp.float32) * min(slots or lengths.shape[0], lengths.shape[0])
+    metrics.update(decode_steps=rollout.decode_steps, slot_occupancy=lengths.sum() / jnp.maximum(row_steps, 1.0))
+  return metrics
 
 
 def _no_observer(stage: str, value) -> None:
@@ -69,7 +74,7 @@ class RLStep:
                optimizer: optax.GradientTransformation, schedule: optax.Schedule, state_shardings):
     self.graphdef, self.task, self.algo = graphdef, task, algo_config
     self.optimizer, self.schedule = optimizer, schedule
-    self.prompts_per_step = rollout.prompts_per_step
+    self.prompts_per_step, self.slots = rollout.prompts_per_step, rollout.slots
     self.settings = UpdateSettings(algo=algo_config, temperature=rollout.temperature,
                                    rows=completions_per_step(rollout, algo_config))
     self.decode = DecodeSettings(sampling=rollout.settings, max_new_tokens=rollout.max_new_tokens,
@@ -137,11 +142,15 @@ class RLStep:
     state, metrics = self.learn(state, ref_params, prompts.tokens, prompts.mask, rollout, scores)
     observe('update', metrics)
     everything = np.concatenate(sampled_rewards)
+    # The rounds' sampling as a whole: every round ran its own decode loop over the same slots.
+    steps = [int(distributed.host_value(sampled.decode_steps)) for _, sampled, _ in rounds]
+    useful = sum(float(distributed.host_value(sampled.lengths).sum()) for _, sampled, _ in rounds)
+    slots = min(self.slots or prompts_per_step * group, prompts_per_step * group)
     metrics = dict(metrics, trained_reward_mean=metrics['reward_mean'], reward_mean=everything.mean(),
                    reward_std=everything.std(), frac_zero_std_groups=1.0 - len(informative) / everything.shape[0],
                    reward_failures=sum(int(distributed.host_value(sampled.failures)) for _, _, sampled in rounds),
                    sampling_rounds=len(rounds), groups_dropped=len(rounds) * prompts_per_step - prompts_per_step,
-                   groups_filled=shortfall)
+                   groups_filled=shortfall, decode_steps=sum(steps), slot_occupancy=useful / max(1, sum(steps) * slots))
     for label in scores.terms:
       metrics[f'reward/{label}'] = np.concatenate([distributed.host_value(sampled.terms[label])
                                                    for _, _, sampled in rounds]).mean()
@@ -162,8 +171,8 @@ class RLStep:
                    mask=distributed.replicated(prompts.mask, self.mesh), answers=prompts.answers)
 
   def _row_shardings(self, tree):
-    return jax.tree.map(lambda x: sharding.named_sharding(self.mesh, x.shape, ('batch',) + (None,) * (x.ndim - 1)),
-                        tree)
+    return jax.tree.map(lambda x: sharding.named_sharding(self.mesh, x.shape, ('batch',) + (None,) * (x.ndim - 1))
+                        if x.ndim else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()), tree)
 
   def _host_reward(self, rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
     """Scores the rollout with the task's host reward. Each process decodes and scores only the
@@ -172,8 +181,7 @@ class RLStep:
     rollout = jax.device_put(rollout, self._row_shardings(rollout))  # every field laid out by rows alike
     groups = distributed.owned_groups(rollout.tokens, group_size)
     rows = (groups[:, None] * group_size + np.arange(group_size)).reshape(-1)
-    mine = Rollout(**{field.name: distributed.local_rows(getattr(rollout, field.name), rows)
-                      for field in dataclasses.fields(Rollout)})
+    mine = Rollout(**{name: distributed.local_rows(getattr(rollout, name), rows) for name in Rollout.ROWS})
     scores = self.task.reward(mine, Prompts(tokens=None, mask=None, answers=[prompts.answers[g] for g in groups]),
                               group_size)
 
@@ -200,7 +208,7 @@ class RLStep:
 
   def _sample_body(self, params, prompt_tokens, prompt_mask, key) -> Rollout:
     return sample_groups(nnx.merge(self.graphdef, params), prompt_tokens, prompt_mask, key,
-                         group_size=self.algo.group_size, settings=self.decode)
+                         group_size=self.algo.group_size, settings=self.decode, slots=self.slots)
 
   def _learn_body(self, state: TrainState, ref_params, prompt_tokens, prompt_mask, rollout: Rollout,
                 scores: Scores) -> tuple[TrainState, dict]:
@@ -209,7 +217,7 @@ class RLStep:
     batch = make_batch(prompts, rollout, scores, self.algo)
     state, update_metrics = update(state, batch, ref_params, graphdef=self.graphdef, optimizer=self.optimizer,
                                    schedule=self.schedule, settings=self.settings)
-    metrics = dict(rollout_metrics(rollout, scores, self.algo.group_size), **update_metrics)
+    metrics = dict(rollout_metrics(rollout, scores, self.algo.group_size, self.slots), **update_metrics)
     return state.replace(step=state.step + 1), metrics
 
 
@@ -232,8 +240,8 @@ def _gather_groups(take, mesh, rounds, chosen, group_size: int) -> tuple[Prompts
 
   prompts = Prompts(tokens=gathered(lambda r: r[0].tokens, prompt_rows), mask=gathered(lambda r: r[0].mask, prompt_rows),
                     answers=[rounds[round_index][0].answers[index] for round_index, index in chosen])
-  rollout = Rollout(**{field.name: gathered(lambda r, name=field.name: getattr(r[1], name), sample_rows)
-                       for field in dataclasses.fields(Rollout)})
+  rollout = Rollout(**{name: gathered(lambda r, name=name: getattr(r[1], name), sample_rows) for name in Rollout.ROWS},
+                    decode_steps=rounds[-1][1].decode_steps)  # the metrics of all rounds are the caller's
   failures = sum(int(distributed.host_value(r[2].failures)) for r in rounds)
   scores = Scores(rewards=gathered(lambda r: r[2].rewards, sample_rows),
                   failures=distributed.replicated(np.int32(failures), mesh),

@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.model.qwen2 import KVCache, Qwen2
+from grpo_jax.model.qwen2 import KVCache, Qwen2, SharedPrefix
 from grpo_jax.sampler.sampling import SamplingConfig, select
 
 
@@ -62,6 +62,8 @@ class DecodeState:
   keys:       [B] typed PRNG keys, one per request.
   generated:  [B] int32 tokens the row's request has emitted so far.
   live:       [B] bool, the row holds a request that has not finished.
+  prefix:     a SharedPrefix holding the rows' prompts (then `cache` holds only what each row
+              generates), or None when each cache row starts with its own copy of its prompt.
   """
 
   cache: KVCache
@@ -69,6 +71,7 @@ class DecodeState:
   keys: jax.Array
   generated: jax.Array
   live: jax.Array
+  prefix: SharedPrefix | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -125,7 +128,7 @@ def _advance(model: Qwen2, state: DecodeState, tokens: jax.Array) -> DecodeState
   """Feeds each live row's token through the model into its cache row; other rows are untouched."""
   live = state.live
   hidden, cache = model.extend(tokens[:, None], state.cache, segment_ids=live[:, None].astype(jnp.int32),
-                               return_hidden=True)
+                               return_hidden=True, prefix=state.prefix)
   # A free row writes a padding entry at its current slot but keeps its length, so it never runs
   # past the end of its row and the entry is overwritten by the next request inserted there.
   cache = dataclasses.replace(cache, length=jnp.where(live, cache.length, state.cache.length))

@@ -1,21 +1,30 @@
-"""GRPO groups: P prompts x G completions, decoded in one jitted function.
+"""GRPO groups: P prompts x G completions, decoded in one jitted function, with continuous batching.
 
-The P prompts are prefilled once (decode.prefill); each prefix is copied into its G decode rows;
-a `lax.while_loop` runs decode.decode_step until every row has emitted a stop token or
-`max_new_tokens` tokens. Request p * G + g (sample g of prompt p) draws from its own key, exactly
-as on the JetStream engine's path. The function takes the model's parameter state as an argument,
-so the trainer's live parameters are read in place: no copy and no resharding when sampler and
-trainer share a mesh.
+The P prompts are prefilled once (decode.prefill) into a shared prompt cache that every sample of
+a prompt reads in place (model.qwen2.SharedPrefix). The R = P * G requests (request p * G + g is
+sample g of prompt p) wait in a queue on the devices; B decode slots (`slots`, default R) each hold
+one request at a time. One `lax.while_loop` iteration first gives every free slot the next waiting
+request (its prompt index, its hidden state and key, an emptied cache row: no copy of the prompt),
+then runs decode.decode_step over all B slots, and writes each emitted token to its request's row
+of the output. The loop ends when every request has finished, so a slot freed by a short answer
+takes the next request at once and long-tailed lengths no longer keep the batch idle. Each request
+draws from its own key, so its tokens and log-probs do not depend on B or on the slot it lands in
+(and equal the JetStream engine's). The function takes the model's parameter state as an argument,
+so the trainer's live parameters are read in place. On a mesh, prompts, slots and requests are
+split into n groups over the batch axes and each group's slots serve only its own requests, so no
+prompt cache crosses devices.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.model.qwen2 import KVCache, Qwen2
+from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
+from grpo_jax.model.sharding import constrain
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, decode_step, prefill, request_keys
 
 
@@ -31,6 +40,8 @@ class Rollout:
   lengths:    [P*G] int32, completion tokens per row.
   stopped:    [P*G] bool, True if the row ended with a stop token (finish reason 'stop'), False
               if it ran out of tokens ('length').
+  decode_steps: int32 scalar, the decode loop's iterations (the jitted sampler; None elsewhere):
+              with B slots, B * decode_steps row-steps ran, sum(lengths) of them useful.
   """
 
   tokens: jax.Array
@@ -38,6 +49,9 @@ class Rollout:
   mask: jax.Array
   lengths: jax.Array
   stopped: jax.Array
+  decode_steps: jax.Array | None = None
+
+  ROWS = ('tokens', 'log_probs', 'mask', 'lengths', 'stopped')  # the per-request fields
 
   @property
   def finish_reasons(self) -> list[str]:
@@ -45,48 +59,113 @@ class Rollout:
     return ['stop' if stopped else 'length' for stopped in np.asarray(self.stopped)]
 
 
-def _repeat_rows(tree, group_size: int, axis: int = 0):
-  return jax.tree.map(lambda x: jnp.repeat(x, group_size, axis=axis), tree)
+def batch_groups(rows: int, *others: int) -> int:
+  """n: how many groups the mesh's batch axes split `rows` (and every one of `others`) into, evenly
+  (1 outside a mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  shards = 1 if mesh.empty else math.prod(size for name, size in mesh.shape.items() if name in ('data', 'fsdp'))
+  for count in (rows, *others):
+    shards = math.gcd(shards, count)
+  return shards
+
+
+def _grouped(x: jax.Array, groups: int) -> jax.Array:
+  """[n * m, ...] -> [n, m, ...], the group axis laid out over the batch axes."""
+  x = x.reshape((groups, x.shape[0] // groups) + x.shape[1:])
+  return constrain(x, ('batch',) + (None,) * (x.ndim - 1))
+
+
+def _per_group(fn, *args):
+  """fn mapped over the group axis of every argument (a gather or scatter within each group)."""
+  return jax.vmap(fn)(*args)
 
 
 def sample_groups(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
-                  group_size: int, settings: DecodeSettings) -> Rollout:
-  """Samples G completions for each of P prompts. Traceable: run it under jit (see GroupSampler).
+                  group_size: int, settings: DecodeSettings, slots: int = 0) -> Rollout:
+  """Samples G completions for each of P prompts through `slots` decode rows (0: one per request).
+  Traceable: run it under jit (see GroupSampler).
 
-  prompts [P, Tp] int32, left- or right-padded; prompt_mask [P, Tp], 1 on real tokens.
+  prompts [P, Tp] int32, left- or right-padded; prompt_mask [P, Tp], 1 on real tokens. Returns the
+  Rollout in request order, with `decode_steps` (loop iterations) set.
   """
   num_prompts, prompt_length = prompts.shape
-  rows, steps = num_prompts * group_size, settings.max_new_tokens
-  prefix = prefill(model, prompts, prompt_mask.astype(jnp.int32),
-                   model.init_cache(num_prompts, prompt_length + steps))
+  requests, steps = num_prompts * group_size, settings.max_new_tokens
+  slots = min(slots or requests, requests)
+  groups = batch_groups(num_prompts, slots)
+  per_prompts, per_slots, per_requests = num_prompts // groups, slots // groups, requests // groups
+  prefix = prefill(model, prompts, prompt_mask.astype(jnp.int32), model.init_cache(num_prompts, prompt_length))
   cache = prefix.cache
-  state = DecodeState(
-      cache=KVCache(k=_repeat_rows(cache.k, group_size, axis=1), v=_repeat_rows(cache.v, group_size, axis=1),
-                    segment_ids=_repeat_rows(cache.segment_ids, group_size),
-                    length=_repeat_rows(cache.length, group_size)),
-      hidden=_repeat_rows(prefix.hidden, group_size), keys=request_keys(key, rows),
-      generated=jnp.zeros((rows,), jnp.int32), live=~_repeat_rows(prefix.empty, group_size))
-  # Every row starts at step 0, so a live row emits its n-th token at loop step n.
-  outputs = Rollout(tokens=jnp.full((rows, steps), settings.pad_id, jnp.int32),
-                    log_probs=jnp.zeros((rows, steps), jnp.float32), mask=jnp.zeros((rows, steps), bool),
-                    lengths=jnp.zeros((rows,), jnp.int32), stopped=jnp.zeros((rows,), bool))
+  layers = cache.k.shape[0]
+  split = lambda x: x.reshape((layers, groups, per_prompts) + x.shape[2:])  # noqa: E731
+  shared = SharedPrefix(k=split(cache.k), v=split(cache.v), segment_ids=_grouped(cache.segment_ids, groups),
+                        index=jnp.zeros((groups, per_slots), jnp.int32))
+  hidden, empty = _grouped(prefix.hidden, groups), _grouped(prefix.empty, groups)
+  keys = _grouped(request_keys(key, requests), groups)  # [n, R / n]
+  state = DecodeState(cache=model.init_cache(slots, steps), hidden=jnp.zeros((slots, hidden.shape[-1]), hidden.dtype),
+                      keys=keys[:, :per_slots].reshape(slots), generated=jnp.zeros((slots,), jnp.int32),
+                      live=jnp.zeros((slots,), bool), prefix=shared)
+  outputs = Rollout(tokens=jnp.full((groups, per_requests, steps), settings.pad_id, jnp.int32),
+                    log_probs=jnp.zeros((groups, per_requests, steps), jnp.float32),
+                    mask=jnp.zeros((groups, per_requests, steps), bool),
+                    lengths=jnp.zeros((groups, per_requests), jnp.int32),
+                    stopped=jnp.zeros((groups, per_requests), bool))
+  # Per group: the request each slot holds (-1: none yet) and the next request waiting.
+  holding = jnp.full((groups, per_slots), -1, jnp.int32)
+  waiting = jnp.zeros((groups,), jnp.int32)
 
   def keep_going(carry):
-    _, state, _ = carry
-    return jnp.any(state.live)
+    _, state, _, waiting, _ = carry
+    return jnp.any(state.live) | jnp.any(waiting < per_requests)
+
+  def insert(state: DecodeState, holding, waiting):
+    """Every free slot takes the next waiting request of its group, in request order."""
+    free = ~state.live.reshape(groups, per_slots)
+    request = waiting[:, None] + jnp.cumsum(free, axis=1, dtype=jnp.int32) - 1
+    taken = free & (request < per_requests)
+    holding = jnp.where(taken, request, holding)
+    prompt = jnp.maximum(holding, 0) // group_size
+    flat = taken.reshape(slots)
+
+    def pick(values, index):
+      return _per_group(lambda v, i: v[i], values, index).reshape((slots,) + values.shape[2:])
+
+    cache = state.cache
+    state = dataclasses.replace(
+        state, hidden=jnp.where(flat[:, None], pick(hidden, prompt).astype(state.hidden.dtype), state.hidden),
+        keys=jnp.where(flat, pick(keys, jnp.maximum(holding, 0)), state.keys),
+        generated=jnp.where(flat, 0, state.generated), live=jnp.where(flat, ~pick(empty, prompt), state.live),
+        # The slot's own cache row starts empty; what the last request wrote there stays, masked.
+        cache=dataclasses.replace(cache, length=jnp.where(flat, 0, cache.length),
+                                  segment_ids=jnp.where(flat[:, None], 0, cache.segment_ids)),
+        prefix=dataclasses.replace(state.prefix, index=jnp.where(taken, prompt, state.prefix.index)))
+    return state, holding, waiting + jnp.sum(taken, axis=1, dtype=jnp.int32)
+
+  def write(out: Rollout, holding, emitted) -> Rollout:
+    """Each emitted token into its request's row, at the request's token index."""
+    valid = emitted.valid.reshape(groups, per_slots)
+    request = jnp.where(valid, holding, per_requests)  # out of range: dropped
+    position = emitted.lengths.reshape(groups, per_slots) - 1
+
+    def scatter(target, values, at_position=True):
+      values = values.reshape(groups, per_slots)
+      if at_position:
+        return _per_group(lambda t, r, p, v: t.at[r, p].set(v, mode='drop'), target, request, position, values)
+      return _per_group(lambda t, r, v: t.at[r].set(v, mode='drop'), target, request, values)
+
+    return Rollout(tokens=scatter(out.tokens, emitted.tokens), log_probs=scatter(out.log_probs, emitted.log_probs),
+                   mask=scatter(out.mask, emitted.valid), lengths=scatter(out.lengths, emitted.lengths, False),
+                   stopped=scatter(out.stopped, emitted.stopped, False))
 
   def step(carry):
-    index, state, out = carry
+    count, state, holding, waiting, out = carry
+    state, holding, waiting = insert(state, holding, waiting)
     state, emitted = decode_step(model, state, settings)
-    out = Rollout(tokens=out.tokens.at[:, index].set(emitted.tokens),
-                  log_probs=out.log_probs.at[:, index].set(emitted.log_probs),
-                  mask=out.mask.at[:, index].set(emitted.valid),
-                  lengths=jnp.where(emitted.valid, emitted.lengths, out.lengths),
-                  stopped=out.stopped | emitted.stopped)
-    return index + 1, state, out
+    return count + 1, state, holding, waiting, write(out, holding, emitted)
 
-  _, _, outputs = jax.lax.while_loop(keep_going, step, (jnp.int32(0), state, outputs))
-  return outputs
+  count, _, _, _, outputs = jax.lax.while_loop(
+      keep_going, step, (jnp.int32(0), state, holding, waiting, outputs))
+  flat = jax.tree.map(lambda x: x.reshape((requests,) + x.shape[2:]), outputs)
+  return dataclasses.replace(flat, decode_steps=count)
 
 
 class GroupSampler:
@@ -96,13 +175,13 @@ class GroupSampler:
   live parameters); the graph definition and the static settings are fixed at construction.
   """
 
-  def __init__(self, model: Qwen2, *, group_size: int, settings: DecodeSettings):
+  def __init__(self, model: Qwen2, *, group_size: int, settings: DecodeSettings, slots: int = 0):
     graphdef, _ = nnx.split(model)
 
     @jax.jit
     def run(state, prompts, prompt_mask, key):
       return sample_groups(nnx.merge(graphdef, state), prompts, prompt_mask, key, group_size=group_size,
-                           settings=settings)
+                           settings=settings, slots=slots)
 
     self._run = run
 
