@@ -40,8 +40,8 @@ def main(argv=None):
     raise UserError(f'--max-shard-gb must be > 0, got {args.max_shard_gb}')
   training = None if is_orbax_checkpoint(args.ckpt) else locate(args.ckpt)
   if training is None and not is_orbax_checkpoint(args.ckpt):
-    raise UserError(f'--ckpt {args.ckpt} is neither a grpo_jax checkpoint (no params/ directory) nor a training '
-                    'run with checkpoints')
+    raise UserError(f'--ckpt {args.ckpt} is not a grpo_jax checkpoint (no params/ directory), nor a training '
+                    'run\'s workdir or checkpoints')
   if args.step is not None and training is None:
     raise UserError('--step applies to a training run\'s checkpoints; --ckpt is a model checkpoint')
   if args.like:

@@ -278,4 +278,4 @@ def test_a_training_runs_policy_exports_to_transformers(seed, tmp_path):
   code, _, stderr = run_cli('conversion.orbax_to_hf', '--ckpt', tmp_path / 'run', '--step', 7, '--out', tmp_path / 'x')
   assert code == 2 and stderr.startswith('error:') and 'step 7' in stderr and 'Traceback' not in stderr, stderr
   code, _, stderr = run_cli('conversion.orbax_to_hf', '--ckpt', tmp_path, '--out', tmp_path / 'y')
-  assert code == 2 and 'neither a grpo_jax checkpoint' in stderr and 'Traceback' not in stderr, stderr
+  assert code == 2 and 'nor a training run' in stderr and 'Traceback' not in stderr, stderr

@@ -1,5 +1,5 @@
 """Compiling for TPUs and GPUs that are not attached: every Pallas kernel by the real Mosaic and
-Triton compilers, and the 0.5B recipe's RL step by XLA:TPU and XLA:GPU (grpo_jax.plan).
+Triton compilers (the recipes' RL steps: test_plan.py).
 
 The compilers come from requirements-compile.txt, which `make test` installs into .venv/compilers
 (GRPO_JAX_COMPILERS names another folder). They run in subprocesses with that folder on
@@ -88,56 +88,3 @@ def test_triton_compiler_refuses_blocks_past_shared_memory():
                                   '--block', 'block_model=256')
   assert code == 1
   assert 'Shared memory size limit exceeded' in results[0]['error']
-
-
-# ---- the 0.5B recipe's RL step, compiled by the target's XLA ----
-
-@pytest.mark.slow
-@pytest.mark.parametrize('platform, target', [('tpu', 'v5e-8'), ('gpu', 'h100x8')])
-def test_plan_compiles_the_small_recipe_for_the_target(platform, target, tmp_path):
-  report_path = tmp_path / 'plan.json'
-  result = _run(platform, ['grpo_jax.plan', '--config', 'configs/qwen2_5_0_5b_math.yaml', '--model-size', '0.5B',
-                           '--target', target, '--json', str(report_path)], timeout=900)
-  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-  report = json.loads(report_path.read_text())
-  assert 'fits' in result.stdout and report['fits'] and report['devices'] == 8
-  assert report['mesh'] == {'data': 1, 'fsdp': 8, 'tensor': 1}
-  assert [program['name'] for program in report['programs']] == ['rollout', 'update']
-  # FSDP: each device holds an eighth of the fp32 parameters and of each AdamW moment (plus the
-  # few tensors too small to split: biases and norms of width D / 8 or less).
-  total = report['model']['parameters'] * 4
-  per_device = report['per_device']
-  assert total / 8 <= per_device['parameters'] <= total / 8 * 1.01
-  assert 2 * total / 8 <= per_device['optimizer_state'] <= 2 * total / 8 * 1.01
-  # K and V of 24 layers x 256 rows x 1,536 tokens x 2 heads x 64, bf16, rows split 8 ways.
-  assert per_device['kv_cache'] == 2 * 24 * 256 * 1536 * 2 * 64 * 2 // 8
-  update = report['programs'][1]
-  assert update['arguments'] >= per_device['parameters'] + per_device['optimizer_state']
-  assert update['aliased'] >= per_device['parameters'] + per_device['optimizer_state']  # donated state
-  assert 0 < update['temporaries'] and report['peak'] <= report['hbm']
-
-
-@pytest.mark.slow
-def test_plan_names_the_knob_that_brings_a_run_under_the_device_memory(tmp_path):
-  """The 0.5B recipe's shapes at 2 layers on 8 H100s told they have 1.4 GiB each (the update needs
-  1.65): the plan says it does not fit, compiles the knobs, and one it names fits when planned again."""
-  def plan(*extra):
-    report_path = tmp_path / f'plan{len(extra)}.json'
-    result = _run('gpu', ['grpo_jax.plan', '--config', 'configs/qwen2_5_0_5b_math.yaml', '--model-size', '0.5B',
-                          '--layers', '2', '--target', 'h100x8', '--device-memory', '1.4GiB', '--json', str(report_path),
-                          *extra], timeout=900)
-    assert report_path.exists(), result.stdout[-2000:] + result.stderr[-3000:]
-    return result, json.loads(report_path.read_text())
-
-  result, report = plan()
-  assert result.returncode == 1 and 'DOES NOT FIT' in result.stdout
-  assert report['hbm'] == int(1.4 * 2**30) and not report['fits']
-  update = {program['name']: program['peak'] for program in report['programs']}['update']
-  assert update > report['hbm']
-  fitting = [row for row in report['advice'] if row['fits']]
-  assert fitting and f'brings it under: {fitting[0]["knob"]}' in result.stdout
-  assert all(max(row['peaks'].values()) <= report['hbm'] for row in fitting)
-  halved = next(row for row in report['advice'] if row['knob'] == 'algo.micro_batch_size=16')
-  assert halved['peaks']['update'] < update  # half the micro-batch, fewer activations
-  again, replanned = plan(*[arg for assignment in fitting[0]['knob'].split() for arg in ('--set', assignment)])
-  assert again.returncode == 0 and replanned['fits'] and 'advice' not in replanned
