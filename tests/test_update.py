@@ -354,3 +354,29 @@ def test_validate_names_the_field(sections, field):
   assert replace(VALID) == VALID
   with pytest.raises(UserError, match=field.replace('.', r'\.')):
     replace(VALID, **sections)
+
+
+# ---- the sampler <-> trainer log-prob mismatch ----
+
+@pytest.mark.parametrize('epochs, minibatches', [(1, 1), (2, 2)])
+def test_sampler_mismatch_metrics_against_numpy(seed, epochs, minibatches):
+  """The sampler's log-probs are the trainer's (full logits, before any update) moved by a known
+  gap per token: some small, some beyond log 2 either way. The update reports the gap's mean and
+  max over completion tokens and the share outside the ratio band [0.5, 2] — from pi_old over the
+  whole batch when it is scored (mu = 2), else from the first mini-batch (mu = 1, one mini-batch)."""
+  rng = np.random.default_rng(seed)
+  graphdef, params = random_model(rng)
+  batch = random_batch(rng)
+  trainer, _ = full_logits_log_probs(graphdef, params, batch)
+  # |gap| in [0, 0.5] or [1, 2]: far from log 2 = 0.69, so fp32 rounding cannot move a token across.
+  size = rng.uniform(0.0, 0.5, trainer.shape) + rng.integers(0, 2, trainer.shape) * 1.0
+  gap = size * rng.choice([-1.0, 1.0], trainer.shape)
+  batch = dataclasses.replace(batch, sampler_log_probs=jnp.asarray(np.asarray(trainer) + gap, jnp.float32))
+  config = AlgoConfig(group_size=GROUP, ppo_epochs=epochs, num_minibatches=minibatches,
+                      logprob_implementation='xla_chunked')
+  run, optimizer = make_update(config)
+  _, metrics = run(fresh_state(params, optimizer, seed), batch, None)
+  mask = np.asarray(batch.mask)
+  assert_close(metrics['sampler_gap_mean'], np.abs(gap)[mask].mean(), 'mean')
+  assert_close(metrics['sampler_gap_max'], np.abs(gap)[mask].max(), 'max')
+  assert_close(metrics['sampler_ratio_outside'], (np.abs(gap)[mask] > np.log(2)).mean(), 'outside')

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
@@ -144,6 +145,11 @@ def _merge_rows(x):
   return x.reshape(-1, *x.shape[2:])
 
 
+LOG_2 = float(np.log(2.0))  # |log ratio| > log 2: the ratio lies outside [0.5, 2]
+# The sampler <-> trainer mismatch metrics: per-step values from the parameters the sampler used.
+MISMATCH = ('sampler_gap_mean', 'sampler_gap_max', 'sampler_ratio_outside')
+
+
 def policy_loss(params, graphdef, micro: LossInputs, settings: UpdateSettings):
   """Weighted-sum GRPO loss of one micro-batch and its weighted metric sums."""
   config = settings.algo
@@ -173,7 +179,12 @@ def policy_loss(params, graphdef, micro: LossInputs, settings: UpdateSettings):
   loss = jnp.sum(token_loss * micro.weights)
   # Reported metrics are token means over the mini-batch, whatever the loss aggregation.
   per_token = micro.token_weights
-  metrics = dict(policy_loss=jnp.sum(pg_loss * per_token), kl=jnp.sum(kl * per_token),
+  # How far the trainer's log-probs are from the sampler's for the same tokens (read from the first
+  # mini-batch, whose parameters are the sampler's: see update).
+  gap = jnp.abs(jax.lax.stop_gradient(log_probs) - micro.sampler_log_probs)
+  metrics = dict(sampler_gap_mean=jnp.sum(gap * per_token), sampler_gap_max=jnp.max(jnp.where(mask, gap, 0.0)),
+                 sampler_ratio_outside=jnp.sum((gap > LOG_2) * per_token),
+                 policy_loss=jnp.sum(pg_loss * per_token), kl=jnp.sum(kl * per_token),
                  entropy=jnp.sum(jax.lax.stop_gradient(entropy) * per_token),
                  clip_frac_low=jnp.sum(surrogate['clipped_low'] * per_token),
                  clip_frac_high=jnp.sum(surrogate['clipped_high'] * per_token),
@@ -220,7 +231,10 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
 
     def accumulate(totals, micro):
       (loss, metrics), grads = grad_fn(params, graphdef, micro, settings)
-      return jax.tree.map(jnp.add, totals, (loss, metrics, grads)), None
+      total_loss, total_metrics, total_grads = totals
+      metrics = {name: (jnp.maximum if name == 'sampler_gap_max' else jnp.add)(total_metrics[name], value)
+                 for name, value in metrics.items()}
+      return (total_loss + loss, metrics, jax.tree.map(jnp.add, total_grads, grads)), None
 
     zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
         lambda: grad_fn(params, graphdef, jax.tree.map(lambda x: x[:settings.micro_rows], minibatch), settings)))
@@ -240,10 +254,24 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
 
   carry = (state.params, state.opt_state, state.updates, state.skips)
   (params, opt_state, updates, skips), metrics = jax.lax.scan(minibatch_update, carry, orders)
-  metrics = jax.tree.map(jnp.mean, metrics)
+  # The mismatch: from pi_old over the whole batch when it was scored (the sampler's parameters),
+  # else from the first mini-batch (the only one before an update moved the parameters).
+  mismatch = ({name: metrics[name][0] for name in MISMATCH} if rows.old_log_probs is None
+              else _mismatch(rows.old_log_probs, batch.sampler_log_probs, batch.mask))
+  metrics = dict(jax.tree.map(jnp.mean, metrics), **mismatch)
   metrics['nonfinite'] = metrics['nonfinite'] * orders.shape[0]  # count, not mean
   new_state = state.replace(params=params, opt_state=opt_state, key=key, updates=updates, skips=skips)
   return new_state, metrics
+
+
+def _mismatch(trainer_log_probs, sampler_log_probs, mask) -> dict:
+  """Mean and max |log pi_trainer - log pi_sampler| over completion tokens, and the fraction whose
+  ratio lies outside [0.5, 2]."""
+  gap = jnp.abs(trainer_log_probs - sampler_log_probs)
+  tokens = jnp.maximum(jnp.sum(mask), 1)
+  return dict(sampler_gap_mean=jnp.sum(jnp.where(mask, gap, 0.0)) / tokens,
+              sampler_gap_max=jnp.max(jnp.where(mask, gap, 0.0)),
+              sampler_ratio_outside=jnp.sum(mask & (gap > LOG_2)) / tokens)
 
 
 def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
