@@ -399,8 +399,14 @@ class Qwen2(nnx.Module):
     layer_caches = (cache.k, cache.v) + (() if prefix is None else (prefix.k, prefix.v))
     x, (k_new, v_new) = self.run_layers(self._embed(tokens), layer, layer_caches)
     hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
-    new_cache = KVCache(k=_write_layers(cache.k, k_new.astype(cache.k.dtype), cache.length),
-                        v=_write_layers(cache.v, v_new.astype(cache.v.dtype), cache.length),
-                        segment_ids=_write_rows(cache.segment_ids, segment_ids, cache.length),
-                        length=cache.length + length)
+    if length == cache.max_length:
+      # The tokens fill the whole cache (so it was empty: length + T <= S): it is the new keys and
+      # values themselves. No scatter, which on a mesh would gather every row's keys to every device.
+      new_cache = KVCache(k=k_new.astype(cache.k.dtype), v=v_new.astype(cache.v.dtype), segment_ids=segment_ids,
+                          length=cache.length + length)
+    else:
+      new_cache = KVCache(k=_write_layers(cache.k, k_new.astype(cache.k.dtype), cache.length),
+                          v=_write_layers(cache.v, v_new.astype(cache.v.dtype), cache.length),
+                          segment_ids=_write_rows(cache.segment_ids, segment_ids, cache.length),
+                          length=cache.length + length)
     return (hidden if return_hidden else self.project(hidden)), new_cache
