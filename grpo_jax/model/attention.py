@@ -66,6 +66,78 @@ def grouped_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, 
   return out.reshape(batch, length, num_heads, head_dim)
 
 
+DecodeAttention = Literal['dense', 'blockwise']
+DECODE_ATTENTIONS = typing.get_args(DecodeAttention)
+
+
+def _block_size(length: int, block: int) -> int:
+  """The largest block <= `block` that divides `length` (dynamic slices must not overlap)."""
+  block = min(block, length)
+  while length % block:
+    block -= 1
+  return block
+
+
+def blockwise_cache_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]],
+                              k_cache: jax.Array, v_cache: jax.Array, cache_mask: jax.Array, lengths: jax.Array,
+                              block: int, layer: jax.Array | None = None) -> jax.Array:
+  """`grouped_attention(q, parts + [(k_cache, v_cache, cache_mask)])`, reading only the cache
+  blocks that hold a written slot of some row: q [B, T, N, H]; parts as in grouped_attention
+  (small: the new tokens, a prompt); k_cache, v_cache [B, S, K, H]; cache_mask [B, T, S], False
+  at slots >= lengths [B]. One online softmax (running max, sum and weighted values, fp32): the
+  parts first, then blocks of `block` slots (a divisor of S) in a loop that stops after block
+  ceil(max(lengths) / block), so a decode step's cost follows how full the cache is, not S.
+  Every query must see at least one key among `parts` (a decoded token sees itself), which keeps
+  the running max finite; masked keys weigh exactly 0. Not differentiable (decoding only).
+
+  layer: with stacked caches [L, B, S, K, H], the layer to read; each block is sliced from the
+  stack itself, so no layer's whole cache is ever copied out of it (a per-layer slice handed to
+  the loop would be materialised: a copy of the whole cache every decode step).
+  """
+  batch, length, num_heads, head_dim = q.shape
+  stacked = layer is not None
+  slots, num_kv_heads = k_cache.shape[1 + stacked], k_cache.shape[2 + stacked]
+  block = _block_size(slots, block)
+  q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim) * (head_dim ** -0.5)
+  neg = jnp.finfo(jnp.float32).min
+
+  def scores(k, mask):  # -> [B, K, G, T, S] fp32
+    s = jnp.einsum('BTKGH,BSKH->BKGTS', q, k, preferred_element_type=jnp.float32)
+    return jnp.where(mask[:, None, None], s, neg)
+
+  def merge(stats, s, v, mask):
+    m, l, acc = stats
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.where(mask[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
+    scale = jnp.exp(m - m_new)
+    acc = acc * scale[..., None] + jnp.einsum('BKGTS,BSKH->BKGTH', p.astype(v.dtype), v,
+                                              preferred_element_type=jnp.float32)
+    return m_new, l * scale + p.sum(axis=-1), acc
+
+  shape = (batch, num_kv_heads, num_heads // num_kv_heads, length)
+  stats = (jnp.full(shape, neg, jnp.float32), jnp.zeros(shape, jnp.float32),
+           jnp.zeros(shape + (head_dim,), jnp.float32))
+  for k, v, mask in parts:
+    stats = merge(stats, scores(k, mask), v, mask)
+
+  def body(carry):
+    index, stats = carry
+    start = index * block
+    if stacked:
+      at, size = (layer, 0, start, 0, 0), (1, batch, block, num_kv_heads, head_dim)
+      k, v = (jax.lax.dynamic_slice(cache, at, size)[0] for cache in (k_cache, v_cache))
+    else:
+      k = jax.lax.dynamic_slice_in_dim(k_cache, start, block, axis=1)
+      v = jax.lax.dynamic_slice_in_dim(v_cache, start, block, axis=1)
+    mask = jax.lax.dynamic_slice_in_dim(cache_mask, start, block, axis=2)
+    return index + 1, merge(stats, scores(k, mask), v, mask)
+
+  blocks = (jnp.max(lengths) + block - 1) // block
+  _, (_, l, acc) = jax.lax.while_loop(lambda carry: carry[0] < blocks, body, (jnp.int32(0), stats))
+  out = acc / l[..., None]  # [B, K, G, T, H]
+  return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, head_dim).astype(v_cache.dtype)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
   """Dense attention. q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B, T, S] -> [B, T, N, H]."""
   return grouped_attention(q, [(k, v, mask)])

@@ -29,8 +29,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.errors import require
-from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, Attend, AttentionImplementation,
-                                      attention_mask, grouped_attention, sequence_attention)
+from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, DECODE_ATTENTIONS, Attend, AttentionImplementation,
+                                      DecodeAttention, attention_mask, blockwise_cache_attention, grouped_attention,
+                                      sequence_attention)
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.sharding import constrain
 
@@ -56,19 +57,25 @@ class ModelOptions:
   scan_layers: bool = True  # one lax.scan over layers: compile time independent of depth
   attention: AttentionImplementation = 'dense'  # full-sequence attention (attention.py); decoding is dense
   attention_chunk: int = 512  # queries per chunk with attention='chunked'
+  # Attention over the KV cache while decoding: 'dense' reads every slot of each cache row (masked);
+  # 'blockwise' reads blocks of `decode_block` slots only up to the fullest row's written length.
+  decode_attention: DecodeAttention = 'dense'
+  decode_block: int = 256
 
   def __post_init__(self):
     choices = {'dtype': typing.get_args(DType), 'param_dtype': typing.get_args(ParamDType),
-               'remat': typing.get_args(RematPolicy), 'attention': ATTENTION_IMPLEMENTATIONS}
+               'remat': typing.get_args(RematPolicy), 'attention': ATTENTION_IMPLEMENTATIONS,
+               'decode_attention': DECODE_ATTENTIONS}
     for name, allowed in choices.items():
       require(getattr(self, name) in allowed, name,
               f'must be one of {" | ".join(map(repr, allowed))}, got {getattr(self, name)!r}')
     require(self.attention_chunk >= 1, 'attention_chunk', f'must be >= 1, got {self.attention_chunk}')
+    require(self.decode_block >= 1, 'decode_block', f'must be >= 1, got {self.decode_block}')
 
   @classmethod
   def of(cls, options: 'ModelOptions') -> 'ModelOptions':
     """A plain ModelOptions with the fields of `options`, which may be a subclass (the training
-    config's model section): the module keeps only these six, so its graph def carries no more."""
+    config's model section): the module keeps only these, so its graph def carries no more."""
     if type(options) is ModelOptions:
       return options
     names = (field.name for field in dataclasses.fields(ModelOptions))
@@ -385,18 +392,24 @@ class Qwen2(nnx.Module):
     prefix_mask = (None if prefix is None else
                    (prefix_segments[:, None, :] == segment_ids[:, :, None]) & (prefix_segments != 0)[:, None, :])
 
+    blockwise = self.options.decode_attention == 'blockwise'
+
     def layer(x, params, layer_cache):
-      k_cache, v_cache, *shared = layer_cache
+      own, *shared = layer_cache  # this layer's cache rows, or (blockwise) its index into the stack
       parts = [] if prefix is None else [(prefix.rows(shared[0]), prefix.rows(shared[1]), prefix_mask)]
 
       def attend(q, k, v):
         # Round the new keys and values to the cache dtype, as writing them first would.
-        k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
-        return grouped_attention(q, parts + [(k_cache, v_cache, cache_mask), (k, v, mask)])
+        k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+        if blockwise:
+          return blockwise_cache_attention(q, [(k, v, mask)] + parts, cache.k, cache.v, cache_mask, cache.length,
+                                           self.options.decode_block, layer=own)
+        return grouped_attention(q, parts + [(own[0], own[1], cache_mask), (k, v, mask)])
 
       return decoder_block(params, x, positions, attend, config=self.config, dtype=self.dtype)
 
-    layer_caches = (cache.k, cache.v) + (() if prefix is None else (prefix.k, prefix.v))
+    own = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32) if blockwise else (cache.k, cache.v)
+    layer_caches = (own,) + (() if prefix is None else (prefix.k, prefix.v))
     x, (k_new, v_new) = self.run_layers(self._embed(tokens), layer, layer_caches)
     hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
     if length == cache.max_length:
