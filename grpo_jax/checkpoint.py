@@ -11,7 +11,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from grpo_jax.errors import UserError, quiet_abandoned_reads, root_cause
+from grpo_jax.errors import UserError, checkpoint_read, quiet_abandoned_reads, root_cause
 
 
 class Checkpointer:
@@ -37,8 +37,9 @@ class Checkpointer:
     try:
       self._check_shapes(step, abstract_state)
       target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
-      restored = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+      with checkpoint_read():
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
     except UserError:
       raise
     except Exception as error:  # orbax and TensorStore raise bare Exceptions for missing or cut files
@@ -65,8 +66,9 @@ class Checkpointer:
       # The PyTree handler (which the standard one wraps) can read a part of the stored tree.
       with ocp.CheckpointManager(self.directory, item_names=('state',),
                                  item_handlers={'state': ocp.PyTreeCheckpointHandler()}) as reader:
-        restored = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
+        with checkpoint_read():
+          restored = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+              item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
     except Exception as error:  # orbax and TensorStore raise bare Exceptions for missing or cut files
       quiet_abandoned_reads()
       raise UserError(f'checkpoint {self.directory}/{step}: its parameters cannot be restored '

@@ -1,5 +1,6 @@
 """User-facing errors: one sentence naming the field, file or tensor, and a clean exit."""
 
+import contextlib
 import functools
 import logging
 import sys
@@ -66,12 +67,45 @@ def root_cause(error: BaseException) -> str:
   return text.splitlines()[0] if text else type(error).__name__
 
 
+def _loop_closed(value) -> bool:
+  return isinstance(value, RuntimeError) and 'Event loop is closed' in str(value)
+
+
+@contextlib.contextmanager
+def checkpoint_read():
+  """Around a checkpoint read: when a read fails, TensorStore's callback threads can still post to
+  the read's event loop after orbax closed it, and report 'Event loop is closed' (as an unraisable
+  exception, or through a thread's or sys's excepthook) before the failure itself reaches the
+  caller. Those, and only those, are dropped while the read runs; after a failure,
+  quiet_abandoned_reads takes over."""
+  hooks = (sys.unraisablehook, threading.excepthook, sys.excepthook)
+
+  def unraisable(info):
+    if not _loop_closed(info.exc_value):
+      hooks[0](info)
+
+  def thread(args):
+    if not _loop_closed(args.exc_value):
+      hooks[1](args)
+
+  def report(kind, value, traceback):
+    if not _loop_closed(value):
+      hooks[2](kind, value, traceback)
+
+  sys.unraisablehook, threading.excepthook, sys.excepthook = unraisable, thread, report
+  try:
+    yield
+  finally:
+    if (sys.unraisablehook, threading.excepthook, sys.excepthook) == (unraisable, thread, report):
+      sys.unraisablehook, threading.excepthook, sys.excepthook = hooks
+
+
 def quiet_abandoned_reads() -> None:
   """After a checkpoint read failed (and was reported as one UserError), drops what orbax's and
   TensorStore's abandoned concurrent reads print later: the exceptions of read coroutines that are
   garbage-collected unawaited ('Exception ignored in: <coroutine ...>'), asyncio's 'Task exception
-  was never retrieved', and 'Event loop is closed' from TensorStore's callback threads. Anything
-  else still reaches the previous hooks."""
+  was never retrieved', and 'Event loop is closed' from TensorStore's callback threads (through
+  threading's or sys's excepthook). Anything else still reaches the previous hooks."""
   def from_checkpoint_io(exc_value, obj=None) -> bool:
     code = getattr(obj, 'cr_code', None)
     if code is not None and ('orbax' in code.co_filename or 'tensorstore' in code.co_filename):
@@ -96,6 +130,13 @@ def quiet_abandoned_reads() -> None:
       return not (record.getMessage().startswith('Task exception was never retrieved')
                   or (error is not None and from_checkpoint_io(error)))
 
+  previous_except = sys.excepthook
+
+  def report(kind, value, traceback):
+    if not _loop_closed(value):
+      previous_except(kind, value, traceback)
+
   sys.unraisablehook = unraisable
   threading.excepthook = thread
+  sys.excepthook = report
   logging.getLogger('asyncio').addFilter(_Filter())

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo_jax.errors import UserError, quiet_abandoned_reads, root_cause
+from grpo_jax.errors import UserError, checkpoint_read, quiet_abandoned_reads, root_cause
 from grpo_jax.model import weights
 from grpo_jax.model.config import Qwen2Config, load_hf_config, to_hf_dict
 from grpo_jax.model.qwen2 import ModelOptions, Qwen2
@@ -147,7 +147,8 @@ def load_orbax(directory: str, *, options: ModelOptions = ModelOptions(), mesh: 
     with ocp.StandardCheckpointer() as checkpointer:
       stored = checkpointer.metadata(params_dir).item_metadata
       _check_orbax_tree(stored, target, params_dir)
-      restored = checkpointer.restore(params_dir, target)
+      with checkpoint_read():
+        restored = checkpointer.restore(params_dir, target)
   except UserError:
     raise
   except Exception as error:  # orbax and TensorStore raise bare Exceptions for missing or cut files
