@@ -102,6 +102,14 @@ class AlgoConfig:
   ppo_epochs: int = 1  # mu: passes over each batch; > 1 uses pi_old log-probs and clipping
   num_minibatches: int = 1  # optimizer steps per pass; P * G must divide evenly
   micro_batch_size: int = 0  # rows per gradient-accumulation chunk (lax.scan); 0: whole mini-batch
+  # Packing (rl/packing.py): each mini-batch's sequences (prompt + completion, padding dropped) are
+  # packed into rows of pack_length tokens on the devices, and the pi_old / pi_ref passes and the loss
+  # run over packed rows, in micro-batches as many as the real tokens need. Same loss as padded rows.
+  packing: bool = False
+  pack_length: int = 0  # L: tokens per packed row, >= prompt length + max_new_tokens; 0: exactly that
+  # Packed rows per micro-batch on each batch shard (data x fsdp): micro_batch_tokens // pack_length
+  # (bounds the activation memory by tokens, whatever the lengths); 0: as micro_batch_size rows would.
+  micro_batch_tokens: int = 0
   tis_cap: float = 0.0  # C: truncated importance weight min(pi_old / pi_sampler, C); 0 disables
   logprob_implementation: LogprobImplementation = 'auto'  # ops.token_logprobs
   # DAPO dynamic sampling: groups whose G rewards are all equal are dropped and further rounds of P
@@ -118,6 +126,14 @@ class AlgoConfig:
       require(self.group_size >= 2, 'group_size', f'must be >= 2 (a group needs a baseline), got {self.group_size}')
       require(self.num_minibatches >= 1, 'num_minibatches', f'must be >= 1, got {self.num_minibatches}')
       require(self.micro_batch_size >= 0, 'micro_batch_size', f'must be >= 0, got {self.micro_batch_size}')
+      require(self.pack_length >= 0, 'pack_length', f'must be >= 0, got {self.pack_length}')
+      require(self.micro_batch_tokens >= 0, 'micro_batch_tokens', f'must be >= 0, got {self.micro_batch_tokens}')
+      for name in ('pack_length', 'micro_batch_tokens'):
+        require(self.packing or not getattr(self, name), name,
+                'applies to packed rows: set algo.packing=true (padded rows use micro_batch_size)')
+      require(not (self.pack_length and self.micro_batch_tokens) or self.micro_batch_tokens >= self.pack_length,
+              'micro_batch_tokens', f'({self.micro_batch_tokens}) must hold at least one packed row of '
+              f'pack_length = {self.pack_length} tokens')
       require(self.ppo_epochs >= 1, 'ppo_epochs', f'must be >= 1, got {self.ppo_epochs}')
       require(self.max_sampling_rounds >= 1, 'max_sampling_rounds', f'must be >= 1, got {self.max_sampling_rounds}')
       require(0 <= self.epsilon_low < 1, 'epsilon_low', f'must be in [0, 1), got {self.epsilon_low}')

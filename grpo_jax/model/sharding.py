@@ -115,6 +115,24 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, spec_for(x.shape, logical_axes, dict(mesh.shape)))
 
 
+def batch_groups(rows: int, *others: int) -> int:
+  """n: how many groups the mesh's batch axes split `rows` (and every one of `others`) into, evenly
+  (1 outside a mesh). Work split this way (the sampler's slots, the update's packing) stays on the
+  devices that hold its rows."""
+  mesh = jax.sharding.get_abstract_mesh()
+  batch_axes = _mesh_axes_for('batch')
+  shards = 1 if mesh.empty else math.prod(size for name, size in mesh.shape.items() if name in batch_axes)
+  for count in (rows, *others):
+    shards = math.gcd(shards, count)
+  return shards
+
+
+def grouped(x: jax.Array, groups: int) -> jax.Array:
+  """[n * m, ...] -> [n, m, ...], the group axis laid out over the batch axes."""
+  x = x.reshape((groups, x.shape[0] // groups) + x.shape[1:])
+  return constrain(x, ('batch',) + (None,) * (x.ndim - 1))
+
+
 def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
   """NamedShardings for every variable in `state`, from its `logical_axes` metadata."""
 

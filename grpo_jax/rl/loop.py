@@ -76,7 +76,8 @@ class RLStep:
     self.optimizer, self.schedule = optimizer, schedule
     self.prompts_per_step, self.slots = rollout.prompts_per_step, rollout.slots
     self.settings = UpdateSettings(algo=algo_config, temperature=rollout.temperature,
-                                   rows=completions_per_step(rollout, algo_config))
+                                   rows=completions_per_step(rollout, algo_config),
+                                   sequence_length=task.prompt_length + rollout.max_new_tokens)
     self.decode = DecodeSettings(sampling=rollout.settings, max_new_tokens=rollout.max_new_tokens,
                                  stop_token_ids=tuple(task.stop_token_ids), pad_id=task.pad_id)
     self.mesh = jax.tree.leaves(state_shardings)[0].mesh

@@ -16,7 +16,6 @@ prompt cache crosses devices.
 """
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
-from grpo_jax.model.sharding import constrain
+from grpo_jax.model.sharding import batch_groups, grouped
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, decode_step, prefill, request_keys
 
 
@@ -59,22 +58,6 @@ class Rollout:
     return ['stop' if stopped else 'length' for stopped in np.asarray(self.stopped)]
 
 
-def batch_groups(rows: int, *others: int) -> int:
-  """n: how many groups the mesh's batch axes split `rows` (and every one of `others`) into, evenly
-  (1 outside a mesh)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  shards = 1 if mesh.empty else math.prod(size for name, size in mesh.shape.items() if name in ('data', 'fsdp'))
-  for count in (rows, *others):
-    shards = math.gcd(shards, count)
-  return shards
-
-
-def _grouped(x: jax.Array, groups: int) -> jax.Array:
-  """[n * m, ...] -> [n, m, ...], the group axis laid out over the batch axes."""
-  x = x.reshape((groups, x.shape[0] // groups) + x.shape[1:])
-  return constrain(x, ('batch',) + (None,) * (x.ndim - 1))
-
-
 def _per_group(fn, *args):
   """fn mapped over the group axis of every argument (a gather or scatter within each group)."""
   return jax.vmap(fn)(*args)
@@ -97,10 +80,10 @@ def sample_groups(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, key:
   cache = prefix.cache
   layers = cache.k.shape[0]
   split = lambda x: x.reshape((layers, groups, per_prompts) + x.shape[2:])  # noqa: E731
-  shared = SharedPrefix(k=split(cache.k), v=split(cache.v), segment_ids=_grouped(cache.segment_ids, groups),
+  shared = SharedPrefix(k=split(cache.k), v=split(cache.v), segment_ids=grouped(cache.segment_ids, groups),
                         index=jnp.zeros((groups, per_slots), jnp.int32))
-  hidden, empty = _grouped(prefix.hidden, groups), _grouped(prefix.empty, groups)
-  keys = _grouped(request_keys(key, requests), groups)  # [n, R / n]
+  hidden, empty = grouped(prefix.hidden, groups), grouped(prefix.empty, groups)
+  keys = grouped(request_keys(key, requests), groups)  # [n, R / n]
   state = DecodeState(cache=model.init_cache(slots, steps), hidden=jnp.zeros((slots, hidden.shape[-1]), hidden.dtype),
                       keys=keys[:, :per_slots].reshape(slots), generated=jnp.zeros((slots,), jnp.int32),
                       live=jnp.zeros((slots,), bool), prefix=shared)
