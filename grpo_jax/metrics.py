@@ -21,7 +21,8 @@ from grpo_jax.config import AlgoConfig, RolloutConfig, completions_per_step
 # Columns of the end-of-run summary table: (metric, format).
 SUMMARY = (('reward_mean', '{:.3f}'), ('reward_std', '{:.3f}'), ('response_len_mean', '{:.1f}'),
            ('policy_loss', '{:+.4f}'), ('kl', '{:.4f}'), ('entropy', '{:.3f}'), ('grad_norm', '{:.3f}'),
-           ('reward_failures', '{:.0f}'), ('eval/pass@1', '{:.3f}'), ('step_time_s', '{:.3f}'))
+           ('reward_failures', '{:.0f}'), ('eval/pass@1', '{:.3f}'), ('packed_padding_frac', '{:.2f}'),
+           ('step_time_s', '{:.3f}'))
 
 
 @contextlib.contextmanager

@@ -256,7 +256,8 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
                       reference=sharding.bytes_per_device(ref_params) if ref_params is not None else 0,
                       kv_cache=kv_cache_bytes_per_device(architecture, config, task.prompt_length, mesh)),
       programs=[dataclasses.asdict(program) | dict(peak=program.peak) for program in programs],
-      peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes)
+      peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes,
+      sequence_length=task.prompt_length + config.rollout.max_new_tokens)
   step_flops = metrics_lib.model_flops_per_step(architecture.num_params(), task.prompt_length, config.rollout, config.algo)
   # Roofline estimate: the model FLOPs at the target's peak, and the sampler's reads at its HBM
   # bandwidth: every decoded token reads the weights (gathered whole over FSDP, split over
@@ -284,12 +285,14 @@ class Knob:
     return ' '.join(self.overrides)
 
 
-def knobs(config: config_lib.Config, architecture, devices: int) -> list[Knob]:
+def knobs(config: config_lib.Config, architecture, devices: int, sequence_length: int) -> list[Knob]:
   """The changes that lower per-device memory without changing what is learned, cheapest first:
   rematerialisation, smaller gradient-accumulation micro-batches, chunked attention (the update);
   fewer decode slots (the rollout: the same samples, fewer held at once); more tensor parallelism
-  (both programs: the weights, the optimizer state and the KV cache split further over heads). Micro-batches are tried from half the current one down to one row per
-  data-parallel device."""
+  (both programs: the weights, the optimizer state and the KV cache split further over heads).
+  Micro-batches are tried from half the current one down to one row per data-parallel device
+  (padded rows), or down to one packed row of `pack_length` tokens per batch shard (packing:
+  micro_batch_tokens). sequence_length: Tp + N."""
   model, algo, mesh = config.model, config.algo, config.mesh
   found = []
   if model.remat != 'full':
@@ -297,7 +300,14 @@ def knobs(config: config_lib.Config, architecture, devices: int) -> list[Knob]:
   minibatch = completions_per_step(config.rollout, algo) // algo.num_minibatches
   size = algo.micro_batch_size or minibatch
   tensor = mesh.tensor if mesh.tensor > 0 else 1
-  while size % 2 == 0 and size // 2 >= devices // tensor:  # at least one row per data-parallel device
+  if algo.packing:
+    row = algo.pack_length or sequence_length
+    rows = algo.micro_batch_tokens // row if algo.micro_batch_tokens else max(1, size // (devices // tensor))
+    while rows // 2 >= 1:
+      rows //= 2
+      found.append(Knob((f'algo.micro_batch_tokens={rows * row}',), 'update',
+                        f'packed micro-batches of {rows} row(s) of {row} tokens per batch shard'))
+  while not algo.packing and size % 2 == 0 and size // 2 >= devices // tensor:  # one row per data-parallel device
     size //= 2
     found.append(Knob((f'algo.micro_batch_size={size}',), 'update',
                       f'accumulate gradients over {minibatch // size} micro-batches'))
@@ -340,9 +350,9 @@ def advise(load, target: targets.Target, architecture, report: dict, on_result=N
   over = {name for name, peak in peaks.items() if peak > hbm}
   fused = any(name not in ('rollout', 'update') for name in peaks)
   config = load(())
-  candidates = knobs(config, architecture, report['devices'])
+  candidates = knobs(config, architecture, report['devices'], report['sequence_length'])
   update_knobs = [knob for knob in candidates if knob.programs == 'update']
-  micro = [knob for knob in update_knobs if knob.overrides[0].startswith('algo.micro_batch_size')]
+  micro = [knob for knob in update_knobs if knob.overrides[0].startswith(('algo.micro_batch_size', 'algo.micro_batch_tokens'))]
   chosen = [knob for knob in update_knobs if knob not in micro] + micro[-1:]  # the smallest micro-batch
   combined = tuple(o for knob in chosen for o in knob.overrides)
   together = [Knob(combined, 'update', 'all of the above for the update')] if len(chosen) > 1 else []

@@ -190,8 +190,10 @@ class Run:
   def record(self, step: int, metrics: dict) -> dict:
     step_time, tokens = metrics['step_time_s'], float(metrics.pop('completion_tokens'))
     metrics['tokens_per_s'] = tokens / step_time
-    if metrics.get('rollout_s'):  # the host loop times its stages: the sampler's own rate
+    if metrics.get('rollout_s'):  # the host loop times its stages: the sampler's own rate ...
       metrics['rollout_tokens_per_s'] = tokens / metrics['rollout_s']
+    if metrics.get('update_s'):  # ... and the update's, over the real (prompt + completion) tokens it trained on
+      metrics['update_tokens_per_s'] = float(metrics['sequence_tokens']) / metrics['update_s']
     metrics['mfu'] = self.step_flops / step_time / self.peak_flops
     return self.log.write(step, metrics)
 

@@ -65,10 +65,16 @@ def test_demo_reward_rises(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_learns_with_fewer_decode_slots_than_completions(tmp_path):
-  """Continuous batching inside the fused K-step jit: 256 completions through 48 slots."""
-  run_cli(tmp_path, '--set', 'train.steps=250', '--set', 'train.checkpoint_every=250', '--set', 'rollout.slots=48')
+def test_demo_learns_with_fewer_decode_slots_and_a_packed_update(tmp_path):
+  """The long-tail settings inside the fused K-step jit: 256 completions through 48 decode slots,
+  and the update over packed rows of 36 tokens in micro-batches of 16 rows. A random model's
+  answers run to the 4-token cap (sequences of 9 tokens: 4 a row, 64 rows, 4 micro-batches); the
+  trained one's stop after 2 (7 tokens: 5 a row), so fewer rows."""
+  run_cli(tmp_path, '--set', 'train.steps=250', '--set', 'train.checkpoint_every=250', '--set', 'rollout.slots=48',
+          '--set', 'algo.packing=true', '--set', 'algo.pack_length=36', '--set', 'algo.micro_batch_tokens=576')
   rows = read_metrics(tmp_path)
+  assert all(row['micro_batches'] <= 4 and row['packed_rows'] <= 64 for row in rows)
+  assert rows[0]['packed_rows'] >= 60 and rows[-1]['packed_rows'] <= 58
   first = np.mean([row['reward_mean'] for row in rows[:10]])
   last = np.mean([row['reward_mean'] for row in rows[-20:]])
   assert first <= 0.2 and last >= 0.6 and last - first >= 0.4, (first, last)
@@ -132,10 +138,12 @@ def _wait_for(predicate, process, timeout=240):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('steps_per_call', [1, 5])
-def test_kill_and_resume_equals_uninterrupted(tmp_path, steps_per_call):
+@pytest.mark.parametrize('steps_per_call, packing', [(1, []), (5, ['algo.packing=true', 'algo.micro_batch_tokens=18'])])
+def test_kill_and_resume_equals_uninterrupted(tmp_path, steps_per_call, packing):
+  """The host loop with the padded update, and the K-step jit with the packed one."""
   steps = 60
   options = ['--set', f'train.steps_per_call={steps_per_call}', '--set', 'train.checkpoint_every=10']
+  options += [argument for setting in packing for argument in ('--set', setting)]
   reference = _start(tmp_path / 'whole', steps, *options)
   assert reference.wait(timeout=300) == 0, reference.stderr.read()
 
