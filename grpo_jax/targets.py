@@ -193,13 +193,69 @@ def compile_logprob_kernels(target: Target, widths=KERNEL_WIDTHS, dtypes=('bfloa
   return results
 
 
+# Qwen2.5 attention shapes the decode-attention kernel is compiled at: 0.5B, 7B, 32B.
+DECODE_ATTENTION_HEADS = {'0.5B': dict(heads=14, kv_heads=2, head_dim=64),
+                          '7B': dict(heads=28, kv_heads=4, head_dim=128),
+                          '32B': dict(heads=40, kv_heads=8, head_dim=128)}
+
+
+def compile_decode_attention_kernels(target: Target, models=tuple(DECODE_ATTENTION_HEADS), dtypes=('bfloat16',),
+                                     batch: int = 64, slots: int = 4096, layers: int = 2, tokens: int = 1,
+                                     block: int = 256) -> list[dict]:
+  """Compiles the ragged decode-attention kernel (ops/decode_attention.py) for one chip of `target`
+  at each model's head shapes and dtype, reading a stacked [layers, batch, slots, K, H] cache; one
+  dict per compile, as compile_logprob_kernels gives them, plus the compiled program's temporary
+  bytes and one layer's cache bytes: temporaries that large would be a copy of the cache.
+
+  The caches are pinned to the row-major layout the kernel reads. Left to itself, XLA:TPU lays a
+  [L, B, S, 2, 64] bf16 parameter (the 0.5B shape) out with S minor, and then copies both whole
+  stacked caches into the kernel's layout on every call."""
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental.layout import Format, Layout
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from grpo_jax.ops.decode_attention import ragged_cache_attention
+
+  device = target.devices()[0]
+  mesh = jax.sharding.Mesh([device], ('data',))
+  one = NamedSharding(mesh, PartitionSpec())
+  results = []
+  for model, dtype in ((model, dtype) for model in models for dtype in dtypes):
+    heads = DECODE_ATTENTION_HEADS[model]
+    shape = (layers, batch, slots, heads['kv_heads'], heads['head_dim'])
+    cache = jax.ShapeDtypeStruct(shape, dtype, sharding=Format(Layout(tuple(range(len(shape)))), one))
+    rows = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=one)
+    args = (jax.ShapeDtypeStruct((batch, tokens, heads['heads'], heads['head_dim']), dtype, sharding=one),
+            cache, cache, jax.ShapeDtypeStruct((), jnp.int32, sharding=one),
+            jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=one),
+            jax.ShapeDtypeStruct((batch, slots), jnp.int32, sharding=one), rows, rows)
+    start = time.perf_counter()
+    result = dict(target=target.name, model=model, dtype=dtype, block=block, kernel_calls=0, error=None,
+                  temp_bytes=None, layer_cache_bytes=cache.size // layers * jnp.dtype(dtype).itemsize)
+    try:
+      with jax.set_mesh(mesh):
+        lowered = jax.jit(lambda *a: ragged_cache_attention(*a, block=block)).trace(*args).lower()
+      result['kernel_calls'] = lowered.as_text().count(f'@{KERNEL_CALLS[target.platform]}')
+      result['temp_bytes'] = lowered.compile().memory_analysis().temp_size_in_bytes
+    except Exception as error:  # reported, not raised: the caller decides what a refusal means
+      result['error'] = f'{type(error).__name__}: {str(error).strip()[:500]}'
+    result['seconds'] = round(time.perf_counter() - start, 2)
+    results.append(result)
+  return results
+
+
 def main(argv=None) -> int:
-  """python -m grpo_jax.targets kernels TARGET [--width D ...]: compiles the Pallas kernels for
-  TARGET and prints one JSON line per compile (exit 1 if any was refused)."""
+  """python -m grpo_jax.targets kernels TARGET [--width D ...]: compiles the Pallas log-prob kernels
+  for TARGET and prints one JSON line per compile (exit 1 if any was refused);
+  python -m grpo_jax.targets decode-attention TARGET [--block block=SIZE]: the same for the ragged
+  decode-attention kernel."""
   import argparse
   import json
   parser = argparse.ArgumentParser(prog='python -m grpo_jax.targets')
-  parser.add_argument('what', choices=['kernels'])
+  parser.add_argument('what', choices=['kernels', 'decode-attention'])
   parser.add_argument('target')
   parser.add_argument('--width', type=int, action='append', help='hidden width(s) (default: 896, 3584, 5120)')
   parser.add_argument('--dtype', action='append', choices=['bfloat16', 'float32'])
@@ -208,8 +264,12 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   blocks = {name: int(size) for name, size in (item.split('=', 1) for item in args.block)}
-  results = compile_logprob_kernels(parse_target(args.target), tuple(args.width or KERNEL_WIDTHS),
-                                    tuple(args.dtype or ('bfloat16', 'float32')), **blocks)
+  if args.what == 'decode-attention':
+    results = compile_decode_attention_kernels(parse_target(args.target), dtypes=tuple(args.dtype or ('bfloat16',)),
+                                               **blocks)
+  else:
+    results = compile_logprob_kernels(parse_target(args.target), tuple(args.width or KERNEL_WIDTHS),
+                                      tuple(args.dtype or ('bfloat16', 'float32')), **blocks)
   for result in results:
     print(json.dumps(result), flush=True)
   return 1 if any(result['error'] for result in results) else 0

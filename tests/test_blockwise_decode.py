@@ -56,17 +56,22 @@ def test_blocks_past_the_fullest_row_are_never_read(seed):
 
 
 @pytest.mark.parametrize('slots', [0, 3])
-def test_the_sampler_with_blockwise_decode_attention_equals_dense(seed, make_hf_checkpoint, slots):
+def test_the_sampler_with_blockwise_and_kernel_decode_attention_equals_dense(seed, make_hf_checkpoint, slots):
   directory, _ = make_hf_checkpoint(seed)
   tokens, mask = left_padded(random_prompts(seed, [5, 17, 11]))
   settings = DecodeSettings(max_new_tokens=24, sampling=SamplingConfig(temperature=1.0),
                             stop_token_ids=tuple(range(0, 1000, 25)))
   rollouts = {}
-  for implementation in ('dense', 'blockwise'):
-    model = from_pretrained(directory, options=ModelOptions(decode_attention=implementation, decode_block=4))
+  # The ragged Pallas kernel (interpreted here, TPU schedule) takes blocks of 128 slots or the whole row.
+  for implementation, block in (('dense', 4), ('blockwise', 4), ('pallas', 128)):
+    model = from_pretrained(directory, options=ModelOptions(decode_attention=implementation, decode_block=block))
     sampler = GroupSampler(model, group_size=2, settings=settings, slots=slots)
     rollouts[implementation] = sampler(nnx.state(model), tokens, mask, jax.random.key(seed % 1000))
-  dense, blockwise = rollouts['dense'], rollouts['blockwise']
-  for name in ('tokens', 'mask', 'lengths', 'stopped'):
-    np.testing.assert_array_equal(np.asarray(getattr(blockwise, name)), np.asarray(getattr(dense, name)), name)
-  np.testing.assert_allclose(np.asarray(blockwise.log_probs), np.asarray(dense.log_probs), rtol=1e-5, atol=1e-5)
+  dense = rollouts['dense']
+  for implementation in ('blockwise', 'pallas'):
+    other = rollouts[implementation]
+    for name in ('tokens', 'mask', 'lengths', 'stopped'):
+      np.testing.assert_array_equal(np.asarray(getattr(other, name)), np.asarray(getattr(dense, name)),
+                                    f'{implementation}: {name}')
+    np.testing.assert_allclose(np.asarray(other.log_probs), np.asarray(dense.log_probs), rtol=1e-5, atol=1e-5,
+                               err_msg=implementation)

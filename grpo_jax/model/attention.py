@@ -66,7 +66,10 @@ def grouped_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, 
   return out.reshape(batch, length, num_heads, head_dim)
 
 
-DecodeAttention = Literal['dense', 'blockwise']
+# Attention over the KV cache while decoding: 'dense' (every slot, masked), 'blockwise' (XLA: blocks
+# up to the fullest row's length), 'pallas' (the ragged kernel, ops/decode_attention.py: each row
+# reads its own blocks only; one device, not yet split over a mesh).
+DecodeAttention = Literal['dense', 'blockwise', 'pallas']
 DECODE_ATTENTIONS = typing.get_args(DecodeAttention)
 
 
@@ -136,6 +139,33 @@ def blockwise_cache_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax
   _, (_, l, acc) = jax.lax.while_loop(lambda carry: carry[0] < blocks, body, (jnp.int32(0), stats))
   out = acc / l[..., None]  # [B, K, G, T, H]
   return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, head_dim).astype(v_cache.dtype)
+
+
+def ragged_kernel_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]],
+                            k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, lengths: jax.Array,
+                            cache_segments: jax.Array, query_segments: jax.Array, query_slots: jax.Array,
+                            block: int) -> jax.Array:
+  """`blockwise_cache_attention` with the cache part in the ragged Pallas kernel: the small parts'
+  online-softmax statistics in XLA, the stacked cache's [L, B, S, K, H] at `layer` from the kernel
+  (each row reading only its own written blocks; the mask from the cache's segment ids and the
+  query's segments and slots), merged into one softmax."""
+  from grpo_jax.ops import decode_attention  # Pallas, imported only when this path runs
+  batch, length, num_heads, head_dim = q.shape
+  num_kv_heads = k_cache.shape[3]
+  grouped_q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
+  neg = jnp.finfo(jnp.float32).min
+  stats = None
+  for k, v, mask in parts:
+    s = jnp.einsum('BTKGH,BSKH->BKGTS', grouped_q, k, preferred_element_type=jnp.float32) * (head_dim ** -0.5)
+    s = jnp.where(mask[:, None, None], s, neg)
+    m = s.max(axis=-1)
+    p = jnp.where(mask[:, None, None], jnp.exp(s - m[..., None]), 0.0)
+    part = (m, p.sum(axis=-1), jnp.einsum('BKGTS,BSKH->BKGTH', p.astype(v.dtype), v,
+                                          preferred_element_type=jnp.float32))
+    stats = part if stats is None else decode_attention.merge_stats(stats, part)
+  cache = decode_attention.ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, query_segments,
+                                                  query_slots, block=block)
+  return decode_attention.finish_stats(decode_attention.merge_stats(stats, cache), v_cache.dtype)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

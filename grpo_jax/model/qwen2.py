@@ -31,7 +31,7 @@ from flax import nnx
 from grpo_jax.errors import require
 from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, DECODE_ATTENTIONS, Attend, AttentionImplementation,
                                       DecodeAttention, attention_mask, blockwise_cache_attention, grouped_attention,
-                                      sequence_attention)
+                                      ragged_kernel_attention, sequence_attention)
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.sharding import constrain
 
@@ -58,7 +58,8 @@ class ModelOptions:
   attention: AttentionImplementation = 'dense'  # full-sequence attention (attention.py); decoding is dense
   attention_chunk: int = 512  # queries per chunk with attention='chunked'
   # Attention over the KV cache while decoding: 'dense' reads every slot of each cache row (masked);
-  # 'blockwise' reads blocks of `decode_block` slots only up to the fullest row's written length.
+  # 'blockwise' reads blocks of `decode_block` slots only up to the fullest row's written length;
+  # 'pallas' runs the ragged kernel, each row reading blocks only up to its own length.
   decode_attention: DecodeAttention = 'dense'
   decode_block: int = 256
 
@@ -392,7 +393,7 @@ class Qwen2(nnx.Module):
     prefix_mask = (None if prefix is None else
                    (prefix_segments[:, None, :] == segment_ids[:, :, None]) & (prefix_segments != 0)[:, None, :])
 
-    blockwise = self.options.decode_attention == 'blockwise'
+    blockwise = self.options.decode_attention in ('blockwise', 'pallas')  # read the stacked cache by layer index
 
     def layer(x, params, layer_cache):
       own, *shared = layer_cache  # this layer's cache rows, or (blockwise) its index into the stack
@@ -401,6 +402,9 @@ class Qwen2(nnx.Module):
       def attend(q, k, v):
         # Round the new keys and values to the cache dtype, as writing them first would.
         k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+        if self.options.decode_attention == 'pallas':
+          return ragged_kernel_attention(q, [(k, v, mask)] + parts, cache.k, cache.v, own, cache.length,
+                                         cache.segment_ids, segment_ids, query_slots, self.options.decode_block)
         if blockwise:
           return blockwise_cache_attention(q, [(k, v, mask)] + parts, cache.k, cache.v, cache_mask, cache.length,
                                            self.options.decode_block, layer=own)

@@ -1,0 +1,142 @@
+"""Ragged decode attention over the KV cache: a Pallas kernel in which each row reads only the
+cache blocks below its own length, not the fullest row's.
+
+`ragged_cache_attention` gives the online-softmax statistics (m, l, acc) of the query over the
+cache part alone, in the convention of model/attention.py's blockwise_cache_attention: scores
+fp32 and scaled by H^-1/2, masked keys weigh exactly 0, m starts at the most negative finite
+fp32. The caller folds in its small parts (the new tokens, a shared prompt) with `merge_stats`
+and ends with `finish_stats`. The cache mask is computed in the kernel from what decoding
+already holds (the cache's segment ids, the query's segment ids and slots, the row lengths), so
+no [B, T, S] mask is built or read.
+
+Two schedules, each in its own module so that a machine imports only the Pallas backend it runs:
+  'mosaic'  (TPU, decode_attention_mosaic.py) grid (row, block), the blocks past a row's length
+            mapped onto its last written one (so not copied again) and skipped; blocks are a
+            multiple of 128 slots.
+  'triton'  (GPU, decode_attention_triton.py) grid (row, kv head), each program looping over its
+            row's blocks; power-of-two blocks >= 16 and head dims.
+Both run under `interpret=True` on CPU, which is how the tests exercise the kernel bodies.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from grpo_jax.ops.logprob import target_platform
+
+SCHEDULES = ('mosaic', 'triton')
+# Triton stages a program's key and value tiles in shared memory: 227 KiB per block on an H100,
+# and the compiler refused 256 x 128 fp32 tiles (281 KiB requested). Half of it for the tiles.
+TRITON_TILE_BYTES = 128 << 10
+# Mosaic double-buffers a [block, K, H] key and value block in VMEM, K padded to a whole sublane
+# tile (8 rows of 32 bits: 16 of bf16) and H to 128 lanes. Half of the smallest default scoped
+# VMEM limit (16 MiB, v5e) for them: a 1,024-slot block of the 7B cache (16 MiB) was refused.
+MOSAIC_BLOCK_BYTES = 8 << 20
+
+
+def row_blocks(length, block: int):
+  """How many cache blocks a row of `length` written slots reads: ceil(length / block), 0 when it
+  is empty. Works on Python ints, NumPy and traced values alike."""
+  return (length + block - 1) // block
+
+
+def block_size(schedule: str, slots: int, block: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+  """Clamps the cache block to the cache and to on-chip memory, and checks it against the
+  backend's rules. Mosaic tiles an array's last two dimensions by (8, 128): a block of the
+  [B, 1, S] segment ids puts the slots on lanes, so it is a multiple of 128 (or all S slots);
+  it shrinks until its buffers fit MOSAIC_BLOCK_BYTES. Triton wants power-of-two tiles of at
+  least 16 rows for its tensor-core dots (a block past S is masked, not padded), and is halved
+  until its key and value tiles fit TRITON_TILE_BYTES."""
+  if schedule == 'mosaic':
+    if block < slots and block % 128:
+      raise ValueError(f'mosaic decode attention needs block % 128 == 0 (or block >= S = {slots}), '
+                       f'got {block}')
+    block = min(block, slots)
+    sublanes = 8 * (4 // itemsize)
+    padded = -(-kv_heads // sublanes) * sublanes * -(-head_dim // 128) * 128 * itemsize
+    while block > 128 and 4 * block * padded > MOSAIC_BLOCK_BYTES:
+      block = max(128, block // 256 * 128)
+    return block
+  if schedule != 'triton':
+    raise ValueError(f'decode attention schedule must be one of {SCHEDULES}, got {schedule!r}')
+  if block < 16 or block & (block - 1):
+    raise ValueError(f'triton decode attention needs a power-of-two block >= 16, got {block}')
+  block = min(block, max(16, pl.next_power_of_2(slots)))
+  while block > 16 and 2 * block * head_dim * itemsize > TRITON_TILE_BYTES:
+    block //= 2
+  return block
+
+
+def ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, query_segments,
+                           query_slots, *, block: int, schedule: str | None = None,
+                           interpret: bool | None = None):
+  """Statistics of q over the written part of the cache, each row reading its own blocks only.
+
+  q [B, T, N, H]; k_cache, v_cache [L, B, S, K, H] read in place at `layer` (an int32 scalar),
+  or [B, S, K, H] with layer None; lengths [B] int32 (slots written per row); cache_segments
+  [B, S] int32 (0 on empty or padding slots); query_segments, query_slots [B, T] int32. Key slot
+  s is visible to query t of row b iff s < lengths[b], s <= query_slots[b, t] and
+  cache_segments[b, s] == query_segments[b, t]. Query head n uses kv head n // (N / K).
+
+  schedule: 'mosaic' or 'triton'; by default 'triton' on GPU and 'mosaic' elsewhere. interpret
+  defaults to True exactly when the target is a CPU. Not differentiable (decoding only).
+  -> m, l [B, K, G, T] and acc [B, K, G, T, H], fp32 (G = N / K).
+  """
+  platform = target_platform()
+  schedule = schedule or ('triton' if platform == 'gpu' else 'mosaic')
+  interpret = platform == 'cpu' if interpret is None else interpret
+  if layer is None:
+    k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+  batch, length, num_heads, head_dim = q.shape
+  slots, kv_heads = k_cache.shape[2], k_cache.shape[3]
+  groups = num_heads // kv_heads
+  block = block_size(schedule, slots, block, kv_heads, head_dim, k_cache.dtype.itemsize)
+  scale = head_dim ** -0.5
+  # Query rows r = g * T + t of kv head k: G x T rows share one [block, H] key tile.
+  q = q.reshape(batch, length, kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)
+  q = q.reshape(batch, kv_heads, groups * length, head_dim)
+
+  def rows(x):  # [B, T] -> [B, G x T], row r holding query r % T's value
+    return jnp.tile(x.astype(jnp.int32), (1, groups))
+
+  layer = jnp.asarray(layer, jnp.int32).reshape(1)
+  lengths, cache_segments = lengths.astype(jnp.int32), cache_segments.astype(jnp.int32)
+  if schedule == 'mosaic':
+    from grpo_jax.ops import decode_attention_mosaic  # Pallas TPU, imported only when it runs
+    m, l, acc = decode_attention_mosaic.cache_stats(
+        q, k_cache, v_cache, layer, lengths, cache_segments[:, None, :], rows(query_slots)[..., None],
+        rows(query_segments)[..., None], block=block, scale=scale, interpret=interpret)
+    m, l = m[..., 0], l[..., 0]
+  else:
+    if head_dim < 16 or head_dim & (head_dim - 1):
+      raise ValueError(f'triton decode attention needs a power-of-two head dim >= 16, got {head_dim}')
+    from grpo_jax.ops import decode_attention_triton  # Pallas Triton, imported only when it runs
+    padded = max(16, pl.next_power_of_2(groups * length))
+    extra = padded - groups * length
+    # Extra rows repeat row 0's query: finite, and dropped below.
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, extra), (0, 0)), mode='edge')
+    query_slots, query_segments = (jnp.pad(rows(x), ((0, 0), (0, extra)), mode='edge')
+                                   for x in (query_slots, query_segments))
+    m, l, acc = decode_attention_triton.cache_stats(
+        q, k_cache, v_cache, layer, lengths, cache_segments, query_slots, query_segments,
+        block=block, scale=scale, interpret=interpret)
+    m, l, acc = m[:, :, :groups * length], l[:, :, :groups * length], acc[:, :, :groups * length]
+  shape = (batch, kv_heads, groups, length)
+  return m.reshape(shape), l.reshape(shape), acc.reshape(shape + (head_dim,))
+
+
+def merge_stats(first, second):
+  """Two (m, l, acc) triples of the same queries over disjoint keys -> the triple over both."""
+  (m1, l1, acc1), (m2, l2, acc2) = first, second
+  m = jnp.maximum(m1, m2)
+  scale1, scale2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+  return m, l1 * scale1 + l2 * scale2, acc1 * scale1[..., None] + acc2 * scale2[..., None]
+
+
+def finish_stats(stats, dtype) -> jax.Array:
+  """(m, l [B, K, G, T], acc [B, K, G, T, H]) -> attention output [B, T, N, H] in dtype. Every
+  query must have seen a key (l > 0)."""
+  _, l, acc = stats
+  batch, kv_heads, groups, length, head_dim = acc.shape
+  out = acc / l[..., None]
+  return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, kv_heads * groups, head_dim).astype(dtype)
