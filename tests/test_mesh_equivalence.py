@@ -25,7 +25,8 @@ MOVING = ['algo.entropy_coef=0.01', 'algo.kl_beta=0.01', 'optim.learning_rate=1e
           'train.progress=false']
 
 
-def two_steps(tmp_path, config_path, overrides, mesh_shape, task=None):
+def two_steps(tmp_path, config_path, overrides, mesh_shape, task=None, name=None, fused=False):
+  """Two RL steps from the host loop (or, `fused`, in one jit) -> (metric rows, parameters)."""
   data, fsdp, tensor = mesh_shape
   config = config_lib.load_config(config_path, [*overrides, *MOVING, f'mesh.data={data}', f'mesh.fsdp={fsdp}',
                                                 f'mesh.tensor={tensor}'])
@@ -33,9 +34,9 @@ def two_steps(tmp_path, config_path, overrides, mesh_shape, task=None):
   mesh = sharding.make_mesh(config.mesh, devices)
   model = train.build_model(config.model, mesh, config.run.seed)
   task = task or train.build_task(config)
-  run = train.Run(config, str(tmp_path / f'{data}x{fsdp}x{tensor}'), mesh, model, task)
+  run = train.Run(config, str(tmp_path / (name or f'{data}x{fsdp}x{tensor}')), mesh, model, task)
   try:
-    rows = [run.host_step() for _ in range(2)]
+    rows = run.fused_steps(2) if fused else [run.host_step() for _ in range(2)]
     params = jax.tree.map(np.asarray, jax.device_get(run.state.params))
   finally:
     run.close()
