@@ -18,7 +18,7 @@ from grpo_jax.data.task import Prompts, Scores
 from grpo_jax.model import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'rollout_tokens_per_s', 'mfu'}
+TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'rollout_tokens_per_s', 'update_tokens_per_s', 'mfu'}
 
 
 # ---- dynamic sampling, in process ----

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'rollout_tokens_per_s', 'mfu'}
+TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'rollout_tokens_per_s', 'update_tokens_per_s', 'mfu'}
 COMMON = ['--config', 'configs/tiny_arith.yaml', '--set', 'train.steps_per_call=2', '--set', 'train.checkpoint_every=2',
           '--set', 'train.progress=false', '--set', 'rollout.prompts_per_step=8', '--set', 'algo.group_size=4',
           '--set', 'optim.warmup_steps=0', '--set', 'optim.learning_rate=0.01',

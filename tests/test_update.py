@@ -232,8 +232,11 @@ def test_micro_batches_accumulate_to_the_whole_batch(aggregation, seed):
     outcomes.append((delta(new_state.params, params), metrics))
   (micro_delta, micro_metrics), (whole_delta, whole_metrics) = outcomes
   assert_trees_close(micro_delta, whole_delta)
+  # The losses are sums of per-token terms of size ~|A| (on-policy ratio 1) that can cancel to near 0:
+  # their rounding follows the terms (seed 401315368: policy loss 3.3e-5, 7e-9 apart).
+  summands = float(np.abs(np.asarray(batch.advantages)).max())
   for name in ('loss', 'policy_loss', 'entropy', 'grad_norm'):
-    assert_close(micro_metrics[name], whole_metrics[name], name)
+    assert_close(micro_metrics[name], whole_metrics[name], name, scale=summands if 'loss' in name else 0.0)
   assert float(whole_metrics['grad_norm']) > 1e-3
 
 
