@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from grpo_jax.ops.logprob import target_platform
+from grpo_jax.ops.tiles import row_blocks  # noqa: F401  (the kernels' block count, shared with them)
 
 SCHEDULES = ('mosaic', 'triton')
 # Triton stages a program's key and value tiles in shared memory: 227 KiB per block on an H100,
@@ -32,12 +33,6 @@ TRITON_TILE_BYTES = 128 << 10
 # tile (8 rows of 32 bits: 16 of bf16) and H to 128 lanes. Half of the smallest default scoped
 # VMEM limit (16 MiB, v5e) for them: a 1,024-slot block of the 7B cache (16 MiB) was refused.
 MOSAIC_BLOCK_BYTES = 8 << 20
-
-
-def row_blocks(length, block: int):
-  """How many cache blocks a row of `length` written slots reads: ceil(length / block), 0 when it
-  is empty. Works on Python ints, NumPy and traced values alike."""
-  return (length + block - 1) // block
 
 
 def block_size(schedule: str, slots: int, block: int, kv_heads: int, head_dim: int, itemsize: int) -> int:

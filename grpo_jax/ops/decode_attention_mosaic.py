@@ -18,8 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from grpo_jax.ops.decode_attention import row_blocks
-from grpo_jax.ops.tiles import F32, CONTRACT_VOCAB, dot_precision
+from grpo_jax.ops.tiles import F32, CONTRACT_VOCAB, dot_precision, row_blocks
 
 NEG = float(jnp.finfo(jnp.float32).min)
 

@@ -84,3 +84,9 @@ def logit_gradient(z, hit, valid, lse, g_logp, entropy=None, g_entropy=None, inv
     dz = dz * inv_temperature
   # A select, not a product: columns past the vocabulary may hold NaN (padding of an edge block).
   return dz if valid is None else jnp.where(valid, dz, 0.0)
+
+
+def row_blocks(length, block: int):
+  """How many cache blocks a row of `length` written slots reads: ceil(length / block), 0 when it
+  is empty. Works on Python ints, NumPy and traced values alike."""
+  return (length + block - 1) // block
