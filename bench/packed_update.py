@@ -34,7 +34,7 @@ def parse_args():
   parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32')
   parser.add_argument('--threads', type=int, default=os.cpu_count())
   parser.add_argument('--repeats', type=int, default=3)
-  parser.add_argument('--skip-full', action='store_true', help='skip the all-full-length batch')
+  parser.add_argument('--batches', default='long-tail,full', help='which batches: long-tail, full (comma-separated)')
   return parser.parse_args()
 
 
@@ -144,9 +144,8 @@ def main():
   print(f'{args.preset}: D = {architecture.hidden_size}, L = {architecture.num_hidden_layers}, V = '
         f'{architecture.vocab_size}, {args.dtype}, {jax.devices()[0].device_kind}, {args.threads} threads, '
         f'micro-batches of {args.micro_rows} x {args.prompt_length + args.new_tokens} tokens', flush=True)
-  compare(architecture, full=False)
-  if not args.skip_full:
-    compare(architecture, full=True)
+  for batch in args.batches.split(','):
+    compare(architecture, full=batch == 'full')
 
 
 if __name__ == '__main__':
