@@ -75,10 +75,15 @@ class RolloutConfig(SamplingConfig):
   # B: decode slots (continuous batching, sampler/rollout.py); a slot freed by a finished answer
   # takes the next waiting request. 0: one slot per completion (P * G); fewer bounds the KV cache.
   slots: int = 0
+  # t: devices per tensor-parallel group of the sampler's own layout (sampler/layout.py): the
+  # weights are resident, split over t devices and replicated over the n / t groups. 0: the largest
+  # t dividing the KV heads and the devices, within one host on GPUs (1 on CPUs).
+  tensor: int = 0
 
   def __post_init__(self):
     with _section('rollout'):
       super().__post_init__()
+      require(self.tensor >= 0, 'tensor', f'must be >= 0 (0: chosen for the model and devices), got {self.tensor}')
       require(self.prompts_per_step >= 1, 'prompts_per_step', f'must be >= 1, got {self.prompts_per_step}')
       require(self.max_new_tokens >= 1, 'max_new_tokens', f'must be >= 1, got {self.max_new_tokens}')
       require(self.slots >= 0, 'slots', f'must be >= 0 (0: one per completion), got {self.slots}')

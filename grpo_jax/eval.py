@@ -35,6 +35,7 @@ from grpo_jax.data.math_task import MathTask, ProblemSet
 from grpo_jax.data.rewards import RewardPool, last_boxed
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.sampler.decode import DecodeSettings
+from grpo_jax.sampler.layout import rollout_layout
 from grpo_jax.sampler.rollout import GroupSampler
 from grpo_jax.sampler.sampling import SamplingConfig
 
@@ -126,9 +127,11 @@ class Evaluator:
       return DecodeSettings(sampling=sampling, max_new_tokens=budget, stop_token_ids=tuple(task.stop_token_ids),
                             pad_id=task.pad_id)
 
-    self.sampler = GroupSampler(model, group_size=settings.samples,
+    # The sampler's own layout over the parameters' mesh, as the trainer's rollouts use it.
+    layout = rollout_layout(model, jax.tree.leaves(params)[0].sharding.mesh, config.rollout.tensor)
+    self.sampler = GroupSampler(model, group_size=settings.samples, layout=layout,
                                 settings=decode(SamplingConfig(temperature=settings.temperature)))
-    self.greedy = GroupSampler(model, group_size=1, settings=decode(SamplingConfig(greedy=True))) \
+    self.greedy = GroupSampler(model, group_size=1, settings=decode(SamplingConfig(greedy=True)), layout=layout) \
         if settings.greedy else None
     self.key = jax.random.fold_in(jax.random.key(config.run.seed), 0xE7A1)  # the same draws at every evaluation
     self._pool = None

@@ -20,11 +20,13 @@ import os
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # compile for the target; never initialise it here
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -32,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from grpo_jax import config as config_lib  # noqa: E402
 from grpo_jax import metrics as metrics_lib  # noqa: E402
-from grpo_jax import targets  # noqa: E402
+from grpo_jax import targets, traffic  # noqa: E402
 from grpo_jax.config import completions_per_step  # noqa: E402
 from grpo_jax.data.task import Scores  # noqa: E402
 from grpo_jax.errors import UserError, cli_main  # noqa: E402
@@ -41,6 +43,7 @@ from grpo_jax.model.config import load_hf_config  # noqa: E402
 from grpo_jax.model.loading import abstract_model, load_tokenizer  # noqa: E402
 from grpo_jax.rl.loop import RLStep  # noqa: E402
 from grpo_jax.rl.step import init_train_state, learning_rate_schedule, make_optimizer, train_state_shardings  # noqa: E402
+from grpo_jax.sampler.layout import resident_bytes_per_device, rollout_layout  # noqa: E402
 from grpo_jax.targets import GiB  # noqa: E402
 
 
@@ -132,6 +135,10 @@ def kv_cache_bytes_per_device(architecture, config: config_lib.Config, prompt_le
 
 @dataclasses.dataclass
 class Program:
+  """One compiled program: the compiler's memory figures, and its collectives per device by kind
+  (traffic.py), outside the decode loop (once per run of the program) and per decode step, with
+  their interconnect time at the target's link bandwidths."""
+
   name: str
   compile_s: float
   arguments: int
@@ -141,6 +148,8 @@ class Program:
   code: int
   flops: float | None
   note: str = ''
+  collectives: dict = dataclasses.field(default_factory=dict)  # {'outside' | 'per_decode_step': {kind: bytes}}
+  interconnect_s: dict = dataclasses.field(default_factory=dict)  # {'outside' | 'per_decode_step': seconds}
 
   @property
   def peak(self) -> int:
@@ -169,10 +178,51 @@ def compile_for_target(jitted, args, platform: str):
   return lowered.compile(compiler_options=NO_TRITON_GEMM), 'GEMMs on cuBLAS (no default Triton GEMM tiling fits)'
 
 
-def compile_program(name: str, platform: str, jitted, *args) -> Program:
+# What the compilers log on stderr while compiling, in one line each (the report keeps the count).
+_COMPILER_NOTES = {
+    'rematerialization': 'XLA rematerialised values to bring the program under its memory limit',
+    'This indicates an error in the calculation': "XLA:GPU's scheduler and its memory accounting disagreed "
+                                                  "(a compiler diagnostic; the figures above are the compiled program's)",
+    'Involuntary full rematerialization': "XLA's partitioner replicated a tensor to reshard it",
+}
+
+
+@contextlib.contextmanager
+def compiler_log(lines: list):
+  """Collects what native code writes to stderr (file descriptor 2) into `lines`, so the
+  compilers' log lines do not interleave with the report."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode='w+b') as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      yield lines
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      lines.extend(line for line in captured.read().decode(errors='replace').splitlines() if line.strip())
+
+
+def summarise_compiler_log(lines: list) -> list[str]:
+  """One line per kind of compiler message, with its count."""
+  counts = {}
+  for line in lines:
+    kind = next((note for key, note in _COMPILER_NOTES.items() if key in line), None)
+    if kind is None and ('] ' not in line or line.lstrip()[:1] not in 'WE'):
+      continue  # informational lines (I...) and plugin start-up chatter
+    kind = kind or 'other compiler warnings (in --json under compiler_log)'
+    counts[kind] = counts.get(kind, 0) + 1
+  return [f'{note} ({count} log line{"s" * (count > 1)})' for note, count in counts.items()]
+
+
+def compile_program(name: str, target: targets.Target, devices: list, jitted, *args) -> Program:
+  """`jitted` compiled for `target`; `devices`: the program's devices in its device-assignment
+  order (the mesh's, flattened), which the collectives' logical device ids index."""
   start = time.perf_counter()
   try:
-    compiled, note = compile_for_target(jitted, args, platform)
+    compiled, note = compile_for_target(jitted, args, target.platform)
   except Exception as error:  # the target's compiler refused it: say so, in its own words
     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     raise UserError(f'{name}: the target compiler refused the program: {message}') from error
@@ -181,9 +231,15 @@ def compile_program(name: str, platform: str, jitted, *args) -> Program:
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
   flops = float(cost['flops']) if cost and 'flops' in cost else None
+  found = traffic.collectives(compiled.as_text(), len(devices))
+  bandwidth = functools.lru_cache(maxsize=None)(
+      lambda group: target.group_bandwidth([devices[i] for i in group if i < len(devices)] or devices[:1]))
   return Program(name, seconds, memory.argument_size_in_bytes, memory.output_size_in_bytes,
                  memory.alias_size_in_bytes, memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
-                 flops, note)
+                 flops, note,
+                 collectives=dict(outside=traffic.totals(found, False), per_decode_step=traffic.totals(found, True)),
+                 interconnect_s=dict(outside=traffic.seconds(found, False, bandwidth),
+                                     per_decode_step=traffic.seconds(found, True, bandwidth)))
 
 
 @dataclasses.dataclass
@@ -194,6 +250,7 @@ class StepPrograms:
   state: object
   ref_params: object
   programs: list  # (name, jitted function, abstract arguments)
+  layout: object = None  # the sampler's RolloutLayout
 
 
 def step_programs(config: config_lib.Config, architecture, mesh) -> StepPrograms:
@@ -215,7 +272,8 @@ def step_programs(config: config_lib.Config, architecture, mesh) -> StepPrograms
   state = _abstract(jax.eval_shape(functools.partial(init_train_state, optimizer=optimizer, seed=0), params),
                     state_shardings)
   ref_params = params if algo.kl_beta > 0 else None
-  step = RLStep(graphdef, task, config.rollout, algo, optimizer, schedule, state_shardings)
+  layout = rollout_layout(model, mesh, config.rollout.tensor)
+  step = RLStep(graphdef, task, config.rollout, algo, optimizer, schedule, state_shardings, layout=layout)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   if task.jittable:
     programs = [(f'{config.train.steps_per_call} RL steps in one jit', step.run_steps,
@@ -232,7 +290,7 @@ def step_programs(config: config_lib.Config, architecture, mesh) -> StepPrograms
     rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
     programs = [('rollout', step.sample, (state.params, prompts, prompts, key)),
                 ('update', step.learn, (state, ref_params, prompts, prompts, rollout, scores))]
-  return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs)
+  return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=layout)
 
 
 def plan(config: config_lib.Config, target: targets.Target, architecture, only: set[str] | None = None) -> dict:
@@ -240,34 +298,59 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
   devices = target.devices()
   mesh = sharding.make_mesh(config.mesh, devices=devices)
   built = step_programs(config, architecture, mesh)
-  task, state, ref_params = built.task, built.state, built.ref_params
-  with jax.set_mesh(mesh):
-    programs = [compile_program(name, target.platform, jitted, *args) for name, jitted, args in built.programs
+  task, state, ref_params, layout = built.task, built.state, built.ref_params, built.layout
+  order = list(mesh.devices.reshape(-1))
+  log: list[str] = []
+  with jax.set_mesh(mesh), compiler_log(log):
+    programs = [compile_program(name, target, order, jitted, *args) for name, jitted, args in built.programs
                 if only is None or name in only]
 
   params_bytes = sharding.bytes_per_device(state.params)
   opt_bytes = sharding.bytes_per_device(state.opt_state)
+  resident = resident_bytes_per_device(state.params, layout)
   peak = max(program.peak for program in programs)
   report = dict(
       target=target.name, device=target.describe(), devices=len(devices),
-      mesh=dict(mesh.shape), model=dict(layers=architecture.num_hidden_layers, hidden=architecture.hidden_size,
-                                        parameters=architecture.num_params()),
+      mesh=dict(mesh.shape), rollout_layout=dict(tensor=layout.tensor, data_groups=layout.data_groups),
+      model=dict(layers=architecture.num_hidden_layers, hidden=architecture.hidden_size,
+                 parameters=architecture.num_params()),
       per_device=dict(parameters=params_bytes, optimizer_state=opt_bytes,
                       reference=sharding.bytes_per_device(ref_params) if ref_params is not None else 0,
-                      kv_cache=kv_cache_bytes_per_device(architecture, config, task.prompt_length, mesh)),
+                      resident_weights=resident,
+                      kv_cache=kv_cache_bytes_per_device(architecture, config, task.prompt_length, layout.mesh)),
       programs=[dataclasses.asdict(program) | dict(peak=program.peak) for program in programs],
       peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes,
-      sequence_length=task.prompt_length + config.rollout.max_new_tokens)
-  step_flops = metrics_lib.model_flops_per_step(architecture.num_params(), task.prompt_length, config.rollout, config.algo)
-  # Roofline estimate: the model FLOPs at the target's peak, and the sampler's reads at its HBM
-  # bandwidth: every decoded token reads the weights (gathered whole over FSDP, split over
-  # 'tensor') and, on average, half of each row's KV cache. The step takes at least the larger.
-  compute_s = step_flops / (len(devices) * target.peak_flops)
-  weights_read = architecture.num_params() * jnp.dtype(config.model.dtype).itemsize / mesh.shape['tensor']
-  decode_s = config.rollout.max_new_tokens * (weights_read + report['per_device']['kv_cache'] / 2) / target.hbm_bandwidth
-  report['estimate'] = dict(model_flops=step_flops, compute_s=compute_s, decode_memory_s=decode_s,
-                            step_s=max(compute_s, decode_s))
+      sequence_length=task.prompt_length + config.rollout.max_new_tokens,
+      compiler_notes=summarise_compiler_log(log), compiler_log=log)
+  report['estimate'] = estimate(config, target, architecture, task.prompt_length, report)
   return report
+
+
+def estimate(config: config_lib.Config, target: targets.Target, architecture, prompt_length: int, report: dict) -> dict:
+  """Roofline estimate of the step, per program the largest of compute, HBM and interconnect time.
+
+  compute: model FLOPs at the target's peak (the rollout's 2 N per sampled token, the rest the
+  update's). HBM: every decode step reads the resident weights and, on average, half of each row's
+  KV cache. Interconnect: the compiled collectives (traffic.py), once per program outside the
+  decode loop and N times inside it (N = max_new_tokens: the longest answer's decode steps)."""
+  devices, steps = report['devices'], config.rollout.max_new_tokens
+  params = architecture.num_params()
+  step_flops = metrics_lib.model_flops_per_step(params, prompt_length, config.rollout, config.algo)
+  rows = completions_per_step(config.rollout, config.algo)
+  rollout_flops = 2.0 * params * (config.rollout.prompts_per_step * prompt_length + rows * steps)
+  per_device = report['per_device']
+  decode_s = steps * (per_device['resident_weights'] + per_device['kv_cache'] / 2) / target.hbm_bandwidth
+  parts = {}
+  for program in report['programs']:
+    rollout = program['name'] != 'update'
+    update = program['name'] != 'rollout'
+    flops = (rollout_flops if rollout else 0.0) + ((step_flops - rollout_flops) if update else 0.0)
+    link = program['interconnect_s']
+    parts[program['name']] = dict(compute_s=flops / (devices * target.peak_flops), hbm_s=decode_s if rollout else 0.0,
+                                  interconnect_s=link['outside'] + (steps * link['per_decode_step'] if rollout else 0.0))
+  for part in parts.values():
+    part['program_s'] = max(part['compute_s'], part['hbm_s'], part['interconnect_s'])
+  return dict(model_flops=step_flops, programs=parts, step_s=sum(part['program_s'] for part in parts.values()))
 
 
 # ---- what to change when a run does not fit ----
@@ -285,11 +368,13 @@ class Knob:
     return ' '.join(self.overrides)
 
 
-def knobs(config: config_lib.Config, architecture, devices: int, sequence_length: int) -> list[Knob]:
+def knobs(config: config_lib.Config, architecture, devices: int, sequence_length: int,
+          current_rollout_tensor: int = 1) -> list[Knob]:
   """The changes that lower per-device memory without changing what is learned, cheapest first:
   rematerialisation, smaller gradient-accumulation micro-batches, chunked attention (the update);
   fewer decode slots (the rollout: the same samples, fewer held at once); more tensor parallelism
-  (both programs: the weights, the optimizer state and the KV cache split further over heads).
+  (both programs: the weights, the optimizer state and the KV cache split further over heads);
+  a wider sampler tensor axis than `current_rollout_tensor` (the rollout: fewer resident weights).
   Micro-batches are tried from half the current one down to one row per data-parallel device
   (padded rows), or down to one packed row of `pack_length` tokens per batch shard (packing:
   micro_batch_tokens). sequence_length: Tp + N."""
@@ -319,6 +404,12 @@ def knobs(config: config_lib.Config, architecture, devices: int, sequence_length
     slots //= 2
     found.append(Knob((f'rollout.slots={slots}',), 'rollout', f'continuous batching: {slots} decode slots hold the '
                       f'{rows} requests in turn (the KV cache holds {slots} rows)'))
+  sampler_tensor = config.rollout.tensor or current_rollout_tensor
+  for wider in (2, 4, 8, 16):
+    if wider > sampler_tensor and devices % wider == 0:
+      found.append(Knob((f'rollout.tensor={wider}',), 'rollout',
+                        f'the sampler\'s resident weights split over {wider} devices'
+                        + ('' if architecture.num_key_value_heads % wider == 0 else ' (KV heads and cache replicated)')))
   for wider in (2, 4, 8):
     if wider > tensor and devices % wider == 0 and architecture.num_key_value_heads % wider == 0:
       found.append(Knob((f'mesh.tensor={wider}', 'mesh.data=1', 'mesh.fsdp=-1'), 'both',
@@ -350,7 +441,8 @@ def advise(load, target: targets.Target, architecture, report: dict, on_result=N
   over = {name for name, peak in peaks.items() if peak > hbm}
   fused = any(name not in ('rollout', 'update') for name in peaks)
   config = load(())
-  candidates = knobs(config, architecture, report['devices'], report['sequence_length'])
+  candidates = knobs(config, architecture, report['devices'], report['sequence_length'],
+                     report['rollout_layout']['tensor'])
   update_knobs = [knob for knob in candidates if knob.programs == 'update']
   micro = [knob for knob in update_knobs if knob.overrides[0].startswith(('algo.micro_batch_size', 'algo.micro_batch_tokens'))]
   chosen = [knob for knob in update_knobs if knob not in micro] + micro[-1:]  # the smallest micro-batch
@@ -411,9 +503,18 @@ def _size(value: int) -> str:
   return f'{value / GiB:.2f} GiB' if value >= GiB / 4 else f'{value / (1 << 20):.1f} MiB'
 
 
+def _collective_summary(by_kind: dict) -> str:
+  total = sum(by_kind.values())
+  parts = ', '.join(f'{kind} {_size(value)}' for kind, value in by_kind.items() if value)
+  return f'{_size(total)}' + (f' ({parts})' if parts else '')
+
+
 def format_report(report: dict) -> str:
+  layout = report['rollout_layout']
   lines = [f'# {report["device"]}', f'mesh {report["mesh"]} over {report["devices"]} devices; model '
            f'{report["model"]["parameters"] / 1e9:.2f}B parameters, {report["model"]["layers"]} layers',
+           f'rollout layout: weights resident, tensor-parallel over {layout["tensor"]} devices x '
+           f'{layout["data_groups"]} data groups (rollout.tensor)',
            'per device (the target compiler\'s memory analysis for the programs):']
   for name, value in report['per_device'].items():
     lines.append(f'  {name.replace("_", " "):<18}{_size(value):>12}')
@@ -422,12 +523,20 @@ def format_report(report: dict) -> str:
                  f'{_size(program["arguments"])}, outputs {_size(program["outputs"])} ({_size(program["aliased"])} '
                  f'in place), temporaries {_size(program["temporaries"])} -> peak {_size(program["peak"])}'
                  + (f'; {program["note"]}' if program['note'] else ''))
+    collectives = program['collectives']
+    lines.append(f'    collectives per device (compiled program): {_collective_summary(collectives["outside"])} '
+                 'per run' + (f'; per decode step {_collective_summary(collectives["per_decode_step"])}'
+                              if program['name'] != 'update' else ''))
   verdict = 'fits' if report['fits'] else 'DOES NOT FIT'
   lines.append(f'peak {_size(report["peak"])} of {_size(report["hbm"])} per device: {verdict}')
   estimate = report['estimate']
-  lines.append(f'estimate (roofline, not measured): {estimate["model_flops"] / 1e15:.1f} PFLOP per step; compute '
-               f'>= {estimate["compute_s"]:.2f} s at peak, sampler weight/cache reads >= '
-               f'{estimate["decode_memory_s"]:.2f} s at HBM bandwidth -> step >= {estimate["step_s"]:.2f} s')
+  lines.append(f'estimate (roofline, not measured): {estimate["model_flops"] / 1e15:.1f} PFLOP per step')
+  for name, part in estimate['programs'].items():
+    lines.append(f'  "{name}": compute >= {part["compute_s"]:.2f} s, HBM >= {part["hbm_s"]:.2f} s, interconnect >= '
+                 f'{part["interconnect_s"]:.2f} s -> {part["program_s"]:.2f} s')
+  lines.append(f'  step >= {estimate["step_s"]:.2f} s')
+  for note in report.get('compiler_notes', []):
+    lines.append(f'compiler: {note}')
   return '\n'.join(lines)
 
 

@@ -25,13 +25,15 @@ from grpo_jax.errors import UserError
 
 GiB = 1 << 30
 
-# Per chip: HBM bytes, peak dense bf16 FLOP/s, HBM bytes/s (public specifications; the HBM sizes
-# are the capacity the TPU compiler reports when a program does not fit).
+# Per chip: HBM bytes, peak dense bf16 FLOP/s, HBM bytes/s, inter-chip interconnect (ICI) bytes/s
+# in each direction (public specifications: Cloud TPU's system-architecture pages give v4 2,400,
+# v5p 4,800, v5e 1,600 and v6e 3,584 Gbps per chip; the HBM sizes are the capacity the TPU
+# compiler reports when a program does not fit).
 _TPU = {
-    'v4': dict(hbm=32 * GiB, flops=275e12, bandwidth=1.2e12, cores_per_chip=2, dims=3),
-    'v5p': dict(hbm=int(95.74 * GiB), flops=459e12, bandwidth=2.765e12, cores_per_chip=2, dims=3),
-    'v5e': dict(hbm=16 * GiB, flops=197e12, bandwidth=0.819e12, cores_per_chip=1, dims=2),
-    'v6e': dict(hbm=32 * GiB, flops=918e12, bandwidth=1.64e12, cores_per_chip=1, dims=2),
+    'v4': dict(hbm=32 * GiB, flops=275e12, bandwidth=1.2e12, ici=300e9, cores_per_chip=2, dims=3),
+    'v5p': dict(hbm=int(95.74 * GiB), flops=459e12, bandwidth=2.765e12, ici=600e9, cores_per_chip=2, dims=3),
+    'v5e': dict(hbm=16 * GiB, flops=197e12, bandwidth=0.819e12, ici=200e9, cores_per_chip=1, dims=2),
+    'v6e': dict(hbm=32 * GiB, flops=918e12, bandwidth=1.64e12, ici=448e9, cores_per_chip=1, dims=2),
 }
 # The compiler's topology names: chips -> physical shape (x, y[, z]).
 _SHAPES_3D = {4: '2x2x1', 8: '2x2x2', 16: '2x2x4', 32: '2x4x4', 64: '4x4x4', 128: '4x4x8',
@@ -41,12 +43,13 @@ _SHAPES_2D = {1: '1x1', 4: '2x2', 8: '2x4', 16: '4x4', 32: '4x8', 64: '8x8', 128
 # NVIDIA Hopper GPUs (SXM), from NVIDIA's public specifications: 132 SMs of 228 KiB shared memory
 # (227 KiB opt-in per block) and 64 Ki 32-bit registers, compute capability 9.0; what XLA:GPU's
 # passes and Triton's tiling read from a stream_executor.GpuTargetConfigProto. device_memory_size
-# is the HBM as the driver reports it.
+# is the HBM as the driver reports it. Links, per GPU and direction: NVLink 4 within a host (900 GB/s
+# both ways), and between hosts one 400 Gb/s InfiniBand NDR adapter per GPU (HGX / DGX H100, H200).
 _GPU = {
     'h100': dict(name='H100 SXM 80GB', hbm=85_520_809_984, flops=989e12, bandwidth=3.35e12,
-                 clock_ghz=1.98),
+                 clock_ghz=1.98, nvlink=450e9, network=50e9),
     'h200': dict(name='H200 SXM 141GB', hbm=150_754_820_096, flops=989e12, bandwidth=4.8e12,
-                 clock_ghz=1.98),
+                 clock_ghz=1.98, nvlink=450e9, network=50e9),
 }
 
 
@@ -96,6 +99,15 @@ class Target:
   hbm_bytes: int  # per chip
   peak_flops: float  # dense bf16 FLOP/s per chip
   hbm_bandwidth: float  # bytes/s per chip
+  link_bandwidth: float  # bytes/s per chip and direction: ICI (TPU), NVLink within a host (GPU)
+  network_bandwidth: float  # bytes/s per chip between GPU hosts (TPU slices: ICI throughout)
+
+  def group_bandwidth(self, devices) -> float:
+    """Bytes/s per device of the slowest link a collective over `devices` (the target's device
+    objects) uses: the network when a GPU group spans hosts, else NVLink or ICI."""
+    if self.platform == 'gpu' and len({device.process_index for device in devices}) > 1:
+      return self.network_bandwidth
+    return self.link_bandwidth
 
   def devices(self):
     """The target's devices, as the compiler describes them (needs its compiler installed)."""
@@ -116,8 +128,10 @@ class Target:
     return list(topology.devices)
 
   def describe(self) -> str:
+    links = (f'NVLink {self.link_bandwidth / 1e9:.0f} GB/s, network {self.network_bandwidth / 1e9:.0f} GB/s'
+             if self.platform == 'gpu' else f'ICI {self.link_bandwidth / 1e9:.0f} GB/s')
     return (f'{self.name}: {self.chips} x {self.kind} ({self.platform}), {self.hbm_bytes / GiB:.2f} GiB HBM, '
-            f'{self.peak_flops / 1e12:.0f} TFLOP/s bf16, {self.hbm_bandwidth / 1e12:.2f} TB/s per chip')
+            f'{self.peak_flops / 1e12:.0f} TFLOP/s bf16, {self.hbm_bandwidth / 1e12:.2f} TB/s HBM, {links} per chip')
 
 
 def parse_target(name: str) -> Target:
@@ -132,7 +146,7 @@ def parse_target(name: str) -> Target:
     if extra or chips not in shapes:
       sizes = ', '.join(f'{kind}-{c * spec["cores_per_chip"]}' for c in shapes)
       raise UserError(f'--target {name}: not a {kind} slice this tool knows; one of {sizes}')
-    return Target(name, kind, 'tpu', chips, 1, spec['hbm'], spec['flops'], spec['bandwidth'])
+    return Target(name, kind, 'tpu', chips, 1, spec['hbm'], spec['flops'], spec['bandwidth'], spec['ici'], spec['ici'])
   gpu = re.fullmatch(r'(h100|h200)x(\d+)(?:x(\d+))?', text)
   if gpu:
     kind, first, second = gpu.group(1), int(gpu.group(2)), gpu.group(3)
@@ -143,7 +157,8 @@ def parse_target(name: str) -> Target:
     if per_host < 1 or per_host > 8 or hosts < 1 or (second is None and first > 8 and first % 8):
       raise UserError(f'--target {name}: GPUs come 1 to 8 per host (h100x8, h100x8x8 = 8 hosts x 8)')
     spec = _GPU[kind]
-    return Target(name, kind, 'gpu', hosts * per_host, hosts, spec['hbm'], spec['flops'], spec['bandwidth'])
+    return Target(name, kind, 'gpu', hosts * per_host, hosts, spec['hbm'], spec['flops'], spec['bandwidth'],
+                  spec['nvlink'], spec['network'])
   raise UserError(f'--target {name}: expected v4-N, v5p-N, v5e-N, v6e-N (Cloud TPU names) or '
                   f'h100xN, h200xN, h100xHOSTSxGPUS')
 

@@ -29,6 +29,7 @@ from grpo_jax.model.config import to_hf_dict
 from grpo_jax.model.loading import build_model
 from grpo_jax.rl.loop import RLStep
 from grpo_jax.rl.step import create_train_state, learning_rate_schedule, make_optimizer
+from grpo_jax.sampler.layout import rollout_layout
 
 
 def parse_args(argv):
@@ -116,7 +117,8 @@ class Run:
     with jax.set_mesh(mesh):
       self.state = create_train_state(params, optimizer, config.run.seed)
     self.rl_step = RLStep(graphdef, task, config.rollout, algo, optimizer, schedule,
-                          jax.tree.map(lambda x: x.sharding, self.state))
+                          jax.tree.map(lambda x: x.sharding, self.state),
+                          layout=rollout_layout(model, mesh, config.rollout.tensor))
     checkpoints = os.path.join(workdir, 'checkpoints')
     try:  # a new workdir gets its (empty) checkpoints directory; an existing one is not changed
       os.makedirs(checkpoints, exist_ok=True)

@@ -55,7 +55,7 @@ class ModelOptions:
   param_dtype: ParamDType = 'float32'  # storage dtype of parameters (fp32 master weights with bf16 compute)
   remat: RematPolicy = 'none'  # rematerialisation of each layer under autodiff
   scan_layers: bool = True  # one lax.scan over layers: compile time independent of depth
-  attention: AttentionImplementation = 'dense'  # full-sequence attention (attention.py); decoding is dense
+  attention: AttentionImplementation = 'dense'  # full-sequence attention (attention.py); decoding: below
   attention_chunk: int = 512  # queries per chunk with attention='chunked'
   # Attention over the KV cache while decoding: 'dense' reads every slot of each cache row (masked);
   # 'blockwise' reads blocks of `decode_block` slots only up to the fullest row's written length;
@@ -256,8 +256,8 @@ class Qwen2(nnx.Module):
   """Qwen2 causal LM. `model(tokens)` -> fp32 logits [B, T, V].
 
   options: dtypes, rematerialisation, layer scan and full-sequence attention (see ModelOptions);
-  kept as `self.options`, a plain ModelOptions. Incremental decoding (`extend`) always reads the
-  cache densely.
+  kept as `self.options`, a plain ModelOptions. Incremental decoding (`extend`) reads the cache
+  as `options.decode_attention` says.
   """
 
   def __init__(self, config: Qwen2Config, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
@@ -347,9 +347,10 @@ class Qwen2(nnx.Module):
   def init_cache(self, batch_size: int, max_length: int) -> KVCache:
     c = self.config
     shape = (c.num_hidden_layers, batch_size, max_length, c.num_key_value_heads, c.resolved_head_dim)
-    return KVCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype),
-                   segment_ids=jnp.zeros((batch_size, max_length), jnp.int32),
-                   length=jnp.zeros((batch_size,), jnp.int32))
+    axes = ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim')  # rows over the batch axes, KV heads over 'tensor'
+    return KVCache(k=constrain(jnp.zeros(shape, self.dtype), axes), v=constrain(jnp.zeros(shape, self.dtype), axes),
+                   segment_ids=constrain(jnp.zeros((batch_size, max_length), jnp.int32), ('batch', 'cache_seq')),
+                   length=constrain(jnp.zeros((batch_size,), jnp.int32), ('batch',)))
 
   def extend(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array | None = None,
              segment_ids: jax.Array | None = None, return_hidden: bool = False,

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 from grpo_jax import distributed
 from grpo_jax.config import AlgoConfig, RolloutConfig, completions_per_step
@@ -22,7 +21,8 @@ from grpo_jax.model import sharding
 from grpo_jax.rl import algo
 from grpo_jax.rl.step import Batch, TrainState, UpdateSettings, update
 from grpo_jax.sampler.decode import DecodeSettings
-from grpo_jax.sampler.rollout import Rollout, sample_groups
+from grpo_jax.sampler.layout import RolloutLayout
+from grpo_jax.sampler.rollout import Rollout, sample_resident
 
 
 def make_batch(prompts: Prompts, rollout: Rollout, scores: Scores, algo_config: AlgoConfig) -> Batch:
@@ -67,12 +67,15 @@ class RLStep:
 
   graphdef: the model's graph; task: a data.task.Task; optimizer / schedule: optax's, counted in
   optimizer updates; state_shardings: the TrainState's shardings, which the jitted update and
-  K-step loop return unchanged (donated buffers are reused in place, nothing is relaid out).
+  K-step loop return unchanged (donated buffers are reused in place, nothing is relaid out);
+  layout: where the sampler decodes (sampler/layout.py: the policy's weights cast and laid out once
+  per rollout, resident on every device); None: in the training layout.
   """
 
   def __init__(self, graphdef, task: Task, rollout: RolloutConfig, algo_config: AlgoConfig,
-               optimizer: optax.GradientTransformation, schedule: optax.Schedule, state_shardings):
-    self.graphdef, self.task, self.algo = graphdef, task, algo_config
+               optimizer: optax.GradientTransformation, schedule: optax.Schedule, state_shardings,
+               layout: RolloutLayout | None = None):
+    self.graphdef, self.task, self.algo, self.layout = graphdef, task, algo_config, layout
     self.optimizer, self.schedule = optimizer, schedule
     self.prompts_per_step, self.slots = rollout.prompts_per_step, rollout.slots
     self.settings = UpdateSettings(algo=algo_config, temperature=rollout.temperature,
@@ -208,8 +211,8 @@ class RLStep:
     return state.replace(key=key), prompt_key, sample_key
 
   def _sample_body(self, params, prompt_tokens, prompt_mask, key) -> Rollout:
-    return sample_groups(nnx.merge(self.graphdef, params), prompt_tokens, prompt_mask, key,
-                         group_size=self.algo.group_size, settings=self.decode, slots=self.slots)
+    return sample_resident(self.graphdef, params, prompt_tokens, prompt_mask, key, layout=self.layout,
+                           group_size=self.algo.group_size, settings=self.decode, slots=self.slots)
 
   def _learn_body(self, state: TrainState, ref_params, prompt_tokens, prompt_mask, rollout: Rollout,
                 scores: Scores) -> tuple[TrainState, dict]:

@@ -25,6 +25,7 @@ from flax import nnx
 from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
 from grpo_jax.model.sharding import batch_groups, grouped
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, decode_step, prefill, request_keys
+from grpo_jax.sampler.layout import RolloutLayout
 
 
 @jax.tree_util.register_dataclass
@@ -145,26 +146,47 @@ def sample_groups(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, key:
     state, emitted = decode_step(model, state, settings)
     return count + 1, state, holding, waiting, write(out, holding, emitted)
 
-  count, _, _, _, outputs = jax.lax.while_loop(
-      keep_going, step, (jnp.int32(0), state, holding, waiting, outputs))
+  with jax.named_scope('decode_loop'):  # the plan counts this loop's traffic per iteration (traffic.py)
+    count, _, _, _, outputs = jax.lax.while_loop(
+        keep_going, step, (jnp.int32(0), state, holding, waiting, outputs))
   flat = jax.tree.map(lambda x: x.reshape((requests,) + x.shape[2:]), outputs)
   return dataclasses.replace(flat, decode_steps=count)
 
 
+def sample_resident(graphdef, params, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
+                    layout: RolloutLayout | None, group_size: int, settings: DecodeSettings,
+                    slots: int = 0) -> Rollout:
+  """sample_groups from the parameters `params` of the model `graphdef`, in the sampler's own
+  layout (sampler/layout.py): the weights are cast and laid out once, the whole rollout is traced
+  under the sampler's mesh, and the rows come back laid out over the source mesh's batch axes.
+  layout None: in the parameters' own layout. Traceable."""
+  if layout is None:
+    return sample_groups(nnx.merge(graphdef, params), prompts, prompt_mask, key, group_size=group_size,
+                         settings=settings, slots=slots)
+  resident = layout.place(params)
+  prompts, prompt_mask, key = layout.enter((prompts, prompt_mask, key))
+  with layout.active():
+    rollout = sample_groups(nnx.merge(graphdef, resident), prompts, prompt_mask, key, group_size=group_size,
+                            settings=settings, slots=slots)
+  return layout.rows_to_source(rollout)
+
+
 class GroupSampler:
-  """Jitted `sample_groups` over a model's parameter state.
+  """Jitted `sample_resident` over a model's parameter state.
 
   `sampler(state, prompts, prompt_mask, key)` with `state = nnx.state(model)` (e.g. the trainer's
-  live parameters); the graph definition and the static settings are fixed at construction.
+  live parameters); the graph definition, the layout and the static settings are fixed at
+  construction.
   """
 
-  def __init__(self, model: Qwen2, *, group_size: int, settings: DecodeSettings, slots: int = 0):
+  def __init__(self, model: Qwen2, *, group_size: int, settings: DecodeSettings, slots: int = 0,
+               layout: RolloutLayout | None = None):
     graphdef, _ = nnx.split(model)
 
     @jax.jit
     def run(state, prompts, prompt_mask, key):
-      return sample_groups(nnx.merge(graphdef, state), prompts, prompt_mask, key, group_size=group_size,
-                           settings=settings, slots=slots)
+      return sample_resident(graphdef, state, prompts, prompt_mask, key, layout=layout, group_size=group_size,
+                             settings=settings, slots=slots)
 
     self._run = run
 

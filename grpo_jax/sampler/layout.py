@@ -1,0 +1,180 @@
+"""The sampler's own layout: weights resident on every device, laid out once per rollout.
+
+The trainer keeps its parameters in the training layout (FSDP shards every weight along the model
+dimension D). Decoding in that layout would all-gather every layer's weights to every device once
+per generated token. Before each rollout the policy's parameters are instead cast to the compute
+dtype and laid out once for decoding: tensor-parallel over a sampler tensor axis of t devices
+(attention heads and KV heads, MLP columns, vocabulary; the rule table of model/sharding.py),
+replicated over the other n / t devices, which become the sampler's data groups. The prompts, the
+shared prompt cache, the decode slots and their KV cache follow by the same rules: rows over the
+data groups, KV heads over the tensor axis. Inside the decode loop only activations move (two
+all-reduces of [rows, D] per layer over the t devices of a group, and the logits of the sampled
+rows); the resident weights are read from each device's own memory.
+
+Mechanism: a second mesh over the trainer's devices in the trainer mesh's own order, reshaped to
+(data = n / t, fsdp = 1, tensor = t). Both meshes then share one device assignment, so one jitted
+program holds both layouts: the K-steps-in-one-jit loop changes layout inside the jit (one
+reshard of the weights per RL step), and the host path's sampler program does the same at its
+start. A tensor group is t consecutive devices of the trainer mesh, which `jax.make_mesh` orders
+host by host on GPUs (so t <= devices per host keeps the group on NVLink) and along a ring or a
+plane of the torus on TPUs. The trainer's mesh, its FSDP state and its checkpoints do not change.
+
+When t does not divide the KV heads (e.g. t = 4 with Qwen2.5-0.5B's 2 KV heads) the KV heads, their
+projections and the KV cache are replicated over the tensor group instead of split (the rule
+table drops an axis that does not divide); the samples are the same, the cache costs t times the
+memory per device. The default t (`choose_tensor`) avoids that.
+"""
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpo_jax.errors import UserError
+from grpo_jax.model.qwen2 import Qwen2
+from grpo_jax.model.sharding import MESH_AXES, spec_for
+
+
+def devices_per_host(devices: Sequence[jax.Device]) -> int:
+  """Devices sharing the first device's host (process)."""
+  first = devices[0].process_index
+  return sum(1 for device in devices if device.process_index == first)
+
+
+def choose_tensor(devices: Sequence[jax.Device], kv_heads: int) -> int:
+  """The default sampler tensor size t: the largest that divides the KV heads and the device count,
+  on GPUs within one host's devices (NVLink), 1 on CPUs.
+
+  Decoding reads every resident weight once per token, so splitting the weights over more devices
+  shortens the step until the activations exchanged between them dominate. Up to the KV heads the
+  KV cache per device does not depend on t (rows over n / t groups, heads over t), and the
+  resident weights shrink as 1 / t, so the largest such t both fits best and reads least. CPUs
+  (test meshes of one host's cores) gain nothing from splitting a matmul over fake devices."""
+  if devices[0].platform == 'cpu':
+    return 1
+  limit = devices_per_host(devices) if devices[0].platform in ('gpu', 'cuda', 'rocm') else len(devices)
+  return max(t for t in range(1, min(kv_heads, limit) + 1) if kv_heads % t == 0 and len(devices) % t == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutLayout:
+  """Where the sampler's weights, caches and rows live during a rollout.
+
+  source: the trainer's mesh (data, fsdp, tensor), whose layout the parameters arrive in and the
+          rollout is returned in (rows over its batch axes).
+  mesh:   the sampler's mesh over the same devices in the same order: (data = n / t, fsdp = 1,
+          tensor = t).
+  dtype:  the compute dtype the resident weights are cast to.
+  """
+
+  source: Mesh
+  mesh: Mesh
+  dtype: str
+
+  @property
+  def tensor(self) -> int:
+    return self.mesh.shape['tensor']
+
+  @property
+  def data_groups(self) -> int:
+    return self.mesh.shape['data']
+
+  @contextlib.contextmanager
+  def active(self):
+    """Traces the sampler under the sampler's mesh (model/sharding.constrain reads it)."""
+    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+      yield
+
+  def shardings(self, params: nnx.State) -> nnx.State:
+    """The resident layout of every parameter: NamedShardings on the sampler mesh."""
+    shape = dict(self.mesh.shape)
+    return jax.tree.map(lambda variable: NamedSharding(self.mesh, spec_for(variable.shape, _axes(variable), shape)),
+                        params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+  def place(self, params: nnx.State) -> nnx.State:
+    """The parameters cast to the compute dtype and laid out for decoding. Traceable (the sampler
+    calls it inside its jit), and a no-op on one device when the dtype already matches.
+
+    The cast comes first, on each device's own training shard, so only compute-dtype bytes move.
+    The move itself goes in two stages, each one collective XLA partitions directly: first to the
+    resident layout with D still split over the sampler's data groups (an all-to-all within each
+    tensor group when the trainer shards D over the same devices), then D gathered over the data
+    groups. In one stage XLA's partitioner cannot go from D split n ways to columns split t ways
+    and replicates the whole weight on every device first."""
+    shape = dict(self.mesh.shape)
+
+    def move(variable):
+      value = variable[...].astype(self.dtype)
+      axes = _axes(variable)
+      final = spec_for(value.shape, axes, shape)
+      staged = _with_data_on_embed(value.shape, axes, final, shape['data'])
+      if staged is not None:
+        value = jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, staged))
+      return variable.replace(jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, final)))
+
+    return jax.tree.map(move, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+  def enter(self, tree):
+    """Small inputs (prompts, keys) replicated on the sampler's mesh: inside `active()` every array
+    must carry the sampler's mesh (JAX checks the meshes of an operation's operands agree)."""
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec())), tree)
+
+  def rows_to_source(self, tree):
+    """Per-row outputs [R, ...] laid out by rows over the trainer mesh's batch axes (a local slice of
+    the sampler's row layout), as the update expects them; scalars replicated."""
+    shape = dict(self.source.shape)
+
+    def relayout(x):
+      spec = spec_for(x.shape, ('batch',) + (None,) * (x.ndim - 1), shape) if x.ndim else PartitionSpec()
+      return jax.lax.with_sharding_constraint(x, NamedSharding(self.source, spec))
+
+    return jax.tree.map(relayout, tree)
+
+
+def _axes(variable) -> tuple:
+  return getattr(variable, 'logical_axes', None) or (None,) * len(variable.shape)
+
+
+def _with_data_on_embed(shape, axes, final: PartitionSpec, data: int) -> PartitionSpec | None:
+  """`final` with the model dimension (logical 'embed') also split over 'data', or None when there
+  is no such dimension or 'data' does not divide it."""
+  if data == 1 or 'embed' not in axes:
+    return None
+  dim = list(axes).index('embed')
+  spec = list(final) + [None] * (len(shape) - len(final))
+  if spec[dim] is not None or shape[dim] % data:
+    return None
+  spec[dim] = 'data'
+  return PartitionSpec(*spec)
+
+
+def rollout_mesh(source: Mesh, tensor: int) -> Mesh:
+  """(data = n / t, fsdp = 1, tensor = t) over `source`'s devices in `source`'s order."""
+  devices = np.asarray(source.devices).reshape(-1)
+  if tensor < 1 or len(devices) % tensor:
+    raise UserError(f'rollout.tensor={tensor} must divide the {len(devices)} devices of the mesh')
+  return Mesh(devices.reshape(len(devices) // tensor, 1, tensor), MESH_AXES,
+              axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def rollout_layout(model: Qwen2, source: Mesh, tensor: int = 0) -> RolloutLayout:
+  """The layout of `source`'s devices for decoding `model` (its KV heads and compute dtype) with
+  `tensor` devices per group (0: choose_tensor)."""
+  devices = list(np.asarray(source.devices).reshape(-1))
+  tensor = tensor or choose_tensor(devices, model.config.num_key_value_heads)
+  return RolloutLayout(source=source, mesh=rollout_mesh(source, tensor), dtype=model.options.dtype)
+
+
+def resident_bytes_per_device(params, layout: RolloutLayout) -> int:
+  """Bytes of the resident compute-dtype weights on the fullest device (params: arrays or
+  ShapeDtypeStructs of the parameters' shapes)."""
+  total = 0
+  for variable, target in zip(jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable)),
+                              jax.tree.leaves(layout.shardings(params))):
+    total += math.prod(target.shard_shape(variable.shape)) * np.dtype(layout.dtype).itemsize
+  return total

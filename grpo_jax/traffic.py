@@ -1,0 +1,225 @@
+"""What a compiled program moves between devices: its collectives, read from the optimized HLO.
+
+Memory analysis sees buffers, not traffic. This reads `compiled.as_text()` (the target compiler's
+own optimized, partitioned program) and lists every collective with its bytes per device, the
+size of its device groups, and how many times it runs: each computation's count is the sum over
+its callers of the caller's count, times the trip count where the caller is a `while` (XLA's
+`known_trip_count`, else a loop condition `counter < constant` as `lax.scan` and `fori_loop`
+write them). A loop whose trip count depends on the data (the sampler's decode loop) counts once
+per iteration: collectives inside the loop marked `marker` (a `jax.named_scope` around it) are
+reported per iteration of that loop, the rest per execution of the program.
+
+Bytes per device, by kind: all-gather: the gathered result; all-reduce: the reduced operand;
+reduce-scatter: the operand before scattering; all-to-all and collective-permute: the operand.
+Asynchronous pairs (`-start` / `-done`) count once. The interconnect time of a collective over a
+group of g devices at a link bandwidth of W bytes/s per device is estimated as bytes * (g - 1) / g
+/ W, twice that for an all-reduce (a reduce-scatter then an all-gather), on the slowest link the
+group spans.
+"""
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+
+KINDS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'permute')
+_OPCODES = {'all-gather': 'all-gather', 'all-gather-start': 'all-gather', 'all-reduce': 'all-reduce',
+            'all-reduce-start': 'all-reduce', 'reduce-scatter': 'reduce-scatter', 'all-to-all': 'all-to-all',
+            'ragged-all-to-all': 'all-to-all', 'collective-permute': 'permute',
+            'collective-permute-start': 'permute'}
+_DTYPE_BYTES = {'pred': 1, 's4': 1, 'u4': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's16': 2, 'u16': 2,
+                'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8,
+                'c128': 16}
+
+_COMPUTATION = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$')
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$')
+_ARRAY = re.compile(r'\b([a-z]+[0-9]*)\[([0-9,]*)\]')
+_CALLS = re.compile(r'\b(?:condition|body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)')
+_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of the program.
+
+  kind:    one of KINDS.
+  bytes:   per device, per execution (see the module docstring).
+  groups:  the device groups, as logical device ids (indices into the program's devices).
+  count:   executions per run of the program, or per iteration of the marked loop when `in_loop`.
+  in_loop: inside the loop named by the marker (counted per iteration of it).
+  where:   the JAX operation it came from (HLO metadata op_name), for reading the report.
+  """
+
+  kind: str
+  bytes: int
+  groups: tuple[tuple[int, ...], ...]
+  count: int
+  in_loop: bool
+  where: str
+
+  @property
+  def group_size(self) -> int:
+    return max((len(group) for group in self.groups), default=1)
+
+
+def _shape_bytes(text: str) -> list[int]:
+  """Bytes of each array in an HLO shape (a tuple gives several)."""
+  return [math.prod(int(d) for d in dims.split(',') if d) * _DTYPE_BYTES.get(dtype, 4)
+          for dtype, dims in _ARRAY.findall(re.sub(r'\{[^{}]*\}', '', text))]
+
+
+def _iota_groups(dims: list[int], reshape: list[int], transpose: list[int] | None) -> list[list[int]]:
+  import numpy as np
+  ids = np.arange(math.prod(reshape)).reshape(reshape)
+  if transpose is not None:
+    ids = ids.transpose(transpose)
+  return ids.reshape(dims).tolist()
+
+
+def parse_groups(text: str, devices: int) -> tuple[tuple[int, ...], ...]:
+  """replica_groups in any of XLA's spellings -> groups of logical device ids."""
+  import numpy as np
+  match = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
+  if match:  # mesh['a'=4,'b'=2] {'b'}: over a mesh of the ids in order, groups along the named axes
+    axes = re.findall(r"'([^']+)'=(\d+)", match.group(1))
+    names, sizes = [name for name, _ in axes], [int(size) for _, size in axes]
+    along = [names.index(name) for name in re.findall(r"'([^']+)'", match.group(2))]
+    ids = np.arange(math.prod(sizes)).reshape(sizes)
+    rest = [axis for axis in range(len(sizes)) if axis not in along]
+    ids = ids.transpose(rest + along).reshape(-1, math.prod(sizes[a] for a in along) if along else 1)
+    return tuple(tuple(group) for group in ids.tolist())
+  match = re.search(r'replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', text)
+  if match:
+    dims = [int(d) for d in match.group(1).split(',')]
+    reshape = [int(d) for d in match.group(2).split(',')]
+    transpose = [int(d) for d in match.group(3).split(',')] if match.group(3) else None
+    return tuple(tuple(group) for group in _iota_groups(dims, reshape, transpose))
+  match = re.search(r'replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}', text)
+  if match and match.group(1).strip():
+    return tuple(tuple(int(i) for i in group.split(',') if i.strip())
+                 for group in re.findall(r'\{([\d,\s]*)\}', match.group(1)))
+  match = re.search(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}', text)
+  if match:  # a permute: each pair is a link used
+    return tuple((int(a), int(b)) for a, b in re.findall(r'\{(\d+),(\d+)\}', match.group(1)))
+  return (tuple(range(devices)),)  # no groups written: all devices
+
+
+def _bytes(kind: str, opcode: str, shape: str, operands: str) -> int:
+  sizes = _shape_bytes(shape)
+  if not sizes:
+    return 0
+  if opcode in ('all-gather-start', 'collective-permute-start'):
+    # (operand, result[, contexts]): the result is what arrives.
+    return sizes[1] if len(sizes) > 1 else sizes[0]
+  if kind == 'reduce-scatter':
+    operand = _shape_bytes(operands.split('),')[0]) if '[' in operands.split('),')[0] else []
+    return sum(operand) or sum(sizes)
+  return sum(sizes)
+
+
+def collectives(hlo: str, devices: int, marker: str = 'decode_loop') -> list[Collective]:
+  """Every collective of the optimized HLO module `hlo` of a program over `devices` devices."""
+  computations: dict[str, list[str]] = {}
+  entry, current = None, None
+  for line in hlo.splitlines():
+    if current is None:
+      match = _COMPUTATION.match(line)
+      if match and '=' not in line.split('(')[0]:
+        current = match.group(1)
+        computations[current] = []
+        if line.startswith('ENTRY'):
+          entry = current
+      continue
+    if line.strip() == '}':
+      current = None
+      continue
+    computations[current].append(line)
+  if entry is None:
+    return []
+
+  instructions = {name: [m for m in map(_INSTRUCTION.match, lines) if m] for name, lines in computations.items()}
+
+  def trip_count(line: str, condition: str) -> int | None:
+    found = _TRIP.search(line)
+    if found:
+      return int(found.group(1))
+    constants = {m.group(1): m.group(4) for m in instructions.get(condition, []) if m.group(3) == 'constant'}
+    for lines in (computations.get(condition, []),):
+      for text in lines:
+        if 'ROOT' in text and ' compare(' in text and 'direction=LT' in text:
+          operands = re.findall(r'%([\w.\-]+)', text.split(' compare(', 1)[1].split(')')[0])
+          for operand in operands:
+            value = constants.get(operand, '')
+            number = re.match(r'(-?\d+)\)', value)
+            if number:
+              return int(number.group(1))
+    return None
+
+  found: list[Collective] = []
+
+  def visit(name: str, count: int, in_loop: bool, depth: int = 0):
+    if depth > 64:
+      return
+    for match in instructions.get(name, []):
+      opcode, line = match.group(3), match.group(0)
+      kind = _OPCODES.get(opcode)
+      if kind is not None:
+        where = _OP_NAME.search(line)
+        found.append(Collective(kind=kind, bytes=_bytes(kind, opcode, match.group(2), match.group(4)),
+                                groups=parse_groups(line, devices), count=count, in_loop=in_loop,
+                                where=where.group(1) if where else ''))
+      called = _CALLS.findall(line)
+      for branches in _BRANCHES.findall(line):
+        called += [b.strip().lstrip('%') for b in branches.split(',') if b.strip()]
+      if not called:
+        continue
+      if opcode == 'while':
+        body = re.search(r'body=%?([\w.\-]+)', line).group(1)
+        condition = re.search(r'condition=%?([\w.\-]+)', line).group(1)
+        op_name = _OP_NAME.search(line)
+        marked = bool(op_name) and op_name.group(1).endswith(f'{marker}/while')
+        if marked and not in_loop:  # per iteration of the marked loop
+          visit(body, 1, True, depth + 1)
+          visit(condition, 1, True, depth + 1)
+          continue
+        trips = trip_count(line, condition) or 1
+        visit(body, count * trips, in_loop, depth + 1)
+        visit(condition, count * (trips + 1), in_loop, depth + 1)
+        continue
+      for callee in called:
+        if callee in instructions and opcode not in ('reduce', 'map', 'sort', 'scatter', 'select-and-scatter',
+                                                     'reduce-window', 'all-reduce', 'all-reduce-start',
+                                                     'reduce-scatter'):
+          visit(callee, count, in_loop, depth + 1)
+
+  visit(entry, 1, False)
+  return found
+
+
+def totals(found: list[Collective], in_loop: bool) -> dict[str, int]:
+  """Bytes per device by kind, for the collectives inside (or outside) the marked loop."""
+  result = {kind: 0 for kind in KINDS}
+  for collective in found:
+    if collective.in_loop == in_loop:
+      result[collective.kind] += collective.bytes * collective.count
+  return result
+
+
+def seconds(found: list[Collective], in_loop: bool, bandwidth: Callable[[tuple[int, ...]], float]) -> float:
+  """Interconnect time estimate of the collectives inside (or outside) the marked loop;
+  `bandwidth(group)` is the bytes/s per device of the slowest link the group spans."""
+  total = 0.0
+  for collective in found:
+    if collective.in_loop != in_loop or not collective.bytes:
+      continue
+    size = collective.group_size
+    if size <= 1:
+      continue
+    slowest = min(bandwidth(group) for group in collective.groups)
+    factor = (2.0 if collective.kind == 'all-reduce' else 1.0) * (size - 1) / size
+    if collective.kind == 'permute':
+      factor = 1.0
+    total += collective.count * collective.bytes * factor / slowest
+  return total

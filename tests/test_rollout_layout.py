@@ -1,0 +1,205 @@
+"""The sampler's own layout (sampler/layout.py): weights cast and laid out once per rollout,
+tensor-parallel over `rollout.tensor` devices and replicated over the data groups.
+
+On 8 CPU devices, for training meshes (8,1,1), (1,8,1), (2,2,2), (2,1,4) and sampler tensor sizes
+1, 2, 4, 8 the rollout equals one device's (tokens, masks, lengths and stop flags exactly,
+log-probs to 1e-5 in fp32). The model has 4 query heads over 2 KV heads: at t = 4 the KV heads do
+not divide (their projections and the cache are replicated over each tensor group), at t = 8
+neither do the query heads. The compiled programs' collectives are read back (traffic.py) and
+held to a hand count: the decode loop moves activations only, and the reshard moves each
+device's resident weights about once."""
+
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from grpo_jax import traffic
+from grpo_jax.errors import UserError
+from grpo_jax.model import MeshConfig, ModelOptions, from_pretrained, make_mesh
+from grpo_jax.sampler import DecodeSettings, SamplingConfig
+from grpo_jax.sampler.layout import choose_tensor, resident_bytes_per_device, rollout_layout, rollout_mesh
+from grpo_jax.sampler.rollout import GroupSampler
+from grpo_jax.testing import left_padded, random_prompts
+
+FIELDS = ('tokens', 'mask', 'lengths', 'stopped')
+VOCAB, HIDDEN, MLP = 1024, 64, 128  # divisible by 8: vocabulary, MLP columns split on every tensor size
+MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (2, 1, 4)]
+SAMPLINGS = {'greedy': SamplingConfig(greedy=True), 't1': SamplingConfig(temperature=1.0),
+             'top_p': SamplingConfig(temperature=0.7, top_p=0.9)}
+# Every training mesh meets every sampler tensor size; sampling modes and slot counts rotate over them.
+CASES = [(mesh, tensor, list(SAMPLINGS)[(i + j) % 3], (0, 6)[(i + j) % 2])
+         for i, mesh in enumerate(MESHES) for j, tensor in enumerate((1, 2, 4, 8))]
+
+
+@pytest.fixture(scope='module')
+def checkpoint(tmp_path_factory):
+  from grpo_jax.testing import save_random_hf_checkpoint
+  seed = int(os.environ.get('TEST_SEED') or int.from_bytes(os.urandom(4), 'little'))
+  print(f'checkpoint seed={seed}')
+  directory = str(tmp_path_factory.mktemp('layout') / 'hf')
+  save_random_hf_checkpoint(directory, seed, vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP)
+  return directory, seed
+
+
+def _inputs(seed):
+  tokens, mask = left_padded(random_prompts(seed, [5, 17, 11, 3, 8, 2, 14, 6], vocab=VOCAB))
+  # An eighth of the vocabulary stops an answer: lengths spread from 1 token to the budget.
+  stops = tuple(int(t) for t in np.random.default_rng(seed).choice(VOCAB, VOCAB // 8, replace=False))
+  return tokens, mask, stops
+
+
+def _sample(model, tokens, mask, decode, slots, layout=None):
+  sampler = GroupSampler(model, group_size=2, settings=decode, slots=slots, layout=layout)
+  return sampler, sampler(nnx.state(model), tokens, mask, jax.random.key(11))
+
+
+@pytest.fixture(scope='module')
+def references(checkpoint):
+  """One device, today's sampler (the training layout), per sampling mode."""
+  directory, seed = checkpoint
+  tokens, mask, stops = _inputs(seed)
+  model = from_pretrained(directory)
+  return {name: jax.device_get(_sample(model, tokens, mask, DecodeSettings(max_new_tokens=12, sampling=sampling,
+                                                                           stop_token_ids=stops), 0)[1])
+          for name, sampling in SAMPLINGS.items()}
+
+
+@pytest.mark.parametrize('mesh_shape, tensor, sampling, slots', CASES,
+                         ids=[f'{"x".join(map(str, m))}-t{t}-{s}-slots{b}' for m, t, s, b in CASES])
+def test_rollout_in_the_sampler_layout_equals_one_device(checkpoint, references, mesh_shape, tensor, sampling, slots):
+  directory, seed = checkpoint
+  tokens, mask, stops = _inputs(seed)
+  decode = DecodeSettings(max_new_tokens=12, sampling=SAMPLINGS[sampling], stop_token_ids=stops)
+  mesh = make_mesh(MeshConfig(*mesh_shape))
+  with jax.set_mesh(mesh):
+    model = from_pretrained(directory, mesh=mesh)
+    layout = rollout_layout(model, mesh, tensor)
+    assert (layout.tensor, layout.data_groups) == (tensor, 8 // tensor)
+    _, rollout = _sample(model, tokens, mask, decode, slots, layout)
+  reference = references[sampling]
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(rollout, name)), np.asarray(getattr(reference, name)),
+                                  err_msg=f'{name} on {mesh_shape}, tensor {tensor}')
+  np.testing.assert_allclose(np.asarray(rollout.log_probs), np.asarray(reference.log_probs), rtol=1e-5, atol=1e-5)
+  assert np.asarray(reference.lengths).min() < np.asarray(reference.lengths).max()
+  # Handed back in the training layout: rows over the training mesh's batch axes.
+  assert rollout.tokens.sharding.mesh.shape == mesh.shape
+
+
+def test_resident_weights_are_cast_split_over_tensor_and_replicated_over_data(checkpoint):
+  directory, _ = checkpoint
+  mesh = make_mesh(MeshConfig(1, 8, 1))
+  with jax.set_mesh(mesh):
+    model = from_pretrained(directory, mesh=mesh, options=ModelOptions(dtype='bfloat16', param_dtype='float32'))
+    layout = rollout_layout(model, mesh, 4)
+    params = nnx.state(model)
+    resident = jax.jit(layout.place)(params)
+  assert layout.mesh.shape == dict(data=2, fsdp=1, tensor=4)
+  assert list(np.asarray(layout.mesh.devices).reshape(-1)) == list(np.asarray(mesh.devices).reshape(-1))
+  gate = resident['layers']['gate_weight'][...]
+  assert gate.dtype == jnp.bfloat16 and params['layers']['gate_weight'][...].dtype == jnp.float32
+  assert gate.sharding.spec == PartitionSpec(None, None, 'tensor')  # D whole, MLP columns over tensor
+  assert resident['embedding'][...].sharding.spec == PartitionSpec('tensor')  # vocabulary over tensor
+  np.testing.assert_array_equal(np.asarray(gate, np.float32),
+                                np.asarray(params['layers']['gate_weight'][...].astype(jnp.bfloat16), np.float32))
+  expected = sum(math.prod(v.shape) for v in jax.tree.leaves(params)) * 2  # bf16, before splitting
+  assert resident_bytes_per_device(params, layout) < expected / 2
+  assert resident_bytes_per_device(params, layout) == sum(
+      math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(resident))
+
+
+def test_collectives_of_the_reshard_and_the_decode_loop(checkpoint):
+  """FSDP over 8 devices, sampler tensor 4: the reshard receives about the resident weights (at
+  most twice them), and a decode step moves only activations, bounded by a hand count."""
+  directory, seed = checkpoint
+  tokens, mask, stops = _inputs(seed)
+  decode = DecodeSettings(max_new_tokens=12, sampling=SamplingConfig(temperature=1.0), stop_token_ids=stops)
+  mesh = make_mesh(MeshConfig(1, 8, 1))
+  # Per decode step, rows = 16 requests / 2 data groups: the gathered fp32 logits [rows, V], two
+  # all-reduces of [rows, D] per layer plus the embedding lookup's, and the loop's scalars.
+  rows, layers = 8, 2
+  activations = rows * VOCAB * 4 + (2 * layers + 1) * rows * HIDDEN * 4
+  per_step = {}
+  for tensor in (4, None):  # None: today's training layout, which the bound must catch
+    with jax.set_mesh(mesh):
+      model = from_pretrained(directory, mesh=mesh)
+      layout = rollout_layout(model, mesh, tensor) if tensor else None
+      sampler = GroupSampler(model, group_size=2, settings=decode, layout=layout)
+      hlo = sampler._run.lower(nnx.state(model), tokens, mask, jax.random.key(0)).compile().as_text()
+    found = traffic.collectives(hlo, 8)
+    per_step[tensor] = sum(traffic.totals(found, in_loop=True).values())
+    if layout is not None:
+      params = nnx.state(model)
+      resident = resident_bytes_per_device(params, layout)
+      reshard = traffic.totals(found, in_loop=False)
+      moved = reshard['all-gather'] + reshard['all-to-all'] + reshard['permute']
+      assert resident * 0.9 <= moved <= 2 * resident
+  assert 0 < per_step[4] <= 1.25 * activations + 4096
+  assert per_step[None] > 1.25 * activations + 4096  # weights gathered inside the loop
+
+
+def test_traffic_counts_a_known_program():
+  """A jitted loop on 8 devices that gathers an [8, 256] fp32 array in each of 3 scanned layers per
+  iteration, plus one all-reduce outside: counted per iteration and outside by hand."""
+  mesh = make_mesh(MeshConfig(1, 8, 1))
+  x = jax.device_put(jnp.arange(8 * 256, dtype=jnp.float32).reshape(8, 256), NamedSharding(mesh, PartitionSpec('fsdp')))
+  w = jax.device_put(jnp.ones((3, 256, 256)), NamedSharding(mesh, PartitionSpec()))
+
+  def program(x, w):
+    def body(carry):
+      value, count = carry
+      def layer(v, weight):
+        gathered = jax.lax.with_sharding_constraint(v, NamedSharding(mesh, PartitionSpec()))
+        return jax.lax.with_sharding_constraint(jnp.tanh(gathered @ weight), NamedSharding(mesh, PartitionSpec('fsdp'))), None
+      value, _ = jax.lax.scan(layer, value, w)
+      return value, count + 1
+    with jax.named_scope('decode_loop'):
+      value, _ = jax.lax.while_loop(lambda c: c[1] < jnp.int32(x[0, 0]) + 5, body, (x, jnp.int32(0)))
+    return jnp.sum(value)
+
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(program).lower(x, w).compile().as_text()
+  found = traffic.collectives(hlo, 8)
+  per_iteration = traffic.totals(found, in_loop=True)
+  assert per_iteration['all-gather'] == 3 * 8 * 256 * 4
+  gathers = [c for c in found if c.kind == 'all-gather']
+  assert all(c.group_size == 8 and c.count == 3 and c.in_loop for c in gathers)
+  assert traffic.totals(found, in_loop=False)['all-reduce'] > 0  # the final sum, once
+
+
+def test_replica_group_spellings():
+  assert traffic.parse_groups('replica_groups=[4,2]<=[8]', 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
+  assert traffic.parse_groups('replica_groups=[2,4]<=[4,2]T(1,0)', 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
+  assert traffic.parse_groups('replica_groups={{0,1},{2,3}}', 4) == ((0, 1), (2, 3))
+  assert traffic.parse_groups("replica_groups=mesh['a'=4,'b'=2] {'b'}", 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
+  assert traffic.parse_groups("replica_groups=mesh['a'=4,'b'=2] {'a'}", 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
+  assert traffic.parse_groups('source_target_pairs={{0,1},{1,2}}', 4) == ((0, 1), (1, 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+  platform: str
+  process_index: int
+
+
+def test_default_tensor_size():
+  gpus = [FakeDevice('gpu', host) for host in range(8) for _ in range(8)]  # 8 hosts of 8 GPUs
+  assert choose_tensor(gpus, kv_heads=8) == 8  # Qwen2.5-32B: a host's NVLink group
+  assert choose_tensor(gpus, kv_heads=4) == 4  # 7B
+  assert choose_tensor(gpus, kv_heads=2) == 2  # 0.5B
+  assert choose_tensor([FakeDevice('gpu', host) for host in range(2) for _ in range(4)], kv_heads=8) == 4
+  assert choose_tensor([FakeDevice('tpu', chip // 4) for chip in range(64)], kv_heads=8) == 8  # across hosts on ICI
+  assert choose_tensor([FakeDevice('tpu', 0)] * 6, kv_heads=8) == 2
+  assert choose_tensor([FakeDevice('cpu', 0)] * 8, kv_heads=8) == 1
+
+
+def test_tensor_that_does_not_divide_the_devices_is_one_line():
+  with pytest.raises(UserError, match=r'rollout.tensor=3 must divide the 8 devices'):
+    rollout_mesh(make_mesh(MeshConfig(1, 8, 1)), 3)
