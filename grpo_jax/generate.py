@@ -7,6 +7,7 @@ finish_reason and, when the checkpoint has a tokenizer, text.
 
 import argparse
 import json
+import os
 import sys
 
 import jax
@@ -14,8 +15,10 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import UserError, cli_main
+from grpo_jax.model.config import load_hf_config
 from grpo_jax.model.loading import from_pretrained, load_tokenizer
 from grpo_jax.sampler.decode import DecodeSettings
+from grpo_jax.sampler.layout import serving_mesh
 from grpo_jax.sampler.rollout import GroupSampler
 from grpo_jax.sampler.sampling import add_sampling_flags, sampling_from_flags
 from grpo_jax.sampler.special_tokens import special_tokens
@@ -32,6 +35,9 @@ def parse_args(argv):
   parser.add_argument('--num-samples', type=int, default=1, help='G: completions of the prompt')
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32')
+  parser.add_argument('--tensor', type=int, default=0,
+                      help='devices per tensor-parallel group; the host\'s devices form groups of this size '
+                           '(0: the largest dividing the KV heads)')
   parser.add_argument('--json', action='store_true', help='print one JSON object')
   return parser.parse_args(argv)
 
@@ -60,7 +66,13 @@ def main(argv=None):
   if args.max_new_tokens < 1 or args.num_samples < 1:
     raise UserError('--max-new-tokens and --num-samples must be at least 1')
   sampling = sampling_from_flags(args)
-  model = from_pretrained(args.ckpt, dtype=args.dtype)
+  if args.tensor < 0:
+    raise UserError(f'--tensor must be >= 0 (0: chosen for the model), got {args.tensor}')
+  if not os.path.isdir(args.ckpt):
+    raise UserError(f'model path {args.ckpt} is not a directory')
+  # Resident weights in the sampler's layout over this host's devices (sampler/layout.py).
+  mesh = serving_mesh(args.tensor, load_hf_config(args.ckpt).num_key_value_heads)
+  model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
   tokenizer = load_tokenizer(args.ckpt)
   ids = prompt_ids(args, tokenizer, model.config.vocab_size)
   special = special_tokens(tokenizer, model.config.eos_token_ids)
@@ -68,7 +80,8 @@ def main(argv=None):
                             pad_id=special.pad_id)
   sampler = GroupSampler(model, group_size=args.num_samples, settings=settings)
   prompt = np.array([ids], np.int32)
-  rollout = jax.device_get(sampler(nnx.state(model), prompt, np.ones_like(prompt), jax.random.key(args.seed)))
+  with jax.set_mesh(mesh):
+    rollout = jax.device_get(sampler(nnx.state(model), prompt, np.ones_like(prompt), jax.random.key(args.seed)))
   finish_reasons = rollout.finish_reasons
 
   samples = []

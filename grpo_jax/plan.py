@@ -253,9 +253,11 @@ class StepPrograms:
   layout: object = None  # the sampler's RolloutLayout
 
 
-def step_programs(config: config_lib.Config, architecture, mesh) -> StepPrograms:
+def step_programs(config: config_lib.Config, architecture, mesh, resident: bool = True) -> StepPrograms:
   """The programs a run compiles, on abstract inputs placed on `mesh` (no weights, no data): the
-  K-steps-in-one-jit loop for a jittable task, else the sampler and the update."""
+  K-steps-in-one-jit loop for a jittable task, else the sampler and the update. resident False:
+  the sampler decodes in the training layout instead of its own (as grpo_jax did before the
+  rollout layout; bench/rollout_layout.py compares the two)."""
   task = build_task(config, architecture)
   if task.vocab_size > architecture.vocab_size:
     raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but the model has {architecture.vocab_size}')
@@ -273,7 +275,8 @@ def step_programs(config: config_lib.Config, architecture, mesh) -> StepPrograms
                     state_shardings)
   ref_params = params if algo.kl_beta > 0 else None
   layout = rollout_layout(model, mesh, config.rollout.tensor)
-  step = RLStep(graphdef, task, config.rollout, algo, optimizer, schedule, state_shardings, layout=layout)
+  step = RLStep(graphdef, task, config.rollout, algo, optimizer, schedule, state_shardings,
+                layout=layout if resident else None)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   if task.jittable:
     programs = [(f'{config.train.steps_per_call} RL steps in one jit', step.run_steps,
@@ -290,14 +293,17 @@ def step_programs(config: config_lib.Config, architecture, mesh) -> StepPrograms
     rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
     programs = [('rollout', step.sample, (state.params, prompts, prompts, key)),
                 ('update', step.learn, (state, ref_params, prompts, prompts, rollout, scores))]
-  return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=layout)
+  return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs,
+                      layout=layout if resident else None)
 
 
-def plan(config: config_lib.Config, target: targets.Target, architecture, only: set[str] | None = None) -> dict:
-  """The report of `config`'s programs compiled for `target` (those named in `only`, else all)."""
+def plan(config: config_lib.Config, target: targets.Target, architecture, only: set[str] | None = None,
+         resident: bool = True) -> dict:
+  """The report of `config`'s programs compiled for `target` (those named in `only`, else all);
+  `resident` as step_programs takes it."""
   devices = target.devices()
   mesh = sharding.make_mesh(config.mesh, devices=devices)
-  built = step_programs(config, architecture, mesh)
+  built = step_programs(config, architecture, mesh, resident)
   task, state, ref_params, layout = built.task, built.state, built.ref_params, built.layout
   order = list(mesh.devices.reshape(-1))
   log: list[str] = []
@@ -307,17 +313,22 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
 
   params_bytes = sharding.bytes_per_device(state.params)
   opt_bytes = sharding.bytes_per_device(state.opt_state)
-  resident = resident_bytes_per_device(state.params, layout)
+  if layout is not None:
+    resident_bytes, decode_mesh = resident_bytes_per_device(state.params, layout), layout.mesh
+    layout_report = dict(tensor=layout.tensor, data_groups=layout.data_groups)
+  else:  # the training layout: each device reads the whole model, split over 'tensor', every token
+    resident_bytes = architecture.num_params() * jnp.dtype(config.model.dtype).itemsize // mesh.shape['tensor']
+    decode_mesh, layout_report = mesh, dict(tensor=mesh.shape['tensor'], data_groups=0)
   peak = max(program.peak for program in programs)
   report = dict(
       target=target.name, device=target.describe(), devices=len(devices),
-      mesh=dict(mesh.shape), rollout_layout=dict(tensor=layout.tensor, data_groups=layout.data_groups),
+      mesh=dict(mesh.shape), rollout_layout=layout_report,
       model=dict(layers=architecture.num_hidden_layers, hidden=architecture.hidden_size,
                  parameters=architecture.num_params()),
       per_device=dict(parameters=params_bytes, optimizer_state=opt_bytes,
                       reference=sharding.bytes_per_device(ref_params) if ref_params is not None else 0,
-                      resident_weights=resident,
-                      kv_cache=kv_cache_bytes_per_device(architecture, config, task.prompt_length, layout.mesh)),
+                      resident_weights=resident_bytes,
+                      kv_cache=kv_cache_bytes_per_device(architecture, config, task.prompt_length, decode_mesh)),
       programs=[dataclasses.asdict(program) | dict(peak=program.peak) for program in programs],
       peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes,
       sequence_length=task.prompt_length + config.rollout.max_new_tokens,
@@ -513,8 +524,9 @@ def format_report(report: dict) -> str:
   layout = report['rollout_layout']
   lines = [f'# {report["device"]}', f'mesh {report["mesh"]} over {report["devices"]} devices; model '
            f'{report["model"]["parameters"] / 1e9:.2f}B parameters, {report["model"]["layers"]} layers',
-           f'rollout layout: weights resident, tensor-parallel over {layout["tensor"]} devices x '
-           f'{layout["data_groups"]} data groups (rollout.tensor)',
+           (f'rollout layout: weights resident, tensor-parallel over {layout["tensor"]} devices x '
+            f'{layout["data_groups"]} data groups (rollout.tensor)' if layout['data_groups'] else
+            'rollout layout: the training layout (weights gathered for every decoded token)'),
            'per device (the target compiler\'s memory analysis for the programs):']
   for name, value in report['per_device'].items():
     lines.append(f'  {name.replace("_", " "):<18}{_size(value):>12}')

@@ -93,7 +93,9 @@ def parse_args(argv):
   add_sampling_flags(parser)
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default='bfloat16')
-  parser.add_argument('--tensor', type=int, default=1, help='devices to shard the model over (tensor parallel)')
+  parser.add_argument('--tensor', type=int, default=0,
+                      help='devices per tensor-parallel group; the host\'s devices form groups of this size, '
+                           'which share the slots (0: the largest dividing the KV heads)')
   parser.add_argument('--chat-template', choices=CHAT_TEMPLATE_MODES, default='auto',
                       help='apply the tokenizer chat template to text requests')
   parser.add_argument('--token-ids-only', action='store_true',
@@ -103,8 +105,9 @@ def parse_args(argv):
 
 
 def build_engine(args) -> QwenEngine:
+  from grpo_jax.model.config import load_hf_config
   from grpo_jax.model.loading import from_pretrained, load_tokenizer
-  from grpo_jax.model.sharding import MeshConfig, make_mesh
+  from grpo_jax.sampler.layout import serving_mesh
 
   if not os.path.isdir(args.ckpt):
     raise UserError(f'--ckpt {args.ckpt} is not a directory')
@@ -119,11 +122,12 @@ def build_engine(args) -> QwenEngine:
                     f'(JetStream pads prompts to these), got {args.max_prefill_length}')
   if args.slots < 1 or args.max_new_tokens < 1:
     raise UserError('--slots and --max-new-tokens must be at least 1')
-  if not 1 <= args.tensor <= len(jax.devices()):
-    raise UserError(f'--tensor must be between 1 and the {len(jax.devices())} available devices')
+  if args.tensor < 0:
+    raise UserError(f'--tensor must be >= 0 (0: chosen for the model), got {args.tensor}')
   sampling = sampling_from_flags(args)
   check_port(args.host, args.port)
-  mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=args.tensor), devices=jax.devices()[:args.tensor])
+  # Resident weights in the sampler's layout over this host's devices (sampler/layout.py).
+  mesh = serving_mesh(args.tensor, load_hf_config(args.ckpt).num_key_value_heads)
   model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
   special = special_tokens(tokenizer, model.config.eos_token_ids)
   settings = DecodeSettings(sampling=sampling, max_new_tokens=args.max_new_tokens, stop_token_ids=special.stop_ids,

@@ -180,6 +180,24 @@ def test_engine_on_a_mesh_shards_the_decode_state_and_matches_transformers(seed,
     np.testing.assert_array_equal(completions.tokens[row], transformers_greedy(reference, prompt, 6))
 
 
+def test_engine_in_the_sampler_layout_matches_transformers(seed, make_hf_checkpoint):
+  """serve's layout on the 8 test devices: 4 groups of 2, weights split over each pair (KV heads
+  too) and replicated over the groups, which share the slots."""
+  from grpo_jax.sampler.layout import serving_mesh
+  directory, reference = make_hf_checkpoint(seed)
+  mesh = serving_mesh(2, kv_heads=2)
+  assert mesh.shape == dict(data=4, fsdp=1, tensor=2)
+  model = from_pretrained(directory, mesh=mesh)
+  engine = QwenEngine(model, slots=4, max_prefill_length=16, settings=DecodeSettings(max_new_tokens=6, sampling=GREEDY))
+  prompts = random_prompts(seed, [3, 10, 8, 5])
+  completions = generate_groups(engine, engine.load_params(), prompts)
+  state = engine.init_decode_state()
+  assert state.cache.k.sharding.spec == jax.sharding.PartitionSpec(None, 'data', None, 'tensor')
+  assert model.layers.gate_weight[...].sharding.spec == jax.sharding.PartitionSpec(None, None, 'tensor')
+  for row, prompt in enumerate(prompts):
+    np.testing.assert_array_equal(completions.tokens[row], transformers_greedy(reference, prompt, 6))
+
+
 def test_prefill_skips_the_bos_placeholder_and_continues_an_existing_prefix(seed, make_hf_checkpoint):
   """JetStream prepends bos_id (-1 for Qwen) to token requests; a prefix can be extended by a
   second prefill. Both must decode as the plain concatenated prompt."""

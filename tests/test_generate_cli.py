@@ -20,9 +20,10 @@ def generate(*args):
 
 
 def test_greedy_json_matches_transformers(seed, make_hf_checkpoint):
+  """On the 8 test devices in the sampler's layout: 4 groups of 2 (weights split over each pair)."""
   directory, reference = make_hf_checkpoint(seed)
   prompt = np.random.default_rng(seed).integers(3, 1000, 7)
-  code, stdout, stderr = generate('--ckpt', directory, '--prompt-ids', ' '.join(map(str, prompt)),
+  code, stdout, stderr = generate('--ckpt', directory, '--prompt-ids', ' '.join(map(str, prompt)), '--tensor', 2,
                                   '--greedy', '--max-new-tokens', 9, '--num-samples', 2, '--json')
   assert code == 0, stderr
   output = json.loads(stdout)
@@ -41,6 +42,8 @@ def test_text_prompt_with_tokenizer_and_errors(seed, make_hf_checkpoint):
   assert code == 2 and stderr.strip().startswith('error: --prompt needs a tokenizer')
   code, _, stderr = generate('--ckpt', directory, '--prompt-ids', '5 99999')
   assert code == 2 and 'prompt token id 99999 is outside the vocabulary' in stderr
+  code, _, stderr = generate('--ckpt', directory, '--prompt-ids', '5 6', '--tensor', 3)
+  assert code == 2 and stderr.strip() == 'error: --tensor=3 must divide the 8 devices of the mesh
   write_tokenizer(directory)
   code, stdout, stderr = generate('--ckpt', directory, '--prompt', 'seven plus two is',
                                   '--temperature', 0.7, '--top-p', 0.9, '--seed', 3,

@@ -1,6 +1,8 @@
 """A full GRPO step (sample, score, advantages, update) gives the same parameters and metrics on
 8 devices laid out as (data, fsdp, tensor) = (8,1,1), (1,8,1), (2,2,2), (2,1,4) as on 1 device
-(fp32, 1e-5), for the jittable arithmetic task (all four) and the host-scored math task (two)."""
+(fp32, 1e-5), for the jittable arithmetic task (all four) and the host-scored math task (two).
+Each mesh samples in the sampler's own layout with a different sampler tensor size (rollout.tensor:
+2, 8, 4, 1; the tiny model's 2 KV heads and 17-token vocabulary divide only some of them)."""
 
 import os
 
@@ -16,6 +18,7 @@ from grpo_jax.model import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (2, 1, 4)]
+ROLLOUT_TENSOR = {(8, 1, 1): 2, (1, 8, 1): 8, (2, 2, 2): 4, (2, 1, 4): 1}
 COMPARED = ('reward_mean', 'reward_std', 'policy_loss', 'kl', 'entropy', 'grad_norm', 'response_len_mean')
 # Rewards of a random model are almost all 0: the entropy bonus and the KL term give every update a
 # gradient, so the parameters move and a wrong collective shows.
@@ -29,7 +32,8 @@ def two_steps(tmp_path, config_path, overrides, mesh_shape, task=None, name=None
   """Two RL steps from the host loop (or, `fused`, in one jit) -> (metric rows, parameters)."""
   data, fsdp, tensor = mesh_shape
   config = config_lib.load_config(config_path, [*overrides, *MOVING, f'mesh.data={data}', f'mesh.fsdp={fsdp}',
-                                                f'mesh.tensor={tensor}'])
+                                                f'mesh.tensor={tensor}',
+                                                f'rollout.tensor={ROLLOUT_TENSOR.get(tuple(mesh_shape), 1)}'])
   devices = jax.devices()[:data * fsdp * tensor]
   mesh = sharding.make_mesh(config.mesh, devices)
   model = train.build_model(config.model, mesh, config.run.seed)

@@ -35,6 +35,25 @@ def test_plan_compiles_the_small_recipe_for_the_target(platform, target, tmp_pat
   assert update['arguments'] >= per_device['parameters'] + per_device['optimizer_state']
   assert update['aliased'] >= per_device['parameters'] + per_device['optimizer_state']  # donated state
   assert 0 < update['temporaries'] and report['peak'] <= report['hbm']
+  # The sampler's own layout: 2 KV heads -> weights split over pairs, 4 data groups of rows.
+  assert report['rollout_layout'] == {'tensor': 2, 'data_groups': 4}
+  bf16 = report['model']['parameters'] * 2
+  assert bf16 / 2 * 0.99 <= per_device['resident_weights'] <= bf16 / 2 * 1.01
+  rollout = report['programs'][0]
+  # Inside the decode loop only activations move. Per decode step, 256 requests / 4 groups = 64
+  # rows: at most the fp32 logits [64, V] gathered over the pair and an all-reduce of [64, D] per
+  # attention and MLP block of the 24 layers (plus the embedding's), at 4 bytes; at least those
+  # all-reduces at 2 bytes (bf16): the weights are split, not replicated. The training layout
+  # moved the whole bf16 model, 0.99 GB, every step.
+  rows, vocab, width, layers = 64, 151936, 896, 24
+  per_step = sum(rollout['collectives']['per_decode_step'].values())
+  assert 2 * layers * rows * width * 2 <= per_step <= 1.25 * rows * (vocab + (2 * layers + 1) * width) * 4
+  # Once per rollout, each device receives its resident weights (at most twice them: the reshard).
+  outside = rollout['collectives']['outside']
+  assert 0.9 * per_device['resident_weights'] <= outside['all-gather'] + outside['all-to-all'] <= 2 * per_device['resident_weights']
+  estimate = report['estimate']['programs']['rollout']
+  assert estimate['program_s'] == max(estimate['compute_s'], estimate['hbm_s'], estimate['interconnect_s']) > 0
+  assert 'WARNING' not in result.stdout and 'E0000' not in result.stdout  # compiler logs kept out of the report
 
 
 @pytest.mark.slow

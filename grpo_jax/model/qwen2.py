@@ -160,11 +160,15 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
 
 def _write_layers(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
   """Writes new [L, B, T, ...] into cache [L, B, S, ...] at slot start[b] of each row b."""
-  # One scatter indexed on (row, slot): a vmap over the row axis would move it to the front,
-  # transposing the whole cache there and back.
-  rows = jnp.arange(new.shape[1])[:, None]
-  slots = start[:, None] + jnp.arange(new.shape[2])
-  return cache.at[:, rows, slots].set(new, indices_are_sorted=True, unique_indices=True)
+  # One scatter indexed on (layer, row, slot): a vmap over the row axis would move it to the front,
+  # transposing the whole cache there and back. The layer is an index too, not part of the written
+  # window: with one KV head per device (a tensor-parallel cache) XLA:TPU otherwise laid the cache
+  # out layer-minor for the scatter and copied the whole cache into the layer scan's layer-major
+  # layout on every decode step (twice the cache in temporaries).
+  layers = jnp.arange(new.shape[0])[:, None, None]
+  rows = jnp.arange(new.shape[1])[None, :, None]
+  slots = (start[:, None] + jnp.arange(new.shape[2]))[None]
+  return cache.at[layers, rows, slots].set(new, indices_are_sorted=True, unique_indices=True)
 
 
 def matmul(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:

@@ -153,13 +153,25 @@ def _with_data_on_embed(shape, axes, final: PartitionSpec, data: int) -> Partiti
   return PartitionSpec(*spec)
 
 
+def _grouped_mesh(devices: Sequence[jax.Device], tensor: int, field: str) -> Mesh:
+  """(data = n / t, fsdp = 1, tensor = t) over `devices` in their order."""
+  if tensor < 1 or len(devices) % tensor:
+    raise UserError(f'{field}={tensor} must divide the {len(devices)} devices of the mesh')
+  return Mesh(np.asarray(devices).reshape(len(devices) // tensor, 1, tensor), MESH_AXES,
+              axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
 def rollout_mesh(source: Mesh, tensor: int) -> Mesh:
   """(data = n / t, fsdp = 1, tensor = t) over `source`'s devices in `source`'s order."""
-  devices = np.asarray(source.devices).reshape(-1)
-  if tensor < 1 or len(devices) % tensor:
-    raise UserError(f'rollout.tensor={tensor} must divide the {len(devices)} devices of the mesh')
-  return Mesh(devices.reshape(len(devices) // tensor, 1, tensor), MESH_AXES,
-              axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+  return _grouped_mesh(list(np.asarray(source.devices).reshape(-1)), tensor, 'rollout.tensor')
+
+
+def serving_mesh(tensor: int, kv_heads: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """The sampler's layout for a model that only samples (python -m grpo_jax.generate, serve): the
+  host's devices (default: this process's) in groups of t, weights split over each group and
+  replicated over the groups, which share the rows. tensor 0: choose_tensor."""
+  devices = list(devices) if devices is not None else jax.local_devices()
+  return _grouped_mesh(devices, tensor or choose_tensor(devices, kv_heads), '--tensor')
 
 
 def rollout_layout(model: Qwen2, source: Mesh, tensor: int = 0) -> RolloutLayout:
