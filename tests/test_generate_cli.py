@@ -43,7 +43,7 @@ def test_text_prompt_with_tokenizer_and_errors(seed, make_hf_checkpoint):
   code, _, stderr = generate('--ckpt', directory, '--prompt-ids', '5 99999')
   assert code == 2 and 'prompt token id 99999 is outside the vocabulary' in stderr
   code, _, stderr = generate('--ckpt', directory, '--prompt-ids', '5 6', '--tensor', 3)
-  assert code == 2 and stderr.strip() == 'error: --tensor=3 must divide the 8 devices of the mesh
+  assert code == 2 and stderr.strip() == 'error: --tensor=3 must divide the 8 devices of the mesh'
   write_tokenizer(directory)
   code, stdout, stderr = generate('--ckpt', directory, '--prompt', 'seven plus two is',
                                   '--temperature', 0.7, '--top-p', 0.9, '--seed', 3,
