@@ -301,12 +301,13 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
          resident: bool = True) -> dict:
   """The report of `config`'s programs compiled for `target` (those named in `only`, else all);
   `resident` as step_programs takes it."""
-  devices = target.devices()
+  log: list[str] = []
+  with compiler_log(log):  # the compilers' plugins log as they start, too
+    devices = target.devices()
   mesh = sharding.make_mesh(config.mesh, devices=devices)
   built = step_programs(config, architecture, mesh, resident)
   task, state, ref_params, layout = built.task, built.state, built.ref_params, built.layout
   order = list(mesh.devices.reshape(-1))
-  log: list[str] = []
   with jax.set_mesh(mesh), compiler_log(log):
     programs = [compile_program(name, target, order, jitted, *args) for name, jitted, args in built.programs
                 if only is None or name in only]
