@@ -20,21 +20,23 @@ import os
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # compile for the target; never initialise it here
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+from grpo_jax import targets  # noqa: E402  (imports no jax)
+
+_STARTUP_LOG: list[str] = []
+with targets.compiler_log(_STARTUP_LOG):  # the compilers' plugins log as jax loads them
+  import jax  # noqa: E402
+  import jax.numpy as jnp  # noqa: E402
 
 from grpo_jax import config as config_lib  # noqa: E402
 from grpo_jax import metrics as metrics_lib  # noqa: E402
-from grpo_jax import targets, traffic  # noqa: E402
+from grpo_jax import traffic  # noqa: E402
 from grpo_jax.config import completions_per_step  # noqa: E402
 from grpo_jax.data.task import Scores  # noqa: E402
 from grpo_jax.errors import UserError, cli_main  # noqa: E402
@@ -178,45 +180,6 @@ def compile_for_target(jitted, args, platform: str):
   return lowered.compile(compiler_options=NO_TRITON_GEMM), 'GEMMs on cuBLAS (no default Triton GEMM tiling fits)'
 
 
-# What the compilers log on stderr while compiling, in one line each (the report keeps the count).
-_COMPILER_NOTES = {
-    'rematerialization': 'XLA rematerialised values to bring the program under its memory limit',
-    'This indicates an error in the calculation': "XLA:GPU's scheduler and its memory accounting disagreed "
-                                                  "(a compiler diagnostic; the figures above are the compiled program's)",
-    'Involuntary full rematerialization': "XLA's partitioner replicated a tensor to reshard it",
-}
-
-
-@contextlib.contextmanager
-def compiler_log(lines: list):
-  """Collects what native code writes to stderr (file descriptor 2) into `lines`, so the
-  compilers' log lines do not interleave with the report."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile(mode='w+b') as captured:
-    os.dup2(captured.fileno(), 2)
-    try:
-      yield lines
-    finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      captured.seek(0)
-      lines.extend(line for line in captured.read().decode(errors='replace').splitlines() if line.strip())
-
-
-def summarise_compiler_log(lines: list) -> list[str]:
-  """One line per kind of compiler message, with its count."""
-  counts = {}
-  for line in lines:
-    kind = next((note for key, note in _COMPILER_NOTES.items() if key in line), None)
-    if kind is None and ('] ' not in line or line.lstrip()[:1] not in 'WE'):
-      continue  # informational lines (I...) and plugin start-up chatter
-    kind = kind or 'other compiler warnings (in --json under compiler_log)'
-    counts[kind] = counts.get(kind, 0) + 1
-  return [f'{note} ({count} log line{"s" * (count > 1)})' for note, count in counts.items()]
-
-
 def compile_program(name: str, target: targets.Target, devices: list, jitted, *args) -> Program:
   """`jitted` compiled for `target`; `devices`: the program's devices in its device-assignment
   order (the mesh's, flattened), which the collectives' logical device ids index."""
@@ -301,14 +264,14 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
          resident: bool = True) -> dict:
   """The report of `config`'s programs compiled for `target` (those named in `only`, else all);
   `resident` as step_programs takes it."""
-  log: list[str] = []
-  with compiler_log(log):  # the compilers' plugins log as they start, too
+  log: list[str] = list(_STARTUP_LOG)
+  with targets.compiler_log(log):  # the compilers' plugins log as they start, too
     devices = target.devices()
   mesh = sharding.make_mesh(config.mesh, devices=devices)
   built = step_programs(config, architecture, mesh, resident)
   task, state, ref_params, layout = built.task, built.state, built.ref_params, built.layout
   order = list(mesh.devices.reshape(-1))
-  with jax.set_mesh(mesh), compiler_log(log):
+  with jax.set_mesh(mesh), targets.compiler_log(log):
     programs = [compile_program(name, target, order, jitted, *args) for name, jitted, args in built.programs
                 if only is None or name in only]
 
@@ -333,7 +296,7 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
       programs=[dataclasses.asdict(program) | dict(peak=program.peak) for program in programs],
       peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes,
       sequence_length=task.prompt_length + config.rollout.max_new_tokens,
-      compiler_notes=summarise_compiler_log(log), compiler_log=log)
+      compiler_notes=targets.summarise_compiler_log(log), compiler_log=log)
   report['estimate'] = estimate(config, target, architecture, task.prompt_length, report)
   return report
 

@@ -17,9 +17,12 @@ are only compiled for, never initialised). Target names:
   h100xHxG, h200xHxG    H hosts of G GPUs each: h100x8x8 is 64 GPUs; h100x64 means the same
 """
 
+import contextlib
 import dataclasses
 import os
 import re
+import sys
+import tempfile
 
 from grpo_jax.errors import UserError
 
@@ -51,6 +54,45 @@ _GPU = {
     'h200': dict(name='H200 SXM 141GB', hbm=150_754_820_096, flops=989e12, bandwidth=4.8e12,
                  clock_ghz=1.98, nvlink=450e9, network=50e9),
 }
+
+
+# What the compilers log on stderr while compiling, in one line each (the report keeps the count).
+_COMPILER_NOTES = {
+    'rematerialization': 'XLA rematerialised values to bring the program under its memory limit',
+    'This indicates an error in the calculation': "XLA:GPU's scheduler and its memory accounting disagreed "
+                                                  "(a compiler diagnostic; the figures above are the compiled program's)",
+    'Involuntary full rematerialization': "XLA's partitioner replicated a tensor to reshard it",
+}
+
+
+@contextlib.contextmanager
+def compiler_log(lines: list):
+  """Collects what native code writes to stderr (file descriptor 2) into `lines`, so the
+  compilers' log lines do not interleave with the report."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode='w+b') as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      yield lines
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      lines.extend(line for line in captured.read().decode(errors='replace').splitlines() if line.strip())
+
+
+def summarise_compiler_log(lines: list) -> list[str]:
+  """One line per kind of compiler message, with its count."""
+  counts = {}
+  for line in lines:
+    kind = next((note for key, note in _COMPILER_NOTES.items() if key in line), None)
+    if kind is None and ('] ' not in line or line.lstrip()[:1] not in 'WE'):
+      continue  # informational lines (I...) and plugin start-up chatter
+    kind = kind or 'other compiler warnings (in --json under compiler_log)'
+    counts[kind] = counts.get(kind, 0) + 1
+  return [f'{note} ({count} log line{"s" * (count > 1)})' for note, count in counts.items()]
 
 
 def gpu_target_config(kind: str) -> str:
