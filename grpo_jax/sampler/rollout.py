@@ -9,10 +9,12 @@ then runs decode.decode_step over all B slots, and writes each emitted token to 
 of the output. The loop ends when every request has finished, so a slot freed by a short answer
 takes the next request at once and long-tailed lengths no longer keep the batch idle. Each request
 draws from its own key, so its tokens and log-probs do not depend on B or on the slot it lands in
-(and equal the JetStream engine's). The function takes the model's parameter state as an argument,
-so the trainer's live parameters are read in place. On a mesh, prompts, slots and requests are
-split into n groups over the batch axes and each group's slots serve only its own requests, so no
-prompt cache crosses devices.
+(and equal the JetStream engine's). The function takes the model's parameter state as an argument:
+the trainer's live parameters, read in place, or (`sample_resident` with a RolloutLayout) cast and
+laid out once per rollout in the sampler's own tensor-parallel layout (sampler/layout.py), so no
+weight moves inside the decode loop. On a mesh, prompts, slots and requests are split into n
+groups over the batch axes and each group's slots serve only its own requests, so no prompt cache
+crosses devices.
 """
 
 import dataclasses
