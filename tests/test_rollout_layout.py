@@ -203,3 +203,32 @@ def test_default_tensor_size():
 def test_tensor_that_does_not_divide_the_devices_is_one_line():
   with pytest.raises(UserError, match=r'rollout.tensor=3 must divide the 8 devices'):
     rollout_mesh(make_mesh(MeshConfig(1, 8, 1)), 3)
+
+
+def test_interconnect_time_uses_the_slowest_link_a_group_spans():
+  """Two H100 hosts of 2 GPUs: an all-reduce within a host runs on NVLink, one across hosts on the
+  network; each moves 2 (g - 1) / g of its bytes, an all-gather (g - 1) / g."""
+  from grpo_jax import targets
+  target = targets.parse_target('h100x2x2')
+  devices = [FakeDevice('gpu', host) for host in (0, 0, 1, 1)]
+  size = 1 << 30
+  within = traffic.Collective('all-reduce', size, ((0, 1), (2, 3)), count=3, in_loop=True, where='')
+  across = traffic.Collective('all-gather', size, ((0, 2), (1, 3)), count=1, in_loop=False, where='')
+
+  def bandwidth(group):
+    return target.group_bandwidth([devices[i] for i in group])
+
+  assert traffic.seconds([within, across], True, bandwidth) == pytest.approx(3 * size * 2 * 0.5 / 450e9)
+  assert traffic.seconds([within, across], False, bandwidth) == pytest.approx(size * 0.5 / 50e9)
+  assert traffic.totals([within, across], True) == dict(traffic.totals([], True), **{'all-reduce': 3 * size})
+
+
+def test_the_plan_tries_wider_sampler_tensor_axes_as_knobs():
+  from grpo_jax import config as config_lib
+  from grpo_jax.plan import knobs
+  from grpo_jax.testing import preset
+  config = config_lib.load_config(None, ['model.remat=full', 'model.attention=chunked'])
+  found = [knob.name for knob in knobs(config, preset('7B'), devices=8, sequence_length=24, current_rollout_tensor=2)]
+  assert [name for name in found if name.startswith('rollout.tensor')] == ['rollout.tensor=4', 'rollout.tensor=8']
+  why = {knob.name: knob.why for knob in knobs(config, preset('7B'), 8, 24, 2)}
+  assert 'replicated' in why['rollout.tensor=8'] and 'replicated' not in why['rollout.tensor=4']  # 4 KV heads
