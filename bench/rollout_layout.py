@@ -20,7 +20,7 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo_jax import config as config_lib  # noqa: E402
-from grpo_jax import plan, targets  # noqa: E402
+from grpo_jax import plan, programs, targets  # noqa: E402
 from grpo_jax.errors import UserError  # noqa: E402
 
 GiB = 1 << 30
@@ -55,7 +55,7 @@ def main():
   args = parse_args()
   target = targets.parse_target(args.target)
   config = config_lib.load_config(args.config, args.overrides)
-  architecture = plan.model_architecture(config, args.model_size, args.layers)
+  architecture = programs.model_architecture(config, args.model_size, args.layers)
   only = {'rollout'} if config.task.name != 'arith' else None
   steps = config.rollout.max_new_tokens
   rows = []

@@ -28,6 +28,11 @@ from grpo_jax.errors import UserError
 
 GiB = 1 << 30
 
+
+def format_bytes(value: int) -> str:
+  """'1.25 GiB' from a quarter GiB up, else '12.5 MiB'."""
+  return f'{value / GiB:.2f} GiB' if value >= GiB / 4 else f'{value / (1 << 20):.1f} MiB'
+
 # Per chip: HBM bytes, peak dense bf16 FLOP/s, HBM bytes/s, inter-chip interconnect (ICI) bytes/s
 # in each direction (public specifications: Cloud TPU's system-architecture pages give v4 2,400,
 # v5p 4,800, v5e 1,600 and v6e 3,584 Gbps per chip; the HBM sizes are the capacity the TPU

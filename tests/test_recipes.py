@@ -9,7 +9,7 @@ import pytest
 
 from grpo_jax import config as config_lib
 from grpo_jax.model import sharding
-from grpo_jax.plan import model_architecture, step_programs
+from grpo_jax.programs import model_architecture, step_programs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # recipe -> (Qwen2.5 size, devices it is traced over here)

@@ -225,7 +225,7 @@ def test_interconnect_time_uses_the_slowest_link_a_group_spans():
 
 def test_the_plan_tries_wider_sampler_tensor_axes_as_knobs():
   from grpo_jax import config as config_lib
-  from grpo_jax.plan import knobs
+  from grpo_jax.advice import knobs
   from grpo_jax.testing import preset
   config = config_lib.load_config(None, ['model.remat=full', 'model.attention=chunked'])
   found = [knob.name for knob in knobs(config, preset('7B'), devices=8, sequence_length=24, current_rollout_tensor=2)]

@@ -1,0 +1,206 @@
+"""A run's compiled programs, for a target that is not attached: the RL step's programs on
+abstract shapes (no weights, no data) and each one compiled by the target's compiler, with the
+compiler's memory figures and the collectives read from its optimized program (traffic.py).
+python -m grpo_jax.plan reports them (plan.py); its advice compiles them again with knobs (advice.py).
+"""
+
+import dataclasses
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from grpo_jax import config as config_lib
+from grpo_jax import targets, traffic
+from grpo_jax.config import completions_per_step
+from grpo_jax.data.task import Scores
+from grpo_jax.errors import UserError
+from grpo_jax.model import sharding
+from grpo_jax.model.config import load_hf_config
+from grpo_jax.model.loading import abstract_model, load_tokenizer
+from grpo_jax.rl.loop import RLStep
+from grpo_jax.rl.step import init_train_state, learning_rate_schedule, make_optimizer, train_state_shardings
+from grpo_jax.sampler.layout import rollout_layout
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTaskShape:
+  """A host-scored task as the compiled programs see it: the prompt width and the special ids.
+  Its prompts and rewards come from the host between the compiled sampler and update, so the plan
+  has none to give; the ids do not change the programs' shapes or memory."""
+
+  prompt_length: int
+  vocab_size: int
+  stop_token_ids: tuple[int, ...]
+  pad_id: int
+  jittable = False
+  prompts = None
+  reward = None
+
+  def close(self) -> None:
+    pass
+
+
+def model_architecture(config: config_lib.Config, model_size: str | None, layers: int | None):
+  from grpo_jax.testing import QWEN2_5_PRESETS, preset
+  if model_size is not None:
+    if model_size not in QWEN2_5_PRESETS:
+      raise UserError(f'--model-size {model_size}: one of {", ".join(QWEN2_5_PRESETS)}')
+    architecture = preset(model_size)
+  elif config.model.path:
+    if not os.path.isfile(os.path.join(config.model.path, 'config.json')):
+      raise UserError(f'model.path {config.model.path} has no config.json; give --model-size for the shape')
+    architecture = load_hf_config(config.model.path)
+  else:
+    architecture = config.model.architecture
+  if layers is not None:
+    if layers < 1:
+      raise UserError(f'--layers must be >= 1, got {layers}')
+    architecture = dataclasses.replace(architecture, num_hidden_layers=layers)
+  return architecture
+
+
+def build_task(config: config_lib.Config, architecture):
+  if config.task.name == 'arith':
+    from grpo_jax.train import build_task as train_task
+    return train_task(config)
+  directory = config.task.tokenizer or config.model.path
+  tokenizer = load_tokenizer(directory) if directory and os.path.isdir(directory) else None
+  if tokenizer is not None:
+    from grpo_jax.sampler.special_tokens import special_tokens
+    special = special_tokens(tokenizer)
+    stop, pad = tuple(special.stop_ids), special.pad_id
+  else:
+    stop, pad = (architecture.vocab_size - 1,), 0
+  return HostTaskShape(config.task.max_prompt_tokens, architecture.vocab_size, stop, pad)
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+@dataclasses.dataclass
+class Program:
+  """One compiled program: the compiler's memory figures, and its collectives per device by kind
+  (traffic.py), outside the decode loop (once per run of the program) and per decode step, with
+  their interconnect time at the target's link bandwidths."""
+
+  name: str
+  compile_s: float
+  arguments: int
+  outputs: int
+  aliased: int
+  temporaries: int
+  code: int
+  flops: float | None
+  note: str = ''
+  collectives: dict = dataclasses.field(default_factory=dict)  # {'outside' | 'per_decode_step': {kind: bytes}}
+  interconnect_s: dict = dataclasses.field(default_factory=dict)  # {'outside' | 'per_decode_step': seconds}
+
+  @property
+  def peak(self) -> int:
+    """The compiler's per-device total: live arguments, outputs not written over an argument, and
+    temporaries."""
+    return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+# Deviceless, XLA:GPU cannot autotune, so every Triton GEMM fusion gets XLA's default tile config;
+# for some fusions of the rematerialised backward that config cannot be nested ("Couldn't find
+# output tile sizes that satisfy ..."). On a GPU the autotuner picks among many configs and cuBLAS;
+# here the program is compiled again with cuBLAS GEMMs (xla_gpu_enable_triton_gemm=false), which
+# the autotuner may also choose, and the report says so.
+_TRITON_GEMM_TILING = "Couldn't find output tile sizes"
+NO_TRITON_GEMM = {'xla_gpu_enable_triton_gemm': False}
+
+
+def compile_for_target(jitted, args, platform: str):
+  """(compiled, note): `jitted` traced on `args` and compiled by the target's compiler."""
+  lowered = jitted.trace(*args).lower()
+  try:
+    return lowered.compile(), ''
+  except Exception as error:
+    if platform != 'gpu' or _TRITON_GEMM_TILING not in str(error):
+      raise
+  return lowered.compile(compiler_options=NO_TRITON_GEMM), 'GEMMs on cuBLAS (no default Triton GEMM tiling fits)'
+
+
+def compile_program(name: str, target: targets.Target, devices: list, jitted, *args) -> Program:
+  """`jitted` compiled for `target`; `devices`: the program's devices in its device-assignment
+  order (the mesh's, flattened), which the collectives' logical device ids index."""
+  start = time.perf_counter()
+  try:
+    compiled, note = compile_for_target(jitted, args, target.platform)
+  except Exception as error:  # the target's compiler refused it: say so, in its own words
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    raise UserError(f'{name}: the target compiler refused the program: {message}') from error
+  seconds = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+  flops = float(cost['flops']) if cost and 'flops' in cost else None
+  found = traffic.collectives(compiled.as_text(), len(devices))
+  bandwidth = functools.lru_cache(maxsize=None)(
+      lambda group: target.group_bandwidth([devices[i] for i in group if i < len(devices)] or devices[:1]))
+  return Program(name, seconds, memory.argument_size_in_bytes, memory.output_size_in_bytes,
+                 memory.alias_size_in_bytes, memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
+                 flops, note,
+                 collectives=dict(outside=traffic.totals(found, False), per_decode_step=traffic.totals(found, True)),
+                 interconnect_s=dict(outside=traffic.seconds(found, False, bandwidth),
+                                     per_decode_step=traffic.seconds(found, True, bandwidth)))
+
+
+@dataclasses.dataclass
+class StepPrograms:
+  """A run's RL step on abstract shapes over `mesh`: the jitted programs and their arguments."""
+
+  task: object
+  state: object
+  ref_params: object
+  programs: list  # (name, jitted function, abstract arguments)
+  layout: object = None  # the sampler's RolloutLayout
+
+
+def step_programs(config: config_lib.Config, architecture, mesh, resident: bool = True) -> StepPrograms:
+  """The programs a run compiles, on abstract inputs placed on `mesh` (no weights, no data): the
+  K-steps-in-one-jit loop for a jittable task, else the sampler and the update. resident False:
+  the sampler decodes in the training layout instead of its own (as grpo_jax did before the
+  rollout layout; bench/rollout_layout.py compares the two)."""
+  task = build_task(config, architecture)
+  if task.vocab_size > architecture.vocab_size:
+    raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but the model has {architecture.vocab_size}')
+  model = abstract_model(architecture, config.model)
+  from flax import nnx
+  graphdef, abstract_params = nnx.split(model)
+  shardings = sharding.state_shardings(abstract_params, mesh)
+  params = jax.tree.map(lambda variable, s: variable.replace(jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=s)),
+                        abstract_params, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  algo = config.algo
+  schedule = learning_rate_schedule(config.optim, config.train.steps * algo.ppo_epochs * algo.num_minibatches)
+  optimizer = make_optimizer(config.optim, schedule)
+  state_shardings = train_state_shardings(params, optimizer)
+  state = _abstract(jax.eval_shape(functools.partial(init_train_state, optimizer=optimizer, seed=0), params),
+                    state_shardings)
+  ref_params = params if algo.kl_beta > 0 else None
+  layout = rollout_layout(model, mesh, config.rollout.tensor)
+  step = RLStep(graphdef, task, config.rollout, algo, optimizer, schedule, state_shardings,
+                layout=layout if resident else None)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  if task.jittable:
+    programs = [(f'{config.train.steps_per_call} RL steps in one jit', step.run_steps,
+                 (state, ref_params, 0, config.train.steps_per_call))]
+  else:
+    prompts = jax.ShapeDtypeStruct((config.rollout.prompts_per_step, task.prompt_length), jnp.int32, sharding=replicated)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
+    with jax.set_mesh(mesh):
+      rollout = jax.eval_shape(step._sample_body, state.params, prompts, prompts, key)
+    rows = completions_per_step(config.rollout, algo)
+    terms = {term.label: jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated) for term in config.rewards}
+    scores = Scores(rewards=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated),
+                    failures=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), terms=terms)
+    rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
+    programs = [('rollout', step.sample, (state.params, prompts, prompts, key)),
+                ('update', step.learn, (state, ref_params, prompts, prompts, rollout, scores))]
+  return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs,
+                      layout=layout if resident else None)
