@@ -141,8 +141,7 @@ def compile_program(name: str, target: targets.Target, devices: list, jitted, *a
   cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
   flops = float(cost['flops']) if cost and 'flops' in cost else None
   found = traffic.collectives(compiled.as_text(), len(devices))
-  bandwidth = functools.lru_cache(maxsize=None)(
-      lambda group: target.group_bandwidth([devices[i] for i in group if i < len(devices)] or devices[:1]))
+  bandwidth = functools.cache(lambda group: target.group_bandwidth([devices[i] for i in group]))
   return Program(name, seconds, memory.argument_size_in_bytes, memory.output_size_in_bytes,
                  memory.alias_size_in_bytes, memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
                  flops, note,
@@ -183,9 +182,8 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
   state = _abstract(jax.eval_shape(functools.partial(init_train_state, optimizer=optimizer, seed=0), params),
                     state_shardings)
   ref_params = params if algo.kl_beta > 0 else None
-  layout = rollout_layout(model, mesh, config.rollout.tensor)
-  step = RLStep(graphdef, task, config.rollout, algo, optimizer, schedule, state_shardings,
-                layout=layout if resident else None)
+  layout = rollout_layout(model, mesh, config.rollout.tensor) if resident else None
+  step = RLStep(graphdef, task, config.rollout, algo, optimizer, schedule, state_shardings, layout=layout)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   if task.jittable:
     programs = [(f'{config.train.steps_per_call} RL steps in one jit', step.run_steps,
@@ -202,5 +200,4 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
     rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
     programs = [('rollout', step.sample, (state.params, prompts, prompts, key)),
                 ('update', step.learn, (state, ref_params, prompts, prompts, rollout, scores))]
-  return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs,
-                      layout=layout if resident else None)
+  return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=layout)

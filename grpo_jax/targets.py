@@ -62,11 +62,11 @@ _GPU = {
 
 
 # What the compilers log on stderr while compiling, in one line each (the report keeps the count).
-_COMPILER_NOTES = {
+_COMPILER_NOTES = {  # the first key a line holds names it: the partitioner's note before the memory one
+    'Involuntary full rematerialization': "XLA's partitioner replicated a tensor to reshard it",
     'rematerialization': 'XLA rematerialised values to bring the program under its memory limit',
     'This indicates an error in the calculation': "XLA:GPU's scheduler and its memory accounting disagreed "
                                                   "(a compiler diagnostic; the figures above are the compiled program's)",
-    'Involuntary full rematerialization': "XLA's partitioner replicated a tensor to reshard it",
 }
 
 
@@ -93,10 +93,10 @@ def summarise_compiler_log(lines: list) -> list[str]:
   counts = {}
   for line in lines:
     kind = next((note for key, note in _COMPILER_NOTES.items() if key in line), None)
-    if kind is None and ('] ' not in line or line.lstrip()[:1] not in 'WE'):
-      continue  # informational lines (I...) and plugin start-up chatter
-    kind = kind or 'other compiler warnings (in --json under compiler_log)'
-    counts[kind] = counts.get(kind, 0) + 1
+    if kind is None and re.match(r'\s*[WE]\d{4} ', line):  # absl's warnings and errors; info lines are left out
+      kind = 'other compiler warnings (in --json under compiler_log)'
+    if kind is not None:
+      counts[kind] = counts.get(kind, 0) + 1
   return [f'{note} ({count} log line{"s" * (count > 1)})' for note, count in counts.items()]
 
 

@@ -22,6 +22,8 @@ import math
 import re
 from collections.abc import Callable
 
+import numpy as np
+
 KINDS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'permute')
 _OPCODES = {'all-gather': 'all-gather', 'all-gather-start': 'all-gather', 'all-reduce': 'all-reduce',
             'all-reduce-start': 'all-reduce', 'reduce-scatter': 'reduce-scatter', 'all-to-all': 'all-to-all',
@@ -71,7 +73,6 @@ def _shape_bytes(text: str) -> list[int]:
 
 
 def _iota_groups(dims: list[int], reshape: list[int], transpose: list[int] | None) -> list[list[int]]:
-  import numpy as np
   ids = np.arange(math.prod(reshape)).reshape(reshape)
   if transpose is not None:
     ids = ids.transpose(transpose)
@@ -80,7 +81,6 @@ def _iota_groups(dims: list[int], reshape: list[int], transpose: list[int] | Non
 
 def parse_groups(text: str, devices: int) -> tuple[tuple[int, ...], ...]:
   """replica_groups in any of XLA's spellings -> groups of logical device ids."""
-  import numpy as np
   match = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
   if match:  # mesh['a'=4,'b'=2] {'b'}: over a mesh of the ids in order, groups along the named axes
     axes = re.findall(r"'([^']+)'=(\d+)", match.group(1))
@@ -106,16 +106,13 @@ def parse_groups(text: str, devices: int) -> tuple[tuple[int, ...], ...]:
   return (tuple(range(devices)),)  # no groups written: all devices
 
 
-def _bytes(kind: str, opcode: str, shape: str, operands: str) -> int:
+def _bytes(kind: str, opcode: str, shape: str, group_size: int) -> int:
+  """Bytes per device of one collective from its result shape (see the module docstring)."""
   sizes = _shape_bytes(shape)
-  if not sizes:
-    return 0
   if opcode in ('all-gather-start', 'collective-permute-start'):
-    # (operand, result[, contexts]): the result is what arrives.
-    return sizes[1] if len(sizes) > 1 else sizes[0]
+    return sizes[1] if len(sizes) > 1 else sum(sizes)  # (operand, result[, contexts]): the result arrives
   if kind == 'reduce-scatter':
-    operand = _shape_bytes(operands.split('),')[0]) if '[' in operands.split('),')[0] else []
-    return sum(operand) or sum(sizes)
+    return sum(sizes) * group_size  # the operand, of which each device keeps 1 / g
   return sum(sizes)
 
 
@@ -145,16 +142,15 @@ def collectives(hlo: str, devices: int, marker: str = 'decode_loop') -> list[Col
     found = _TRIP.search(line)
     if found:
       return int(found.group(1))
-    constants = {m.group(1): m.group(4) for m in instructions.get(condition, []) if m.group(3) == 'constant'}
-    for lines in (computations.get(condition, []),):
-      for text in lines:
-        if 'ROOT' in text and ' compare(' in text and 'direction=LT' in text:
-          operands = re.findall(r'%([\w.\-]+)', text.split(' compare(', 1)[1].split(')')[0])
-          for operand in operands:
-            value = constants.get(operand, '')
-            number = re.match(r'(-?\d+)\)', value)
-            if number:
-              return int(number.group(1))
+    parsed = instructions.get(condition, [])  # else a condition `counter < constant` (init 0, step 1)
+    root = next((m for m in parsed if m.group(0).lstrip().startswith('ROOT')), None)
+    if root is None or root.group(3) != 'compare' or 'direction=LT' not in root.group(0):
+      return None
+    constants = {m.group(1): m.group(4) for m in parsed if m.group(3) == 'constant'}
+    for operand in re.findall(r'%([\w.\-]+)', root.group(4).split(')')[0]):
+      number = re.match(r'(-?\d+)\)', constants.get(operand, ''))
+      if number:
+        return int(number.group(1))
     return None
 
   found: list[Collective] = []
@@ -167,9 +163,10 @@ def collectives(hlo: str, devices: int, marker: str = 'decode_loop') -> list[Col
       kind = _OPCODES.get(opcode)
       if kind is not None:
         where = _OP_NAME.search(line)
-        found.append(Collective(kind=kind, bytes=_bytes(kind, opcode, match.group(2), match.group(4)),
-                                groups=parse_groups(line, devices), count=count, in_loop=in_loop,
-                                where=where.group(1) if where else ''))
+        groups = parse_groups(line, devices)
+        size = max(len(group) for group in groups)
+        found.append(Collective(kind=kind, bytes=_bytes(kind, opcode, match.group(2), size), groups=groups,
+                                count=count, in_loop=in_loop, where=where.group(1) if where else ''))
       called = _CALLS.findall(line)
       for branches in _BRANCHES.findall(line):
         called += [b.strip().lstrip('%') for b in branches.split(',') if b.strip()]
@@ -188,11 +185,8 @@ def collectives(hlo: str, devices: int, marker: str = 'decode_loop') -> list[Col
         visit(body, count * trips, in_loop, depth + 1)
         visit(condition, count * (trips + 1), in_loop, depth + 1)
         continue
-      for callee in called:
-        if callee in instructions and opcode not in ('reduce', 'map', 'sort', 'scatter', 'select-and-scatter',
-                                                     'reduce-window', 'all-reduce', 'all-reduce-start',
-                                                     'reduce-scatter'):
-          visit(callee, count, in_loop, depth + 1)
+      for callee in called:  # fusions, calls, branches, async wrappers (and reducers, which hold none)
+        visit(callee, count, in_loop, depth + 1)
 
   visit(entry, 1, False)
   return found
@@ -218,8 +212,6 @@ def seconds(found: list[Collective], in_loop: bool, bandwidth: Callable[[tuple[i
     if size <= 1:
       continue
     slowest = min(bandwidth(group) for group in collective.groups)
-    factor = (2.0 if collective.kind == 'all-reduce' else 1.0) * (size - 1) / size
-    if collective.kind == 'permute':
-      factor = 1.0
+    factor = {'all-reduce': 2.0 * (size - 1) / size, 'permute': 1.0}.get(collective.kind, (size - 1) / size)
     total += collective.count * collective.bytes * factor / slowest
   return total

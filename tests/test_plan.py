@@ -80,3 +80,20 @@ def test_plan_names_the_knob_that_brings_a_run_under_the_device_memory(tmp_path)
   assert halved['peaks']['update'] < update  # half the micro-batch, fewer activations
   again, replanned = plan(*[arg for assignment in fitting[0]['knob'].split() for arg in ('--set', assignment)])
   assert again.returncode == 0 and replanned['fits'] and 'advice' not in replanned
+
+
+def test_compiler_log_lines_are_summarised_by_kind():
+  from grpo_jax import targets
+  lines = ['WARNING: All log messages before absl::InitializeLog() is called are written to STDERR',
+           'I0000 00:00:17.1 cudart_stub.cc:31] Could not find cuda drivers on your machine',
+           'W1125 04:14:25.3 spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. The compiler ...',
+           "W1125 04:14:26.1 hlo_rematerialization.cc:3000] Can't reduce memory use below 1.5GiB by rematerialization",
+           "W1125 04:14:27.0 hlo_rematerialization.cc:3000] Can't reduce memory use below 1.6GiB by rematerialization",
+           'E1125 04:14:28.0 gpu_hlo_schedule.cc:1] ... This indicates an error in the calculation!',
+           'W1125 04:14:29.0 other.cc:1] something else']
+  assert targets.summarise_compiler_log(lines) == [
+      "XLA's partitioner replicated a tensor to reshard it (1 log line)",
+      'XLA rematerialised values to bring the program under its memory limit (2 log lines)',
+      "XLA:GPU's scheduler and its memory accounting disagreed (a compiler diagnostic; the figures above are the "
+      "compiled program's) (1 log line)",
+      'other compiler warnings (in --json under compiler_log) (1 log line)']

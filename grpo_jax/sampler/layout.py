@@ -57,7 +57,7 @@ def choose_tensor(devices: Sequence[jax.Device], kv_heads: int) -> int:
   (test meshes of one host's cores) gain nothing from splitting a matmul over fake devices."""
   if devices[0].platform == 'cpu':
     return 1
-  limit = devices_per_host(devices) if devices[0].platform in ('gpu', 'cuda', 'rocm') else len(devices)
+  limit = devices_per_host(devices) if devices[0].platform == 'gpu' else len(devices)
   return max(t for t in range(1, min(kv_heads, limit) + 1) if kv_heads % t == 0 and len(devices) % t == 0)
 
 
@@ -179,7 +179,7 @@ def rollout_layout(model: Qwen2, source: Mesh, tensor: int = 0) -> RolloutLayout
   `tensor` devices per group (0: choose_tensor)."""
   devices = list(np.asarray(source.devices).reshape(-1))
   tensor = tensor or choose_tensor(devices, model.config.num_key_value_heads)
-  return RolloutLayout(source=source, mesh=rollout_mesh(source, tensor), dtype=model.options.dtype)
+  return RolloutLayout(source=source, mesh=_grouped_mesh(devices, tensor, 'rollout.tensor'), dtype=model.options.dtype)
 
 
 def resident_bytes_per_device(params, layout: RolloutLayout) -> int:
