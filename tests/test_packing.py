@@ -159,12 +159,15 @@ def run_update(settings: dict, params, batch, seed, packed: bool, ref_params=Non
   return new_state.opt_state[0], metrics
 
 
-def assert_packed_equals_padded(padded, packed):
+def assert_packed_equals_padded(padded, packed, batch):
   (padded_gradients, padded_metrics), (packed_gradients, packed_metrics) = padded, packed
   assert_trees_close(packed_gradients, padded_gradients)
+  # The losses are sums of per-token terms of size ~|A| that can cancel to near 0: their rounding
+  # follows the terms, as test_update's rule says (seed 3010453421: policy loss -2.2e-3, 5.6e-8 apart).
+  summands = float(np.abs(np.asarray(batch.advantages)).max())
   for name, value in padded_metrics.items():
     if name != 'micro_batches':
-      assert_close(packed_metrics[name], value, name)
+      assert_close(packed_metrics[name], value, name, scale=summands if 'loss' in name else 0.0)
   assert float(padded_metrics['grad_norm']) > 1e-3
 
 
@@ -179,7 +182,7 @@ def test_packed_update_equals_padded(seed, name):
   # pi_ref differs from pi (a KL with a gradient); the sampler differs from both (TIS, the mismatch).
   padded = run_update(SETTINGS[name], params, batch, seed, packed=False, ref_params=ref_params)
   packed = run_update(SETTINGS[name], params, batch, seed, packed=True, ref_params=ref_params)
-  assert_packed_equals_padded(padded, packed)
+  assert_packed_equals_padded(padded, packed, batch)
   metrics = packed[1]
   real = int((np.asarray(batch.segment_ids) != 0).sum())
   assert_close(metrics['padding_frac'], 1 - real / batch.segment_ids.size)
@@ -218,7 +221,7 @@ def test_packed_update_on_a_mesh_equals_one_device(seed):
                          packed=True, ref_params=shard_params(ref_params))
     packed = jax.jit(packing.pack, static_argnums=(2, 3, 4))(place(batch).tokens, place(batch).segment_ids,
                                                              COMPLETION_LENGTH, WIDTH, 1)
-  assert_packed_equals_padded(padded, on_mesh)
+  assert_packed_equals_padded(padded, on_mesh, batch)
   assert packed.tokens.shape == (4, 2, WIDTH)  # 4 groups of 2 rows: no group packs another's sequences
   assert packed.tokens.sharding.shard_shape(packed.tokens.shape)[0] == 1
 
