@@ -284,12 +284,14 @@ def run_both(args, model_dir: str, workdir: str) -> tuple[dict, dict | None]:
 
   from grpo_jax import config as config_lib
   from grpo_jax.model import sharding
-  from grpo_jax.train import Run, build_model, build_task
+  from grpo_jax.build import build_task
+  from grpo_jax.model import ModelOptions
+  from grpo_jax.train import Run
 
   total_steps = 2 * args.warmup + args.steps + 2 * args.fused_steps
   config = config_lib.Config(
       run=config_lib.RunConfig(name='bench_grpo_step', seed=0),
-      model=config_lib.ModelConfig(path=model_dir, scan_layers=False),
+      model=config_lib.ModelConfig(path=model_dir, options=ModelOptions(scan_layers=False)),
       task=config_lib.TaskConfig(name='arith', max_operand=MAX_OPERAND, operators='+'),
       rollout=config_lib.RolloutConfig(prompts_per_step=args.prompts, max_new_tokens=args.new_tokens),
       algo=config_lib.AlgoConfig(group_size=args.group),
@@ -299,7 +301,7 @@ def run_both(args, model_dir: str, workdir: str) -> tuple[dict, dict | None]:
   task = build_task(config)
   # The end token no longer stops the sampler, so every completion is N tokens, as on TRL's side.
   task.stop_token_ids = ()
-  run = Run(config, workdir, mesh, build_model(config.model, mesh, config.run.seed), task)
+  run = Run(config, workdir, mesh, config.model.build(mesh, config.run.seed), task)
   try:
     for _ in range(args.warmup):  # compiles, before the worker starts
       run.host_step()

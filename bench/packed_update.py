@@ -8,7 +8,7 @@ log-normal (sigma 1.2) with mean ~N/8, capped at N; prompts have random real len
 `--micro-rows` rows of Tp + N tokens, the packed path micro_batch_tokens = that many tokens. Prints
 seconds per update (median, interleaved), real tokens/s, the ratio, the compiler's temporary
 memory for each program, the padding of each layout and the micro-batches the packed one ran.
-Both run the trainer's own rl.step.update, jitted as rl/loop.py jits it, state donated.
+Both run the trainer's own rl.update.update, jitted as rl/step.py jits it, state donated.
 """
 
 import argparse
@@ -47,8 +47,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from grpo_jax import config as config_lib  # noqa: E402
-from grpo_jax.model import MeshConfig, Qwen2Config, init_model, make_mesh  # noqa: E402
-from grpo_jax.rl import step as step_lib  # noqa: E402
+from grpo_jax.model import MeshConfig, ModelOptions, Qwen2Config, init_model, make_mesh  # noqa: E402
+from grpo_jax.rl import update as update_lib  # noqa: E402
+from grpo_jax.rl.state import create_train_state  # noqa: E402
 
 GiB = 2 ** 30
 
@@ -62,7 +63,7 @@ def answer_lengths(rng, full: bool) -> np.ndarray:
   return np.clip(np.round(rng.lognormal(mu, sigma, args.rows)), 1, N).astype(int)
 
 
-def long_tail_batch(vocab_size: int, full: bool, seed: int = 0) -> step_lib.Batch:
+def long_tail_batch(vocab_size: int, full: bool, seed: int = 0) -> update_lib.Batch:
   rng = np.random.default_rng(seed)
   B, Tp, N = args.rows, args.prompt_length, args.new_tokens
   prompt_real = rng.integers(Tp // 2, Tp + 1, B)
@@ -72,12 +73,12 @@ def long_tail_batch(vocab_size: int, full: bool, seed: int = 0) -> step_lib.Batc
   tokens = rng.integers(1, vocab_size, (B, Tp + N), dtype=np.int32)
   segments = np.concatenate([prompt_segments, mask], axis=1)
   tokens[~segments] = 0
-  return step_lib.Batch(tokens=jnp.asarray(tokens), segment_ids=jnp.asarray(segments, jnp.int32),
+  return update_lib.Batch(tokens=jnp.asarray(tokens), segment_ids=jnp.asarray(segments, jnp.int32),
                         mask=jnp.asarray(mask), advantages=jnp.asarray(rng.standard_normal(B), jnp.float32),
                         sampler_log_probs=jnp.asarray(-rng.uniform(0.01, 5.0, (B, N)), jnp.float32))
 
 
-def make_update(architecture: Qwen2Config, packing: bool, batch: step_lib.Batch):
+def make_update(architecture: Qwen2Config, packing: bool, batch: update_lib.Batch):
   """(step, compiled, live): step() runs one donated update of `batch` and waits for it."""
   width = args.prompt_length + args.new_tokens
   algo = config_lib.AlgoConfig(group_size=args.rows, num_minibatches=2, packing=packing,
@@ -85,16 +86,15 @@ def make_update(architecture: Qwen2Config, packing: bool, batch: step_lib.Batch)
                                micro_batch_tokens=args.micro_rows * width if packing else 0,
                                logprob_implementation='xla_chunked')
   mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
-  model = init_model(architecture, options=config_lib.ModelConfig(dtype=args.dtype), mesh=mesh)
+  model = init_model(architecture, options=ModelOptions(dtype=args.dtype), mesh=mesh)
   graphdef, params = nnx.split(model)
   optim = config_lib.OptimConfig(learning_rate=1e-6)
-  schedule = step_lib.learning_rate_schedule(optim, 100)
-  optimizer = step_lib.make_optimizer(optim, schedule)
-  settings = step_lib.UpdateSettings(algo=algo, temperature=1.0, rows=args.rows, sequence_length=width)
+  optimizer, schedule = optim.build(100)
+  settings = update_lib.UpdateSettings(algo=algo, temperature=1.0, rows=args.rows, sequence_length=width)
   with jax.set_mesh(mesh):
-    state = step_lib.create_train_state(params, optimizer, 0)
+    state = create_train_state(params, optimizer, 0)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  update = jax.jit(functools.partial(step_lib.update, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
+  update = jax.jit(functools.partial(update_lib.update, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
                                      settings=settings),
                    donate_argnums=0, out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated))
   with jax.set_mesh(mesh):

@@ -3,7 +3,7 @@
 Seconds per jitted GRPO update (rl/step.py's optimizer step on one scored batch), trained tokens/s
 and model-FLOPs utilisation, optionally against the same update in PyTorch (--torch).
 
-The update is the trainer's own: rl.step.update, jitted as rl/loop.py jits it, on a one-device mesh
+The update is the trainer's own: rl.update.update, jitted as rl/step.py jits it, on a one-device mesh
 with the state donated and its shardings pinned, compiled ahead of time so XLA's memory analysis can be printed before it
 runs. Weights are random (init_model), the batch is random token ids with left padding on every
 eighth row, completion masks of random length, random advantages and sampler log-probs. Defaults:
@@ -106,9 +106,10 @@ from flax import nnx  # noqa: E402
 from grpo_jax import config as config_lib  # noqa: E402
 from grpo_jax import testing  # noqa: E402
 from grpo_jax.errors import UserError  # noqa: E402
-from grpo_jax.model import MeshConfig, Qwen2Config, init_model, make_mesh, to_hf_dict  # noqa: E402
+from grpo_jax.model import MeshConfig, ModelOptions, Qwen2Config, init_model, make_mesh, to_hf_dict  # noqa: E402
 from grpo_jax.metrics import matmul_peak_flops  # noqa: E402
-from grpo_jax.rl import step as step_lib  # noqa: E402
+from grpo_jax.rl import update as update_lib  # noqa: E402
+from grpo_jax.rl.state import create_train_state  # noqa: E402
 
 GiB = 2 ** 30
 
@@ -116,9 +117,9 @@ GiB = 2 ** 30
 def run_config(architecture: Qwen2Config, dtype: str) -> config_lib.Config:
   """The run config the trainer would see: one prompt with G = B completions of N tokens."""
   return config_lib.Config(
-      model=config_lib.ModelConfig(architecture=architecture, dtype=dtype, param_dtype=args.param_dtype,
-                                   remat=args.remat, scan_layers=not args.no_scan_layers,
-                                   attention=args.attention, attention_chunk=args.attention_chunk),
+      model=config_lib.ModelConfig(architecture=architecture, options=ModelOptions(
+          dtype=dtype, param_dtype=args.param_dtype, remat=args.remat, scan_layers=not args.no_scan_layers,
+          attention=args.attention, attention_chunk=args.attention_chunk)),
       rollout=config_lib.RolloutConfig(prompts_per_step=1, max_new_tokens=args.completion_length),
       algo=config_lib.AlgoConfig(group_size=args.rows, ppo_epochs=args.ppo_epochs,
                                  num_minibatches=args.num_minibatches, kl_beta=args.kl_beta,
@@ -167,20 +168,19 @@ def memory_line(compiled) -> str:
 def jax_update(architecture: Qwen2Config, config: config_lib.Config, arrays: dict):
   """(step, settings, live) where step() runs one donated update and waits for it."""
   mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
-  model = init_model(architecture, options=config.model, mesh=mesh)
+  model = init_model(architecture, options=config.model.options, mesh=mesh)
   graphdef, params = nnx.split(model)
   ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
-  schedule = step_lib.learning_rate_schedule(config.optim, args.warmup + args.repeats + 1)
-  optimizer = step_lib.make_optimizer(config.optim, schedule)
-  settings = step_lib.UpdateSettings(algo=config.algo, temperature=config.rollout.temperature,
-                                     rows=config_lib.completions_per_step(config.rollout, config.algo))
+  optimizer, schedule = config.optim.build(args.warmup + args.repeats + 1)
+  settings = update_lib.UpdateSettings(algo=config.algo, temperature=config.rollout.sampling.temperature,
+                                       rows=config.completions_per_step)
   with jax.set_mesh(mesh):
-    state = step_lib.create_train_state(params, optimizer, 0)
+    state = create_train_state(params, optimizer, 0)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  update = jax.jit(functools.partial(step_lib.update, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
+  update = jax.jit(functools.partial(update_lib.update, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
                                      settings=settings),
                    donate_argnums=0, out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated))
-  batch = step_lib.Batch(**jax.device_put(arrays))
+  batch = update_lib.Batch(**jax.device_put(arrays))
   start = time.perf_counter()
   with jax.set_mesh(mesh):
     compiled = update.lower(state, batch, ref_params).compile()
@@ -223,7 +223,7 @@ def torch_update(architecture: Qwen2Config, config: config_lib.Config, arrays: d
   mask = torch.from_numpy(arrays['mask']).to(device)
   weights = mask.float() / mask.sum()  # token-mean over the whole batch
   advantages = torch.from_numpy(arrays['advantages']).to(device)[:, None]
-  temperature = config.rollout.temperature
+  temperature = config.rollout.sampling.temperature
   autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=args.dtype == 'bfloat16')
   micro = args.micro_batch_size
 

@@ -4,7 +4,6 @@ what is learned, each compiled again for the target (python -m grpo_jax.plan's a
 import dataclasses
 
 from grpo_jax import config as config_lib
-from grpo_jax.config import completions_per_step
 from grpo_jax.errors import UserError
 from grpo_jax.targets import format_bytes
 
@@ -32,11 +31,11 @@ def knobs(config: config_lib.Config, architecture, devices: int, sequence_length
   Micro-batches are tried from half the current one down to one row per data-parallel device
   (padded rows), or down to one packed row of `pack_length` tokens per batch shard (packing:
   micro_batch_tokens). sequence_length: Tp + N."""
-  model, algo, mesh = config.model, config.algo, config.mesh
+  model, algo, mesh = config.model.options, config.algo, config.mesh
   found = []
   if model.remat != 'full':
     found.append(Knob(('model.remat=full',), 'update', 'recompute each layer in the backward pass'))
-  minibatch = completions_per_step(config.rollout, algo) // algo.num_minibatches
+  minibatch = config.completions_per_step // algo.num_minibatches
   size = algo.micro_batch_size or minibatch
   tensor = mesh.tensor if mesh.tensor > 0 else 1
   if algo.packing:
@@ -52,7 +51,7 @@ def knobs(config: config_lib.Config, architecture, devices: int, sequence_length
                       f'accumulate gradients over {minibatch // size} micro-batches'))
   if model.attention == 'dense':
     found.append(Knob(('model.attention=chunked',), 'update', 'attention in query chunks, no [T, T] scores'))
-  rows = completions_per_step(config.rollout, algo)
+  rows = config.completions_per_step
   slots = min(config.rollout.slots or rows, rows)
   while slots % 2 == 0 and slots // 2 >= devices // tensor and len([k for k in found if k.programs == 'rollout']) < 3:
     slots //= 2

@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import logging
+import os
 import sys
 import threading
 
@@ -140,3 +141,18 @@ def quiet_abandoned_reads() -> None:
   threading.excepthook = thread
   sys.excepthook = report
   logging.getLogger('asyncio').addFilter(_Filter())
+
+
+@contextlib.contextmanager
+def quiet_native_stderr():
+  """Silences file descriptor 2 while TensorFlow's native libraries load: they log cuInit and
+  oneDNN notices before TF_CPP_MIN_LOG_LEVEL takes effect. Python exceptions are unaffected."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with open(os.devnull, 'w') as devnull:
+    os.dup2(devnull.fileno(), 2)
+  try:
+    yield
+  finally:
+    os.dup2(saved, 2)
+    os.close(saved)

@@ -5,7 +5,6 @@ clu's metric writers import TensorFlow; where it is not installed (e.g. a GPU im
 extras) the run says so once and writes metrics.jsonl only.
 """
 
-import contextlib
 import functools
 import json
 import math
@@ -16,7 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.config import AlgoConfig, RolloutConfig, completions_per_step
+from grpo_jax import errors
 
 # Columns of the end-of-run summary table: (metric, format).
 SUMMARY = (('reward_mean', '{:.3f}'), ('reward_std', '{:.3f}'), ('response_len_mean', '{:.1f}'),
@@ -25,25 +24,10 @@ SUMMARY = (('reward_mean', '{:.3f}'), ('reward_std', '{:.3f}'), ('response_len_m
            ('step_time_s', '{:.3f}'))
 
 
-@contextlib.contextmanager
-def quiet_native_stderr():
-  """Silences file descriptor 2 while TensorFlow's native libraries load: they log cuInit and
-  oneDNN notices before TF_CPP_MIN_LOG_LEVEL takes effect. Python exceptions are unaffected."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with open(os.devnull, 'w') as devnull:
-    os.dup2(devnull.fileno(), 2)
-  try:
-    yield
-  finally:
-    os.dup2(saved, 2)
-    os.close(saved)
-
-
 def _clu_writer(logdir: str):
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   try:
-    with quiet_native_stderr():
+    with errors.quiet_native_stderr():
       from clu import metric_writers
       writer = metric_writers.AsyncWriter(metric_writers.SummaryWriter(logdir))
   except ImportError as error:
@@ -187,10 +171,11 @@ def plot_rewards(history: list[dict], path: str, title: str) -> str | None:
   return path
 
 
-def model_flops_per_step(num_params: int, prompt_length: int, rollout: RolloutConfig, algo: AlgoConfig) -> float:
-  """Approximate model FLOPs of one RL step: 2 N per sampled token, 6 N per trained token (plus
-  2 N per token for each extra scoring pass: pi_old when mu > 1 or several mini-batches, pi_ref)."""
-  rows = completions_per_step(rollout, algo)
+def model_flops_per_step(num_params: int, prompt_length: int, rollout, algo) -> float:
+  """Approximate model FLOPs of one RL step (the run's `rollout` and `algo` config sections): 2 N
+  per sampled token, 6 N per trained token (plus 2 N per token for each extra scoring pass: pi_old
+  when mu > 1 or several mini-batches, pi_ref)."""
+  rows = rollout.prompts_per_step * algo.group_size
   sequence = prompt_length + rollout.max_new_tokens
   sampled = rollout.prompts_per_step * prompt_length + rows * rollout.max_new_tokens
   trained = rows * sequence * algo.ppo_epochs

@@ -36,7 +36,6 @@ with targets.compiler_log(_STARTUP_LOG):  # the compilers' plugins log as jax lo
 from grpo_jax import config as config_lib  # noqa: E402
 from grpo_jax import metrics as metrics_lib  # noqa: E402
 from grpo_jax.advice import advise, format_advice  # noqa: E402
-from grpo_jax.config import completions_per_step  # noqa: E402
 from grpo_jax.errors import UserError, cli_main  # noqa: E402
 from grpo_jax.model import sharding  # noqa: E402
 from grpo_jax.programs import compile_program, model_architecture, step_programs  # noqa: E402
@@ -63,14 +62,14 @@ def kv_cache_bytes_per_device(architecture, config: config_lib.Config, prompt_le
   """The sampler's K and V caches (sampler/rollout.py): the shared prompt cache [L, P, Tp, K, H]
   and the slots' own rows [L, B, N, K, H] (B = rollout.slots, else P * G), each with its rows
   over the batch axes and KV heads over 'tensor' where they divide (model/sharding.py's rules)."""
-  rows = completions_per_step(config.rollout, config.algo)
+  rows = config.completions_per_step
   slots = min(config.rollout.slots or rows, rows)
   total = 0
   for count, width in ((config.rollout.prompts_per_step, prompt_length), (slots, config.rollout.max_new_tokens)):
     shape = (architecture.num_hidden_layers, count, width, architecture.num_key_value_heads,
              architecture.resolved_head_dim)
     layout = sharding.named_sharding(mesh, shape, ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim'))
-    total += 2 * math.prod(layout.shard_shape(shape)) * jnp.dtype(config.model.dtype).itemsize
+    total += 2 * math.prod(layout.shard_shape(shape)) * jnp.dtype(config.model.options.dtype).itemsize
   return total
 
 
@@ -95,7 +94,7 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
     resident_bytes, decode_mesh = resident_bytes_per_device(state.params, layout), layout.mesh
     layout_report = dict(tensor=layout.tensor, data_groups=layout.data_groups)
   else:  # the training layout: each device reads the whole model, split over 'tensor', every token
-    resident_bytes = architecture.num_params() * jnp.dtype(config.model.dtype).itemsize // mesh.shape['tensor']
+    resident_bytes = architecture.num_params() * jnp.dtype(config.model.options.dtype).itemsize // mesh.shape['tensor']
     decode_mesh, layout_report = mesh, dict(tensor=mesh.shape['tensor'], data_groups=0)
   peak = max(program.peak for program in programs)
   report = dict(
@@ -125,7 +124,7 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   devices, steps = report['devices'], config.rollout.max_new_tokens
   params = architecture.num_params()
   step_flops = metrics_lib.model_flops_per_step(params, prompt_length, config.rollout, config.algo)
-  rows = completions_per_step(config.rollout, config.algo)
+  rows = config.completions_per_step
   rollout_flops = 2.0 * params * (config.rollout.prompts_per_step * prompt_length + rows * steps)
   per_device = report['per_device']
   decode_s = steps * (per_device['resident_weights'] + per_device['kv_cache'] / 2) / target.hbm_bandwidth

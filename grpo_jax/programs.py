@@ -11,36 +11,17 @@ import time
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from grpo_jax import config as config_lib
 from grpo_jax import targets, traffic
-from grpo_jax.config import completions_per_step
-from grpo_jax.data.task import Scores
+from grpo_jax.build import build_rl_step
+from grpo_jax.data.task import TASKS, Scores
 from grpo_jax.errors import UserError
 from grpo_jax.model import sharding
 from grpo_jax.model.config import load_hf_config
-from grpo_jax.model.loading import abstract_model, load_tokenizer
-from grpo_jax.rl.loop import RLStep
-from grpo_jax.rl.step import init_train_state, learning_rate_schedule, make_optimizer, train_state_shardings
-from grpo_jax.sampler.layout import rollout_layout
-
-
-@dataclasses.dataclass(frozen=True)
-class HostTaskShape:
-  """A host-scored task as the compiled programs see it: the prompt width and the special ids.
-  Its prompts and rewards come from the host between the compiled sampler and update, so the plan
-  has none to give; the ids do not change the programs' shapes or memory."""
-
-  prompt_length: int
-  vocab_size: int
-  stop_token_ids: tuple[int, ...]
-  pad_id: int
-  jittable = False
-  prompts = None
-  reward = None
-
-  def close(self) -> None:
-    pass
+from grpo_jax.model.loading import abstract_model
+from grpo_jax.rl.state import init_train_state
 
 
 def model_architecture(config: config_lib.Config, model_size: str | None, layers: int | None):
@@ -60,21 +41,6 @@ def model_architecture(config: config_lib.Config, model_size: str | None, layers
       raise UserError(f'--layers must be >= 1, got {layers}')
     architecture = dataclasses.replace(architecture, num_hidden_layers=layers)
   return architecture
-
-
-def build_task(config: config_lib.Config, architecture):
-  if config.task.name == 'arith':
-    from grpo_jax.train import build_task as train_task
-    return train_task(config)
-  directory = config.task.tokenizer or config.model.path
-  tokenizer = load_tokenizer(directory) if directory and os.path.isdir(directory) else None
-  if tokenizer is not None:
-    from grpo_jax.sampler.special_tokens import special_tokens
-    special = special_tokens(tokenizer)
-    stop, pad = tuple(special.stop_ids), special.pad_id
-  else:
-    stop, pad = (architecture.vocab_size - 1,), 0
-  return HostTaskShape(config.task.max_prompt_tokens, architecture.vocab_size, stop, pad)
 
 
 def _abstract(tree, shardings):
@@ -166,24 +132,18 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
   K-steps-in-one-jit loop for a jittable task, else the sampler and the update. resident False:
   the sampler decodes in the training layout instead of its own (as grpo_jax did before the
   rollout layout; bench/rollout_layout.py compares the two)."""
-  task = build_task(config, architecture)
+  task = TASKS[config.task.name].shape(config, architecture)
   if task.vocab_size > architecture.vocab_size:
     raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but the model has {architecture.vocab_size}')
-  model = abstract_model(architecture, config.model)
-  from flax import nnx
-  graphdef, abstract_params = nnx.split(model)
+  model = abstract_model(architecture, config.model.options)
+  abstract_params = nnx.state(model)
   shardings = sharding.state_shardings(abstract_params, mesh)
   params = jax.tree.map(lambda variable, s: variable.replace(jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=s)),
                         abstract_params, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  algo = config.algo
-  schedule = learning_rate_schedule(config.optim, config.train.steps * algo.ppo_epochs * algo.num_minibatches)
-  optimizer = make_optimizer(config.optim, schedule)
-  state_shardings = train_state_shardings(params, optimizer)
-  state = _abstract(jax.eval_shape(functools.partial(init_train_state, optimizer=optimizer, seed=0), params),
-                    state_shardings)
-  ref_params = params if algo.kl_beta > 0 else None
-  layout = rollout_layout(model, mesh, config.rollout.tensor) if resident else None
-  step = RLStep(graphdef, task, config.rollout, algo, optimizer, schedule, state_shardings, layout=layout)
+  step = build_rl_step(config, model, mesh, task, params=params, resident=resident)
+  state = _abstract(jax.eval_shape(functools.partial(init_train_state, optimizer=step.optimizer, seed=0), params),
+                    step.state_shardings)
+  ref_params = params if config.algo.kl_beta > 0 else None
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   if task.jittable:
     programs = [(f'{config.train.steps_per_call} RL steps in one jit', step.run_steps,
@@ -192,12 +152,12 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
     prompts = jax.ShapeDtypeStruct((config.rollout.prompts_per_step, task.prompt_length), jnp.int32, sharding=replicated)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
     with jax.set_mesh(mesh):
-      rollout = jax.eval_shape(step._sample_body, state.params, prompts, prompts, key)
-    rows = completions_per_step(config.rollout, algo)
+      rollout = jax.eval_shape(step.traced.sample, state.params, prompts, prompts, key)
+    rows = config.completions_per_step
     terms = {term.label: jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated) for term in config.rewards}
     scores = Scores(rewards=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated),
                     failures=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), terms=terms)
     rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
-    programs = [('rollout', step.sample, (state.params, prompts, prompts, key)),
-                ('update', step.learn, (state, ref_params, prompts, prompts, rollout, scores))]
-  return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=layout)
+    programs = [('rollout', step.jitted.sample, (state.params, prompts, prompts, key)),
+                ('update', step.jitted.learn, (state, ref_params, prompts, prompts, rollout, scores))]
+  return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=step.layout)

@@ -5,6 +5,7 @@
   save_random_hf_checkpoint(...)    the same, saved as a Hugging Face checkpoint directory
   random_prompts(seed, lengths)     prompts of given lengths as lists of token ids
   left_padded(sequences)            those prompts as one left-padded batch and its mask
+  random_batch(rng, ...)            a scored batch for the update (rl/update.Batch) of random sequences
 
 Only the standard library is imported at module level; numpy, torch, transformers and grpo_jax's
 model are imported where used. bench/harness.py reads the presets before its limit_threads pins
@@ -122,3 +123,29 @@ def left_padded(sequences, pad_id: int = 0):
     tokens[row, width - len(sequence):] = sequence
     mask[row, width - len(sequence):] = 1
   return tokens, mask
+
+
+def random_batch(rng, rows: int, prompt_length: int, completion_length: int, vocab_size: int, shapes=None,
+                 advantages=None):
+  """A scored batch (rl/update.Batch) of left-padded prompts and right-padded completions of the
+  given (prompt, completion) real lengths; random where not given, with one one-token and one
+  full-length completion among them. Random tokens everywhere (padding included), random
+  advantages and sampler log-probs."""
+  import jax.numpy as jnp
+  import numpy as np
+  from grpo_jax.rl.update import Batch
+  if shapes is None:
+    lengths = rng.integers(1, completion_length + 1, rows)
+    lengths[:2] = [1, completion_length]
+    rng.shuffle(lengths)
+    shapes = [(int(rng.integers(1, prompt_length + 1)), int(length)) for length in lengths]
+  prompt_real, completion_real = np.asarray(shapes).T
+  tokens = rng.integers(0, vocab_size, (rows, prompt_length + completion_length))
+  prompt_segments = np.arange(prompt_length)[None, :] >= (prompt_length - prompt_real)[:, None]
+  mask = np.arange(completion_length)[None, :] < completion_real[:, None]
+  if advantages is None:
+    advantages = rng.standard_normal(rows)
+  return Batch(tokens=jnp.asarray(tokens, jnp.int32),
+               segment_ids=jnp.asarray(np.concatenate([prompt_segments, mask], axis=1), jnp.int32),
+               mask=jnp.asarray(mask), advantages=jnp.asarray(advantages, jnp.float32),
+               sampler_log_probs=jnp.asarray(rng.uniform(-8.0, -0.5, mask.shape), jnp.float32))

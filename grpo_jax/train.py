@@ -21,15 +21,13 @@ from flax import nnx
 from grpo_jax import config as config_lib
 from grpo_jax import distributed
 from grpo_jax import metrics as metrics_lib
+from grpo_jax.build import build_rl_step, build_task
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.data.task import Task
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import sharding
 from grpo_jax.model.config import to_hf_dict
-from grpo_jax.model.loading import build_model
-from grpo_jax.rl.loop import RLStep
-from grpo_jax.rl.step import create_train_state, learning_rate_schedule, make_optimizer
-from grpo_jax.sampler.layout import rollout_layout
+from grpo_jax.rl.state import create_train_state
 
 
 def parse_args(argv):
@@ -39,19 +37,6 @@ def parse_args(argv):
                       help='override one config key, e.g. --set mesh.tensor=2 (repeatable)')
   parser.add_argument('--workdir', help='output directory (default: run.workdir or runs/<name>-<time>)')
   return parser.parse_args(argv)
-
-
-def build_task(config: config_lib.Config) -> Task:
-  task = config.task
-  if task.name == 'arith':
-    from grpo_jax.data.arith import ArithmeticTask
-    built = ArithmeticTask(task.max_operand, task.operators)
-    if config.rollout.max_new_tokens < built.answer_length:
-      raise UserError(f'rollout.max_new_tokens ({config.rollout.max_new_tokens}) is shorter than the '
-                      f'longest answer with its end token ({built.answer_length})')
-    return built
-  from grpo_jax.data.math_task import MathTask
-  return MathTask(task, config.model.path, config.run.seed, config.rewards, config.rollout.max_new_tokens)
 
 
 def check_workdir(workdir: str) -> None:
@@ -74,7 +59,7 @@ def setup(config: config_lib.Config, config_path: str | None, workdir: str | Non
   workdir = config_lib.resolve_workdir(config, config_path, workdir)
   check_workdir(workdir)
   mesh = sharding.make_mesh(config.mesh)
-  model = build_model(config.model, mesh, config.run.seed)
+  model = config.model.build(mesh, config.run.seed)
   return workdir, mesh, model
 
 
@@ -108,17 +93,12 @@ class Run:
     if task.vocab_size > model.config.vocab_size:
       raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but model vocab_size is '
                       f'{model.config.vocab_size}')
-    graphdef, params = nnx.split(model)
+    params = nnx.state(model)
     # beta = 0 keeps no reference policy in memory.
     self.ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
-    algo = config.algo
-    schedule = learning_rate_schedule(config.optim, config.train.steps * algo.ppo_epochs * algo.num_minibatches)
-    optimizer = make_optimizer(config.optim, schedule)
+    self.rl_step = build_rl_step(config, model, mesh, task)
     with jax.set_mesh(mesh):
-      self.state = create_train_state(params, optimizer, config.run.seed)
-    self.rl_step = RLStep(graphdef, task, config.rollout, algo, optimizer, schedule,
-                          jax.tree.map(lambda x: x.sharding, self.state),
-                          layout=rollout_layout(model, mesh, config.rollout.tensor))
+      self.state = create_train_state(params, self.rl_step.optimizer, config.run.seed)
     checkpoints = os.path.join(workdir, 'checkpoints')
     try:  # a new workdir gets its (empty) checkpoints directory; an existing one is not changed
       os.makedirs(checkpoints, exist_ok=True)
@@ -148,9 +128,9 @@ class Run:
       print(f'# resolved config (saved to {workdir}/config.yaml)\n{resolved}', flush=True)
     self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step, write=self.primary)
     self.num_params = model.config.num_params()
-    self.architecture = to_hf_dict(model.config, dtype=config.model.param_dtype)  # in each checkpoint, for export
-    self.peak_flops = metrics_lib.matmul_peak_flops(config.model.dtype)
-    self.step_flops = metrics_lib.model_flops_per_step(self.num_params, task.prompt_length, config.rollout, algo)
+    self.architecture = to_hf_dict(model.config, dtype=config.model.options.param_dtype)  # in each checkpoint, for export
+    self.peak_flops = metrics_lib.matmul_peak_flops(config.model.options.dtype)
+    self.step_flops = metrics_lib.model_flops_per_step(self.num_params, task.prompt_length, config.rollout, config.algo)
 
   @property
   def step(self) -> int:
@@ -307,7 +287,7 @@ def main(argv=None):
   if jax.process_count() > 1:
     if not (args.workdir or config.run.workdir):
       raise UserError('a multi-host run needs one --workdir (or run.workdir) shared by every process')
-    if config.task.name != 'arith' and config.rollout.prompts_per_step % jax.process_count():
+    if not config.task.jittable and config.rollout.prompts_per_step % jax.process_count():
       # Each process scores whole groups of its own rows: the prompts must split evenly.
       raise UserError(f'rollout.prompts_per_step={config.rollout.prompts_per_step} must be a multiple of the '
                       f'{jax.process_count()} processes when the reward is scored on the hosts (task {config.task.name!r})')

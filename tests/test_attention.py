@@ -94,11 +94,12 @@ def test_library_attention_mapping(seed):
 
 def test_attention_settings_are_checked():
   with pytest.raises(UserError, match='model.attention_chunk'):
-    config_lib.Config(model=config_lib.ModelConfig(attention_chunk=0))
+    config_lib.load_config(None, ['model.attention_chunk=0'])
+  with pytest.raises(UserError, match='attention_chunk must be >= 1'):
+    ModelOptions(attention_chunk=0)
   with pytest.raises(UserError, match='model.attention'):
     config_lib.load_config(None, ['model.attention=flash'])
   if jax.default_backend() != 'gpu':
-    from grpo_jax.train import build_model
-    config = config_lib.Config(model=config_lib.ModelConfig(attention='cudnn'))
+    config = config_lib.Config(model=config_lib.ModelConfig(options=ModelOptions(attention='cudnn')))
     with pytest.raises(UserError, match='model.attention: cudnn runs on NVIDIA GPUs only'):
-      build_model(config.model, mesh=None, seed=0)
+      config.model.build(mesh=None, seed=0)

@@ -23,7 +23,7 @@ def test_yaml_and_overrides(tmp_path):
   path = write(tmp_path, 'run:\n  seed: 3\nmodel:\n  dtype: bfloat16\n  architecture:\n    num_hidden_layers: 5\n')
   config = load_config(path, ['mesh.tensor=2', 'model.architecture.eos_token_ids=[1, 2]', 'run.seed=9'])
   assert config.run.seed == 9
-  assert config.model.dtype == 'bfloat16'
+  assert config.model.options.dtype == 'bfloat16'
   assert config.model.architecture.num_hidden_layers == 5
   assert config.model.architecture.eos_token_ids == (1, 2)
   assert config.mesh.tensor == 2 and config.mesh.fsdp == -1

@@ -247,13 +247,14 @@ def test_a_training_runs_policy_exports_to_transformers(seed, tmp_path):
 
   from grpo_jax import config as config_lib
   from grpo_jax import train
+  from grpo_jax.build import build_task
 
   config = config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny_arith.yaml'), [
       'rollout.prompts_per_step=8', 'algo.group_size=4', 'train.steps_per_call=1', 'train.progress=false',
       'optim.warmup_steps=0', 'optim.learning_rate=0.01', 'algo.entropy_coef=0.01', f'run.seed={seed}'])
   mesh = make_mesh(MeshConfig(), jax.devices()[:1])
-  model = train.build_model(config.model, mesh, config.run.seed)
-  run = train.Run(config, str(tmp_path / 'run'), mesh, model, train.build_task(config))
+  model = config.model.build(mesh, config.run.seed)
+  run = train.Run(config, str(tmp_path / 'run'), mesh, model, build_task(config))
   try:
     for _ in range(2):
       run.fused_steps(1)

@@ -9,11 +9,11 @@ import numpy as np
 import torch
 from flax import nnx
 
+from engine_driver import generate_groups
 from grpo_jax.model import from_pretrained
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.sampler.engine import QwenEngine
 from grpo_jax.sampler.engine_tokenizer import pad_prompt
-from grpo_jax.sampler.slots import generate_groups
 from grpo_jax.testing import left_padded, random_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,6 +1,7 @@
 """The math recipe end to end: dynamic sampling (which groups train, what is consumed, exact
 resume), in-training evaluation, the eval CLI, and the tiny_math demo learning on the text path."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -57,16 +58,16 @@ def dynamic_run(tmp_path, informative, rounds, prompts=4, group=4):
       f'rollout.prompts_per_step={prompts}', f'algo.group_size={group}', 'train.steps_per_call=1',
       'algo.dynamic_sampling=true', f'algo.max_sampling_rounds={rounds}', 'train.progress=false'])
   mesh = sharding.make_mesh(config_lib.dataclasses.replace(config.mesh, fsdp=1), jax.devices()[:1])
-  model = train.build_model(config.model, mesh, config.run.seed)
+  model = config.model.build(mesh, config.run.seed)
   run = train.Run(config, str(tmp_path / 'work'), mesh, model, ScriptedTask(informative))
   learned = []
-  learn = run.rl_step.learn
+  learn = run.rl_step.jitted.learn
 
   def spy(state, ref_params, prompt_tokens, prompt_mask, rollout, scores):
     learned.append((np.asarray(prompt_tokens), np.asarray(scores.rewards)))
     return learn(state, ref_params, prompt_tokens, prompt_mask, rollout, scores)
 
-  run.rl_step.learn = spy
+  run.rl_step.jitted = dataclasses.replace(run.rl_step.jitted, learn=spy)
   return run, learned
 
 

@@ -13,7 +13,7 @@ from grpo_jax import config as config_lib
 from grpo_jax import train
 from grpo_jax.data import rewards
 from grpo_jax.data.math_task import MathTask
-from grpo_jax.data.sources import column, load_records
+from grpo_jax.data.sources import DatasetSource, column, load_records
 from grpo_jax.errors import UserError
 from grpo_jax.sampler.rollout import Rollout
 from test_api import write_tokenizer
@@ -198,8 +198,9 @@ def write_problems(path, count, long_ones=()):
 
 
 def make_config(model_path, source, seed=0, **task):
-  task = dict(dict(name='math', source=source, prompt_field='problem', answer_field='solution',
-                   max_prompt_tokens=48, reward_workers=2), **task)
+  fields = dict(dict(prompt_field='problem', answer_field='solution'),
+                **{name: task.pop(name) for name in ('format', 'prompt_field', 'answer_field') if name in task})
+  task = dict(dict(name='math', dataset=DatasetSource(source, **fields), max_prompt_tokens=48, reward_workers=2), **task)
   return config_lib.Config(run=config_lib.RunConfig(seed=seed), model=config_lib.ModelConfig(path=model_path),
                            task=config_lib.TaskConfig(**task))
 

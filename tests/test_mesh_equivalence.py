@@ -12,6 +12,7 @@ import pytest
 
 from grpo_jax import config as config_lib
 from grpo_jax import train
+from grpo_jax.build import build_task
 from grpo_jax.data import word_problems
 from grpo_jax.data.math_task import MathTask
 from grpo_jax.model import sharding
@@ -36,8 +37,8 @@ def two_steps(tmp_path, config_path, overrides, mesh_shape, task=None, name=None
                                                 f'rollout.tensor={ROLLOUT_TENSOR.get(tuple(mesh_shape), 1)}'])
   devices = jax.devices()[:data * fsdp * tensor]
   mesh = sharding.make_mesh(config.mesh, devices)
-  model = train.build_model(config.model, mesh, config.run.seed)
-  task = task or train.build_task(config)
+  model = config.model.build(mesh, config.run.seed)
+  task = task or build_task(config)
   run = train.Run(config, str(tmp_path / (name or f'{data}x{fsdp}x{tensor}')), mesh, model, task)
   try:
     rows = run.fused_steps(2) if fused else [run.host_step() for _ in range(2)]

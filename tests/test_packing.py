@@ -12,13 +12,15 @@ import optax
 import pytest
 
 from grpo_jax import config as config_lib
-from grpo_jax.config import AlgoConfig
 from grpo_jax.data import word_problems
 from grpo_jax.data.math_task import MathTask
 from grpo_jax.errors import UserError
 from grpo_jax.model import sharding
 from grpo_jax.model.qwen2 import segment_positions
-from grpo_jax.rl import packing, step
+from grpo_jax.rl import packing
+from grpo_jax.rl.algo import AlgoConfig
+from grpo_jax.rl.update import Batch, UpdateSettings
+from grpo_jax.testing import random_batch
 from test_mesh_equivalence import assert_equal_runs, two_steps
 from test_update import (ARCHITECTURE, COMPLETION_LENGTH, GROUP, PROMPT_LENGTH, ROWS, assert_close, assert_trees_close,
                          fresh_state, make_update, random_model)
@@ -56,26 +58,11 @@ def test_first_fit_decreasing_against_numpy(seed, count, row_length):
 
 
 def long_tail_batch(rng, rows=ROWS, prompt_length=PROMPT_LENGTH, completion_length=COMPLETION_LENGTH,
-                    shapes=None, advantages=None) -> step.Batch:
-  """Left-padded prompts and right-padded completions of the given (prompt, completion) real
-  lengths (random where not given), random tokens everywhere, padding included."""
-  width = prompt_length + completion_length
-  if shapes is None:
-    shapes = [(int(rng.integers(1, prompt_length + 1)), int(rng.integers(1, completion_length + 1)))
-              for _ in range(rows)]
-  prompt_real, completion_real = np.asarray(shapes).T
-  tokens = rng.integers(0, ARCHITECTURE.vocab_size, (rows, width))
-  prompt_segments = np.arange(prompt_length)[None, :] >= (prompt_length - prompt_real)[:, None]
-  mask = np.arange(completion_length)[None, :] < completion_real[:, None]
-  if advantages is None:
-    advantages = rng.standard_normal(rows)
-  return step.Batch(tokens=jnp.asarray(tokens, jnp.int32),
-                    segment_ids=jnp.asarray(np.concatenate([prompt_segments, mask], axis=1), jnp.int32),
-                    mask=jnp.asarray(mask), advantages=jnp.asarray(advantages, jnp.float32),
-                    sampler_log_probs=jnp.asarray(rng.uniform(-8.0, -0.5, mask.shape), jnp.float32))
+                    shapes=None, advantages=None) -> Batch:
+  return random_batch(rng, rows, prompt_length, completion_length, ARCHITECTURE.vocab_size, shapes, advantages)
 
 
-def exact_fill_batch(rng) -> step.Batch:
+def exact_fill_batch(rng) -> Batch:
   """Sequences of 11, 8, 7, 5, 4, 4, 3 and 2 tokens in random order, with one-token and
   full-length answers: first-fit decreasing at L = W fills four rows exactly (11 | 8 + 3 |
   7 + 4 | 5 + 4 + 2)."""
@@ -290,7 +277,7 @@ def test_config_refuses_bad_packing_fields(fields, field):
 ])
 def test_update_settings_refuse_rows_that_cannot_hold_a_sequence(fields, field):
   with pytest.raises(UserError, match=field.replace('.', r'\.')):
-    step.UpdateSettings(algo=AlgoConfig(packing=True, **fields), temperature=1.0, rows=ROWS, sequence_length=WIDTH)
+    UpdateSettings(algo=AlgoConfig(packing=True, **fields), temperature=1.0, rows=ROWS, sequence_length=WIDTH)
 
 
 def test_the_cli_refuses_a_pack_length_below_the_sequence_in_one_line(tmp_path):

@@ -56,6 +56,6 @@ def test_the_headline_recipe_is_the_megatron_one():
   assert config.optim.learning_rate == 1e-6 and config.algo.kl_beta == 0
   assert (config.algo.epsilon_low, config.algo.epsilon_high) == (0.2, 0.28)
   assert config.task.max_prompt_tokens + config.rollout.max_new_tokens == 12288
-  assert config.task.format == 'dapo_processed' and config.algo.dynamic_sampling
-  assert (config.eval.format, config.eval.k, config.eval.samples) == ('aime', 32, 32)
+  assert config.task.dataset.format == 'dapo_processed' and config.algo.dynamic_sampling
+  assert (config.eval.dataset.format, config.eval.k, config.eval.samples) == ('aime', 32, 32)
   assert [term.name for term in config.rewards] == ['math', 'overlong']

@@ -12,7 +12,7 @@ import pytest
 from grpo_jax.config import load_config
 from grpo_jax.data.reward_terms import RewardComposer, RewardTerm, format_reward, overlong_penalty
 from grpo_jax.errors import UserError
-from grpo_jax.eval import final_answer, k_values, majority_correct, pass_at_k, summarize
+from grpo_jax.evaluation import final_answer, k_values, majority_correct, pass_at_k, summarize
 
 
 # ---- overlong ----

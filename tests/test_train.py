@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from grpo_jax import train
+from grpo_jax.build import build_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, 'configs', 'tiny_arith.yaml')
@@ -214,8 +215,8 @@ def test_mesh_layouts_keep_the_state_shardings(tmp_path):
                                             'rollout.prompts_per_step=8', 'algo.group_size=4',
                                             'train.progress=false', 'train.steps=2'])
   mesh = sharding.make_mesh(config.mesh)
-  model = train.build_model(config.model, mesh, config.run.seed)
-  run = train.Run(config, str(tmp_path / 'run'), mesh, model, train.build_task(config))
+  model = config.model.build(mesh, config.run.seed)
+  run = train.Run(config, str(tmp_path / 'run'), mesh, model, build_task(config))
   before = jax_shardings(run.state)
   run.fused_steps(1)
   run.host_step()
@@ -236,8 +237,8 @@ def test_fsdp_shards_the_optimizer_state_like_the_parameters(tmp_path):
   config = config_lib.load_config(CONFIG, ['mesh.fsdp=8', 'rollout.prompts_per_step=8', 'algo.group_size=4',
                                            'train.progress=false', 'train.steps=2'])
   mesh = sharding.make_mesh(config.mesh)
-  run = train.Run(config, str(tmp_path), mesh, train.build_model(config.model, mesh, config.run.seed),
-                  train.build_task(config))
+  run = train.Run(config, str(tmp_path), mesh, config.model.build(mesh, config.run.seed),
+                  build_task(config))
 
   def fullest_device_bytes(tree):
     per_device = {}
@@ -278,14 +279,14 @@ def test_bf16_compute_keeps_fp32_master_weights(tmp_path, seed):
       'model.dtype=bfloat16', 'model.param_dtype=float32', 'rollout.prompts_per_step=8', 'algo.group_size=4',
       'train.progress=false', 'train.steps=3'])
   mesh = sharding.make_mesh(config.mesh)
-  run = train.Run(config, str(tmp_path), mesh, train.build_model(config.model, mesh, config.run.seed),
-                  train.build_task(config))
+  run = train.Run(config, str(tmp_path), mesh, config.model.build(mesh, config.run.seed),
+                  build_task(config))
   start = {path: np.array(leaf, copy=True) for path, leaf in _leaves(run.state.params)}  # the update donates
   import jax
   from grpo_jax.data.task import Scores
   rng = np.random.default_rng(seed)
   rows = []
-  step = run.rl_step
+  step = run.rl_step.jitted
   with jax.set_mesh(mesh):
     for index in range(3):
       prompts = step.prompts(jax.random.PRNGKey(index), 0, 8)

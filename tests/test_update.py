@@ -1,4 +1,4 @@
-"""rl/step.py: the jitted GRPO update on a tiny random fp32 Qwen2 — its loss and gradients against
+"""rl/update.py and rl/loss.py: the jitted GRPO update on a tiny random fp32 Qwen2 — its loss and gradients against
 a loss written here on full logits, micro-batch accumulation, on-policy identities, the
 non-finite guard, the reference-policy paths and the optimizer-update count; and the config's checks."""
 
@@ -13,10 +13,15 @@ import pytest
 from flax import nnx
 
 from grpo_jax.config import AlgoConfig, Config, OptimConfig, RolloutConfig, TrainConfig
+from grpo_jax.data.sources import DatasetSource
 from grpo_jax.errors import UserError
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.loading import init_model
-from grpo_jax.rl import algo, step
+from grpo_jax.rl import algo
+from grpo_jax.rl.loss import LossInputs, policy_loss
+from grpo_jax.rl.state import init_train_state
+from grpo_jax.rl.update import Batch, UpdateSettings, update
+from grpo_jax.testing import random_batch as random_sequences
 
 # V = 1100 makes the XLA log-prob op walk three vocabulary chunks of 512, the last one shifted.
 ARCHITECTURE = Qwen2Config(vocab_size=1100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -61,37 +66,24 @@ def random_model(rng):
   return graphdef, params
 
 
-def random_batch(rng, advantages=None) -> step.Batch:
+def random_batch(rng, advantages=None) -> Batch:
   """Left-padded prompts with completions of different lengths (one of a single token, one
   filling N), random tokens everywhere, padding included."""
-  tokens = rng.integers(0, ARCHITECTURE.vocab_size, (ROWS, PROMPT_LENGTH + COMPLETION_LENGTH))
-  prompt_padding = rng.integers(0, PROMPT_LENGTH - 1, ROWS)
-  prompt_segments = np.arange(PROMPT_LENGTH)[None, :] >= prompt_padding[:, None]
-  lengths = rng.integers(1, COMPLETION_LENGTH + 1, ROWS)
-  lengths[:2] = [1, COMPLETION_LENGTH]
-  rng.shuffle(lengths)
-  mask = np.arange(COMPLETION_LENGTH)[None, :] < lengths[:, None]
-  if advantages is None:
-    advantages = rng.standard_normal(ROWS)
-  return step.Batch(tokens=jnp.asarray(tokens, jnp.int32),
-                    segment_ids=jnp.asarray(np.concatenate([prompt_segments, mask], axis=1), jnp.int32),
-                    mask=jnp.asarray(mask), advantages=jnp.asarray(advantages, jnp.float32),
-                    sampler_log_probs=jnp.asarray(rng.uniform(-8.0, -0.5, mask.shape), jnp.float32))
+  return random_sequences(rng, ROWS, PROMPT_LENGTH, COMPLETION_LENGTH, ARCHITECTURE.vocab_size, advantages=advantages)
 
 
 def make_update(algo_config: AlgoConfig, optim: OptimConfig = OptimConfig(learning_rate=1e-3),
                 optimizer=None):
-  """The jitted step.update as rl/loop.py builds it (without donation), and its optimizer."""
-  total = 10 * algo_config.ppo_epochs * algo_config.num_minibatches
-  optimizer = optimizer or step.make_optimizer(optim, step.learning_rate_schedule(optim, total))
-  update = functools.partial(step.update, graphdef=_initial_model()[0], optimizer=optimizer,
-                             schedule=step.learning_rate_schedule(optim, total),
-                             settings=step.UpdateSettings(algo=algo_config, temperature=TEMPERATURE, rows=ROWS))
-  return jax.jit(update), optimizer
+  """The jitted update as rl/step.py builds it (without donation), and its optimizer."""
+  built, schedule = optim.build(10 * algo_config.ppo_epochs * algo_config.num_minibatches)
+  optimizer = optimizer or built
+  run = functools.partial(update, graphdef=_initial_model()[0], optimizer=optimizer, schedule=schedule,
+                          settings=UpdateSettings(algo=algo_config, temperature=TEMPERATURE, rows=ROWS))
+  return jax.jit(run), optimizer
 
 
 def fresh_state(params, optimizer, seed):
-  return step.init_train_state(params, optimizer, seed % (1 << 31))
+  return init_train_state(params, optimizer, seed % (1 << 31))
 
 
 def delta(new, old):
@@ -193,14 +185,13 @@ def test_policy_loss_gradient_matches_full_logits(case, seed):
     clipped = ((s > 1.05) & (advantages > 0)) | ((s < 0.96) & (advantages < 0))
     assert clipped.any() and not clipped.all()
 
-  settings = step.UpdateSettings(algo=config, temperature=TEMPERATURE, rows=ROWS)
   weights = algo.aggregation_weights(batch.mask, config.loss_aggregation, COMPLETION_LENGTH)
-  micro = step.LossInputs(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask,
-                          advantages=batch.advantages, sampler_log_probs=batch.sampler_log_probs,
-                          old_log_probs=jnp.asarray(old), ref_log_probs=jnp.asarray(ref), weights=weights,
-                          token_weights=algo.aggregation_weights(batch.mask, 'token-mean'))
-  ours = jax.jit(jax.value_and_grad(step.policy_loss, has_aux=True), static_argnums=(1, 3))
-  (loss, metrics), grads = ours(params, graphdef, micro, settings)
+  micro = LossInputs(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask,
+                     advantages=batch.advantages, sampler_log_probs=batch.sampler_log_probs,
+                     old_log_probs=jnp.asarray(old), ref_log_probs=jnp.asarray(ref), weights=weights,
+                     token_weights=algo.aggregation_weights(batch.mask, 'token-mean'))
+  ours = jax.jit(jax.value_and_grad(policy_loss, has_aux=True), static_argnums=(1, 3, 4, 5))
+  (loss, metrics), grads = ours(params, graphdef, micro, config, TEMPERATURE, False)
   theirs = jax.jit(jax.value_and_grad(reference_loss, has_aux=True), static_argnums=(1, 5))
   (loss_ref, (kl_ref, entropy_ref, summand_scale)), grads_ref = theirs(params, graphdef, batch, old, ref, config)
   assert_close(loss, loss_ref, 'loss', scale=summand_scale)
@@ -350,7 +341,7 @@ def replace(config, **sections):
     (dict(algo=dict(group_size=1)), 'algo.group_size'),
     (dict(algo=dict(num_minibatches=3)), 'algo.num_minibatches'),  # 16 rows
     (dict(algo=dict(num_minibatches=2, micro_batch_size=3)), 'algo.micro_batch_size'),  # of 8
-    (dict(task=dict(name='math'), train=dict(steps_per_call=2)), 'train.steps_per_call'),
+    (dict(task=dict(name='math', dataset=DatasetSource('x.jsonl')), train=dict(steps_per_call=2)), 'train.steps_per_call'),
     (dict(train=dict(steps_per_call=3)), 'train.checkpoint_every'),  # 4 is not a multiple of 3
 ])
 def test_validate_names_the_field(sections, field):

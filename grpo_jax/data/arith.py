@@ -30,10 +30,30 @@ def build_tokenizer() -> Tokenizer:
 
 
 def check_arguments(max_operand: int, operators: str) -> None:
-  """The task's own checks of its two settings (the config's task section runs them)."""
+  """The task's own checks of its two settings."""
   require(1 <= max_operand <= 9999, 'max_operand', f'must be in [1, 9999], got {max_operand}')
   require(bool(operators) and all(op in OPERATORS for op in operators), 'operators',
           f'must be characters from {OPERATORS!r}, got {operators!r}')
+
+
+def check(task_config) -> None:
+  """The `task` config section's arithmetic fields (data/task.py's registry runs it)."""
+  check_arguments(task_config.max_operand, task_config.operators)
+
+
+def build(config) -> 'ArithmeticTask':
+  """The task of a run's Config (its `task` section), checked against the rollout's budget."""
+  task = ArithmeticTask(config.task.max_operand, config.task.operators)
+  require(config.rollout.max_new_tokens >= task.answer_length, 'rollout.max_new_tokens',
+          f'({config.rollout.max_new_tokens}) is shorter than the longest answer with its end token '
+          f'({task.answer_length})')
+  return task
+
+
+def shape(config, architecture) -> 'ArithmeticTask':
+  """What the plan compiles: the task itself (it has no data to read)."""
+  del architecture
+  return build(config)
 
 
 class ArithmeticTask:

@@ -13,6 +13,7 @@ math-verify check alone, 1.0 / 0.0 against the reference answer, in a pool of
 `Scores.failures`.
 """
 
+import os
 import sys
 import weakref
 
@@ -21,12 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import distributed
-from grpo_jax.config import TaskConfig
 from grpo_jax.data.adapters import adapt
 from grpo_jax.data.reward_terms import RewardComposer, RewardTerm
 from grpo_jax.data.sources import load_records
-from grpo_jax.data.task import Prompts, Scores
-from grpo_jax.errors import UserError
+from grpo_jax.data.task import Prompts, Scores, TaskConfig, TaskShape
+from grpo_jax.errors import UserError, require
 from grpo_jax.model.loading import load_tokenizer
 from grpo_jax.sampler.rollout import Rollout
 from grpo_jax.sampler.special_tokens import special_tokens
@@ -36,8 +36,8 @@ class ProblemSet:
   """The problems of one or more datasets, ready for the policy: `prompt_ids` (token ids of each
   rendered prompt, at most `max_prompt_tokens`), `answers` (reference strings), `data_sources`, `texts`.
 
-  datasets: sections naming each dataset (task, task.mix entries or eval config: source, split,
-  format, prompt_field, answer_field), `section` their name in messages; rendering follows `task`
+  datasets: each a data.sources.DatasetSource (the task's, task.mix's, eval's), `section` their
+  name in messages; rendering follows `task`
   (template, chat template, max_prompt_tokens). Prints the kept / skipped counts of each dataset.
   """
 
@@ -121,7 +121,7 @@ class MathTask:
     if '\0' not in _format(task.prompt_template, '\0'):
       raise UserError(f'task.prompt_template {task.prompt_template!r} has no {{prompt}} for the question')
     # problems=False: only the tokenizer, rendering and stop ids (evaluation brings its own problems).
-    self.problems = (ProblemSet(self.tokenizer, self.use_chat_template, task, (task, *task.mix), 'task')
+    self.problems = (ProblemSet(self.tokenizer, self.use_chat_template, task, (task.dataset, *task.mix), 'task')
                      if problems else None)
     self.composer = RewardComposer(rewards or (RewardTerm('math'),), max_new_tokens, task.reward_workers)
     weakref.finalize(self, self.composer.close)  # the workers end with the task, not only at exit
@@ -196,3 +196,26 @@ def _format(template: str, question) -> str:
   except (KeyError, IndexError, ValueError) as error:
     raise UserError(f'task.prompt_template {template!r} is not a format string with only {{prompt}} '
                     f'({type(error).__name__}: {error}); write literal braces doubled, e.g. \\boxed{{{{}}}}') from None
+
+
+def check(task_config: TaskConfig) -> None:
+  """The `task` config section's fields a math task needs (data/task.py's registry runs it)."""
+  require(bool(task_config.dataset.source), 'source',
+          'must name the problems for task.name=math (a .jsonl/.json/.parquet file, hf:<name>[:<config>] or tfds:<name>)')
+
+
+def build(config) -> MathTask:
+  """The task of a run's Config: its task section, the model's tokenizer, run.seed and the reward terms."""
+  return MathTask(config.task, config.model.path, config.run.seed, config.rewards, config.rollout.max_new_tokens)
+
+
+def shape(config, architecture) -> TaskShape:
+  """The task's shape for the plan, without reading its problems: the prompt width, and the special
+  ids of its tokenizer when there is one here (else the last id stops and 0 pads: the ids change
+  neither the programs' shapes nor their memory)."""
+  directory = config.task.tokenizer or config.model.path
+  tokenizer = load_tokenizer(directory) if directory and os.path.isdir(directory) else None
+  if tokenizer is None:
+    return TaskShape(config.task.max_prompt_tokens, architecture.vocab_size, (architecture.vocab_size - 1,), 0)
+  special = special_tokens(tokenizer)
+  return TaskShape(config.task.max_prompt_tokens, architecture.vocab_size, tuple(special.stop_ids), special.pad_id)

@@ -9,13 +9,26 @@ Nothing is downloaded: a dataset that is not on this machine is a one-line error
 a source needs them.
 """
 
+import dataclasses
 import json
 import os
 
-from grpo_jax import metrics
-from grpo_jax.errors import UserError, read_text
+from grpo_jax.data.adapters import DatasetFormat
+from grpo_jax.errors import UserError, quiet_native_stderr, read_text
 
 FILE_FORMATS = ('.jsonl', '.json', '.parquet')
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSource:
+  """One dataset of problems: written in the task and eval sections themselves (`task.source`,
+  `eval.split`, ...) and as each entry of `task.mix`."""
+
+  source: str | None = None  # .jsonl/.json/.parquet file, hf:<name>[:<config>] or tfds:<name>
+  split: str = 'train'
+  format: DatasetFormat = 'custom'  # dataset schema (data/adapters.py): custom uses the two fields below
+  prompt_field: str = 'prompt'  # format custom: field holding the question (or chat messages)
+  answer_field: str = 'answer'  # format custom: field holding the reference answer
 
 
 def load_records(source: str, split: str = 'train') -> list[dict]:
@@ -142,7 +155,7 @@ def _load_tfds(source: str, split: str) -> list[dict]:
     raise UserError(f'task.source {source!r} names no dataset (expected tfds:<name>)')
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   try:
-    with metrics.quiet_native_stderr():  # TensorFlow's native start-up notices (cuInit, oneDNN)
+    with quiet_native_stderr():  # TensorFlow's native start-up notices (cuInit, oneDNN)
       import tensorflow as tf
       import tensorflow_datasets as tfds
       try:

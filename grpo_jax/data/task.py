@@ -4,14 +4,21 @@ A task gives the prompts of a step and scores the step's completions. With `jitt
 JAX functions, so the step runs whole inside a jit (K steps in one call); otherwise they run on the
 host, between the step's jitted sampler and its jitted update. The step itself (rl/loop.py) is the
 same either way.
+
+The built-in tasks are registered by name in `TASKS`; the run's `task` config section names one.
 """
 
 import dataclasses
-from typing import Any, Protocol
+import importlib
+import typing
+from typing import Any, Literal, Protocol
 
 import jax
 
+from grpo_jax.data.sources import DatasetSource
+from grpo_jax.errors import UserError, require
 from grpo_jax.sampler.rollout import Rollout
+from grpo_jax.sections import inline, section
 
 
 @jax.tree_util.register_dataclass
@@ -65,3 +72,81 @@ class Task(Protocol):
 
   def close(self) -> None:
     """Releases what the task holds (reward worker processes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskShape:
+  """A host-scored task as compiled programs see it, without its data (the plan's): the prompt
+  width and the special ids. Its prompts and rewards come from the host between the compiled
+  sampler and update, so it has none to give."""
+
+  prompt_length: int
+  vocab_size: int
+  stop_token_ids: tuple[int, ...]
+  pad_id: int
+  jittable = False
+
+  def prompts(self, key, position: int, count: int) -> Prompts:
+    raise UserError('a task shape has no prompts: build the task from its data')
+
+  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
+    raise UserError('a task shape has no reward: build the task from its data')
+
+  def close(self) -> None:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskKind:
+  """A built-in task: whether its prompts and reward are JAX functions, and the module that holds
+  it. That module defines check(task section) (the section's fields the task owns), build(config)
+  -> Task (from a run's whole Config) and shape(config, architecture) -> Task (its shape for the
+  plan, without its data)."""
+
+  jittable: bool
+  module: str  # imported when first used: a run imports only its own task's code
+
+  def check(self, task_config: 'TaskConfig') -> None:
+    importlib.import_module(self.module).check(task_config)
+
+  def build(self, config) -> Task:
+    return importlib.import_module(self.module).build(config)
+
+  def shape(self, config, architecture) -> Task:
+    return importlib.import_module(self.module).shape(config, architecture)
+
+
+TaskName = Literal['arith', 'math']
+TASKS = {'arith': TaskKind(jittable=True, module='grpo_jax.data.arith'),
+         'math': TaskKind(jittable=False, module='grpo_jax.data.math_task')}
+assert set(TASKS) == set(typing.get_args(TaskName))
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+  """The `task` config section: what the policy is asked and how it is scored (data/arith.py,
+  data/math_task.py). A dataset task's problems are written in this section: `task.source`,
+  `task.split`, `task.format`, `task.prompt_field`, `task.answer_field` (data/sources.py)."""
+
+  name: TaskName = 'arith'  # built-in arithmetic (reward in JAX) | math dataset (host reward)
+  max_operand: int = 9  # arith: operands drawn from [0, max_operand]
+  operators: str = '+'  # arith: operators drawn uniformly from these characters (+ - *)
+  dataset: DatasetSource = inline(DatasetSource())  # math: the problems
+  mix: tuple[DatasetSource, ...] = ()  # math: more datasets, shuffled into one stream with the task's own
+  prompt_template: str = '{prompt}'  # math: format string; chat models go through the chat template
+  chat_template: bool = True  # math: apply the tokenizer's chat template when it has one
+  tokenizer: str | None = None  # math: directory of the Hugging Face tokenizer; None: model.path's
+  max_prompt_tokens: int = 512  # math: prompts are left-padded to this; longer prompts are skipped
+  reward_workers: int = 4  # math: processes verifying answers with math-verify
+
+  def __post_init__(self):
+    with section('task'):
+      TASKS[self.name].check(self)
+      for index, dataset in enumerate(self.mix):
+        require(bool(dataset.source), f'mix[{index}].source', 'must name a dataset')
+      require(self.reward_workers >= 1, 'reward_workers', f'must be >= 1, got {self.reward_workers}')
+      require(self.max_prompt_tokens >= 1, 'max_prompt_tokens', f'must be >= 1, got {self.max_prompt_tokens}')
+
+  @property
+  def jittable(self) -> bool:
+    return TASKS[self.name].jittable

@@ -9,22 +9,25 @@ Parameters are created directly in their final sharding: each device's shard is 
 source tensor of one layer at a time, so no host ever holds more than one copy of the model.
 """
 
+import dataclasses
 import functools
 import json
 import math
 import os
 import shutil
+import typing
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo_jax.errors import UserError, checkpoint_read, quiet_abandoned_reads, root_cause
+from grpo_jax.errors import UserError, checkpoint_read, quiet_abandoned_reads, require, root_cause
 from grpo_jax.model import weights
 from grpo_jax.model.config import Qwen2Config, load_hf_config, to_hf_dict
-from grpo_jax.model.qwen2 import ModelOptions, Qwen2
+from grpo_jax.model.qwen2 import DType, ModelOptions, Qwen2
 from grpo_jax.model.sharding import MeshConfig, make_mesh, state_shardings
+from grpo_jax.sections import inline
 
 PARAMS_DIR = 'params'
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'vocab.json', 'merges.txt',
@@ -261,15 +264,30 @@ def from_pretrained(path: str, dtype=None, *, mesh: Mesh | None = None,
   return load_hf(path, options=options, mesh=mesh)
 
 
-def build_model(model, mesh: Mesh | None, seed: int) -> Qwen2:
-  """The run's model from its config section `model` (a config.ModelConfig): the checkpoint at
-  model.path, else random weights for model.architecture, laid out over `mesh`."""
-  if model.attention == 'cudnn' and jax.default_backend() != 'gpu':
-    raise UserError(f'model.attention: cudnn runs on NVIDIA GPUs only; this run\'s devices are '
-                    f'{jax.default_backend()} (use dense or chunked)')
-  if model.path:
-    return from_pretrained(model.path, mesh=mesh, options=model)
-  return init_model(model.architecture, options=model, mesh=mesh, seed=seed)
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The `model` config section: which model to load, and how it computes (the ModelOptions fields,
+  written in this section: `model.dtype`, `model.remat`, ...; see model/qwen2.py)."""
+
+  path: str | None = None  # Hugging Face dir or grpo_jax checkpoint; None: random init from `architecture`
+  architecture: Qwen2Config = Qwen2Config()  # used only when `path` is None
+  options: ModelOptions = inline(ModelOptions())
+
+  def __post_init__(self):
+    # Training keeps master weights in float32 or bfloat16 (float16 storage is for conversion only).
+    require(self.options.param_dtype in typing.get_args(DType), 'model.param_dtype',
+            f'must be one of {" | ".join(map(repr, typing.get_args(DType)))} for training, '
+            f'got {self.options.param_dtype!r}')
+
+  def build(self, mesh: Mesh | None, seed: int) -> Qwen2:
+    """The run's model: the checkpoint at `path`, else random weights for `architecture`, laid out
+    over `mesh`."""
+    if self.options.attention == 'cudnn' and jax.default_backend() != 'gpu':
+      raise UserError(f'model.attention: cudnn runs on NVIDIA GPUs only; this run\'s devices are '
+                      f'{jax.default_backend()} (use dense or chunked)')
+    if self.path:
+      return from_pretrained(self.path, mesh=mesh, options=self.options)
+    return init_model(self.architecture, options=self.options, mesh=mesh, seed=seed)
 
 
 def load_tokenizer(path: str):

@@ -73,15 +73,6 @@ class ModelOptions:
     require(self.attention_chunk >= 1, 'attention_chunk', f'must be >= 1, got {self.attention_chunk}')
     require(self.decode_block >= 1, 'decode_block', f'must be >= 1, got {self.decode_block}')
 
-  @classmethod
-  def of(cls, options: 'ModelOptions') -> 'ModelOptions':
-    """A plain ModelOptions with the fields of `options`, which may be a subclass (the training
-    config's model section): the module keeps only these, so its graph def carries no more."""
-    if type(options) is ModelOptions:
-      return options
-    names = (field.name for field in dataclasses.fields(ModelOptions))
-    return ModelOptions(**{name: getattr(options, name) for name in names})
-
 
 LAYER_PARAMS = ('attn_norm', 'q_weight', 'q_bias', 'k_weight', 'k_bias', 'v_weight', 'v_bias',
                 'o_weight', 'mlp_norm', 'gate_weight', 'up_weight', 'down_weight')
@@ -260,13 +251,13 @@ class Qwen2(nnx.Module):
   """Qwen2 causal LM. `model(tokens)` -> fp32 logits [B, T, V].
 
   options: dtypes, rematerialisation, layer scan and full-sequence attention (see ModelOptions);
-  kept as `self.options`, a plain ModelOptions. Incremental decoding (`extend`) reads the cache
+  kept as `self.options`. Incremental decoding (`extend`) reads the cache
   as `options.decode_attention` says.
   """
 
   def __init__(self, config: Qwen2Config, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
     self.config = config
-    self.options = ModelOptions.of(options)
+    self.options = options
     normal = nnx.initializers.normal(config.initializer_range)
     V, D = config.vocab_size, config.hidden_size
     self.embedding = nnx.Param(normal(rngs.params(), (V, D), self.param_dtype),

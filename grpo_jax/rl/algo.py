@@ -2,7 +2,8 @@
 
 Shapes: rewards [P, G] (P prompts, G samples each); per-token arrays [B, N] over B = P*G
 completion rows of N tokens with a 0/1 `mask` (1 on completion tokens). Every function is
-jittable and holds no state; the update step (rl/step.py) chooses among them by name.
+jittable and holds no state; the loss (rl/loss.py) chooses among them by name, as the run's
+`algo` config section (`AlgoConfig`, at the end of this module) names them.
 
 References for the symbols used in the docstrings and in `AlgoConfig`:
   GRPO      Shao et al. 2024, DeepSeekMath (group-normalised advantage, k3 KL, beta)
@@ -15,11 +16,16 @@ References for the symbols used in the docstrings and in `AlgoConfig`:
   KL k1/k2/k3  Schulman 2020, Approximating KL divergence
 """
 
+import dataclasses
 import typing
 from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
+
+from grpo_jax.errors import require
+from grpo_jax.ops import LogprobImplementation
+from grpo_jax.sections import section
 
 # The names the config accepts (AlgoConfig imports these types); each registry below holds
 # exactly one function per name, checked at the end of this module.
@@ -174,3 +180,63 @@ def aggregate(token_loss: jax.Array, mask: jax.Array, mode: str, max_tokens: int
 
 
 assert tuple(ADVANTAGES) == typing.get_args(Advantage) and tuple(KL_ESTIMATORS) == typing.get_args(KLEstimator)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoConfig:
+  """The `algo` config section: the GRPO family above, and how the update batches it. Symbols
+  follow the papers cited at the top of this module."""
+
+  group_size: int = 8  # G: completions per prompt
+  advantage: Advantage = 'grpo'  # (r - mean_G)/(std_G + eps) | r - mean_G | leave-one-out
+  advantage_epsilon: float = 1e-6  # >= 0: eps in the GRPO advantage denominator
+  epsilon_low: float = 0.2  # eps_low: ratio clipped below at 1 - eps_low
+  epsilon_high: float = 0.2  # eps_high: ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)
+  dual_clip: float = 0.0  # c > 1 bounds the surrogate below by c * A for A < 0; 0 disables
+  importance_ratio: Literal['token', 'sequence'] = 'token'  # 'sequence' is GSPO's s_i (use eps ~ 3e-4)
+  kl_beta: float = 0.0  # beta: weight of KL(pi || pi_ref); 0 keeps no reference parameters
+  kl_estimator: KLEstimator = 'k3'  # per-token KL estimator (Schulman 2020)
+  entropy_coef: float = 0.0  # >= 0: weight of the entropy bonus (subtracted from the loss)
+  loss_aggregation: LossAggregation = 'token-mean'  # see algo.aggregation_weights
+  ppo_epochs: int = 1  # mu: passes over each batch; > 1 uses pi_old log-probs and clipping
+  num_minibatches: int = 1  # optimizer steps per pass; P * G must divide evenly
+  micro_batch_size: int = 0  # rows per gradient-accumulation chunk (lax.scan); 0: whole mini-batch
+  # Packing (rl/packing.py): each mini-batch's sequences (prompt + completion, padding dropped) are
+  # packed into rows of pack_length tokens on the devices, and the pi_old / pi_ref passes and the loss
+  # run over packed rows, in micro-batches as many as the real tokens need. Same loss as padded rows.
+  packing: bool = False
+  pack_length: int = 0  # L: tokens per packed row, >= prompt length + max_new_tokens; 0: exactly that
+  # Packed rows per micro-batch on each batch shard (data x fsdp): micro_batch_tokens // pack_length
+  # (bounds the activation memory by tokens, whatever the lengths); 0: as micro_batch_size rows would.
+  micro_batch_tokens: int = 0
+  tis_cap: float = 0.0  # C: truncated importance weight min(pi_old / pi_sampler, C); 0 disables
+  logprob_implementation: LogprobImplementation = 'auto'  # ops.token_logprobs
+  # DAPO dynamic sampling: groups whose G rewards are all equal are dropped and further rounds of P
+  # prompts are sampled until P informative groups are found or max_sampling_rounds rounds are
+  # spent; then the step trains on the informative groups found, filled up with the latest dropped
+  # (zero-advantage) groups. Every prompt sampled counts as consumed.
+  dynamic_sampling: bool = False
+  max_sampling_rounds: int = 4  # >= 1: rounds of P prompts per step at most (dynamic_sampling)
+
+  def __post_init__(self):
+    with section('algo'):
+      require(self.advantage_epsilon >= 0, 'advantage_epsilon', f'must be >= 0, got {self.advantage_epsilon}')
+      require(self.entropy_coef >= 0, 'entropy_coef', f'must be >= 0 (a bonus), got {self.entropy_coef}')
+      require(self.group_size >= 2, 'group_size', f'must be >= 2 (a group needs a baseline), got {self.group_size}')
+      require(self.num_minibatches >= 1, 'num_minibatches', f'must be >= 1, got {self.num_minibatches}')
+      require(self.micro_batch_size >= 0, 'micro_batch_size', f'must be >= 0, got {self.micro_batch_size}')
+      require(self.pack_length >= 0, 'pack_length', f'must be >= 0, got {self.pack_length}')
+      require(self.micro_batch_tokens >= 0, 'micro_batch_tokens', f'must be >= 0, got {self.micro_batch_tokens}')
+      for name in ('pack_length', 'micro_batch_tokens'):
+        require(self.packing or not getattr(self, name), name,
+                'applies to packed rows: set algo.packing=true (padded rows use micro_batch_size)')
+      require(not (self.pack_length and self.micro_batch_tokens) or self.micro_batch_tokens >= self.pack_length,
+              'micro_batch_tokens', f'({self.micro_batch_tokens}) must hold at least one packed row of '
+              f'pack_length = {self.pack_length} tokens')
+      require(self.ppo_epochs >= 1, 'ppo_epochs', f'must be >= 1, got {self.ppo_epochs}')
+      require(self.max_sampling_rounds >= 1, 'max_sampling_rounds', f'must be >= 1, got {self.max_sampling_rounds}')
+      require(0 <= self.epsilon_low < 1, 'epsilon_low', f'must be in [0, 1), got {self.epsilon_low}')
+      require(self.epsilon_high >= 0, 'epsilon_high', f'must be >= 0, got {self.epsilon_high}')
+      require(self.dual_clip == 0 or self.dual_clip > 1, 'dual_clip', f'must be 0 (off) or > 1, got {self.dual_clip}')
+      require(self.kl_beta >= 0, 'kl_beta', f'must be >= 0, got {self.kl_beta}')
+      require(self.tis_cap == 0 or self.tis_cap >= 1, 'tis_cap', f'must be 0 (off) or >= 1, got {self.tis_cap}')

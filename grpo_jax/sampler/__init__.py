@@ -6,9 +6,8 @@ from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, Prefix
 from grpo_jax.sampler.engine import QwenEngine
 from grpo_jax.sampler.rollout import GroupSampler, Rollout, sample_groups
 from grpo_jax.sampler.sampling import SamplingConfig, select, truncated_logits
-from grpo_jax.sampler.slots import generate_groups
 from grpo_jax.sampler.special_tokens import SpecialTokens, special_tokens
 
 __all__ = ['DecodeSettings', 'DecodeState', 'Emitted', 'GroupSampler', 'Prefix', 'QwenEngine', 'Rollout',
-           'SamplingConfig', 'SpecialTokens', 'decode_step', 'generate_groups', 'prefill', 'sample_groups',
+           'SamplingConfig', 'SpecialTokens', 'decode_step', 'prefill', 'sample_groups',
            'select', 'special_tokens', 'truncated_logits']

@@ -24,10 +24,43 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpo_jax.errors import require
 from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
 from grpo_jax.model.sharding import batch_groups, grouped
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, decode_step, prefill, request_keys
 from grpo_jax.sampler.layout import RolloutLayout
+from grpo_jax.sampler.sampling import SamplingConfig
+from grpo_jax.sections import inline, section
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """The `rollout` config section: how the policy samples an RL step's completions. The sampling
+  settings (greedy, temperature T, which the trainer's log-probs also use, top_k, top_p) are
+  written in this section: `rollout.temperature`."""
+
+  sampling: SamplingConfig = inline(SamplingConfig())
+  prompts_per_step: int = 16  # P: prompts per RL step; a step scores P * G completions
+  max_new_tokens: int = 8  # N_max: completion budget; longer answers end with finish reason 'length'
+  # B: decode slots (continuous batching, below); a slot freed by a finished answer takes the next
+  # waiting request. 0: one slot per completion (P * G); fewer bounds the KV cache.
+  slots: int = 0
+  # t: devices per tensor-parallel group of the sampler's own layout (sampler/layout.py): the
+  # weights are resident, split over t devices and replicated over the n / t groups. 0: the largest
+  # t dividing the KV heads and the devices, within one host on GPUs (1 on CPUs).
+  tensor: int = 0
+
+  def __post_init__(self):
+    with section('rollout'):
+      require(self.tensor >= 0, 'tensor', f'must be >= 0 (0: chosen for the model and devices), got {self.tensor}')
+      require(self.prompts_per_step >= 1, 'prompts_per_step', f'must be >= 1, got {self.prompts_per_step}')
+      require(self.max_new_tokens >= 1, 'max_new_tokens', f'must be >= 1, got {self.max_new_tokens}')
+      require(self.slots >= 0, 'slots', f'must be >= 0 (0: one per completion), got {self.slots}')
+
+  def decode_settings(self, stop_token_ids, pad_id: int) -> DecodeSettings:
+    """The sampler's static settings for a task's stop and pad ids."""
+    return DecodeSettings(sampling=self.sampling, max_new_tokens=self.max_new_tokens,
+                          stop_token_ids=tuple(stop_token_ids), pad_id=pad_id)
 
 
 @jax.tree_util.register_dataclass

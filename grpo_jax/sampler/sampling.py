@@ -30,12 +30,6 @@ class SamplingConfig:
     require(self.top_k >= 0, 'top_k', f'must be >= 0, got {self.top_k}')
     require(0 < self.top_p <= 1, 'top_p', f'must be in (0, 1], got {self.top_p}')
 
-  @property
-  def settings(self) -> 'SamplingConfig':
-    """The plain sampling settings (a subclass, such as the rollout config section, adds fields
-    that must not reach the jitted sampler's static arguments)."""
-    return SamplingConfig(**{field.name: getattr(self, field.name) for field in dataclasses.fields(SamplingConfig)})
-
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
   """--greedy, --temperature, --top-k, --top-p: the command-line spelling of SamplingConfig."""

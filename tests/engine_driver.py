@@ -1,4 +1,7 @@
-"""P prompts x G samples through a QwenEngine's B slots, refilling each slot as it frees up.
+"""A test driver of the JetStream Engine API: P prompts x G samples through a QwenEngine's B slots,
+refilling each slot as it frees up, as a serving orchestrator drives an engine from the host. The
+trainer samples with sampler/rollout.py (the slots refilled inside one jit); this loop only checks
+that the engine's prefill / insert / generate give the same requests the same tokens.
 
 Each prompt is prefilled once, when its first sample gets a slot, and that prefix is inserted into
 G slots. The jitted generate step runs back to back; every `check_every` steps the host pulls

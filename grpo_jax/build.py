@@ -1,0 +1,37 @@
+"""A run's parts built from its Config, in one place for training (train.py), the plan
+(programs.py) and benchmarks: the task, by name from data/task.py's registry, and the RL step with
+its optimizer and schedule (the optim section's), the train state's shardings and the sampler's
+layout."""
+
+import jax
+from flax import nnx
+
+from grpo_jax.data.task import TASKS, Task
+from grpo_jax.rl.host_task import HostTask
+from grpo_jax.rl.state import train_state_shardings
+from grpo_jax.rl.step import RLStep
+from grpo_jax.sampler.layout import rollout_layout
+
+
+def build_task(config) -> Task:
+  """The run's task from its `task` section (config: a config.Config)."""
+  return TASKS[config.task.name].build(config)
+
+
+def total_updates(config) -> int:
+  """Optimizer updates in the whole run: the learning-rate schedule's length."""
+  return config.train.steps * config.algo.ppo_epochs * config.algo.num_minibatches
+
+
+def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=None, resident: bool = True) -> RLStep:
+  """The run's RL step for `model` (its parameters laid out over `mesh`; `params`: their state,
+  or abstract arrays with their shardings, as the plan compiles them; None: the model's own).
+  A host-scored task is adapted to the mesh (rl/host_task.py). resident False: the sampler decodes
+  in the training layout instead of its own (bench/rollout_layout.py compares the two)."""
+  graphdef, own = nnx.split(model)
+  params = own if params is None else params
+  optimizer, schedule = config.optim.build(total_updates(config))
+  layout = rollout_layout(model, mesh, config.rollout.tensor) if resident else None
+  step_task = task if task.jittable else HostTask(task, mesh)
+  return RLStep(graphdef, step_task, config.rollout, config.algo, optimizer, schedule,
+                train_state_shardings(params, optimizer), layout=layout)

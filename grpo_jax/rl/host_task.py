@@ -1,0 +1,66 @@
+"""A host-scored task as the RL step sees it: the task's prompts and reward (Python on the host)
+wrapped so that they take and give global arrays over the mesh, on one process or many.
+
+The RL step (rl/step.py) calls a task's `prompts` and `reward` the same way whether they are JAX
+functions (jitted there) or this adapter's host functions; only the run's builder (build.py)
+knows which one it hands the step.
+"""
+
+import functools
+
+import jax
+import numpy as np
+
+from grpo_jax import distributed
+from grpo_jax.data.task import Prompts, Scores, Task
+from grpo_jax.model import sharding
+from grpo_jax.sampler.rollout import Rollout
+
+
+class HostTask:
+  """`task` (not jittable) with its prompts replicated over `mesh` and its reward scored by the
+  processes that hold each group's rows; the Task protocol's other fields are `task`'s."""
+
+  jittable = False
+
+  def __init__(self, task: Task, mesh: jax.sharding.Mesh):
+    self.task, self.mesh = task, mesh
+    self.prompt_length, self.vocab_size = task.prompt_length, task.vocab_size
+    self.stop_token_ids, self.pad_id = task.stop_token_ids, task.pad_id
+
+  def prompts(self, key, position: int, count: int) -> Prompts:
+    """The task's prompts as global arrays (every process computes the same ones)."""
+    prompts = self.task.prompts(key, position, count)
+    return Prompts(tokens=distributed.replicated(prompts.tokens, self.mesh),
+                   mask=distributed.replicated(prompts.mask, self.mesh), answers=prompts.answers)
+
+  def _row_shardings(self, tree):
+    return jax.tree.map(lambda x: sharding.named_sharding(self.mesh, x.shape, ('batch',) + (None,) * (x.ndim - 1))
+                        if x.ndim else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()), tree)
+
+  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
+    """Scores the rollout with the task's host reward. Each process decodes and scores only the
+    groups whose rows lie on its own devices (all of them on one process); the rewards are then
+    summed over processes (each row is scored by exactly one) into replicated global arrays."""
+    rollout = jax.device_put(rollout, self._row_shardings(rollout))  # every field laid out by rows alike
+    groups = distributed.owned_groups(rollout.tokens, group_size)
+    rows = (groups[:, None] * group_size + np.arange(group_size)).reshape(-1)
+    mine = Rollout(**{name: distributed.local_rows(getattr(rollout, name), rows) for name in Rollout.ROWS})
+    scores = self.task.reward(mine, Prompts(tokens=None, mask=None, answers=[prompts.answers[g] for g in groups]),
+                              group_size)
+
+    def spread(values):  # this process's rows in place, zeros elsewhere
+      values = np.asarray(values, np.float32)
+      full = np.zeros(rollout.tokens.shape[:1], np.float32)
+      full[rows] = values
+      return full
+
+    total = distributed.sum_over_processes(dict(rewards=spread(scores.rewards),
+                                                failures=np.asarray(scores.failures, np.int32),
+                                                terms={label: spread(values) for label, values in scores.terms.items()}))
+    place = functools.partial(distributed.replicated, mesh=self.mesh)
+    return Scores(rewards=place(total['rewards']), failures=place(total['failures']),
+                  terms={label: place(values) for label, values in total['terms'].items()})
+
+  def close(self) -> None:
+    self.task.close()

@@ -1,0 +1,141 @@
+"""The GRPO loss of one micro-batch: the policy's log-probs from the fused op, then the per-token
+maths of rl/algo.py, summed with the aggregation's weights.
+
+Log-probs come from `ops.token_logprobs` (no [tokens, vocab] logits), either of the padded rows
+[B, Tp + N] or of packed rows (rl/packing.py) brought back to the padded [B, N] layout: the loss
+itself only ever sees per-token arrays [B, N], so both layouts give the same loss.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from grpo_jax.model.qwen2 import Qwen2
+from grpo_jax.ops import token_logprobs
+from grpo_jax.rl import algo, packing
+from grpo_jax.rl.algo import AlgoConfig
+
+
+@struct.dataclass
+class LossInputs:
+  """The rows the loss reads: a mini-batch, or one micro-batch of it. B rows, N completion tokens.
+
+  tokens, segment_ids, mask, advantages, sampler_log_probs: as in update.Batch.
+  old_log_probs  [B, N] fp32 pi_old(y_t); None on-policy (pi_old is the current policy, no pass).
+  ref_log_probs  [B, N] fp32 pi_ref(y_t); None when beta = 0.
+  weights        [B, N] fp32 the loss aggregation's weights, normalised over the whole mini-batch,
+                 so micro-batch losses (and gradients) add up to the mini-batch loss exactly.
+  token_weights  [B, N] fp32 token-mean weights over the mini-batch, for the reported metrics.
+  """
+
+  tokens: jax.Array
+  segment_ids: jax.Array
+  mask: jax.Array
+  advantages: jax.Array
+  sampler_log_probs: jax.Array
+  old_log_probs: jax.Array | None = None
+  ref_log_probs: jax.Array | None = None
+  weights: jax.Array | None = None
+  token_weights: jax.Array | None = None
+
+
+def completion_log_probs(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array, completion_length: int,
+                         *, temperature: float, implementation: str, with_entropy: bool = False):
+  """log pi(y_t) [B, N] (and entropy [B, N]) of the last N tokens, from the fused op.
+
+  The logits predicting completion token t sit at position Tp + t - 1, so the op reads the hidden
+  states of positions Tp - 1 .. Tp + N - 2; prompts must be left-padded.
+  """
+  hidden = model.hidden_states(tokens, segment_ids=segment_ids)
+  hidden = hidden[:, -completion_length - 1:-1]
+  return token_logprobs(hidden, model.lm_head_weight(), tokens[:, -completion_length:],
+                        temperature=temperature, return_entropy=with_entropy,
+                        implementation=implementation)
+
+
+def packed_token_log_probs(model: Qwen2, packed: packing.Packed, *, temperature: float, implementation: str,
+                           with_entropy: bool = False):
+  """log pi [n, m, L - 1] (and entropy) of every packed token but each row's first, at the column
+  before it (position c - 1 predicts the token in column c), for packed rows [n, m, L]."""
+  groups, rows, length = packed.tokens.shape
+  tokens = packed.tokens.reshape(groups * rows, length)
+  hidden = model.hidden_states(tokens, segment_ids=packed.segment_ids.reshape(groups * rows, length))
+  out = token_logprobs(hidden[:, :-1], model.lm_head_weight(), tokens[:, 1:], temperature=temperature,
+                       return_entropy=with_entropy, implementation=implementation)
+  return jax.tree.map(lambda x: x.reshape(groups, rows, length - 1), out)
+
+
+def log_probs_of(model: Qwen2, micro: LossInputs, packed: packing.Packed | None, *, temperature: float,
+                 implementation: str, with_entropy: bool = False):
+  """log pi [B, N] (and entropy) of the micro-batch's completions in the padded layout: from its
+  padded rows, or (packed) from its packed rows, 0 outside the sequences packed into them."""
+  options = dict(temperature=temperature, implementation=implementation, with_entropy=with_entropy)
+  completion_length = micro.mask.shape[1]
+  if packed is None:
+    return completion_log_probs(model, micro.tokens, micro.segment_ids, completion_length, **options)
+  values = packed_token_log_probs(model, packed, **options)
+  if with_entropy:
+    return tuple(packing.unpack(value, packed, completion_length) for value in values)
+  return packing.unpack(values, packed, completion_length)
+
+
+LOG_2 = float(np.log(2.0))  # |log ratio| > log 2: the ratio lies outside [0.5, 2]
+# The sampler <-> trainer mismatch metrics, from the parameters the sampler used.
+MISMATCH = ('sampler_gap_mean', 'sampler_gap_max', 'sampler_ratio_outside')
+
+
+def sampler_mismatch(trainer_log_probs: jax.Array, sampler_log_probs: jax.Array, mask: jax.Array,
+                     token_weights: jax.Array) -> dict:
+  """How far the trainer's log-probs are from the sampler's for the same tokens [B, N]: the
+  `token_weights`-weighted sums of |gap| and of [ratio outside [0.5, 2]] (token means when the
+  weights are the token-mean weights), and the largest gap on a `mask`ed token."""
+  gap = jnp.abs(jax.lax.stop_gradient(trainer_log_probs) - sampler_log_probs)
+  return dict(sampler_gap_mean=jnp.sum(gap * token_weights), sampler_gap_max=jnp.max(jnp.where(mask, gap, 0.0)),
+              sampler_ratio_outside=jnp.sum((gap > LOG_2) * token_weights))
+
+
+def policy_loss(params, graphdef, micro: LossInputs, config: AlgoConfig, temperature: float, on_policy: bool,
+                packed: packing.Packed | None = None):
+  """Weighted-sum GRPO loss of one micro-batch and its weighted metric sums.
+
+  on_policy: pi_old is the current policy (its log-probs are these, without gradient), and the
+  sampler mismatch is measured here; else pi_old's come in `micro.old_log_probs` and the update
+  measures the mismatch from them once. packed: the micro-batch's packed rows; `micro` then holds
+  the whole mini-batch in the padded layout, its mask and weights zero outside these rows.
+  """
+  model = nnx.merge(graphdef, params)
+  mask = micro.mask
+  log_probs, entropy = log_probs_of(model, micro, packed, temperature=temperature,
+                                    implementation=config.logprob_implementation, with_entropy=True)
+  if packed is not None and not on_policy:  # elsewhere: the old policy's values, so every ratio there is a finite 1
+    log_probs = jnp.where(mask, log_probs, micro.old_log_probs)
+  old = jax.lax.stop_gradient(log_probs) if on_policy else micro.old_log_probs
+  if config.importance_ratio == 'sequence':
+    log_ratio = algo.sequence_log_ratio(log_probs, old, mask)
+  else:
+    log_ratio = algo.token_log_ratio(log_probs, old)
+  surrogate = algo.clipped_surrogate(log_ratio, micro.advantages[:, None],
+                                     epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
+                                     dual_clip=config.dual_clip)
+  token_loss = surrogate['loss']
+  if config.tis_cap > 0:
+    token_loss = token_loss * algo.truncated_importance_weight(old, micro.sampler_log_probs, config.tis_cap)
+  pg_loss = token_loss
+  kl = jnp.zeros_like(token_loss)
+  if config.kl_beta > 0:
+    kl = algo.KL_ESTIMATORS[config.kl_estimator](log_probs - micro.ref_log_probs)
+    token_loss = token_loss + config.kl_beta * kl
+  if config.entropy_coef > 0:
+    token_loss = token_loss - config.entropy_coef * entropy
+  loss = jnp.sum(token_loss * micro.weights)
+  # Reported metrics are token means over the mini-batch, whatever the loss aggregation.
+  per_token = micro.token_weights
+  metrics = dict(policy_loss=jnp.sum(pg_loss * per_token), kl=jnp.sum(kl * per_token),
+                 entropy=jnp.sum(jax.lax.stop_gradient(entropy) * per_token),
+                 clip_frac_low=jnp.sum(surrogate['clipped_low'] * per_token),
+                 clip_frac_high=jnp.sum(surrogate['clipped_high'] * per_token),
+                 ratio_mean=jnp.sum(surrogate['ratio'] * per_token))
+  if on_policy:
+    metrics.update(sampler_mismatch(log_probs, micro.sampler_log_probs, mask, per_token))
+  return loss, jax.tree.map(jax.lax.stop_gradient, metrics)

@@ -1,0 +1,48 @@
+"""The train state: everything that changes during training and is checkpointed, and its one layout."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+@struct.dataclass
+class TrainState:
+  """Everything that changes during training (and is checkpointed)."""
+
+  step: jax.Array  # int32 RL steps done: the run's one step counter
+  params: nnx.State  # master parameters (param_dtype)
+  opt_state: optax.OptState
+  key: jax.Array  # uint32[2] PRNG state for rollouts and mini-batch shuffling
+  updates: jax.Array  # int32 optimizer updates applied (drives the learning-rate schedule)
+  skips: jax.Array  # int32 consecutive updates skipped for non-finite loss or gradients
+
+
+def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                    key=jax.random.PRNGKey(seed), updates=jnp.zeros((), jnp.int32),
+                    skips=jnp.zeros((), jnp.int32))
+
+
+def train_state_shardings(params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
+  """The one layout of a TrainState: the parameters as they lie (the logical-axis rules of
+  model/sharding.py), every optimizer leaf that mirrors a parameter (AdamW's moments) laid out
+  like that parameter, so FSDP shards the optimizer state too, and the counters and key
+  replicated. Init, the jitted update, the K-step loop and checkpoint restore all use it."""
+  param_shardings = jax.tree.map(lambda x: x.sharding, params)
+  replicated = NamedSharding(jax.tree.leaves(param_shardings)[0].mesh, PartitionSpec())
+  opt_shardings = optax.tree_map_params(optimizer, lambda _, sharding: sharding,
+                                        jax.eval_shape(optimizer.init, params), param_shardings,
+                                        transform_non_params=lambda _: replicated)
+  return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, key=replicated,
+                    updates=replicated, skips=replicated)
+
+
+def create_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+  """A fresh TrainState in `train_state_shardings`, built on the parameters' devices."""
+  init = jax.jit(functools.partial(init_train_state, optimizer=optimizer, seed=seed),
+                 out_shardings=train_state_shardings(params, optimizer))
+  return init(params)

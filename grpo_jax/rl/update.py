@@ -1,0 +1,237 @@
+"""The GRPO update: one traceable, optax-based function from a scored batch to new parameters.
+
+Inside one call: pi_old and pi_ref log-probs (only when needed), then mu passes x mini-batches of
+optimizer updates, each accumulating the loss's gradients (rl/loss.py) over micro-batches. A
+non-finite loss or gradient leaves parameters and optimizer state untouched and counts a skip.
+
+Two layouts feed the model, chosen by `algo.packing`: the padded rows [B, Tp + N] in micro-batches
+of a fixed number of rows, or each mini-batch's sequences packed into rows of `pack_length` tokens
+(rl/packing.py) in micro-batches of a fixed number of packed rows, as many as the step's real
+tokens need. The micro-batch loop is written once for both (`_accumulate`, `_score`); only which
+rows a micro-batch holds differs, and the loss sees the padded [B, N] layout either way, so both
+give the same loss, gradients and metrics.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from grpo_jax.errors import require
+from grpo_jax.model.sharding import batch_groups
+from grpo_jax.rl import algo, packing
+from grpo_jax.rl.algo import AlgoConfig
+from grpo_jax.rl.loss import MISMATCH, LossInputs, log_probs_of, policy_loss, sampler_mismatch
+from grpo_jax.rl.state import TrainState
+
+
+@struct.dataclass
+class Batch:
+  """A scored rollout ready for the update; B = P * G rows.
+
+  tokens        [B, Tp + N] int32  left-padded prompt followed by the completion
+  segment_ids   [B, Tp + N] int32  1 on real prompt and completion tokens, 0 on padding
+  mask          [B, N] bool        completion tokens (the stop token included)
+  advantages    [B] fp32
+  sampler_log_probs [B, N] fp32    the sampler's log pi(y_t) (for the TIS correction)
+  """
+
+  tokens: jax.Array
+  segment_ids: jax.Array
+  mask: jax.Array
+  advantages: jax.Array
+  sampler_log_probs: jax.Array
+
+  @property
+  def completion_length(self) -> int:
+    return self.mask.shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSettings:
+  """Static settings of the update (hashable)."""
+
+  algo: AlgoConfig
+  temperature: float
+  rows: int  # B = P * G
+  sequence_length: int = 0  # Tp + N, when known here: checks the packing settings against it
+
+  def __post_init__(self):
+    if self.algo.packing and self.sequence_length:
+      length = self.row_length(self.sequence_length)
+      require(length >= self.sequence_length, 'algo.pack_length',
+              f'({length}) must hold a whole sequence: at least the prompt length + rollout.max_new_tokens '
+              f'= {self.sequence_length} tokens')
+      require(self.algo.micro_batch_tokens == 0 or self.algo.micro_batch_tokens >= length, 'algo.micro_batch_tokens',
+              f'({self.algo.micro_batch_tokens}) must hold at least one packed row of algo.pack_length = {length} tokens')
+
+  def row_length(self, sequence_length: int) -> int:
+    """L: tokens per packed row."""
+    return self.algo.pack_length or sequence_length
+
+  def packed_micro_rows(self, rows: int, row_length: int) -> int:
+    """Packed rows per batch group in one micro-batch of a `rows`-row batch: algo.micro_batch_tokens
+    worth of rows, else as many as the padded micro-batch puts on each group."""
+    groups = batch_groups(rows)
+    if self.algo.micro_batch_tokens:
+      per_group = self.algo.micro_batch_tokens // row_length
+    else:
+      per_group = min(self.micro_rows, rows) // groups
+    return max(1, min(per_group, rows // groups))
+
+  @property
+  def on_policy(self) -> bool:
+    """mu = 1 and one mini-batch: pi_old is the current policy, so its log-probs need no pass."""
+    return self.algo.ppo_epochs == 1 and self.algo.num_minibatches == 1
+
+  @property
+  def minibatch_rows(self) -> int:
+    return self.rows // self.algo.num_minibatches
+
+  @property
+  def micro_rows(self) -> int:
+    return self.algo.micro_batch_size or self.minibatch_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatches:
+  """How a set of rows splits into micro-batches, in either layout: `count` micro-batches (a traced
+  count when packed), micro-batch i holding padded rows [i * rows, (i + 1) * rows) of every leaf,
+  or (packed) packed rows [i * rows, (i + 1) * rows) of every batch group."""
+
+  count: int | jax.Array
+  rows: int
+  packed: packing.Packed | None = None
+
+  @classmethod
+  def of(cls, settings: UpdateSettings, tokens: jax.Array, segment_ids: jax.Array, completion_length: int,
+         micro_rows: int) -> 'MicroBatches':
+    """The micro-batches of padded rows tokens, segment_ids [B, Tp + N] as `settings` lay them out;
+    `micro_rows`: padded rows per micro-batch."""
+    if not settings.algo.packing:
+      return cls(count=tokens.shape[0] // micro_rows, rows=micro_rows)
+    length = settings.row_length(tokens.shape[1])
+    rows = settings.packed_micro_rows(tokens.shape[0], length)
+    packed = packing.pack(tokens, segment_ids, completion_length, length, rows)
+    return cls(count=packing.micro_batch_count(packed, rows), rows=rows, packed=packed)
+
+  def take(self, index, inputs: LossInputs) -> tuple[LossInputs, packing.Packed | None]:
+    """Micro-batch `index` of `inputs` (their rows [B, ...]): its own rows, or (packed) its packed
+    rows and the whole `inputs` with the mask and weights of the sequences outside them zeroed."""
+    if self.packed is None:
+      return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, index * self.rows, self.rows), inputs), None
+    packed = packing.micro_batch(self.packed, index, self.rows)
+    member = packing.members(packed)[:, None]
+    if inputs.weights is not None:
+      inputs = inputs.replace(weights=inputs.weights * member, token_weights=inputs.token_weights * member)
+    return inputs.replace(mask=inputs.mask & member), packed
+
+  def metrics(self) -> dict:
+    """micro_batches, and with packing the packed rows and their padding fraction."""
+    count = jnp.asarray(self.count, jnp.float32)
+    if self.packed is None:
+      return dict(micro_batches=count)
+    groups, _, length = self.packed.tokens.shape
+    computed = count * groups * self.rows * length
+    return dict(micro_batches=count, packed_rows=jnp.sum(self.packed.rows_used).astype(jnp.float32),
+                packed_padding_frac=1.0 - self.packed.real_tokens / computed)
+
+
+def _add_metrics(totals: dict, metrics: dict) -> dict:
+  """Micro-batch metric sums added up (the largest gap kept)."""
+  return {name: (jnp.maximum if name == 'sampler_gap_max' else jnp.add)(totals[name], value)
+          for name, value in metrics.items()}
+
+
+def _accumulate(gradients, count):
+  """Loss, metric sums and gradients summed over micro-batches 0 .. count - 1, where
+  `gradients(index)` -> ((loss, metrics), grads) of one."""
+  def add(index, totals):
+    (loss, metrics), grads = gradients(index)
+    total_loss, total_metrics, total_grads = totals
+    return total_loss + loss, _add_metrics(total_metrics, metrics), jax.tree.map(jnp.add, total_grads, grads)
+
+  (loss, metrics), grads = jax.tree.map(jnp.zeros_like, jax.eval_shape(gradients, 0))
+  return jax.lax.fori_loop(0, count, add, (loss, metrics, grads))
+
+
+def _score(graphdef, params, inputs: LossInputs, micro: MicroBatches, settings: UpdateSettings) -> jax.Array:
+  """Log-probs [B, N] of every row of `inputs` without gradients, one micro-batch at a time (the
+  pi_old and pi_ref passes). Packed micro-batches each fill their own sequences' rows."""
+  def one(index, out):
+    rows, packed = micro.take(index, inputs)
+    values = log_probs_of(nnx.merge(graphdef, params), rows, packed, temperature=settings.temperature,
+                          implementation=settings.algo.logprob_implementation)
+    if packed is None:
+      return jax.lax.dynamic_update_slice_in_dim(out, values, index * micro.rows, axis=0)
+    return jnp.where(rows.mask, values, out)
+
+  return jax.lax.fori_loop(0, micro.count, one, jnp.zeros(inputs.mask.shape, jnp.float32))
+
+
+def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, graphdef,
+           optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+           settings: UpdateSettings) -> tuple[TrainState, dict]:
+  """mu passes of mini-batch optimizer updates over `batch`. Traceable (rl/step.py jits it)."""
+  config = settings.algo
+  completion_length = batch.completion_length
+  rows = LossInputs(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask, advantages=batch.advantages,
+                    sampler_log_probs=batch.sampler_log_probs)
+  # pi_old and pi_ref score the whole batch, laid out (packed) once for both.
+  if not settings.on_policy or config.kl_beta > 0:
+    scoring = MicroBatches.of(settings, batch.tokens, batch.segment_ids, completion_length, settings.micro_rows)
+    rows = rows.replace(
+        old_log_probs=None if settings.on_policy else _score(graphdef, state.params, rows, scoring, settings),
+        ref_log_probs=_score(graphdef, ref_params, rows, scoring, settings) if config.kl_beta > 0 else None)
+
+  key, shuffle_key = jax.random.split(state.key)
+  if config.num_minibatches > 1:
+    orders = [jax.random.permutation(k, settings.rows) for k in jax.random.split(shuffle_key, config.ppo_epochs)]
+  else:
+    orders = [jnp.arange(settings.rows)] * config.ppo_epochs
+  orders = jnp.stack(orders).reshape(-1, settings.minibatch_rows)  # [mu * minibatches, rows per minibatch]
+  grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
+
+  def minibatch_update(carry, order):
+    params, opt_state, updates, skips = carry
+    minibatch = jax.tree.map(lambda x: x[order], rows)
+    minibatch = minibatch.replace(
+        weights=algo.aggregation_weights(minibatch.mask, config.loss_aggregation, completion_length),
+        token_weights=algo.aggregation_weights(minibatch.mask, 'token-mean'))
+    micro = MicroBatches.of(settings, minibatch.tokens, minibatch.segment_ids, completion_length, settings.micro_rows)
+
+    def gradients(index):
+      inputs, packed = micro.take(index, minibatch)
+      return grad_fn(params, graphdef, inputs, config, settings.temperature, settings.on_policy, packed)
+
+    loss, metrics, grads = _accumulate(gradients, micro.count)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    step_updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, step_updates)
+    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+    carry = (keep(new_params, params), keep(new_opt_state, opt_state),
+             updates + finite.astype(jnp.int32), jnp.where(finite, 0, skips + 1))
+    metrics = dict(metrics, **micro.metrics(), loss=loss, grad_norm=grad_norm, lr=schedule(updates),
+                   nonfinite=(~finite).astype(jnp.float32))
+    return carry, metrics
+
+  carry = (state.params, state.opt_state, state.updates, state.skips)
+  (params, opt_state, updates, skips), metrics = jax.lax.scan(minibatch_update, carry, orders)
+  # The mismatch, measured on the sampler's parameters: on-policy by the loss on its one mini-batch,
+  # else here from pi_old's log-probs of the whole batch.
+  if settings.on_policy:
+    mismatch = {name: metrics[name][0] for name in MISMATCH}
+  else:
+    mismatch = sampler_mismatch(rows.old_log_probs, batch.sampler_log_probs, batch.mask,
+                                algo.aggregation_weights(batch.mask, 'token-mean'))
+  metrics = dict(jax.tree.map(jnp.mean, metrics), **mismatch)
+  metrics['nonfinite'] = metrics['nonfinite'] * orders.shape[0]  # count, not mean
+  real = jnp.sum(batch.segment_ids != 0)
+  metrics.update(sequence_tokens=real.astype(jnp.float32),
+                 padding_frac=1.0 - real / jnp.float32(batch.segment_ids.size))
+  new_state = state.replace(params=params, opt_state=opt_state, key=key, updates=updates, skips=skips)
+  return new_state, metrics
