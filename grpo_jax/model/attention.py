@@ -69,8 +69,16 @@ def grouped_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, 
 # Attention over the KV cache while decoding: 'dense' (every slot, masked), 'blockwise' (XLA: blocks
 # up to the fullest row's length), 'pallas' (the ragged kernel, ops/decode_attention.py: each row
 # reads its own blocks only; one device, not yet split over a mesh).
+# Attention over the KV cache while decoding (`cache_attention`): 'dense' reads every slot of each
+# cache row (masked); 'blockwise' reads blocks only up to the fullest row's written length;
+# 'pallas' runs the ragged kernel, each row reading blocks only up to its own length. The last two
+# read the stacked [L, B, S, K, H] cache by layer index instead of taking each layer's rows.
 DecodeAttention = Literal['dense', 'blockwise', 'pallas']
 DECODE_ATTENTIONS = typing.get_args(DecodeAttention)
+
+
+def reads_stacked_cache(implementation: DecodeAttention) -> bool:
+  return implementation in ('blockwise', 'pallas')
 
 
 def _block_size(length: int, block: int) -> int:
@@ -166,6 +174,23 @@ def ragged_kernel_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.A
   cache = decode_attention.ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, query_segments,
                                                   query_slots, block=block)
   return decode_attention.finish_stats(decode_attention.merge_stats(stats, cache), v_cache.dtype)
+
+
+def cache_attention(implementation: DecodeAttention, q: jax.Array, new: tuple, parts: list, k_cache: jax.Array,
+                    v_cache: jax.Array, own, cache_mask: jax.Array, lengths: jax.Array, cache_segments: jax.Array,
+                    query_segments: jax.Array, query_slots: jax.Array, block: int) -> jax.Array:
+  """q [B, T, N, H] over this call's own tokens `new` (k, v, mask), the shared-prefix `parts` and
+  the KV cache, as `implementation` reads the cache. own: this layer's cache rows (k, v
+  [B, S, K, H]) for 'dense', else its index into the stacked k_cache, v_cache [L, B, S, K, H];
+  cache_mask [B, T, S]: the written slots each query may see; lengths [B]: slots written per row;
+  cache_segments [B, S], query_segments and query_slots [B, T]: the kernel's own mask;
+  block: cache slots per block."""
+  if implementation == 'pallas':
+    return ragged_kernel_attention(q, [new] + parts, k_cache, v_cache, own, lengths, cache_segments, query_segments,
+                                   query_slots, block)
+  if implementation == 'blockwise':
+    return blockwise_cache_attention(q, [new] + parts, k_cache, v_cache, cache_mask, lengths, block, layer=own)
+  return grouped_attention(q, parts + [(own[0], own[1], cache_mask), new])
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

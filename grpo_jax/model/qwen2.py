@@ -30,8 +30,8 @@ from flax import nnx
 
 from grpo_jax.errors import require
 from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, DECODE_ATTENTIONS, Attend, AttentionImplementation,
-                                      DecodeAttention, attention_mask, blockwise_cache_attention, grouped_attention,
-                                      ragged_kernel_attention, sequence_attention)
+                                      DecodeAttention, attention_mask, cache_attention, reads_stacked_cache,
+                                      sequence_attention)
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.sharding import constrain
 
@@ -57,11 +57,8 @@ class ModelOptions:
   scan_layers: bool = True  # one lax.scan over layers: compile time independent of depth
   attention: AttentionImplementation = 'dense'  # full-sequence attention (attention.py); decoding: below
   attention_chunk: int = 512  # queries per chunk with attention='chunked'
-  # Attention over the KV cache while decoding: 'dense' reads every slot of each cache row (masked);
-  # 'blockwise' reads blocks of `decode_block` slots only up to the fullest row's written length;
-  # 'pallas' runs the ragged kernel, each row reading blocks only up to its own length.
-  decode_attention: DecodeAttention = 'dense'
-  decode_block: int = 256
+  decode_attention: DecodeAttention = 'dense'  # attention over the KV cache while decoding (attention.py)
+  decode_block: int = 256  # cache slots per block of 'blockwise' and 'pallas' decode attention
 
   def __post_init__(self):
     choices = {'dtype': typing.get_args(DType), 'param_dtype': typing.get_args(ParamDType),
@@ -389,26 +386,22 @@ class Qwen2(nnx.Module):
     prefix_mask = (None if prefix is None else
                    (prefix_segments[:, None, :] == segment_ids[:, :, None]) & (prefix_segments != 0)[:, None, :])
 
-    blockwise = self.options.decode_attention in ('blockwise', 'pallas')  # read the stacked cache by layer index
+    implementation = self.options.decode_attention
+    stacked = reads_stacked_cache(implementation)
 
     def layer(x, params, layer_cache):
-      own, *shared = layer_cache  # this layer's cache rows, or (blockwise) its index into the stack
+      own, *shared = layer_cache  # this layer's cache rows, or (stacked) its index into the stack
       parts = [] if prefix is None else [(prefix.rows(shared[0]), prefix.rows(shared[1]), prefix_mask)]
 
       def attend(q, k, v):
         # Round the new keys and values to the cache dtype, as writing them first would.
-        k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-        if self.options.decode_attention == 'pallas':
-          return ragged_kernel_attention(q, [(k, v, mask)] + parts, cache.k, cache.v, own, cache.length,
-                                         cache.segment_ids, segment_ids, query_slots, self.options.decode_block)
-        if blockwise:
-          return blockwise_cache_attention(q, [(k, v, mask)] + parts, cache.k, cache.v, cache_mask, cache.length,
-                                           self.options.decode_block, layer=own)
-        return grouped_attention(q, parts + [(own[0], own[1], cache_mask), (k, v, mask)])
+        new = (k.astype(cache.k.dtype), v.astype(cache.v.dtype), mask)
+        return cache_attention(implementation, q, new, parts, cache.k, cache.v, own, cache_mask, cache.length,
+                               cache.segment_ids, segment_ids, query_slots, self.options.decode_block)
 
       return decoder_block(params, x, positions, attend, config=self.config, dtype=self.dtype)
 
-    own = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32) if blockwise else (cache.k, cache.v)
+    own = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32) if stacked else (cache.k, cache.v)
     layer_caches = (own,) + (() if prefix is None else (prefix.k, prefix.v))
     x, (k_new, v_new) = self.run_layers(self._embed(tokens), layer, layer_caches)
     hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
