@@ -56,7 +56,7 @@ def main():
   target = targets.parse_target(args.target)
   config = config_lib.load_config(args.config, args.overrides)
   architecture = programs.model_architecture(config, args.model_size, args.layers)
-  only = {'rollout'} if config.task.name != 'arith' else None
+  only = None if config.task.jittable else {'rollout'}
   steps = config.rollout.max_new_tokens
   rows = []
   trials = [('training layout', config, False)] + [

@@ -147,7 +147,7 @@ def restore_policy(checkpoints: str, step: int | None, mesh, options=None):
                       f'{config.model.path} (where it was read from) is gone')
     else:
       architecture = config.model.architecture
-    graphdef, abstract = nnx.split(abstract_model(architecture, options if options is not None else config.model))
+    graphdef, abstract = nnx.split(abstract_model(architecture, options if options is not None else config.model.options))
     target = jax.tree.map(lambda variable, sharding: variable.replace(
         jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=sharding)),
         abstract, state_shardings(abstract, mesh), is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -25,6 +25,7 @@ from grpo_jax.build import build_rl_step, build_task
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.data.task import Task
 from grpo_jax.errors import UserError, cli_main
+from grpo_jax.evaluation import Evaluator
 from grpo_jax.model import sharding
 from grpo_jax.model.config import to_hf_dict
 from grpo_jax.rl.state import create_train_state
@@ -206,7 +207,6 @@ class InTrainingEval:
   goes to eval.jsonl (and the step's metrics row), each problem's samples to eval/samples_<step>.jsonl."""
 
   def __init__(self, config: config_lib.Config, workdir: str, run: 'Run', task: Task):
-    from grpo_jax.eval import Evaluator
     self.every, self.total, self.workdir, self.run = config.eval.every, config.train.steps, workdir, run
     self.evaluator = Evaluator(config, task, run.rl_step.graphdef, run.state.params)
     self.log = metrics_lib.MetricsLog(workdir, resume_step=run.step, tensorboard=False, name='eval.jsonl',

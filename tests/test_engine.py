@@ -155,8 +155,8 @@ def test_refilling_few_slots_equals_one_slot_per_request(seed, make_hf_checkpoin
 
 
 def test_core_modules_do_not_import_jetstream_or_tensorflow():
-  code = ('import sys, grpo_jax, grpo_jax.sampler, grpo_jax.sampler.engine, grpo_jax.sampler.slots, '
-          'grpo_jax.sampler.engine_tokenizer, grpo_jax.train, grpo_jax.serve; '
+  code = ('import sys, grpo_jax, grpo_jax.sampler, grpo_jax.sampler.engine, grpo_jax.build, '
+          'grpo_jax.sampler.engine_tokenizer, grpo_jax.train, grpo_jax.eval, grpo_jax.serve; '
           'print(sorted({m.split(".")[0] for m in sys.modules} & {"jetstream", "tensorflow", "seqio"}))')
   result = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, JAX_PLATFORMS='cpu'))

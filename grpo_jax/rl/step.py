@@ -124,9 +124,9 @@ class RLStep:
     self.traced = Stages(split_key=split_key, prompts=task.prompts, sample=self._sample, reward=task.reward,
                          learn=self._learn)
     # A jittable task's prompts and reward are jitted like the other stages; a host task's run as they are.
-    on_host = (lambda f: jax.jit(f, static_argnums=2)) if task.jittable else (lambda f: f)
-    self.jitted = Stages(split_key=jax.jit(split_key), prompts=on_host(task.prompts), sample=jax.jit(self._sample),
-                         reward=on_host(task.reward),
+    task_stage = (lambda f: jax.jit(f, static_argnums=2)) if task.jittable else (lambda f: f)
+    self.jitted = Stages(split_key=jax.jit(split_key), prompts=task_stage(task.prompts), sample=jax.jit(self._sample),
+                         reward=task_stage(task.reward),
                          learn=jax.jit(self._learn, donate_argnums=0, out_shardings=(state_shardings, replicated)))
     self._sampled_metrics = jax.jit(self._rounds_metrics)
     self._take_rows = jax.jit(_take_rows)
