@@ -7,8 +7,10 @@ import sys
 import pytest
 import yaml
 
-from grpo_jax.config import Config, load_config, to_yaml
+from grpo_jax.config import Config, from_dict, load_config, to_dict, to_yaml
+from grpo_jax.data.sources import DatasetSource
 from grpo_jax.errors import UserError
+from grpo_jax.sampler import SamplingConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,6 +32,22 @@ def test_yaml_and_overrides(tmp_path):
   assert load_config(None) == Config()
 
 
+def test_inline_sections_are_written_in_their_parent():
+  """The sampling settings, the model options and a dataset are sections of their own in the code,
+  written in the section that holds them (rollout.temperature, model.remat, eval.split)."""
+  config = load_config(None, ['rollout.temperature=0.7', 'rollout.top_p=0.9', 'model.remat=full',
+                              'task.name=math', 'task.source=train.jsonl', 'model.path=m', 'eval.source=test.jsonl'])
+  assert config.rollout.sampling == SamplingConfig(temperature=0.7, top_p=0.9)
+  assert config.model.options.remat == 'full'
+  assert config.task.dataset == DatasetSource('train.jsonl', split='train')
+  assert config.eval.dataset == DatasetSource('test.jsonl', split='test')  # each holder's own default
+  written = to_dict(config)
+  assert written['rollout']['temperature'] == 0.7 and 'sampling' not in written['rollout']
+  assert written['model']['remat'] == 'full' and 'options' not in written['model']
+  assert (written['task']['source'], written['eval']['split']) == ('train.jsonl', 'test')
+  assert from_dict(written) == config
+
+
 def test_resolved_yaml_reloads_to_the_same_config(tmp_path):
   config = load_config(None, ['model.architecture.head_dim=32', 'model.remat=dots'])
   assert load_config(write(tmp_path, to_yaml(config))) == config
@@ -44,6 +62,12 @@ def test_resolved_yaml_reloads_to_the_same_config(tmp_path):
     ('', ['model.architecture.num_attention_heads=3'], 'must be a multiple of num_key_value_heads'),
     ('', ['mesh.tensor'], 'is not of the form key.path=value'),
     ('run: [1\n', [], 'is not valid YAML'),
+    ('', ['model.param_dtype=float16'], "model.param_dtype must be one of 'float32' | 'bfloat16' for training"),
+    ('', ['rollout.top_p=1.5'], 'rollout.top_p must be in (0, 1]'),
+    ('', ['rollout.sampling.top_p=0.5'], "unknown config key 'rollout.sampling'"),
+    ('', ['task.name=math', 'task.source=a.jsonl', 'model.path=m', 'task.mix=[{split: train}]'],
+     'task.mix[0].source must name a dataset'),
+    ('', ['task.name=math', 'model.path=m'], 'task.source must name the problems for task.name=math'),
 ])
 def test_mistakes_name_the_key(tmp_path, text, overrides, message):
   with pytest.raises(UserError) as error:

@@ -60,15 +60,20 @@ def dynamic_run(tmp_path, informative, rounds, prompts=4, group=4):
   mesh = sharding.make_mesh(config_lib.dataclasses.replace(config.mesh, fsdp=1), jax.devices()[:1])
   model = config.model.build(mesh, config.run.seed)
   run = train.Run(config, str(tmp_path / 'work'), mesh, model, ScriptedTask(informative))
-  learned = []
-  learn = run.rl_step.jitted.learn
+  learned, sampled = [], []
+  learn, sample = run.rl_step.jitted.learn, run.rl_step.jitted.sample
 
-  def spy(state, ref_params, prompt_tokens, prompt_mask, rollout, scores):
+  def spy_learn(state, ref_params, prompt_tokens, prompt_mask, rollout, scores):
     learned.append((np.asarray(prompt_tokens), np.asarray(scores.rewards)))
     return learn(state, ref_params, prompt_tokens, prompt_mask, rollout, scores)
 
-  run.rl_step.jitted = dataclasses.replace(run.rl_step.jitted, learn=spy)
-  return run, learned
+  def spy_sample(*args):
+    rollout = sample(*args)
+    sampled.append((int(rollout.decode_steps), int(np.asarray(rollout.lengths).sum())))
+    return rollout
+
+  run.rl_step.jitted = dataclasses.replace(run.rl_step.jitted, learn=spy_learn, sample=spy_sample)
+  return run, learned, sampled
 
 
 @pytest.mark.parametrize('informative, rounds, trained, filled, used', [
@@ -79,7 +84,7 @@ def dynamic_run(tmp_path, informative, rounds, prompts=4, group=4):
     (set(), 1, [0, 1, 2, 3], 4, 1),  # one round allowed, none informative
 ])
 def test_dynamic_sampling_trains_on_informative_groups(tmp_path, informative, rounds, trained, filled, used):
-  run, learned = dynamic_run(tmp_path, informative, rounds)
+  run, learned, rounds_sampled = dynamic_run(tmp_path, informative, rounds)
   try:
     metrics = run.host_step()
   finally:
@@ -96,6 +101,11 @@ def test_dynamic_sampling_trains_on_informative_groups(tmp_path, informative, ro
   assert metrics['reward_mean'] == pytest.approx(sum(q in informative for q in sampled) / (4 * len(sampled)))
   assert metrics['reward/scripted'] == pytest.approx(metrics['reward_mean'])
   assert metrics['trained_reward_mean'] == pytest.approx(rewards.mean())
+  # The sampler's work over every round: decode steps add up, and so do the slots' useful row-steps.
+  assert len(rounds_sampled) == used
+  steps, emitted = (sum(values) for values in zip(*rounds_sampled))
+  assert metrics['decode_steps'] == steps
+  assert metrics['slot_occupancy'] == pytest.approx(emitted / (steps * 16))  # 16 slots: one per completion
 
 
 # ---- the text path end to end ----
