@@ -1,6 +1,6 @@
 """python bench/update.py [--preset P] [--rows B] [--micro-batch-size M] [--remat R] [--dtype D] [--torch]
 
-Seconds per jitted GRPO update (rl/step.py's optimizer step on one scored batch), trained tokens/s
+Seconds per jitted GRPO update (rl/update.py's optimizer step on one scored batch), trained tokens/s
 and model-FLOPs utilisation, optionally against the same update in PyTorch (--torch).
 
 The update is the trainer's own: rl.update.update, jitted as rl/step.py jits it, on a one-device mesh

@@ -1,6 +1,6 @@
 """python -m grpo_jax.train --config configs/X.yaml [--set a.b=c ...] [--workdir DIR]
 
-GRPO on a device mesh: each step (rl/loop.py) samples G completions for P prompts from the live
+GRPO on a device mesh: each step (rl/step.py) samples G completions for P prompts from the live
 parameters, scores them, computes group advantages and applies the optax update. With a reward
 written in JAX (the built-in arithmetic task) `train.steps_per_call` whole steps run inside one
 jit; otherwise each step runs jitted rollout -> host reward -> jitted update. This file keeps the
@@ -87,7 +87,7 @@ def to_host(metrics: dict) -> dict:
 
 class Run:
   """A training run on the host: the train state between jitted calls, its checkpoints and logs.
-  The RL step itself is rl/loop.py's; the step counter is the state's."""
+  The RL step itself is rl/step.py's; the step counter is the state's."""
 
   def __init__(self, config: config_lib.Config, workdir: str, mesh, model, task: Task):
     self.config, self.mesh = config, mesh

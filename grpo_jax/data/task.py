@@ -2,7 +2,7 @@
 
 A task gives the prompts of a step and scores the step's completions. With `jittable` both are
 JAX functions, so the step runs whole inside a jit (K steps in one call); otherwise they run on the
-host, between the step's jitted sampler and its jitted update. The step itself (rl/loop.py) is the
+host, between the step's jitted sampler and its jitted update. The step itself (rl/step.py) is the
 same either way.
 
 The built-in tasks are registered by name in `TASKS`; the run's `task` config section names one.

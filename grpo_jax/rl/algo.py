@@ -200,7 +200,7 @@ class AlgoConfig:
   loss_aggregation: LossAggregation = 'token-mean'  # see algo.aggregation_weights
   ppo_epochs: int = 1  # mu: passes over each batch; > 1 uses pi_old log-probs and clipping
   num_minibatches: int = 1  # optimizer steps per pass; P * G must divide evenly
-  micro_batch_size: int = 0  # rows per gradient-accumulation chunk (lax.scan); 0: whole mini-batch
+  micro_batch_size: int = 0  # rows per gradient-accumulation micro-batch; 0: the whole mini-batch
   # Packing (rl/packing.py): each mini-batch's sequences (prompt + completion, padding dropped) are
   # packed into rows of pack_length tokens on the devices, and the pi_old / pi_ref passes and the loss
   # run over packed rows, in micro-batches as many as the real tokens need. Same loss as padded rows.
