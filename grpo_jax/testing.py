@@ -6,6 +6,7 @@
   random_prompts(seed, lengths)     prompts of given lengths as lists of token ids
   left_padded(sequences)            those prompts as one left-padded batch and its mask
   random_batch(rng, ...)            a scored batch for the update (rl/update.Batch) of random sequences
+  splitting_token(answers)          a stop id that ends some greedy answers early and not others
 
 Only the standard library is imported at module level; numpy, torch, transformers and grpo_jax's
 model are imported where used. bench/harness.py reads the presets before its limit_threads pins
@@ -123,6 +124,17 @@ def left_padded(sequences, pad_id: int = 0):
     tokens[row, width - len(sequence):] = sequence
     mask[row, width - len(sequence):] = 1
   return tokens, mask
+
+
+def splitting_token(answers) -> int | None:
+  """The earliest token (by position, then row) before the last position of `answers` [R, N] that
+  some rows hold and others do not: as a stop id it ends some answers early and leaves others
+  running. A random model's greedy answers cycle over a few tokens, which random stop ids often
+  all miss. None when every row holds the same tokens."""
+  import numpy as np
+  answers = np.asarray(answers)
+  held = [set(row.tolist()) for row in answers]
+  return next((int(t) for t in answers[:, :-1].T.ravel() if not all(int(t) in h for h in held)), None)
 
 
 def random_batch(rng, rows: int, prompt_length: int, completion_length: int, vocab_size: int, shapes=None,

@@ -26,7 +26,7 @@ from grpo_jax.model import MeshConfig, ModelOptions, from_pretrained, make_mesh
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.sampler.layout import choose_tensor, resident_bytes_per_device, rollout_layout, rollout_mesh
 from grpo_jax.sampler.rollout import GroupSampler
-from grpo_jax.testing import left_padded, random_prompts
+from grpo_jax.testing import left_padded, random_prompts, splitting_token
 
 FIELDS = ('tokens', 'mask', 'lengths', 'stopped')
 VOCAB, HIDDEN, MLP = 1024, 64, 128  # divisible by 8: vocabulary, MLP columns split on every tensor size
@@ -62,15 +62,14 @@ def _sample(model, tokens, mask, decode, slots, layout=None):
 
 @pytest.fixture(scope='module')
 def inputs(checkpoint):
-  """Prompts and stop ids. A random model's greedy answers cycle over a few tokens that may miss the
-  random stop ids (about 1 seed in 8), so one more stop is taken from its unstopped greedy answers:
-  the earliest token some answers hold and others do not. Greedy lengths then differ between rows."""
+  """Prompts and stop ids: an eighth of the vocabulary, and one taken from the model's unstopped
+  greedy answers (testing.splitting_token), which the random ones miss about 1 seed in 8. Greedy
+  lengths then differ between rows."""
   directory, seed = checkpoint
   tokens, mask, stops = _inputs(seed)
   greedy = DecodeSettings(max_new_tokens=12, sampling=SAMPLINGS['greedy'])
   answers = np.asarray(_sample(from_pretrained(directory), tokens, mask, greedy, 0)[1].tokens)
-  held = [set(row.tolist()) for row in answers]
-  split = next((int(t) for t in answers.T.ravel() if not all(int(t) in h for h in held)), None)
+  split = splitting_token(answers)
   assert split is not None, f'seed {seed}: every greedy answer holds the same tokens'
   return tokens, mask, stops + (split,)
 
