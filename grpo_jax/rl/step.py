@@ -97,7 +97,7 @@ def split_key(state: TrainState) -> tuple[TrainState, jax.Array, jax.Array]:
 
 class RLStep:
   """One RL step over a TrainState, built once from the run's static parts (build.py builds it
-  from a run's config). `step(state, ref_params, position)` runs one from the host;
+  from a run's config). `rl_step(state, ref_params, position)` runs one from the host;
   `run_steps(state, ref_params, position, K)` runs K whole steps in one jit (jittable tasks).
 
   graphdef: the model's graph; task: a data.task.Task, jittable or adapted to the host
