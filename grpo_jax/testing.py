@@ -49,9 +49,11 @@ def preset(name: str, **overrides):
   return Qwen2Config(**{**QWEN2_5_PRESETS[name], **overrides})
 
 
-def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None, **overrides):
-  """A transformers Qwen2ForCausalLM in eval mode: TINY_HF_FIELDS updated by `overrides` (any
-  transformers.Qwen2Config keyword, e.g. **to_hf_dict(config) or attn_implementation='sdpa').
+def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None, model_type: str = 'qwen2',
+                    **overrides):
+  """A transformers Qwen2ForCausalLM (model_type 'qwen3': Qwen3ForCausalLM) in eval mode:
+  TINY_HF_FIELDS updated by `overrides` (any keyword of the transformers config, e.g.
+  **to_hf_dict(config) or attn_implementation='sdpa').
 
   init: 'random' draws every parameter from a normal distribution, biases and norms included
     (transformers' default init leaves biases at 0 and norm weights at 1, which would hide a
@@ -62,13 +64,16 @@ def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None
   device: where the parameters are created (e.g. 'cuda'); the host by default.
   """
   import torch
-  from transformers import Qwen2Config, Qwen2ForCausalLM
+  import transformers
 
   if init not in ('random', 'default'):
     raise ValueError(f"init must be 'random' or 'default', got {init!r}")
+  family = {'qwen2': 'Qwen2', 'qwen3': 'Qwen3'}[model_type]
+  config_class, model_class = (getattr(transformers, family + suffix) for suffix in ('Config', 'ForCausalLM'))
+  overrides = {key: value for key, value in overrides.items() if key not in ('architectures', 'model_type')}
   torch.manual_seed(seed)
   with torch.device(device) if device is not None else contextlib.nullcontext():
-    model = Qwen2ForCausalLM(Qwen2Config(**{**TINY_HF_FIELDS, **overrides})).eval()
+    model = model_class(config_class(**{**TINY_HF_FIELDS, **overrides})).eval()
   with torch.no_grad():
     if init == 'random':
       # A generator of its own: the draws depend on the seed alone, not on how much of the global

@@ -36,11 +36,11 @@ def convert_both_ways(hf_dir, tmp_path, *extra):
   return str(orbax_dir), str(back_dir)
 
 
-@pytest.mark.parametrize('tied', [True, False])
-def test_round_trip_is_bit_exact_and_loads_in_transformers(tied, seed, make_hf_checkpoint, tmp_path):
+@pytest.mark.parametrize('tied, model_type', [(True, 'qwen2'), (False, 'qwen2'), (True, 'qwen3')])
+def test_round_trip_is_bit_exact_and_loads_in_transformers(tied, model_type, seed, make_hf_checkpoint, tmp_path):
   from transformers import AutoModelForCausalLM
 
-  hf_dir, reference = make_hf_checkpoint(seed, shard_size='200KB', tie_word_embeddings=tied)
+  hf_dir, reference = make_hf_checkpoint(seed, shard_size='200KB', tie_word_embeddings=tied, model_type=model_type)
   assert os.path.isfile(os.path.join(hf_dir, 'model.safetensors.index.json'))
   orbax_dir, back_dir = convert_both_ways(hf_dir, tmp_path)
 
@@ -51,6 +51,7 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(tied, seed, make_hf_c
   assert os.path.isfile(os.path.join(back_dir, 'model.safetensors.index.json'))  # split by --max-shard-gb
 
   reloaded = AutoModelForCausalLM.from_pretrained(back_dir).eval()
+  assert type(reloaded) is type(reference)  # written back as the same family member
   tokens = np.random.default_rng(seed).integers(0, 1000, (2, 64))
   np.testing.assert_array_equal(torch_logits(reloaded, tokens), torch_logits(reference, tokens))
   # The orbax checkpoint itself loads through the public API with the same logits.

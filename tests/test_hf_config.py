@@ -1,5 +1,6 @@
 """Reading config.json in both transformers spellings, for every Qwen2.5 size."""
 
+import dataclasses
 import math
 
 import jax
@@ -68,6 +69,10 @@ def test_every_qwen2_5_size(size):
 def test_round_trip_through_hf_dict():
   config = from_hf_dict(hub_v4(QWEN2_5_PRESETS['7B']))
   assert from_hf_dict(to_hf_dict(config)) == config
+  qwen3 = dataclasses.replace(config, attention_bias=False, qk_norm=True, head_dim=128)
+  written = to_hf_dict(qwen3)
+  assert (written['model_type'], written['architectures'], written['attention_bias']) == ('qwen3', ['Qwen3ForCausalLM'], False)
+  assert from_hf_dict(written) == qwen3
 
 
 @pytest.mark.parametrize('change, message', [
@@ -77,6 +82,10 @@ def test_round_trip_through_hf_dict():
     (dict(hidden_act='gelu'), "hidden_act='gelu' is not supported"),
     (dict(num_key_value_heads=3), 'must be a multiple of num_key_value_heads (3)'),
     (dict(hidden_size=None), 'missing field hidden_size'),
+    (dict(architectures=['Qwen3MoeForCausalLM'], model_type='qwen3_moe'),
+     "unsupported architecture Qwen3MoeForCausalLM (model_type 'qwen3_moe')"),
+    (dict(architectures=['Qwen3ForCausalLM'], model_type='qwen3', attention_bias=True),
+     'attention_bias=true is not supported for qwen3'),
 ])
 def test_refusals_are_clear(change, message):
   raw = hub_v4(QWEN2_5_PRESETS['0.5B'])

@@ -1,4 +1,4 @@
-"""Logits of grpo_jax's Qwen2 against transformers' PyTorch Qwen2 on random tiny checkpoints."""
+"""Logits of grpo_jax's Qwen model against transformers' PyTorch Qwen2 and Qwen3 on random tiny checkpoints."""
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,10 @@ CASES = {
     'untied-gqa-odd-vocab': dict(vocab_size=517, num_key_value_heads=2, num_hidden_layers=3),
     'untied-mha-head-dim': dict(num_attention_heads=4, num_key_value_heads=4, head_dim=24,
                                 rope_theta=1_000_000.0),
+    # Qwen3 dense: per-head q/k norms, no q/k/v bias, head_dim unrelated to hidden_size / heads.
+    'qwen3-tied-gqa': dict(model_type='qwen3', tie_word_embeddings=True, num_key_value_heads=2, head_dim=16),
+    'qwen3-untied-gqa4-head-dim': dict(model_type='qwen3', num_attention_heads=8, num_key_value_heads=2, head_dim=24),
+    'qwen3-untied-mqa-wide-heads': dict(model_type='qwen3', num_key_value_heads=1, head_dim=128),
 }
 
 

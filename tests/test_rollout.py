@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 import torch
 from flax import nnx
 
@@ -13,8 +14,9 @@ from grpo_jax.testing import left_padded, random_prompts
 GREEDY = SamplingConfig(greedy=True)
 
 
-def test_greedy_matches_transformers_generate(seed, make_hf_checkpoint):
-  directory, reference = make_hf_checkpoint(seed)
+@pytest.mark.parametrize('architecture', [dict(), dict(model_type='qwen3', head_dim=24)], ids=['qwen2', 'qwen3'])
+def test_greedy_matches_transformers_generate(seed, make_hf_checkpoint, architecture):
+  directory, reference = make_hf_checkpoint(seed, **architecture)
   model = from_pretrained(directory)
   prompts = random_prompts(seed, [5, 17, 11])
   tokens, mask = left_padded(prompts)

@@ -1,4 +1,7 @@
-"""Qwen2 / Qwen2.5 architecture, read from and written to a Hugging Face `config.json`.
+"""Qwen2 / Qwen2.5 / Qwen3 (dense) architecture, read from and written to a Hugging Face `config.json`.
+
+One model family: Qwen3 dense is Qwen2 with per-head RMSNorm on queries and keys before RoPE
+(`qk_norm`), no bias on the q/k/v projections (`attention_bias`), and an explicit head_dim.
 
 Field names follow the Hugging Face spelling so a user can compare a checkpoint's config.json
 with this dataclass line by line. Dimension letters used elsewhere: D = hidden_size,
@@ -12,7 +15,10 @@ import os
 
 from grpo_jax.errors import UserError, read_text
 
-SUPPORTED_ARCHITECTURES = ('Qwen2ForCausalLM',)
+# model_type -> (architecture class, its defaults for the fields that tell the family members apart)
+MODEL_TYPES = {'qwen2': ('Qwen2ForCausalLM', dict(attention_bias=True, qk_norm=False)),
+               'qwen3': ('Qwen3ForCausalLM', dict(attention_bias=False, qk_norm=True))}
+SUPPORTED_ARCHITECTURES = tuple(architecture for architecture, _ in MODEL_TYPES.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +40,8 @@ class Qwen2Config:
   eos_token_ids: tuple[int, ...] = ()  # tokens that end a completion
   initializer_range: float = 0.02  # std of the normal init used for random weights
   checkpoint_dtype: str = 'float32'  # dtype the checkpoint stores its weights in
+  attention_bias: bool = True  # q/k/v projections carry a bias (Qwen2: yes, Qwen3: no)
+  qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
 
   def __post_init__(self):
     positive = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
@@ -59,8 +67,16 @@ class Qwen2Config:
       raise UserError(
           f'hidden_size ({self.hidden_size}) is not divisible by num_attention_heads '
           f'({self.num_attention_heads}); set head_dim explicitly')
+    if not (self.attention_bias or self.qk_norm):
+      raise UserError('model architecture field attention_bias=false needs qk_norm=true (Qwen3): '
+                      'Qwen2 checkpoints always carry q/k/v biases')
     if self.resolved_head_dim % 2:
       raise UserError(f'head_dim must be even for rotary embeddings, got {self.resolved_head_dim}')
+
+  @property
+  def model_type(self) -> str:
+    """The Hugging Face model_type this architecture is written as."""
+    return 'qwen3' if self.qk_norm else 'qwen2'
 
   @property
   def resolved_head_dim(self) -> int:
@@ -70,28 +86,34 @@ class Qwen2Config:
     """Parameter count, counting a tied embedding once."""
     d, f, v, h = self.hidden_size, self.intermediate_size, self.vocab_size, self.resolved_head_dim
     n, k = self.num_attention_heads, self.num_key_value_heads
-    attention = d * n * h + n * h + 2 * (d * k * h + k * h) + n * h * d
+    attention = d * n * h + 2 * d * k * h + n * h * d
+    attention += (n * h + 2 * k * h) if self.attention_bias else 0
+    attention += 2 * h if self.qk_norm else 0
     layer = attention + 3 * d * f + 2 * d
     head = 0 if self.tie_word_embeddings else d * v
     return v * d + self.num_hidden_layers * layer + d + head
 
 
 def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
-  """Reads a Hugging Face Qwen2 config in either the transformers-4.x or 5.x spelling."""
+  """Reads a Hugging Face Qwen2 or Qwen3 (dense) config in either the transformers-4.x or 5.x spelling."""
   architectures = raw.get('architectures') or []
   model_type = raw.get('model_type')
-  if model_type != 'qwen2' or any(a not in SUPPORTED_ARCHITECTURES for a in architectures):
+  if model_type not in MODEL_TYPES or any(a != MODEL_TYPES[model_type][0] for a in architectures):
     found = ', '.join(architectures) or f'model_type={model_type!r}'
     raise UserError(
-        f'{source}: unsupported architecture {found}; grpo_jax supports '
-        f'{", ".join(SUPPORTED_ARCHITECTURES)} (model_type qwen2: Qwen2 and Qwen2.5)')
+        f'{source}: unsupported architecture {found} (model_type {model_type!r}); grpo_jax supports '
+        f'{", ".join(SUPPORTED_ARCHITECTURES)} (model_type qwen2: Qwen2 and Qwen2.5; qwen3: Qwen3 dense)')
+  family = MODEL_TYPES[model_type][1]
+  if model_type == 'qwen3' and raw.get('attention_bias'):
+    raise UserError(f'{source}: attention_bias=true is not supported for qwen3 (its o_proj would carry a bias '
+                    'too; no Qwen3 checkpoint has one)')
   if raw.get('use_sliding_window'):
     raise UserError(
         f'{source}: use_sliding_window=true is not supported (Qwen2.5 checkpoints ship with it off); '
         'set it to false only if the model was trained with full attention')
   activation = raw.get('hidden_act', 'silu')
   if activation != 'silu':
-    raise UserError(f'{source}: hidden_act={activation!r} is not supported; Qwen2 uses silu')
+    raise UserError(f'{source}: hidden_act={activation!r} is not supported; Qwen2 and Qwen3 use silu')
 
   # transformers 5.x nests rope settings in `rope_parameters`; 4.x has `rope_theta` and `rope_scaling`.
   rope = raw.get('rope_parameters') or {}
@@ -127,6 +149,8 @@ def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
       eos_token_ids=eos_ids,
       initializer_range=float(raw.get('initializer_range', 0.02)),
       checkpoint_dtype=str(checkpoint_dtype),
+      attention_bias=bool(raw.get('attention_bias', family['attention_bias'])),
+      qk_norm=family['qk_norm'],
   )
 
 
@@ -138,8 +162,9 @@ def to_hf_dict(config: Qwen2Config, dtype: str | None = None) -> dict:
   dtype = dtype or config.checkpoint_dtype
   eos = list(config.eos_token_ids)
   return {
-      'architectures': list(SUPPORTED_ARCHITECTURES),
-      'model_type': 'qwen2',
+      'architectures': [MODEL_TYPES[config.model_type][0]],
+      'model_type': config.model_type,
+      'attention_bias': config.attention_bias,
       'vocab_size': config.vocab_size,
       'hidden_size': config.hidden_size,
       'intermediate_size': config.intermediate_size,

@@ -1,4 +1,5 @@
-"""Qwen2 / Qwen2.5 decoder in Flax NNX.
+"""Qwen2 / Qwen2.5 / Qwen3 (dense) decoder in Flax NNX: one model, the family's differences are
+options of its Qwen2Config (`attention_bias`, `qk_norm`).
 
 Layer parameters are stored stacked along a leading layer axis L, so the decoder runs as one
 `lax.scan` (compile time independent of depth) or, with `scan_layers=False`, as an unrolled loop
@@ -6,8 +7,9 @@ over the same arrays. Parameter names carry their dimension letters:
 
   embedding      [V, D]            lm_head     [D, V] (absent when tied)
   attn_norm      [L, D]            mlp_norm    [L, D]           final_norm [D]
-  q_weight       [L, D, N, H]      q_bias      [L, N, H]
+  q_weight       [L, D, N, H]      q_bias      [L, N, H]        (attention_bias)
   k_weight       [L, D, K, H]      k_bias      [L, K, H]        (v_* likewise)
+  q_norm         [L, H]            k_norm      [L, H]           (qk_norm)
   o_weight       [L, N, H, D]
   gate_weight    [L, D, F]         up_weight   [L, D, F]        down_weight [L, F, D]
 
@@ -71,8 +73,15 @@ class ModelOptions:
     require(self.decode_block >= 1, 'decode_block', f'must be >= 1, got {self.decode_block}')
 
 
-LAYER_PARAMS = ('attn_norm', 'q_weight', 'q_bias', 'k_weight', 'k_bias', 'v_weight', 'v_bias',
+LAYER_PARAMS = ('attn_norm', 'q_weight', 'q_bias', 'q_norm', 'k_weight', 'k_bias', 'k_norm', 'v_weight', 'v_bias',
                 'o_weight', 'mlp_norm', 'gate_weight', 'up_weight', 'down_weight')
+
+
+def layer_params(config: Qwen2Config) -> tuple[str, ...]:
+  """The names of LAYER_PARAMS this architecture has."""
+  absent = (() if config.attention_bias else ('q_bias', 'k_bias', 'v_bias')) + (() if config.qk_norm else
+                                                                                  ('q_norm', 'k_norm'))
+  return tuple(name for name in LAYER_PARAMS if name not in absent)
 
 
 @jax.tree_util.register_dataclass
@@ -183,9 +192,11 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
   """
   p = {name: value.astype(dtype) for name, value in params.items()}
   h = rms_norm(x, p['attn_norm'], config.rms_norm_eps)
-  q = matmul(h, p['q_weight']) + p['q_bias']
-  k = matmul(h, p['k_weight']) + p['k_bias']
-  v = matmul(h, p['v_weight']) + p['v_bias']
+  q, k, v = matmul(h, p['q_weight']), matmul(h, p['k_weight']), matmul(h, p['v_weight'])
+  if config.attention_bias:
+    q, k, v = q + p['q_bias'], k + p['k_bias'], v + p['v_bias']
+  if config.qk_norm:  # each head's query and key normalised over H, before the rotation
+    q, k = rms_norm(q, p['q_norm'], config.rms_norm_eps), rms_norm(k, p['k_norm'], config.rms_norm_eps)
   q = apply_rope(q, positions, config.rope_theta)
   k = apply_rope(k, positions, config.rope_theta)
   x = x + matmul(attend(q, k, v), p['o_weight'], contract=2)
@@ -227,13 +238,18 @@ class DecoderLayers(nnx.Module):
     def constant(value, shape, axes):
       return nnx.Param(jnp.full(shape, value, param_dtype), logical_axes=axes)
 
+    self.names = layer_params(c)
     self.attn_norm = constant(1.0, (L, D), ('layers', 'act_embed'))
     self.q_weight = weight((L, D, N, H), ('layers', 'embed', 'q_heads', 'head_dim'))
-    self.q_bias = constant(0.0, (L, N, H), ('layers', 'q_heads', 'head_dim'))
     self.k_weight = weight((L, D, K, H), ('layers', 'embed', 'kv_heads', 'head_dim'))
-    self.k_bias = constant(0.0, (L, K, H), ('layers', 'kv_heads', 'head_dim'))
     self.v_weight = weight((L, D, K, H), ('layers', 'embed', 'kv_heads', 'head_dim'))
-    self.v_bias = constant(0.0, (L, K, H), ('layers', 'kv_heads', 'head_dim'))
+    if c.attention_bias:
+      self.q_bias = constant(0.0, (L, N, H), ('layers', 'q_heads', 'head_dim'))
+      self.k_bias = constant(0.0, (L, K, H), ('layers', 'kv_heads', 'head_dim'))
+      self.v_bias = constant(0.0, (L, K, H), ('layers', 'kv_heads', 'head_dim'))
+    if c.qk_norm:
+      self.q_norm = constant(1.0, (L, H), ('layers', 'head_dim'))
+      self.k_norm = constant(1.0, (L, H), ('layers', 'head_dim'))
     self.o_weight = weight((L, N, H, D), ('layers', 'q_heads', 'head_dim', 'embed'))
     self.mlp_norm = constant(1.0, (L, D), ('layers', 'act_embed'))
     self.gate_weight = weight((L, D, F), ('layers', 'embed', 'mlp'))
@@ -241,7 +257,7 @@ class DecoderLayers(nnx.Module):
     self.down_weight = weight((L, F, D), ('layers', 'mlp', 'embed'))
 
   def arrays(self) -> dict:
-    return {name: getattr(self, name)[...] for name in LAYER_PARAMS}
+    return {name: getattr(self, name)[...] for name in self.names}
 
 
 class Qwen2(nnx.Module):

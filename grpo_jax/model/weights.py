@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2 tensors <-> grpo_jax parameters, as one declarative table.
+"""Hugging Face Qwen2 / Qwen3 tensors <-> grpo_jax parameters, as one declarative table.
 
 Each rule maps a Hugging Face tensor name (per layer, `{i}`) to a grpo_jax parameter path and says
 how the layout changes: PyTorch Linear weights are [out, in] and are transposed to [in, out], then
@@ -45,6 +45,13 @@ class Rule:
   transpose: bool  # PyTorch Linear [out, in] -> [in, out], before the reshape
   hf_spec: str  # Hugging Face shape in dim letters, e.g. 'N*H D'
   spec: str  # grpo_jax shape of one layer's slice, e.g. 'D N H'
+  when: str = ''  # the architecture field that must hold for the tensor to exist ('!' negates); '': always
+
+  def present(self, config: Qwen2Config) -> bool:
+    if not self.when:
+      return True
+    negated = self.when.startswith('!')
+    return bool(getattr(config, self.when.lstrip('!'))) != negated
 
   @property
   def per_layer(self) -> bool:
@@ -59,22 +66,24 @@ class Rule:
 
 _LAYER = 'model.layers.{i}.'
 RULES = (
-    # Rule(Hugging Face name, grpo_jax path, transpose, Hugging Face shape, grpo_jax shape)
+    # Rule(Hugging Face name, grpo_jax path, transpose, Hugging Face shape, grpo_jax shape[, when])
     Rule('model.embed_tokens.weight', ('embedding',), False, 'V D', 'V D'),
     Rule(_LAYER + 'input_layernorm.weight', ('layers', 'attn_norm'), False, 'D', 'D'),
     Rule(_LAYER + 'self_attn.q_proj.weight', ('layers', 'q_weight'), True, 'N*H D', 'D N H'),
-    Rule(_LAYER + 'self_attn.q_proj.bias', ('layers', 'q_bias'), False, 'N*H', 'N H'),
+    Rule(_LAYER + 'self_attn.q_proj.bias', ('layers', 'q_bias'), False, 'N*H', 'N H', 'attention_bias'),
+    Rule(_LAYER + 'self_attn.q_norm.weight', ('layers', 'q_norm'), False, 'H', 'H', 'qk_norm'),
     Rule(_LAYER + 'self_attn.k_proj.weight', ('layers', 'k_weight'), True, 'K*H D', 'D K H'),
-    Rule(_LAYER + 'self_attn.k_proj.bias', ('layers', 'k_bias'), False, 'K*H', 'K H'),
+    Rule(_LAYER + 'self_attn.k_proj.bias', ('layers', 'k_bias'), False, 'K*H', 'K H', 'attention_bias'),
+    Rule(_LAYER + 'self_attn.k_norm.weight', ('layers', 'k_norm'), False, 'H', 'H', 'qk_norm'),
     Rule(_LAYER + 'self_attn.v_proj.weight', ('layers', 'v_weight'), True, 'K*H D', 'D K H'),
-    Rule(_LAYER + 'self_attn.v_proj.bias', ('layers', 'v_bias'), False, 'K*H', 'K H'),
+    Rule(_LAYER + 'self_attn.v_proj.bias', ('layers', 'v_bias'), False, 'K*H', 'K H', 'attention_bias'),
     Rule(_LAYER + 'self_attn.o_proj.weight', ('layers', 'o_weight'), True, 'D N*H', 'N H D'),
     Rule(_LAYER + 'post_attention_layernorm.weight', ('layers', 'mlp_norm'), False, 'D', 'D'),
     Rule(_LAYER + 'mlp.gate_proj.weight', ('layers', 'gate_weight'), True, 'F D', 'D F'),
     Rule(_LAYER + 'mlp.up_proj.weight', ('layers', 'up_weight'), True, 'F D', 'D F'),
     Rule(_LAYER + 'mlp.down_proj.weight', ('layers', 'down_weight'), True, 'D F', 'F D'),
     Rule('model.norm.weight', ('final_norm',), False, 'D', 'D'),
-    Rule('lm_head.weight', ('lm_head',), True, 'V D', 'D V'),
+    Rule('lm_head.weight', ('lm_head',), True, 'V D', 'D V', '!tie_word_embeddings'),
 )
 
 # Tensors some exporters add that carry no information (recomputed from the config).
@@ -82,7 +91,8 @@ IGNORED = re.compile(r'model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq')
 
 
 def rules_for(config: Qwen2Config) -> tuple[Rule, ...]:
-  return tuple(r for r in RULES if not (r.path == ('lm_head',) and config.tie_word_embeddings))
+  """The rules of the tensors this architecture has."""
+  return tuple(rule for rule in RULES if rule.present(config))
 
 
 def to_internal(rule: Rule, tensor: np.ndarray, config: Qwen2Config) -> np.ndarray:
@@ -264,7 +274,7 @@ class HFCheckpoint:
     for name in self._where:
       tied_head = name == 'lm_head.weight' and config.tie_word_embeddings
       if name not in expected and not tied_head and not IGNORED.fullmatch(name):
-        raise UserError(f'{self.directory}: unexpected tensor {name} for a Qwen2 model')
+        raise UserError(f'{self.directory}: unexpected tensor {name} for a {config.model_type} model')
 
   def layer_slice(self, rule: Rule, config: Qwen2Config, layer: int | None) -> np.ndarray:
     """One layer's slice of a parameter (or the whole parameter if not per layer), grpo_jax layout."""
