@@ -25,10 +25,10 @@ from grpo_jax.rl.state import init_train_state
 
 
 def model_architecture(config: config_lib.Config, model_size: str | None, layers: int | None):
-  from grpo_jax.testing import QWEN2_5_PRESETS, preset
+  from grpo_jax.testing import MODEL_PRESETS, preset
   if model_size is not None:
-    if model_size not in QWEN2_5_PRESETS:
-      raise UserError(f'--model-size {model_size}: one of {", ".join(QWEN2_5_PRESETS)}')
+    if model_size not in MODEL_PRESETS:
+      raise UserError(f'--model-size {model_size}: one of {", ".join(MODEL_PRESETS)}')
     architecture = preset(model_size)
   elif config.model.path:
     if not os.path.isfile(os.path.join(config.model.path, 'config.json')):

@@ -32,6 +32,22 @@ _QWEN2_5_SHAPES = {  # D, F, L, N, K, V, tied
 }
 QWEN2_5_PRESETS = {size: dict(zip(_SHAPE_FIELDS, shape), rope_theta=1_000_000.0, max_position_embeddings=32768)
                    for size, shape in _QWEN2_5_SHAPES.items()}
+# The Qwen3 dense config.json files (Qwen3-*): head_dim 128, rope_theta 1e6, 40960 positions, no
+# q/k/v bias, per-head q/k norms.
+_QWEN3_SHAPES = {  # D, F, L, N, K, V, tied
+    '0.6B': (1024, 3072, 28, 16, 8, 151936, True),
+    '1.7B': (2048, 6144, 28, 16, 8, 151936, True),
+    '4B': (2560, 9728, 36, 32, 8, 151936, True),
+    '8B': (4096, 12288, 36, 32, 8, 151936, False),
+    '14B': (5120, 17408, 40, 40, 8, 151936, False),
+    '32B': (5120, 25600, 64, 64, 8, 151936, False),
+}
+QWEN3_PRESETS = {size: dict(zip(_SHAPE_FIELDS, shape), head_dim=128, rope_theta=1_000_000.0,
+                            max_position_embeddings=40960, attention_bias=False, qk_norm=True)
+                 for size, shape in _QWEN3_SHAPES.items()}
+# --model-size names: the Qwen2.5 sizes as they are ('7B') or prefixed, the Qwen3 sizes prefixed ('Qwen3-8B').
+MODEL_PRESETS = {**QWEN2_5_PRESETS, **{f'Qwen2.5-{size}': shape for size, shape in QWEN2_5_PRESETS.items()},
+                 **{f'Qwen3-{size}': shape for size, shape in QWEN3_PRESETS.items()}}
 
 # The tests' reference model: small enough to build and run at once on CPU, with GQA (N = 4 query
 # heads over K = 2 key/value heads); tests that need tied embeddings or more layers override it.
@@ -41,12 +57,13 @@ TINY_HF_FIELDS = dict(vocab_size=1000, hidden_size=64, intermediate_size=176, nu
 
 
 def preset(name: str, **overrides):
-  """grpo_jax.model.Qwen2Config of the Qwen2.5 size `name` ('0.5B', ..., '72B'), fields overridden."""
-  if name not in QWEN2_5_PRESETS:
-    raise KeyError(f'no Qwen2.5 preset {name!r}; one of {", ".join(QWEN2_5_PRESETS)}')
+  """grpo_jax.model.Qwen2Config of the model size `name` (a MODEL_PRESETS key: '0.5B', ..., '72B'
+  or 'Qwen2.5-7B' for Qwen2.5, 'Qwen3-0.6B', ..., 'Qwen3-32B'), fields overridden."""
+  if name not in MODEL_PRESETS:
+    raise KeyError(f'no model preset {name!r}; one of {", ".join(MODEL_PRESETS)}')
   # Imported here: grpo_jax.model's package imports jax (see the module docstring).
   from grpo_jax.model import Qwen2Config
-  return Qwen2Config(**{**QWEN2_5_PRESETS[name], **overrides})
+  return Qwen2Config(**{**MODEL_PRESETS[name], **overrides})
 
 
 def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None, model_type: str = 'qwen2',

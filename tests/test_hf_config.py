@@ -12,7 +12,7 @@ from grpo_jax.errors import UserError
 from grpo_jax.model import ModelOptions, from_hf_dict, to_hf_dict
 from grpo_jax.model.loading import abstract_model
 from grpo_jax.model.sharding import spec_for
-from grpo_jax.testing import QWEN2_5_PRESETS
+from grpo_jax.testing import QWEN2_5_PRESETS, QWEN3_PRESETS, preset
 
 # The parameter counts on the Qwen2.5 model cards, in billions.
 PUBLISHED_BILLIONS = {'0.5B': 0.49, '1.5B': 1.54, '3B': 3.09, '7B': 7.61, '14B': 14.7, '32B': 32.5, '72B': 72.7}
@@ -64,6 +64,30 @@ def test_every_qwen2_5_size(size):
     per_device += math.prod(variable.shape) // split
   heads_divide = config.num_attention_heads % 8 == 0 and config.num_key_value_heads % 8 == 0
   assert per_device <= 1.1 * config.num_params() / (64 if heads_divide else 8)
+
+
+# The Qwen3 model cards' counts in billions: (all parameters, non-embedding parameters).
+QWEN3_PUBLISHED = {'0.6B': (0.6, 0.44), '1.7B': (1.7, 1.4), '4B': (4.0, 3.6), '8B': (8.2, 6.95),
+                   '14B': (14.8, 13.2), '32B': (32.8, 31.2)}
+
+
+@pytest.mark.parametrize('size', sorted(QWEN3_PRESETS))
+def test_every_qwen3_size(size):
+  """A Qwen3 config.json as the hub ships it reads as the preset, with the model card's counts; the
+  module built for it has exactly that many parameters, the per-head norms [L, H] among them."""
+  shape = QWEN3_PRESETS[size]
+  raw = dict(hub_v4({name: value for name, value in shape.items() if name != 'qk_norm'}),
+             architectures=['Qwen3ForCausalLM'], model_type='qwen3', max_position_embeddings=40960)
+  config = from_hf_dict(raw)
+  assert config == preset(f'Qwen3-{size}', bos_token_id=151643, eos_token_ids=(151645,), checkpoint_dtype='bfloat16')
+  total, non_embedding = QWEN3_PUBLISHED[size]
+  embedding = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+  assert abs(config.num_params() / 1e9 - total) <= 0.02 * total  # cards round to two digits ('0.6B')
+  assert abs((config.num_params() - embedding) / 1e9 - non_embedding) <= 0.01 * non_embedding
+  state = nnx.state(abstract_model(config, ModelOptions(param_dtype='bfloat16')))
+  assert sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state)) == config.num_params()
+  assert state['layers']['q_norm'].shape == (config.num_hidden_layers, 128)
+  assert 'q_bias' not in state['layers']
 
 
 def test_round_trip_through_hf_dict():
