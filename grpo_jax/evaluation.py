@@ -27,7 +27,7 @@ from flax import nnx
 from grpo_jax import distributed
 from grpo_jax import metrics as metrics_lib
 from grpo_jax.data.math_task import MathTask, ProblemSet
-from grpo_jax.data.rewards import RewardPool, last_boxed
+from grpo_jax.data.rewards import RewardPool, final_text, last_boxed
 from grpo_jax.data.sources import DatasetSource
 from grpo_jax.errors import UserError, require
 from grpo_jax.sampler.decode import DecodeSettings
@@ -80,8 +80,10 @@ def pass_at_k(samples: int, correct: int, k: int) -> float:
 
 
 def final_answer(completion: str) -> str | None:
-  """The answer a completion votes for: its last \\boxed{} content, else its last number, with
-  whitespace and thousands separators removed; None when it gives neither."""
+  """The answer a completion votes for: in its final text (after a thinking block), its last
+  \\boxed{} content, else its last number, with whitespace and thousands separators removed; None
+  when it gives neither."""
+  completion = final_text(completion)
   boxed = last_boxed(completion)
   if boxed is None:
     numbers = NUMBER.findall(completion)

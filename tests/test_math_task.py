@@ -19,7 +19,10 @@ from grpo_jax.sampler.rollout import Rollout
 from test_api import write_tokenizer
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 # Qwen3's switch: an empty thinking block when thinking is off.
+                 "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+                 "{% endif %}")
 
 # (completion, reference answer, expected reward)
 TABLE = [
@@ -229,6 +232,13 @@ def test_prompts_left_padded_through_the_chat_template(tmp_path):
     np.testing.assert_array_equal(tokens[row, 48 - length:], expected)
     assert np.all(tokens[row, :48 - length] == task.pad_id)
     assert prompts.answers[row] == str(index + 1)
+
+
+@pytest.mark.parametrize('thinking, suffix', [(None, ''), (True, ''), (False, '<think>\n\n</think>\n\n')])
+def test_enable_thinking_reaches_the_chat_template(tmp_path, thinking, suffix):
+  task = make_task(chat_tokenizer_dir(tmp_path / 'tok'), write_problems(tmp_path / 'p.jsonl', 2),
+                   enable_thinking=thinking)
+  assert task.problems.texts[0].endswith('<|im_start|>assistant\n' + suffix)
 
 
 def test_plain_prompts_without_chat_template(tmp_path):

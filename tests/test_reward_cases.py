@@ -12,6 +12,11 @@ from grpo_jax.data import rewards
 
 # An equal pair scores 1.0, a different pair 0.0; `pytest.param(completion, reference, expected, id)`.
 CASES = [
+    # A reasoning model's thinking block: only what follows it is the answer.
+    pytest.param('<think>try \\boxed{3}, no</think>So \\boxed{4}', '4', 1.0, id='after-thinking'),
+    pytest.param('<think>try \\boxed{4}</think>So \\boxed{3}', '4', 0.0, id='draft-in-thinking-is-not-the-answer'),
+    pytest.param('<think>it is \\boxed{4} but I ran out of tokens', '4', 0.0, id='thinking-never-closed'),
+    pytest.param('<think></think>\n\nThe answer is 4.', '4', 1.0, id='empty-thinking-plain-answer'),
     # Fractions and decimals, both directions.
     pytest.param('\\boxed{\\frac{1}{2}}', '0.5', 1.0, id='frac-vs-decimal'),
     pytest.param('so it is \\boxed{0.5}', '\\frac{1}{2}', 1.0, id='decimal-vs-frac'),

@@ -83,7 +83,8 @@ class ProblemSet:
       if not self.use_chat_template:
         return text
       messages = [{'role': 'user', 'content': text}]
-    return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    thinking = {} if self.task_config.enable_thinking is None else {'enable_thinking': self.task_config.enable_thinking}
+    return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **thinking)
 
   def left_padded(self, indices, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, mask) [len(indices), length] int32 of the problems at `indices`, left-padded."""

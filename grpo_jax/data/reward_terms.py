@@ -40,7 +40,7 @@ from typing import Literal
 
 import numpy as np
 
-from grpo_jax.data.rewards import RewardPool, last_boxed
+from grpo_jax.data.rewards import RewardPool, final_text, last_boxed
 from grpo_jax.errors import UserError, require
 
 BUILTIN_TERMS = ('math', 'format', 'overlong')
@@ -90,7 +90,9 @@ def load_custom(name: str):
 # ---- the terms ----
 
 def format_reward(completion: str, style: FormatStyle) -> float:
-  """1.0 if `completion` states its answer in `style`, else 0.0 (linear in its length)."""
+  """1.0 if `completion`'s final text (after a thinking block) states its answer in `style`, else
+  0.0 (linear in its length)."""
+  completion = final_text(completion)
   if style == 'boxed':
     content = last_boxed(completion)
     return float(content is not None and bool(content.strip()))

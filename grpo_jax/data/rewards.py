@@ -3,8 +3,9 @@ of worker processes that a hanging or crashing check cannot take down.
 
 `math_reward(completion, answer)` is 1.0 when the completion's answer equals the reference
 (symbolically or numerically, as math-verify decides: `\\boxed{1/2}` matches `0.5`), else 0.0.
-The answer is the content of the completion's last complete `\\boxed{...}` when it has one,
-otherwise whatever math-verify extracts from the whole text.
+The answer is read from the completion's final text (`final_text`: after a reasoning model's
+thinking block): the content of its last complete `\\boxed{...}` when it has one, otherwise
+whatever math-verify extracts from that text.
 
 `RewardPool(workers)` scores lists of (completion, answer) pairs in `workers` processes, one item
 per process at a time, and returns the rewards in input order. math-verify interrupts its own slow
@@ -61,9 +62,24 @@ def last_boxed(text: str) -> str | None:
   return None
 
 
+THINK_OPEN, THINK_CLOSE = '<think>', '</think>'
+
+
+def final_text(completion: str) -> str:
+  """The part of a completion that gives its answer: what follows the last `</think>` of a
+  reasoning model (Qwen3's thinking block); nothing when a thinking block opened and never closed
+  (the budget ran out before the answer); else the whole completion. A \\boxed{} inside the
+  thinking is a draft, not the answer."""
+  if THINK_CLOSE in completion:
+    return completion.rsplit(THINK_CLOSE, 1)[1]
+  return '' if THINK_OPEN in completion else completion
+
+
 def math_reward(completion: str, answer: str, timeout_s: int = VERIFY_TIMEOUT_S) -> float:
   """1.0 if the completion's final answer equals the reference `answer` per math-verify, else 0.0."""
   from math_verify import parse, verify
+
+  completion = final_text(completion)
 
   def join_digit_groups(text: str) -> str:
     # math-verify reads juxtaposed numbers as a mixed number or a product, so digits grouped by a

@@ -135,6 +135,9 @@ class TaskConfig:
   mix: tuple[DatasetSource, ...] = ()  # math: more datasets, shuffled into one stream with the task's own
   prompt_template: str = '{prompt}'  # math: format string; chat models go through the chat template
   chat_template: bool = True  # math: apply the tokenizer's chat template when it has one
+  # math: the chat template's thinking switch (Qwen3: a <think> block before the answer, which the
+  # reward skips); None: the template's own default. Templates without the switch ignore it.
+  enable_thinking: bool | None = None
   tokenizer: str | None = None  # math: directory of the Hugging Face tokenizer; None: model.path's
   max_prompt_tokens: int = 512  # math: prompts are left-padded to this; longer prompts are skipped
   reward_workers: int = 4  # math: processes verifying answers with math-verify
