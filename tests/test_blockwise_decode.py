@@ -55,9 +55,11 @@ def test_blocks_past_the_fullest_row_are_never_read(seed):
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('slots', [0, 3])
-def test_the_sampler_with_blockwise_and_kernel_decode_attention_equals_dense(seed, make_hf_checkpoint, slots):
-  directory, _ = make_hf_checkpoint(seed)
+@pytest.mark.parametrize('slots, architecture', [(0, {}), (3, {}), (3, dict(model_type='qwen3', head_dim=24))],
+                         ids=['qwen2-groups', 'qwen2-slots', 'qwen3-slots'])
+def test_the_sampler_with_blockwise_and_kernel_decode_attention_equals_dense(seed, make_hf_checkpoint, slots,
+                                                                             architecture):
+  directory, _ = make_hf_checkpoint(seed, **architecture)
   tokens, mask = left_padded(random_prompts(seed, [5, 17, 11]))
   settings = DecodeSettings(max_new_tokens=24, sampling=SamplingConfig(temperature=1.0),
                             stop_token_ids=tuple(range(0, 1000, 25)))

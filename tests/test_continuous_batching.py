@@ -70,10 +70,11 @@ def test_one_slot_serves_requests_one_after_another(seed, make_hf_checkpoint):
   assert int(rollout.decode_steps) == int(np.asarray(rollout.lengths).sum())
 
 
-def test_slots_on_a_mesh_equal_one_device(seed, make_hf_checkpoint):
+@pytest.mark.parametrize('architecture', [{}, dict(model_type='qwen3', head_dim=24)], ids=['qwen2', 'qwen3'])
+def test_slots_on_a_mesh_equal_one_device(seed, make_hf_checkpoint, architecture):
   """On 8 devices, prompts, slots and requests split into groups over the batch axes, each group's
   slots serving only its own requests: the completions equal one device's."""
-  directory, _ = make_hf_checkpoint(seed)
+  directory, _ = make_hf_checkpoint(seed, **architecture)
   tokens, mask = left_padded(random_prompts(seed, [5, 17, 11, 3, 8, 2, 14, 6]))
   decode = settings(seed, SamplingConfig(temperature=1.0))
   reference = sample(from_pretrained(directory), tokens, mask, decode, slots=0, group_size=2)

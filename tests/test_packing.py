@@ -3,6 +3,7 @@ the padded rows it came from, and the packed update against the padded one (fp32
 test_update.py) for every algorithm setting, on one device and on a fake 8-device mesh; the fused
 K-step and host-reward RL steps with packing against the padded ones; the config's checks."""
 
+import dataclasses
 import os
 
 import jax
@@ -135,13 +136,13 @@ SETTINGS = {
 PACKING_ONLY = ('pack_length', 'micro_batch_tokens')
 
 
-def run_update(settings: dict, params, batch, seed, packed: bool, ref_params=None):
+def run_update(settings: dict, params, batch, seed, packed: bool, ref_params=None, architecture=ARCHITECTURE):
   fields = {name: value for name, value in settings.items() if packed or name not in PACKING_ONLY}
   config = AlgoConfig(group_size=GROUP, logprob_implementation='xla_chunked', packing=packed, **fields)
   # The gradients themselves are compared (their sum over the updates); small clipped SGD steps move
   # the parameters between updates, so later mini-batches and passes see a policy that moved.
   optimizer = optax.chain(gradient_recorder(), optax.clip_by_global_norm(1.0), optax.sgd(1e-2))
-  run, optimizer = make_update(config, optimizer=optimizer)
+  run, optimizer = make_update(config, optimizer=optimizer, architecture=architecture)
   new_state, metrics = run(fresh_state(params, optimizer, seed), batch, ref_params)
   return new_state.opt_state[0], metrics
 
@@ -190,22 +191,27 @@ def test_exact_fill_packs_into_fewer_rows_and_micro_batches(seed):
   assert_close(metrics['padding_frac'], 1 - 4 / 8)
 
 
-def test_packed_update_on_a_mesh_equals_one_device(seed):
+# Qwen3's shape: per-head q/k norms, no q/k/v bias, head_dim 16 where D / N = 8.
+QWEN3 = dataclasses.replace(ARCHITECTURE, head_dim=16, qk_norm=True, attention_bias=False)
+
+
+@pytest.mark.parametrize('architecture', [ARCHITECTURE, QWEN3], ids=['qwen2', 'qwen3'])
+def test_packed_update_on_a_mesh_equals_one_device(seed, architecture):
   """8 fake devices as (data, fsdp, tensor) = (2, 2, 2): each of the 4 batch groups packs its own
   2 sequences (per group, not across them) and the update equals the padded one on one device."""
   rng = np.random.default_rng(seed)
-  graphdef, params = random_model(rng)
-  _, ref_params = random_model(rng)
+  graphdef, params = random_model(rng, architecture)
+  _, ref_params = random_model(rng, architecture)
   batch = exact_fill_batch(rng)
   settings = SETTINGS['token-mean, all terms']
-  padded = run_update(settings, params, batch, seed, packed=False, ref_params=ref_params)
+  padded = run_update(settings, params, batch, seed, packed=False, ref_params=ref_params, architecture=architecture)
   mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2), jax.devices()[:8])
   with jax.set_mesh(mesh):
     place = lambda tree: jax.device_put(tree, jax.tree.map(lambda x: sharding.named_sharding(  # noqa: E731
         mesh, x.shape, ('batch',) + (None,) * (x.ndim - 1)), tree))
     shard_params = lambda tree: jax.device_put(tree, sharding.state_shardings(tree, mesh))  # noqa: E731  (FSDP)
     on_mesh = run_update(dict(settings, micro_batch_tokens=WIDTH), shard_params(params), place(batch), seed,
-                         packed=True, ref_params=shard_params(ref_params))
+                         packed=True, ref_params=shard_params(ref_params), architecture=architecture)
     packed = jax.jit(packing.pack, static_argnums=(2, 3, 4))(place(batch).tokens, place(batch).segment_ids,
                                                              COMPLETION_LENGTH, WIDTH, 1)
   assert_packed_equals_padded(padded, on_mesh, batch)

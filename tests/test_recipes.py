@@ -12,7 +12,7 @@ from grpo_jax.model import sharding
 from grpo_jax.programs import model_architecture, step_programs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# recipe -> (Qwen2.5 size, devices it is traced over here)
+# recipe -> (model size, a --model-size preset; devices it is traced over here)
 RECIPES = {
     'tiny_arith.yaml': (None, 1),
     'tiny_math.yaml': (None, 1),
@@ -21,6 +21,8 @@ RECIPES = {
     'qwen2_5_7b_math.yaml': ('7B', 8),
     'qwen2_5_math_dapo.yaml': ('7B', 8),
     'qwen2_5_32b_dapo_aime.yaml': ('32B', 8),
+    'qwen3_8b_math.yaml': ('Qwen3-8B', 8),
+    'qwen3_32b_dapo_aime.yaml': ('Qwen3-32B', 8),
 }
 
 
@@ -59,3 +61,19 @@ def test_the_headline_recipe_is_the_megatron_one():
   assert config.task.dataset.format == 'dapo_processed' and config.algo.dynamic_sampling
   assert (config.eval.dataset.format, config.eval.k, config.eval.samples) == ('aime', 32, 32)
   assert [term.name for term in config.rewards] == ['math', 'overlong']
+
+
+@pytest.mark.parametrize('name', ['qwen3_8b_math.yaml', 'qwen3_32b_dapo_aime.yaml'])
+def test_the_qwen3_recipes_are_their_qwen2_5_recipes_moved(name):
+  """Each Qwen3 recipe is a Qwen2.5 one with the model and the thinking switch changed: the same
+  data, rewards, batch, budgets, algorithm, optimizer and evaluation."""
+  load = lambda recipe: config_lib.to_dict(config_lib.load_config(os.path.join(ROOT, 'configs', recipe)))  # noqa: E731
+  qwen3 = load(name)
+  qwen2_5 = load(name.replace('qwen3_8b', 'qwen2_5_7b').replace('qwen3_32b', 'qwen2_5_32b'))
+  thinking = qwen3['task'].pop('enable_thinking')
+  assert thinking is (name == 'qwen3_32b_dapo_aime.yaml')  # the 32B's 10,240-token budget holds a thinking trace
+  assert qwen3['run'].pop('name') == name[:-len('.yaml')]
+  assert 'Qwen3' in qwen3['model'].pop('path')
+  assert qwen2_5['task'].pop('enable_thinking') is None  # Qwen2.5's templates have no switch
+  del qwen2_5['run']['name'], qwen2_5['model']['path']
+  assert qwen3 == qwen2_5

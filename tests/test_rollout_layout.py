@@ -108,6 +108,24 @@ def test_rollout_in_the_sampler_layout_equals_one_device(checkpoint, inputs, ref
   assert rollout.tokens.sharding.mesh.shape == mesh.shape
 
 
+@pytest.mark.parametrize('mesh_shape, tensor', [((1, 8, 1), 4), ((2, 2, 2), 8)], ids=['fsdp8-t4', '2x2x2-t8'])
+def test_qwen3_rollout_in_the_sampler_layout_equals_one_device(seed, make_hf_checkpoint, mesh_shape, tensor):
+  """Qwen3's shape (per-head q/k norms, head_dim 24 where D / N = 16) from FSDP and a cube of 8
+  devices into tensor groups of 4 (the KV heads divide) and 8 (they do not): sampled at t = 1."""
+  directory, _ = make_hf_checkpoint(seed, vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP,
+                                    model_type='qwen3', head_dim=24)
+  tokens, mask, stops = _inputs(seed)
+  decode = DecodeSettings(max_new_tokens=12, sampling=SAMPLINGS['t1'], stop_token_ids=stops)
+  reference = jax.device_get(_sample(from_pretrained(directory), tokens, mask, decode, 6)[1])
+  mesh = make_mesh(MeshConfig(*mesh_shape))
+  with jax.set_mesh(mesh):
+    model = from_pretrained(directory, mesh=mesh)
+    _, rollout = _sample(model, tokens, mask, decode, 6, rollout_layout(model, mesh, tensor))
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(rollout, name)), np.asarray(getattr(reference, name)),
+                                  err_msg=f'{name} on {mesh_shape}, tensor {tensor}')
+  np.testing.assert_allclose(np.asarray(rollout.log_probs), np.asarray(reference.log_probs), rtol=1e-5, atol=1e-5)
+
 def test_resident_weights_are_cast_split_over_tensor_and_replicated_over_data(checkpoint):
   directory, _ = checkpoint
   mesh = make_mesh(MeshConfig(1, 8, 1))

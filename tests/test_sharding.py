@@ -33,11 +33,18 @@ def forward_on(model, mesh, tokens):
   return logits
 
 
-@pytest.mark.parametrize('name', sorted(MESHES))
-def test_mesh_logits_equal_single_device(name, seed, make_hf_checkpoint):
+# Qwen3 (per-head q/k norms, head_dim 16 where D / N = 8) on the meshes that split heads differently.
+QWEN3 = dict(model_type='qwen3', head_dim=16)
+CASES = [(name, {}) for name in sorted(MESHES)] + [(name, QWEN3) for name in ('cube', 'tensor8-replicates-kv')]
+
+
+@pytest.mark.parametrize('name, architecture', CASES,
+                         ids=[f'{name}-{"qwen3" if fields else "qwen2"}' for name, fields in CASES])
+def test_mesh_logits_equal_single_device(name, architecture, seed, make_hf_checkpoint):
   assert len(jax.devices()) == 8
   directory, _ = make_hf_checkpoint(seed, num_attention_heads=8, num_key_value_heads=4,
-                                    intermediate_size=192, vocab_size=1024)
+                                    intermediate_size=192, vocab_size=1024, **architecture)
+  head_dim = architecture.get('head_dim', 8)
   tokens = np.random.default_rng(seed).integers(0, 1024, (8, 48), dtype=np.int32)
   single = np.asarray(from_pretrained(directory)(tokens))
 
@@ -51,7 +58,9 @@ def test_mesh_logits_equal_single_device(name, seed, make_hf_checkpoint):
   q_spec = model.layers.q_weight[...].sharding.spec
   k_spec = model.layers.k_weight[...].sharding.spec
   # Heads go to `tensor` when it divides them, D to `fsdp`; otherwise the dim is replicated.
-  assert q_spec == spec_for((2, 64, 8, 8), ('layers', 'embed', 'q_heads', 'head_dim'), shape)
+  assert q_spec == spec_for((2, 64, 8, head_dim), ('layers', 'embed', 'q_heads', 'head_dim'), shape)
+  if architecture:  # the per-head norms are laid out by the same rule table
+    assert model.layers.q_norm[...].sharding.spec == spec_for((2, head_dim), ('layers', 'head_dim'), shape)
   if shape['tensor'] in (2, 4):
     assert k_spec[2] == 'tensor' and q_spec[2] == 'tensor'
   if shape['tensor'] == 8:

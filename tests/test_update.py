@@ -54,14 +54,14 @@ def assert_trees_equal(actual, expected):
 
 
 @functools.cache
-def _initial_model():
-  return nnx.split(init_model(ARCHITECTURE, seed=0))
+def _initial_model(architecture: Qwen2Config = ARCHITECTURE):
+  return nnx.split(init_model(architecture, seed=0))
 
 
-def random_model(rng):
+def random_model(rng, architecture: Qwen2Config = ARCHITECTURE):
   """(graphdef, params): every parameter perturbed by fresh noise, biases and norms included (the
   init leaves biases at 0 and norms at 1, which would hide mistakes in their gradients)."""
-  graphdef, params = _initial_model()
+  graphdef, params = _initial_model(architecture)
   params = jax.tree.map(lambda p: p + jnp.asarray(0.05 * rng.standard_normal(p.shape), p.dtype), params)
   return graphdef, params
 
@@ -73,11 +73,11 @@ def random_batch(rng, advantages=None) -> Batch:
 
 
 def make_update(algo_config: AlgoConfig, optim: OptimConfig = OptimConfig(learning_rate=1e-3),
-                optimizer=None):
+                optimizer=None, architecture: Qwen2Config = ARCHITECTURE):
   """The jitted update as rl/step.py builds it (without donation), and its optimizer."""
   built, schedule = optim.build(10 * algo_config.ppo_epochs * algo_config.num_minibatches)
   optimizer = optimizer or built
-  run = functools.partial(update, graphdef=_initial_model()[0], optimizer=optimizer, schedule=schedule,
+  run = functools.partial(update, graphdef=_initial_model(architecture)[0], optimizer=optimizer, schedule=schedule,
                           settings=UpdateSettings(algo=algo_config, temperature=TEMPERATURE, rows=ROWS))
   return jax.jit(run), optimizer
 
