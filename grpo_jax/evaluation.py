@@ -30,7 +30,6 @@ from grpo_jax.data.math_task import MathTask, ProblemSet
 from grpo_jax.data.rewards import RewardPool, final_text, last_boxed
 from grpo_jax.data.sources import DatasetSource
 from grpo_jax.errors import UserError, require
-from grpo_jax.sampler.decode import DecodeSettings
 from grpo_jax.sampler.layout import rollout_layout
 from grpo_jax.sampler.rollout import GroupSampler
 from grpo_jax.sampler.sampling import SamplingConfig
@@ -151,9 +150,9 @@ class Evaluator:
     budget = settings.max_new_tokens or config.rollout.max_new_tokens
     model = nnx.merge(graphdef, params)
 
-    def decode(sampling):
-      return DecodeSettings(sampling=sampling, max_new_tokens=budget, stop_token_ids=tuple(task.stop_token_ids),
-                            pad_id=task.pad_id)
+    def decode(sampling):  # the rollout's settings with eval's sampling and budget
+      return dataclasses.replace(config.rollout, sampling=sampling, max_new_tokens=budget).decode_settings(
+          task.stop_token_ids, task.pad_id)
 
     # The sampler's own layout over the parameters' mesh, as the trainer's rollouts use it.
     layout = rollout_layout(model, jax.tree.leaves(params)[0].sharding.mesh, config.rollout.tensor)

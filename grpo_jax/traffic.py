@@ -27,7 +27,7 @@ import numpy as np
 KINDS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'permute')
 _OPCODES = {'all-gather': 'all-gather', 'all-gather-start': 'all-gather', 'all-reduce': 'all-reduce',
             'all-reduce-start': 'all-reduce', 'reduce-scatter': 'reduce-scatter', 'all-to-all': 'all-to-all',
-            'ragged-all-to-all': 'all-to-all', 'collective-permute': 'permute',
+            'all-to-all-start': 'all-to-all', 'ragged-all-to-all': 'all-to-all', 'collective-permute': 'permute',
             'collective-permute-start': 'permute'}
 _DTYPE_BYTES = {'pred': 1, 's4': 1, 'u4': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's16': 2, 'u16': 2,
                 'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8,
@@ -111,6 +111,8 @@ def _bytes(kind: str, opcode: str, shape: str, group_size: int) -> int:
   sizes = _shape_bytes(shape)
   if opcode in ('all-gather-start', 'collective-permute-start'):
     return sizes[1] if len(sizes) > 1 else sum(sizes)  # (operand, result[, contexts]): the result arrives
+  if opcode == 'all-to-all-start':  # ((operands), results) of equal sizes (XLA:GPU's asynchronous form)
+    return sum(sizes) // 2
   if kind == 'reduce-scatter':
     return sum(sizes) * group_size  # the operand, of which each device keeps 1 / g
   return sum(sizes)

@@ -207,6 +207,27 @@ def test_traffic_counts_a_known_program():
   assert traffic.totals(found, in_loop=False)['all-reduce'] > 0  # the final sum, once
 
 
+def test_asynchronous_collectives_count_once():
+  """XLA:GPU's asynchronous forms, as its optimized programs write them: the -start carries the
+  bytes (an all-to-all-start's shape holds operand and result), the -done none."""
+  hlo = """HloModule m
+
+ENTRY %main (p0: bf16[2,512,8,1,128], p1: f32[64,256]) -> bf16[2,512,8,1,128] {
+  %p0 = bf16[2,512,8,1,128]{4,3,1,0,2} parameter(0)
+  %p1 = f32[64,256]{1,0} parameter(1)
+  %all-to-all-start.3 = ((bf16[2,512,8,1,128]{4,3,1,0,2}), bf16[2,512,8,1,128]{4,3,1,0,2}) all-to-all-start(%p0), channel_id=23, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={2}
+  %all-to-all-done.3 = bf16[2,512,8,1,128]{4,3,1,0,2} all-to-all-done(%all-to-all-start.3)
+  %all-gather-start.1 = (f32[64,256]{1,0}, f32[512,256]{1,0}) all-gather-start(%p1), channel_id=24, replica_groups=[1,8]<=[8], dimensions={0}
+  %all-gather-done.1 = f32[512,256]{1,0} all-gather-done(%all-gather-start.1)
+  ROOT %copy = bf16[2,512,8,1,128]{4,3,1,0,2} copy(%all-to-all-done.3)
+}
+"""
+  found = traffic.collectives(hlo, 8)
+  assert traffic.totals(found, in_loop=False) == {'all-gather': 512 * 256 * 4, 'all-reduce': 0, 'reduce-scatter': 0,
+                                                  'all-to-all': 2 * 512 * 8 * 128 * 2, 'permute': 0}
+  assert [c.groups for c in found if c.kind == 'all-to-all'] == [((0, 1, 2, 3), (4, 5, 6, 7))]
+
+
 def test_replica_group_spellings():
   assert traffic.parse_groups('replica_groups=[4,2]<=[8]', 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
   assert traffic.parse_groups('replica_groups=[2,4]<=[4,2]T(1,0)', 8) == ((0, 2, 4, 6), (1, 3, 5, 7))

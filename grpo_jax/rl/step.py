@@ -243,9 +243,8 @@ def _gather_groups(take, mesh, rounds: list[Round], chosen, group_size: int) -> 
   rollout = Rollout(**{name: gathered(lambda r, name=name: getattr(r.rollout, name), sample_rows)
                        for name in Rollout.ROWS},
                     decode_steps=rounds[-1].rollout.decode_steps)  # the metrics of all rounds are the caller's
-  failures = sum(int(distributed.host_value(r.scores.failures)) for r in rounds)
   scores = Scores(rewards=gathered(lambda r: r.scores.rewards, sample_rows),
-                  failures=distributed.replicated(np.int32(failures), mesh),
+                  failures=sum(r.scores.failures for r in rounds),  # on the devices, as the rows
                   terms={label: gathered(lambda r, label=label: r.scores.terms[label], sample_rows)
                          for label in rounds[0].scores.terms})
   return Round(prompts, rollout, scores)
