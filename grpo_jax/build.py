@@ -32,6 +32,7 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
   params = own if params is None else params
   optimizer, schedule = config.optim.build(total_updates(config))
   layout = rollout_layout(model, mesh, config.rollout.tensor) if resident else None
-  step_task = task if task.jittable else HostTask(task, mesh)
+  # A host-scored task is adapted to the mesh; an agent task's acting stage places its own arrays.
+  step_task = task if task.jittable or getattr(task, 'agent', None) is not None else HostTask(task, mesh)
   return RLStep(graphdef, step_task, config.rollout, config.algo, optimizer, schedule,
                 train_state_shardings(params, optimizer), layout=layout)

@@ -132,14 +132,14 @@ def random_prompts(seed: int, lengths, vocab: int = 1000) -> list[list[int]]:
   return [rng.integers(3, vocab, n).tolist() for n in lengths]
 
 
-def left_padded(sequences, pad_id: int = 0):
+def left_padded(sequences, pad_id: int = 0, width: int | None = None):
   """P token sequences as one batch, right-aligned the way the sampler takes prompts.
 
   -> (tokens [P, T] int32, pad_id before each sequence; mask [P, T] int32, 1 on its tokens),
-  T = the longest sequence's length.
+  T = `width`, by default the longest sequence's length.
   """
   import numpy as np
-  width = max(len(s) for s in sequences)
+  width = width or max(len(s) for s in sequences)
   tokens = np.full((len(sequences), width), pad_id, np.int32)
   mask = np.zeros((len(sequences), width), np.int32)
   for row, sequence in enumerate(sequences):

@@ -116,9 +116,10 @@ class TaskKind:
     return importlib.import_module(self.module).shape(config, architecture)
 
 
-TaskName = Literal['arith', 'math']
+TaskName = Literal['arith', 'math', 'agent']
 TASKS = {'arith': TaskKind(jittable=True, module='grpo_jax.data.arith'),
-         'math': TaskKind(jittable=False, module='grpo_jax.data.math_task')}
+         'math': TaskKind(jittable=False, module='grpo_jax.data.math_task'),
+         'agent': TaskKind(jittable=False, module='grpo_jax.agents.task')}
 assert set(TASKS) == set(typing.get_args(TaskName))
 
 
@@ -128,7 +129,7 @@ class TaskConfig:
   data/math_task.py). A dataset task's problems are written in this section: `task.source`,
   `task.split`, `task.format`, `task.prompt_field`, `task.answer_field` (data/sources.py)."""
 
-  name: TaskName = 'arith'  # built-in arithmetic (reward in JAX) | math dataset (host reward)
+  name: TaskName = 'arith'  # built-in arithmetic (reward in JAX) | math dataset (host reward) | agent (episodes)
   max_operand: int = 9  # arith: operands drawn from [0, max_operand]
   operators: str = '+'  # arith: operators drawn uniformly from these characters (+ - *)
   dataset: DatasetSource = inline(DatasetSource())  # math: the problems
@@ -141,6 +142,10 @@ class TaskConfig:
   tokenizer: str | None = None  # math: directory of the Hugging Face tokenizer; None: model.path's
   max_prompt_tokens: int = 512  # math: prompts are left-padded to this; longer prompts are skipped
   reward_workers: int = 4  # math: processes verifying answers with math-verify
+  # agent: a built-in environment (guess_number) or module:function returning an agents.task.AgentTask
+  environment: str = 'guess_number'
+  max_turns: int = 4  # agent: policy turns per episode
+  guess_range: int = 16  # agent, guess_number: the secret is in [0, guess_range)
 
   def __post_init__(self):
     with section('task'):

@@ -33,7 +33,7 @@ def make_batch(prompts: Prompts, rollout: Rollout, scores: Scores, algo_config: 
   prompt_tokens = jnp.repeat(prompts.tokens, group, axis=0)
   prompt_segments = jnp.repeat(prompts.mask.astype(jnp.int32), group, axis=0)
   return Batch(tokens=jnp.concatenate([prompt_tokens, rollout.tokens], axis=1),
-               segment_ids=jnp.concatenate([prompt_segments, rollout.mask.astype(jnp.int32)], axis=1),
+               segment_ids=jnp.concatenate([prompt_segments, rollout.sequence_mask.astype(jnp.int32)], axis=1),
                mask=rollout.mask, advantages=advantages, sampler_log_probs=rollout.log_probs)
 
 
@@ -76,6 +76,8 @@ class Stages:
   sample(params, prompt tokens, prompt mask, sampling key) -> Rollout
   reward(rollout, prompts, G) -> Scores
   learn(state, ref_params, prompt tokens, prompt mask, rollout, scores) -> (state, metrics)
+  act(params, prompts, sampling key, G) -> (Rollout, Scores): an agent task's episodes, sampled
+      and scored together (agents/stage.py), in place of sample and reward; None for other tasks.
   """
 
   split_key: Callable
@@ -83,6 +85,7 @@ class Stages:
   sample: Callable
   reward: Callable
   learn: Callable
+  act: Callable | None = None
 
 
 def _no_observer(stage: str, value) -> None:
@@ -125,9 +128,15 @@ class RLStep:
                          learn=self._learn)
     # A jittable task's prompts and reward are jitted like the other stages; a host task's run as they are.
     task_stage = (lambda f: jax.jit(f, static_argnums=2)) if task.jittable else (lambda f: f)
-    self.jitted = Stages(split_key=jax.jit(split_key), prompts=task_stage(task.prompts), sample=jax.jit(self._sample),
-                         reward=task_stage(task.reward),
-                         learn=jax.jit(self._learn, donate_argnums=0, out_shardings=(state_shardings, replicated)))
+    self.acting = None
+    if getattr(task, 'agent', None) is not None:  # agents.task.AgentTask: episodes on the inference server
+      from grpo_jax.agents.stage import AgentStage
+      self.acting = AgentStage(graphdef, task, self.decode, self.slots, self.mesh, layout, rollout.decode_chunk)
+    self.jitted = Stages(split_key=jax.jit(split_key),
+                         prompts=self.acting.prompts if self.acting else task_stage(task.prompts),
+                         sample=jax.jit(self._sample), reward=task_stage(task.reward),
+                         learn=jax.jit(self._learn, donate_argnums=0, out_shardings=(state_shardings, replicated)),
+                         act=self.acting.act if self.acting else None)
     self._sampled_metrics = jax.jit(self._rounds_metrics)
     self._take_rows = jax.jit(_take_rows)
     self.run_steps = jax.jit(self._run_steps, static_argnums=3, donate_argnums=0,
@@ -138,17 +147,25 @@ class RLStep:
     consumed. `observe(stage, value)` is called after each 'rollout', 'reward' and 'update' stage
     (the host path times them). The metrics' `sampling_rounds` times P prompts were consumed."""
     if self.algo.dynamic_sampling:
-      return self._dynamic_step(state, ref_params, position, observe)
-    state, metrics = self._step(self.jitted, state, ref_params, position, observe)
-    return state, dict(metrics, sampling_rounds=1)
+      state, metrics = self._dynamic_step(state, ref_params, position, observe)
+    else:
+      state, metrics = self._step(self.jitted, state, ref_params, position, observe)
+      metrics = dict(metrics, sampling_rounds=1)
+    if self.acting is not None:  # the episodes' turns, tool calls and truncation
+      metrics = dict(metrics, **self.acting.take_facts())
+    return state, metrics
 
   def _round(self, stages: Stages, state: TrainState, position, observe=_no_observer) -> tuple[TrainState, Round]:
     """The step's first part: P prompts from `position`, sampled and scored."""
     state, prompt_key, sample_key = stages.split_key(state)
     prompts = stages.prompts(prompt_key, position, self.prompts_per_step)
-    rollout = stages.sample(state.params, prompts.tokens, prompts.mask, sample_key)
-    observe('rollout', rollout)
-    scores = stages.reward(rollout, prompts, self.algo.group_size)
+    if stages.act is not None:
+      rollout, scores = stages.act(state.params, prompts, sample_key, self.algo.group_size)
+      observe('rollout', rollout)
+    else:
+      rollout = stages.sample(state.params, prompts.tokens, prompts.mask, sample_key)
+      observe('rollout', rollout)
+      scores = stages.reward(rollout, prompts, self.algo.group_size)
     observe('reward', scores)
     return state, Round(prompts, rollout, scores)
 
@@ -242,7 +259,9 @@ def _gather_groups(take, mesh, rounds: list[Round], chosen, group_size: int) -> 
                     answers=[rounds[round_index].prompts.answers[index] for round_index, index in chosen])
   rollout = Rollout(**{name: gathered(lambda r, name=name: getattr(r.rollout, name), sample_rows)
                        for name in Rollout.ROWS},
-                    decode_steps=rounds[-1].rollout.decode_steps)  # the metrics of all rounds are the caller's
+                    decode_steps=rounds[-1].rollout.decode_steps,  # the metrics of all rounds are the caller's
+                    context=None if rounds[0].rollout.context is None else
+                    gathered(lambda r: r.rollout.context, sample_rows))
   scores = Scores(rewards=gathered(lambda r: r.scores.rewards, sample_rows),
                   failures=sum(r.scores.failures for r in rounds),  # on the devices, as the rows
                   terms={label: gathered(lambda r, label=label: r.scores.terms[label], sample_rows)

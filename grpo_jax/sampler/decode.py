@@ -64,6 +64,10 @@ class DecodeState:
   live:       [B] bool, the row holds a request that has not finished.
   prefix:     a SharedPrefix holding the rows' prompts (then `cache` holds only what each row
               generates), or None when each cache row starts with its own copy of its prompt.
+  limit:      [B] int32 tokens each row's request may emit (at most the settings' max_new_tokens),
+              or None: the settings' for every row (requests of one budget).
+  stops:      [B, M] int32 stop ids of each row's own (padded with -1), besides the settings' ones;
+              None: only the settings' (the inference server's requests carry their own).
   """
 
   cache: KVCache
@@ -72,6 +76,8 @@ class DecodeState:
   generated: jax.Array
   live: jax.Array
   prefix: SharedPrefix | None = None
+  limit: jax.Array | None = None
+  stops: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -144,10 +150,12 @@ def decode_step(model: Qwen2, state: DecodeState, settings: DecodeSettings) -> t
   generated = state.generated + live
   stop_ids = jnp.asarray(settings.stop_token_ids or (-1,), jnp.int32)
   stopped = live & jnp.isin(tokens, stop_ids)
+  if state.stops is not None:
+    stopped = stopped | (live & jnp.any(tokens[:, None] == state.stops, axis=1))
   emitted = Emitted(tokens=jnp.where(live, tokens, settings.pad_id), log_probs=jnp.where(live, log_probs, 0.0),
                     valid=live, lengths=generated, stopped=stopped)
-  state = dataclasses.replace(state, generated=generated,
-                              live=live & ~stopped & (generated < settings.max_new_tokens))
+  limit = settings.max_new_tokens if state.limit is None else jnp.minimum(state.limit, settings.max_new_tokens)
+  state = dataclasses.replace(state, generated=generated, live=live & ~stopped & (generated < limit))
   # Always advanced, even when no row is live any more (one wasted forward per rollout): under a
   # lax.cond skipping it, XLA:GPU copied both whole KV caches into the loop's buffers on every
   # decode step (the 32B recipe's rollout held the cache twice, 96.6 GiB per H100; 50.2 without).

@@ -49,9 +49,13 @@ class RolloutConfig:
   # weights are resident, split over t devices and replicated over the n / t groups. 0: the largest
   # t dividing the KV heads and the devices, within one host on GPUs (1 on CPUs).
   tensor: int = 0
+  # Agents (task.name: agent): decode steps per call of the inference server (agents/inference.py);
+  # finished turns leave their slots, and waiting ones enter, between calls.
+  decode_chunk: int = 4
 
   def __post_init__(self):
     with section('rollout'):
+      require(self.decode_chunk >= 1, 'decode_chunk', f'must be >= 1, got {self.decode_chunk}')
       require(self.tensor >= 0, 'tensor', f'must be >= 0 (0: chosen for the model and devices), got {self.tensor}')
       require(self.prompts_per_step >= 1, 'prompts_per_step', f'must be >= 1, got {self.prompts_per_step}')
       require(self.max_new_tokens >= 1, 'max_new_tokens', f'must be >= 1, got {self.max_new_tokens}')
@@ -77,6 +81,9 @@ class Rollout:
               if it ran out of tokens ('length').
   decode_steps: int32 scalar, the decode loop's iterations (the jitted sampler; None elsewhere):
               with B slots, B * decode_steps row-steps ran, sum(lengths) of them useful.
+  context:    [P*G, N] bool, every token of the row's sequence after its prompt: an agent's
+              episode holds the environment's tokens between the policy's (agents/trajectory.py),
+              where `mask` holds the policy's only and `lengths` counts them. None: `mask`.
   """
 
   tokens: jax.Array
@@ -85,6 +92,12 @@ class Rollout:
   lengths: jax.Array
   stopped: jax.Array
   decode_steps: jax.Array | None = None
+  context: jax.Array | None = None
+
+  @property
+  def sequence_mask(self) -> jax.Array:
+    """[P*G, N] the tokens of each row's sequence after its prompt (what the model attends to)."""
+    return self.mask if self.context is None else self.context
 
   ROWS = ('tokens', 'log_probs', 'mask', 'lengths', 'stopped')  # the per-request fields
 

@@ -1,0 +1,309 @@
+"""The inference interface agents and environments hold: `await server.generate(request)` over the
+live policy, many episodes' requests decoded together in one set of decode slots.
+
+A request is the whole token context of one model turn (the prompt and the conversation so far),
+its token budget, its own stop ids and its PRNG key; its result is the new tokens, their sampler
+log-probs and a finish reason. Requests queue until a decode slot is free, are prefilled in
+batches of one width bucket, and decode in chunks of `chunk` steps of the one decode step every
+sampling path shares (sampler/decode.py). A request leaves its slot the moment it finishes (a stop
+id, its budget): an episode that is waiting on its environment holds no slot, and the other slots
+keep decoding. With asyncio, an environment is straight-line code:
+
+    async with InferenceServer(graphdef, settings=..., slots=64, max_context=512) as server:
+      server.bind(params)
+      answer = await server.generate(Request(tokens=prompt, max_new_tokens=32, key=key))
+
+Determinism: the n-th token of a request is drawn from fold_in(request key, n) (decode.py's PRNG
+policy), every prefill of a width bucket and every decode chunk has one shape whatever else is in
+flight, so a request's tokens depend on its context, key and the parameters only — not on which
+slot it lands in, nor on when its episode's environment answered.
+
+Sampling settings are per server (one compiled decode step): a request may name them, and they
+must be the server's. Nothing here reuses a previous turn's KV cache: each turn prefills its whole
+context (the prefill is one batched forward; the decode steps dominate at these lengths).
+"""
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_jax.errors import UserError
+from grpo_jax.model.qwen2 import KVCache
+from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, decode_step, prefill, typed_key
+from grpo_jax.sampler.sampling import SamplingConfig
+
+FinishReason = Literal['stop', 'length']
+MIN_BUCKET = 8  # the narrowest prefill width; wider ones double up to max_context
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One model turn.
+
+  tokens:          the whole context: the prompt and every turn and observation so far.
+  max_new_tokens:  the turn's budget (at most the server's max_new_tokens; the context plus the
+                   budget must fit the server's max_context).
+  key:             the request's PRNG key (typed, or raw key data); its n-th token draws from
+                   fold_in(key, n).
+  stop_token_ids:  ids that end this request, besides the server's (at most `max_stops` of them).
+  sampling:        None: the server's; anything else must equal it.
+  """
+
+  tokens: tuple[int, ...]
+  max_new_tokens: int
+  key: jax.Array
+  stop_token_ids: tuple[int, ...] = ()
+  sampling: SamplingConfig | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  """A request's result: its new tokens (the stop id included), their log softmax(logits / T)
+  under the sampler, and why it ended ('stop': a stop id, 'length': its budget)."""
+
+  tokens: tuple[int, ...]
+  log_probs: tuple[float, ...]
+  finish_reason: FinishReason
+
+
+@dataclasses.dataclass
+class _Pending:
+  request: Request
+  future: asyncio.Future
+  tokens: list = dataclasses.field(default_factory=list)
+  log_probs: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class ServerStats:
+  """Work done since the server was made: decode chunks and steps (each over every slot), tokens
+  the requests received, prefilled rows (padding rows of a batch included) and requests served."""
+
+  chunks: int = 0
+  decode_steps: int = 0
+  tokens: int = 0
+  prefill_rows: int = 0
+  requests: int = 0
+
+
+class InferenceServer:
+  """Decode slots over a model's graph; `bind(params)` gives it the parameters to sample from
+  (the trainer's live ones, once per step); `generate` is the interface.
+
+  settings:     the sampling settings, the server-wide stop ids and pad id, and max_new_tokens (the
+                largest budget a request may ask for).
+  slots:        B, requests decoded at once.
+  max_context:  S, the longest context plus budget of a request (a cache row's length).
+  chunk:        the most decode steps per jitted call (a call ends early when every slot is idle):
+                the host sees results (and refills slots) between calls. Larger is fewer
+                dispatches; smaller lets waiting requests into finished slots sooner.
+  prefill_rows: R, requests prefilled per call (padded with empty rows to this many).
+  max_stops:    the most per-request stop ids.
+  layout:       the sampler's own layout (sampler/layout.py), or None to decode in the parameters'.
+  """
+
+  def __init__(self, graphdef, *, settings: DecodeSettings, slots: int, max_context: int, chunk: int = 4,
+               prefill_rows: int = 8, max_stops: int = 4, layout=None):
+    if min(slots, max_context, chunk, prefill_rows) < 1:
+      raise UserError(f'inference server: slots, max_context, chunk and prefill_rows must be >= 1, got '
+                      f'{slots}, {max_context}, {chunk}, {prefill_rows}')
+    self.graphdef, self.settings, self.slots, self.max_context = graphdef, settings, slots, max_context
+    self.chunk, self.prefill_rows, self.max_stops, self.layout = chunk, min(prefill_rows, slots), max_stops, layout
+    self.stats = ServerStats()
+    self._params = None
+    self._state: DecodeState | None = None
+    self._waiting: collections.deque[_Pending] = collections.deque()
+    self._holding: list[_Pending | None] = [None] * slots
+    self._wake: asyncio.Event | None = None
+    self._task: asyncio.Task | None = None
+    self._closing = False
+    self._init = jax.jit(self._init_state)
+    self._prefill = jax.jit(self._prefill_into)
+    self._decode = jax.jit(self._decode_chunk, donate_argnums=1)
+    self._place = jax.jit(layout.place) if layout is not None else None
+
+  # ---- the interface ----
+
+  def bind(self, params) -> None:
+    """The parameters the next decode steps read (the trainer's live state, laid out once into the
+    sampler's own layout when the server has one). Call between rollouts, not during one."""
+    self._params = self._place(params) if self._place is not None else params
+
+  async def generate(self, request: Request) -> Completion:
+    """The request's completion, once its tokens are decoded."""
+    self._check(request)
+    if self._task is None:
+      raise UserError('inference server: generate() outside `async with server:`')
+    future = asyncio.get_running_loop().create_future()
+    self._waiting.append(_Pending(request, future))
+    self._wake.set()
+    return await future
+
+  async def __aenter__(self) -> 'InferenceServer':
+    if self._params is None:
+      raise UserError('inference server: bind(params) before serving')
+    self._wake, self._closing = asyncio.Event(), False
+    self._task = asyncio.create_task(self._serve())
+    return self
+
+  async def __aexit__(self, *exc_info) -> None:
+    self._closing = True
+    self._wake.set()
+    task, self._task = self._task, None
+    if exc_info[0] is not None:
+      task.cancel()
+    try:
+      await task
+    except asyncio.CancelledError:
+      pass
+
+  # ---- the loop ----
+
+  async def _serve(self) -> None:
+    with self._mesh_context():
+      if self._state is None:
+        self._state = self._init()
+      while True:
+        if not self._waiting and not any(self._holding):
+          if self._closing:
+            return
+          self._wake.clear()
+          await self._wake.wait()
+          continue
+        self._fill()
+        if any(self._holding):
+          self._state, emitted, steps = self._decode(self._params, self._state)
+          # Read back in a thread: episodes' environments run while the chunk computes.
+          host = await asyncio.to_thread(jax.device_get, (emitted, self._state.live, steps))
+          self._collect(*host)
+        await asyncio.sleep(0)
+
+  def _mesh_context(self):
+    """The mesh the server's programs trace under: the sampler's own, or the parameters'."""
+    if self.layout is not None:
+      return self.layout.active()
+    sharding = getattr(jax.tree.leaves(self._params)[0], 'sharding', None)
+    return jax.set_mesh(sharding.mesh) if isinstance(sharding, jax.sharding.NamedSharding) else contextlib.nullcontext()
+
+  def _check(self, request: Request) -> None:
+    context, budget = len(request.tokens), request.max_new_tokens
+    if request.sampling is not None and request.sampling != self.settings.sampling:
+      raise UserError(f'inference request: sampling {request.sampling} differs from the server\'s '
+                      f'{self.settings.sampling} (one sampling setting per server)')
+    if context < 1:
+      raise UserError('inference request: tokens is empty (a request needs a context to continue)')
+    if not 1 <= budget <= self.settings.max_new_tokens:
+      raise UserError(f'inference request: max_new_tokens {budget} outside [1, {self.settings.max_new_tokens}]')
+    if context + budget > self.max_context:
+      raise UserError(f'inference request: {context} context tokens + {budget} new exceed the server\'s '
+                      f'max_context {self.max_context}')
+    if len(request.stop_token_ids) > self.max_stops:
+      raise UserError(f'inference request: {len(request.stop_token_ids)} stop ids, at most {self.max_stops}')
+
+  def _bucket(self, length: int) -> int:
+    return min(self.max_context, max(MIN_BUCKET, 1 << math.ceil(math.log2(length))))
+
+  def _fill(self) -> None:
+    """Prefills waiting requests into free slots, R at a time, each batch of one width bucket."""
+    free = [slot for slot, held in enumerate(self._holding) if held is None]
+    by_bucket: dict[int, list[_Pending]] = collections.defaultdict(list)
+    taken = 0
+    while taken < len(free) and self._waiting:
+      pending = self._waiting.popleft()
+      if not pending.future.cancelled():
+        by_bucket[self._bucket(len(pending.request.tokens))].append(pending)
+        taken += 1
+    for width, group in sorted(by_bucket.items()):
+      for start in range(0, len(group), self.prefill_rows):
+        batch = group[start:start + self.prefill_rows]
+        rows = self.prefill_rows
+        tokens = np.zeros((rows, width), np.int32)
+        real = np.zeros((rows, width), np.int32)
+        slots = np.full((rows,), self.slots, np.int32)  # past the end: dropped by the scatter
+        limits = np.zeros((rows,), np.int32)
+        stops = np.full((rows, self.max_stops), -1, np.int32)
+        keys = []
+        for row, pending in enumerate(batch):
+          request = pending.request
+          tokens[row, :len(request.tokens)] = request.tokens
+          real[row, :len(request.tokens)] = 1
+          slots[row] = free.pop(0)
+          limits[row] = request.max_new_tokens
+          stops[row, :len(request.stop_token_ids)] = request.stop_token_ids
+          keys.append(jax.random.key_data(typed_key(jnp.asarray(request.key))))
+          self._holding[slots[row]] = pending
+        keys += [keys[0]] * (rows - len(batch))
+        self._state = self._prefill(self._params, self._state, tokens, real, slots, jnp.stack(keys), limits, stops)
+        self.stats.prefill_rows += rows
+
+  def _collect(self, emitted, live, steps) -> None:
+    """Appends each held request's new tokens; resolves the requests whose rows went idle."""
+    self.stats.chunks += 1
+    self.stats.decode_steps += int(steps)
+    valid = np.asarray(emitted.valid)
+    for slot, pending in enumerate(self._holding):
+      if pending is None:
+        continue
+      emitted_here = valid[:, slot]
+      pending.tokens += np.asarray(emitted.tokens)[emitted_here, slot].tolist()
+      pending.log_probs += np.asarray(emitted.log_probs)[emitted_here, slot].tolist()
+      if not live[slot]:
+        stopped = bool(np.asarray(emitted.stopped)[emitted_here, slot].any())
+        self._holding[slot] = None
+        self.stats.tokens += len(pending.tokens)
+        self.stats.requests += 1
+        if not pending.future.cancelled():
+          pending.future.set_result(Completion(tokens=tuple(pending.tokens), log_probs=tuple(pending.log_probs),
+                                               finish_reason='stop' if stopped else 'length'))
+
+  # ---- traced bodies ----
+
+  def _init_state(self) -> DecodeState:
+    model = nnx.merge(self.graphdef, self._params)
+    B = self.slots
+    return DecodeState(cache=model.init_cache(B, self.max_context),
+                       hidden=jnp.zeros((B, model.config.hidden_size), model.dtype),
+                       keys=jax.random.split(jax.random.key(0), B), generated=jnp.zeros((B,), jnp.int32),
+                       live=jnp.zeros((B,), bool), limit=jnp.zeros((B,), jnp.int32),
+                       stops=jnp.full((B, self.max_stops), -1, jnp.int32))
+
+  def _prefill_into(self, params, state: DecodeState, tokens, real, slots, keys, limits, stops) -> DecodeState:
+    """Prefills R right-padded contexts and puts each into its slot (slot B: a padding row)."""
+    model = nnx.merge(self.graphdef, params)
+    done = prefill(model, tokens, real, model.init_cache(tokens.shape[0], self.max_context))
+    put = lambda target, values: target.at[slots].set(values, mode='drop')  # noqa: E731
+    cache = state.cache
+    cache = KVCache(k=cache.k.at[:, slots].set(done.cache.k, mode='drop'),
+                    v=cache.v.at[:, slots].set(done.cache.v, mode='drop'),
+                    segment_ids=put(cache.segment_ids, done.cache.segment_ids), length=put(cache.length, done.cache.length))
+    return dataclasses.replace(state, cache=cache, hidden=put(state.hidden, done.hidden.astype(state.hidden.dtype)),
+                               keys=put(state.keys, jax.random.wrap_key_data(keys)),
+                               generated=put(state.generated, jnp.zeros_like(limits)),
+                               live=put(state.live, ~done.empty), limit=put(state.limit, limits),
+                               stops=put(state.stops, stops))
+
+  def _decode_chunk(self, params, state: DecodeState):
+    """Up to `chunk` decode steps, fewer when every slot goes idle first -> (state, Emitted
+    [chunk, B] with valid False past the steps run, steps run)."""
+    model = nnx.merge(self.graphdef, params)
+    B, pad = self.slots, self.settings.pad_id
+    out = Emitted(tokens=jnp.full((self.chunk, B), pad, jnp.int32), log_probs=jnp.zeros((self.chunk, B), jnp.float32),
+                  valid=jnp.zeros((self.chunk, B), bool), lengths=jnp.zeros((self.chunk, B), jnp.int32),
+                  stopped=jnp.zeros((self.chunk, B), bool))
+
+    def body(carry):
+      count, state, out = carry
+      state, emitted = decode_step(model, state, self.settings)
+      return count + 1, state, jax.tree.map(lambda all_, one: all_.at[count].set(one), out, emitted)
+
+    count, state, out = jax.lax.while_loop(lambda carry: (carry[0] < self.chunk) & jnp.any(carry[1].live), body,
+                                           (jnp.int32(0), state, out))
+    return state, out, count

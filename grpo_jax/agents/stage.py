@@ -1,0 +1,67 @@
+"""The RL step's acting stage for an agent task: the step's problems, their episodes run by the
+task's agent against the inference server over the live parameters, and the trajectories as the
+arrays the update trains on (agents/trajectory.collate), replicated over the mesh.
+
+Everything here runs on the host of a single process: the episodes' turns decide, as they finish,
+which requests the server decodes next, so processes would not issue the same programs in the
+same order. A run over several processes with an agent task is refused.
+"""
+
+import asyncio
+
+import jax
+import numpy as np
+
+from grpo_jax import distributed
+from grpo_jax.agents.inference import InferenceServer
+from grpo_jax.agents.trajectory import FACTS, collate
+from grpo_jax.data.task import Prompts, Scores
+from grpo_jax.errors import UserError
+from grpo_jax.sampler.decode import DecodeSettings
+from grpo_jax.sampler.rollout import Rollout
+
+
+class AgentStage:
+  """`prompts(key, position, count)` and `act(params, prompts, key, group_size) -> (Rollout,
+  Scores)` for an agents.task.AgentTask; the facts of the episodes acted since the last `take_facts`
+  (turns, tool calls, tool errors, truncation) are kept for the step's metrics."""
+
+  def __init__(self, graphdef, task, settings: DecodeSettings, slots: int, mesh: jax.sharding.Mesh, layout=None,
+               chunk: int = 4):
+    if jax.process_count() > 1:
+      raise UserError(f'task.name agent runs on one process; this run has {jax.process_count()}')
+    self.task, self.mesh, self.budget, self.pad_id = task, mesh, settings.max_new_tokens, settings.pad_id
+    self.server = InferenceServer(graphdef, settings=settings, slots=slots,
+                                  max_context=task.prompt_length + settings.max_new_tokens, chunk=chunk, layout=layout)
+    self._facts: list[dict] = []
+
+  def prompts(self, key, position: int, count: int) -> Prompts:
+    prompts = self.task.prompts(key, position, count)
+    return Prompts(tokens=distributed.replicated(prompts.tokens, self.mesh),
+                   mask=distributed.replicated(prompts.mask, self.mesh), answers=prompts.answers)
+
+  def act(self, params, prompts: Prompts, key: jax.Array, group_size: int) -> tuple[Rollout, Scores]:
+    """The episodes of every problem, G each, problem p's from fold_in(key, p)."""
+    self.server.bind(params)
+    before = self.server.stats.decode_steps
+    keys = [jax.random.fold_in(key, index) for index in range(len(prompts.answers))]
+
+    async def run():
+      async with self.server:
+        groups = await asyncio.gather(*(self.task.agent.episodes(self.server, problem, group_size, problem_key,
+                                                                 self.budget)
+                                        for problem, problem_key in zip(prompts.answers, keys)))
+      return [trajectory for group in groups for trajectory in group]
+
+    rollout, scores, facts = collate(asyncio.run(run()), self.budget, self.pad_id)
+    self._facts.append(facts)
+    place = lambda value: distributed.replicated(value, self.mesh)  # noqa: E731
+    rollout = Rollout(**{name: place(getattr(rollout, name)) for name in Rollout.ROWS}, context=place(rollout.context),
+                      decode_steps=place(np.int32(self.server.stats.decode_steps - before)))
+    return rollout, Scores(rewards=place(scores.rewards), failures=place(scores.failures))
+
+  def take_facts(self) -> dict:
+    """episode/<fact>: the means over the episodes acted since the last call."""
+    facts, self._facts = self._facts, []
+    return {f'episode/{name}': float(np.mean(np.concatenate([f[name] for f in facts]))) for name in FACTS} \
+        if facts else {}

@@ -1,0 +1,117 @@
+"""Trajectories: what an agent returns for each episode, and how a step's trajectories become the
+arrays the update trains on.
+
+An episode starts from its problem's prompt; after it, its tokens are the policy's turns and the
+environment's observations in order. The loss mask is 1 on the policy's tokens only (observation,
+tool-result and prompt tokens never enter the loss, the KL or the entropy), and the sampler's
+log-probs are kept for the policy's tokens. `Episode` builds one, turn by turn, within a token
+budget N (the rollout's max_new_tokens): whatever would run past it is cut and the episode marked
+truncated.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from grpo_jax.agents.inference import Completion, InferenceServer, Request
+from grpo_jax.data.task import Scores
+from grpo_jax.sampler.rollout import Rollout
+
+FACTS = ('turns', 'tool_calls', 'tool_errors', 'truncated')  # per-episode facts, logged as episode/<fact>
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """One episode after its prompt.
+
+  tokens:     the policy's turns and the environment's observations, in order.
+  loss_mask:  1 on the policy's tokens, 0 on the environment's.
+  log_probs:  the sampler's log-prob of each policy token; 0 on the environment's.
+  reward:     the episode's reward.
+  turns, tool_calls, tool_errors: counts; truncated: the budget cut the episode short.
+  """
+
+  tokens: list = dataclasses.field(default_factory=list)
+  loss_mask: list = dataclasses.field(default_factory=list)
+  log_probs: list = dataclasses.field(default_factory=list)
+  reward: float = 0.0
+  turns: int = 0
+  tool_calls: int = 0
+  tool_errors: int = 0
+  truncated: bool = False
+
+
+class Episode:
+  """One episode in progress: its prompt, its trajectory so far, its budget and its key.
+
+  `await episode.act(max_new_tokens, stop_token_ids)` asks the policy for its next turn (the
+  context is the prompt and everything so far) and appends it (loss mask 1); `observe(tokens)`
+  appends the environment's answer (loss mask 0). Turn n's request key is fold_in(key, n), so an
+  episode's samples depend on its key and what it saw only.
+  """
+
+  def __init__(self, llm: InferenceServer, prompt, budget: int, key: jax.Array):
+    self.llm, self.prompt, self.budget, self.key = llm, tuple(int(t) for t in prompt), budget, key
+    self.trajectory = Trajectory()
+
+  @property
+  def room(self) -> int:
+    """Tokens left in the budget."""
+    return self.budget - len(self.trajectory.tokens)
+
+  async def act(self, max_new_tokens: int, stop_token_ids: tuple[int, ...] = ()) -> Completion | None:
+    """The policy's next turn, or None when the budget has no room for one (the episode is
+    marked truncated)."""
+    trajectory = self.trajectory
+    budget = min(max_new_tokens, self.room)
+    if budget < 1:
+      trajectory.truncated = True
+      return None
+    completion = await self.llm.generate(Request(tokens=self.prompt + tuple(trajectory.tokens), max_new_tokens=budget,
+                                                 key=jax.random.fold_in(self.key, trajectory.turns),
+                                                 stop_token_ids=stop_token_ids))
+    trajectory.tokens += completion.tokens
+    trajectory.loss_mask += [1] * len(completion.tokens)
+    trajectory.log_probs += completion.log_probs
+    trajectory.turns += 1
+    if completion.finish_reason == 'length' and budget < max_new_tokens:
+      trajectory.truncated = True  # cut by the episode's budget, not the turn's
+    return completion
+
+  def observe(self, tokens) -> None:
+    """Appends the environment's tokens, as many as the budget holds."""
+    tokens = [int(t) for t in tokens]
+    if len(tokens) > self.room:
+      tokens = tokens[:self.room]
+      self.trajectory.truncated = True
+    self.trajectory.tokens += tokens
+    self.trajectory.loss_mask += [0] * len(tokens)
+    self.trajectory.log_probs += [0.0] * len(tokens)
+
+
+def collate(trajectories: list[Trajectory], budget: int, pad_id: int) -> tuple[Rollout, Scores, dict]:
+  """A step's P * G trajectories (row p * G + g: episode g of problem p) -> the Rollout the update
+  trains on ([P*G, N], N = budget: tokens right-padded with `pad_id`, mask = the loss mask,
+  context = every token of the episode, lengths = the policy's tokens, stopped = not truncated),
+  the Scores (the episodes' rewards) and the facts {name: [P*G]} (FACTS), all NumPy."""
+  rows = len(trajectories)
+  tokens = np.full((rows, budget), pad_id, np.int32)
+  log_probs = np.zeros((rows, budget), np.float32)
+  mask = np.zeros((rows, budget), bool)
+  context = np.zeros((rows, budget), bool)
+  for row, trajectory in enumerate(trajectories):
+    count = len(trajectory.tokens)
+    if count > budget or len(trajectory.loss_mask) != count or len(trajectory.log_probs) != count:
+      raise ValueError(f'trajectory {row}: {count} tokens, {len(trajectory.loss_mask)} mask entries and '
+                       f'{len(trajectory.log_probs)} log-probs; the budget is {budget}')
+    tokens[row, :count] = trajectory.tokens
+    log_probs[row, :count] = trajectory.log_probs
+    mask[row, :count] = np.asarray(trajectory.loss_mask, bool)
+    context[row, :count] = True
+  rollout = Rollout(tokens=tokens, log_probs=np.where(mask, log_probs, 0.0).astype(np.float32), mask=mask,
+                    lengths=mask.sum(axis=1).astype(np.int32),
+                    stopped=np.asarray([not t.truncated for t in trajectories]), context=context)
+  scores = Scores(rewards=np.asarray([t.reward for t in trajectories], np.float32), failures=np.int32(0))
+  facts = {name: np.asarray([float(getattr(t, name)) for t in trajectories], np.float32) for name in FACTS}
+  return rollout, scores, facts

@@ -1,0 +1,269 @@
+"""Agents and environments (grpo_jax/agents): the inference server against the jitted group
+sampler, requests arriving while others decode, per-request budgets and stop ids; the loss mask of
+multi-turn trajectories against the same policy tokens trained turn by turn with the
+observations given as prompt; the guess-number environment under hostile turns; and the RL step on
+the agent task."""
+
+import asyncio
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from grpo_jax import config as config_lib
+from grpo_jax.agents import guess
+from grpo_jax.agents.agent import EnvironmentAgent, Problem
+from grpo_jax.agents.inference import Completion, InferenceServer, Request
+from grpo_jax.agents.trajectory import Episode, Trajectory, collate
+from grpo_jax.data.task import Prompts
+from grpo_jax.errors import UserError
+from grpo_jax.model import from_pretrained
+from grpo_jax.rl.algo import AlgoConfig
+from grpo_jax.rl.state import init_train_state
+from grpo_jax.rl.step import make_batch
+from grpo_jax.rl.update import Batch, UpdateSettings, update
+from grpo_jax.sampler import DecodeSettings, SamplingConfig
+from grpo_jax.sampler.decode import request_keys
+from grpo_jax.sampler.rollout import sample_groups
+from grpo_jax.testing import left_padded, random_prompts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T1 = SamplingConfig(temperature=1.0)
+
+
+@pytest.fixture
+def model(seed, make_hf_checkpoint):
+  directory, _ = make_hf_checkpoint(seed)
+  return from_pretrained(directory)
+
+
+def serve(model, requests, *, delays=None, slots=3, chunk=3, max_new_tokens=12, stops=()):
+  """Each request's completion from a fresh server; request i is sent after delays[i] seconds."""
+  graphdef, params = nnx.split(model)
+  server = InferenceServer(graphdef, settings=DecodeSettings(sampling=T1, max_new_tokens=max_new_tokens,
+                                                             stop_token_ids=stops),
+                           slots=slots, max_context=64, chunk=chunk)
+  server.bind(params)
+
+  async def one(request, delay):
+    await asyncio.sleep(delay)
+    return await server.generate(request)
+
+  async def run():
+    async with server:
+      return await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays or [0.0] * len(requests))))
+
+  return asyncio.run(run()), server.stats
+
+
+def test_server_tokens_equal_the_group_sampler(seed, model):
+  """Seven requests through 3 slots, in chunks of 3 steps, prefilled right-padded in width buckets:
+  tokens equal the jitted group sampler's (left-padded, slots refilled inside one jit) for the
+  same request keys, log-probs to 1e-5."""
+  prompts = random_prompts(seed, [5, 17, 11, 3, 9, 2, 14])
+  tokens, mask = left_padded(prompts)
+  key = jax.random.key(seed % 1000)
+  stops = tuple(range(0, 1000, 37))
+  settings = DecodeSettings(sampling=T1, max_new_tokens=12, stop_token_ids=stops)
+  reference = sample_groups(model, tokens, mask, key, group_size=1, settings=settings, slots=7)
+  keys = request_keys(key, len(prompts))
+  results, stats = serve(model, [Request(tokens=tuple(p), max_new_tokens=12, key=keys[i]) for i, p in enumerate(prompts)],
+                         stops=stops)
+  for row, result in enumerate(results):
+    length = int(reference.lengths[row])
+    assert list(result.tokens) == np.asarray(reference.tokens[row, :length]).tolist(), f'request {row}'
+    np.testing.assert_allclose(result.log_probs, np.asarray(reference.log_probs[row, :length]), rtol=1e-5, atol=1e-5)
+    assert result.finish_reason == ('stop' if bool(reference.stopped[row]) else 'length')
+  assert stats.requests == 7 and stats.tokens == int(np.asarray(reference.lengths).sum())
+
+
+def test_budgets_stops_and_late_requests(seed, model):
+  """A request's own budget and stop ids cut its stream where a longer unstopped request with the
+  same key is cut by hand; requests sent while others decode (and an episode-like pause between
+  them) change nothing."""
+  prompts = random_prompts(seed + 1, [6, 13, 4, 9])
+  keys = [jax.random.key(seed % 997 + i) for i in range(len(prompts))]
+  full, _ = serve(model, [Request(tokens=tuple(p), max_new_tokens=12, key=k) for p, k in zip(prompts, keys)])
+  budgets = [3, 12, 7, 1]
+  own_stops = [(), (full[1].tokens[4],), (full[2].tokens[2], full[2].tokens[5]), ()]
+  cut, stats = serve(model, [Request(tokens=tuple(p), max_new_tokens=b, key=k, stop_token_ids=s)
+                             for p, k, b, s in zip(prompts, keys, budgets, own_stops)],
+                     delays=[0.0, 0.05, 0.0, 0.2], slots=2, chunk=2)
+  for row, (whole, part) in enumerate(zip(full, cut)):
+    expected = list(whole.tokens[:budgets[row]])
+    hits = [i for i, token in enumerate(expected) if token in own_stops[row]]
+    if hits:
+      expected = expected[:hits[0] + 1]
+    assert list(part.tokens) == expected, f'request {row}'
+    np.testing.assert_allclose(part.log_probs, whole.log_probs[:len(expected)], rtol=1e-5, atol=1e-5)
+    assert part.finish_reason == ('stop' if hits else 'length')
+  assert stats.requests == 4
+
+
+@pytest.mark.parametrize('request_fields, message', [
+    (dict(tokens=()), 'tokens is empty'),
+    (dict(max_new_tokens=13), 'max_new_tokens 13 outside [1, 12]'),
+    (dict(tokens=tuple(range(61))), '61 context tokens + 4 new exceed'),
+    (dict(stop_token_ids=(1, 2, 3, 4, 5)), '5 stop ids, at most 4'),
+    (dict(sampling=SamplingConfig(greedy=True)), 'differs from the server'),
+])
+def test_bad_requests_are_one_line_errors(model, request_fields, message):
+  fields = dict(dict(tokens=(1, 2, 3), max_new_tokens=4, key=jax.random.key(0)), **request_fields)
+  with pytest.raises(UserError, match=message.replace('[', r'\[').replace(']', r'\]').replace('+', r'\+')):
+    serve(model, [Request(**fields)])
+
+
+# ---- trajectories: the loss mask ----
+
+def test_episode_budget_truncates_turns_and_observations(model):
+  graphdef, params = nnx.split(model)
+  server = InferenceServer(graphdef, settings=DecodeSettings(sampling=T1, max_new_tokens=8), slots=2, max_context=32)
+  server.bind(params)
+
+  async def run():
+    async with server:
+      episode = Episode(server, (5, 6, 7), budget=9, key=jax.random.key(3))
+      first = await episode.act(4)
+      episode.observe([11, 12, 13])
+      second = await episode.act(4)  # 2 tokens of room
+      episode.observe([14, 15])  # no room
+      third = await episode.act(4)
+      return episode.trajectory, first, second, third
+
+  trajectory, first, second, third = asyncio.run(run())
+  assert len(first.tokens) == 4 and len(second.tokens) == 2 and third is None
+  assert trajectory.tokens == list(first.tokens) + [11, 12, 13] + list(second.tokens)
+  assert trajectory.loss_mask == [1] * 4 + [0] * 3 + [1] * 2 and trajectory.truncated and trajectory.turns == 2
+  assert trajectory.log_probs[4:7] == [0.0] * 3
+
+
+def random_episode(rng, vocab, turns):
+  """A trajectory of `turns` policy turns with observations between them, random lengths and tokens."""
+  trajectory, turn_spans = Trajectory(), []
+  for turn in range(turns):
+    length = int(rng.integers(1, 4))
+    turn_spans.append((len(trajectory.tokens), length))
+    trajectory.tokens += rng.integers(1, vocab, length).tolist()
+    trajectory.loss_mask += [1] * length
+    trajectory.log_probs += (-rng.random(length) * 3).tolist()
+    if turn < turns - 1:
+      observed = int(rng.integers(1, 4))
+      trajectory.tokens += rng.integers(1, vocab, observed).tolist()
+      trajectory.loss_mask += [0] * observed
+      trajectory.log_probs += [0.0] * observed
+  trajectory.reward = float(rng.random())
+  return trajectory, turn_spans
+
+
+def recorded_update(graphdef, params, ref_params, batch: Batch, algo_config: AlgoConfig):
+  record = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p),
+                                        lambda g, total, params=None: (g, jax.tree.map(jnp.add, total, g)))
+  optimizer = optax.chain(record, optax.sgd(0.0))
+  run = functools.partial(update, graphdef=graphdef, optimizer=optimizer, schedule=optax.constant_schedule(0.0),
+                          settings=UpdateSettings(algo=algo_config, temperature=0.9, rows=batch.tokens.shape[0]))
+  state, metrics = jax.jit(run)(init_train_state(params, optimizer, 0), batch, ref_params)
+  return state.opt_state[0], metrics
+
+
+def test_trajectory_loss_and_gradient_equal_turns_given_their_history_as_prompt(seed, model):
+  """Two problems x two episodes of 2-3 turns: the update on the trajectories (one row each,
+  observations inside the row, outside the mask) and on their turns (one row per turn, whose
+  prompt is the problem's prompt and everything before the turn) give the same loss, KL, entropy
+  and gradient: observation tokens are read, never trained on, and each policy token sees exactly
+  its history. Token-mean: both batches weigh every policy token alike."""
+  rng = np.random.default_rng(seed)
+  graphdef, params = nnx.split(model)
+  params = jax.tree.map(lambda p: p + jnp.asarray(0.05 * rng.standard_normal(p.shape), p.dtype), params)
+  ref_params = jax.tree.map(lambda p: p + jnp.asarray(0.05 * rng.standard_normal(p.shape), p.dtype), params)
+  vocab, budget, group = 1000, 16, 2
+  problem_prompts = [rng.integers(1, vocab, int(n)).tolist() for n in (4, 6)]
+  episodes = [random_episode(rng, vocab, turns) for turns in (2, 3, 3, 2)]
+  rollout, scores, _ = collate([e for e, _ in episodes], budget, pad_id=0)
+  tokens, mask = left_padded(problem_prompts)
+  algo_config = AlgoConfig(group_size=group, kl_beta=0.05, entropy_coef=0.01, logprob_implementation='xla_chunked')
+  whole = make_batch(Prompts(tokens=jnp.asarray(tokens), mask=jnp.asarray(mask), answers=None),
+                     jax.tree.map(jnp.asarray, rollout), jax.tree.map(jnp.asarray, scores), algo_config)
+
+  # Turn by turn: prompt = problem prompt + the episode's tokens before the turn; completion = the turn.
+  rows, width = [], max(len(problem_prompts[i // group]) + len(e.tokens) for i, (e, _) in enumerate(episodes))
+  for index, (episode, spans) in enumerate(episodes):
+    for start, length in spans:
+      rows.append((problem_prompts[index // group] + episode.tokens[:start], episode.tokens[start:start + length],
+                   episode.log_probs[start:start + length], float(whole.advantages[index])))
+  turn_length = max(len(turn) for _, turn, _, _ in rows)
+  history, history_mask = left_padded([h for h, _, _, _ in rows], width=width)
+  completion = np.zeros((len(rows), turn_length), np.int32)
+  completion_mask = np.zeros((len(rows), turn_length), bool)
+  sampler = np.zeros((len(rows), turn_length), np.float32)
+  for row, (_, turn, log_probs, _) in enumerate(rows):
+    completion[row, :len(turn)], completion_mask[row, :len(turn)], sampler[row, :len(turn)] = turn, True, log_probs
+  turns = Batch(tokens=jnp.asarray(np.concatenate([history, completion], 1)),
+                segment_ids=jnp.asarray(np.concatenate([history_mask, completion_mask], 1).astype(np.int32)),
+                mask=jnp.asarray(completion_mask), advantages=jnp.asarray([r[3] for r in rows], jnp.float32),
+                sampler_log_probs=jnp.asarray(sampler))
+  whole_gradients, whole_metrics = recorded_update(graphdef, params, ref_params, whole, algo_config)
+  turn_gradients, turn_metrics = recorded_update(graphdef, params, ref_params, turns, algo_config)
+  for name in ('policy_loss', 'kl', 'entropy', 'sampler_gap_mean'):
+    np.testing.assert_allclose(float(turn_metrics[name]), float(whole_metrics[name]), rtol=1e-5, atol=1e-6, err_msg=name)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-7),
+               whole_gradients, turn_gradients)
+  assert float(optax.tree.norm(whole_gradients)) > 1e-3
+
+
+# ---- the guess-number environment ----
+
+def test_guess_number_answers_hostile_turns():
+  environment = guess.GuessNumber(16, secret=9)
+  number = lambda k: guess.FIRST_NUMBER + k  # noqa: E731
+  words = guess.WORDS
+
+  def step(tokens):
+    return asyncio.run(environment.step(Completion(tokens=tuple(tokens), log_probs=(0.0,) * len(tokens),
+                                                   finish_reason='length')))
+
+  assert step([number(3)]).observation == (words.index('higher'),)
+  assert step([number(15)]).observation == (words.index('lower'),)
+  assert step([number(9)]).reward == 1.0 and step([number(9)]).done
+  for hostile in ([], [words.index('<|endoftext|>')], [words.index('higher')], [0], [10_000], [-5]):
+    answer = step(hostile)
+    assert answer.observation == (words.index('invalid'),) and answer.reward == 0.0 and not answer.done
+
+
+@pytest.mark.parametrize('fields, message', [
+    (['task.guess_range=1'], 'task.guess_range'),
+    (['task.max_turns=0'], 'task.max_turns'),
+    (['task.environment=nonsense'], 'task.environment'),
+    (['rollout.max_new_tokens=5'], 'rollout.max_new_tokens'),
+])
+def test_bad_agent_configs_are_one_line_errors(fields, message):
+  from grpo_jax.build import build_task
+  with pytest.raises(UserError, match=message):
+    build_task(config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny_guess.yaml'), fields))
+
+
+def test_environment_agent_plays_a_scripted_policy_by_the_rules(seed, model):
+  """Episodes end on the right guess (reward 1), else after max_turns; observations are between
+  the turns, the last turn is not answered; episode g's requests draw from fold_in(key, g)."""
+  graphdef, params = nnx.split(model)
+  server = InferenceServer(graphdef, settings=DecodeSettings(sampling=T1, max_new_tokens=1), slots=4, max_context=16)
+  server.bind(params)
+  agent = EnvironmentAgent(make_environment=lambda problem, episode: guess.GuessNumber(1000, problem.data),
+                           max_turns=3, turn_tokens=1)
+
+  async def run():
+    async with server:
+      return await agent.episodes(server, Problem(prompt=(2,), data=seed % 994 + 6), 6, jax.random.key(seed % 1000), 5)
+
+  trajectories = asyncio.run(run())
+  for trajectory in trajectories:
+    guesses = [t - guess.FIRST_NUMBER for t, m in zip(trajectory.tokens, trajectory.loss_mask) if m]
+    found = (seed % 994 + 6) in guesses
+    assert trajectory.reward == float(found)
+    assert trajectory.turns == len(guesses) == (guesses.index(seed % 994 + 6) + 1 if found else 3)
+    assert trajectory.loss_mask == [1, 0] * (trajectory.turns - 1) + [1]
