@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-math test bench clean
+.PHONY: demo demo-agent demo-math test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ $(VENV)/.compilers: requirements-compile.txt | $(BIN)/python
 
 demo: $(VENV)/.extras
 	$(BIN)/python -m grpo_jax.train --config configs/tiny_arith.yaml
+
+demo-agent: $(VENV)/.extras
+	$(BIN)/python -m grpo_jax.train --config configs/tiny_guess.yaml
 
 demo-math: $(VENV)/.extras
 	$(BIN)/python -m grpo_jax.data.word_problems --out data/tiny_math

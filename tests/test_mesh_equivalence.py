@@ -32,7 +32,7 @@ MOVING = ['algo.entropy_coef=0.01', 'algo.kl_beta=0.01', 'optim.learning_rate=1e
 def two_steps(tmp_path, config_path, overrides, mesh_shape, task=None, name=None, fused=False):
   """Two RL steps from the host loop (or, `fused`, in one jit) -> (metric rows, parameters)."""
   data, fsdp, tensor = mesh_shape
-  config = config_lib.load_config(config_path, [*overrides, *MOVING, f'mesh.data={data}', f'mesh.fsdp={fsdp}',
+  config = config_lib.load_config(config_path, [*MOVING, *overrides, f'mesh.data={data}', f'mesh.fsdp={fsdp}',
                                                 f'mesh.tensor={tensor}',
                                                 f'rollout.tensor={ROLLOUT_TENSOR.get(tuple(mesh_shape), 1)}'])
   devices = jax.devices()[:data * fsdp * tensor]

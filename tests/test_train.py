@@ -1,6 +1,7 @@
 """The train CLI end to end: the demo learns, runs reproduce, resume equals an uninterrupted run,
 and kill -9 (also mid-save) never costs more than the steps since the last complete checkpoint."""
 
+import functools
 import glob
 import json
 import os
@@ -115,8 +116,8 @@ def test_same_seed_same_curve_and_fused_equals_host_loop(tmp_path):
   assert without_timing(read_metrics(tmp_path / 'c')) != a
 
 
-def _start(workdir, steps, *overrides):
-  command = [sys.executable, '-m', 'grpo_jax.train', '--config', CONFIG, '--workdir', str(workdir), *SMALL,
+def _start(workdir, steps, *overrides, config=CONFIG):
+  command = [sys.executable, '-m', 'grpo_jax.train', '--config', config, '--workdir', str(workdir), *SMALL,
              '--set', f'train.steps={steps}', *overrides]
   return subprocess.Popen(command, cwd=ROOT, env=ONE_DEVICE_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                           text=True)
@@ -139,22 +140,26 @@ def _wait_for(predicate, process, timeout=240):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('steps_per_call, packing', [(1, []), (5, ['algo.packing=true', 'algo.micro_batch_tokens=18'])])
-def test_kill_and_resume_equals_uninterrupted(tmp_path, steps_per_call, packing):
-  """The host loop with the padded update, and the K-step jit with the packed one."""
+@pytest.mark.parametrize('steps_per_call, packing, config', [
+    (1, [], CONFIG), (5, ['algo.packing=true', 'algo.micro_batch_tokens=18'], CONFIG),
+    (1, [], os.path.join(ROOT, 'configs', 'tiny_guess.yaml'))], ids=['host-loop', 'fused-packed', 'agent'])
+def test_kill_and_resume_equals_uninterrupted(tmp_path, steps_per_call, packing, config):
+  """The host loop with the padded update, the K-step jit with the packed one, and the agent task
+  (episodes on the inference server, multi-turn trajectories)."""
   steps = 60
   options = ['--set', f'train.steps_per_call={steps_per_call}', '--set', 'train.checkpoint_every=10']
   options += [argument for setting in packing for argument in ('--set', setting)]
-  reference = _start(tmp_path / 'whole', steps, *options)
+  start = functools.partial(_start, config=config)
+  reference = start(tmp_path / 'whole', steps, *options)
   assert reference.wait(timeout=300) == 0, reference.stderr.read()
 
-  victim = _start(tmp_path / 'killed', steps, *options)
+  victim = start(tmp_path / 'killed', steps, *options)
   reached = _wait_for(lambda: any(s >= 20 for s in _finished_steps(tmp_path / 'killed')), victim)
   assert reached, 'the run ended before its second checkpoint'
   victim.send_signal(signal.SIGKILL)
   victim.wait()
   assert 20 <= max(_finished_steps(tmp_path / 'killed')) < steps
-  resumed = _start(tmp_path / 'killed', steps, *options)
+  resumed = start(tmp_path / 'killed', steps, *options)
   _, err = resumed.communicate(timeout=300)
   assert resumed.returncode == 0, err
   assert without_timing(read_metrics(tmp_path / 'killed')) == without_timing(read_metrics(tmp_path / 'whole'))

@@ -21,9 +21,15 @@ import dataclasses
 from typing import Any, Callable, Protocol
 
 import jax
+import numpy as np
 
-from grpo_jax.agents.inference import Completion, InferenceServer
+from grpo_jax.agents.inference import TURN_BLOCK, Completion, InferenceServer, folded_keys
 from grpo_jax.agents.trajectory import Episode, Trajectory
+
+
+def episode_keys(key, count: int) -> np.ndarray:
+  """fold_in(key, g) for the episodes g < count of a group, as raw key data [count, 2]."""
+  return np.concatenate([folded_keys(key, first) for first in range(0, count, TURN_BLOCK)])[:count]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +83,8 @@ class EnvironmentAgent:
 
   async def episodes(self, llm: InferenceServer, problem: Problem, count: int, key: jax.Array,
                      budget: int) -> list[Trajectory]:
-    return list(await asyncio.gather(*(self.episode(llm, problem, index, jax.random.fold_in(key, index), budget)
+    keys = episode_keys(key, count)
+    return list(await asyncio.gather(*(self.episode(llm, problem, index, keys[index], budget)
                                        for index in range(count))))
 
   async def episode(self, llm: InferenceServer, problem: Problem, index: int, key: jax.Array,

@@ -42,6 +42,27 @@ from grpo_jax.sampler.sampling import SamplingConfig
 
 FinishReason = Literal['stop', 'length']
 MIN_BUCKET = 8  # the narrowest prefill width; wider ones double up to max_context
+TURN_BLOCK = 16  # keys folded per device call (folded_keys)
+
+
+def key_data(key) -> np.ndarray:
+  """The raw uint32 data of a PRNG key (typed key, its data, or a NumPy copy of it)."""
+  if isinstance(key, np.ndarray):
+    return key.astype(np.uint32)
+  if jnp.issubdtype(getattr(key, 'dtype', np.uint32), jax.dtypes.prng_key):
+    return np.asarray(jax.random.key_data(key))
+  return np.asarray(key, np.uint32)
+
+
+@jax.jit
+def _fold_range(key, first):
+  """Raw key data [TURN_BLOCK, 2] of fold_in(key, first + i): a block of turn keys in one call."""
+  return jax.random.key_data(jax.vmap(jax.random.fold_in, (None, 0))(typed_key(key), first + jnp.arange(TURN_BLOCK)))
+
+
+def folded_keys(key, first: int) -> np.ndarray:
+  """fold_in(key, first + i) for i < TURN_BLOCK, as raw key data [TURN_BLOCK, 2] (one device call)."""
+  return np.asarray(_fold_range(key, np.int32(first)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +72,8 @@ class Request:
   tokens:          the whole context: the prompt and every turn and observation so far.
   max_new_tokens:  the turn's budget (at most the server's max_new_tokens; the context plus the
                    budget must fit the server's max_context).
-  key:             the request's PRNG key (typed, or raw key data); its n-th token draws from
+  key:             the request's PRNG key: typed, or its raw key data (NumPy uint32, as
+                   `key_data` gives: no device call per request); its n-th token draws from
                    fold_in(key, n).
   stop_token_ids:  ids that end this request, besides the server's (at most `max_stops` of them).
   sampling:        None: the server's; anything else must equal it.
@@ -105,13 +127,14 @@ class InferenceServer:
   chunk:        the most decode steps per jitted call (a call ends early when every slot is idle):
                 the host sees results (and refills slots) between calls. Larger is fewer
                 dispatches; smaller lets waiting requests into finished slots sooner.
-  prefill_rows: R, requests prefilled per call (padded with empty rows to this many).
+  prefill_rows: the most requests prefilled per call; a call's rows are padded with empty ones to
+                a power of two (so each width bucket compiles a handful of shapes).
   max_stops:    the most per-request stop ids.
   layout:       the sampler's own layout (sampler/layout.py), or None to decode in the parameters'.
   """
 
   def __init__(self, graphdef, *, settings: DecodeSettings, slots: int, max_context: int, chunk: int = 4,
-               prefill_rows: int = 8, max_stops: int = 4, layout=None):
+               prefill_rows: int = 64, max_stops: int = 4, layout=None):
     if min(slots, max_context, chunk, prefill_rows) < 1:
       raise UserError(f'inference server: slots, max_context, chunk and prefill_rows must be >= 1, got '
                       f'{slots}, {max_context}, {chunk}, {prefill_rows}')
@@ -168,6 +191,18 @@ class InferenceServer:
   # ---- the loop ----
 
   async def _serve(self) -> None:
+    try:
+      await self._loop()
+    except BaseException as error:  # a failed program or a cancelled rollout: no request waits forever
+      for pending in [*self._waiting, *filter(None, self._holding)]:
+        if not pending.future.done():
+          pending.future.set_exception(error if isinstance(error, Exception) else asyncio.CancelledError())
+      self._waiting.clear()
+      self._holding = [None] * self.slots
+      self._state = None  # rows may still be live on the devices: start afresh
+      raise
+
+  async def _loop(self) -> None:
     with self._mesh_context():
       if self._state is None:
         self._state = self._init()
@@ -224,7 +259,7 @@ class InferenceServer:
     for width, group in sorted(by_bucket.items()):
       for start in range(0, len(group), self.prefill_rows):
         batch = group[start:start + self.prefill_rows]
-        rows = self.prefill_rows
+        rows = 1 << math.ceil(math.log2(len(batch)))
         tokens = np.zeros((rows, width), np.int32)
         real = np.zeros((rows, width), np.int32)
         slots = np.full((rows,), self.slots, np.int32)  # past the end: dropped by the scatter
@@ -238,10 +273,10 @@ class InferenceServer:
           slots[row] = free.pop(0)
           limits[row] = request.max_new_tokens
           stops[row, :len(request.stop_token_ids)] = request.stop_token_ids
-          keys.append(jax.random.key_data(typed_key(jnp.asarray(request.key))))
+          keys.append(key_data(request.key))
           self._holding[slots[row]] = pending
         keys += [keys[0]] * (rows - len(batch))
-        self._state = self._prefill(self._params, self._state, tokens, real, slots, jnp.stack(keys), limits, stops)
+        self._state = self._prefill(self._params, self._state, tokens, real, slots, np.stack(keys), limits, stops)
         self.stats.prefill_rows += rows
 
   def _collect(self, emitted, live, steps) -> None:

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from grpo_jax import distributed
+from grpo_jax.agents.agent import episode_keys
 from grpo_jax.agents.inference import InferenceServer
 from grpo_jax.agents.trajectory import FACTS, collate
 from grpo_jax.data.task import Prompts, Scores
@@ -44,7 +45,7 @@ class AgentStage:
     """The episodes of every problem, G each, problem p's from fold_in(key, p)."""
     self.server.bind(params)
     before = self.server.stats.decode_steps
-    keys = [jax.random.fold_in(key, index) for index in range(len(prompts.answers))]
+    keys = episode_keys(key, len(prompts.answers))  # problem p's from fold_in(key, p)
 
     async def run():
       async with self.server:

@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from grpo_jax.agents.inference import Completion, InferenceServer, Request
+from grpo_jax.agents.inference import Completion, InferenceServer, Request, folded_keys
 from grpo_jax.data.task import Scores
 from grpo_jax.sampler.rollout import Rollout
 
@@ -54,6 +54,13 @@ class Episode:
   def __init__(self, llm: InferenceServer, prompt, budget: int, key: jax.Array):
     self.llm, self.prompt, self.budget, self.key = llm, tuple(int(t) for t in prompt), budget, key
     self.trajectory = Trajectory()
+    self._turn_keys = np.zeros((0, 2), np.uint32)
+
+  def turn_key(self, turn: int) -> np.ndarray:
+    """fold_in(key, turn) as raw key data (folded TURN_BLOCK turns per device call)."""
+    while turn >= len(self._turn_keys):
+      self._turn_keys = np.concatenate([self._turn_keys, folded_keys(self.key, len(self._turn_keys))])
+    return self._turn_keys[turn]
 
   @property
   def room(self) -> int:
@@ -69,7 +76,7 @@ class Episode:
       trajectory.truncated = True
       return None
     completion = await self.llm.generate(Request(tokens=self.prompt + tuple(trajectory.tokens), max_new_tokens=budget,
-                                                 key=jax.random.fold_in(self.key, trajectory.turns),
+                                                 key=self.turn_key(trajectory.turns),
                                                  stop_token_ids=stop_token_ids))
     trajectory.tokens += completion.tokens
     trajectory.loss_mask += [1] * len(completion.tokens)
