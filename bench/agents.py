@@ -39,7 +39,7 @@ def parse_args():
   parser.add_argument('--max-turn', type=int, default=128, help='the longest turn')
   parser.add_argument('--observation', type=int, default=8, help='environment tokens per answer')
   parser.add_argument('--latency-ms', type=float, default=50, help='mean environment latency')
-  parser.add_argument('--slots', type=int, default=64)
+  parser.add_argument('--slots', type=int, default=0, help='decode slots (0: one per episode)')
   parser.add_argument('--chunk', type=int, default=8)
   parser.add_argument('--threads', type=int, default=os.cpu_count())
   parser.add_argument('--repeats', type=int, default=3)
@@ -97,6 +97,7 @@ def main():
     model = from_pretrained(directory, dtype='float32')
   graphdef, params = nnx.split(model)
   prompts, budgets, latencies, answers = workload(config.vocab_size)
+  args.slots = args.slots or args.episodes
   budget = args.turns * (args.max_turn + args.observation)
   server = InferenceServer(graphdef, settings=DecodeSettings(sampling=SamplingConfig(temperature=1.0),
                                                              max_new_tokens=args.max_turn),

@@ -302,7 +302,7 @@ def test_the_agent_demo_learns_from_the_replies(tmp_path):
   rows = read_metrics(tmp_path)
   first, last = rows[:10], rows[-10:]
   mean = lambda rows, name: sum(row[name] for row in rows) / len(rows)  # noqa: E731
-  assert mean(first, 'reward_mean') <= 0.3 and mean(last, 'reward_mean') >= 0.4
+  assert mean(first, 'reward_mean') <= 0.3 and mean(last, 'reward_mean') >= 0.35  # measured 0.43-0.45 (seeds 0-2)
   assert mean(last, 'episode/turns') < mean(first, 'episode/turns')
 
 

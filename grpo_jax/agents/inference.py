@@ -4,7 +4,7 @@ live policy, many episodes' requests decoded together in one set of decode slots
 A request is the whole token context of one model turn (the prompt and the conversation so far),
 its token budget, its own stop ids and its PRNG key; its result is the new tokens, their sampler
 log-probs and a finish reason. Requests queue until a decode slot is free, are prefilled in
-batches of one width bucket, and decode in chunks of `chunk` steps of the one decode step every
+batches of one width bucket (8, 12, 16, 24, ...), and decode in chunks of `chunk` steps of the one decode step every
 sampling path shares (sampler/decode.py). A request leaves its slot the moment it finishes (a stop
 id, its budget): an episode that is waiting on its environment holds no slot, and the other slots
 keep decoding. With asyncio, an environment is straight-line code:
@@ -41,7 +41,7 @@ from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, decode
 from grpo_jax.sampler.sampling import SamplingConfig
 
 FinishReason = Literal['stop', 'length']
-MIN_BUCKET = 8  # the narrowest prefill width; wider ones double up to max_context
+MIN_BUCKET = 8  # the narrowest prefill width; wider ones grow by 1.5x and 4/3 in turn up to max_context
 TURN_BLOCK = 16  # keys folded per device call (folded_keys)
 
 
@@ -149,7 +149,7 @@ class InferenceServer:
     self._task: asyncio.Task | None = None
     self._closing = False
     self._init = jax.jit(self._init_state)
-    self._prefill = jax.jit(self._prefill_into)
+    self._prefill = jax.jit(self._prefill_into, donate_argnums=1)
     self._decode = jax.jit(self._decode_chunk, donate_argnums=1)
     self._place = jax.jit(layout.place) if layout is not None else None
 
@@ -244,7 +244,11 @@ class InferenceServer:
       raise UserError(f'inference request: {len(request.stop_token_ids)} stop ids, at most {self.max_stops}')
 
   def _bucket(self, length: int) -> int:
-    return min(self.max_context, max(MIN_BUCKET, 1 << math.ceil(math.log2(length))))
+    """The prefill width of a context: the next of 8, 12, 16, 24, 32, 48, ... (powers of two and
+    1.5 times them: at most a third of a prefill is padding), at most max_context."""
+    power = 1 << max(3, math.ceil(math.log2(length)))
+    width = power * 3 // 4 if power * 3 // 4 >= max(length, MIN_BUCKET) else power
+    return min(self.max_context, width)
 
   def _fill(self) -> None:
     """Prefills waiting requests into free slots, R at a time, each batch of one width bucket."""
@@ -311,14 +315,19 @@ class InferenceServer:
                        stops=jnp.full((B, self.max_stops), -1, jnp.int32))
 
   def _prefill_into(self, params, state: DecodeState, tokens, real, slots, keys, limits, stops) -> DecodeState:
-    """Prefills R right-padded contexts and puts each into its slot (slot B: a padding row)."""
+    """Prefills R right-padded contexts of width W into a W-slot cache (attention over W keys,
+    not the row's S) and puts each into the first W slots of its row (slot B: a padding row). The
+    row's later slots keep the previous request's entries, marked empty (segment 0) so nothing
+    reads them; decoding overwrites them."""
     model = nnx.merge(self.graphdef, params)
-    done = prefill(model, tokens, real, model.init_cache(tokens.shape[0], self.max_context))
+    rows, width = tokens.shape
+    done = prefill(model, tokens, real, model.init_cache(rows, width))
     put = lambda target, values: target.at[slots].set(values, mode='drop')  # noqa: E731
     cache = state.cache
-    cache = KVCache(k=cache.k.at[:, slots].set(done.cache.k, mode='drop'),
-                    v=cache.v.at[:, slots].set(done.cache.v, mode='drop'),
-                    segment_ids=put(cache.segment_ids, done.cache.segment_ids), length=put(cache.length, done.cache.length))
+    segments = jnp.zeros((rows, self.max_context), jnp.int32).at[:, :width].set(done.cache.segment_ids)
+    cache = KVCache(k=cache.k.at[:, slots, :width].set(done.cache.k, mode='drop'),
+                    v=cache.v.at[:, slots, :width].set(done.cache.v, mode='drop'),
+                    segment_ids=put(cache.segment_ids, segments), length=put(cache.length, done.cache.length))
     return dataclasses.replace(state, cache=cache, hidden=put(state.hidden, done.hidden.astype(state.hidden.dtype)),
                                keys=put(state.keys, jax.random.wrap_key_data(keys)),
                                generated=put(state.generated, jnp.zeros_like(limits)),
