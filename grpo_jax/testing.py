@@ -30,8 +30,14 @@ _QWEN2_5_SHAPES = {  # D, F, L, N, K, V, tied
     '32B': (5120, 27648, 64, 40, 8, 152064, False),
     '72B': (8192, 29568, 80, 64, 8, 152064, False),
 }
-QWEN2_5_PRESETS = {size: dict(zip(_SHAPE_FIELDS, shape), rope_theta=1_000_000.0, max_position_embeddings=32768)
-                   for size, shape in _QWEN2_5_SHAPES.items()}
+
+
+def _presets(shapes: dict, **fields) -> dict:
+  """size -> Qwen2Config keywords: the shape table's fields and the family's common ones."""
+  return {size: dict(zip(_SHAPE_FIELDS, shape), **fields) for size, shape in shapes.items()}
+
+
+QWEN2_5_PRESETS = _presets(_QWEN2_5_SHAPES, rope_theta=1_000_000.0, max_position_embeddings=32768)
 # The Qwen3 dense config.json files (Qwen3-*): head_dim 128, rope_theta 1e6, 40960 positions, no
 # q/k/v bias, per-head q/k norms.
 _QWEN3_SHAPES = {  # D, F, L, N, K, V, tied
@@ -42,9 +48,8 @@ _QWEN3_SHAPES = {  # D, F, L, N, K, V, tied
     '14B': (5120, 17408, 40, 40, 8, 151936, False),
     '32B': (5120, 25600, 64, 64, 8, 151936, False),
 }
-QWEN3_PRESETS = {size: dict(zip(_SHAPE_FIELDS, shape), head_dim=128, rope_theta=1_000_000.0,
-                            max_position_embeddings=40960, attention_bias=False, qk_norm=True)
-                 for size, shape in _QWEN3_SHAPES.items()}
+QWEN3_PRESETS = _presets(_QWEN3_SHAPES, head_dim=128, rope_theta=1_000_000.0, max_position_embeddings=40960,
+                         attention_bias=False, qk_norm=True)
 # --model-size names: the Qwen2.5 sizes as they are ('7B') or prefixed, the Qwen3 sizes prefixed ('Qwen3-8B').
 MODEL_PRESETS = {**QWEN2_5_PRESETS, **{f'Qwen2.5-{size}': shape for size, shape in QWEN2_5_PRESETS.items()},
                  **{f'Qwen3-{size}': shape for size, shape in QWEN3_PRESETS.items()}}

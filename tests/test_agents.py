@@ -5,7 +5,6 @@ observations given as prompt; the guess-number environment under hostile turns; 
 the agent task."""
 
 import asyncio
-import dataclasses
 import functools
 import os
 

@@ -287,15 +287,16 @@ class InferenceServer:
     """Appends each held request's new tokens; resolves the requests whose rows went idle."""
     self.stats.chunks += 1
     self.stats.decode_steps += int(steps)
-    valid = np.asarray(emitted.valid)
+    valid, tokens, log_probs, stops = (np.asarray(x) for x in (emitted.valid, emitted.tokens, emitted.log_probs,
+                                                              emitted.stopped))
     for slot, pending in enumerate(self._holding):
       if pending is None:
         continue
       emitted_here = valid[:, slot]
-      pending.tokens += np.asarray(emitted.tokens)[emitted_here, slot].tolist()
-      pending.log_probs += np.asarray(emitted.log_probs)[emitted_here, slot].tolist()
+      pending.tokens += tokens[emitted_here, slot].tolist()
+      pending.log_probs += log_probs[emitted_here, slot].tolist()
       if not live[slot]:
-        stopped = bool(np.asarray(emitted.stopped)[emitted_here, slot].any())
+        stopped = bool(stops[emitted_here, slot].any())
         self._holding[slot] = None
         self.stats.tokens += len(pending.tokens)
         self.stats.requests += 1
