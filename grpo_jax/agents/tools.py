@@ -1,0 +1,109 @@
+"""Tool calls in a policy's turn, and the built-in calculator (work in progress: the Python tool in
+bounded worker processes and the tool-use environment come next).
+
+Two formats are read:
+  Qwen2.5's chat template:  <tool_call>\\n{"name": "calculator", "arguments": {"expression": "2*(3+4)"}}\\n</tool_call>
+  the tag format:           <calculator>2*(3+4)</calculator>   <python>print(6*7)</python>
+The first complete call of a turn counts; what follows it is ignored. A call that cannot be read
+(bad JSON, an unknown tool, arguments missing) is a `ToolCall` with its `error` set, which the
+environment answers with a short error observation: hostile output never raises.
+"""
+
+import ast
+import dataclasses
+import json
+import math
+import operator
+import re
+
+TOOLS = {'calculator': 'expression', 'python': 'code'}  # tool -> its one argument
+MAX_INPUT_CHARS = 4096
+_QWEN_CALL = re.compile(r'<tool_call>\s*(.*?)\s*</tool_call>', re.DOTALL)
+_TAG_CALL = re.compile(r'<(' + '|'.join(TOOLS) + r')>(.*?)</\1>', re.DOTALL)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+  """name: the tool; argument: its input text; error: why the call cannot run (None: it can)."""
+
+  name: str
+  argument: str = ''
+  error: str | None = None
+
+
+def parse_tool_call(text: str) -> ToolCall | None:
+  """The first complete tool call in `text` (either format), or None when it has none."""
+  found = [(match.start(), 'qwen', match) for match in [_QWEN_CALL.search(text)] if match]
+  found += [(match.start(), 'tag', match) for match in [_TAG_CALL.search(text)] if match]
+  if not found:
+    return None
+  _, kind, match = min(found, key=lambda item: item[0])
+  if kind == 'tag':
+    return _checked(match.group(1), match.group(2))
+  try:
+    call = json.loads(match.group(1))
+  except (ValueError, RecursionError):
+    return ToolCall(name='', error='the tool call is not valid JSON')
+  if not isinstance(call, dict) or not isinstance(call.get('name'), str):
+    return ToolCall(name='', error='a tool call needs {"name": ..., "arguments": {...}}')
+  name, arguments = call['name'], call.get('arguments', {})
+  if isinstance(arguments, str):  # some templates write the arguments as a JSON string
+    try:
+      arguments = json.loads(arguments)
+    except (ValueError, RecursionError):
+      return ToolCall(name=name[:64], error='the arguments are not valid JSON')
+  if name not in TOOLS:
+    return ToolCall(name=name[:64], error=f'unknown tool {name[:64]!r}; tools: {", ".join(TOOLS)}')
+  if not isinstance(arguments, dict) or not isinstance(arguments.get(TOOLS[name]), str):
+    return ToolCall(name=name, error=f'{name} needs the argument {TOOLS[name]!r} (a string)')
+  return _checked(name, arguments[TOOLS[name]])
+
+
+def _checked(name: str, argument: str) -> ToolCall:
+  if len(argument) > MAX_INPUT_CHARS:
+    return ToolCall(name=name, error=f'the input is {len(argument)} characters; at most {MAX_INPUT_CHARS}')
+  return ToolCall(name=name, argument=argument)
+
+
+# ---- the calculator: arithmetic on numbers only, bounded ----
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+MAX_MAGNITUDE = 1e100
+MAX_EXPONENT = 1000
+
+
+def calculate(expression: str) -> str:
+  """The value of an arithmetic expression (+ - * / // % **, parentheses, numbers), as text; an
+  error message for anything else, for a result past 1e100 or an exponent past 1000."""
+  try:
+    tree = ast.parse(expression.strip(), mode='eval')
+    value = _evaluate(tree.body)
+  except ZeroDivisionError:
+    return 'error: division by zero'
+  except (SyntaxError, ValueError, TypeError, OverflowError, RecursionError) as error:
+    return f'error: {str(error)[:200] or type(error).__name__}'
+  if isinstance(value, float):
+    return repr(int(value)) if value.is_integer() and abs(value) < 1e16 else repr(value)
+  return repr(value)
+
+
+def _evaluate(node):
+  if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    return node.value
+  if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+    return _bounded(_UNARY[type(node.op)](_evaluate(node.operand)))
+  if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+    left, right = _evaluate(node.left), _evaluate(node.right)
+    if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+      raise ValueError(f'exponent {right} is past {MAX_EXPONENT}')
+    return _bounded(_BINARY[type(node.op)](left, right))
+  raise ValueError('only numbers and + - * / // % ** ( ) are allowed')
+
+
+def _bounded(value):
+  if isinstance(value, complex) or (isinstance(value, float) and not math.isfinite(value)) \
+      or abs(value) > MAX_MAGNITUDE:
+    raise ValueError('the result is out of range')
+  return value
