@@ -60,3 +60,28 @@ def test_calculator_equals_python_on_random_expressions(seed):
                                         '(' * 5000 + '1' + ')' * 5000, ''])
 def test_calculator_refuses_anything_but_bounded_arithmetic(expression):
   assert calculate(expression).startswith('error: ')
+
+
+def test_python_tool_output_errors_and_floods():
+  from grpo_jax.agents.tools import run_python
+  assert run_python('print(6 * 7)') == '42'
+  assert run_python('import sys\nprint("a"); print("b", file=sys.stderr)') == 'a\nb'
+  assert run_python('print(1)\n1 / 0') == '1\nZeroDivisionError: division by zero'
+  assert run_python('def f(:\n  pass').startswith('SyntaxError: ')
+  assert run_python('raise SystemExit(3)') == ''
+  flood = run_python('print("x" * 100_000)', limit=50)
+  assert flood == 'x' * 50 + '\n... (99951 more characters cut)'  # 100,000 x and a newline, 50 kept
+
+
+def test_python_tool_without_network_in_a_worker():
+  """The worker-side switch: sockets fail, in a child process so the test's own stay intact."""
+  import multiprocessing
+  context = multiprocessing.get_context('spawn')
+  with context.Pool(1) as pool:
+    assert 'OSError: the python tool has no network' in pool.apply(_network_attempt)
+
+
+def _network_attempt():
+  from grpo_jax.agents.tools import disable_network, run_python
+  disable_network()
+  return run_python('import socket\nsocket.create_connection(("127.0.0.1", 9))')

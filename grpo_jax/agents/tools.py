@@ -10,11 +10,14 @@ environment answers with a short error observation: hostile output never raises.
 """
 
 import ast
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import operator
 import re
+import socket
 
 TOOLS = {'calculator': 'expression', 'python': 'code'}  # tool -> its one argument
 MAX_INPUT_CHARS = 4096
@@ -107,3 +110,53 @@ def _bounded(value):
       or abs(value) > MAX_MAGNITUDE:
     raise ValueError('the result is out of range')
   return value
+
+
+# ---- the Python tool's body: what a bounded worker process runs (the pool comes next) ----
+
+MAX_OUTPUT_CHARS = 1000
+
+
+class _Bounded(io.StringIO):
+  """A text buffer that keeps the first `limit` characters and counts the rest."""
+
+  def __init__(self, limit: int):
+    super().__init__()
+    self.limit, self.dropped = limit, 0
+
+  def write(self, text: str) -> int:
+    room = self.limit - self.tell()
+    if room > 0:
+      super().write(text[:room])
+    self.dropped += max(0, len(text) - max(room, 0))
+    return len(text)
+
+
+def _no_network(*args, **kwargs):
+  raise OSError('the python tool has no network')
+
+
+def disable_network() -> None:
+  """For the worker process that runs the tool: every new socket fails."""
+  socket.socket = _no_network  # type: ignore[assignment, misc]
+  socket.create_connection = _no_network  # type: ignore[assignment]
+
+
+def run_python(code: str, limit: int = MAX_OUTPUT_CHARS) -> str:
+  """Runs `code` as a script and returns what it printed (stdout and stderr, at most `limit`
+  characters, a note of how many were cut), or its exception's last line. Meant for a worker
+  process with a deadline and a memory cap, never the trainer's."""
+  output = _Bounded(limit)
+  try:
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+      exec(compile(code, '<tool>', 'exec'), {'__name__': '__main__', '__builtins__': __builtins__})  # noqa: S102
+  except SystemExit:
+    pass
+  except BaseException as error:  # noqa: BLE001 (any failure of the model's code is its observation)
+    text = output.getvalue()
+    return (text + ('\n' if text and not text.endswith('\n') else '') +
+            f'{type(error).__name__}: {str(error)[:200]}').strip()
+  text = output.getvalue()
+  if output.dropped:
+    text += f'\n... ({output.dropped} more characters cut)'
+  return text.strip()
