@@ -1,7 +1,8 @@
 """An agent as the trainer's task: the problems of each step, and the agent that runs their
 episodes (`task.name: agent`, `task.environment` names it).
 
-The task section's `environment` is a built-in (`guess_number`: agents/guess.py) or
+The task section's `environment` is a built-in (`guess_number`: agents/guess.py, `tool_use`:
+agents/tool_use.py) or
 `module:function`, a function of the run's Config returning an AgentTask (as custom reward terms
 are named). The RL step (rl/step.py) runs the agent's episodes in place of sampling and scoring
 (agents/stage.py): everything after that — advantages, the update, dynamic sampling, checkpoints
@@ -18,7 +19,7 @@ from grpo_jax.agents.agent import Agent, Problem
 from grpo_jax.data.task import Prompts, Scores
 from grpo_jax.errors import UserError, require
 
-BUILT_IN = {'guess_number': 'grpo_jax.agents.guess'}
+BUILT_IN = {'guess_number': 'grpo_jax.agents.guess', 'tool_use': 'grpo_jax.agents.tool_use'}
 
 
 @dataclasses.dataclass
@@ -89,6 +90,9 @@ def build(config) -> AgentTask:
   return task
 
 
-def shape(config, architecture) -> AgentTask:
-  del architecture
+def shape(config, architecture):
+  """The task for the plan: a built-in's own shape when it has one (nothing read), else the task."""
+  module = _module(config.task.environment)
+  if module is not None and hasattr(module, 'shape'):
+    return module.shape(config, architecture)
   return build(config)

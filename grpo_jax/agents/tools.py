@@ -1,5 +1,6 @@
-"""Tool calls in a policy's turn, and the built-in calculator (work in progress: the Python tool in
-bounded worker processes and the tool-use environment come next).
+"""Tool calls in a policy's turn, and the built-in tools: a calculator and Python, run in bounded
+worker processes (grpo_jax.workers: a deadline, a memory cap, no network, dying with the trainer),
+never in the trainer's process.
 
 Two formats are read:
   Qwen2.5's chat template:  <tool_call>\\n{"name": "calculator", "arguments": {"expression": "2*(3+4)"}}\\n</tool_call>
@@ -17,9 +18,27 @@ import json
 import math
 import operator
 import re
+import os
+import resource
 import socket
+import tempfile
 
 TOOLS = {'calculator': 'expression', 'python': 'code'}  # tool -> its one argument
+# The tools as the chat template's `tools` (function schemas): Qwen2.5's lists them in the system
+# prompt and asks for <tool_call>{"name": ..., "arguments": {...}}</tool_call>.
+SCHEMAS = {
+    'calculator': {'type': 'function', 'function': {
+        'name': 'calculator', 'description': 'Evaluates an arithmetic expression (+ - * / // % ** and parentheses).',
+        'parameters': {'type': 'object', 'properties': {'expression': {'type': 'string', 'description':
+                                                                       'e.g. (3 + 4) * 12 / 5'}},
+                       'required': ['expression']}}},
+    'python': {'type': 'function', 'function': {
+        'name': 'python', 'description': 'Runs a Python 3 script and returns what it prints (no network, '
+                                         'a few seconds at most).',
+        'parameters': {'type': 'object', 'properties': {'code': {'type': 'string', 'description':
+                                                                 'the script; print the values you need'}},
+                       'required': ['code']}}},
+}
 MAX_INPUT_CHARS = 4096
 _QWEN_CALL = re.compile(r'<tool_call>\s*(.*?)\s*</tool_call>', re.DOTALL)
 _TAG_CALL = re.compile(r'<(' + '|'.join(TOOLS) + r')>(.*?)</\1>', re.DOTALL)
@@ -142,10 +161,52 @@ def disable_network() -> None:
   socket.create_connection = _no_network  # type: ignore[assignment]
 
 
+MAX_FILE_BYTES = 16 << 20
+
+
+def _no_signals(*args, **kwargs):
+  raise PermissionError('the python tool cannot send signals')
+
+
+def worker_setup() -> None:
+  """A tool worker's start: no network, no signals to other processes (the trainer), files of at
+  most 16 MiB, a fresh temporary working directory. These bound accidents and loops, not a
+  determined attacker (ctypes reaches past them): the tool runs as the trainer's user, so models
+  whose code must be contained need a sandbox service behind a custom environment."""
+  import logging
+  logging.getLogger('math_verify').setLevel(logging.CRITICAL)
+  disable_network()
+  os.kill = os.killpg = _no_signals  # type: ignore[assignment]
+  try:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
+  except (OSError, ValueError):
+    pass
+  os.chdir(tempfile.mkdtemp(prefix='grpo_jax_tool_'))
+
+
+def work(kind: str, first: str, second: str = '') -> tuple[str, bool] | float:
+  """What a tool worker does: `calculator` / `python` run the tool on `first` ((its text, whether
+  it failed) back), `math` checks the answer `first` against the reference `second` (a reward back)."""
+  if kind == 'math':
+    from grpo_jax.data.rewards import math_reward
+    return math_reward(first, second)
+  if kind == 'calculator':
+    text = calculate(first)
+    return text, text.startswith('error:')
+  if kind == 'python':
+    return _python(first)
+  raise ValueError(f'unknown work {kind!r}')
+
+
 def run_python(code: str, limit: int = MAX_OUTPUT_CHARS) -> str:
   """Runs `code` as a script and returns what it printed (stdout and stderr, at most `limit`
   characters, a note of how many were cut), or its exception's last line. Meant for a worker
   process with a deadline and a memory cap, never the trainer's."""
+  return _python(code, limit)[0]
+
+
+def _python(code: str, limit: int = MAX_OUTPUT_CHARS) -> tuple[str, bool]:
+  """run_python's text, and whether the script raised."""
   output = _Bounded(limit)
   try:
     with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
@@ -155,8 +216,8 @@ def run_python(code: str, limit: int = MAX_OUTPUT_CHARS) -> str:
   except BaseException as error:  # noqa: BLE001 (any failure of the model's code is its observation)
     text = output.getvalue()
     return (text + ('\n' if text and not text.endswith('\n') else '') +
-            f'{type(error).__name__}: {str(error)[:200]}').strip()
+            f'{type(error).__name__}: {str(error)[:200]}').strip(), True
   text = output.getvalue()
   if output.dropped:
     text += f'\n... ({output.dropped} more characters cut)'
-  return text.strip()
+  return text.strip(), False

@@ -41,8 +41,9 @@ class ProblemSet:
   (template, chat template, max_prompt_tokens). Prints the kept / skipped counts of each dataset.
   """
 
-  def __init__(self, tokenizer, use_chat_template: bool, task: TaskConfig, datasets, section: str):
+  def __init__(self, tokenizer, use_chat_template: bool, task: TaskConfig, datasets, section: str, tools=None):
     self.tokenizer, self.use_chat_template, self.task_config = tokenizer, use_chat_template, task
+    self.tools = tools  # function schemas the chat template lists for the model (tool use), or None
     self.prompt_ids, self.answers, self.data_sources, self.texts = [], [], [], []
     for data in datasets:
       self._add(data, section)
@@ -83,8 +84,10 @@ class ProblemSet:
       if not self.use_chat_template:
         return text
       messages = [{'role': 'user', 'content': text}]
-    thinking = {} if self.task_config.enable_thinking is None else {'enable_thinking': self.task_config.enable_thinking}
-    return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **thinking)
+    options = {} if self.task_config.enable_thinking is None else {'enable_thinking': self.task_config.enable_thinking}
+    if self.tools:
+      options['tools'] = self.tools
+    return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **options)
 
   def left_padded(self, indices, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, mask) [len(indices), length] int32 of the problems at `indices`, left-padded."""
@@ -100,12 +103,13 @@ class ProblemSet:
 class MathTask:
   """Prompts from `task.source`, rewards from the run's terms on the host (a Task). The tokenizer
   is read from `task.tokenizer`, else `model_path`; `seed` (run.seed) orders the prompts; `rewards` (the config's terms;
-  empty: the math check alone) and `max_new_tokens` (the overlong term's budget) shape the reward."""
+  empty: the math check alone) and `max_new_tokens` (the overlong term's budget) shape the reward;
+  `tools`: function schemas the chat template shows the model (agents/tool_use.py)."""
 
   jittable = False
 
   def __init__(self, task: TaskConfig, model_path: str, seed: int, rewards: tuple[RewardTerm, ...] = (),
-               max_new_tokens: int = 0, problems: bool = True):
+               max_new_tokens: int = 0, problems: bool = True, tools=None):
     where = f'task.tokenizer {task.tokenizer}' if task.tokenizer else f'model.path {model_path}'
     self.tokenizer = load_tokenizer(task.tokenizer or model_path)
     if self.tokenizer is None:
@@ -122,8 +126,8 @@ class MathTask:
     if '\0' not in _format(task.prompt_template, '\0'):
       raise UserError(f'task.prompt_template {task.prompt_template!r} has no {{prompt}} for the question')
     # problems=False: only the tokenizer, rendering and stop ids (evaluation brings its own problems).
-    self.problems = (ProblemSet(self.tokenizer, self.use_chat_template, task, (task.dataset, *task.mix), 'task')
-                     if problems else None)
+    self.problems = (ProblemSet(self.tokenizer, self.use_chat_template, task, (task.dataset, *task.mix), 'task',
+                                tools) if problems else None)
     self.composer = RewardComposer(rewards or (RewardTerm('math'),), max_new_tokens, task.reward_workers)
     weakref.finalize(self, self.composer.close)  # the workers end with the task, not only at exit
     self._permutations = {}

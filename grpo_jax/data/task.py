@@ -142,9 +142,12 @@ class TaskConfig:
   tokenizer: str | None = None  # math: directory of the Hugging Face tokenizer; None: model.path's
   max_prompt_tokens: int = 512  # math: prompts are left-padded to this; longer prompts are skipped
   reward_workers: int = 4  # math: processes verifying answers with math-verify
-  # agent: a built-in environment (guess_number) or module:function returning an agents.task.AgentTask
+  # agent: a built-in environment (guess_number, tool_use) or module:function returning an agents.task.AgentTask
   environment: str = 'guess_number'
   max_turns: int = 4  # agent: policy turns per episode
+  turn_tokens: int = 0  # agent, tool_use: tokens per policy turn; 0: the rollout's max_new_tokens
+  tools: tuple[str, ...] = ('python', 'calculator')  # agent, tool_use: the tools the policy may call
+  tool_timeout_s: float = 10.0  # agent, tool_use: the deadline of one tool call (and answer check)
   guess_range: int = 16  # agent, guess_number: the secret is in [0, guess_range)
 
   def __post_init__(self):
@@ -153,6 +156,7 @@ class TaskConfig:
       for index, dataset in enumerate(self.mix):
         require(bool(dataset.source), f'mix[{index}].source', 'must name a dataset')
       require(self.reward_workers >= 1, 'reward_workers', f'must be >= 1, got {self.reward_workers}')
+      require(self.turn_tokens >= 0, 'turn_tokens', f'must be >= 0, got {self.turn_tokens}')
       require(self.max_prompt_tokens >= 1, 'max_prompt_tokens', f'must be >= 1, got {self.max_prompt_tokens}')
 
   @property

@@ -1,0 +1,167 @@
+"""Tool use on a dataset's problems (`task.environment: tool_use`): the policy may call a tool
+(Python or the calculator) as often as `task.max_turns` allows; each call's output comes back as
+an observation it reads before it goes on, and the episode ends with a turn that calls no tool (its
+answer is checked against the reference with math-verify: reward 1 or 0) or at max_turns (no
+answer: 0).
+
+The problems, their order and their rendering are the math task's (data/math_task.py: the same
+sources, adapters, templates and resume-exact order); the chat template also lists the enabled
+tools (tools.SCHEMAS, its `tools` argument). A call is read in either format (agents/tools.py):
+Qwen2.5's `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` or the tag format
+`<python>...</python>`. Observations are rendered by the tokenizer's own chat template, as the
+`tool` message that follows the policy's turn (Qwen2.5's: a user turn holding `<tool_response>`,
+then the assistant's header); a tokenizer without one gets `<output>...</output>`. The tool's text
+is tokenized with its special tokens split, so output that spells `<|im_end|>` cannot end a turn.
+
+Tools and answer checks run in `task.reward_workers` bounded worker processes (grpo_jax.workers:
+`task.tool_timeout_s` per call, a memory cap, no network, dying with the trainer); a call that
+cannot be read, fails, hangs, crashes or floods its output becomes a short error observation and
+counts as a tool error, never a crash of the run.
+"""
+
+import dataclasses
+
+from grpo_jax.agents.agent import EnvironmentAgent, Problem, Step
+from grpo_jax.agents.inference import Completion
+from grpo_jax.agents.task import AgentTask
+from grpo_jax.agents.tools import SCHEMAS, TOOLS, parse_tool_call, work, worker_setup
+from grpo_jax.data import math_task
+from grpo_jax.errors import UserError, require
+from grpo_jax.workers import Failed, WorkerPool
+
+MAX_OBSERVATION_CHARS = 1200
+_SLOT = '\x00'  # stands for a message's content while the chat template renders around it
+
+
+@dataclasses.dataclass(frozen=True)
+class ObservationFormat:
+  """The text around a tool's output after a policy turn: `before` (what follows the turn's last
+  token: the end of its message, the tool message's opening) and `after` (its end, the next
+  assistant header). `turn_end`: the text of the turn's stop token when the template writes it
+  (a turn that stopped on it already holds it)."""
+
+  before: str
+  after: str
+  turn_end: str = ''
+
+
+def observation_format(tokenizer, use_chat_template: bool, tools) -> ObservationFormat:
+  """The chat template's rendering of a tool message after an assistant turn (read off the
+  template by rendering a conversation with and without it), else the plain `<output>` wrapper."""
+  if not use_chat_template:
+    return ObservationFormat('\n<output>\n', '\n</output>\n')
+  conversation = [{'role': 'user', 'content': 'q'}, {'role': 'assistant', 'content': _SLOT}]
+  try:
+    turn = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False)
+    answered = tokenizer.apply_chat_template(conversation + [{'role': 'tool', 'content': _SLOT}], tools=tools,
+                                             tokenize=False, add_generation_prompt=True)
+  except Exception as error:  # noqa: BLE001 (jinja's errors have no common base)
+    raise UserError(f'the tokenizer\'s chat template cannot render a tool message ({type(error).__name__}: '
+                    f'{error}); set task.chat_template: false for the <output> format') from None
+  if not answered.startswith(turn) or answered.count(_SLOT) != 2:
+    raise UserError('the tokenizer\'s chat template does not render a tool message after the assistant\'s turn; '
+                    'set task.chat_template: false for the <output> format')
+  end_of_turn = turn.split(_SLOT)[1]
+  before, after = (end_of_turn + answered[len(turn):]).split(_SLOT)
+  stop = tokenizer.eos_token or ''
+  return ObservationFormat(before, after, stop if stop and end_of_turn.startswith(stop) else '')
+
+
+class ToolWorld:
+  """What every episode of a run shares: the tokenizer, the enabled tools, the observation format
+  and the worker pool (tools and answer checks)."""
+
+  def __init__(self, math: math_task.MathTask, tools: tuple[str, ...], pool: WorkerPool):
+    self.math, self.tools, self.pool = math, tools, pool
+    self.format = observation_format(math.tokenizer, math.use_chat_template, [SCHEMAS[name] for name in tools])
+    self.tokenizer = math.tokenizer
+
+  def text(self, tokens) -> str:
+    return self.math.decode([tokens], [[True] * len(tokens)])[0] if tokens else ''
+
+  def observation(self, result: str, turn: Completion) -> tuple[int, ...]:
+    """The tokens that answer `turn` with the tool's `result`."""
+    before = self.format.before
+    ended = turn.finish_reason == 'stop' and turn.tokens and \
+        self.tokenizer.decode([turn.tokens[-1]]) == self.format.turn_end
+    if self.format.turn_end and ended:
+      before = before[len(self.format.turn_end):]
+    if len(result) > MAX_OBSERVATION_CHARS:
+      result = result[:MAX_OBSERVATION_CHARS] + f'\n... ({len(result) - MAX_OBSERVATION_CHARS} more characters cut)'
+    encode = self.tokenizer
+    ids = encode(before, add_special_tokens=False)['input_ids']
+    ids += encode(result, add_special_tokens=False, split_special_tokens=True)['input_ids']
+    ids += encode(self.format.after, add_special_tokens=False)['input_ids']
+    return tuple(ids)
+
+  async def run(self, name: str, argument: str) -> tuple[str, bool]:
+    """The tool's text and whether it failed."""
+    result = await self.pool.call(name, argument)
+    if isinstance(result, Failed):
+      reason = {'deadline': f'the {name} call ran past its {self.pool.timeout_s:g} s limit',
+                'crashed': f'the process running the {name} call died'}.get(result.reason, result.detail)
+      return f'error: {reason}', True
+    return result
+
+  async def check(self, text: str, answer: str) -> float:
+    reward = await self.pool.call('math', text, answer)
+    return 0.0 if isinstance(reward, Failed) else float(reward)
+
+
+class ToolEnvironment:
+  """One episode: the problem's reference answer, the shared ToolWorld."""
+
+  def __init__(self, world: ToolWorld, answer: str):
+    self.world, self.answer = world, answer
+
+  async def reset(self) -> tuple[int, ...]:
+    return ()
+
+  async def step(self, turn: Completion) -> Step:
+    text = self.world.text(turn.tokens)
+    call = parse_tool_call(text)
+    if call is None:  # the answer
+      return Step(reward=await self.world.check(text, self.answer), done=True)
+    if call.error is not None:
+      result, failed = f'error: {call.error}', True
+    elif call.name not in self.world.tools:
+      result, failed = f'error: the {call.name} tool is not enabled; tools: {", ".join(self.world.tools)}', True
+    else:
+      result, failed = await self.world.run(call.name, call.argument)
+    return Step(observation=self.world.observation(result, turn), tool_call=True, tool_error=failed)
+
+
+def check(task_config) -> None:
+  math_task.check(task_config)
+  require(len(task_config.tools) >= 1 and set(task_config.tools) <= set(TOOLS), 'tools',
+          f'must name one or more of {", ".join(TOOLS)}, got {list(task_config.tools)}')
+  require(task_config.tool_timeout_s > 0, 'tool_timeout_s', f'must be > 0, got {task_config.tool_timeout_s}')
+
+
+def build(config) -> AgentTask:
+  task = config.task
+  tools = tuple(dict.fromkeys(task.tools))
+  math = math_task.MathTask(task, config.model.path, config.run.seed, tools=[SCHEMAS[name] for name in tools])
+  pool = WorkerPool(task.reward_workers, work, warmup=('math', '\\boxed{1}', '1'), setup=worker_setup,
+                    timeout_s=task.tool_timeout_s, name='tool worker')
+  world = ToolWorld(math, tools, pool)
+
+  def problems(position: int, count: int) -> list[Problem]:
+    return [Problem(prompt=tuple(int(t) for t in math.problems.prompt_ids[index]), data=math.answers[index])
+            for index in math.order(position, count)]
+
+  turn_tokens = task.turn_tokens or config.rollout.max_new_tokens
+  agent = EnvironmentAgent(make_environment=lambda problem, episode: ToolEnvironment(world, problem.data),
+                           max_turns=task.max_turns, turn_tokens=turn_tokens)  # the server stops at the task's ids
+
+  def close():
+    pool.close()
+    math.close()
+
+  return AgentTask(agent, problems, prompt_length=math.prompt_length, vocab_size=math.vocab_size,
+                   stop_token_ids=tuple(math.stop_token_ids), pad_id=math.pad_id, tokenizer=math.tokenizer, close=close)
+
+
+def shape(config, architecture):
+  """The plan's view: the math task's shape (nothing read, no workers started)."""
+  return math_task.shape(config, architecture)

@@ -1,0 +1,214 @@
+"""The tool-use environment (agents/tool_use.py) and the bounded workers behind it
+(grpo_jax/workers.py): hostile tool calls become short error observations (hangs, crashes, floods,
+memory, network, signals to the trainer, special tokens in the output), observations follow the
+chat template (Qwen2.5's tool-response layout), a scripted policy's episode is answered and scored
+turn by turn, and the tool-use recipe runs its first RL steps on the CPU."""
+
+import asyncio
+import json
+import os
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from grpo_jax import config as config_lib
+from grpo_jax.agents import tool_use, tools
+from grpo_jax.agents.inference import Completion
+from grpo_jax.errors import UserError
+from grpo_jax.workers import Failed, WorkerPool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, 'configs', 'qwen2_5_3b_gsm8k_tool.yaml')
+# A ChatML template with tool messages laid out as Qwen2.5's template lays them out (written for
+# these tests; transformers renders with trim_blocks, hence the newlines as expressions): the tools in a system turn, consecutive tool results in one user turn, each in
+# <tool_response> tags.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>{% for tool in tools %}\n"
+    "{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}"
+    "</tool_call><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n<tool_response>\\n' }}{{ m.content }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen2.5's layout of a tool result after an assistant turn that ended on <|im_end|>.
+QWEN_OBSERVATION = '\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n'
+
+
+def tool_tokenizer_dir(directory) -> str:
+  from test_math_task import chat_tokenizer_dir
+  chat_tokenizer_dir(directory)
+  path = os.path.join(directory, 'tokenizer_config.json')
+  with open(path) as f:
+    settings = json.load(f)
+  with open(path, 'w') as f:
+    json.dump(dict(settings, chat_template=TOOL_TEMPLATE), f)
+  return str(directory)
+
+
+def write_gsm8k(path, count: int) -> str:
+  with open(path, 'w') as f:
+    for i in range(count):
+      f.write(json.dumps({'question': f'Tom has {i + 2} apples and buys {i + 3} more. How many?',
+                          'answer': f'{i + 2} + {i + 3} = {2 * i + 5}\n#### {2 * i + 5}'}) + '\n')
+  return str(path)
+
+
+@pytest.fixture(scope='module')
+def pool():
+  with WorkerPool(2, tools.work, warmup=('math', '\\boxed{1}', '1'), setup=tools.worker_setup, timeout_s=3.0,
+                  memory_bytes=1 << 30, name='tool worker') as pool:
+    yield pool
+
+
+HOSTILE = [  # (code, a piece of the observation); every one is a tool error
+    ('while True:\n  pass', Failed('deadline')),
+    ('import os\nos._exit(3)', Failed('crashed')),
+    ('x = bytearray(8 << 30)', 'MemoryError'),
+    ('import socket\nsocket.create_connection(("10.1.2.3", 80))', 'OSError: the python tool has no network'),
+    ('import os\nos.kill(os.getppid(), 9)', 'PermissionError: the python tool cannot send signals'),
+    ('raise SystemExit(ValueError("x"))', ''),
+    ('print(1/0)', 'ZeroDivisionError: division by zero'),
+]
+
+
+def test_hostile_python_is_bounded_in_the_workers(pool):
+  """Each hostile script in its own item: the others run on, the trainer's process is untouched,
+  and a flood of output is cut at the tool's limit."""
+  futures = [pool.submit('python', code) for code, _ in HOSTILE]
+  flood = pool.submit('python', 'print("x" * 10_000_000)')
+  fine = pool.submit('python', 'import math\nprint(math.comb(10, 3) * 2)')
+  for (code, expected), future in zip(HOSTILE, futures):
+    result = future.result(timeout=120)
+    if isinstance(expected, Failed):
+      assert isinstance(result, Failed) and result.reason == expected.reason, code
+    elif expected:
+      assert result[1] and expected in result[0], (code, result)
+  assert fine.result(timeout=60) == ('240', False)
+  text, failed = flood.result(timeout=60)
+  assert not failed and len(text) < 1100 and text.endswith('(9999001 more characters cut)')  # print's newline too
+  assert pool.failures >= 2  # the hang and the crash
+  assert pool.map([('calculator', '2 ** 10000'), ('math', 'so \\boxed{7}', '7')]) == \
+      [('error: exponent 10000 is past 1000', True), 1.0]
+
+
+def test_a_pool_serves_async_callers_while_one_item_hangs(pool):
+  """An event loop awaits several calls; one that hangs holds one worker until its deadline while
+  the other worker answers the rest."""
+  async def run():
+    hung = asyncio.ensure_future(pool.call('python', 'import time\ntime.sleep(60)'))
+    await asyncio.sleep(0.2)
+    start = time.monotonic()
+    quick = await asyncio.gather(*(pool.call('calculator', f'{i} * 3') for i in range(6)))
+    quick_s = time.monotonic() - start
+    return await hung, quick, quick_s
+
+  hung, quick, quick_s = asyncio.run(run())
+  assert isinstance(hung, Failed) and hung.reason == 'deadline'
+  assert quick == [(str(3 * i), False) for i in range(6)] and quick_s < 2.5
+
+
+def test_observations_follow_the_chat_template(tmp_path):
+  from grpo_jax.model import load_tokenizer
+  tokenizer = load_tokenizer(tool_tokenizer_dir(tmp_path))
+  schemas = [tools.SCHEMAS['python']]
+  layout = tool_use.observation_format(tokenizer, True, schemas)
+  assert (layout.turn_end, layout.before + '{}' + layout.after) == ('<|im_end|>', '<|im_end|>' + QWEN_OBSERVATION)
+  plain = tool_use.observation_format(tokenizer, False, schemas)
+  assert (plain.before, plain.after) == ('\n<output>\n', '\n</output>\n')
+  tokenizer.chat_template = "{% for m in messages %}{% if m.role != 'tool' %}{{ m.content }}{% endif %}{% endfor %}"
+  with pytest.raises(UserError, match='does not render a tool message'):
+    tool_use.observation_format(tokenizer, True, schemas)
+
+
+class ScriptedPolicy:
+  """An inference handle that answers an episode's turns with fixed texts, recording the contexts."""
+
+  def __init__(self, tokenizer, turns):
+    self.tokenizer, self.turns, self.contexts = tokenizer, list(turns), []
+
+  async def generate(self, request):
+    self.contexts.append(request.tokens)
+    ids = self.tokenizer(self.turns[len(self.contexts) - 1], add_special_tokens=False)['input_ids']
+    return Completion(tokens=tuple(ids), log_probs=tuple([-1.0] * len(ids)), finish_reason='stop')
+
+
+def test_a_scripted_tool_episode(tmp_path):
+  """Turns that call Python (Qwen2.5's format), misuse the calculator (the tag format), call a tool
+  that does not exist, print a special token, then answer: each call's observation follows its
+  turn outside the loss mask, errors are counted, and the answer is scored with math-verify."""
+  directory = tool_tokenizer_dir(tmp_path / 'tokenizer')
+  config = config_lib.load_config(RECIPE, [f'model.path={directory}', f'task.source={write_gsm8k(tmp_path / "g.jsonl", 3)}',
+                                           'task.reward_workers=1', 'task.max_turns=6', 'task.max_prompt_tokens=1024'])
+  task = tool_use.build(config)
+  try:
+    problem = task.problems(0, 1)[0]
+    answer = problem.data
+    turns = ['<tool_call>\n{"name": "python", "arguments": {"code": "print(40 + 2)"}}\n</tool_call><|im_end|>',
+             'Let me check: <calculator>1/0</calculator><|im_end|>',
+             '<tool_call>{"name": "browser", "arguments": {}}</tool_call><|im_end|>',
+             '<python>print("<|im_" + "end|>")</python><|im_end|>',
+             f'The total is \\boxed{{{answer}}}.<|im_end|>']
+    policy = ScriptedPolicy(task.tokenizer, turns)
+    [trajectory] = asyncio.run(task.agent.episodes(policy, problem, 1, jax.random.key(0), 1024))
+    tokenizer = task.tokenizer
+    assert (trajectory.reward, trajectory.turns, trajectory.tool_calls, trajectory.tool_errors) == (1.0, 5, 4, 2)
+    observations, turn_texts, current, policy_run = [], [], [], None
+    for token, mask in zip(trajectory.tokens, trajectory.loss_mask):
+      if mask != policy_run and current:
+        (turn_texts if policy_run else observations).append(current)
+        current = []
+      policy_run = mask
+      current.append(token)
+    turn_texts.append(current)
+    assert [tokenizer.decode(t) for t in turn_texts] == turns
+    assert [tokenizer.decode(o) for o in observations] == [
+        QWEN_OBSERVATION.format('42'), QWEN_OBSERVATION.format('error: division by zero'),
+        QWEN_OBSERVATION.format("error: unknown tool 'browser'; tools: calculator, python"),
+        QWEN_OBSERVATION.format('<|im_end|>')]
+    special = tokenizer.convert_tokens_to_ids('<|im_end|>')
+    assert observations[3].count(special) == 1  # the tool's '<|im_end|>' is text, the template's a token
+    # Each turn saw the prompt and everything before it.
+    for turn, context in enumerate(policy.contexts):
+      before = sum(len(t) + len(o) for t, o in zip(turn_texts[:turn], observations[:turn]))
+      assert context == problem.prompt + tuple(trajectory.tokens[:before])
+    # The prompt lists the tools through the chat template.
+    assert '"name": "python"' in tokenizer.decode(problem.prompt)
+  finally:
+    task.close()
+
+
+@pytest.mark.parametrize('fields, message', [
+    (['task.tools=[shell]'], 'task.tools must name one or more of calculator, python'),
+    (['task.tool_timeout_s=0'], 'task.tool_timeout_s must be > 0'),
+    (['rewards=[{name: format}]'], 'rewards apply to dataset tasks'),
+])
+def test_bad_tool_configs_are_one_line_errors(tmp_path, fields, message):
+  base = [f'model.path={tool_tokenizer_dir(tmp_path)}', f'task.source={write_gsm8k(tmp_path / "g.jsonl", 2)}']
+  with pytest.raises(UserError, match=message):
+    config_lib.load_config(RECIPE, base + fields)
+
+
+@pytest.mark.slow
+def test_the_tool_recipe_runs_its_first_steps_on_the_cpu(tmp_path, make_hf_checkpoint):
+  """configs/qwen2_5_3b_gsm8k_tool.yaml at reduced size (a random 2-layer Qwen2, the test tokenizer
+  with a tool template, GSM8K-format records): two RL steps train on multi-turn episodes."""
+  from test_train import read_metrics, run_cli
+  directory, _ = make_hf_checkpoint(5)
+  tool_tokenizer_dir(directory)
+  run_cli(tmp_path, '--config', RECIPE, '--set', f'model.path={directory}', '--set',
+          f'task.source={write_gsm8k(tmp_path / "g.jsonl", 8)}', '--set', 'task.reward_workers=1', '--set', 'task.max_prompt_tokens=1024',
+          '--set', 'model.dtype=float32', '--set', 'model.attention=dense', '--set', 'rollout.prompts_per_step=2',
+          '--set', 'algo.group_size=2', '--set', 'rollout.max_new_tokens=24', '--set', 'task.turn_tokens=8',
+          '--set', 'algo.num_minibatches=1', '--set', 'algo.micro_batch_size=4', '--set', 'train.steps=2',
+          '--set', 'train.checkpoint_every=0', '--set', 'eval.every=0', '--set', 'mesh.fsdp=1',
+          '--set', 'train.progress=false')
+  rows = read_metrics(tmp_path)
+  assert [row['step'] for row in rows] == [1, 2]
+  for row in rows:
+    assert np.isfinite(row['policy_loss']) and row['episode/turns'] >= 1
