@@ -1,7 +1,7 @@
 """A run's parts built from its Config, in one place for training (train.py), the plan
-(programs.py) and benchmarks: the task, by name from data/task.py's registry, and the RL step with
-its optimizer and schedule (the optim section's), the train state's shardings and the sampler's
-layout."""
+(programs.py), evaluation (eval.py) and benchmarks: the task, by name from data/task.py's registry,
+the RL step with its optimizer and schedule (the optim section's), the train state's shardings and
+the sampler's layout, and the evaluator of the task's held-out problems."""
 
 import jax
 from flax import nnx
@@ -36,3 +36,13 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
   step_task = task if task.jittable or getattr(task, 'agent', None) is not None else HostTask(task, mesh)
   return RLStep(graphdef, step_task, config.rollout, config.algo, optimizer, schedule,
                 train_state_shardings(params, optimizer), layout=layout)
+
+
+def build_evaluator(config, task, graphdef, params):
+  """The `eval` section's evaluator for `task`: answers sampled and checked for a dataset task
+  (evaluation.Evaluator), whole episodes for an agent task (agents/evaluation.py)."""
+  if getattr(task, 'agent', None) is not None:
+    from grpo_jax.agents.evaluation import EpisodeEvaluator
+    return EpisodeEvaluator(config, task, graphdef, params)
+  from grpo_jax.evaluation import Evaluator
+  return Evaluator(config, task, graphdef, params)

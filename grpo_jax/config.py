@@ -114,8 +114,8 @@ class Config:
     for index, term in enumerate(self.rewards):
       require(term.buffer_tokens <= self.rollout.max_new_tokens, f'rewards[{index}].buffer_tokens',
               f'({term.buffer_tokens}) must be <= rollout.max_new_tokens ({self.rollout.max_new_tokens})')
-    require(self.eval.dataset.source is None or self.task.name == 'math', 'eval.source',
-            f'needs a dataset task (task.name=math); task {self.task.name!r} has no text answers to check')
+    require(self.eval.dataset.source is None or self.task.name in ('math', 'agent'), 'eval.source',
+            f'needs a dataset or agent task (task.name=math or agent); task {self.task.name!r} has no answers to check')
     require(self.task.name != 'math' or bool(self.model.path or self.task.tokenizer), 'model.path',
             'or task.tokenizer must be set for task.name=math: the tokenizer is read from that directory')
 

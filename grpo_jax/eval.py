@@ -4,7 +4,8 @@ Evaluates a policy (a model directory or a training checkpoint) on held-out math
 config's `eval` section, or --data. n sampled answers per problem (n >= k) and, optionally, one
 greedy answer, each checked with math-verify against the reference; pass@k, mean@k, maj@k and
 greedy accuracy, overall and per data source (grpo_jax/evaluation.py). Per-problem samples and
-scores go to a JSONL file.
+scores go to a JSONL file. For an agent task (task.name: agent), whole episodes against its
+environment on its held-out problems (grpo_jax/agents/evaluation.py).
 """
 
 import argparse
@@ -15,9 +16,9 @@ import jax
 from flax import nnx
 
 from grpo_jax import config as config_lib
+from grpo_jax.build import build_evaluator, build_task
 from grpo_jax.data.math_task import MathTask
 from grpo_jax.errors import UserError, cli_main
-from grpo_jax.evaluation import Evaluator
 
 
 # ---- command line ----
@@ -69,12 +70,13 @@ def main(argv=None):
     samples = config_lib.load_config(args.config, [o for o in overrides if not o.startswith('eval.k=')]).eval.samples
     overrides.append(f'eval.samples={max(args.k, samples)}')
   config = config_lib.load_config(args.config, overrides)
-  if config.task.name != 'math':
-    raise UserError(f'evaluation checks text answers: task.name must be math, got {config.task.name!r}')
+  if config.task.name not in ('math', 'agent'):
+    raise UserError(f'evaluation checks answers or episodes: task.name must be math or agent, got {config.task.name!r}')
   mesh = sharding.make_mesh(config.mesh)
   graphdef, params = load_params(config, args.ckpt, mesh)
-  task = MathTask(config.task, config.model.path, config.run.seed, problems=False)
-  evaluator = Evaluator(config, task, graphdef, params)
+  task = MathTask(config.task, config.model.path, config.run.seed, problems=False) if config.task.name == 'math' \
+      else build_task(config)
+  evaluator = build_evaluator(config, task, graphdef, params)
   out = args.out or os.path.join(os.path.abspath(args.ckpt), 'eval_samples.jsonl')
   try:
     with jax.set_mesh(mesh):

@@ -21,11 +21,10 @@ from flax import nnx
 from grpo_jax import config as config_lib
 from grpo_jax import distributed
 from grpo_jax import metrics as metrics_lib
-from grpo_jax.build import build_rl_step, build_task
+from grpo_jax.build import build_evaluator, build_rl_step, build_task
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.data.task import Task
 from grpo_jax.errors import UserError, cli_main
-from grpo_jax.evaluation import Evaluator
 from grpo_jax.model import sharding
 from grpo_jax.model.config import to_hf_dict
 from grpo_jax.rl.state import create_train_state
@@ -202,13 +201,13 @@ class Run:
 
 
 class InTrainingEval:
-  """The `eval` section during training: the Evaluator on the live parameters every `eval.every`
+  """The `eval` section during training: the task's evaluator on the live parameters every `eval.every`
   steps, after the last step, and once before the first (the untrained baseline); each summary
   goes to eval.jsonl (and the step's metrics row), each problem's samples to eval/samples_<step>.jsonl."""
 
   def __init__(self, config: config_lib.Config, workdir: str, run: 'Run', task: Task):
     self.every, self.total, self.workdir, self.run = config.eval.every, config.train.steps, workdir, run
-    self.evaluator = Evaluator(config, task, run.rl_step.graphdef, run.state.params)
+    self.evaluator = build_evaluator(config, task, run.rl_step.graphdef, run.state.params)
     self.log = metrics_lib.MetricsLog(workdir, resume_step=run.step, tensorboard=False, name='eval.jsonl',
                                       write=run.primary)
 

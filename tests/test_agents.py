@@ -5,6 +5,7 @@ observations given as prompt; the guess-number environment under hostile turns; 
 the agent task."""
 
 import asyncio
+import json
 import functools
 import os
 
@@ -334,3 +335,32 @@ def test_an_episode_that_fails_ends_the_rollout_and_the_server_starts_afresh(see
                                     for p, k in zip(prompts, keys)))
 
   assert [c.tokens for c in asyncio.run(after())] == [c.tokens for c in again]
+
+
+def test_episode_evaluation_plays_every_secret(tmp_path):
+  """eval during training on the guessing game: every secret once, n episodes each and a greedy
+  one; an episode counts as solved exactly when its last guess is the secret (read here from its
+  tokens), and pass@k and the facts summarise the samples file."""
+  from test_train import run_cli
+  run_cli(tmp_path, '--config', GUESS, '--set', 'train.steps=1', '--set', 'train.progress=false',
+          '--set', 'train.checkpoint_every=0', '--set', 'eval.every=1', '--set', 'eval.samples=3',
+          '--set', 'eval.k=2', '--set', 'eval.batch_prompts=8', '--set', 'rollout.prompts_per_step=4')
+  with open(tmp_path / 'eval.jsonl') as f:
+    summaries = [json.loads(line) for line in f]
+  with open(tmp_path / 'eval' / 'samples_1.jsonl') as f:
+    rows = [json.loads(line) for line in f]
+  assert [row['reference'] for row in rows] == [str(secret) for secret in range(16)]
+  turns = []
+  for row in rows:
+    for text, right, answer in zip(row['samples'], row['correct'], row['answers']):
+      guesses = [word for word in text.split() if word.isdigit()]
+      assert len(guesses) <= 4 and right == (guesses[-1:] == [row['reference']]) and answer == (guesses[-1] if guesses
+                                                                                                 else None)
+      turns.append((len(text.split()) + 1) // 2)  # guesses and the replies between them
+    assert row['greedy_correct'] == (row['greedy'].split()[-1:] == [row['reference']])
+  pass1 = np.mean([np.mean(row['correct']) for row in rows])
+  pass2 = np.mean([1 - (row['correct'].count(False) * (row['correct'].count(False) - 1)) / 6 for row in rows])
+  summary = summaries[-1]
+  assert summary['step'] == 1 and summary['eval/problems'] == 16
+  np.testing.assert_allclose([summary['eval/pass@1'], summary['eval/pass@2'], summary['eval/episode/turns']],
+                             [pass1, pass2, np.mean(turns)], rtol=1e-6)

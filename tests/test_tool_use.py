@@ -197,7 +197,8 @@ def test_bad_tool_configs_are_one_line_errors(tmp_path, fields, message):
 @pytest.mark.slow
 def test_the_tool_recipe_runs_its_first_steps_on_the_cpu(tmp_path, make_hf_checkpoint):
   """configs/qwen2_5_3b_gsm8k_tool.yaml at reduced size (a random 2-layer Qwen2, the test tokenizer
-  with a tool template, GSM8K-format records): two RL steps train on multi-turn episodes."""
+  with a tool template, GSM8K-format records): two RL steps train on multi-turn episodes, and
+  evaluation runs episodes of held-out problems before and after."""
   from test_train import read_metrics, run_cli
   directory, _ = make_hf_checkpoint(5)
   tool_tokenizer_dir(directory)
@@ -206,9 +207,15 @@ def test_the_tool_recipe_runs_its_first_steps_on_the_cpu(tmp_path, make_hf_check
           '--set', 'model.dtype=float32', '--set', 'model.attention=dense', '--set', 'rollout.prompts_per_step=2',
           '--set', 'algo.group_size=2', '--set', 'rollout.max_new_tokens=24', '--set', 'task.turn_tokens=8',
           '--set', 'algo.num_minibatches=1', '--set', 'algo.micro_batch_size=4', '--set', 'train.steps=2',
-          '--set', 'train.checkpoint_every=0', '--set', 'eval.every=0', '--set', 'mesh.fsdp=1',
+          '--set', 'train.checkpoint_every=0', '--set', 'mesh.fsdp=1', '--set', f'eval.source={tmp_path / "g.jsonl"}',
+          '--set', 'eval.split=train', '--set', 'eval.every=2', '--set', 'eval.max_problems=2', '--set', 'eval.samples=2',
+          '--set', 'eval.k=2', '--set', 'eval.batch_prompts=2',
           '--set', 'train.progress=false')
   rows = read_metrics(tmp_path)
   assert [row['step'] for row in rows] == [1, 2]
   for row in rows:
     assert np.isfinite(row['policy_loss']) and row['episode/turns'] >= 1
+  with open(tmp_path / 'eval.jsonl') as f:
+    summaries = [json.loads(line) for line in f]
+  assert [(s['step'], s['eval/problems']) for s in summaries] == [(0, 2), (2, 2)]
+  assert all(0 <= s['eval/pass@2'] <= 1 and 1 <= s['eval/episode/turns'] <= 4 for s in summaries)

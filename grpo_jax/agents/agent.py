@@ -34,11 +34,13 @@ def episode_keys(key, count: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """One problem of a step: the prompt every episode of its group starts from, and what the
-  environment needs to answer and score them (a secret, a reference answer)."""
+  """One problem of a step: the prompt every episode of its group starts from, what the
+  environment needs to answer and score them (a secret, a reference answer), and its dataset's
+  name (evaluation reports per source)."""
 
   prompt: tuple[int, ...]
   data: Any = None
+  source: str = ''
 
 
 class Agent(Protocol):
@@ -51,14 +53,16 @@ class Agent(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Step:
   """An environment's answer to one policy turn: tokens appended for the policy to read (ignored
-  when `done`), the reward the turn earned, whether the episode is over, and whether the turn
-  called a tool and whether that call failed (counted per episode)."""
+  when `done`), the reward the turn earned, whether the episode is over, whether the turn
+  called a tool and whether that call failed (counted per episode), and the answer the turn gave
+  (normalised text; evaluation's majority vote counts it), if any."""
 
   observation: tuple[int, ...] = ()
   reward: float = 0.0
   done: bool = False
   tool_call: bool = False
   tool_error: bool = False
+  answer: str | None = None
 
 
 class Environment(Protocol):
@@ -101,6 +105,8 @@ class EnvironmentAgent:
       trajectory.reward += step.reward
       trajectory.tool_calls += int(step.tool_call)
       trajectory.tool_errors += int(step.tool_error)
+      if step.answer is not None:
+        trajectory.answer = step.answer
       if step.done:
         break
       episode.observe(step.observation)

@@ -52,8 +52,8 @@ class GuessNumber:
     if not 0 <= guess < self.n:
       return Step(observation=(WORDS.index(INVALID),))
     if guess == self.secret:
-      return Step(reward=1.0, done=True)
-    return Step(observation=(WORDS.index(HIGHER if self.secret > guess else LOWER),))
+      return Step(reward=1.0, done=True, answer=str(guess))
+    return Step(observation=(WORDS.index(HIGHER if self.secret > guess else LOWER),), answer=str(guess))
 
 
 def build(config) -> AgentTask:
@@ -71,5 +71,9 @@ def build(config) -> AgentTask:
 
   agent = EnvironmentAgent(make_environment=lambda problem, episode: GuessNumber(n, problem.data), max_turns=turns,
                            turn_tokens=1)
+  def every_secret() -> list[Problem]:  # evaluation plays each secret once
+    return [Problem(prompt=(WORDS.index(BOS),), data=secret) for secret in range(n)]
+
   return AgentTask(agent, problems, prompt_length=1, vocab_size=len(vocabulary(n)),
-                   stop_token_ids=(WORDS.index(EOS),), pad_id=WORDS.index(PAD), tokenizer=build_tokenizer(n))
+                   stop_token_ids=(WORDS.index(EOS),), pad_id=WORDS.index(PAD), tokenizer=build_tokenizer(n),
+                   eval_problems=every_secret)

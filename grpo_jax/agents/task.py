@@ -26,7 +26,8 @@ BUILT_IN = {'guess_number': 'grpo_jax.agents.guess', 'tool_use': 'grpo_jax.agent
 class AgentTask:
   """problems(position, count) -> the step's Problems (a problem's order depends only on the run's
   seed and its position, so a resumed run sees the same ones); agent: runs their episodes.
-  prompt_length: Tp, prompts are left-padded to it with `pad_id`."""
+  prompt_length: Tp, prompts are left-padded to it with `pad_id`. eval_problems() -> the held-out
+  problems evaluation runs episodes of (None: the task has none)."""
 
   agent: Agent
   problems: Callable[[int, int], list[Problem]]
@@ -36,6 +37,7 @@ class AgentTask:
   pad_id: int
   tokenizer: Any = None
   close: Callable[[], None] = lambda: None
+  eval_problems: Callable[[], list[Problem]] | None = None  # held-out problems (agents/evaluation.py)
   jittable = False
 
   def prompts(self, key, position: int, count: int) -> Prompts:

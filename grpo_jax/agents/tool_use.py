@@ -27,6 +27,7 @@ from grpo_jax.agents.task import AgentTask
 from grpo_jax.agents.tools import SCHEMAS, TOOLS, parse_tool_call, work, worker_setup
 from grpo_jax.data import math_task
 from grpo_jax.errors import UserError, require
+from grpo_jax.evaluation import final_answer
 from grpo_jax.workers import Failed, WorkerPool
 
 MAX_OBSERVATION_CHARS = 1200
@@ -121,7 +122,7 @@ class ToolEnvironment:
     text = self.world.text(turn.tokens)
     call = parse_tool_call(text)
     if call is None:  # the answer
-      return Step(reward=await self.world.check(text, self.answer), done=True)
+      return Step(reward=await self.world.check(text, self.answer), done=True, answer=final_answer(text))
     if call.error is not None:
       result, failed = f'error: {call.error}', True
     elif call.name not in self.world.tools:
@@ -150,6 +151,14 @@ def build(config) -> AgentTask:
     return [Problem(prompt=tuple(int(t) for t in math.problems.prompt_ids[index]), data=math.answers[index])
             for index in math.order(position, count)]
 
+  def eval_problems() -> list[Problem]:  # eval.source, rendered like the task's prompts (tools listed)
+    if config.eval.dataset.source is None:
+      return []
+    held_out = math_task.ProblemSet(math.tokenizer, math.use_chat_template, task, (config.eval.dataset,), 'eval',
+                                    [SCHEMAS[name] for name in tools])
+    return [Problem(prompt=tuple(int(t) for t in ids), data=answer, source=source)
+            for ids, answer, source in zip(held_out.prompt_ids, held_out.answers, held_out.data_sources)]
+
   turn_tokens = task.turn_tokens or config.rollout.max_new_tokens
   agent = EnvironmentAgent(make_environment=lambda problem, episode: ToolEnvironment(world, problem.data),
                            max_turns=task.max_turns, turn_tokens=turn_tokens)  # the server stops at the task's ids
@@ -159,7 +168,8 @@ def build(config) -> AgentTask:
     math.close()
 
   return AgentTask(agent, problems, prompt_length=math.prompt_length, vocab_size=math.vocab_size,
-                   stop_token_ids=tuple(math.stop_token_ids), pad_id=math.pad_id, tokenizer=math.tokenizer, close=close)
+                   stop_token_ids=tuple(math.stop_token_ids), pad_id=math.pad_id, tokenizer=math.tokenizer, close=close,
+                   eval_problems=eval_problems)
 
 
 def shape(config, architecture):

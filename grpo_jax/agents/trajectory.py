@@ -30,6 +30,7 @@ class Trajectory:
   log_probs:  the sampler's log-prob of each policy token; 0 on the environment's.
   reward:     the episode's reward.
   turns, tool_calls, tool_errors: counts; truncated: the budget cut the episode short.
+  answer:     the answer it gave (normalised text, for evaluation's vote), if any.
   """
 
   tokens: list = dataclasses.field(default_factory=list)
@@ -40,6 +41,7 @@ class Trajectory:
   tool_calls: int = 0
   tool_errors: int = 0
   truncated: bool = False
+  answer: str | None = None
 
 
 class Episode:
