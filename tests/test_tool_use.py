@@ -184,7 +184,7 @@ def test_a_scripted_tool_episode(tmp_path):
 
 
 @pytest.mark.parametrize('fields, message', [
-    (['task.tools=[shell]'], 'task.tools must name one or more of calculator, python'),
+    (['task.tools=[shell]'], 'task.tools must name tools among calculator, python'),
     (['task.tool_timeout_s=0'], 'task.tool_timeout_s must be > 0'),
     (['rewards=[{name: format}]'], 'rewards apply to dataset tasks'),
 ])
@@ -219,3 +219,42 @@ def test_the_tool_recipe_runs_its_first_steps_on_the_cpu(tmp_path, make_hf_check
     summaries = [json.loads(line) for line in f]
   assert [(s['step'], s['eval/problems']) for s in summaries] == [(0, 2), (2, 2)]
   assert all(0 <= s['eval/pass@2'] <= 1 and 1 <= s['eval/episode/turns'] <= 4 for s in summaries)
+
+
+def test_without_tools_it_is_the_math_task_as_a_single_turn_agent(tmp_path, seed):
+  """task.tools [] and max_turns 1: the math task's prompts in the math task's order, and each
+  episode's reward is what the math task gives its completion."""
+  from grpo_jax.agents.trajectory import collate
+  from grpo_jax.data.math_task import MathTask
+  directory = tool_tokenizer_dir(tmp_path / 'tokenizer')
+  source = write_gsm8k(tmp_path / 'g.jsonl', 5)
+  common = [f'model.path={directory}', f'task.source={source}', 'task.reward_workers=1', f'run.seed={seed % 1000}',
+            'task.max_prompt_tokens=192']
+  agent = tool_use.build(config_lib.load_config(RECIPE, common + ['task.tools=[]', 'task.max_turns=1']))
+  math_config = config_lib.load_config(RECIPE, common + ['task.name=math', 'eval.source=null'])
+  math = MathTask(math_config.task, math_config.model.path, math_config.run.seed)
+  try:
+    for position in (0, 3):  # across the epoch boundary at 5
+      mine, theirs = agent.prompts(None, position, 4), math.prompts(None, position, 4)
+      np.testing.assert_array_equal(mine.tokens, theirs.tokens)
+      np.testing.assert_array_equal(mine.mask, theirs.mask)
+      assert [problem.data for problem in mine.answers] == theirs.answers
+    prompts = math.prompts(None, 0, 2)
+    rng = np.random.default_rng(seed)
+    trajectories = []
+    for problem in agent.problems(0, 2):
+      for _ in range(3):
+        guess = rng.choice([problem.data, str(int(problem.data) + 1)])
+        text = str(rng.choice([f'so \\boxed{{{guess}}}<|im_end|>', f'<python>print({guess})</python><|im_end|>',
+                               f'<think>\\boxed{{{problem.data}}}</think> {guess}<|im_end|>']))
+        [trajectory] = asyncio.run(agent.agent.episodes(ScriptedPolicy(agent.tokenizer, [text]), problem, 1,
+                                                        jax.random.key(0), 48))
+        assert trajectory.turns == 1 and trajectory.tool_calls == 0
+        trajectories.append(trajectory)
+    rollout, scores, _ = collate(trajectories, 48, agent.pad_id)
+    expected = math.reward(rollout, prompts, 3)
+    np.testing.assert_array_equal(scores.rewards, np.asarray(expected.rewards))
+    assert 0 < scores.rewards.sum() < len(trajectories)
+  finally:
+    agent.close()
+    math.close()

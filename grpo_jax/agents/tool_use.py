@@ -2,7 +2,8 @@
 (Python or the calculator) as often as `task.max_turns` allows; each call's output comes back as
 an observation it reads before it goes on, and the episode ends with a turn that calls no tool (its
 answer is checked against the reference with math-verify: reward 1 or 0) or at max_turns (no
-answer: 0).
+answer: 0). With no tools (`task.tools: []`) every turn is an answer: at max_turns 1 this is the
+math task as a single-turn agent, its problems, prompts and rewards the math task's own.
 
 The problems, their order and their rendering are the math task's (data/math_task.py: the same
 sources, adapters, templates and resume-exact order); the chat template also lists the enabled
@@ -74,7 +75,8 @@ class ToolWorld:
 
   def __init__(self, math: math_task.MathTask, tools: tuple[str, ...], pool: WorkerPool):
     self.math, self.tools, self.pool = math, tools, pool
-    self.format = observation_format(math.tokenizer, math.use_chat_template, [SCHEMAS[name] for name in tools])
+    self.format = observation_format(math.tokenizer, math.use_chat_template, [SCHEMAS[name] for name in tools]) \
+        if tools else None
     self.tokenizer = math.tokenizer
 
   def text(self, tokens) -> str:
@@ -120,7 +122,7 @@ class ToolEnvironment:
 
   async def step(self, turn: Completion) -> Step:
     text = self.world.text(turn.tokens)
-    call = parse_tool_call(text)
+    call = parse_tool_call(text) if self.world.tools else None
     if call is None:  # the answer
       return Step(reward=await self.world.check(text, self.answer), done=True, answer=final_answer(text))
     if call.error is not None:
@@ -134,15 +136,16 @@ class ToolEnvironment:
 
 def check(task_config) -> None:
   math_task.check(task_config)
-  require(len(task_config.tools) >= 1 and set(task_config.tools) <= set(TOOLS), 'tools',
-          f'must name one or more of {", ".join(TOOLS)}, got {list(task_config.tools)}')
+  require(set(task_config.tools) <= set(TOOLS), 'tools',
+          f'must name tools among {", ".join(TOOLS)} (none: single-turn answers), got {list(task_config.tools)}')
   require(task_config.tool_timeout_s > 0, 'tool_timeout_s', f'must be > 0, got {task_config.tool_timeout_s}')
 
 
 def build(config) -> AgentTask:
   task = config.task
   tools = tuple(dict.fromkeys(task.tools))
-  math = math_task.MathTask(task, config.model.path, config.run.seed, tools=[SCHEMAS[name] for name in tools])
+  schemas = [SCHEMAS[name] for name in tools] or None
+  math = math_task.MathTask(task, config.model.path, config.run.seed, tools=schemas)
   pool = WorkerPool(task.reward_workers, work, warmup=('math', '\\boxed{1}', '1'), setup=worker_setup,
                     timeout_s=task.tool_timeout_s, name='tool worker')
   world = ToolWorld(math, tools, pool)
@@ -155,7 +158,7 @@ def build(config) -> AgentTask:
     if config.eval.dataset.source is None:
       return []
     held_out = math_task.ProblemSet(math.tokenizer, math.use_chat_template, task, (config.eval.dataset,), 'eval',
-                                    [SCHEMAS[name] for name in tools])
+                                    schemas)
     return [Problem(prompt=tuple(int(t) for t in ids), data=answer, source=source)
             for ids, answer, source in zip(held_out.prompt_ids, held_out.answers, held_out.data_sources)]
 
