@@ -143,6 +143,55 @@ def test_episode_budget_truncates_turns_and_observations(model):
   assert trajectory.log_probs[4:7] == [0.0] * 3
 
 
+@pytest.mark.parametrize('slots', [6, 3])
+def test_turns_that_reuse_kept_caches_sample_from_the_right_distribution(seed, make_hf_checkpoint, slots):
+  """Episodes of 4 turns, observations arriving at random times, with a slot per episode (every
+  later turn continues its kept cache) and with half as many (others take freed slots, so some
+  turns prefill afresh): every policy token's sampler log-prob equals transformers' on the whole
+  episode so far."""
+  from conftest import torch_logits
+  directory, reference = make_hf_checkpoint(seed)
+  graphdef, params = nnx.split(from_pretrained(directory))
+  rng = np.random.default_rng(seed)
+  server = InferenceServer(graphdef, settings=DecodeSettings(sampling=T1, max_new_tokens=5), slots=slots,
+                           max_context=48, chunk=2)
+  server.bind(params)
+  prompts = random_prompts(seed, rng.integers(2, 7, 6).tolist())
+  observations = [[rng.integers(1, 1000, rng.integers(1, 4)).tolist() for _ in range(3)] for _ in prompts]
+  budgets = rng.integers(1, 6, (len(prompts), 4))
+  delays = rng.random((len(prompts), 3)) * 0.05
+
+  async def one(index):
+    episode = Episode(server, prompts[index], 40, jax.random.key(seed % 1000 + index))
+    for turn in range(4):
+      await episode.act(int(budgets[index, turn]))
+      if turn < 3:
+        await asyncio.sleep(delays[index, turn])
+        episode.observe(observations[index][turn])
+    return episode.trajectory
+
+  async def run():
+    async with server:
+      return await asyncio.gather(*(one(index) for index in range(len(prompts))))
+
+  trajectories = asyncio.run(run())
+  assert server.stats.requests == 24
+  if slots == 6:  # each later turn prefills the last turn's final token and the observation only
+    assert server.stats.reused == 18
+    assert server.stats.prefilled_tokens == sum(len(p) + sum(1 + len(o) for o in obs)
+                                                for p, obs in zip(prompts, observations))
+  else:  # first turns waiting for a slot take kept caches from the others: at least 3 are lost
+    assert 0 < server.stats.reused <= 15
+  for prompt, trajectory in zip(prompts, trajectories):
+    logits = torch_logits(reference, [list(prompt) + trajectory.tokens])[0].astype(np.float64)
+    top = logits.max(-1, keepdims=True)
+    log_softmax = logits - top - np.log(np.sum(np.exp(logits - top), -1, keepdims=True))
+    for offset, (token, mask, log_prob) in enumerate(zip(trajectory.tokens, trajectory.loss_mask, trajectory.log_probs)):
+      if mask:
+        position = len(prompt) + offset - 1  # the logits that predicted it
+        np.testing.assert_allclose(log_prob, log_softmax[position, token], rtol=1e-4, atol=1e-4)
+
+
 def random_episode(rng, vocab, turns):
   """A trajectory of `turns` policy turns with observations between them, random lengths and tokens."""
   trajectory, turn_spans = Trajectory(), []

@@ -19,8 +19,15 @@ flight, so a request's tokens depend on its context, key and the parameters only
 slot it lands in, nor on when its episode's environment answered.
 
 Sampling settings are per server (one compiled decode step): a request may name them, and they
-must be the server's. Nothing here reuses a previous turn's KV cache: each turn prefills its whole
-context (the prefill is one batched forward; the decode steps dominate at these lengths).
+must be the server's.
+
+KV reuse across turns: a finished request's slot keeps its cache (the context and every new token
+but the last) until another request needs the slot; free slots holding no kept cache, then the
+ones freed longest ago, are taken first. A request that `continues` a completion whose cache is
+still kept goes back to that slot and prefills only the tokens after it (the last new token and
+the environment's answer), attending over the kept cache. Its tokens can then differ from a
+whole-context prefill's by rounding (the kept keys and values were computed one decode step at a
+time), as with any prefix cache; `reuse=False` turns it off.
 """
 
 import asyncio
@@ -77,6 +84,9 @@ class Request:
                    fold_in(key, n).
   stop_token_ids:  ids that end this request, besides the server's (at most `max_stops` of them).
   sampling:        None: the server's; anything else must equal it.
+  continues:       the `cache_id` of an earlier completion this context goes on from (its
+                   context, its tokens, then more): the server reuses that completion's KV cache
+                   when it still holds it and prefills only what follows; else the whole context.
   """
 
   tokens: tuple[int, ...]
@@ -84,16 +94,20 @@ class Request:
   key: jax.Array
   stop_token_ids: tuple[int, ...] = ()
   sampling: SamplingConfig | None = None
+  continues: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
   """A request's result: its new tokens (the stop id included), their log softmax(logits / T)
-  under the sampler, and why it ended ('stop': a stop id, 'length': its budget)."""
+  under the sampler, and why it ended ('stop': a stop id, 'length': its budget). `cache_id`
+  names the KV cache the server may keep of it (a later request that goes on from it passes it
+  as `continues`)."""
 
   tokens: tuple[int, ...]
   log_probs: tuple[float, ...]
   finish_reason: FinishReason
+  cache_id: int | None = None
 
 
 @dataclasses.dataclass
@@ -107,13 +121,16 @@ class _Pending:
 @dataclasses.dataclass
 class ServerStats:
   """Work done since the server was made: decode chunks and steps (each over every slot), tokens
-  the requests received, prefilled rows (padding rows of a batch included) and requests served."""
+  the requests received, prefilled rows (padding rows of a batch included), requests served, those
+  that reused a kept cache, and the context tokens prefilled."""
 
   chunks: int = 0
   decode_steps: int = 0
   tokens: int = 0
   prefill_rows: int = 0
   requests: int = 0
+  reused: int = 0  # requests that went on from a kept cache
+  prefilled_tokens: int = 0  # context tokens run through a prefill (reused prefixes not counted)
 
 
 class InferenceServer:
@@ -131,10 +148,11 @@ class InferenceServer:
                 a power of two (so each width bucket compiles a handful of shapes).
   max_stops:    the most per-request stop ids.
   layout:       the sampler's own layout (sampler/layout.py), or None to decode in the parameters'.
+  reuse:        keep finished requests' caches for the requests that continue them (above).
   """
 
   def __init__(self, graphdef, *, settings: DecodeSettings, slots: int, max_context: int, chunk: int = 4,
-               prefill_rows: int = 64, max_stops: int = 4, layout=None):
+               prefill_rows: int = 64, max_stops: int = 4, layout=None, reuse: bool = True):
     if min(slots, max_context, chunk, prefill_rows) < 1:
       raise UserError(f'inference server: slots, max_context, chunk and prefill_rows must be >= 1, got '
                       f'{slots}, {max_context}, {chunk}, {prefill_rows}')
@@ -145,11 +163,17 @@ class InferenceServer:
     self._state: DecodeState | None = None
     self._waiting: collections.deque[_Pending] = collections.deque()
     self._holding: list[_Pending | None] = [None] * slots
+    self.reuse = reuse
+    self._kept: dict[int, tuple[int, tuple[int, ...]]] = {}  # cache_id -> (slot, the tokens its cache holds)
+    self._slot_cache: list[int | None] = [None] * slots  # the cache_id each slot keeps
+    self._freed: list[int] = [0] * slots  # when each slot was freed (a counter): the oldest go first
+    self._next_id = 0
     self._wake: asyncio.Event | None = None
     self._task: asyncio.Task | None = None
     self._closing = False
     self._init = jax.jit(self._init_state)
     self._prefill = jax.jit(self._prefill_into, donate_argnums=1)
+    self._extend = jax.jit(self._extend_into, donate_argnums=1)
     self._decode = jax.jit(self._decode_chunk, donate_argnums=1)
     self._place = jax.jit(layout.place) if layout is not None else None
 
@@ -159,6 +183,11 @@ class InferenceServer:
     """The parameters the next decode steps read (the trainer's live state, laid out once into the
     sampler's own layout when the server has one). Call between rollouts, not during one."""
     self._params = self._place(params) if self._place is not None else params
+    self._forget()  # kept caches were computed with the old parameters
+
+  def _forget(self) -> None:
+    self._kept.clear()
+    self._slot_cache = [None] * self.slots
 
   async def generate(self, request: Request) -> Completion:
     """The request's completion, once its tokens are decoded."""
@@ -199,6 +228,7 @@ class InferenceServer:
           pending.future.set_exception(error if isinstance(error, Exception) else asyncio.CancelledError())
       self._waiting.clear()
       self._holding = [None] * self.slots
+      self._forget()
       self._state = None  # rows may still be live on the devices: start afresh
       raise
 
@@ -251,37 +281,66 @@ class InferenceServer:
     return min(self.max_context, width)
 
   def _fill(self) -> None:
-    """Prefills waiting requests into free slots, R at a time, each batch of one width bucket."""
-    free = [slot for slot, held in enumerate(self._holding) if held is None]
-    by_bucket: dict[int, list[_Pending]] = collections.defaultdict(list)
-    taken = 0
-    while taken < len(free) and self._waiting:
+    """Prefills waiting requests into free slots, R at a time, each batch of one width bucket:
+    requests that continue a kept cache extend it in its slot; the others take the free slots
+    holding no kept cache first, then those freed longest ago."""
+    free = {slot for slot, held in enumerate(self._holding) if held is None}
+    fresh: dict[int, list] = collections.defaultdict(list)  # width -> [(pending, slot, tokens)]
+    extend: dict[int, list] = collections.defaultdict(list)
+    others = []
+    while len(others) < len(free) and self._waiting:
       pending = self._waiting.popleft()
-      if not pending.future.cancelled():
-        by_bucket[self._bucket(len(pending.request.tokens))].append(pending)
-        taken += 1
-    for width, group in sorted(by_bucket.items()):
-      for start in range(0, len(group), self.prefill_rows):
-        batch = group[start:start + self.prefill_rows]
-        rows = 1 << math.ceil(math.log2(len(batch)))
-        tokens = np.zeros((rows, width), np.int32)
-        real = np.zeros((rows, width), np.int32)
-        slots = np.full((rows,), self.slots, np.int32)  # past the end: dropped by the scatter
-        limits = np.zeros((rows,), np.int32)
-        stops = np.full((rows, self.max_stops), -1, np.int32)
-        keys = []
-        for row, pending in enumerate(batch):
-          request = pending.request
-          tokens[row, :len(request.tokens)] = request.tokens
-          real[row, :len(request.tokens)] = 1
-          slots[row] = free.pop(0)
-          limits[row] = request.max_new_tokens
-          stops[row, :len(request.stop_token_ids)] = request.stop_token_ids
-          keys.append(key_data(request.key))
-          self._holding[slots[row]] = pending
-        keys += [keys[0]] * (rows - len(batch))
-        self._state = self._prefill(self._params, self._state, tokens, real, slots, np.stack(keys), limits, stops)
-        self.stats.prefill_rows += rows
+      if pending.future.cancelled():
+        continue
+      request = pending.request
+      kept = self._kept.get(request.continues) if self.reuse and request.continues is not None else None
+      if kept is not None and kept[0] in free and request.tokens[:len(kept[1])] == kept[1]:
+        slot, cached = kept
+        suffix = request.tokens[len(cached):]
+        width = self._bucket(len(suffix))
+        if len(cached) + width <= self.max_context:
+          free.discard(slot)
+          self._claim(slot, pending)
+          extend[width].append((pending, slot, suffix))
+          continue
+      others.append(pending)
+    order = sorted(free, key=lambda slot: (self._slot_cache[slot] is not None, self._freed[slot]))
+    for pending, slot in zip(others, order):
+      self._claim(slot, pending)
+      fresh[self._bucket(len(pending.request.tokens))].append((pending, slot, pending.request.tokens))
+    self._waiting.extendleft(reversed(others[len(order):]))
+    for program, batches in ((self._prefill, fresh), (self._extend, extend)):
+      for width, group in sorted(batches.items()):
+        for start in range(0, len(group), self.prefill_rows):
+          self._prefill_batch(program, width, group[start:start + self.prefill_rows])
+    self.stats.reused += sum(len(group) for group in extend.values())
+
+  def _claim(self, slot: int, pending: _Pending) -> None:
+    """Gives `slot` to `pending`; the cache it kept is gone."""
+    self._kept.pop(self._slot_cache[slot], None)
+    self._slot_cache[slot] = None
+    self._holding[slot] = pending
+
+  def _prefill_batch(self, program, width: int, batch: list) -> None:
+    rows = 1 << math.ceil(math.log2(len(batch)))
+    tokens = np.zeros((rows, width), np.int32)
+    real = np.zeros((rows, width), np.int32)
+    slots = np.full((rows,), self.slots, np.int32)  # past the end: dropped by the scatter
+    limits = np.zeros((rows,), np.int32)
+    stops = np.full((rows, self.max_stops), -1, np.int32)
+    keys = []
+    for row, (pending, slot, context) in enumerate(batch):
+      request = pending.request
+      tokens[row, :len(context)] = context
+      real[row, :len(context)] = 1
+      slots[row] = slot
+      limits[row] = request.max_new_tokens
+      stops[row, :len(request.stop_token_ids)] = request.stop_token_ids
+      keys.append(key_data(request.key))
+      self.stats.prefilled_tokens += len(context)
+    keys += [keys[0]] * (rows - len(batch))
+    self._state = program(self._params, self._state, tokens, real, slots, np.stack(keys), limits, stops)
+    self.stats.prefill_rows += rows
 
   def _collect(self, emitted, live, steps) -> None:
     """Appends each held request's new tokens; resolves the requests whose rows went idle."""
@@ -300,9 +359,14 @@ class InferenceServer:
         self._holding[slot] = None
         self.stats.tokens += len(pending.tokens)
         self.stats.requests += 1
+        # The slot's cache holds the context and every new token but the last (never fed back).
+        cache_id, self._next_id = self._next_id, self._next_id + 1
+        self._kept[cache_id] = (slot, pending.request.tokens + tuple(pending.tokens[:-1]))
+        self._slot_cache[slot] = cache_id
+        self._freed[slot] = self.stats.requests
         if not pending.future.cancelled():
           pending.future.set_result(Completion(tokens=tuple(pending.tokens), log_probs=tuple(pending.log_probs),
-                                               finish_reason='stop' if stopped else 'length'))
+                                               finish_reason='stop' if stopped else 'length', cache_id=cache_id))
 
   # ---- traced bodies ----
 
@@ -329,6 +393,26 @@ class InferenceServer:
     cache = KVCache(k=cache.k.at[:, slots, :width].set(done.cache.k, mode='drop'),
                     v=cache.v.at[:, slots, :width].set(done.cache.v, mode='drop'),
                     segment_ids=put(cache.segment_ids, segments), length=put(cache.length, done.cache.length))
+    return dataclasses.replace(state, cache=cache, hidden=put(state.hidden, done.hidden.astype(state.hidden.dtype)),
+                               keys=put(state.keys, jax.random.wrap_key_data(keys)),
+                               generated=put(state.generated, jnp.zeros_like(limits)),
+                               live=put(state.live, ~done.empty), limit=put(state.limit, limits),
+                               stops=put(state.stops, stops))
+
+  def _extend_into(self, params, state: DecodeState, tokens, real, slots, keys, limits, stops) -> DecodeState:
+    """Prefills R right-padded continuations of width W onto the caches their slots kept (each
+    row's cache from its length on; attention over the row's S keys), and makes the rows live."""
+    model = nnx.merge(self.graphdef, params)
+    cache = state.cache
+    rows_of = lambda values, axis: jnp.take(values, slots, axis=axis, mode='clip')  # noqa: E731
+    kept = KVCache(k=rows_of(cache.k, 1), v=rows_of(cache.v, 1), segment_ids=rows_of(cache.segment_ids, 0),
+                   length=rows_of(cache.length, 0))
+    done = prefill(model, tokens, real, kept)
+    put = lambda target, values: target.at[slots].set(values, mode='drop')  # noqa: E731
+    cache = KVCache(k=cache.k.at[:, slots].set(done.cache.k, mode='drop'),
+                    v=cache.v.at[:, slots].set(done.cache.v, mode='drop'),
+                    segment_ids=put(cache.segment_ids, done.cache.segment_ids),
+                    length=put(cache.length, done.cache.length))
     return dataclasses.replace(state, cache=cache, hidden=put(state.hidden, done.hidden.astype(state.hidden.dtype)),
                                keys=put(state.keys, jax.random.wrap_key_data(keys)),
                                generated=put(state.generated, jnp.zeros_like(limits)),

@@ -50,13 +50,15 @@ class Episode:
   `await episode.act(max_new_tokens, stop_token_ids)` asks the policy for its next turn (the
   context is the prompt and everything so far) and appends it (loss mask 1); `observe(tokens)`
   appends the environment's answer (loss mask 0). Turn n's request key is fold_in(key, n), so an
-  episode's samples depend on its key and what it saw only.
+  episode's samples depend on its key and what it saw only. Each turn continues the last one's
+  cache on the server (prefilling only the last token and the observation) while it is kept.
   """
 
   def __init__(self, llm: InferenceServer, prompt, budget: int, key: jax.Array):
     self.llm, self.prompt, self.budget, self.key = llm, tuple(int(t) for t in prompt), budget, key
     self.trajectory = Trajectory()
     self._turn_keys = np.zeros((0, 2), np.uint32)
+    self._cache_id = None  # the last turn's kept cache on the server, which the next turn continues
 
   def turn_key(self, turn: int) -> np.ndarray:
     """fold_in(key, turn) as raw key data (folded TURN_BLOCK turns per device call)."""
@@ -79,7 +81,8 @@ class Episode:
       return None
     completion = await self.llm.generate(Request(tokens=self.prompt + tuple(trajectory.tokens), max_new_tokens=budget,
                                                  key=self.turn_key(trajectory.turns),
-                                                 stop_token_ids=stop_token_ids))
+                                                 stop_token_ids=stop_token_ids, continues=self._cache_id))
+    self._cache_id = completion.cache_id
     trajectory.tokens += completion.tokens
     trajectory.loss_mask += [1] * len(completion.tokens)
     trajectory.log_probs += completion.log_probs
