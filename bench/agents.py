@@ -1,4 +1,4 @@
-"""python bench/agents.py [--preset small] [--episodes 128] [--turns 4] [--mean-turn 16] [--latency-ms 50]
+"""python bench/agents.py [--preset small] [--episodes 128] [--turns 4] [--mean-turn 16] [--latency-ms 50] [--no-reuse]
 
 Useful tokens/s of multi-turn episodes on the inference server (grpo_jax/agents/inference.py), run
 two ways over the same server, model, keys and workload:
@@ -13,7 +13,8 @@ distribution (mean --mean-turn, capped at --max-turn; the random model rarely st
 the budget is the turn's length), and each environment answer takes an exponentially distributed
 time (mean --latency-ms, as a tool call or a remote service would) before it appends
 --observation tokens. Both ways must give the same trajectories (asserted); useful tokens are the
-policy's tokens.
+policy's tokens. The server keeps each turn's KV cache for the episode's next turn (both ways);
+--no-reuse prefills every turn's whole context instead.
 """
 
 import argparse
@@ -42,6 +43,7 @@ def parse_args():
   parser.add_argument('--chunk', type=int, default=8)
   parser.add_argument('--threads', type=int, default=os.cpu_count())
   parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--no-reuse', dest='reuse', action='store_false', help='no KV reuse across turns')
   return parser.parse_args()
 
 
@@ -100,15 +102,16 @@ def main():
   budget = args.turns * (args.max_turn + args.observation)
   server = InferenceServer(graphdef, settings=DecodeSettings(sampling=SamplingConfig(temperature=1.0),
                                                              max_new_tokens=args.max_turn),
-                           slots=args.slots, max_context=args.prompt_length + budget, chunk=args.chunk)
+                           slots=args.slots, max_context=args.prompt_length + budget, chunk=args.chunk, reuse=args.reuse)
   server.bind(params)
   keys = episode_keys(jax.random.key(0), args.episodes)
   out = {}
 
   def run(name, driver):
     def step():
+      server.bind(params)  # a fresh start: no caches kept from the last run
       episodes = [Episode(server, prompt, budget, key) for prompt, key in zip(prompts, keys)]
-      before = (server.stats.decode_steps, server.stats.tokens)
+      before = (server.stats.decode_steps, server.stats.tokens, server.stats.prefilled_tokens)
 
       async def serve():
         async with server:
@@ -116,14 +119,14 @@ def main():
 
       asyncio.run(serve())
       out[name] = ([e.trajectory for e in episodes], server.stats.decode_steps - before[0],
-                   server.stats.tokens - before[1])
+                   server.stats.tokens - before[1], server.stats.prefilled_tokens - before[2])
     return step
 
   runs = {'asynchronous episodes': run('asynchronous episodes', asynchronous),
           'lock-step turns': run('lock-step turns', lock_step)}
   results = harness.interleaved(runs, args.repeats)
   reference = out['lock-step turns'][0]
-  for name, (trajectories, _, _) in out.items():  # the same episodes, whichever way they ran
+  for name, (trajectories, *_) in out.items():  # the same episodes, whichever way they ran
     for index, (mine, theirs) in enumerate(zip(trajectories, reference)):
       assert mine.tokens == theirs.tokens and mine.loss_mask == theirs.loss_mask, f'{name}: episode {index}'
       np.testing.assert_allclose(mine.log_probs, theirs.log_probs, rtol=1e-5, atol=1e-5)
@@ -132,16 +135,17 @@ def main():
         f'turn budgets geometric (mean {budgets.mean():.1f}, p90 {np.percentile(budgets, 90):.0f}, max '
         f'{budgets.max()}), environment latency exponential (mean {latencies.mean() * 1e3:.0f} ms, max '
         f'{latencies.max() * 1e3:.0f} ms), {args.observation} observation tokens; {args.slots} slots, chunks of '
-        f'{args.chunk}; {jax.default_backend()}, {args.threads} threads, median of {args.repeats}')
+        f'{args.chunk}; KV reuse across turns {"on" if args.reuse else "off"}; {jax.default_backend()}, '
+        f'{args.threads} threads, median of {args.repeats}')
   print(f'{"episodes run":<24} {"warm-up s":>9} {"s":>8} {"useful tok":>10} {"useful tok/s":>12} {"vs lock-step":>12} '
-        f'{"decode steps":>12} {"occupancy":>9}')
+        f'{"decode steps":>12} {"occupancy":>9} {"prefilled":>9}')
   base = out['lock-step turns'][2] / results['lock-step turns'][1]
   for name, (first, seconds) in results.items():
-    _, steps, tokens = out[name]
+    _, steps, tokens, prefilled = out[name]
     print(f'{name:<24} {first:>9.2f} {seconds:>8.3f} {tokens:>10} {tokens / seconds:>12.0f} '
-          f'{tokens / seconds / base:>11.2f}x {steps:>12} {tokens / (steps * args.slots):>9.0%}')
-  print('useful tok/s = policy tokens / seconds; occupancy = policy tokens / (decode steps x slots); the same '
-        'trajectories both ways (asserted)')
+          f'{tokens / seconds / base:>11.2f}x {steps:>12} {tokens / (steps * args.slots):>9.0%} {prefilled:>9}')
+  print('useful tok/s = policy tokens / seconds; occupancy = policy tokens / (decode steps x slots); prefilled = '
+        'context tokens run through a prefill; the same trajectories both ways (asserted)')
   return 0
 
 

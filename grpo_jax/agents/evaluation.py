@@ -52,7 +52,7 @@ class EpisodeEvaluator:
       settings = dataclasses.replace(config.rollout, sampling=sampling, max_new_tokens=self.budget).decode_settings(
           task.stop_token_ids, task.pad_id)
       return InferenceServer(graphdef, settings=settings, slots=slots, max_context=task.prompt_length + self.budget,
-                             chunk=config.rollout.decode_chunk, layout=layout)
+                             chunk=config.rollout.decode_chunk, layout=layout, reuse=config.rollout.reuse_turn_caches)
 
     self.sampled = server(SamplingConfig(temperature=self.settings.temperature))
     self.greedy = server(SamplingConfig(greedy=True)) if self.settings.greedy else None

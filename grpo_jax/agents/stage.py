@@ -28,12 +28,13 @@ class AgentStage:
   (turns, tool calls, tool errors, truncation) are kept for the step's metrics."""
 
   def __init__(self, graphdef, task, settings: DecodeSettings, slots: int, mesh: jax.sharding.Mesh, layout=None,
-               chunk: int = 4):
+               chunk: int = 4, reuse: bool = True):
     if jax.process_count() > 1:
       raise UserError(f'task.name agent runs on one process; this run has {jax.process_count()}')
     self.task, self.mesh, self.budget, self.pad_id = task, mesh, settings.max_new_tokens, settings.pad_id
     self.server = InferenceServer(graphdef, settings=settings, slots=slots,
-                                  max_context=task.prompt_length + settings.max_new_tokens, chunk=chunk, layout=layout)
+                                  max_context=task.prompt_length + settings.max_new_tokens, chunk=chunk, layout=layout,
+                                  reuse=reuse)
     self._facts: list[dict] = []
 
   def prompts(self, key, position: int, count: int) -> Prompts:

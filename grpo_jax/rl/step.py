@@ -131,7 +131,8 @@ class RLStep:
     self.acting = None
     if getattr(task, 'agent', None) is not None:  # agents.task.AgentTask: episodes on the inference server
       from grpo_jax.agents.stage import AgentStage
-      self.acting = AgentStage(graphdef, task, self.decode, self.slots, self.mesh, layout, rollout.decode_chunk)
+      self.acting = AgentStage(graphdef, task, self.decode, self.slots, self.mesh, layout, rollout.decode_chunk,
+                               rollout.reuse_turn_caches)
     self.jitted = Stages(split_key=jax.jit(split_key),
                          prompts=self.acting.prompts if self.acting else task_stage(task.prompts),
                          sample=jax.jit(self._sample), reward=task_stage(task.reward),

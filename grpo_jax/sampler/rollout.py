@@ -52,6 +52,10 @@ class RolloutConfig:
   # Agents (task.name: agent): decode steps per call of the inference server (agents/inference.py);
   # finished turns leave their slots, and waiting ones enter, between calls.
   decode_chunk: int = 4
+  # Agents: keep each turn's KV cache for the episode's next turn (agents/inference.py). With fewer
+  # slots than episodes, whether a turn finds its cache depends on timing, and a reused cache can
+  # change a token by rounding: false makes such runs replay bit-exactly.
+  reuse_turn_caches: bool = True
 
   def __post_init__(self):
     with section('rollout'):
