@@ -40,7 +40,7 @@ def parse_args():
   parser.add_argument('--observation', type=int, default=8, help='environment tokens per answer')
   parser.add_argument('--latency-ms', type=float, default=50, help='mean environment latency')
   parser.add_argument('--slots', type=int, default=0, help='decode slots (0: one per episode)')
-  parser.add_argument('--chunk', type=int, default=8)
+  parser.add_argument('--chunk', type=int, default=4, help='decode steps per server call (rollout.decode_chunk)')
   parser.add_argument('--threads', type=int, default=os.cpu_count())
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--no-reuse', dest='reuse', action='store_false', help='no KV reuse across turns')

@@ -413,3 +413,9 @@ def test_episode_evaluation_plays_every_secret(tmp_path):
   assert summary['step'] == 1 and summary['eval/problems'] == 16
   np.testing.assert_allclose([summary['eval/pass@1'], summary['eval/pass@2'], summary['eval/episode/turns']],
                              [pass1, pass2, np.mean(turns)], rtol=1e-6)
+  # python -m grpo_jax.eval on the saved checkpoint: the same episodes, so the same summary.
+  from grpo_jax import eval as eval_cli
+  again = eval_cli.main(['--config', GUESS, '--ckpt', str(tmp_path), '--samples', '3', '--k', '2',
+                         '--out', str(tmp_path / 'again.jsonl')])
+  assert {name: value for name, value in again.items()} == {name: value for name, value in summary.items()
+                                                            if name.startswith('eval/')}

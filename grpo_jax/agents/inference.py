@@ -401,17 +401,23 @@ class InferenceServer:
 
   def _extend_into(self, params, state: DecodeState, tokens, real, slots, keys, limits, stops) -> DecodeState:
     """Prefills R right-padded continuations of width W onto the caches their slots kept (each
-    row's cache from its length on; attention over the row's S keys), and makes the rows live."""
+    row's cache from its length on; attention over the row's S keys), and makes the rows live.
+    Only the W new entries of each row are written back, not the whole row."""
     model = nnx.merge(self.graphdef, params)
-    cache = state.cache
+    cache, width = state.cache, tokens.shape[1]
     rows_of = lambda values, axis: jnp.take(values, slots, axis=axis, mode='clip')  # noqa: E731
     kept = KVCache(k=rows_of(cache.k, 1), v=rows_of(cache.v, 1), segment_ids=rows_of(cache.segment_ids, 0),
                    length=rows_of(cache.length, 0))
     done = prefill(model, tokens, real, kept)
+    start = kept.length  # [R] where each row's new entries begin
+    positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)  # [R, W]
+    new_entries = jax.vmap(lambda row, first: jax.lax.dynamic_slice_in_dim(row, first, width, axis=1), (1, 0), 1)
     put = lambda target, values: target.at[slots].set(values, mode='drop')  # noqa: E731
-    cache = KVCache(k=cache.k.at[:, slots].set(done.cache.k, mode='drop'),
-                    v=cache.v.at[:, slots].set(done.cache.v, mode='drop'),
-                    segment_ids=put(cache.segment_ids, done.cache.segment_ids),
+    cache = KVCache(k=cache.k.at[:, slots[:, None], positions].set(new_entries(done.cache.k, start), mode='drop'),
+                    v=cache.v.at[:, slots[:, None], positions].set(new_entries(done.cache.v, start), mode='drop'),
+                    segment_ids=cache.segment_ids.at[slots[:, None], positions].set(
+                        jax.vmap(lambda row, first: jax.lax.dynamic_slice_in_dim(row, first, width))(
+                            done.cache.segment_ids, start), mode='drop'),
                     length=put(cache.length, done.cache.length))
     return dataclasses.replace(state, cache=cache, hidden=put(state.hidden, done.hidden.astype(state.hidden.dtype)),
                                keys=put(state.keys, jax.random.wrap_key_data(keys)),
