@@ -22,8 +22,8 @@ from grpo_jax.workers import Failed, WorkerPool
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, 'configs', 'qwen2_5_3b_gsm8k_tool.yaml')
 # A ChatML template with tool messages laid out as Qwen2.5's template lays them out (written for
-# these tests; transformers renders with trim_blocks, hence the newlines as expressions): the tools in a system turn, consecutive tool results in one user turn, each in
-# <tool_response> tags.
+# these tests; transformers renders with trim_blocks, hence the newlines as expressions): the
+# tools in a system turn, consecutive tool results in one user turn, each in <tool_response> tags.
 TOOL_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>{% for tool in tools %}\n"
     "{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}"
@@ -143,8 +143,9 @@ def test_a_scripted_tool_episode(tmp_path):
   that does not exist, print a special token, then answer: each call's observation follows its
   turn outside the loss mask, errors are counted, and the answer is scored with math-verify."""
   directory = tool_tokenizer_dir(tmp_path / 'tokenizer')
-  config = config_lib.load_config(RECIPE, [f'model.path={directory}', f'task.source={write_gsm8k(tmp_path / "g.jsonl", 3)}',
-                                           'task.reward_workers=1', 'task.max_turns=6', 'task.max_prompt_tokens=1024'])
+  source = write_gsm8k(tmp_path / 'g.jsonl', 3)
+  config = config_lib.load_config(RECIPE, [f'model.path={directory}', f'task.source={source}', 'task.reward_workers=1',
+                                           'task.max_turns=6', 'task.max_prompt_tokens=1024'])
   task = tool_use.build(config)
   try:
     problem = task.problems(0, 1)[0]
@@ -203,12 +204,14 @@ def test_the_tool_recipe_runs_its_first_steps_on_the_cpu(tmp_path, make_hf_check
   directory, _ = make_hf_checkpoint(5)
   tool_tokenizer_dir(directory)
   run_cli(tmp_path, '--config', RECIPE, '--set', f'model.path={directory}', '--set',
-          f'task.source={write_gsm8k(tmp_path / "g.jsonl", 8)}', '--set', 'task.reward_workers=1', '--set', 'task.max_prompt_tokens=1024',
+          f'task.source={write_gsm8k(tmp_path / "g.jsonl", 8)}', '--set', 'task.reward_workers=1',
+          '--set', 'task.max_prompt_tokens=1024',
           '--set', 'model.dtype=float32', '--set', 'model.attention=dense', '--set', 'rollout.prompts_per_step=2',
           '--set', 'algo.group_size=2', '--set', 'rollout.max_new_tokens=24', '--set', 'task.turn_tokens=8',
           '--set', 'algo.num_minibatches=1', '--set', 'algo.micro_batch_size=4', '--set', 'train.steps=2',
           '--set', 'train.checkpoint_every=0', '--set', 'mesh.fsdp=1', '--set', f'eval.source={tmp_path / "g.jsonl"}',
-          '--set', 'eval.split=train', '--set', 'eval.every=2', '--set', 'eval.max_problems=2', '--set', 'eval.samples=2',
+          '--set', 'eval.split=train', '--set', 'eval.every=2', '--set', 'eval.max_problems=2',
+          '--set', 'eval.samples=2',
           '--set', 'eval.k=2', '--set', 'eval.batch_prompts=2',
           '--set', 'train.progress=false')
   rows = read_metrics(tmp_path)

@@ -45,7 +45,8 @@ class EpisodeEvaluator:
     self.count = min(len(self.problems), self.settings.max_problems or len(self.problems))
     self.budget = self.settings.max_new_tokens or config.rollout.max_new_tokens
     # The sampler's own layout over the parameters' mesh, as the training rollouts use it.
-    layout = rollout_layout(nnx.merge(graphdef, params), jax.tree.leaves(params)[0].sharding.mesh, config.rollout.tensor)
+    mesh = jax.tree.leaves(params)[0].sharding.mesh
+    layout = rollout_layout(nnx.merge(graphdef, params), mesh, config.rollout.tensor)
     slots = config.rollout.slots or self.settings.batch_prompts * self.settings.samples
 
     def server(sampling):

@@ -9,14 +9,16 @@ sampling path shares (sampler/decode.py). A request leaves its slot the moment i
 id, its budget): an episode that is waiting on its environment holds no slot, and the other slots
 keep decoding. With asyncio, an environment is straight-line code:
 
-    async with InferenceServer(graphdef, settings=..., slots=64, max_context=512) as server:
-      server.bind(params)
+    server = InferenceServer(graphdef, settings=..., slots=64, max_context=512)
+    server.bind(params)  # before each rollout: leaving `async with` frees the weights and the cache
+    async with server:
       answer = await server.generate(Request(tokens=prompt, max_new_tokens=32, key=key))
 
 Determinism: the n-th token of a request is drawn from fold_in(request key, n) (decode.py's PRNG
 policy), every prefill of a width bucket and every decode chunk has one shape whatever else is in
 flight, so a request's tokens depend on its context, key and the parameters only — not on which
-slot it lands in, nor on when its episode's environment answered.
+slot it lands in, nor on when its episode's environment answered (up to rounding where it
+continues a kept cache, below).
 
 Sampling settings are per server (one compiled decode step): a request may name them, and they
 must be the server's.
@@ -180,8 +182,9 @@ class InferenceServer:
   # ---- the interface ----
 
   def bind(self, params) -> None:
-    """The parameters the next decode steps read (the trainer's live state, laid out once into the
-    sampler's own layout when the server has one). Call between rollouts, not during one."""
+    """The parameters the next rollout's decode steps read (the trainer's live ones, laid out once
+    into the sampler's own layout when the server has one). Call before each `async with`: leaving
+    it frees them, with the slots' cache."""
     self._params = self._place(params) if self._place is not None else params
     self._forget()  # kept caches were computed with the old parameters
 
@@ -216,6 +219,11 @@ class InferenceServer:
       await task
     except asyncio.CancelledError:
       pass
+    finally:
+      # The slots' KV cache (slots x max_context rows) and the resident copy of the weights are
+      # freed between rollouts: the update that follows needs the memory.
+      self._state, self._params = None, None
+      self._forget()
 
   # ---- the loop ----
 
