@@ -57,11 +57,12 @@ class EpisodeEvaluator:
 
     self.sampled = server(SamplingConfig(temperature=self.settings.temperature))
     self.greedy = server(SamplingConfig(greedy=True)) if self.settings.greedy else None
-    self.key = jax.random.fold_in(jax.random.key(config.run.seed), 0xE7A1)  # the same draws at every evaluation
+    key = jax.random.fold_in(jax.random.key(config.run.seed), 0xE7A1)  # the same draws at every evaluation
+    self.keys = episode_keys(key, self.count)  # problem i's episodes draw from fold_in(key, i)
 
   def _episodes(self, server, params, indices, count):
     server.bind(params)
-    keys = episode_keys(self.key, self.count)
+    keys = self.keys
 
     async def run():
       async with server:

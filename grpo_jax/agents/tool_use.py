@@ -78,24 +78,25 @@ class ToolWorld:
     self.format = observation_format(math.tokenizer, math.use_chat_template, [SCHEMAS[name] for name in tools]) \
         if tools else None
     self.tokenizer = math.tokenizer
+    encode = lambda text: tuple(self.tokenizer(text, add_special_tokens=False)['input_ids'])  # noqa: E731
+    # (before, after) tokens around a result: after a turn that did not / did end on its stop token.
+    self._around = {} if self.format is None else {
+        ended: (encode(self.format.before[len(self.format.turn_end) if ended else 0:]), encode(self.format.after))
+        for ended in (False, True)}
 
   def text(self, tokens) -> str:
     return self.math.decode([tokens], [[True] * len(tokens)])[0] if tokens else ''
 
   def observation(self, result: str, turn: Completion) -> tuple[int, ...]:
-    """The tokens that answer `turn` with the tool's `result`."""
-    before = self.format.before
-    ended = turn.finish_reason == 'stop' and turn.tokens and \
+    """The tokens that answer `turn` with the tool's `result` (the template's text around it is
+    tokenized once, in `_around`)."""
+    ended = bool(self.format.turn_end) and turn.finish_reason == 'stop' and bool(turn.tokens) and \
         self.tokenizer.decode([turn.tokens[-1]]) == self.format.turn_end
-    if self.format.turn_end and ended:
-      before = before[len(self.format.turn_end):]
     if len(result) > MAX_OBSERVATION_CHARS:
       result = result[:MAX_OBSERVATION_CHARS] + f'\n... ({len(result) - MAX_OBSERVATION_CHARS} more characters cut)'
-    encode = self.tokenizer
-    ids = encode(before, add_special_tokens=False)['input_ids']
-    ids += encode(result, add_special_tokens=False, split_special_tokens=True)['input_ids']
-    ids += encode(self.format.after, add_special_tokens=False)['input_ids']
-    return tuple(ids)
+    before, after = self._around[ended]
+    return before + tuple(self.tokenizer(result, add_special_tokens=False, split_special_tokens=True)['input_ids']) \
+        + after
 
   async def run(self, name: str, argument: str) -> tuple[str, bool]:
     """The tool's text and whether it failed."""
