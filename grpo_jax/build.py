@@ -10,6 +10,7 @@ from grpo_jax.data.task import TASKS, Task
 from grpo_jax.rl.host_task import HostTask
 from grpo_jax.rl.state import train_state_shardings
 from grpo_jax.rl.step import RLStep
+from grpo_jax.sampler import partial
 from grpo_jax.sampler.layout import rollout_layout
 
 
@@ -23,6 +24,18 @@ def total_updates(config) -> int:
   return config.train.steps * config.algo.ppo_epochs * config.algo.num_minibatches
 
 
+def empty_pool(config, task: Task):
+  """The run's partial-rollout pool (algo.max_lag > 0, sampler/partial.py) holding no groups yet;
+  None on-policy. A jittable task's answers get arrays in it, shaped like one batch's."""
+  if not config.algo.max_lag:
+    return None
+  count = config.rollout.prompts_per_step
+  answers = (jax.eval_shape(lambda key: task.prompts(key, 0, count), jax.random.PRNGKey(0)).answers
+             if task.jittable else None)
+  return partial.empty_pool((config.algo.max_lag + 1) * count, config.algo.group_size, task.prompt_length,
+                            config.rollout.decode_settings(task.stop_token_ids, task.pad_id), answers)
+
+
 def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=None, resident: bool = True) -> RLStep:
   """The run's RL step for `model` (its parameters laid out over `mesh`; `params`: their state,
   or abstract arrays with their shardings, as the plan compiles them; None: the model's own).
@@ -34,8 +47,9 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
   layout = rollout_layout(model, mesh, config.rollout.tensor) if resident else None
   # A host-scored task is adapted to the mesh; an agent task's acting stage places its own arrays.
   step_task = task if task.jittable or getattr(task, 'agent', None) is not None else HostTask(task, mesh)
+  pool = empty_pool(config, task)
   return RLStep(graphdef, step_task, config.rollout, config.algo, optimizer, schedule,
-                train_state_shardings(params, optimizer), layout=layout)
+                train_state_shardings(params, optimizer, pool), layout=layout, empty_pool=pool)
 
 
 def build_evaluator(config, task, graphdef, params):

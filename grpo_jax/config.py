@@ -116,6 +116,8 @@ class Config:
               f'({term.buffer_tokens}) must be <= rollout.max_new_tokens ({self.rollout.max_new_tokens})')
     require(self.eval.dataset.source is None or self.task.name in ('math', 'agent'), 'eval.source',
             f'needs a dataset or agent task (task.name=math or agent); task {self.task.name!r} has no answers to check')
+    require(algo.max_lag == 0 or self.task.name != 'agent', 'algo.max_lag',
+            'applies to single-turn tasks (arith, math); agent episodes run on the inference server')
     require(self.task.name != 'math' or bool(self.model.path or self.task.tokenizer), 'model.path',
             'or task.tokenizer must be set for task.name=math: the tokenizer is read from that directory')
 

@@ -98,7 +98,7 @@ class Run:
     self.ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
     self.rl_step = build_rl_step(config, model, mesh, task)
     with jax.set_mesh(mesh):
-      self.state = create_train_state(params, self.rl_step.optimizer, config.run.seed)
+      self.state = create_train_state(params, self.rl_step.optimizer, config.run.seed, pool=self.rl_step.empty_pool)
     checkpoints = os.path.join(workdir, 'checkpoints')
     try:  # a new workdir gets its (empty) checkpoints directory; an existing one is not changed
       os.makedirs(checkpoints, exist_ok=True)
@@ -117,6 +117,10 @@ class Run:
       changes = changed_keys(meta.get('config', {}), config_lib.to_dict(config))
       print(f'resumed from {self.checkpointer.directory}/{self.saved_step}'
             + (f' with a changed config: {"; ".join(changes)}' if changes else ''), file=sys.stderr, flush=True)
+    if self.rl_step.needs_priming(self.state):  # partial rollouts: the first L * P prompts enter the pool
+      with jax.set_mesh(mesh):
+        self.state, consumed = self.rl_step.prime(self.state, self.data_position)
+      self.data_position += consumed
     # Every input is validated by now (the task, mesh and model before this object, the
     # checkpoint just above): only from here on is anything in an existing workdir written.
     # Only process 0 of a multi-host run writes logs; every process takes part in the checkpoints.

@@ -217,6 +217,14 @@ class AlgoConfig:
   # (zero-advantage) groups. Every prompt sampled counts as consumed.
   dynamic_sampling: bool = False
   max_sampling_rounds: int = 4  # >= 1: rounds of P prompts per step at most (dynamic_sampling)
+  # Off-policy by a bounded lag (sampler/partial.py): (L + 1) * P prompt groups stay in flight across
+  # steps, answers cut off when a step ends go on under the new weights, and each step trains on
+  # the P oldest complete groups. A trained token is at most L policy versions older than the
+  # update (its log-prob from the sampler is the behaviour policy: tis_cap weights it). 0: on-policy.
+  max_lag: int = 0
+  # max_lag > 0: 'wait': a step also waits for the groups at the bound, so none is ever too old;
+  # 'regenerate': it waits for P complete groups only, and a group that would pass the bound restarts.
+  stale_groups: Literal['wait', 'regenerate'] = 'wait'
 
   def __post_init__(self):
     with section('algo'):
@@ -234,6 +242,12 @@ class AlgoConfig:
               'micro_batch_tokens', f'({self.micro_batch_tokens}) must hold at least one packed row of '
               f'pack_length = {self.pack_length} tokens')
       require(self.ppo_epochs >= 1, 'ppo_epochs', f'must be >= 1, got {self.ppo_epochs}')
+      require(self.max_lag >= 0, 'max_lag', f'must be >= 0 (0: on-policy), got {self.max_lag}')
+      require(self.max_lag == 0 or self.tis_cap >= 1, 'tis_cap',
+              f'must be >= 1 with max_lag={self.max_lag}: the importance weight pi_old / pi_sampler corrects '
+              'for answers sampled by earlier policies (e.g. tis_cap: 2.0)')
+      require(self.max_lag == 0 or not self.dynamic_sampling, 'max_lag',
+              'cannot be combined with dynamic_sampling (which samples rounds of fresh prompts within a step)')
       require(self.max_sampling_rounds >= 1, 'max_sampling_rounds', f'must be >= 1, got {self.max_sampling_rounds}')
       require(0 <= self.epsilon_low < 1, 'epsilon_low', f'must be in [0, 1), got {self.epsilon_low}')
       require(self.epsilon_high >= 0, 'epsilon_high', f'must be >= 0, got {self.epsilon_high}')

@@ -22,6 +22,8 @@ class LossInputs:
   """The rows the loss reads: a mini-batch, or one micro-batch of it. B rows, N completion tokens.
 
   tokens, segment_ids, mask, advantages, sampler_log_probs: as in update.Batch.
+  lags           [B, N] int32 versions between the token's sampler and the policy trained (partial
+                 rollouts, algo.max_lag > 0); None: every token is the current policy's.
   old_log_probs  [B, N] fp32 pi_old(y_t); None on-policy (pi_old is the current policy, no pass).
   ref_log_probs  [B, N] fp32 pi_ref(y_t); None when beta = 0.
   weights        [B, N] fp32 the loss aggregation's weights, normalised over the whole mini-batch,
@@ -34,6 +36,7 @@ class LossInputs:
   mask: jax.Array
   advantages: jax.Array
   sampler_log_probs: jax.Array
+  lags: jax.Array | None = None
   old_log_probs: jax.Array | None = None
   ref_log_probs: jax.Array | None = None
   weights: jax.Array | None = None
@@ -95,6 +98,31 @@ def sampler_mismatch(trainer_log_probs: jax.Array, sampler_log_probs: jax.Array,
               sampler_ratio_outside=jnp.sum((gap > LOG_2) * token_weights))
 
 
+def mismatch_by_lag(trainer_log_probs: jax.Array, sampler_log_probs: jax.Array, mask: jax.Array,
+                    lags: jax.Array, max_lag: int) -> dict:
+  """Per lag l = 0 .. max_lag, sums over the `mask`ed tokens sampled l versions ago: `lag_tokens/l`
+  and `lag_gap/l`, their |log pi_trainer - log pi_sampler| (lag_means turns them into means)."""
+  gap = jnp.abs(jax.lax.stop_gradient(trainer_log_probs) - sampler_log_probs)
+  sums = {}
+  for lag in range(max_lag + 1):
+    at = mask & (lags == lag)
+    sums[f'lag_tokens/{lag}'] = jnp.sum(at).astype(jnp.float32)
+    sums[f'lag_gap/{lag}'] = jnp.sum(jnp.where(at, gap, 0.0))
+  return sums
+
+
+def lag_means(metrics: dict, max_lag: int) -> dict:
+  """`metrics` with mismatch_by_lag's sums replaced by sampler_gap_mean/lag_l (the mean gap of
+  the tokens sampled l versions ago) and lag_frac/l (their share of the tokens)."""
+  metrics = dict(metrics)
+  tokens = {lag: metrics.pop(f'lag_tokens/{lag}') for lag in range(max_lag + 1)}
+  total = jnp.maximum(sum(tokens.values()), 1.0)
+  for lag in range(max_lag + 1):
+    metrics[f'sampler_gap_mean/lag_{lag}'] = metrics.pop(f'lag_gap/{lag}') / jnp.maximum(tokens[lag], 1.0)
+    metrics[f'lag_frac/{lag}'] = tokens[lag] / total
+  return metrics
+
+
 def policy_loss(params, graphdef, micro: LossInputs, config: AlgoConfig, temperature: float, on_policy: bool,
                 packed: packing.Packed | None = None):
   """Weighted-sum GRPO loss of one micro-batch and its weighted metric sums.
@@ -138,4 +166,6 @@ def policy_loss(params, graphdef, micro: LossInputs, config: AlgoConfig, tempera
                  ratio_mean=jnp.sum(surrogate['ratio'] * per_token))
   if on_policy:
     metrics.update(sampler_mismatch(log_probs, micro.sampler_log_probs, mask, per_token))
+    if micro.lags is not None:
+      metrics.update(mismatch_by_lag(log_probs, micro.sampler_log_probs, mask, micro.lags, config.max_lag))
   return loss, jax.tree.map(jax.lax.stop_gradient, metrics)

@@ -8,6 +8,8 @@ import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
+from grpo_jax.model.sharding import named_sharding
+
 
 @struct.dataclass
 class TrainState:
@@ -19,30 +21,38 @@ class TrainState:
   key: jax.Array  # uint32[2] PRNG state for rollouts and mini-batch shuffling
   updates: jax.Array  # int32 optimizer updates applied (drives the learning-rate schedule)
   skips: jax.Array  # int32 consecutive updates skipped for non-finite loss or gradients
+  # Prompt groups in flight between steps (sampler/partial.Pool) with algo.max_lag > 0; None on-policy.
+  pool: object = None
 
 
-def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int, pool=None) -> TrainState:
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
                     key=jax.random.PRNGKey(seed), updates=jnp.zeros((), jnp.int32),
-                    skips=jnp.zeros((), jnp.int32))
+                    skips=jnp.zeros((), jnp.int32), pool=pool)
 
 
-def train_state_shardings(params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
+def train_state_shardings(params: nnx.State, optimizer: optax.GradientTransformation, pool=None) -> TrainState:
   """The one layout of a TrainState: the parameters as they lie (the logical-axis rules of
   model/sharding.py), every optimizer leaf that mirrors a parameter (AdamW's moments) laid out
   like that parameter, so FSDP shards the optimizer state too, and the counters and key
-  replicated. Init, the jitted update, the K-step loop and checkpoint restore all use it."""
+  replicated; a partial-rollout pool (arrays or their shapes) by rows over the batch axes. Init, the
+  jitted update, the K-step loop and checkpoint restore all use it."""
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
   replicated = NamedSharding(jax.tree.leaves(param_shardings)[0].mesh, PartitionSpec())
   opt_shardings = optax.tree_map_params(optimizer, lambda _, sharding: sharding,
                                         jax.eval_shape(optimizer.init, params), param_shardings,
                                         transform_non_params=lambda _: replicated)
+  mesh = replicated.mesh
+  pool_shardings = jax.tree.map(
+      lambda x: named_sharding(mesh, x.shape, ('batch',) + (None,) * (len(x.shape) - 1)), pool)
   return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, key=replicated,
-                    updates=replicated, skips=replicated)
+                    updates=replicated, skips=replicated, pool=pool_shardings)
 
 
-def create_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
-  """A fresh TrainState in `train_state_shardings`, built on the parameters' devices."""
+def create_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int,
+                       pool=None) -> TrainState:
+  """A fresh TrainState in `train_state_shardings`, built on the parameters' devices; `pool`: an
+  empty partial-rollout pool (sampler/partial.empty_pool) or None."""
   init = jax.jit(functools.partial(init_train_state, optimizer=optimizer, seed=seed),
-                 out_shardings=train_state_shardings(params, optimizer))
-  return init(params)
+                 out_shardings=train_state_shardings(params, optimizer, pool))
+  return init(params, pool=pool)

@@ -1,6 +1,8 @@
 """The one RL step: prompts -> rollout -> reward -> advantages -> update, for every task.
 
-The sequence is written once (`RLStep._round` then `learn`), over a set of `Stages`. With a
+The sequence is written once (`RLStep._round` then `learn`), over a set of `Stages`. With partial
+rollouts (algo.max_lag > 0) the rollout stage is the pool's (sampler/partial.py): the step's
+prompts join the groups in flight, and the P oldest complete groups are scored and trained on. With a
 jittable task (its prompts and reward are JAX functions) `run_steps` traces the step K times under
 `lax.scan` inside one jit; otherwise train.py calls the step from the host, each stage jitted on
 its own and the task's prompts and reward run on the host between them (rl/host_task.py). DAPO's
@@ -22,11 +24,13 @@ from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.state import TrainState
 from grpo_jax.rl.update import Batch, UpdateSettings, update
 from grpo_jax.sampler.layout import RolloutLayout
+from grpo_jax.sampler.partial import advance_resident, fill
 from grpo_jax.sampler.rollout import Rollout, RolloutConfig, sample_resident
 
 
-def make_batch(prompts: Prompts, rollout: Rollout, scores: Scores, algo_config: AlgoConfig) -> Batch:
-  """Joins left-padded prompts [P, Tp] with their G completions and attaches group advantages."""
+def make_batch(prompts: Prompts, rollout: Rollout, scores: Scores, algo_config: AlgoConfig, version=None) -> Batch:
+  """Joins left-padded prompts [P, Tp] with their G completions and attaches group advantages;
+  with the rollout's token versions, each token's lag behind `version` (the policy trained)."""
   group = algo_config.group_size
   advantages = algo.ADVANTAGES[algo_config.advantage](scores.rewards.reshape(-1, group),
                                                       algo_config.advantage_epsilon).reshape(-1)
@@ -34,7 +38,8 @@ def make_batch(prompts: Prompts, rollout: Rollout, scores: Scores, algo_config: 
   prompt_segments = jnp.repeat(prompts.mask.astype(jnp.int32), group, axis=0)
   return Batch(tokens=jnp.concatenate([prompt_tokens, rollout.tokens], axis=1),
                segment_ids=jnp.concatenate([prompt_segments, rollout.sequence_mask.astype(jnp.int32)], axis=1),
-               mask=rollout.mask, advantages=advantages, sampler_log_probs=rollout.log_probs)
+               mask=rollout.mask, advantages=advantages, sampler_log_probs=rollout.log_probs,
+               lags=None if rollout.versions is None else jnp.where(rollout.mask, version - rollout.versions, 0))
 
 
 def rollout_metrics(rollout: Rollout, scores: Scores, group_size: int, slots: int) -> dict:
@@ -63,6 +68,7 @@ class Round:
   prompts: Prompts
   rollout: Rollout
   scores: Scores
+  metrics: dict = dataclasses.field(default_factory=dict)  # the sampler's own (partial rollouts': lag, carry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +84,9 @@ class Stages:
   learn(state, ref_params, prompt tokens, prompt mask, rollout, scores) -> (state, metrics)
   act(params, prompts, sampling key, G) -> (Rollout, Scores): an agent task's episodes, sampled
       and scored together (agents/stage.py), in place of sample and reward; None for other tasks.
+  fill(pool, prompt tokens, prompt mask, answers, sampling key, prompt key, position, version) -> pool
+  advance(params, pool, version) -> (pool, partial.Taken): partial rollouts (algo.max_lag > 0) in
+      place of sample: the prompts join the pool, the P groups taken leave it; None on-policy.
   """
 
   split_key: Callable
@@ -86,6 +95,8 @@ class Stages:
   reward: Callable
   learn: Callable
   act: Callable | None = None
+  fill: Callable | None = None
+  advance: Callable | None = None
 
 
 def _no_observer(stage: str, value) -> None:
@@ -108,13 +119,15 @@ class RLStep:
   the TrainState's shardings, which the jitted update and K-step loop return unchanged (donated
   buffers are reused in place, nothing is relaid out); layout: where the sampler decodes
   (sampler/layout.py: the policy's weights cast and laid out once per rollout, resident on every
-  device); None: in the training layout.
+  device); None: in the training layout. empty_pool: with algo.max_lag > 0, the partial-rollout
+  pool a fresh TrainState starts with (build.empty_pool).
   """
 
   def __init__(self, graphdef, task: Task, rollout: RolloutConfig, algo_config: AlgoConfig,
                optimizer: optax.GradientTransformation, schedule: optax.Schedule, state_shardings,
-               layout: RolloutLayout | None = None):
+               layout: RolloutLayout | None = None, empty_pool=None):
     self.graphdef, self.task, self.algo, self.layout = graphdef, task, algo_config, layout
+    self.empty_pool = empty_pool
     self.optimizer, self.schedule, self.state_shardings = optimizer, schedule, state_shardings
     self.prompts_per_step = rollout.prompts_per_step
     rows = rollout.prompts_per_step * algo_config.group_size
@@ -124,8 +137,12 @@ class RLStep:
     self.decode = rollout.decode_settings(task.stop_token_ids, task.pad_id)
     self.mesh = jax.tree.leaves(state_shardings)[0].mesh
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    self.max_lag = algo_config.max_lag
+    partial = self.max_lag > 0
+    self.answers = None if task.jittable or not partial else _AnswerBook(task, self.prompts_per_step)
     self.traced = Stages(split_key=split_key, prompts=task.prompts, sample=self._sample, reward=task.reward,
-                         learn=self._learn)
+                         learn=self._learn, fill=self._fill if partial else None,
+                         advance=self._advance if partial else None)
     # A jittable task's prompts and reward are jitted like the other stages; a host task's run as they are.
     task_stage = (lambda f: jax.jit(f, static_argnums=2)) if task.jittable else (lambda f: f)
     self.acting = None
@@ -137,7 +154,9 @@ class RLStep:
                          prompts=self.acting.prompts if self.acting else task_stage(task.prompts),
                          sample=jax.jit(self._sample), reward=task_stage(task.reward),
                          learn=jax.jit(self._learn, donate_argnums=0, out_shardings=(state_shardings, replicated)),
-                         act=self.acting.act if self.acting else None)
+                         act=self.acting.act if self.acting else None,
+                         fill=jax.jit(self._fill, donate_argnums=0) if partial else None,
+                         advance=jax.jit(self._advance, donate_argnums=1) if partial else None)
     self._sampled_metrics = jax.jit(self._rounds_metrics)
     self._take_rows = jax.jit(_take_rows)
     self.run_steps = jax.jit(self._run_steps, static_argnums=3, donate_argnums=0,
@@ -157,9 +176,19 @@ class RLStep:
     return state, metrics
 
   def _round(self, stages: Stages, state: TrainState, position, observe=_no_observer) -> tuple[TrainState, Round]:
-    """The step's first part: P prompts from `position`, sampled and scored."""
+    """The step's first part: P prompts from `position`, sampled and scored (with partial
+    rollouts: the P groups that leave the pool, scored)."""
     state, prompt_key, sample_key = stages.split_key(state)
     prompts = stages.prompts(prompt_key, position, self.prompts_per_step)
+    if stages.advance is not None:
+      state = self._join(stages, state, prompts, sample_key, prompt_key, position)
+      pool, taken = stages.advance(state.params, state.pool, state.step)
+      state = state.replace(pool=pool)
+      observe('rollout', taken.rollout)
+      prompts = self._taken_prompts(taken)
+      scores = stages.reward(taken.rollout, prompts, self.algo.group_size)
+      observe('reward', scores)
+      return state, Round(prompts, taken.rollout, scores, taken.metrics)
     if stages.act is not None:
       rollout, scores = stages.act(state.params, prompts, sample_key, self.algo.group_size)
       observe('rollout', rollout)
@@ -176,7 +205,7 @@ class RLStep:
     state, metrics = stages.learn(state, ref_params, sampled.prompts.tokens, sampled.prompts.mask, sampled.rollout,
                                   sampled.scores)
     observe('update', metrics)
-    return state, metrics
+    return state, dict(metrics, **sampled.metrics)
 
   def _dynamic_step(self, state: TrainState, ref_params, position, observe) -> tuple[TrainState, dict]:
     """DAPO's dynamic sampling (algo.dynamic_sampling): rounds of P prompts are sampled and scored
@@ -221,6 +250,43 @@ class RLStep:
       return self._step(self.traced, state, ref_params, position + index * self.prompts_per_step)
     return jax.lax.scan(one, state, jnp.arange(num_steps))
 
+  # ---- partial rollouts (algo.max_lag > 0) ----
+
+  def needs_priming(self, state: TrainState) -> bool:
+    """A fresh run's pool holds no groups yet: `prime` it before the first step."""
+    return self.max_lag > 0 and int(state.step) == 0
+
+  def prime(self, state: TrainState, position: int) -> tuple[TrainState, int]:
+    """Fills a fresh pool with L * P prompts from `position` (so that each step's P new ones bring
+    it to (L + 1) * P); returns the state and the prompts consumed."""
+    for index in range(self.max_lag):
+      state, prompt_key, sample_key = self.jitted.split_key(state)
+      at = position + index * self.prompts_per_step
+      prompts = self.jitted.prompts(prompt_key, at, self.prompts_per_step)
+      state = self._join(self.jitted, state, prompts, sample_key, prompt_key, at)
+    return state, self.max_lag * self.prompts_per_step
+
+  def _join(self, stages: Stages, state: TrainState, prompts: Prompts, sample_key, prompt_key, position) -> TrainState:
+    """The prompts into the pool's free entries (a host task's answers into its book)."""
+    if self.answers is not None:
+      self.answers.record(position, prompts.answers)
+    answers = prompts.answers if self.task.jittable else None
+    pool = stages.fill(state.pool, prompts.tokens, prompts.mask, answers, sample_key, prompt_key, position, state.step)
+    return state.replace(pool=pool)
+
+  def _taken_prompts(self, taken) -> Prompts:
+    answers = taken.answers if self.answers is None else self.answers.take(taken)
+    return Prompts(tokens=taken.prompt_tokens, mask=taken.prompt_mask, answers=answers)
+
+  def _fill(self, pool, prompt_tokens, prompt_mask, answers, sample_key, prompt_key, position, version):
+    return fill(pool, prompt_tokens, prompt_mask, answers, version=version, key=sample_key, position=position,
+                prompt_key=prompt_key, group_size=self.algo.group_size, pad_id=self.decode.pad_id)
+
+  def _advance(self, params, pool, version):
+    return advance_resident(self.graphdef, params, pool, layout=self.layout, version=version,
+                            take=self.prompts_per_step, group_size=self.algo.group_size, settings=self.decode,
+                            slots=self.slots, max_lag=self.max_lag, regenerate=self.algo.stale_groups == 'regenerate')
+
   # ---- the stages of arrays ----
 
   def _sample(self, params, prompt_tokens, prompt_mask, key) -> Rollout:
@@ -231,11 +297,33 @@ class RLStep:
              scores: Scores) -> tuple[TrainState, dict]:
     """Advantages, the optax update, the step's metrics; counts the step."""
     prompts = Prompts(tokens=prompt_tokens, mask=prompt_mask, answers=None)
-    batch = make_batch(prompts, rollout, scores, self.algo)
+    batch = make_batch(prompts, rollout, scores, self.algo, version=state.step)
     state, update_metrics = update(state, batch, ref_params, graphdef=self.graphdef, optimizer=self.optimizer,
                                    schedule=self.schedule, settings=self.update_settings)
     metrics = dict(rollout_metrics(rollout, scores, self.algo.group_size, self.slots), **update_metrics)
     return state.replace(step=state.step + 1), metrics
+
+
+class _AnswerBook:
+  """A host task's answers (reference strings) for the prompts in the pool, by data position: the
+  pool holds arrays only. After a resume, a missing answer is drawn again from the task with the
+  batch position and prompt key the pool recorded."""
+
+  def __init__(self, task: Task, prompts_per_step: int):
+    self.task, self.count, self.by_source = task, prompts_per_step, {}
+
+  def record(self, position: int, answers) -> None:
+    for index, answer in enumerate(answers):
+      self.by_source[int(position) + index] = answer
+
+  def take(self, taken) -> list:
+    """The answers of the groups taken, which leave the book."""
+    sources, positions, keys = (distributed.host_value(x) for x in (taken.source, taken.batch_position,
+                                                                      taken.batch_key))
+    for source, position, key in zip(sources, positions, keys):
+      if int(source) not in self.by_source:
+        self.record(position, self.task.prompts(jnp.asarray(key), int(position), self.count).answers)
+    return [self.by_source.pop(int(source)) for source in sources]
 
 
 def _take_rows(arrays: list, rows: jax.Array) -> jax.Array:

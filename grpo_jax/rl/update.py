@@ -24,7 +24,8 @@ from grpo_jax.errors import require
 from grpo_jax.model.sharding import batch_groups
 from grpo_jax.rl import algo, packing
 from grpo_jax.rl.algo import AlgoConfig
-from grpo_jax.rl.loss import MISMATCH, LossInputs, log_probs_of, policy_loss, sampler_mismatch
+from grpo_jax.rl.loss import (MISMATCH, LossInputs, lag_means, log_probs_of, mismatch_by_lag, policy_loss,
+                              sampler_mismatch)
 from grpo_jax.rl.state import TrainState
 
 
@@ -37,6 +38,7 @@ class Batch:
   mask          [B, N] bool        completion tokens (the stop token included)
   advantages    [B] fp32
   sampler_log_probs [B, N] fp32    the sampler's log pi(y_t) (for the TIS correction)
+  lags          [B, N] int32 or None versions between each token's sampler and this policy (partial rollouts)
   """
 
   tokens: jax.Array
@@ -44,6 +46,7 @@ class Batch:
   mask: jax.Array
   advantages: jax.Array
   sampler_log_probs: jax.Array
+  lags: jax.Array | None = None
 
   @property
   def completion_length(self) -> int:
@@ -179,7 +182,7 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
   config = settings.algo
   completion_length = batch.completion_length
   rows = LossInputs(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask, advantages=batch.advantages,
-                    sampler_log_probs=batch.sampler_log_probs)
+                    sampler_log_probs=batch.sampler_log_probs, lags=batch.lags)
   # pi_old and pi_ref score the whole batch, laid out (packed) once for both.
   if not settings.on_policy or config.kl_beta > 0:
     scoring = MicroBatches.of(settings, batch.tokens, batch.segment_ids, completion_length, settings.micro_rows)
@@ -223,12 +226,18 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
   (params, opt_state, updates, skips), metrics = jax.lax.scan(minibatch_update, carry, orders)
   # The mismatch, measured on the sampler's parameters: on-policy by the loss on its one mini-batch,
   # else here from pi_old's log-probs of the whole batch.
+  by_lag = [name for name in metrics if name.startswith(('lag_tokens/', 'lag_gap/'))]
   if settings.on_policy:
-    mismatch = {name: metrics[name][0] for name in MISMATCH}
+    mismatch = {name: metrics[name][0] for name in (*MISMATCH, *by_lag)}
   else:
     mismatch = sampler_mismatch(rows.old_log_probs, batch.sampler_log_probs, batch.mask,
                                 algo.aggregation_weights(batch.mask, 'token-mean'))
+    if batch.lags is not None:
+      mismatch.update(mismatch_by_lag(rows.old_log_probs, batch.sampler_log_probs, batch.mask, batch.lags,
+                                      config.max_lag))
   metrics = dict(jax.tree.map(jnp.mean, metrics), **mismatch)
+  if batch.lags is not None:
+    metrics = lag_means(metrics, config.max_lag)
   metrics['nonfinite'] = metrics['nonfinite'] * orders.shape[0]  # count, not mean
   real = jnp.sum(batch.segment_ids != 0)
   metrics.update(sequence_tokens=real.astype(jnp.float32),

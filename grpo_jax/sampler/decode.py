@@ -111,13 +111,15 @@ def request_keys(key: jax.Array, count: int, first: int = 0) -> jax.Array:
   return jax.vmap(jax.random.fold_in, (None, 0))(typed_key(key), first + jnp.arange(count))
 
 
-def prefill(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array, cache: KVCache) -> Prefix:
+def prefill(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array, cache: KVCache,
+            prefix: SharedPrefix | None = None) -> Prefix:
   """Runs tokens [P, T] (segment_ids [P, T], 0 on padding) into `cache` [L, P, S, K, H] from its
-  current length on (an empty cache, or an earlier prefix to continue). Only the P hidden states
+  current length on (an empty cache, or an earlier prefix to continue); `prefix`: shared prompts
+  the rows continue (partial rollouts prefill a cut-off answer over its prompt). Only the P hidden states
   that are sampled from leave the model: the [P, T, V] logits of a long prompt batch would be
   tens of GB over Qwen's 151,936-token vocabulary."""
   start = cache.length
-  hidden, cache = model.extend(tokens, cache, segment_ids=segment_ids, return_hidden=True)
+  hidden, cache = model.extend(tokens, cache, segment_ids=segment_ids, return_hidden=True, prefix=prefix)
   last = jnp.max(jnp.where(segment_ids != 0, jnp.arange(tokens.shape[1]), -1), axis=1)  # [P]
   cache = dataclasses.replace(cache, length=start + last + 1)
   hidden = jnp.take_along_axis(hidden, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]

@@ -88,6 +88,9 @@ class Rollout:
   context:    [P*G, N] bool, every token of the row's sequence after its prompt: an agent's
               episode holds the environment's tokens between the policy's (agents/trajectory.py),
               where `mask` holds the policy's only and `lengths` counts them. None: `mask`.
+  versions:   [P*G, N] int32, the policy version (RL steps done) that sampled each token, -1 where
+              masked: partial rollouts (sampler/partial.py) carry answers across steps. None: the
+              current version sampled every token.
   """
 
   tokens: jax.Array
@@ -97,6 +100,7 @@ class Rollout:
   stopped: jax.Array
   decode_steps: jax.Array | None = None
   context: jax.Array | None = None
+  versions: jax.Array | None = None
 
   @property
   def sequence_mask(self) -> jax.Array:

@@ -1,0 +1,364 @@
+"""Partial rollouts: prompt groups that stay in flight across RL steps, under a bound on their lag.
+
+With `algo.max_lag` L > 0 the sampler keeps a pool of Q = (L + 1) * P prompt groups (a `Pool`, part
+of the TrainState, so checkpoints hold it). Each RL step at policy version v (the RL steps done):
+
+  1. `fill`: the step's P new prompts take the pool's free entries (L * P more at the run's start).
+  2. Every entry's prompt is prefilled once with the current weights into a shared prompt cache (as
+     rollout.sample_groups does), and each request cut off mid-answer when the last step ended is
+     prefilled again with its tokens so far: it goes on under the new weights (the in-flight
+     update). Only tokens carry over, never a KV cache, so the pool stays small and a resumed run
+     continues exactly as an uninterrupted one.
+  3. One `lax.while_loop` decodes through B slots, a freed slot taking the oldest waiting request,
+     until at least P groups are complete and every group that entered at version v - L or
+     earlier is complete. The newer groups' requests keep the slots busy meanwhile.
+  4. The P oldest complete groups leave the pool for the update; everything else carries over.
+
+Every token records the version that sampled it; the update treats the sampler's log-probs as the
+behaviour policy (the truncated importance weight pi_old / pi_sampler, algo.tis_cap).
+
+The lag bound holds by construction ('wait'): by step v, (L + 1) * P + (v - L) * P groups have
+entered at version v - L or earlier and v * P have left, so at most P of them remain; step 3 waits
+for them and step 4 takes them first. Every group left afterwards entered after v - L, so its
+tokens are at most L versions old when it is trained. With `algo.stale_groups: regenerate` the step
+waits only for P complete groups, and a remaining group whose oldest token would be more than L
+versions old at the next step starts again from its prompt (counted in `groups_regenerated`).
+
+On a mesh the entries, requests and slots are split into n groups over the batch axes, as in
+sample_groups, and each group of the mesh keeps its own part of the pool: P / n of its entries
+are taken per step, so its prompt cache never crosses devices.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
+from grpo_jax.model.sharding import batch_groups, grouped
+from grpo_jax.sampler.decode import DecodeSettings, DecodeState, decode_step, prefill, typed_key
+from grpo_jax.sampler.layout import RolloutLayout
+from grpo_jax.sampler.rollout import Rollout
+
+_LAST = jnp.iinfo(jnp.int32).max  # sorts after every real rank
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pool:
+  """Q prompt groups in flight between RL steps; R = Q * G requests (request q * G + g is sample g
+  of entry q), N = max_new_tokens.
+
+  prompt_tokens:  [Q, Tp] int32 the entry's prompt, left-padded.
+  prompt_mask:    [Q, Tp] int32, 1 on real prompt tokens.
+  answers:        the task's answers per entry, [Q, ...] (a jittable task's arrays); None for a
+                  host task, whose answers rl/step.py keeps on the host by `source`.
+  entered:        [Q] int32 the policy version when the prompt entered; -1: a free entry.
+  source:         [Q] int32 the prompt's data position (prompts the run consumed before it).
+  batch_position: [Q] int32 the data position of the batch it came in ...
+  batch_key:      [Q, 2] uint32 ... and that batch's prompt key: its prompts can be drawn again.
+  keys:           [Q, 2] uint32 the entry's sampling key; request g draws from fold_in(key, g).
+  tokens:         [R, N] int32 the tokens sampled so far; pad after them.
+  log_probs:      [R, N] fp32 the sampler's log-prob of each (the behaviour policy's).
+  versions:       [R, N] int32 the policy version that sampled each token; -1 after them.
+  lengths:        [R] int32 tokens sampled so far.
+  stopped:        [R] bool, ended with a stop token.
+  done:           [R] bool, finished (stop token or max_new_tokens).
+  """
+
+  prompt_tokens: jax.Array
+  prompt_mask: jax.Array
+  answers: object
+  entered: jax.Array
+  source: jax.Array
+  batch_position: jax.Array
+  batch_key: jax.Array
+  keys: jax.Array
+  tokens: jax.Array
+  log_probs: jax.Array
+  versions: jax.Array
+  lengths: jax.Array
+  stopped: jax.Array
+  done: jax.Array
+
+  ENTRIES = ('prompt_tokens', 'prompt_mask', 'answers', 'entered', 'source', 'batch_position', 'batch_key', 'keys')
+  REQUESTS = ('tokens', 'log_probs', 'versions', 'lengths', 'stopped', 'done')
+
+  @property
+  def entries(self) -> int:
+    return self.entered.shape[0]
+
+
+def empty_pool(entries: int, group_size: int, prompt_length: int, settings: DecodeSettings, answers=None) -> Pool:
+  """A pool of `entries` free entries. answers: one batch's answers (arrays or ShapeDtypeStructs
+  [P, ...]) of a jittable task, whose per-entry arrays the pool then holds; None for a host task."""
+  requests, steps = entries * group_size, settings.max_new_tokens
+  zeros = lambda shape, dtype=jnp.int32: jnp.zeros(shape, dtype)  # noqa: E731
+  return Pool(prompt_tokens=jnp.full((entries, prompt_length), settings.pad_id, jnp.int32),
+              prompt_mask=zeros((entries, prompt_length)),
+              answers=None if answers is None else jax.tree.map(
+                  lambda x: jnp.zeros((entries,) + tuple(x.shape[1:]), x.dtype), answers),
+              entered=jnp.full((entries,), -1, jnp.int32), source=zeros((entries,)),
+              batch_position=zeros((entries,)), batch_key=zeros((entries, 2), jnp.uint32),
+              keys=zeros((entries, 2), jnp.uint32),
+              tokens=jnp.full((requests, steps), settings.pad_id, jnp.int32),
+              log_probs=zeros((requests, steps), jnp.float32), versions=jnp.full((requests, steps), -1, jnp.int32),
+              lengths=zeros((requests,)), stopped=zeros((requests,), bool), done=zeros((requests,), bool))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Taken:
+  """The P groups a step trains on, oldest first within each group of the mesh.
+
+  rollout:        Rollout [P*G, N] with `versions` set (and `decode_steps`: this step's loop).
+  prompt_tokens:  [P, Tp]; prompt_mask [P, Tp]; answers [P, ...] (None for a host task).
+  source, batch_position: [P] int32; batch_key [P, 2] uint32: where each prompt came from.
+  metrics:        lag_mean, lag_max (versions between sampling and training, over the taken
+                  tokens), groups_regenerated, carried_requests (started, unfinished), carried_groups
+                  (entries left in the pool), decoded_tokens and slot_occupancy (this step's loop).
+  """
+
+  rollout: Rollout
+  prompt_tokens: jax.Array
+  prompt_mask: jax.Array
+  answers: object
+  source: jax.Array
+  batch_position: jax.Array
+  batch_key: jax.Array
+  metrics: dict
+
+
+def _per_group(fn, *args):
+  return jax.vmap(fn)(*args)
+
+
+def _gather(values, index):
+  """values [n, M, ...], index [n, K] -> [n, K, ...] within each group."""
+  return _per_group(lambda v, i: v[i], values, index)
+
+
+def _group_view(pool: Pool, groups: int) -> Pool:
+  return jax.tree.map(lambda x: grouped(x, groups), pool)
+
+
+def _flat_view(pool: Pool) -> Pool:
+  return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), pool)
+
+
+def _reset_requests(pool: Pool, reset: jax.Array, pad_id: int) -> Pool:
+  """Requests where `reset` [n, Rg] start again: no tokens, not done."""
+  row = reset[..., None]
+  return dataclasses.replace(
+      pool, tokens=jnp.where(row, pad_id, pool.tokens), log_probs=jnp.where(row, 0.0, pool.log_probs),
+      versions=jnp.where(row, -1, pool.versions), lengths=jnp.where(reset, 0, pool.lengths),
+      stopped=pool.stopped & ~reset, done=pool.done & ~reset)
+
+
+def fill(pool: Pool, prompt_tokens: jax.Array, prompt_mask: jax.Array, answers, *, version, key: jax.Array,
+         position, prompt_key: jax.Array, group_size: int, pad_id: int) -> Pool:
+  """The P prompts [P, Tp] into the pool's first free entries (in each group of the mesh, its own
+  P / n prompts). Entry q filled by new prompt p samples from fold_in(key, p); `position`: the
+  batch's data position, `prompt_key`: the key it was drawn with. Traceable."""
+  count = prompt_tokens.shape[0]
+  groups = batch_groups(count, pool.entries)
+  per = count // groups
+  view = _group_view(pool, groups)
+  free = view.entered < 0  # [n, Qg]
+  rank = jnp.cumsum(free, axis=1, dtype=jnp.int32) - 1
+  take = free & (rank < per)
+  src = jnp.clip(rank, 0, per - 1)
+  keys = jax.random.key_data(jax.vmap(jax.random.fold_in, (None, 0))(typed_key(key), jnp.arange(count)))
+  new = dict(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask.astype(jnp.int32), answers=answers,
+             entered=jnp.full((count,), version, jnp.int32), source=position + jnp.arange(count, dtype=jnp.int32),
+             batch_position=jnp.full((count,), position, jnp.int32),
+             batch_key=jnp.broadcast_to(jax.random.key_data(typed_key(prompt_key)), (count, 2)), keys=keys)
+
+  def place(old, incoming):
+    incoming = _gather(grouped(incoming, groups), src)
+    return jnp.where(take.reshape(take.shape + (1,) * (old.ndim - 2)), incoming.astype(old.dtype), old)
+
+  entries = {name: jax.tree.map(place, getattr(view, name), new[name]) for name in Pool.ENTRIES
+             if getattr(view, name) is not None}
+  view = dataclasses.replace(view, **entries)
+  view = _reset_requests(view, jnp.repeat(take, group_size, axis=1), pad_id)
+  return _flat_view(view)
+
+
+def _entry_rank(entered: jax.Array) -> jax.Array:
+  """[n, Qg] each occupied entry's rank by age within its group (older first, then by index)."""
+  order = jnp.argsort(jnp.where(entered >= 0, entered, _LAST), axis=1, stable=True)
+  return jnp.argsort(order, axis=1).astype(jnp.int32)
+
+
+def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, settings: DecodeSettings,
+            slots: int, max_lag: int, regenerate: bool) -> tuple[Pool, Taken]:
+  """Steps 2-4 of the module docstring on a filled pool: decodes until `take` (P) groups may
+  leave, and returns the pool that carries over and the P groups taken. Traceable."""
+  entries, prompt_length = pool.prompt_tokens.shape
+  requests, steps = entries * group_size, settings.max_new_tokens
+  slots = min(slots or take * group_size, requests)
+  groups = batch_groups(take, entries, slots)
+  per_entries, per_requests, per_slots, per_take = entries // groups, requests // groups, slots // groups, take // groups
+  version = jnp.asarray(version, jnp.int32)
+
+  # The shared prompt cache of every entry, prefilled with the current weights.
+  prefix = prefill(model, pool.prompt_tokens, pool.prompt_mask, model.init_cache(entries, prompt_length))
+  layers = prefix.cache.k.shape[0]
+  split = lambda x: x.reshape((layers, groups, per_entries) + x.shape[2:])  # noqa: E731
+  shared = SharedPrefix(k=split(prefix.cache.k), v=split(prefix.cache.v),
+                        segment_ids=grouped(prefix.cache.segment_ids, groups),
+                        index=jnp.zeros((groups, per_slots), jnp.int32))
+  hidden, empty = grouped(prefix.hidden, groups), grouped(prefix.empty, groups)
+
+  view = _group_view(pool, groups)
+  occupied = view.entered >= 0  # [n, Qg]
+  entry_of = jnp.arange(per_requests, dtype=jnp.int32) // group_size  # [Rg]
+  rank = _entry_rank(view.entered)
+  priority = rank[:, entry_of] * group_size + jnp.arange(per_requests, dtype=jnp.int32) % group_size  # [n, Rg]
+  occupied_requests = occupied[:, entry_of]
+  entry_keys = jax.random.wrap_key_data(view.keys)  # [n, Qg]
+  request_keys = jax.vmap(jax.vmap(jax.random.fold_in))(entry_keys[:, entry_of],
+                                                         jnp.broadcast_to(jnp.arange(per_requests) % group_size,
+                                                                          (groups, per_requests)))
+
+  # Requests cut off mid-answer take the first slots, oldest first; any beyond the slots (fewer
+  # slots than when they were cut off) start again.
+  partial = occupied_requests & (view.lengths > 0) & ~view.done
+  partial_order = jnp.argsort(jnp.where(partial, priority, _LAST), axis=1, stable=True)
+  partial_count = jnp.sum(partial, axis=1, dtype=jnp.int32)
+  partial_rank = jnp.argsort(partial_order, axis=1)
+  view = _reset_requests(view, partial & (partial_rank >= per_slots), settings.pad_id)
+  held = jnp.arange(per_slots)[None, :] < jnp.minimum(partial_count, per_slots)[:, None]  # [n, Bg]
+  holding = jnp.where(held, partial_order[:, :per_slots], -1).astype(jnp.int32)
+
+  # Their tokens so far are prefilled again over their prompts, with the current weights.
+  held_rows = jnp.maximum(holding, 0)
+  lengths = jnp.where(held, _gather(view.lengths, held_rows), 0)
+  tokens = jnp.where(held[..., None], _gather(view.tokens, held_rows), settings.pad_id)
+  real = (jnp.arange(steps)[None, None, :] < lengths[..., None]).astype(jnp.int32)
+  shared = dataclasses.replace(shared, index=entry_of[held_rows])
+  flat = lambda x: x.reshape((slots,) + x.shape[2:])  # noqa: E731
+  resumed = prefill(model, flat(tokens), flat(real), model.init_cache(slots, steps), prefix=shared)
+  state = DecodeState(cache=resumed.cache, hidden=resumed.hidden, keys=flat(_gather(request_keys, held_rows)),
+                      generated=flat(lengths), live=flat(held), prefix=shared)
+
+  unstarted = occupied_requests & (view.lengths == 0) & ~view.done
+  queue = jnp.argsort(jnp.where(unstarted, priority, _LAST), axis=1, stable=True).astype(jnp.int32)
+  queued = jnp.sum(unstarted, axis=1, dtype=jnp.int32)
+  forced = occupied & (view.entered <= version - max_lag) if not regenerate else jnp.zeros_like(occupied)
+  started_tokens = jnp.sum(view.lengths)
+
+  def complete(done):
+    return occupied & jnp.all(done.reshape(groups, per_entries, group_size), axis=2)
+
+  def satisfied(done):
+    finished = complete(done)
+    return (jnp.sum(finished, axis=1) >= per_take) & jnp.all(finished | ~forced, axis=1)
+
+  def keep_going(carry):
+    _, state, _, waiting, view = carry
+    return jnp.any(~satisfied(view.done)) & (jnp.any(state.live) | jnp.any(waiting < queued))
+
+  def insert(state: DecodeState, holding, waiting, view: Pool):
+    free = ~state.live.reshape(groups, per_slots)
+    position = waiting[:, None] + jnp.cumsum(free, axis=1, dtype=jnp.int32) - 1
+    taken = free & (position < queued[:, None])
+    request = _gather(queue, jnp.clip(position, 0, per_requests - 1))
+    holding = jnp.where(taken, request, holding)
+    entry = entry_of[jnp.maximum(holding, 0)]
+    is_empty = _gather(empty, entry)
+    flat_taken = flat(taken)
+    state = dataclasses.replace(
+        state, hidden=jnp.where(flat_taken[:, None], flat(_gather(hidden, entry)).astype(state.hidden.dtype),
+                                state.hidden),
+        keys=jnp.where(flat_taken, flat(_gather(request_keys, jnp.maximum(holding, 0))), state.keys),
+        generated=jnp.where(flat_taken, 0, state.generated),
+        live=jnp.where(flat_taken, ~flat(is_empty), state.live),
+        cache=dataclasses.replace(state.cache, length=jnp.where(flat_taken, 0, state.cache.length),
+                                  segment_ids=jnp.where(flat_taken[:, None], 0, state.cache.segment_ids)),
+        prefix=dataclasses.replace(state.prefix, index=jnp.where(taken, entry, state.prefix.index)))
+    # A request of an empty prompt finishes at once, with no tokens.
+    finished = jnp.where(taken & is_empty, holding, per_requests)
+    view = dataclasses.replace(view, done=_per_group(lambda d, r: d.at[r].set(True, mode='drop'), view.done, finished))
+    return state, holding, waiting + jnp.sum(taken, axis=1, dtype=jnp.int32), view
+
+  def write(view: Pool, holding, emitted, live_after) -> Pool:
+    valid = emitted.valid.reshape(groups, per_slots)
+    request = jnp.where(valid, holding, per_requests)  # out of range: dropped
+    position = emitted.lengths.reshape(groups, per_slots) - 1
+    ended = valid & ~live_after.reshape(groups, per_slots)
+
+    def at(target, values, index=None):
+      values = values.reshape(groups, per_slots)
+      if index is None:
+        return _per_group(lambda t, r, v: t.at[r].set(v, mode='drop'), target, request, values)
+      return _per_group(lambda t, r, p, v: t.at[r, p].set(v, mode='drop'), target, request, index, values)
+
+    return dataclasses.replace(
+        view, tokens=at(view.tokens, emitted.tokens, position), log_probs=at(view.log_probs, emitted.log_probs, position),
+        versions=at(view.versions, jnp.broadcast_to(version, emitted.tokens.shape), position),
+        lengths=at(view.lengths, emitted.lengths), stopped=at(view.stopped, emitted.stopped),
+        done=_per_group(lambda d, r: d.at[r].set(True, mode='drop'), view.done,
+                        jnp.where(ended, holding, per_requests)))
+
+  def step(carry):
+    count, state, holding, waiting, view = carry
+    state, holding, waiting, view = insert(state, holding, waiting, view)
+    state, emitted = decode_step(model, state, settings)
+    return count + 1, state, holding, waiting, write(view, holding, emitted, state.live)
+
+  with jax.named_scope('decode_loop'):  # the plan counts this loop's traffic per iteration (traffic.py)
+    count, _, _, _, view = jax.lax.while_loop(
+        keep_going, step, (jnp.int32(0), state, holding, jnp.zeros((groups,), jnp.int32), view))
+  decoded = jnp.sum(view.lengths) - started_tokens
+
+  # The P / n oldest complete entries of each group leave the pool.
+  finished = complete(view.done)
+  chosen = jnp.argsort(jnp.where(finished, rank, _LAST), axis=1, stable=True)[:, :per_take].astype(jnp.int32)
+  rows = (chosen[..., None] * group_size + jnp.arange(group_size)).reshape(groups, per_take * group_size)
+
+  out = {name: _gather(getattr(view, name), rows).reshape((take * group_size,) + getattr(view, name).shape[2:])
+         for name in Pool.REQUESTS}
+  mask = jnp.arange(steps)[None, :] < out['lengths'][:, None]
+  rollout = Rollout(tokens=out['tokens'], log_probs=out['log_probs'], mask=mask, lengths=out['lengths'],
+                    stopped=out['stopped'], decode_steps=count, versions=out['versions'])
+  entry = lambda x: None if x is None else _gather(x, chosen).reshape((take,) + x.shape[2:])  # noqa: E731
+  lags = jnp.where(mask, version - out['versions'], 0)
+  tokens_taken = jnp.maximum(jnp.sum(mask), 1)
+  prompts = {name: jax.tree.map(entry, getattr(view, name)) for name in Pool.ENTRIES}
+
+  # The taken entries are freed; with `regenerate`, a group whose oldest token would be more than
+  # L versions old at the next step starts again.
+  leaving = jnp.zeros((groups, per_entries), bool)
+  leaving = _per_group(lambda left, c: left.at[c].set(True), leaving, chosen)
+  view = dataclasses.replace(view, entered=jnp.where(leaving, -1, view.entered))
+  view = _reset_requests(view, leaving[:, entry_of], settings.pad_id)
+  oldest = jnp.min(jnp.where(view.versions >= 0, view.versions, _LAST).reshape(groups, per_entries, -1), axis=2)
+  stale = (view.entered >= 0) & (oldest < version + 1 - max_lag)
+  if regenerate:
+    view = _reset_requests(view, stale[:, entry_of], settings.pad_id)
+  carried = (view.entered >= 0)[:, entry_of]
+  metrics = dict(lag_mean=jnp.sum(lags) / tokens_taken, lag_max=jnp.max(lags),
+                 groups_regenerated=jnp.sum(stale) if regenerate else jnp.int32(0),
+                 carried_requests=jnp.sum(carried & (view.lengths > 0) & ~view.done),
+                 carried_groups=jnp.sum(view.entered >= 0), decoded_tokens=decoded,
+                 slot_occupancy=decoded / jnp.maximum(count * slots, 1))
+  taken = Taken(rollout=rollout, prompt_tokens=prompts['prompt_tokens'], prompt_mask=prompts['prompt_mask'],
+                answers=prompts['answers'], source=prompts['source'], batch_position=prompts['batch_position'],
+                batch_key=prompts['batch_key'], metrics=metrics)
+  return _flat_view(view), taken
+
+
+def advance_resident(graphdef, params, pool: Pool, *, layout: RolloutLayout | None, **settings) -> tuple[Pool, Taken]:
+  """`advance` from the parameters `params` of `graphdef`, in the sampler's own layout when
+  `layout` is given (as rollout.sample_resident): the pool enters it replicated and comes back laid
+  out by rows over the trainer mesh's batch axes. Traceable."""
+  if layout is None:
+    return advance(nnx.merge(graphdef, params), pool, **settings)
+  resident = layout.place(params)
+  pool = layout.enter(pool)
+  with layout.active():
+    pool, taken = advance(nnx.merge(graphdef, resident), pool, **settings)
+  return layout.rows_to_source((pool, taken))
