@@ -142,10 +142,13 @@ def _wait_for(predicate, process, timeout=240):
 @pytest.mark.slow
 @pytest.mark.parametrize('steps_per_call, packing, config', [
     (1, [], CONFIG), (5, ['algo.packing=true', 'algo.micro_batch_tokens=18'], CONFIG),
-    (1, [], os.path.join(ROOT, 'configs', 'tiny_guess.yaml'))], ids=['host-loop', 'fused-packed', 'agent'])
+    (1, [], os.path.join(ROOT, 'configs', 'tiny_guess.yaml')),
+    (5, ['algo.max_lag=2', 'algo.tis_cap=2.0', 'rollout.slots=12'], CONFIG)],
+    ids=['host-loop', 'fused-packed', 'agent', 'fused-partial-rollouts'])
 def test_kill_and_resume_equals_uninterrupted(tmp_path, steps_per_call, packing, config):
-  """The host loop with the padded update, the K-step jit with the packed one, and the agent task
-  (episodes on the inference server, multi-turn trajectories)."""
+  """The host loop with the padded update, the K-step jit with the packed one, the agent task
+  (episodes on the inference server, multi-turn trajectories) and partial rollouts (the pool of
+  groups in flight is part of the checkpoint)."""
   steps = 60
   options = ['--set', f'train.steps_per_call={steps_per_call}', '--set', 'train.checkpoint_every=10']
   options += [argument for setting in packing for argument in ('--set', setting)]

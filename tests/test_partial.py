@@ -1,0 +1,192 @@
+"""Partial rollouts (algo.max_lag > 0, sampler/partial.py): groups carried across steps end with
+exactly the tokens the group sampler gives them in one call (same keys, unchanged weights), on one
+device and on a mesh; no trained token is older than the bound; a cut-off answer goes on under
+new weights as if its tokens had been sampled by them; hostile settings are one-line errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from grpo_jax.config import load_config
+from grpo_jax.errors import UserError
+from grpo_jax.model import MeshConfig, from_pretrained, make_mesh
+from grpo_jax.sampler import DecodeSettings, SamplingConfig
+from grpo_jax.sampler import partial
+from grpo_jax.sampler.rollout import sample_groups
+from grpo_jax.testing import left_padded, random_prompts
+
+WIDTH = 9  # prompt width
+
+
+def decode_settings(seed: int, steps: int = 16) -> DecodeSettings:
+  # A sixteenth of the vocabulary stops an answer: lengths spread from 1 token to the budget.
+  stops = tuple(int(t) for t in np.random.default_rng(seed).choice(1000, 60, replace=False))
+  return DecodeSettings(max_new_tokens=steps, sampling=SamplingConfig(temperature=1.0), stop_token_ids=stops, pad_id=0)
+
+
+class Driver:
+  """The pool driven as rl/step.py drives it: L batches primed, then each step fills one batch of P
+  and advances at version = step, the parameters given per step."""
+
+  def __init__(self, graphdef, prompts_per_step, group_size, max_lag, slots, settings, regenerate=False):
+    self.count, self.group, self.max_lag = prompts_per_step, group_size, max_lag
+    self.pool = partial.empty_pool((max_lag + 1) * prompts_per_step, group_size, WIDTH, settings)
+    self.fill = jax.jit(functools.partial(partial.fill, answers=None, group_size=group_size, pad_id=0))
+    self.advance = jax.jit(lambda params, pool, version: partial.advance(
+        nnx.merge(graphdef, params), pool, version=version, take=prompts_per_step, group_size=group_size,
+        settings=settings, slots=slots, max_lag=max_lag, regenerate=regenerate))
+    self.batches, self.keys = [], []
+    self.one_call = jax.jit(lambda p, t, m, k: sample_groups(nnx.merge(graphdef, p), t, m, k, group_size=group_size,
+                                                             settings=settings))
+
+  def join(self, seed, version):
+    tokens, mask = left_padded(random_prompts(seed, np.random.default_rng(seed).integers(1, WIDTH + 1, self.count)),
+                               width=WIDTH)
+    key = jax.random.key(1000 + seed)
+    position = len(self.batches) * self.count
+    self.batches.append((tokens, mask))
+    self.keys.append(key)
+    self.pool = self.fill(self.pool, jnp.asarray(tokens), jnp.asarray(mask), version=version, key=key,
+                          position=position, prompt_key=jax.random.key_data(key))
+
+  def step(self, params, version):
+    self.pool, taken = self.advance(params, self.pool, version)
+    return taken
+
+
+def groups_of(taken, group_size):
+  """{source: (tokens, log_probs, lengths, versions)} of each group taken."""
+  out = {}
+  for index, source in enumerate(np.asarray(taken.source)):
+    rows = slice(index * group_size, (index + 1) * group_size)
+    out[int(source)] = tuple(np.asarray(getattr(taken.rollout, name))[rows]
+                             for name in ('tokens', 'log_probs', 'lengths', 'versions'))
+  return out
+
+
+def reference(params, driver, source):
+  """The group of prompt `source` sampled in one call of the group sampler, from the key its
+  entry draws from."""
+  batch, index = divmod(source, driver.count)
+  tokens, mask = driver.batches[batch]
+  return driver.one_call(params, jnp.asarray(tokens[index:index + 1]), jnp.asarray(mask[index:index + 1]),
+             jax.random.fold_in(driver.keys[batch], index))
+
+
+@pytest.mark.parametrize('max_lag, slots, mesh_shape', [(1, 8, None), (2, 5, None), (1, 8, (2, 2, 2))],
+                         ids=['lag1', 'lag2-odd-slots', 'lag1-mesh'])
+def test_carried_groups_equal_one_call(seed, make_hf_checkpoint, max_lag, slots, mesh_shape):
+  directory, _ = make_hf_checkpoint(seed)
+  settings = decode_settings(seed)
+  count, group = 4, 4
+  mesh = make_mesh(MeshConfig(*mesh_shape)) if mesh_shape else None
+  with jax.set_mesh(mesh) if mesh else _nothing():
+    model = from_pretrained(directory, mesh=mesh)
+    graphdef, params = nnx.split(model)
+    driver = Driver(graphdef, count, group, max_lag, slots, settings)
+    for index in range(max_lag):
+      driver.join(seed + index, 0)
+    taken_groups, carried, lags = {}, 0, []
+    for step in range(5):
+      driver.join(seed + max_lag + step, step)
+      taken = driver.step(params, step)
+      carried += int(taken.metrics['carried_requests'])
+      lags.append(int(taken.metrics['lag_max']))
+      taken_groups.update(groups_of(taken, group))
+    assert carried > 0, 'no answer was ever cut off: the test would not test carrying'
+    assert 1 <= max(lags) <= max_lag, lags
+    for source, (tokens, log_probs, lengths, versions) in taken_groups.items():
+      want = reference(params, driver, source)
+      np.testing.assert_array_equal(tokens, np.asarray(want.tokens), err_msg=f'group {source}')
+      np.testing.assert_array_equal(lengths, np.asarray(want.lengths), err_msg=f'group {source}')
+      np.testing.assert_allclose(log_probs, np.asarray(want.log_probs), rtol=1e-5, atol=1e-5, err_msg=f'group {source}')
+      assert np.all((versions >= 0) == (np.arange(settings.max_new_tokens) < lengths[:, None]))
+
+
+def _nothing():
+  import contextlib
+  return contextlib.nullcontext()
+
+
+def test_a_cut_off_answer_goes_on_under_the_new_weights(seed, make_hf_checkpoint):
+  """Each step has its own weights: every token a group holds equals what the weights of the
+  version recorded for it sample after the tokens before it (a teacher-forced reference per
+  token), so carried answers are prefilled again, not decoded from a stale cache."""
+  directory, _ = make_hf_checkpoint(seed)
+  settings = decode_settings(seed, steps=12)
+  model = from_pretrained(directory)
+  graphdef, params = nnx.split(model)
+  rng = np.random.default_rng(seed)
+  weights = [jax.tree.map(lambda x: x + 0.05 * jnp.asarray(rng.standard_normal(x.shape), x.dtype), params)
+             for _ in range(5)]
+  driver = Driver(graphdef, 2, 4, 1, 4, settings)
+  driver.join(seed, 0)
+  taken_groups = {}
+  for step in range(5):
+    driver.join(seed + 1 + step, step)
+    taken_groups.update(groups_of(driver.step(weights[step], step), 4))
+  width = WIDTH + settings.max_new_tokens
+  forward = jax.jit(lambda p, t: jax.nn.log_softmax(nnx.merge(graphdef, p)(t)[0].astype(jnp.float32), axis=-1))
+  mixed = 0
+  for source, (tokens, log_probs, lengths, versions) in taken_groups.items():
+    batch, index = divmod(source, driver.count)
+    prompt_tokens, prompt_mask = driver.batches[batch]
+    prompt = [int(t) for t, m in zip(prompt_tokens[index], prompt_mask[index]) if m]
+    for row in range(4):
+      used = sorted(set(versions[row, :lengths[row]].tolist()))
+      mixed += len(used) > 1
+      for version in used:
+        sequence = prompt + tokens[row, :lengths[row]].tolist()
+        # Right padding: causal attention keeps it out of every real position's log-probs.
+        expected = forward(weights[version], jnp.asarray([sequence + [0] * (width - len(sequence))]))
+        expected = expected[len(prompt) - 1:len(sequence) - 1]
+        at = np.flatnonzero(versions[row, :lengths[row]] == version)
+        np.testing.assert_allclose(log_probs[row, at], np.asarray(expected)[at, tokens[row, at]], atol=2e-5,
+                                   err_msg=f'group {source} row {row} version {version}')
+  assert mixed > 0, 'no answer spans two versions: the test would not test the in-flight update'
+
+
+def test_regenerate_restarts_groups_past_the_bound(seed, make_hf_checkpoint):
+  """stale_groups: regenerate takes the first P complete groups and restarts a group that would
+  pass the bound: with long-tailed answers some restart (within 40 steps), and no trained token is
+  older than max_lag."""
+  directory, _ = make_hf_checkpoint(seed)
+  settings = decode_settings(seed, steps=12)
+  model = from_pretrained(directory)
+  graphdef, params = nnx.split(model)
+  driver = Driver(graphdef, 2, 2, 1, 3, settings, regenerate=True)
+  driver.join(seed, 0)
+  regenerated, lags = 0, []
+  for step in range(40):
+    if regenerated and step >= 4:
+      break
+    driver.join(seed + 1 + step, step)
+    taken = driver.step(params, step)
+    regenerated += int(taken.metrics['groups_regenerated'])
+    versions, mask = np.asarray(taken.rollout.versions), np.asarray(taken.rollout.mask)
+    lags.append(int(np.max(np.where(mask, step - versions, 0))))
+    assert int(taken.metrics['lag_max']) == lags[-1]
+  assert max(lags) <= 1 and regenerated > 0, (lags, regenerated)
+
+
+@pytest.mark.parametrize('override, field', [
+    ('algo.max_lag=-1', 'algo.max_lag'), ('algo.max_lag=1', 'algo.tis_cap'),
+    ('algo.stale_groups=drop', 'algo.stale_groups')])
+def test_hostile_settings_are_one_line_errors(override, field):
+  with pytest.raises(UserError) as error:
+    load_config('configs/tiny_arith.yaml', [override])
+  assert field in str(error.value) and '\n' not in str(error.value)
+
+
+def test_lag_with_dynamic_sampling_or_agents_is_refused():
+  for overrides, field in ((['algo.max_lag=1', 'algo.tis_cap=2', 'algo.dynamic_sampling=true'], 'algo.max_lag'),):
+    with pytest.raises(UserError) as error:
+      load_config('configs/tiny_arith.yaml', overrides)
+    assert field in str(error.value)
+  with pytest.raises(UserError) as error:
+    load_config('configs/tiny_guess.yaml', ['algo.max_lag=1', 'algo.tis_cap=2'])
+  assert 'algo.max_lag' in str(error.value)
