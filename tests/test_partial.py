@@ -22,9 +22,9 @@ from grpo_jax.testing import left_padded, random_prompts
 WIDTH = 9  # prompt width
 
 
-def decode_settings(seed: int, steps: int = 16) -> DecodeSettings:
-  # A sixteenth of the vocabulary stops an answer: lengths spread from 1 token to the budget.
-  stops = tuple(int(t) for t in np.random.default_rng(seed).choice(1000, 60, replace=False))
+def decode_settings(seed: int, steps: int = 16, stops: int = 60) -> DecodeSettings:
+  # `stops` of the 1,000 ids end an answer: lengths spread from 1 token to the budget.
+  stops = tuple(int(t) for t in np.random.default_rng(seed).choice(1000, stops, replace=False))
   return DecodeSettings(max_new_tokens=steps, sampling=SamplingConfig(temperature=1.0), stop_token_ids=stops, pad_id=0)
 
 
@@ -77,11 +77,12 @@ def reference(params, driver, source):
              jax.random.fold_in(driver.keys[batch], index))
 
 
-@pytest.mark.parametrize('max_lag, slots, mesh_shape', [(1, 8, None), (2, 5, None), (1, 8, (2, 2, 2))],
-                         ids=['lag1', 'lag2-odd-slots', 'lag1-mesh'])
-def test_carried_groups_equal_one_call(seed, make_hf_checkpoint, max_lag, slots, mesh_shape):
+@pytest.mark.parametrize('max_lag, slots, mesh_shape, steps', [(1, 8, None, 16), (2, 5, None, 80), (1, 8, (2, 2, 2), 16)],
+                         ids=['lag1', 'lag2-odd-slots-chunked', 'lag1-mesh'])
+def test_carried_groups_equal_one_call(seed, make_hf_checkpoint, max_lag, slots, mesh_shape, steps):
+  """N = 80: answers carried over are prefilled again in chunks of 40 tokens."""
   directory, _ = make_hf_checkpoint(seed)
-  settings = decode_settings(seed)
+  settings = decode_settings(seed, steps, stops=60 if steps <= 16 else 12)
   count, group = 4, 4
   mesh = make_mesh(MeshConfig(*mesh_shape)) if mesh_shape else None
   with jax.set_mesh(mesh) if mesh else _nothing():
@@ -99,6 +100,10 @@ def test_carried_groups_equal_one_call(seed, make_hf_checkpoint, max_lag, slots,
       taken_groups.update(groups_of(taken, group))
     assert carried > 0, 'no answer was ever cut off: the test would not test carrying'
     assert 1 <= max(lags) <= max_lag, lags
+    spanning = [int(row_length) for _, _, lengths, versions in taken_groups.values()
+                for row_length, row in zip(lengths, versions) if len(set(row[:row_length].tolist())) > 1]
+    if steps > 64:  # some answer was carried over with more than one chunk of tokens
+      assert max(spanning) > partial._chunk(steps), spanning
     for source, (tokens, log_probs, lengths, versions) in taken_groups.items():
       want = reference(params, driver, source)
       np.testing.assert_array_equal(tokens, np.asarray(want.tokens), err_msg=f'group {source}')

@@ -192,6 +192,43 @@ def _entry_rank(entered: jax.Array) -> jax.Array:
   return jnp.argsort(order, axis=1).astype(jnp.int32)
 
 
+def _chunk(steps: int, widest: int = 64) -> int:
+  """Tokens per chunk of the answers' prefill: the largest divisor of N up to `widest` (N itself
+  when no divisor of 16 or more is)."""
+  if steps <= widest:
+    return steps
+  best = max(d for d in range(1, widest + 1) if steps % d == 0)
+  return best if best >= 16 else steps
+
+
+def _prefill_answers(model: Qwen2, tokens: jax.Array, lengths: jax.Array, shared: SharedPrefix):
+  """Each slot's answer so far, tokens [B, N] (the first `lengths` [B] real), run over its prompt
+  in `shared` into a fresh slot cache [L, B, N, K, H], in chunks up to the longest answer only (a
+  step's carried answers are mostly far shorter than N). Returns (cache, [B, D] hidden state of
+  each answer's last token); rows of length 0 hold nothing."""
+  slots, steps = tokens.shape
+  chunk = _chunk(steps)
+  longest = jnp.max(lengths)
+
+  def more(carry):
+    return carry[0] < longest
+
+  def one(carry):
+    offset, cache, hidden = carry
+    piece = jax.lax.dynamic_slice_in_dim(tokens, offset, chunk, axis=1)
+    real = ((offset + jnp.arange(chunk))[None, :] < lengths[:, None]).astype(jnp.int32)
+    out, cache = model.extend(piece, cache, segment_ids=real, return_hidden=True, prefix=shared)
+    last = lengths - 1 - offset
+    here = (last >= 0) & (last < chunk)
+    picked = jnp.take_along_axis(out, jnp.clip(last, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+    return offset + chunk, cache, jnp.where(here[:, None], picked.astype(hidden.dtype), hidden)
+
+  start = (jnp.int32(0), model.init_cache(slots, steps), jnp.zeros((slots, model.config.hidden_size), model.dtype))
+  _, cache, hidden = jax.lax.while_loop(more, one, start)
+  # Decoding goes on right after each answer: the padding written after it is overwritten.
+  return dataclasses.replace(cache, length=lengths), hidden
+
+
 def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, settings: DecodeSettings,
             slots: int, max_lag: int, regenerate: bool) -> tuple[Pool, Taken]:
   """Steps 2-4 of the module docstring on a filled pool: decodes until `take` (P) groups may
@@ -237,11 +274,10 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   held_rows = jnp.maximum(holding, 0)
   lengths = jnp.where(held, _gather(view.lengths, held_rows), 0)
   tokens = jnp.where(held[..., None], _gather(view.tokens, held_rows), settings.pad_id)
-  real = (jnp.arange(steps)[None, None, :] < lengths[..., None]).astype(jnp.int32)
   shared = dataclasses.replace(shared, index=entry_of[held_rows])
   flat = lambda x: x.reshape((slots,) + x.shape[2:])  # noqa: E731
-  resumed = prefill(model, flat(tokens), flat(real), model.init_cache(slots, steps), prefix=shared)
-  state = DecodeState(cache=resumed.cache, hidden=resumed.hidden, keys=flat(_gather(request_keys, held_rows)),
+  cache, resumed = _prefill_answers(model, flat(tokens), flat(lengths), shared)
+  state = DecodeState(cache=cache, hidden=resumed, keys=flat(_gather(request_keys, held_rows)),
                       generated=flat(lengths), live=flat(held), prefix=shared)
 
   unstarted = occupied_requests & (view.lengths == 0) & ~view.done
