@@ -6,7 +6,7 @@ token with probability ~1/mean (a random 1/mean share of a random model's vocabu
 default, capped at N), so an on-policy step waits for its longest answer while partial rollouts
 keep every decode slot busy. Each step is the run's whole step (rl/step.py, K steps in one jit):
 prompts, rollout, a reward in JAX, advantages and the optax update, same model, slots, prompts
-per step and CPU threads. The table also shows the tokens each step trained on and the lag.
+per step, packed update (only real tokens are trained on) and CPU threads. The table also shows the tokens each step trained on and the lag.
 """
 
 import argparse
@@ -88,7 +88,7 @@ def main():
   lags = [0] + [int(lag) for lag in args.lags.split(',') if lag]
   for lag in lags:
     overrides = [f'rollout.prompts_per_step={P}', f'algo.group_size={G}', f'rollout.max_new_tokens={N}',
-                 'rollout.temperature=1.0', f'algo.max_lag={lag}', 'algo.tis_cap=2.0', 'optim.learning_rate=1e-5',
+                 'rollout.temperature=1.0', 'algo.packing=true', f'algo.micro_batch_tokens={8 * (args.prompt_length + N)}', f'algo.max_lag={lag}', 'algo.tis_cap=2.0', 'optim.learning_rate=1e-5',
                  f'train.steps_per_call={args.steps}', 'train.checkpoint_every=0']
     config = load_config(os.path.join(os.path.dirname(__file__), '..', 'configs', 'tiny_arith.yaml'), overrides)
     with jax.set_mesh(mesh):
