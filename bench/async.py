@@ -73,16 +73,11 @@ class LongTailTask:
     pass
 
 
-def stop_tokens(vocab_size: int, mean: float) -> tuple[int, ...]:
-  count = max(1, round(vocab_size / mean))
-  return tuple(int(t) for t in np.random.default_rng(1).choice(vocab_size, count, replace=False))
-
-
 def main():
   architecture = Qwen2Config(**PRESETS[args.preset])
   P, G, N = args.prompts, args.group, args.new_tokens
   mean = args.mean or N / 8
-  task = LongTailTask(architecture.vocab_size, args.prompt_length, stop_tokens(architecture.vocab_size, mean))
+  task = LongTailTask(architecture.vocab_size, args.prompt_length, harness.stop_tokens(architecture.vocab_size, mean))
   mesh = make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
   runs, states, steps_of, out = {}, {}, {}, {}
   lags = [0] + [int(lag) for lag in args.lags.split(',') if lag]

@@ -49,3 +49,11 @@ def interleaved(steps: dict, repeats: int) -> dict:
     for name, step in steps.items():
       times[name].append(timed(step))
   return {name: (first[name], statistics.median(times[name])) for name in steps}
+
+
+def stop_tokens(vocab_size: int, mean: float) -> tuple[int, ...]:
+  """A random 1/mean share of the vocabulary: a random model's next-token distribution is close
+  to uniform, so an answer stops at each step with probability ~1/mean (long-tailed lengths)."""
+  import numpy as np  # here, not at the top: limit_threads must come before numpy sizes its pools
+  count = max(1, round(vocab_size / mean))
+  return tuple(int(t) for t in np.random.default_rng(1).choice(vocab_size, count, replace=False))

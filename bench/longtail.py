@@ -47,14 +47,6 @@ from grpo_jax.model import Qwen2Config, from_pretrained, to_hf_dict  # noqa: E40
 from grpo_jax.sampler import DecodeSettings, GroupSampler, SamplingConfig  # noqa: E402
 
 
-def stop_tokens(vocab_size: int, mean: float) -> tuple[int, ...]:
-  """A random 1/mean share of the vocabulary: the random model's next-token distribution is close
-  to uniform, so a completion stops at each step with probability ~1/mean (the measured lengths
-  are printed with the results)."""
-  count = max(1, round(vocab_size / mean))
-  return tuple(int(t) for t in np.random.default_rng(1).choice(vocab_size, count, replace=False))
-
-
 def main():
   config = Qwen2Config(**PRESETS[args.preset])
   P, G, Tp, N = args.prompts, args.group, args.prompt_length, args.new_tokens
@@ -70,7 +62,7 @@ def main():
     reference = testing.save_random_hf_checkpoint(directory, 0, init='default', jitter=0.02,
                                                   **to_hf_dict(config)).to(getattr(torch, args.dtype))
     model = from_pretrained(directory, dtype=args.dtype)
-  stops = stop_tokens(config.vocab_size, mean)
+  stops = harness.stop_tokens(config.vocab_size, mean)
   sampling = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)
   settings = DecodeSettings(max_new_tokens=N, sampling=sampling, stop_token_ids=stops, pad_id=0)
   state, key = nnx.state(model), jax.random.key(0)

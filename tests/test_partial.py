@@ -3,6 +3,7 @@ exactly the tokens the group sampler gives them in one call (same keys, unchange
 device and on a mesh; no trained token is older than the bound; a cut-off answer goes on under
 new weights as if its tokens had been sampled by them; hostile settings are one-line errors."""
 
+import contextlib
 import functools
 
 import jax
@@ -85,7 +86,7 @@ def test_carried_groups_equal_one_call(seed, make_hf_checkpoint, max_lag, slots,
   settings = decode_settings(seed, steps, stops=60 if steps <= 16 else 12)
   count, group = 4, 4
   mesh = make_mesh(MeshConfig(*mesh_shape)) if mesh_shape else None
-  with jax.set_mesh(mesh) if mesh else _nothing():
+  with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
     model = from_pretrained(directory, mesh=mesh)
     graphdef, params = nnx.split(model)
     driver = Driver(graphdef, count, group, max_lag, slots, settings)
@@ -110,11 +111,6 @@ def test_carried_groups_equal_one_call(seed, make_hf_checkpoint, max_lag, slots,
       np.testing.assert_array_equal(lengths, np.asarray(want.lengths), err_msg=f'group {source}')
       np.testing.assert_allclose(log_probs, np.asarray(want.log_probs), rtol=1e-5, atol=1e-5, err_msg=f'group {source}')
       assert np.all((versions >= 0) == (np.arange(settings.max_new_tokens) < lengths[:, None]))
-
-
-def _nothing():
-  import contextlib
-  return contextlib.nullcontext()
 
 
 def test_a_cut_off_answer_goes_on_under_the_new_weights(seed, make_hf_checkpoint):
@@ -187,11 +183,9 @@ def test_hostile_settings_are_one_line_errors(override, field):
   assert field in str(error.value) and '\n' not in str(error.value)
 
 
-def test_lag_with_dynamic_sampling_or_agents_is_refused():
-  for overrides, field in ((['algo.max_lag=1', 'algo.tis_cap=2', 'algo.dynamic_sampling=true'], 'algo.max_lag'),):
-    with pytest.raises(UserError) as error:
-      load_config('configs/tiny_arith.yaml', overrides)
-    assert field in str(error.value)
+@pytest.mark.parametrize('config, extra', [('tiny_arith', ['algo.dynamic_sampling=true']), ('tiny_guess', [])],
+                         ids=['dynamic-sampling', 'agent'])
+def test_lag_with_dynamic_sampling_or_agents_is_refused(config, extra):
   with pytest.raises(UserError) as error:
-    load_config('configs/tiny_guess.yaml', ['algo.max_lag=1', 'algo.tis_cap=2'])
-  assert 'algo.max_lag' in str(error.value)
+    load_config(f'configs/{config}.yaml', ['algo.max_lag=1', 'algo.tis_cap=2', *extra])
+  assert 'algo.max_lag' in str(error.value) and '\n' not in str(error.value)

@@ -129,6 +129,8 @@ class Taken:
   batch_key: jax.Array
   metrics: dict
 
+  PROMPTS = ('prompt_tokens', 'prompt_mask', 'answers', 'source', 'batch_position', 'batch_key')  # per group taken
+
 
 def _per_group(fn, *args):
   return jax.vmap(fn)(*args)
@@ -363,7 +365,7 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   entry = lambda x: None if x is None else _gather(x, chosen).reshape((take,) + x.shape[2:])  # noqa: E731
   lags = jnp.where(mask, version - out['versions'], 0)
   tokens_taken = jnp.maximum(jnp.sum(mask), 1)
-  prompts = {name: jax.tree.map(entry, getattr(view, name)) for name in Pool.ENTRIES}
+  prompts = {name: jax.tree.map(entry, getattr(view, name)) for name in Taken.PROMPTS}
 
   # The taken entries are freed; with `regenerate`, a group whose oldest token would be more than
   # L versions old at the next step starts again.
@@ -381,9 +383,7 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
                  carried_requests=jnp.sum(carried & (view.lengths > 0) & ~view.done),
                  carried_groups=jnp.sum(view.entered >= 0), decoded_tokens=decoded,
                  slot_occupancy=decoded / jnp.maximum(count * slots, 1))
-  taken = Taken(rollout=rollout, prompt_tokens=prompts['prompt_tokens'], prompt_mask=prompts['prompt_mask'],
-                answers=prompts['answers'], source=prompts['source'], batch_position=prompts['batch_position'],
-                batch_key=prompts['batch_key'], metrics=metrics)
+  taken = Taken(rollout=rollout, metrics=metrics, **prompts)
   return _flat_view(view), taken
 
 
