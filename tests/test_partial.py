@@ -4,6 +4,7 @@ device and on a mesh; no trained token is older than the bound; a cut-off answer
 new weights as if its tokens had been sampled by them; hostile settings are one-line errors."""
 
 import contextlib
+import json
 import functools
 
 import jax
@@ -189,3 +190,56 @@ def test_lag_with_dynamic_sampling_or_agents_is_refused(config, extra):
   with pytest.raises(UserError) as error:
     load_config(f'configs/{config}.yaml', ['algo.max_lag=1', 'algo.tis_cap=2', *extra])
   assert 'algo.max_lag' in str(error.value) and '\n' not in str(error.value)
+
+
+def test_answer_book_draws_missing_answers_again():
+  """A host task's answers for groups still in the pool: a resumed run's empty book draws them
+  from the task with the batch position and prompt key the pool recorded, as the first draw gave."""
+  import types
+
+  from grpo_jax.data.task import Prompts
+  from grpo_jax.rl.step import _AnswerBook
+
+  class Task:
+    def prompts(self, key, position, count):
+      return Prompts(tokens=None, mask=None, answers=[f'{position + i}:{int(np.asarray(key)[1])}' for i in range(count)])
+
+  task, count = Task(), 3
+  book, resumed = _AnswerBook(task, count), _AnswerBook(task, count)
+  for position, key in ((0, 11), (3, 12)):
+    book.record(position, task.prompts(jnp.asarray([0, key], jnp.uint32), position, count).answers)
+  taken = types.SimpleNamespace(source=np.asarray([4, 1, 5]), batch_position=np.asarray([3, 0, 3]),
+                                batch_key=np.asarray([[0, 12], [0, 11], [0, 12]], np.uint32))
+  assert resumed.take(taken) == book.take(taken) == ['4:12', '1:11', '5:12']
+  assert 1 not in book.by_source and 0 in book.by_source  # taken answers leave the book
+
+
+@pytest.mark.slow
+def test_a_resumed_math_run_equals_the_uninterrupted_one(tmp_path, make_hf_checkpoint, seed):
+  """A host-scored dataset task with partial rollouts: 3 steps, then a resume to 6, equal 6 steps."""
+  from test_math_task import chat_tokenizer_dir, write_problems
+  from test_train import without_timing
+
+  from grpo_jax import train
+  model_path, _ = make_hf_checkpoint(seed)
+  chat_tokenizer_dir(model_path)
+  source = write_problems(tmp_path / 'problems.jsonl', 12)
+  config = tmp_path / 'math.yaml'
+  config.write_text(f"""
+model: {{path: {model_path}}}
+task: {{name: math, source: {source}, prompt_field: problem, answer_field: solution, max_prompt_tokens: 64,
+       reward_workers: 2}}
+rollout: {{prompts_per_step: 2, max_new_tokens: 6, slots: 3}}
+algo: {{group_size: 2, max_lag: 1, tis_cap: 2.0}}
+optim: {{learning_rate: 1.0e-3}}
+train: {{steps: 6, checkpoint_every: 3, progress: false}}
+""")
+  rows = {}
+  for name, stops in (('whole', [6]), ('resumed', [3, 6])):
+    for steps in stops:
+      train.main(['--config', str(config), '--workdir', str(tmp_path / name), '--set', f'train.steps={steps}'])
+    with open(tmp_path / name / 'metrics.jsonl') as f:
+      rows[name] = without_timing([json.loads(line) for line in f])
+  assert [row['step'] for row in rows['resumed']] == list(range(1, 7))
+  assert max(row['carried_requests'] for row in rows['whole']) > 0
+  assert rows['resumed'] == rows['whole']
