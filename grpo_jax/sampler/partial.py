@@ -194,41 +194,63 @@ def _entry_rank(entered: jax.Array) -> jax.Array:
   return jnp.argsort(order, axis=1).astype(jnp.int32)
 
 
-def _chunk(steps: int, widest: int = 64) -> int:
+def _chunk(steps: int, widest: int = 32) -> int:
   """Tokens per chunk of the answers' prefill: the largest divisor of N up to `widest` (N itself
-  when no divisor of 16 or more is)."""
+  when no divisor of 8 or more is)."""
   if steps <= widest:
     return steps
   best = max(d for d in range(1, widest + 1) if steps % d == 0)
-  return best if best >= 16 else steps
+  return best if best >= 8 else steps
 
 
-def _prefill_answers(model: Qwen2, tokens: jax.Array, lengths: jax.Array, shared: SharedPrefix):
+ANSWER_BLOCKS = 4  # row blocks of the answers' prefill, each run only up to its own longest answer
+
+
+def _prefill_answers(model: Qwen2, tokens: jax.Array, lengths: jax.Array, shared: SharedPrefix, groups: int):
   """Each slot's answer so far, tokens [B, N] (the first `lengths` [B] real), run over its prompt
-  in `shared` into a fresh slot cache [L, B, N, K, H], in chunks up to the longest answer only (a
-  step's carried answers are mostly far shorter than N). Returns (cache, [B, D] hidden state of
-  each answer's last token); rows of length 0 hold nothing."""
+  in `shared` into a fresh slot cache [L, B, N, K, H]. The slots of each mesh group are taken in
+  ANSWER_BLOCKS blocks, and each block runs in chunks only up to its own longest answer: the caller
+  puts the longest answers in the first slots, so the many short ones cost little. Returns (cache,
+  [B, D] hidden state of each answer's last token); rows of length 0 hold nothing."""
   slots, steps = tokens.shape
-  chunk = _chunk(steps)
-  longest = jnp.max(lengths)
+  per_slots = slots // groups
+  blocks = ANSWER_BLOCKS if per_slots % ANSWER_BLOCKS == 0 else 1
+  width, chunk = per_slots // blocks, _chunk(steps)
+  grouped_tokens, grouped_lengths = tokens.reshape(groups, per_slots, steps), lengths.reshape(groups, per_slots)
 
-  def more(carry):
-    return carry[0] < longest
+  def block(rows: slice):
+    block_tokens = grouped_tokens[:, rows].reshape(groups * width, steps)
+    block_lengths = grouped_lengths[:, rows].reshape(groups * width)
+    prefix = dataclasses.replace(shared, index=shared.index[:, rows])
 
-  def one(carry):
-    offset, cache, hidden = carry
-    piece = jax.lax.dynamic_slice_in_dim(tokens, offset, chunk, axis=1)
-    real = ((offset + jnp.arange(chunk))[None, :] < lengths[:, None]).astype(jnp.int32)
-    out, cache = model.extend(piece, cache, segment_ids=real, return_hidden=True, prefix=shared)
-    last = lengths - 1 - offset
-    here = (last >= 0) & (last < chunk)
-    picked = jnp.take_along_axis(out, jnp.clip(last, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
-    return offset + chunk, cache, jnp.where(here[:, None], picked.astype(hidden.dtype), hidden)
+    def one(carry):
+      offset, cache, hidden = carry
+      piece = jax.lax.dynamic_slice_in_dim(block_tokens, offset, chunk, axis=1)
+      real = ((offset + jnp.arange(chunk))[None, :] < block_lengths[:, None]).astype(jnp.int32)
+      out, cache = model.extend(piece, cache, segment_ids=real, return_hidden=True, prefix=prefix)
+      last = block_lengths - 1 - offset
+      here = (last >= 0) & (last < chunk)
+      picked = jnp.take_along_axis(out, jnp.clip(last, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+      return offset + chunk, cache, jnp.where(here[:, None], picked.astype(hidden.dtype), hidden)
 
-  start = (jnp.int32(0), model.init_cache(slots, steps), jnp.zeros((slots, model.config.hidden_size), model.dtype))
-  _, cache, hidden = jax.lax.while_loop(more, one, start)
-  # Decoding goes on right after each answer: the padding written after it is overwritten.
-  return dataclasses.replace(cache, length=lengths), hidden
+    start = (jnp.int32(0), model.init_cache(groups * width, steps),
+             jnp.zeros((groups * width, model.config.hidden_size), model.dtype))
+    longest = jnp.max(block_lengths)
+    _, cache, hidden = jax.lax.while_loop(lambda carry: carry[0] < longest, one, start)
+    return cache, hidden
+
+  parts = [block(slice(index * width, (index + 1) * width)) for index in range(blocks)]
+
+  def join(arrays, axis):  # the blocks' rows back in slot order, group by group
+    arrays = [a.reshape(a.shape[:axis] + (groups, width) + a.shape[axis + 1:]) for a in arrays]
+    joined = jnp.concatenate(arrays, axis=axis + 1)
+    return joined.reshape(joined.shape[:axis] + (slots,) + joined.shape[axis + 2:])
+
+  caches = [cache for cache, _ in parts]
+  cache = dataclasses.replace(caches[0], k=join([c.k for c in caches], 1), v=join([c.v for c in caches], 1),
+                              segment_ids=join([c.segment_ids for c in caches], 0),
+                              length=lengths)  # decoding goes on right after each answer
+  return cache, join([hidden for _, hidden in parts], 0)
 
 
 def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, settings: DecodeSettings,
@@ -271,6 +293,10 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   view = _reset_requests(view, partial & (partial_rank >= per_slots), settings.pad_id)
   held = jnp.arange(per_slots)[None, :] < jnp.minimum(partial_count, per_slots)[:, None]  # [n, Bg]
   holding = jnp.where(held, partial_order[:, :per_slots], -1).astype(jnp.int32)
+  # Longest answers in the first slots (a request's tokens do not depend on its slot): the
+  # prefill's row blocks then each stop at their own longest answer.
+  by_length = jnp.argsort(-jnp.where(held, _gather(view.lengths, jnp.maximum(holding, 0)), 0), axis=1, stable=True)
+  holding, held = _gather(holding, by_length), _gather(held, by_length)
 
   # Their tokens so far are prefilled again over their prompts, with the current weights.
   held_rows = jnp.maximum(holding, 0)
@@ -278,7 +304,7 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   tokens = jnp.where(held[..., None], _gather(view.tokens, held_rows), settings.pad_id)
   shared = dataclasses.replace(shared, index=entry_of[held_rows])
   flat = lambda x: x.reshape((slots,) + x.shape[2:])  # noqa: E731
-  cache, resumed = _prefill_answers(model, flat(tokens), flat(lengths), shared)
+  cache, resumed = _prefill_answers(model, flat(tokens), flat(lengths), shared, groups)
   state = DecodeState(cache=cache, hidden=resumed, keys=flat(_gather(request_keys, held_rows)),
                       generated=flat(lengths), live=flat(held), prefix=shared)
 
