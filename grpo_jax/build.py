@@ -11,7 +11,7 @@ from grpo_jax.rl.host_task import HostTask
 from grpo_jax.rl.state import train_state_shardings
 from grpo_jax.rl.step import RLStep
 from grpo_jax.sampler import partial
-from grpo_jax.sampler.layout import rollout_layout
+from grpo_jax.sampler.layout import rollout_layout, split_devices
 
 
 def build_task(config) -> Task:
@@ -32,24 +32,31 @@ def empty_pool(config, task: Task):
   count = config.rollout.prompts_per_step
   answers = (jax.eval_shape(lambda key: task.prompts(key, 0, count), jax.random.PRNGKey(0)).answers
              if task.jittable else None)
-  return partial.empty_pool((config.algo.max_lag + 1) * count, config.algo.group_size, task.prompt_length,
+  # Split devices sample one version behind the trainer: the pool itself holds one lag fewer.
+  lags = config.algo.max_lag - (1 if config.rollout.devices else 0)
+  return partial.empty_pool((lags + 1) * count, config.algo.group_size, task.prompt_length,
                             config.rollout.decode_settings(task.stop_token_ids, task.pad_id), answers)
 
 
-def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=None, resident: bool = True) -> RLStep:
+def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=None, resident: bool = True,
+                  sampler_devices=None) -> RLStep:
   """The run's RL step for `model` (its parameters laid out over `mesh`; `params`: their state,
   or abstract arrays with their shardings, as the plan compiles them; None: the model's own).
   A host-scored task is adapted to the mesh (rl/host_task.py). resident False: the sampler decodes
-  in the training layout instead of its own (bench/rollout_layout.py compares the two)."""
+  in the training layout instead of its own (bench/rollout_layout.py compares the two).
+  sampler_devices: with rollout.devices, the sampler's own devices (default: the last
+  rollout.devices of jax.devices(), which `mesh` must leave out)."""
   graphdef, own = nnx.split(model)
   params = own if params is None else params
   optimizer, schedule = config.optim.build(total_updates(config))
-  layout = rollout_layout(model, mesh, config.rollout.tensor) if resident else None
+  if config.rollout.devices and sampler_devices is None:
+    sampler_devices = split_devices(jax.devices(), config.rollout.devices)[1]
+  layout = rollout_layout(model, mesh, config.rollout.tensor, sampler_devices) if resident else None
   # A host-scored task is adapted to the mesh; an agent task's acting stage places its own arrays.
   step_task = task if task.jittable or getattr(task, 'agent', None) is not None else HostTask(task, mesh)
   pool = empty_pool(config, task)
   return RLStep(graphdef, step_task, config.rollout, config.algo, optimizer, schedule,
-                train_state_shardings(params, optimizer, pool), layout=layout, empty_pool=pool)
+                train_state_shardings(params, optimizer, pool), layout=layout, empty_pool=pool, params=params)
 
 
 def build_evaluator(config, task, graphdef, params):

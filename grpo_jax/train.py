@@ -28,6 +28,7 @@ from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import sharding
 from grpo_jax.model.config import to_hf_dict
 from grpo_jax.rl.state import create_train_state
+from grpo_jax.sampler.layout import split_devices
 
 
 def parse_args(argv):
@@ -58,7 +59,7 @@ def setup(config: config_lib.Config, config_path: str | None, workdir: str | Non
   validated) and builds the mesh and the model."""
   workdir = config_lib.resolve_workdir(config, config_path, workdir)
   check_workdir(workdir)
-  mesh = sharding.make_mesh(config.mesh)
+  mesh = sharding.make_mesh(config.mesh, devices=split_devices(jax.devices(), config.rollout.devices)[0])
   model = config.model.build(mesh, config.run.seed)
   return workdir, mesh, model
 
@@ -98,7 +99,8 @@ class Run:
     self.ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
     self.rl_step = build_rl_step(config, model, mesh, task)
     with jax.set_mesh(mesh):
-      self.state = create_train_state(params, self.rl_step.optimizer, config.run.seed, pool=self.rl_step.empty_pool)
+      self.state = create_train_state(params, self.rl_step.optimizer, config.run.seed, pool=self.rl_step.empty_pool,
+                                      shardings=self.rl_step.state_shardings)
     checkpoints = os.path.join(workdir, 'checkpoints')
     try:  # a new workdir gets its (empty) checkpoints directory; an existing one is not changed
       os.makedirs(checkpoints, exist_ok=True)
@@ -246,7 +248,8 @@ def train(config: config_lib.Config, workdir: str, mesh, model) -> list[dict]:
         evaluation = InTrainingEval(config, workdir, run, task)
         if run.step == 0:
           evaluation()
-      chunk = config.train.steps_per_call if task.jittable else 1
+      # Split devices run the sampler's and the trainer's programs side by side: one step per call.
+      chunk = config.train.steps_per_call if task.jittable and not run.rl_step.split else 1
       progress = metrics_lib.ProgressBar(total, start=run.step, enabled=config.train.progress and run.primary)
       while run.step < total:
         first = run.step

@@ -113,13 +113,16 @@ def mismatch_by_lag(trainer_log_probs: jax.Array, sampler_log_probs: jax.Array, 
 
 def lag_means(metrics: dict, max_lag: int) -> dict:
   """`metrics` with mismatch_by_lag's sums replaced by sampler_gap_mean/lag_l (the mean gap of
-  the tokens sampled l versions ago) and lag_frac/l (their share of the tokens)."""
+  the tokens sampled l versions ago), lag_frac/l (their share of the tokens), and the trained
+  tokens' lag_mean and lag_max."""
   metrics = dict(metrics)
   tokens = {lag: metrics.pop(f'lag_tokens/{lag}') for lag in range(max_lag + 1)}
   total = jnp.maximum(sum(tokens.values()), 1.0)
   for lag in range(max_lag + 1):
     metrics[f'sampler_gap_mean/lag_{lag}'] = metrics.pop(f'lag_gap/{lag}') / jnp.maximum(tokens[lag], 1.0)
     metrics[f'lag_frac/{lag}'] = tokens[lag] / total
+  metrics['lag_mean'] = sum(lag * count for lag, count in tokens.items()) / total
+  metrics['lag_max'] = jnp.max(jnp.asarray([jnp.where(tokens[lag] > 0, lag, 0) for lag in tokens]))
   return metrics
 
 

@@ -42,17 +42,27 @@ def train_state_shardings(params: nnx.State, optimizer: optax.GradientTransforma
   opt_shardings = optax.tree_map_params(optimizer, lambda _, sharding: sharding,
                                         jax.eval_shape(optimizer.init, params), param_shardings,
                                         transform_non_params=lambda _: replicated)
-  mesh = replicated.mesh
-  pool_shardings = jax.tree.map(
-      lambda x: named_sharding(mesh, x.shape, ('batch',) + (None,) * (len(x.shape) - 1)), pool)
   return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, key=replicated,
-                    updates=replicated, skips=replicated, pool=pool_shardings)
+                    updates=replicated, skips=replicated, pool=pool_shardings(pool, replicated.mesh))
+
+
+def pool_shardings(pool, mesh):
+  """A partial-rollout pool's layout on `mesh` (the trainer's, or with split devices the
+  sampler's): every array by rows over the batch axes, scalars replicated."""
+  return jax.tree.map(lambda x: named_sharding(mesh, x.shape, ('batch',) + (None,) * (len(x.shape) - 1))
+                      if len(x.shape) else NamedSharding(mesh, PartitionSpec()), pool)
 
 
 def create_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int,
-                       pool=None) -> TrainState:
-  """A fresh TrainState in `train_state_shardings`, built on the parameters' devices; `pool`: an
-  empty partial-rollout pool (sampler/partial.empty_pool) or None."""
+                       pool=None, shardings: TrainState | None = None) -> TrainState:
+  """A fresh TrainState in `shardings` (default `train_state_shardings`), built on the parameters'
+  devices; `pool`: an empty partial-rollout pool (sampler/partial.empty_pool) or None. A pool laid
+  out on other devices (the sampler's, split devices) is placed there on its own."""
+  shardings = train_state_shardings(params, optimizer, pool) if shardings is None else shardings
+  mesh = jax.tree.leaves(shardings.params)[0].mesh
+  apart = pool is not None and jax.tree.leaves(shardings.pool)[0].mesh != mesh
   init = jax.jit(functools.partial(init_train_state, optimizer=optimizer, seed=seed),
-                 out_shardings=train_state_shardings(params, optimizer, pool))
-  return init(params, pool=pool)
+                 out_shardings=shardings.replace(pool=None) if apart else shardings)
+  if not apart:
+    return init(params, pool=pool)
+  return init(params).replace(pool=jax.device_put(pool, shardings.pool))

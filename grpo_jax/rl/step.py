@@ -21,10 +21,10 @@ from grpo_jax import distributed
 from grpo_jax.data.task import Prompts, Scores, Task
 from grpo_jax.rl import algo
 from grpo_jax.rl.algo import AlgoConfig
-from grpo_jax.rl.state import TrainState
+from grpo_jax.rl.state import TrainState, pool_shardings
 from grpo_jax.rl.update import Batch, UpdateSettings, update
 from grpo_jax.sampler.layout import RolloutLayout
-from grpo_jax.sampler.partial import advance_resident, fill
+from grpo_jax.sampler.partial import Pipeline, advance_resident, advance_split, fill
 from grpo_jax.sampler.rollout import Rollout, RolloutConfig, sample_resident
 
 
@@ -125,10 +125,11 @@ class RLStep:
 
   def __init__(self, graphdef, task: Task, rollout: RolloutConfig, algo_config: AlgoConfig,
                optimizer: optax.GradientTransformation, schedule: optax.Schedule, state_shardings,
-               layout: RolloutLayout | None = None, empty_pool=None):
+               layout: RolloutLayout | None = None, empty_pool=None, params=None):
     self.graphdef, self.task, self.algo, self.layout = graphdef, task, algo_config, layout
     self.empty_pool = empty_pool
     self.optimizer, self.schedule, self.state_shardings = optimizer, schedule, state_shardings
+    self.split = layout is not None and layout.split  # rollout.devices: the sampler on devices of its own
     self.prompts_per_step = rollout.prompts_per_step
     rows = rollout.prompts_per_step * algo_config.group_size
     self.slots = min(rollout.slots or rows, rows)  # decode slots the sampler fills
@@ -139,6 +140,8 @@ class RLStep:
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     self.max_lag = algo_config.max_lag
     partial = self.max_lag > 0
+    # Split devices sample one version behind: the pool's own bound is one lag fewer.
+    self.pool_lag = self.max_lag - 1 if self.split else self.max_lag
     self.answers = None if task.jittable or not partial else _AnswerBook(task, self.prompts_per_step)
     self.traced = Stages(split_key=split_key, prompts=task.prompts, sample=self._sample, reward=task.reward,
                          learn=self._learn, fill=self._fill if partial else None,
@@ -150,13 +153,15 @@ class RLStep:
       from grpo_jax.agents.stage import AgentStage
       self.acting = AgentStage(graphdef, task, self.decode, self.slots, self.mesh, layout, rollout.decode_chunk,
                                rollout.reuse_turn_caches)
-    self.jitted = Stages(split_key=jax.jit(split_key),
+    self.jitted = Stages(split_key=_host_split_key,
                          prompts=self.acting.prompts if self.acting else task_stage(task.prompts),
                          sample=jax.jit(self._sample), reward=task_stage(task.reward),
                          learn=jax.jit(self._learn, donate_argnums=0, out_shardings=(state_shardings, replicated)),
                          act=self.acting.act if self.acting else None,
                          fill=jax.jit(self._fill, donate_argnums=0) if partial else None,
                          advance=jax.jit(self._advance, donate_argnums=1) if partial else None)
+    if self.split:
+      self._pipeline_stages(empty_pool, params)
     self._sampled_metrics = jax.jit(self._rounds_metrics)
     self._take_rows = jax.jit(_take_rows)
     self.run_steps = jax.jit(self._run_steps, static_argnums=3, donate_argnums=0,
@@ -264,6 +269,9 @@ class RLStep:
       at = position + index * self.prompts_per_step
       prompts = self.jitted.prompts(prompt_key, at, self.prompts_per_step)
       state = self._join(self.jitted, state, prompts, sample_key, prompt_key, at)
+      if self.split and index == self.max_lag - 1:  # the groups step 0 trains on
+        pipeline, _ = self.jitted.advance(state.params, state.pool, state.step)
+        state = state.replace(pool=pipeline)
     return state, self.max_lag * self.prompts_per_step
 
   def _join(self, stages: Stages, state: TrainState, prompts: Prompts, sample_key, prompt_key, position) -> TrainState:
@@ -282,10 +290,54 @@ class RLStep:
     return fill(pool, prompt_tokens, prompt_mask, answers, version=version, key=sample_key, position=position,
                 prompt_key=prompt_key, group_size=self.algo.group_size, pad_id=self.decode.pad_id)
 
+  def _advance_settings(self, version) -> dict:
+    return dict(version=version, take=self.prompts_per_step, group_size=self.algo.group_size, settings=self.decode,
+                slots=self.slots, max_lag=self.pool_lag, regenerate=self.algo.stale_groups == 'regenerate')
+
   def _advance(self, params, pool, version):
-    return advance_resident(self.graphdef, params, pool, layout=self.layout, version=version,
-                            take=self.prompts_per_step, group_size=self.algo.group_size, settings=self.decode,
-                            slots=self.slots, max_lag=self.max_lag, regenerate=self.algo.stale_groups == 'regenerate')
+    return advance_resident(self.graphdef, params, pool, layout=self.layout, **self._advance_settings(version))
+
+  # ---- split devices (rollout.devices): the sampler and the trainer pipelined ----
+
+  def _pipeline_stages(self, pool, params) -> None:
+    """The state between steps becomes a partial.Pipeline on the sampler's devices, and the host
+    stages that touch it move there: the step's prompts join the pool on the sampler; the weights
+    cross once (RolloutLayout.transfer); the sampler's `advance` is dispatched for the next step
+    before the trainer's update of this one, so the two run at once on their own devices."""
+    layout = self.layout
+    shapes = jax.eval_shape(
+        lambda params, pool: advance_split(self.graphdef, layout.mirror.place(params), pool, layout=layout,
+                                           **self._advance_settings(jnp.int32(0))), params, pool)[1]
+    self.empty_pool = Pipeline(pool=pool, ready=jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+    self.state_shardings = self.state_shardings.replace(pool=pool_shardings(self.empty_pool, layout.mesh))
+    rows = pool_shardings(shapes, self.mesh)  # the taken groups, by rows over the trainer's batch axes
+    self._to_trainer = lambda taken: jax.device_put(taken, rows)
+    self._onto_sampler = lambda tree: jax.device_put(
+        tree, jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec()))
+    fill_pool = jax.jit(self._fill, donate_argnums=0)
+    sampler_advance = jax.jit(
+        lambda resident, pool, version: advance_split(self.graphdef, resident, pool, layout=layout,
+                                                      **self._advance_settings(version)), donate_argnums=1)
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    learn = jax.jit(self._learn, donate_argnums=0, out_shardings=(self.state_shardings.replace(pool=None), replicated))
+
+    def fill_stage(pipeline, *inputs):
+      with jax.set_mesh(layout.mesh):
+        return dataclasses.replace(pipeline, pool=fill_pool(pipeline.pool, *self._onto_sampler(inputs)))
+
+    def advance_stage(params, pipeline, version):
+      # Dispatched, not awaited: the sampler decodes the next step's groups under these weights ...
+      resident = layout.transfer(params)
+      with jax.set_mesh(layout.mesh):
+        pool, ready = sampler_advance(resident, pipeline.pool, self._onto_sampler(version))
+      # ... while this step trains on the groups sampled during the last one.
+      return Pipeline(pool=pool, ready=ready), self._to_trainer(pipeline.ready)
+
+    def learn_stage(state, *inputs):
+      trained, metrics = learn(state.replace(pool=None), *inputs)
+      return trained.replace(pool=state.pool), metrics
+
+    self.jitted = dataclasses.replace(self.jitted, fill=fill_stage, advance=advance_stage, learn=learn_stage)
 
   # ---- the stages of arrays ----
 
@@ -324,6 +376,15 @@ class _AnswerBook:
       if int(source) not in self.by_source:
         self.record(position, self.task.prompts(jnp.asarray(key), int(position), self.count).answers)
     return [self.by_source.pop(int(source)) for source in sources]
+
+
+_split_key = jax.jit(lambda key: jax.random.split(key, 3))
+
+
+def _host_split_key(state: TrainState) -> tuple[TrainState, jax.Array, jax.Array]:
+  """split_key from the host: only the key enters the jit (the state may span two device sets)."""
+  key, prompt_key, sample_key = _split_key(state.key)
+  return state.replace(key=key), prompt_key, sample_key
 
 
 def _take_rows(arrays: list, rows: jax.Array) -> jax.Array:

@@ -19,6 +19,13 @@ start. A tensor group is t consecutive devices of the trainer mesh, which `jax.m
 host by host on GPUs (so t <= devices per host keeps the group on NVLink) and along a ring or a
 plane of the torus on TPUs. The trainer's mesh, its FSDP state and its checkpoints do not change.
 
+Split devices (rollout.devices = m > 0): the sampler's mesh is instead over m devices of its own,
+apart from the trainer's, and the two run at once (rl/step.py pipelines them). The weights then
+cross between device sets once per RL step (`transfer`): cast and laid out for decoding on the
+trainer's devices, over a mirror of the sampler's mesh (the same shape), so that the crossing is
+a copy of each device's shard to its counterpart, device to device (no host copy; across hosts the
+backend's cross-host transfers, which need exactly that: equal shardings on both sides).
+
 When t does not divide the KV heads (e.g. t = 4 with Qwen2.5-0.5B's 2 KV heads) the KV heads, their
 projections and the KV cache are replicated over the tensor group instead of split (the rule
 table drops an axis that does not divide); the samples are the same, the cache costs t times the
@@ -27,6 +34,7 @@ memory per device. The default t (`choose_tensor`) avoids that.
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -77,6 +85,19 @@ class RolloutLayout:
   dtype: str
 
   @property
+  def split(self) -> bool:
+    """The sampler has devices of its own (rollout.devices), apart from the trainer's."""
+    return set(self.mesh.devices.flat) != set(self.source.devices.flat)
+
+  @property
+  def mirror(self) -> 'RolloutLayout':
+    """With split devices: the sampler's layout over the trainer's devices (the same mesh shape
+    when the halves are equal, else the trainer's devices grouped by the same tensor size), where
+    `transfer` lays the weights out before they cross."""
+    devices = list(np.asarray(self.source.devices).reshape(-1))
+    return dataclasses.replace(self, mesh=_grouped_mesh(devices, self.tensor, 'rollout.tensor'))
+
+  @property
   def tensor(self) -> int:
     return self.mesh.shape['tensor']
 
@@ -119,6 +140,14 @@ class RolloutLayout:
 
     return jax.tree.map(move, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
+  def transfer(self, params: nnx.State) -> nnx.State:
+    """Split devices: the trainer's parameters as the sampler's resident weights on the sampler's
+    own devices. `place` runs on the trainer's devices (jitted there, over `mirror`), then each
+    device's shard is copied to its counterpart (jax.device_put between equal shardings)."""
+    mirror = self.mirror
+    placed = _jitted_place(mirror)(params)
+    return jax.device_put(placed, self.shardings(placed))
+
   def enter(self, tree):
     """Small inputs (prompts, keys) replicated on the sampler's mesh: inside `active()` every array
     must carry the sampler's mesh (JAX checks the meshes of an operation's operands agree)."""
@@ -134,6 +163,11 @@ class RolloutLayout:
       return jax.lax.with_sharding_constraint(x, NamedSharding(self.source, spec))
 
     return jax.tree.map(relayout, tree)
+
+
+@functools.cache
+def _jitted_place(layout: RolloutLayout):
+  return jax.jit(layout.place)
 
 
 def _axes(variable) -> tuple:
@@ -166,6 +200,21 @@ def rollout_mesh(source: Mesh, tensor: int) -> Mesh:
   return _grouped_mesh(list(np.asarray(source.devices).reshape(-1)), tensor, 'rollout.tensor')
 
 
+def split_devices(devices: Sequence[jax.Device], sampler: int) -> tuple[list, list]:
+  """(the trainer's devices, the sampler's): the last `sampler` (rollout.devices) of `devices` are
+  the sampler's; 0: both share all of them."""
+  devices = list(devices)
+  if not sampler:
+    return devices, devices
+  if sampler >= len(devices):
+    raise UserError(f'rollout.devices={sampler} leaves none of the {len(devices)} devices to the trainer: '
+                    f'give the sampler fewer')
+  if jax.process_count() > 1 and 2 * sampler != len(devices):
+    raise UserError(f'rollout.devices={sampler}: across hosts the weights cross between equal halves; '
+                    f'give the sampler {len(devices) // 2} of the {len(devices)} devices')
+  return devices[:-sampler], devices[-sampler:]
+
+
 def serving_mesh(tensor: int, kv_heads: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """The sampler's layout for a model that only samples (python -m grpo_jax.generate, serve): the
   host's devices (default: this process's) in groups of t, weights split over each group and
@@ -174,10 +223,10 @@ def serving_mesh(tensor: int, kv_heads: int, devices: Sequence[jax.Device] | Non
   return _grouped_mesh(devices, tensor or choose_tensor(devices, kv_heads), '--tensor')
 
 
-def rollout_layout(model: Qwen2, source: Mesh, tensor: int = 0) -> RolloutLayout:
-  """The layout of `source`'s devices for decoding `model` (its KV heads and compute dtype) with
-  `tensor` devices per group (0: choose_tensor)."""
-  devices = list(np.asarray(source.devices).reshape(-1))
+def rollout_layout(model: Qwen2, source: Mesh, tensor: int = 0, devices: Sequence[jax.Device] | None = None) -> RolloutLayout:
+  """The layout of `source`'s devices (or, split, of the sampler's own `devices`) for decoding
+  `model` (its KV heads and compute dtype) with `tensor` devices per group (0: choose_tensor)."""
+  devices = list(np.asarray(source.devices).reshape(-1)) if devices is None else list(devices)
   tensor = tensor or choose_tensor(devices, model.config.num_key_value_heads)
   return RolloutLayout(source=source, mesh=_grouped_mesh(devices, tensor, 'rollout.tensor'), dtype=model.options.dtype)
 

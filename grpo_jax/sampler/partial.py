@@ -115,9 +115,9 @@ class Taken:
   rollout:        Rollout [P*G, N] with `versions` set (and `decode_steps`: this step's loop).
   prompt_tokens:  [P, Tp]; prompt_mask [P, Tp]; answers [P, ...] (None for a host task).
   source, batch_position: [P] int32; batch_key [P, 2] uint32: where each prompt came from.
-  metrics:        lag_mean, lag_max (versions between sampling and training, over the taken
-                  tokens), groups_regenerated, carried_requests (started, unfinished), carried_groups
-                  (entries left in the pool), decoded_tokens and slot_occupancy (this step's loop).
+  metrics:        groups_regenerated, carried_requests (started, unfinished), carried_groups
+                  (entries left in the pool), decoded_tokens and slot_occupancy (this step's loop);
+                  the update reports the lags (rl/loss.lag_means).
   """
 
   rollout: Rollout
@@ -389,8 +389,6 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   rollout = Rollout(tokens=out['tokens'], log_probs=out['log_probs'], mask=mask, lengths=out['lengths'],
                     stopped=out['stopped'], decode_steps=count, versions=out['versions'])
   entry = lambda x: None if x is None else _gather(x, chosen).reshape((take,) + x.shape[2:])  # noqa: E731
-  lags = jnp.where(mask, version - out['versions'], 0)
-  tokens_taken = jnp.maximum(jnp.sum(mask), 1)
   prompts = {name: jax.tree.map(entry, getattr(view, name)) for name in Taken.PROMPTS}
 
   # The taken entries are freed; with `regenerate`, a group whose oldest token would be more than
@@ -404,8 +402,7 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   if regenerate:
     view = _reset_requests(view, stale[:, entry_of], settings.pad_id)
   carried = (view.entered >= 0)[:, entry_of]
-  metrics = dict(lag_mean=jnp.sum(lags) / tokens_taken, lag_max=jnp.max(lags),
-                 groups_regenerated=jnp.sum(stale) if regenerate else jnp.int32(0),
+  metrics = dict(groups_regenerated=jnp.sum(stale) if regenerate else jnp.int32(0),
                  carried_requests=jnp.sum(carried & (view.lengths > 0) & ~view.done),
                  carried_groups=jnp.sum(view.entered >= 0), decoded_tokens=decoded,
                  slot_occupancy=decoded / jnp.maximum(count * slots, 1))
@@ -424,3 +421,21 @@ def advance_resident(graphdef, params, pool: Pool, *, layout: RolloutLayout | No
   with layout.active():
     pool, taken = advance(nnx.merge(graphdef, resident), pool, **settings)
   return layout.rows_to_source((pool, taken))
+
+
+def advance_split(graphdef, resident, pool: Pool, *, layout: RolloutLayout, **settings) -> tuple[Pool, Taken]:
+  """`advance` on the sampler's own devices (split devices, rollout.devices): `resident` are the
+  weights already there (RolloutLayout.transfer) and the pool lies there by rows. Traceable."""
+  with layout.active():
+    return advance(nnx.merge(graphdef, resident), pool, **settings)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+  """Split devices' state between RL steps, on the sampler's devices: the pool in flight and the
+  P groups sampled during the last step (`ready`), which the next step trains on while the sampler
+  decodes the step after. Checkpointed with the TrainState, so a resumed run trains the same groups."""
+
+  pool: Pool
+  ready: Taken

@@ -49,6 +49,11 @@ class RolloutConfig:
   # weights are resident, split over t devices and replicated over the n / t groups. 0: the largest
   # t dividing the KV heads and the devices, within one host on GPUs (1 on CPUs).
   tensor: int = 0
+  # Split devices: the last `devices` devices are the sampler's own and the mesh section lays out
+  # the trainer over the rest; the sampler decodes step t+1's groups while the trainer trains on
+  # step t's (needs algo.max_lag >= 1: the sampler is one version behind; a jittable task's steps
+  # then run one per call). 0: sampler and trainer share every device, one after the other.
+  devices: int = 0
   # Agents (task.name: agent): decode steps per call of the inference server (agents/inference.py);
   # finished turns leave their slots, and waiting ones enter, between calls.
   decode_chunk: int = 4
@@ -64,6 +69,7 @@ class RolloutConfig:
       require(self.prompts_per_step >= 1, 'prompts_per_step', f'must be >= 1, got {self.prompts_per_step}')
       require(self.max_new_tokens >= 1, 'max_new_tokens', f'must be >= 1, got {self.max_new_tokens}')
       require(self.slots >= 0, 'slots', f'must be >= 0 (0: one per completion), got {self.slots}')
+      require(self.devices >= 0, 'devices', f'must be >= 0 (0: the trainer\'s devices), got {self.devices}')
 
   def decode_settings(self, stop_token_ids, pad_id: int) -> DecodeSettings:
     """The sampler's static settings for a task's stop and pad ids."""
