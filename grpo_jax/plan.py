@@ -39,7 +39,7 @@ from grpo_jax.advice import advise, format_advice  # noqa: E402
 from grpo_jax.errors import UserError, cli_main  # noqa: E402
 from grpo_jax.model import sharding  # noqa: E402
 from grpo_jax.programs import compile_program, model_architecture, step_programs  # noqa: E402
-from grpo_jax.sampler.layout import resident_bytes_per_device  # noqa: E402
+from grpo_jax.sampler.layout import resident_bytes_per_device, split_devices  # noqa: E402
 from grpo_jax.targets import format_bytes  # noqa: E402
 
 
@@ -58,14 +58,15 @@ def parse_args(argv):
   return parser.parse_args(argv)
 
 
-def kv_cache_bytes_per_device(architecture, config: config_lib.Config, prompt_length: int, mesh) -> int:
+def kv_cache_bytes_per_device(architecture, config: config_lib.Config, prompt_length: int, mesh, prompts: int = 0) -> int:
   """The sampler's K and V caches (sampler/rollout.py): the shared prompt cache [L, P, Tp, K, H]
-  and the slots' own rows [L, B, N, K, H] (B = rollout.slots, else P * G), each with its rows
-  over the batch axes and KV heads over 'tensor' where they divide (model/sharding.py's rules)."""
+  (`prompts` entries with partial rollouts' pool, else P) and the slots' own rows [L, B, N, K, H]
+  (B = rollout.slots, else P * G), each with its rows over the batch axes and KV heads over
+  'tensor' where they divide (model/sharding.py's rules)."""
   rows = config.completions_per_step
   slots = min(config.rollout.slots or rows, rows)
   total = 0
-  for count, width in ((config.rollout.prompts_per_step, prompt_length), (slots, config.rollout.max_new_tokens)):
+  for count, width in ((prompts or config.rollout.prompts_per_step, prompt_length), (slots, config.rollout.max_new_tokens)):
     shape = (architecture.num_hidden_layers, count, width, architecture.num_key_value_heads,
              architecture.resolved_head_dim)
     layout = sharding.named_sharding(mesh, shape, ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim'))
@@ -80,13 +81,20 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
   log: list[str] = list(_STARTUP_LOG)
   with targets.compiler_log(log):  # the compilers' plugins log as they start, too
     devices = target.devices()
-  mesh = sharding.make_mesh(config.mesh, devices=devices)
-  built = step_programs(config, architecture, mesh, resident)
+  trainer_devices, sampler_devices = split_devices(devices, config.rollout.devices)
+  mesh = sharding.make_mesh(config.mesh, devices=trainer_devices)
+  built = step_programs(config, architecture, mesh, resident,
+                        sampler_devices=sampler_devices if config.rollout.devices else None)
   task, state, ref_params, layout = built.task, built.state, built.ref_params, built.layout
-  order = list(mesh.devices.reshape(-1))
-  with jax.set_mesh(mesh), targets.compiler_log(log):
-    programs = [compile_program(name, target, order, jitted, *args) for name, jitted, args in built.programs
-                if only is None or name in only]
+  programs = []
+  for name, jitted, args in built.programs:
+    if only is not None and name not in only:
+      continue
+    # Split devices: the sampler's program on its own devices and mesh, the rest on the trainer's.
+    order, program_mesh = ((built.devices[name], layout.mesh) if name in built.devices
+                           else (list(mesh.devices.reshape(-1)), mesh))
+    with jax.set_mesh(program_mesh), targets.compiler_log(log):
+      programs.append(compile_program(name, target, order, jitted, *args))
 
   params_bytes = sharding.bytes_per_device(state.params)
   opt_bytes = sharding.bytes_per_device(state.opt_state)
@@ -97,19 +105,27 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
     resident_bytes = architecture.num_params() * jnp.dtype(config.model.options.dtype).itemsize // mesh.shape['tensor']
     decode_mesh, layout_report = mesh, dict(tensor=mesh.shape['tensor'], data_groups=0)
   peak = max(program.peak for program in programs)
+  pool = getattr(state.pool, 'pool', state.pool)  # partial rollouts: the pool's prompt entries
   report = dict(
       target=target.name, device=target.describe(), devices=len(devices),
+      program_devices={program.name: len(built.devices.get(program.name, trainer_devices)) for program in programs},
       mesh=dict(mesh.shape), rollout_layout=layout_report,
       model=dict(layers=architecture.num_hidden_layers, hidden=architecture.hidden_size,
                  parameters=architecture.num_params()),
       per_device=dict(parameters=params_bytes, optimizer_state=opt_bytes,
                       reference=sharding.bytes_per_device(ref_params) if ref_params is not None else 0,
                       resident_weights=resident_bytes,
-                      kv_cache=kv_cache_bytes_per_device(architecture, config, task.prompt_length, decode_mesh)),
+                      kv_cache=kv_cache_bytes_per_device(architecture, config, task.prompt_length, decode_mesh,
+                                                         prompts=0 if pool is None else pool.entries)),
       programs=[dataclasses.asdict(program) | dict(peak=program.peak) for program in programs],
       peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes,
       sequence_length=task.prompt_length + config.rollout.max_new_tokens,
       compiler_notes=targets.summarise_compiler_log(log), compiler_log=log)
+  if config.rollout.devices:  # each sampler device receives its resident shard once per step
+    report['split'] = dict(trainer_devices=len(trainer_devices), sampler_devices=len(sampler_devices),
+                           transfer_bytes_per_device=resident_bytes,
+                           transfer_bytes=resident_bytes * len(sampler_devices),
+                           crossing_s=resident_bytes / target.group_bandwidth([trainer_devices[0], sampler_devices[0]]))
   report['estimate'] = estimate(config, target, architecture, task.prompt_length, report)
   return report
 
@@ -120,8 +136,15 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   compute: model FLOPs at the target's peak (the rollout's 2 N per sampled token, the rest the
   update's). HBM: every decode step reads the resident weights and, on average, half of each row's
   KV cache. Interconnect: the compiled collectives (traffic.py), once per program outside the
-  decode loop and N times inside it (N = max_new_tokens: the longest answer's decode steps)."""
-  devices, steps = report['devices'], config.rollout.max_new_tokens
+  decode loop and N times inside it (N = max_new_tokens: the longest answer's decode steps).
+
+  Split devices (rollout.devices): each program on its own devices; the weights' crossing X is the
+  'transfer' program plus each sampler device's resident shard over the link between the halves.
+  Serial, a step costs R + U + X (rollout, update, crossing). Pipelined, the sampler's advance for
+  step v + 1 needs the weights of update v - 1 and its own last advance, and update v needs
+  advance v - 1 and update v - 1, so a step costs max(R, U, (R + U + X) / 2): the two-step cycle
+  advance -> update -> crossing -> advance bounds it when neither side dominates."""
+  steps = config.rollout.max_new_tokens
   params = architecture.num_params()
   step_flops = metrics_lib.model_flops_per_step(params, prompt_length, config.rollout, config.algo)
   rows = config.completions_per_step
@@ -130,15 +153,25 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   decode_s = steps * (per_device['resident_weights'] + per_device['kv_cache'] / 2) / target.hbm_bandwidth
   parts = {}
   for program in report['programs']:
+    if program['name'] == 'transfer':  # no model FLOPs, no decoding: its collectives only
+      parts['transfer'] = dict(compute_s=0.0, hbm_s=0.0, interconnect_s=program['interconnect_s']['outside'])
+      continue
     rollout = program['name'] != 'update'
     update = program['name'] != 'rollout'
     flops = (rollout_flops if rollout else 0.0) + ((step_flops - rollout_flops) if update else 0.0)
     link = program['interconnect_s']
+    devices = report['program_devices'][program['name']]
     parts[program['name']] = dict(compute_s=flops / (devices * target.peak_flops), hbm_s=decode_s if rollout else 0.0,
                                   interconnect_s=link['outside'] + (steps * link['per_decode_step'] if rollout else 0.0))
   for part in parts.values():
     part['program_s'] = max(part['compute_s'], part['hbm_s'], part['interconnect_s'])
-  return dict(model_flops=step_flops, programs=parts, step_s=sum(part['program_s'] for part in parts.values()))
+  result = dict(model_flops=step_flops, programs=parts, step_s=sum(part['program_s'] for part in parts.values()))
+  if 'split' in report and {'rollout', 'update', 'transfer'} <= parts.keys():
+    rollout_s, update_s = parts['rollout']['program_s'], parts['update']['program_s']
+    crossing_s = parts['transfer']['program_s'] + report['split']['crossing_s']
+    result.update(serial_s=rollout_s + update_s + crossing_s, crossing_s=crossing_s,
+                  step_s=max(rollout_s, update_s, (rollout_s + update_s + crossing_s) / 2))
+  return result
 
 
 def parse_bytes(text: str, field: str) -> int:
@@ -176,7 +209,7 @@ def format_report(report: dict) -> str:
     collectives = program['collectives']
     lines.append(f'    collectives per device (compiled program): {_collective_summary(collectives["outside"])} '
                  'per run' + (f'; per decode step {_collective_summary(collectives["per_decode_step"])}'
-                              if program['name'] != 'update' else ''))
+                              if program['name'] not in ('update', 'transfer') else ''))
   verdict = 'fits' if report['fits'] else 'DOES NOT FIT'
   lines.append(f'peak {format_bytes(report["peak"])} of {format_bytes(report["hbm"])} per device: {verdict}')
   estimate = report['estimate']
@@ -184,6 +217,14 @@ def format_report(report: dict) -> str:
   for name, part in estimate['programs'].items():
     lines.append(f'  "{name}": compute >= {part["compute_s"]:.2f} s, HBM >= {part["hbm_s"]:.2f} s, interconnect >= '
                  f'{part["interconnect_s"]:.2f} s -> {part["program_s"]:.2f} s')
+  if 'split' in report:
+    split = report['split']
+    lines.insert(2, f'split devices: sampler on {split["sampler_devices"]}, trainer on {split["trainer_devices"]} '
+                    f'(rollout.devices); weights crossing per step: {format_bytes(split["transfer_bytes_per_device"])} '
+                    f'per sampler device, {format_bytes(split["transfer_bytes"])} in all')
+  if 'serial_s' in estimate:
+    lines.append(f'  weights crossing >= {estimate["crossing_s"]:.2f} s; serial (rollout + update + crossing) >= '
+                 f'{estimate["serial_s"]:.2f} s; overlapped >= {estimate["step_s"]:.2f} s')
   lines.append(f'  step >= {estimate["step_s"]:.2f} s')
   for note in report.get('compiler_notes', []):
     lines.append(f'compiler: {note}')

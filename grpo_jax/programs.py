@@ -22,6 +22,7 @@ from grpo_jax.model import sharding
 from grpo_jax.model.config import load_hf_config
 from grpo_jax.model.loading import abstract_model
 from grpo_jax.rl.state import init_train_state
+from grpo_jax.sampler.layout import place_program
 
 
 def model_architecture(config: config_lib.Config, model_size: str | None, layers: int | None):
@@ -125,13 +126,18 @@ class StepPrograms:
   ref_params: object
   programs: list  # (name, jitted function, abstract arguments)
   layout: object = None  # the sampler's RolloutLayout
+  devices: dict = dataclasses.field(default_factory=dict)  # program name -> its devices, where not the mesh's
 
 
-def step_programs(config: config_lib.Config, architecture, mesh, resident: bool = True) -> StepPrograms:
+def step_programs(config: config_lib.Config, architecture, mesh, resident: bool = True,
+                  sampler_devices=None) -> StepPrograms:
   """The programs a run compiles, on abstract inputs placed on `mesh` (no weights, no data): the
-  K-steps-in-one-jit loop for a jittable task, else the sampler and the update. resident False:
-  the sampler decodes in the training layout instead of its own (as grpo_jax did before the
-  rollout layout; bench/rollout_layout.py compares the two)."""
+  K-steps-in-one-jit loop for a jittable task, else the sampler and the update (with partial
+  rollouts the sampler is the pool's advance). resident False: the sampler decodes in the
+  training layout instead of its own (as grpo_jax did before the rollout layout;
+  bench/rollout_layout.py compares the two). sampler_devices: split devices (rollout.devices),
+  the sampler's own: then the sampler's program on them, the update on `mesh`, and the program
+  that lays the weights out for the crossing, on `mesh` too."""
   task = TASKS[config.task.name].shape(config, architecture)
   if task.vocab_size > architecture.vocab_size:
     raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but the model has {architecture.vocab_size}')
@@ -140,11 +146,13 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
   shardings = sharding.state_shardings(abstract_params, mesh)
   params = jax.tree.map(lambda variable, s: variable.replace(jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=s)),
                         abstract_params, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  step = build_rl_step(config, model, mesh, task, params=params, resident=resident)
-  state = _abstract(jax.eval_shape(functools.partial(init_train_state, optimizer=step.optimizer, seed=0), params),
-                    step.state_shardings)
+  step = build_rl_step(config, model, mesh, task, params=params, resident=resident, sampler_devices=sampler_devices)
+  state = _abstract(jax.eval_shape(functools.partial(init_train_state, optimizer=step.optimizer, seed=0), params,
+                                   pool=step.empty_pool), step.state_shardings)
   ref_params = params if config.algo.kl_beta > 0 else None
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  if step.split:
+    return _split_programs(config, task, step, state, ref_params, replicated)
   if task.jittable:
     programs = [(f'{config.train.steps_per_call} RL steps in one jit', step.run_steps,
                  (state, ref_params, 0, config.train.steps_per_call))]
@@ -158,6 +166,31 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
     scores = Scores(rewards=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated),
                     failures=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), terms=terms)
     rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
-    programs = [('rollout', step.jitted.sample, (state.params, prompts, prompts, key)),
-                ('update', step.jitted.learn, (state, ref_params, prompts, prompts, rollout, scores))]
+    sampler = (('rollout', step.jitted.advance, (state.params, state.pool, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)))
+               if step.max_lag else ('rollout', step.jitted.sample, (state.params, prompts, prompts, key)))
+    programs = [sampler, ('update', step.jitted.learn, (state, ref_params, prompts, prompts, rollout, scores))]
   return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=step.layout)
+
+
+def _split_programs(config, task, step, state, ref_params, replicated) -> StepPrograms:
+  """Split devices' three programs: 'rollout' (the pool's advance on the sampler's devices, from
+  the resident weights), 'transfer' (the weights cast and laid out on the trainer's devices as the
+  sampler's layout, before each shard crosses) and 'update' (on the trainer's)."""
+  layout = step.layout
+  resident = jax.eval_shape(layout.mirror.place, state.params)
+  resident = jax.tree.map(lambda variable, s: variable.replace(jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=s)),
+                          resident, layout.shardings(resident), is_leaf=lambda x: isinstance(x, nnx.Variable))
+  on_sampler = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
+  version = jax.ShapeDtypeStruct((), jnp.int32, sharding=on_sampler)
+  ready = state.pool.ready
+  prompts = jax.ShapeDtypeStruct(ready.prompt_tokens.shape, jnp.int32, sharding=replicated)
+  rows = config.completions_per_step
+  terms = {term.label: jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated) for term in config.rewards}
+  scores = Scores(rewards=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated),
+                  failures=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), terms=terms)
+  rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), ready.rollout)
+  programs = [('rollout', step.sampler_program, (resident, state.pool.pool, version)),
+              ('transfer', place_program(layout.mirror), (state.params,)),
+              ('update', step.trainer_program, (state.replace(pool=None), ref_params, prompts, prompts, rollout, scores))]
+  return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=layout,
+                      devices=dict(rollout=list(layout.mesh.devices.reshape(-1))))

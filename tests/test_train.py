@@ -116,11 +116,11 @@ def test_same_seed_same_curve_and_fused_equals_host_loop(tmp_path):
   assert without_timing(read_metrics(tmp_path / 'c')) != a
 
 
-def _start(workdir, steps, *overrides, config=CONFIG):
+def _start(workdir, steps, *overrides, config=CONFIG, devices=1):
   command = [sys.executable, '-m', 'grpo_jax.train', '--config', config, '--workdir', str(workdir), *SMALL,
              '--set', f'train.steps={steps}', *overrides]
-  return subprocess.Popen(command, cwd=ROOT, env=ONE_DEVICE_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True)
+  return subprocess.Popen(command, cwd=ROOT, env=device_env(devices), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
 
 
 def _finished_steps(workdir):
@@ -143,16 +143,19 @@ def _wait_for(predicate, process, timeout=240):
 @pytest.mark.parametrize('steps_per_call, packing, config', [
     (1, [], CONFIG), (5, ['algo.packing=true', 'algo.micro_batch_tokens=18'], CONFIG),
     (1, [], os.path.join(ROOT, 'configs', 'tiny_guess.yaml')),
-    (5, ['algo.max_lag=2', 'algo.tis_cap=2.0', 'rollout.slots=12'], CONFIG)],
-    ids=['host-loop', 'fused-packed', 'agent', 'fused-partial-rollouts'])
+    (5, ['algo.max_lag=2', 'algo.tis_cap=2.0', 'rollout.slots=12'], CONFIG),
+    (1, ['algo.max_lag=2', 'algo.tis_cap=2.0', 'rollout.slots=12', 'rollout.devices=1'], CONFIG)],
+    ids=['host-loop', 'fused-packed', 'agent', 'fused-partial-rollouts', 'split-devices'])
 def test_kill_and_resume_equals_uninterrupted(tmp_path, steps_per_call, packing, config):
   """The host loop with the padded update, the K-step jit with the packed one, the agent task
-  (episodes on the inference server, multi-turn trajectories) and partial rollouts (the pool of
-  groups in flight is part of the checkpoint)."""
+  (episodes on the inference server, multi-turn trajectories), partial rollouts (the pool of
+  groups in flight is part of the checkpoint) and split devices (one sampler device beside one
+  trainer device: the pool and the groups sampled for the next step, on the sampler's device)."""
   steps = 60
   options = ['--set', f'train.steps_per_call={steps_per_call}', '--set', 'train.checkpoint_every=10']
   options += [argument for setting in packing for argument in ('--set', setting)]
-  start = functools.partial(_start, config=config)
+  split = any(setting.startswith('rollout.devices=') for setting in packing)
+  start = functools.partial(_start, config=config, devices=2 if split else 1)
   reference = start(tmp_path / 'whole', steps, *options)
   assert reference.wait(timeout=300) == 0, reference.stderr.read()
 

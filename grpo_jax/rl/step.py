@@ -321,6 +321,8 @@ class RLStep:
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     learn = jax.jit(self._learn, donate_argnums=0, out_shardings=(self.state_shardings.replace(pool=None), replicated))
 
+    self.sampler_program, self.trainer_program = sampler_advance, learn  # what the plan compiles
+
     def fill_stage(pipeline, *inputs):
       with jax.set_mesh(layout.mesh):
         return dataclasses.replace(pipeline, pool=fill_pool(pipeline.pool, *self._onto_sampler(inputs)))

@@ -145,7 +145,7 @@ class RolloutLayout:
     own devices. `place` runs on the trainer's devices (jitted there, over `mirror`), then each
     device's shard is copied to its counterpart (jax.device_put between equal shardings)."""
     mirror = self.mirror
-    placed = _jitted_place(mirror)(params)
+    placed = place_program(mirror)(params)
     return jax.device_put(placed, self.shardings(placed))
 
   def enter(self, tree):
@@ -166,7 +166,8 @@ class RolloutLayout:
 
 
 @functools.cache
-def _jitted_place(layout: RolloutLayout):
+def place_program(layout: RolloutLayout):
+  """`layout.place` jitted on its own (split devices: the trainer's half of the crossing)."""
   return jax.jit(layout.place)
 
 
