@@ -38,46 +38,21 @@ harness.limit_threads(args.threads)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from grpo_jax.build import build_rl_step  # noqa: E402
 from grpo_jax.config import load_config  # noqa: E402
-from grpo_jax.data.task import Prompts, Scores  # noqa: E402
 from grpo_jax.model import MeshConfig, Qwen2Config, make_mesh  # noqa: E402
 from grpo_jax.model.loading import init_model  # noqa: E402
 from grpo_jax.rl.state import create_train_state  # noqa: E402
-
-
-class LongTailTask:
-  """Random prompts; answers stop at any of `stops`; reward: the share of even tokens in the
-  answer (a JAX function, so whole steps run in one jit)."""
-
-  jittable = True
-  pad_id = 0
-
-  def __init__(self, vocab_size: int, prompt_length: int, stops: tuple[int, ...]):
-    self.vocab_size, self.prompt_length, self.stop_token_ids = vocab_size, prompt_length, stops
-
-  def prompts(self, key, position, count):
-    tokens = jax.random.randint(jax.random.fold_in(key, position), (count, self.prompt_length), 1, self.vocab_size)
-    return Prompts(tokens=tokens.astype(jnp.int32), mask=jnp.ones((count, self.prompt_length), jnp.int32),
-                   answers=jnp.zeros((count, 1), jnp.int32))
-
-  def reward(self, rollout, prompts, group_size):
-    even = jnp.sum((rollout.tokens % 2 == 0) & rollout.mask, axis=1) / jnp.maximum(rollout.lengths, 1)
-    return Scores(rewards=even.astype(jnp.float32), failures=jnp.int32(0))
-
-  def close(self):
-    pass
 
 
 def main():
   architecture = Qwen2Config(**PRESETS[args.preset])
   P, G, N = args.prompts, args.group, args.new_tokens
   mean = args.mean or N / 8
-  task = LongTailTask(architecture.vocab_size, args.prompt_length, harness.stop_tokens(architecture.vocab_size, mean))
+  task = harness.LongTailTask(architecture.vocab_size, args.prompt_length, harness.stop_tokens(architecture.vocab_size, mean))
   mesh = make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
   runs, states, steps_of, out = {}, {}, {}, {}
   lags = [0] + [int(lag) for lag in args.lags.split(',') if lag]

@@ -57,3 +57,31 @@ def stop_tokens(vocab_size: int, mean: float) -> tuple[int, ...]:
   import numpy as np  # here, not at the top: limit_threads must come before numpy sizes its pools
   count = max(1, round(vocab_size / mean))
   return tuple(int(t) for t in np.random.default_rng(1).choice(vocab_size, count, replace=False))
+
+
+class LongTailTask:
+  """Random prompts; answers stop at any of `stops` (stop_tokens: long-tailed lengths); reward:
+  the share of even tokens in the answer (a JAX function, so whole steps can run in one jit)."""
+
+  jittable = True
+  pad_id = 0
+
+  def __init__(self, vocab_size: int, prompt_length: int, stops: tuple[int, ...]):
+    self.vocab_size, self.prompt_length, self.stop_token_ids = vocab_size, prompt_length, stops
+
+  def prompts(self, key, position, count):
+    import jax
+    import jax.numpy as jnp
+    from grpo_jax.data.task import Prompts
+    tokens = jax.random.randint(jax.random.fold_in(key, position), (count, self.prompt_length), 1, self.vocab_size)
+    return Prompts(tokens=tokens.astype(jnp.int32), mask=jnp.ones((count, self.prompt_length), jnp.int32),
+                   answers=jnp.zeros((count, 1), jnp.int32))
+
+  def reward(self, rollout, prompts, group_size):
+    import jax.numpy as jnp
+    from grpo_jax.data.task import Scores
+    even = jnp.sum((rollout.tokens % 2 == 0) & rollout.mask, axis=1) / jnp.maximum(rollout.lengths, 1)
+    return Scores(rewards=even.astype(jnp.float32), failures=jnp.int32(0))
+
+  def close(self):
+    pass

@@ -155,16 +155,16 @@ def test_a_cut_off_answer_goes_on_under_the_new_weights(seed, make_hf_checkpoint
 
 def test_regenerate_restarts_groups_past_the_bound(seed, make_hf_checkpoint):
   """stale_groups: regenerate takes the first P complete groups and restarts a group that would
-  pass the bound: with long-tailed answers some restart (within 40 steps), and no trained token is
+  pass the bound: with long-tailed answers and 4 slots some restart (within 80 steps), and no trained token is
   older than max_lag."""
   directory, _ = make_hf_checkpoint(seed)
   settings = decode_settings(seed, steps=12)
   model = from_pretrained(directory)
   graphdef, params = nnx.split(model)
-  driver = Driver(graphdef, 2, 2, 1, 3, settings, regenerate=True)
+  driver = Driver(graphdef, 2, 2, 1, 4, settings, regenerate=True)
   driver.join(seed, 0)
   regenerated, lags = 0, []
-  for step in range(40):
+  for step in range(80):
     if regenerated and step >= 4:
       break
     driver.join(seed + 1 + step, step)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
-from grpo_jax.model.sharding import batch_groups, grouped
+from grpo_jax.model.sharding import batch_groups, constrain, grouped
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, decode_step, prefill, typed_key
 from grpo_jax.sampler.layout import RolloutLayout
 from grpo_jax.sampler.rollout import Rollout
@@ -247,8 +247,12 @@ def _prefill_answers(model: Qwen2, tokens: jax.Array, lengths: jax.Array, shared
     return joined.reshape(joined.shape[:axis] + (slots,) + joined.shape[axis + 2:])
 
   caches = [cache for cache, _ in parts]
-  cache = dataclasses.replace(caches[0], k=join([c.k for c in caches], 1), v=join([c.v for c in caches], 1),
-                              segment_ids=join([c.segment_ids for c in caches], 0),
+  # Laid out as a fresh slot cache (model.init_cache): the decode loop's attention then finds the
+  # slots' rows where it finds their shared prompts' (a joined layout costs an all-to-all per token).
+  axes = ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim')
+  cache = dataclasses.replace(caches[0], k=constrain(join([c.k for c in caches], 1), axes),
+                              v=constrain(join([c.v for c in caches], 1), axes),
+                              segment_ids=constrain(join([c.segment_ids for c in caches], 0), ('batch', 'cache_seq')),
                               length=lengths)  # decoding goes on right after each answer
   return cache, join([hidden for _, hidden in parts], 0)
 
@@ -367,9 +371,19 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
         done=_per_group(lambda d, r: d.at[r].set(True, mode='drop'), view.done,
                         jnp.where(ended, holding, per_requests)))
 
+  # Each iteration the slots stay by rows over the batch axes only, as sample_groups lays them out:
+  # left to propagation they also split over 'tensor', and every prompt cache the slots gather
+  # would then cross devices at each token (an all-to-all per layer per decoded token).
+  rows = lambda x: constrain(x, ('batch',) + (None,) * (x.ndim - 1))  # noqa: E731
+
+  def pinned(state: DecodeState) -> DecodeState:
+    return dataclasses.replace(state, hidden=rows(state.hidden), keys=rows(state.keys), generated=rows(state.generated),
+                               live=rows(state.live), prefix=dataclasses.replace(state.prefix, index=rows(state.prefix.index)))
+
   def step(carry):
     count, state, holding, waiting, view = carry
     state, holding, waiting, view = insert(state, holding, waiting, view)
+    state, holding = pinned(state), rows(holding)
     state, emitted = decode_step(model, state, settings)
     return count + 1, state, holding, waiting, write(view, holding, emitted, state.live)
 
@@ -412,12 +426,12 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
 
 def advance_resident(graphdef, params, pool: Pool, *, layout: RolloutLayout | None, **settings) -> tuple[Pool, Taken]:
   """`advance` from the parameters `params` of `graphdef`, in the sampler's own layout when
-  `layout` is given (as rollout.sample_resident): the pool enters it replicated and comes back laid
-  out by rows over the trainer mesh's batch axes. Traceable."""
+  `layout` is given (as rollout.sample_resident): the pool enters it by rows over the sampler's
+  data groups and comes back laid out by rows over the trainer mesh's batch axes. Traceable."""
   if layout is None:
     return advance(nnx.merge(graphdef, params), pool, **settings)
   resident = layout.place(params)
-  pool = layout.enter(pool)
+  pool = layout.rows(pool)
   with layout.active():
     pool, taken = advance(nnx.merge(graphdef, resident), pool, **settings)
   return layout.rows_to_source((pool, taken))
