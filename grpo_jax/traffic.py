@@ -166,6 +166,8 @@ def collectives(hlo: str, devices: int, marker: str = 'decode_loop') -> list[Col
       if kind is not None:
         where = _OP_NAME.search(line)
         groups = parse_groups(line, devices)
+        if not groups:  # a permute with no source-target pairs moves nothing
+          continue
         size = max(len(group) for group in groups)
         found.append(Collective(kind=kind, bytes=_bytes(kind, opcode, match.group(2), size), groups=groups,
                                 count=count, in_loop=in_loop, where=where.group(1) if where else ''))

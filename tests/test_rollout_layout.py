@@ -235,6 +235,22 @@ def test_replica_group_spellings():
   assert traffic.parse_groups("replica_groups=mesh['a'=4,'b'=2] {'b'}", 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
   assert traffic.parse_groups("replica_groups=mesh['a'=4,'b'=2] {'a'}", 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
   assert traffic.parse_groups('source_target_pairs={{0,1},{1,2}}', 4) == ((0, 1), (1, 2))
+  assert traffic.parse_groups('source_target_pairs={}', 4) == ()
+
+
+def test_a_permute_with_no_pairs_moves_nothing():
+  """XLA:GPU writes `source_target_pairs={}` for a permute that has nothing to send (seen in the
+  32B partial-rollout sampler): it is no collective, and the rest of the program is still read."""
+  hlo = """HloModule m
+
+ENTRY %main (p: f32[8,4]) -> f32[8,4] {
+  %p = f32[8,4]{1,0} parameter(0)
+  %collective-permute.1 = f32[8,4]{1,0} collective-permute(%p), channel_id=1, source_target_pairs={}
+  ROOT %all-reduce.2 = f32[8,4]{1,0} all-reduce(%collective-permute.1), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+}
+"""
+  found = traffic.collectives(hlo, 2)
+  assert [c.kind for c in found] == ['all-reduce'] and found[0].bytes == 8 * 4 * 4
 
 
 @dataclasses.dataclass(frozen=True)
