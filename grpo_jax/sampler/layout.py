@@ -153,18 +153,6 @@ class RolloutLayout:
     must carry the sampler's mesh (JAX checks the meshes of an operation's operands agree)."""
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec())), tree)
 
-  def rows(self, tree):
-    """Per-row arrays [R, ...] (a partial-rollout pool) laid out by rows over the sampler mesh's
-    data groups, as the sampler works on them; scalars replicated. Inside the decode loop each
-    group then reads and writes only its own rows."""
-    shape = dict(self.mesh.shape)
-
-    def relayout(x):
-      spec = spec_for(x.shape, ('batch',) + (None,) * (x.ndim - 1), shape) if x.ndim else PartitionSpec()
-      return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
-
-    return jax.tree.map(relayout, tree)
-
   def rows_to_source(self, tree):
     """Per-row outputs [R, ...] laid out by rows over the trainer mesh's batch axes (a local slice of
     the sampler's row layout), as the update expects them; scalars replicated."""
