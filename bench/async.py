@@ -7,6 +7,8 @@ default, capped at N), so an on-policy step waits for its longest answer while p
 keep every decode slot busy. Each step is the run's whole step (rl/step.py, K steps in one jit):
 prompts, rollout, a reward in JAX, advantages and the optax update, same model, slots, prompts
 per step, packed update (only real tokens are trained on) and CPU threads. The table also shows the tokens each step trained on and the lag.
+With --split a last row runs split devices at max_lag 1 (rollout.devices=1): the sampler on a
+second host device decodes the next step's groups while the first trains, the same cores shared.
 """
 
 import argparse
@@ -30,10 +32,15 @@ def parse_args():
   parser.add_argument('--steps', type=int, default=6, help='RL steps per timed call (one jit)')
   parser.add_argument('--threads', type=int, default=os.cpu_count())
   parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--split', action='store_true',
+                      help='also split devices at max_lag 1: sampler and trainer on one CPU device each, '
+                           'pipelined (rollout.devices=1; host loop, one step per call)')
   return parser.parse_args()
 
 
 args = parse_args()
+if args.split:  # a second host device for the sampler (the other modes use the first only)
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=2').strip()
 harness.limit_threads(args.threads)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
@@ -56,26 +63,36 @@ def main():
   mesh = make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
   runs, states, steps_of, out = {}, {}, {}, {}
   lags = [0] + [int(lag) for lag in args.lags.split(',') if lag]
-  for lag in lags:
+  modes = [(lag, False) for lag in lags] + ([(1, True)] if args.split else [])
+  for lag, split in modes:
     overrides = [f'rollout.prompts_per_step={P}', f'algo.group_size={G}', f'rollout.max_new_tokens={N}',
                  'rollout.temperature=1.0', 'algo.packing=true', f'algo.micro_batch_tokens={8 * (args.prompt_length + N)}', f'algo.max_lag={lag}', 'algo.tis_cap=2.0', 'optim.learning_rate=1e-5',
-                 f'train.steps_per_call={args.steps}', 'train.checkpoint_every=0']
+                 f'train.steps_per_call={args.steps}', 'train.checkpoint_every=0', f'rollout.devices={int(split)}']
     config = load_config(os.path.join(os.path.dirname(__file__), '..', 'configs', 'tiny_arith.yaml'), overrides)
     with jax.set_mesh(mesh):
       model = init_model(architecture, options=config.model.options, mesh=mesh, seed=0)
-      rl_step = build_rl_step(config, model, mesh, task)
-      state = create_train_state(nnx.state(model), rl_step.optimizer, 0, pool=rl_step.empty_pool)
+      rl_step = build_rl_step(config, model, mesh, task, sampler_devices=jax.devices()[1:2] if split else None)
+      state = create_train_state(nnx.state(model), rl_step.optimizer, 0, pool=rl_step.empty_pool,
+                                 shardings=rl_step.state_shardings)
       position = 0
       if rl_step.needs_priming(state):
         state, position = rl_step.prime(state, 0)
-    name = 'on-policy' if lag == 0 else f'partial rollouts, max_lag {lag}'
+    name = ('split devices, max_lag 1' if split else 'on-policy' if lag == 0 else f'partial rollouts, max_lag {lag}')
     states[name], steps_of[name] = [state, position], rl_step
 
-    def run(name=name):
+    def run(name=name, split=split):
       state, position = states[name]
       with jax.set_mesh(mesh):
-        state, metrics = steps_of[name].run_steps(state, None, position, args.steps)
-        metrics = jax.device_get(metrics)
+        if split:  # two programs on two devices: steps from the host, stacked like run_steps' metrics
+          rows = []
+          for index in range(args.steps):
+            state, row = steps_of[name](state, None, position + index * P)
+            rows.append(row)
+          metrics = {key: np.stack([np.asarray(row[key]) for row in jax.device_get(rows)]) for key in rows[0]}
+          state = jax.block_until_ready(state)  # the sampler's last advance is part of the call
+        else:
+          state, metrics = steps_of[name].run_steps(state, None, position, args.steps)
+          metrics = jax.device_get(metrics)
       states[name] = [state, position + args.steps * P]
       out.setdefault(name, []).append(metrics)
     runs[name] = run
