@@ -97,3 +97,34 @@ def test_compiler_log_lines_are_summarised_by_kind():
       "XLA:GPU's scheduler and its memory accounting disagreed (a compiler diagnostic; the figures above are the "
       "compiled program's) (1 log line)",
       'other compiler warnings (in --json under compiler_log) (1 log line)']
+
+
+@pytest.mark.slow
+def test_plan_of_split_devices_and_of_partial_rollouts(tmp_path):
+  """rollout.devices: the sampler's program on its own 4 devices, the weights' layout program and
+  the update on the trainer's 4; the bytes crossing per step are the sampler's resident weights;
+  the overlapped step is the pipeline's period. Partial rollouts on shared devices move no more per
+  decode step than activations (the slots pinned by rows: no all-to-all of the prompt caches)."""
+  lagged = ['--set', 'algo.max_lag=1', '--set', 'algo.tis_cap=2', '--set', 'algo.dynamic_sampling=false']
+  reports = {}
+  for name, extra in (('split', ['--set', 'rollout.devices=4']), ('shared', [])):
+    path = tmp_path / f'{name}.json'
+    result = _run('gpu', ['grpo_jax.plan', '--config', 'configs/tiny_math.yaml', '--target', 'h100x8', '--no-advice',
+                          '--json', str(path), *lagged, *extra], timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    reports[name] = json.loads(path.read_text())
+  split = reports['split']
+  assert [program['name'] for program in split['programs']] == ['rollout', 'transfer', 'update']
+  assert split['program_devices'] == {'rollout': 4, 'transfer': 4, 'update': 4}
+  assert split['mesh'] == {'data': 1, 'fsdp': 4, 'tensor': 1}
+  crossing = split['split']
+  assert crossing['sampler_devices'] == crossing['trainer_devices'] == 4
+  assert crossing['transfer_bytes_per_device'] == split['per_device']['resident_weights'] > 0
+  assert crossing['transfer_bytes'] == 4 * crossing['transfer_bytes_per_device']
+  estimate = split['estimate']
+  rollout, update = (estimate['programs'][name]['program_s'] for name in ('rollout', 'update'))
+  assert estimate['serial_s'] == pytest.approx(rollout + update + estimate['crossing_s'])
+  assert estimate['step_s'] == pytest.approx(max(rollout, update, estimate['serial_s'] / 2))
+  for name, report in reports.items():
+    per_step = report['programs'][0]['collectives']['per_decode_step']
+    assert per_step.get('all-to-all', 0) == 0 and per_step.get('all-reduce', 0) > 0, (name, per_step)
