@@ -241,5 +241,8 @@ train: {{steps: 6, checkpoint_every: 3, progress: false}}
     with open(tmp_path / name / 'metrics.jsonl') as f:
       rows[name] = without_timing([json.loads(line) for line in f])
   assert [row['step'] for row in rows['resumed']] == list(range(1, 7))
-  assert max(row['carried_requests'] for row in rows['whole']) > 0
+  # Groups stay in the pool across the checkpoint (their answers drawn again from the data). Whether
+  # an answer is also cut off depends on the random model stopping early at all (answers of equal
+  # length finish together); the kill/resume test of test_train carries requests on tiny_arith.
+  assert min(row['carried_groups'] for row in rows['whole']) > 0
   assert rows['resumed'] == rows['whole']

@@ -143,19 +143,21 @@ def _wait_for(predicate, process, timeout=240):
 @pytest.mark.parametrize('steps_per_call, packing, config', [
     (1, [], CONFIG), (5, ['algo.packing=true', 'algo.micro_batch_tokens=18'], CONFIG),
     (1, [], os.path.join(ROOT, 'configs', 'tiny_guess.yaml')),
-    (5, ['algo.max_lag=2', 'algo.tis_cap=2.0', 'rollout.slots=12'], CONFIG),
-    (1, ['algo.max_lag=2', 'algo.tis_cap=2.0', 'rollout.slots=12', 'rollout.devices=1'], CONFIG)],
-    ids=['host-loop', 'fused-packed', 'agent', 'fused-partial-rollouts', 'split-devices'])
+    (5, ['algo.max_lag=2', 'algo.tis_cap=2.0', 'rollout.slots=12'], CONFIG)],
+    ids=['host-loop', 'fused-packed', 'agent', 'fused-partial-rollouts'])
 def test_kill_and_resume_equals_uninterrupted(tmp_path, steps_per_call, packing, config):
   """The host loop with the padded update, the K-step jit with the packed one, the agent task
-  (episodes on the inference server, multi-turn trajectories), partial rollouts (the pool of
-  groups in flight is part of the checkpoint) and split devices (one sampler device beside one
-  trainer device: the pool and the groups sampled for the next step, on the sampler's device)."""
+  (episodes on the inference server, multi-turn trajectories) and partial rollouts (the pool of
+  groups in flight is part of the checkpoint). test_split.py runs it with split devices."""
+  kill_and_resume(tmp_path, steps_per_call, packing, config)
+
+
+def kill_and_resume(tmp_path, steps_per_call, settings, config=CONFIG, devices=1):
+  """A run killed with SIGKILL after its second checkpoint, resumed, equals an uninterrupted one."""
   steps = 60
   options = ['--set', f'train.steps_per_call={steps_per_call}', '--set', 'train.checkpoint_every=10']
-  options += [argument for setting in packing for argument in ('--set', setting)]
-  split = any(setting.startswith('rollout.devices=') for setting in packing)
-  start = functools.partial(_start, config=config, devices=2 if split else 1)
+  options += [argument for setting in settings for argument in ('--set', setting)]
+  start = functools.partial(_start, config=config, devices=devices)
   reference = start(tmp_path / 'whole', steps, *options)
   assert reference.wait(timeout=300) == 0, reference.stderr.read()
 
