@@ -32,6 +32,8 @@ def parse_args():
   parser.add_argument('--steps', type=int, default=6, help='RL steps per timed call (one jit)')
   parser.add_argument('--threads', type=int, default=os.cpu_count())
   parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--stale-groups', default='wait', choices=['wait', 'regenerate'],
+                      help='algo.stale_groups of the partial-rollout modes')
   parser.add_argument('--split', action='store_true',
                       help='also split devices at max_lag 1: sampler and trainer on one CPU device each, '
                            'pipelined (rollout.devices=1; host loop, one step per call)')
@@ -67,7 +69,8 @@ def main():
   for lag, split in modes:
     overrides = [f'rollout.prompts_per_step={P}', f'algo.group_size={G}', f'rollout.max_new_tokens={N}',
                  'rollout.temperature=1.0', 'algo.packing=true', f'algo.micro_batch_tokens={8 * (args.prompt_length + N)}', f'algo.max_lag={lag}', 'algo.tis_cap=2.0', 'optim.learning_rate=1e-5',
-                 f'train.steps_per_call={args.steps}', 'train.checkpoint_every=0', f'rollout.devices={int(split)}']
+                 f'train.steps_per_call={args.steps}', 'train.checkpoint_every=0', f'rollout.devices={int(split)}',
+                 f'algo.stale_groups={args.stale_groups}']
     config = load_config(os.path.join(os.path.dirname(__file__), '..', 'configs', 'tiny_arith.yaml'), overrides)
     with jax.set_mesh(mesh):
       model = init_model(architecture, options=config.model.options, mesh=mesh, seed=0)
@@ -78,6 +81,8 @@ def main():
       if rl_step.needs_priming(state):
         state, position = rl_step.prime(state, 0)
     name = ('split devices, max_lag 1' if split else 'on-policy' if lag == 0 else f'partial rollouts, max_lag {lag}')
+    if lag and args.stale_groups == 'regenerate':
+      name += ', regenerate'
     states[name], steps_of[name] = [state, position], rl_step
 
     def run(name=name, split=split):
@@ -101,7 +106,7 @@ def main():
   print(f'\n{args.preset}: {architecture.num_params() / 1e6:.0f}M params, {P} prompts x {G} samples per step, '
         f'{P * G} decode slots, cap N = {N}, target mean length {mean:.0f}; {args.steps} RL steps per call, '
         f'{jax.default_backend()}, {args.threads} threads, median of {args.repeats}')
-  print(f'{"mode":<30} {"warm-up s":>9} {"s/step":>8} {"steps/s":>8} {"vs on-policy":>12} {"decode it/step":>14} '
+  print(f'{"mode":<36} {"warm-up s":>9} {"s/step":>8} {"steps/s":>8} {"vs on-policy":>12} {"decode it/step":>14} '
         f'{"trained tok/step":>16} {"lag mean":>8} {"lag max":>7} {"occupancy":>9}')
   base = args.steps / results['on-policy'][1]
   for name, (first, seconds) in results.items():
@@ -110,7 +115,7 @@ def main():
     rate = args.steps / seconds
     lag_mean = float(np.mean(metrics['lag_mean'])) if 'lag_mean' in metrics else 0.0
     lag_max = int(np.max(metrics['lag_max'])) if 'lag_max' in metrics else 0
-    print(f'{name:<30} {first:>9.2f} {seconds / args.steps:>8.3f} {rate:>8.2f} {rate / base:>11.2f}x '
+    print(f'{name:<36} {first:>9.2f} {seconds / args.steps:>8.3f} {rate:>8.2f} {rate / base:>11.2f}x '
           f'{np.mean(metrics["decode_steps"]):>14.1f} {np.mean(metrics["completion_tokens"]):>16.0f} '
           f'{lag_mean:>8.2f} {lag_max:>7} {np.mean(metrics["slot_occupancy"]):>9.0%}')
   print('steps/s: whole RL steps (rollout, reward, update); decode it/step: decode-loop iterations per step; '
