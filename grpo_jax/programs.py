@@ -48,6 +48,20 @@ def _abstract(tree, shardings):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def _abstract_variables(variables, shardings):
+  """nnx Variables holding ShapeDtypeStructs placed by `shardings` (a State of NamedShardings)."""
+  return jax.tree.map(lambda variable, s: variable.replace(jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=s)),
+                      variables, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _abstract_scores(config: config_lib.Config, sharding) -> Scores:
+  """A step's Scores as ShapeDtypeStructs: a reward (and each reward term) per completion."""
+  rows = config.completions_per_step
+  row = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=sharding)
+  return Scores(rewards=row, failures=jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding),
+                terms={term.label: row for term in config.rewards})
+
+
 @dataclasses.dataclass
 class Program:
   """One compiled program: the compiler's memory figures, and its collectives per device by kind
@@ -144,8 +158,7 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
   model = abstract_model(architecture, config.model.options)
   abstract_params = nnx.state(model)
   shardings = sharding.state_shardings(abstract_params, mesh)
-  params = jax.tree.map(lambda variable, s: variable.replace(jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=s)),
-                        abstract_params, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  params = _abstract_variables(abstract_params, shardings)
   step = build_rl_step(config, model, mesh, task, params=params, resident=resident, sampler_devices=sampler_devices)
   state = _abstract(jax.eval_shape(functools.partial(init_train_state, optimizer=step.optimizer, seed=0), params,
                                    pool=step.empty_pool), step.state_shardings)
@@ -161,10 +174,7 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
     with jax.set_mesh(mesh):
       rollout = jax.eval_shape(step.traced.sample, state.params, prompts, prompts, key)
-    rows = config.completions_per_step
-    terms = {term.label: jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated) for term in config.rewards}
-    scores = Scores(rewards=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated),
-                    failures=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), terms=terms)
+    scores = _abstract_scores(config, replicated)
     rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
     sampler = (('rollout', step.jitted.advance, (state.params, state.pool, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)))
                if step.max_lag else ('rollout', step.jitted.sample, (state.params, prompts, prompts, key)))
@@ -178,16 +188,12 @@ def _split_programs(config, task, step, state, ref_params, replicated) -> StepPr
   sampler's layout, before each shard crosses) and 'update' (on the trainer's)."""
   layout = step.layout
   resident = jax.eval_shape(layout.mirror.place, state.params)
-  resident = jax.tree.map(lambda variable, s: variable.replace(jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=s)),
-                          resident, layout.shardings(resident), is_leaf=lambda x: isinstance(x, nnx.Variable))
+  resident = _abstract_variables(resident, layout.shardings(resident))
   on_sampler = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
   version = jax.ShapeDtypeStruct((), jnp.int32, sharding=on_sampler)
   ready = state.pool.ready
   prompts = jax.ShapeDtypeStruct(ready.prompt_tokens.shape, jnp.int32, sharding=replicated)
-  rows = config.completions_per_step
-  terms = {term.label: jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated) for term in config.rewards}
-  scores = Scores(rewards=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated),
-                  failures=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), terms=terms)
+  scores = _abstract_scores(config, replicated)
   rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), ready.rollout)
   programs = [('rollout', step.sampler_program, (resident, state.pool.pool, version)),
               ('transfer', place_program(layout.mirror), (state.params,)),

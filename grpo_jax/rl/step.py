@@ -140,8 +140,9 @@ class RLStep:
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     self.max_lag = algo_config.max_lag
     partial = self.max_lag > 0
-    # Split devices sample one version behind: the pool's own bound is one lag fewer.
-    self.pool_lag = self.max_lag - 1 if self.split else self.max_lag
+    # The pool's own bound (build.empty_pool sizes it (bound + 1) * P): with split devices one lag
+    # fewer than max_lag, as the sampler runs one version behind.
+    self.pool_lag = empty_pool.entries // self.prompts_per_step - 1 if partial else 0
     self.answers = None if task.jittable or not partial else _AnswerBook(task, self.prompts_per_step)
     self.traced = Stages(split_key=split_key, prompts=task.prompts, sample=self._sample, reward=task.reward,
                          learn=self._learn, fill=self._fill if partial else None,

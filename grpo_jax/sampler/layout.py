@@ -89,7 +89,7 @@ class RolloutLayout:
     """The sampler has devices of its own (rollout.devices), apart from the trainer's."""
     return set(self.mesh.devices.flat) != set(self.source.devices.flat)
 
-  @property
+  @functools.cached_property
   def mirror(self) -> 'RolloutLayout':
     """With split devices: the sampler's layout over the trainer's devices (the same mesh shape
     when the halves are equal, else the trainer's devices grouped by the same tensor size), where
