@@ -73,9 +73,19 @@ def main():
         outputs[name] = jax.block_until_ready(step(state, tokens, cache))[0]
       steps[name] = run
   results = harness.interleaved(steps, args.repeats)
+  # The two orders of summation agree to fp32 rounding in float32; in bfloat16 each layer's outputs
+  # are rounded to 8 bits of mantissa, so the logits differ by a few of those ulps after L layers:
+  # compared there by the relative norm, at bf16's usual 1e-2 scale. (Small preset, 4 layers, CPU:
+  # bf16 dense and bf16 blockwise are each 1.1e-2 from an fp32 dense reference and 1.2e-2 from each
+  # other; elementwise 1e-3 fails on the CPU as on the GPU.)
   for fill in ('10%', '100%'):
-    np.testing.assert_allclose(np.asarray(outputs[f'blockwise, {fill} full']), np.asarray(outputs[f'dense, {fill} full']),
-                               rtol=1e-3, atol=1e-3)
+    got = np.asarray(outputs[f'blockwise, {fill} full'], np.float64)
+    want = np.asarray(outputs[f'dense, {fill} full'], np.float64)
+    if args.dtype == 'float32':
+      np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    relative = np.linalg.norm(got - want) / np.linalg.norm(want)
+    print(f'blockwise vs dense logits at {fill} full: relative error {relative:.2e}')
+    assert relative < 2e-2, f'blockwise and dense decode attention disagree: relative error {relative:.2e}'
   kv = 2 * config.num_hidden_layers * B * S * config.num_key_value_heads * config.resolved_head_dim
   print(f'\n{args.preset}: {config.num_params() / 1e6:.0f}M params, {B} rows x {S} cache slots '
         f'({kv * jnp.dtype(args.dtype).itemsize / 2**20:.0f} MiB of K and V), block {args.block}, {args.dtype}, '
