@@ -1,4 +1,4 @@
-"""python -m conversion.orbax_to_hf --ckpt DIR --out DIR [--step N] [--like HF_DIR]
+"""python -m conversion.orbax_to_hf --ckpt DIR --out DIR [--step N] [--like HF_DIR] [--merge-lora | --peft]
 
 Converts a grpo_jax checkpoint back to Hugging Face safetensors + config.json, loadable by
 `transformers.AutoModelForCausalLM.from_pretrained`. --ckpt is a model checkpoint (config.json +
@@ -7,6 +7,10 @@ params/, as hf_to_orbax writes) or a training run's policy: its workdir, checkpo
 only the parameters are read, not the optimizer state. With --like, the original directory's
 config.json keys that grpo_jax does not model and its tokenizer files are carried over (a training
 run's tokenizer is otherwise taken from its task.tokenizer or model.path, where they still exist).
+
+A LoRA run's checkpoint holds only its adapters (the base is read again from the run's model.path):
+--merge-lora writes the base with the adapters merged in (W + s A B), a plain Hugging Face model;
+--peft writes the adapters alone as a PEFT adapter directory for `peft.PeftModel.from_pretrained`.
 """
 
 import argparse
@@ -18,6 +22,7 @@ import time
 from conversion.common import atomic_directory, host_mesh
 from grpo_jax.checkpoint import locate, restore_policy
 from grpo_jax.errors import UserError, cli_main
+from grpo_jax.model import lora
 from grpo_jax.model.config import load_hf_config
 from grpo_jax.model.loading import copy_tokenizer_files, is_orbax_checkpoint, load_orbax, save_hf
 from grpo_jax.model.qwen2 import ModelOptions
@@ -33,6 +38,10 @@ def main(argv=None):
   parser.add_argument('--like', help='original Hugging Face directory to take extra config keys and tokenizer from')
   parser.add_argument('--max-shard-gb', type=float, default=4.0, help='split safetensors above this size')
   parser.add_argument('--force', action='store_true', help='replace a non-empty --out')
+  exports = parser.add_mutually_exclusive_group()
+  exports.add_argument('--merge-lora', action='store_true',
+                       help='a LoRA run: write the base with the adapters merged into its weights')
+  exports.add_argument('--peft', action='store_true', help='a LoRA run: write the adapters as a PEFT adapter directory')
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
   start = time.perf_counter()
@@ -44,6 +53,9 @@ def main(argv=None):
                     'run\'s workdir or checkpoints')
   if args.step is not None and training is None:
     raise UserError('--step applies to a training run\'s checkpoints; --ckpt is a model checkpoint')
+  if (args.merge_lora or args.peft) and training is None:
+    raise UserError(f'--{"merge-lora" if args.merge_lora else "peft"} applies to a LoRA training run\'s checkpoints; '
+                    f'--ckpt {args.ckpt} is a model checkpoint')
   if args.like:
     load_hf_config(args.like)  # fail early on a wrong --like
   with atomic_directory(args.out, args.force) as staging:
@@ -53,8 +65,10 @@ def main(argv=None):
                          mesh=host_mesh())
       tokenizer = args.ckpt
     else:
-      model, tokenizer = trained_policy(*training, step=args.step)
-    save_hf(model, staging, max_shard_bytes=int(args.max_shard_gb * 2**30))
+      model, tokenizer, run_config = trained_policy(*training, step=args.step)
+      model = lora_export(model, run_config.model.path, args, staging)
+    if model is not None:
+      save_hf(model, staging, max_shard_bytes=int(args.max_shard_gb * 2**30))
     if args.like or tokenizer:
       copy_tokenizer_files(args.like or tokenizer, staging)
     if args.like:
@@ -63,7 +77,7 @@ def main(argv=None):
 
 
 def trained_policy(checkpoints: str, found_step: int | None, step: int | None):
-  """(model on the host, tokenizer directory or None) of a training run's checkpoint."""
+  """(model on the host, tokenizer directory or None, the run's config) of a training run's checkpoint."""
   from flax import nnx
 
   if step is not None and found_step is not None and step != found_step:
@@ -74,7 +88,33 @@ def trained_policy(checkpoints: str, found_step: int | None, step: int | None):
   tokenizer = next((path for path in (config.task.tokenizer, config.model.path)
                     if path and any(os.path.isfile(os.path.join(path, name)) for name in ('tokenizer.json', 'vocab.json'))),
                    None)
-  return nnx.merge(graphdef, params), tokenizer
+  return nnx.merge(graphdef, params), tokenizer, config
+
+
+def lora_export(model, base_path: str | None, args, staging: str):
+  """A LoRA policy as --merge-lora or --peft ask (--peft writes its directory here and returns None);
+  a full-parameter policy as it is. One line where the flags and the checkpoint disagree."""
+  import dataclasses
+
+  from flax import nnx
+
+  from grpo_jax.model.loading import abstract_model
+
+  settings = model.options.lora
+  if settings is None:
+    if args.merge_lora or args.peft:
+      raise UserError(f'--{"merge-lora" if args.merge_lora else "peft"}: --ckpt {args.ckpt} is from a full-parameter '
+                      'run (no model.lora): it holds no adapters; convert it without the flag')
+    return model
+  if not (args.merge_lora or args.peft):
+    raise UserError(f'--ckpt {args.ckpt} holds LoRA adapters (model.lora rank {settings.rank}): pass --merge-lora for '
+                    'a merged Hugging Face model, or --peft for a PEFT adapter directory')
+  state = nnx.state(model)
+  if args.peft:
+    lora.save_peft(state, settings, staging, base_path)
+    return None
+  plain = dataclasses.replace(model.options, lora=None, param_dtype=model.options.dtype)
+  return nnx.merge(nnx.graphdef(abstract_model(model.config, plain)), lora.merged(state, settings))
 
 
 def _merge_config(original_path: str, written_path: str) -> None:

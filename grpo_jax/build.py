@@ -7,6 +7,7 @@ import jax
 from flax import nnx
 
 from grpo_jax.data.task import TASKS, Task
+from grpo_jax.model import lora
 from grpo_jax.rl.host_task import HostTask
 from grpo_jax.rl.state import train_state_shardings
 from grpo_jax.rl.step import RLStep
@@ -55,8 +56,9 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
   # A host-scored task is adapted to the mesh; an agent task's acting stage places its own arrays.
   step_task = task if task.jittable or getattr(task, 'agent', None) is not None else HostTask(task, mesh)
   pool = empty_pool(config, task)
+  trained, frozen = lora.split_trainable(params)  # with LoRA the optimizer sees the adapters only
   return RLStep(graphdef, step_task, config.rollout, config.algo, optimizer, schedule,
-                train_state_shardings(params, optimizer, pool), layout=layout, empty_pool=pool, params=params)
+                train_state_shardings(trained, optimizer, pool, frozen), layout=layout, empty_pool=pool, params=params)
 
 
 def build_evaluator(config, task, graphdef, params):

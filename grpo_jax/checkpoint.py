@@ -147,7 +147,11 @@ def restore_policy(checkpoints: str, step: int | None, mesh, options=None):
                       f'{config.model.path} (where it was read from) is gone')
     else:
       architecture = config.model.architecture
-    graphdef, abstract = nnx.split(abstract_model(architecture, options if options is not None else config.model.options))
+    options = options if options is not None else config.model.options
+    if config.model.options.lora is not None:
+      params = _lora_policy(checkpointer, step, meta, config, architecture, options, mesh)
+      return params[0], params[1], config, step
+    graphdef, abstract = nnx.split(abstract_model(architecture, options))
     target = jax.tree.map(lambda variable, sharding: variable.replace(
         jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=sharding)),
         abstract, state_shardings(abstract, mesh), is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -156,3 +160,31 @@ def restore_policy(checkpoints: str, step: int | None, mesh, options=None):
     checkpointer.close()
   return graphdef, params, config, step
 
+
+
+def _lora_policy(checkpointer: Checkpointer, step: int, meta: dict, config, architecture, options, mesh):
+  """(graphdef, params) of a LoRA run's policy: its base read again from the run's model.path (or,
+  for a random base, drawn again from run.seed) with the checkpoint's adapters on it."""
+  import dataclasses
+
+  from flax import nnx
+
+  from grpo_jax.model import lora
+  from grpo_jax.model.config import to_hf_dict
+  from grpo_jax.model.loading import ModelConfig
+
+  where = f'{checkpointer.directory}/{step}'
+  path = config.model.path
+  if path and not os.path.exists(path):
+    raise UserError(f'{where} holds LoRA adapters of the base model.path={path}, which is gone: the base weights are '
+                    'not in the checkpoint')
+  stored = meta.get('base') or {}
+  here = lora.base_fingerprint(to_hf_dict(architecture, dtype=config.model.options.param_dtype))
+  if stored.get('architecture_hash') not in (None, here):
+    raise UserError(f'{where}: its base model ({path}) no longer has the architecture the adapters were trained on '
+                    f'(hash {stored["architecture_hash"]}, now {here})')
+  options = dataclasses.replace(options, lora=config.model.options.lora)
+  model = ModelConfig(path=path, architecture=architecture, options=options).build(mesh, config.run.seed)
+  graphdef, state = nnx.split(model)
+  trained, frozen = lora.split_trainable(state)
+  return graphdef, lora.join(checkpointer.restore_params(step, trained), frozen)

@@ -142,6 +142,9 @@ def _coerce(kind, value, key: str):
     options = typing.get_args(kind)
     if value is None and type(None) in options:
       return None
+    present = [option for option in options if option is not type(None)]
+    if len(present) == 1:  # an optional field: its own error, which names the key inside it
+      return _coerce(present[0], value, key)
     errors = []
     for option in options:
       if option is type(None):

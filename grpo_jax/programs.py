@@ -18,7 +18,7 @@ from grpo_jax import targets, traffic
 from grpo_jax.build import build_rl_step
 from grpo_jax.data.task import TASKS, Scores
 from grpo_jax.errors import UserError
-from grpo_jax.model import sharding
+from grpo_jax.model import lora, sharding
 from grpo_jax.model.config import load_hf_config
 from grpo_jax.model.loading import abstract_model
 from grpo_jax.rl.state import init_train_state
@@ -160,9 +160,11 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
   shardings = sharding.state_shardings(abstract_params, mesh)
   params = _abstract_variables(abstract_params, shardings)
   step = build_rl_step(config, model, mesh, task, params=params, resident=resident, sampler_devices=sampler_devices)
-  state = _abstract(jax.eval_shape(functools.partial(init_train_state, optimizer=step.optimizer, seed=0), params,
-                                   pool=step.empty_pool), step.state_shardings)
-  ref_params = params if config.algo.kl_beta > 0 else None
+  trained, frozen = lora.split_trainable(params)
+  state = _abstract(jax.eval_shape(functools.partial(init_train_state, optimizer=step.optimizer, seed=0), trained,
+                                   pool=step.empty_pool, frozen=frozen), step.state_shardings)
+  # pi_ref: a copy of the policy; with LoRA the state's own base (adapters off), no copy.
+  ref_params = params if config.algo.kl_beta > 0 and frozen is None else None
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   if step.split:
     return _split_programs(config, task, step, state, ref_params, replicated)
@@ -173,11 +175,11 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
     prompts = jax.ShapeDtypeStruct((config.rollout.prompts_per_step, task.prompt_length), jnp.int32, sharding=replicated)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
     with jax.set_mesh(mesh):
-      rollout = jax.eval_shape(step.traced.sample, state.params, prompts, prompts, key)
+      rollout = jax.eval_shape(step.traced.sample, state.policy, prompts, prompts, key)
     scores = _abstract_scores(config, replicated)
     rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
-    sampler = (('rollout', step.jitted.advance, (state.params, state.pool, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)))
-               if step.max_lag else ('rollout', step.jitted.sample, (state.params, prompts, prompts, key)))
+    sampler = (('rollout', step.jitted.advance, (state.policy, state.pool, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)))
+               if step.max_lag else ('rollout', step.jitted.sample, (state.policy, prompts, prompts, key)))
     programs = [sampler, ('update', step.jitted.learn, (state, ref_params, prompts, prompts, rollout, scores))]
   return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=step.layout)
 
@@ -187,7 +189,7 @@ def _split_programs(config, task, step, state, ref_params, replicated) -> StepPr
   the resident weights), 'transfer' (the weights cast and laid out on the trainer's devices as the
   sampler's layout, before each shard crosses) and 'update' (on the trainer's)."""
   layout = step.layout
-  resident = jax.eval_shape(layout.mirror.place, state.params)
+  resident = jax.eval_shape(layout.mirror.place, state.policy)
   resident = _abstract_variables(resident, layout.shardings(resident))
   on_sampler = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
   version = jax.ShapeDtypeStruct((), jnp.int32, sharding=on_sampler)
@@ -196,7 +198,7 @@ def _split_programs(config, task, step, state, ref_params, replicated) -> StepPr
   scores = _abstract_scores(config, replicated)
   rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), ready.rollout)
   programs = [('rollout', step.sampler_program, (resident, state.pool.pool, version)),
-              ('transfer', place_program(layout.mirror), (state.params,)),
+              ('transfer', place_program(layout.mirror), (state.policy,)),
               ('update', step.trainer_program, (state.replace(pool=None), ref_params, prompts, prompts, rollout, scores))]
   return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=layout,
                       devices=dict(rollout=list(layout.mesh.devices.reshape(-1))))

@@ -25,7 +25,7 @@ from grpo_jax.build import build_evaluator, build_rl_step, build_task
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.data.task import Task
 from grpo_jax.errors import UserError, cli_main
-from grpo_jax.model import sharding
+from grpo_jax.model import lora, sharding
 from grpo_jax.model.config import to_hf_dict
 from grpo_jax.rl.state import create_train_state
 from grpo_jax.sampler.layout import split_devices
@@ -81,6 +81,36 @@ def changed_keys(before: dict, after: dict) -> list[str]:
           if old.get(key) != new.get(key)]
 
 
+def base_record(config: config_lib.Config, architecture: dict) -> dict:
+  """What a checkpoint records of the weights it was trained on: with LoRA (whose checkpoints hold
+  only the adapters) the base's path and a hash of its architecture, and the adapters' settings."""
+  options = config.model.options
+  if options.lora is None:
+    return dict(lora=None)
+  return dict(lora=config_lib.to_dict(config)['model']['lora'], path=config.model.path,
+              architecture_hash=lora.base_fingerprint(architecture))
+
+
+def check_base(checkpointer: Checkpointer, step: int, base: dict) -> None:
+  """One line when checkpoint `step` was trained with other weights than this run's: LoRA against a
+  full-parameter run (either way), another base model, or other adapters."""
+  stored = checkpointer.meta(step).get('base', dict(lora=None))
+  where = f'checkpoint {checkpointer.directory}/{step}'
+  if (stored['lora'] is None) != (base['lora'] is None):
+    if base['lora'] is not None:
+      raise UserError(f'{where} is from a full-parameter run; model.lora cannot resume from it (train LoRA in a new '
+                      'workdir, with that run\'s exported policy as model.path if it is the base you want)')
+    raise UserError(f'{where} holds LoRA adapters (model.lora was {stored["lora"]}); set the same model.lora to '
+                    'resume, or export it merged (conversion.orbax_to_hf --merge-lora) to train all parameters')
+  if base['lora'] is None:
+    return
+  if stored['architecture_hash'] != base['architecture_hash']:
+    raise UserError(f'{where} trained adapters on another base model ({stored["path"]}, architecture hash '
+                    f'{stored["architecture_hash"]}) than model.path={base["path"]} (hash {base["architecture_hash"]})')
+  if stored['lora'] != base['lora']:
+    raise UserError(f'{where} holds adapters of model.lora={stored["lora"]}, this run asks for {base["lora"]}')
+
+
 def to_host(metrics: dict) -> dict:
   return {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
 
@@ -95,12 +125,15 @@ class Run:
       raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but model vocab_size is '
                       f'{model.config.vocab_size}')
     params = nnx.state(model)
-    # beta = 0 keeps no reference policy in memory.
-    self.ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
+    trained, frozen = lora.split_trainable(params)  # with LoRA: the adapters, and the frozen base
+    # beta = 0 keeps no reference policy in memory; nor does LoRA, whose pi_ref is its base.
+    self.ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 and frozen is None else None
     self.rl_step = build_rl_step(config, model, mesh, task)
     with jax.set_mesh(mesh):
-      self.state = create_train_state(params, self.rl_step.optimizer, config.run.seed, pool=self.rl_step.empty_pool,
-                                      shardings=self.rl_step.state_shardings)
+      self.state = create_train_state(trained, self.rl_step.optimizer, config.run.seed, pool=self.rl_step.empty_pool,
+                                      shardings=self.rl_step.state_shardings, frozen=frozen)
+    self.architecture = to_hf_dict(model.config, dtype=config.model.options.param_dtype)  # in each checkpoint, for export
+    self.base = base_record(config, self.architecture)
     checkpoints = os.path.join(workdir, 'checkpoints')
     try:  # a new workdir gets its (empty) checkpoints directory; an existing one is not changed
       os.makedirs(checkpoints, exist_ok=True)
@@ -111,7 +144,9 @@ class Run:
     self.saved_step = self.checkpointer.latest_step()
     if self.saved_step is not None:
       try:
-        self.state, meta = self.checkpointer.restore(self.saved_step, self.state)
+        check_base(self.checkpointer, self.saved_step, self.base)
+        restored, meta = self.checkpointer.restore(self.saved_step, self.state.checkpointed())
+        self.state = restored.replace(frozen=self.state.frozen)
       except UserError:
         self.checkpointer.close()  # its background threads would otherwise die noisily at exit
         raise
@@ -134,7 +169,6 @@ class Run:
       print(f'# resolved config (saved to {workdir}/config.yaml)\n{resolved}', flush=True)
     self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step, write=self.primary)
     self.num_params = model.config.num_params()
-    self.architecture = to_hf_dict(model.config, dtype=config.model.options.param_dtype)  # in each checkpoint, for export
     self.peak_flops = metrics_lib.matmul_peak_flops(config.model.options.dtype)
     self.step_flops = metrics_lib.model_flops_per_step(self.num_params, task.prompt_length, config.rollout, config.algo)
 
@@ -187,8 +221,8 @@ class Run:
 
   def save(self) -> None:
     meta = dict(step=self.step, data_position=self.data_position, config=config_lib.to_dict(self.config),
-                architecture=self.architecture)
-    self.checkpointer.save(self.step, self.state, meta)
+                architecture=self.architecture, base=self.base)
+    self.checkpointer.save(self.step, self.state.checkpointed(), meta)
     self.saved_step = self.step
 
   def check_skips(self) -> None:
@@ -213,7 +247,7 @@ class InTrainingEval:
 
   def __init__(self, config: config_lib.Config, workdir: str, run: 'Run', task: Task):
     self.every, self.total, self.workdir, self.run = config.eval.every, config.train.steps, workdir, run
-    self.evaluator = build_evaluator(config, task, run.rl_step.graphdef, run.state.params)
+    self.evaluator = build_evaluator(config, task, run.rl_step.graphdef, run.state.policy)
     self.log = metrics_lib.MetricsLog(workdir, resume_step=run.step, tensorboard=False, name='eval.jsonl',
                                       write=run.primary)
 
@@ -223,7 +257,7 @@ class InTrainingEval:
   def __call__(self) -> dict:
     step = self.run.step
     with jax.set_mesh(self.run.mesh):
-      summary = self.evaluator.run(self.run.state.params, os.path.join(self.workdir, 'eval', f'samples_{step}.jsonl'))
+      summary = self.evaluator.run(self.run.state.policy, os.path.join(self.workdir, 'eval', f'samples_{step}.jsonl'))
     self.log.write(step, summary)
     shown = ', '.join(f'{name[5:]} {value:.3f}' for name, value in summary.items()
                       if name.count('/') == 1 and isinstance(value, float))

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.errors import UserError, checkpoint_read, quiet_abandoned_reads, require, root_cause
-from grpo_jax.model import weights
+from grpo_jax.model import lora, weights
 from grpo_jax.model.config import Qwen2Config, load_hf_config, to_hf_dict
 from grpo_jax.model.qwen2 import DType, ModelOptions, Qwen2
 from grpo_jax.model.sharding import MeshConfig, make_mesh, state_shardings
@@ -285,9 +285,28 @@ class ModelConfig:
     if self.options.attention == 'cudnn' and jax.default_backend() != 'gpu':
       raise UserError(f'model.attention: cudnn runs on NVIDIA GPUs only; this run\'s devices are '
                       f'{jax.default_backend()} (use dense or chunked)')
+    if self.options.lora is not None:  # the base in the compute dtype, then the adapters on it
+      base = dataclasses.replace(self.options, lora=None, param_dtype=self.options.dtype)
+      model = (from_pretrained(self.path, mesh=mesh, options=base) if self.path else
+               init_model(self.architecture, options=base, mesh=mesh, seed=seed))
+      return with_adapters(model, self.options, mesh or _single_device_mesh(), seed)
     if self.path:
       return from_pretrained(self.path, mesh=mesh, options=self.options)
     return init_model(self.architecture, options=self.options, mesh=mesh, seed=seed)
+
+
+def with_adapters(model: Qwen2, options: ModelOptions, mesh: Mesh, seed: int) -> Qwen2:
+  """`model` (no adapters; its parameters in the compute dtype) with fresh LoRA factors of
+  `options.lora` on it, drawn from `seed` as `init_model` draws them, laid out over `mesh`. The
+  base's arrays are used as they are."""
+  graphdef, abstract = nnx.split(abstract_model(model.config, options))
+  adapter_shardings = state_shardings(lora.split_trainable(abstract)[0], mesh)
+
+  @functools.partial(jax.jit, out_shardings=adapter_shardings)
+  def create():  # only the adapters leave: the rest of this init is dead code to XLA
+    return lora.split_trainable(nnx.state(Qwen2(model.config, options, rngs=nnx.Rngs(seed))))[0]
+
+  return nnx.merge(graphdef, lora.join(create(), nnx.state(model)))
 
 
 def load_tokenizer(path: str):

@@ -35,6 +35,7 @@ from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, DECODE_ATTENTIO
                                       DecodeAttention, attention_mask, cache_attention, reads_stacked_cache,
                                       sequence_attention)
 from grpo_jax.model.config import Qwen2Config
+from grpo_jax.model.lora import TARGETS, Adapter, LoraConfig, adapter_names, adapter_shapes, init_a
 from grpo_jax.model.sharding import constrain
 
 DType = Literal['float32', 'bfloat16']
@@ -61,6 +62,8 @@ class ModelOptions:
   attention_chunk: int = 512  # queries per chunk with attention='chunked'
   decode_attention: DecodeAttention = 'dense'  # attention over the KV cache while decoding (attention.py)
   decode_block: int = 256  # cache slots per block of 'blockwise' and 'pallas' decode attention
+  # Low-rank adapters (model/lora.py): the base frozen in `dtype`, the adapters in `param_dtype`.
+  lora: LoraConfig | None = None
 
   def __post_init__(self):
     choices = {'dtype': typing.get_args(DType), 'param_dtype': typing.get_args(ParamDType),
@@ -184,25 +187,34 @@ def matmul(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
 
 
 def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Attend, *,
-                  config: Qwen2Config, dtype) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-  """One pre-norm decoder layer. params: one layer's slice of `LAYER_PARAMS`; x: [B, T, D];
+                  config: Qwen2Config, dtype, lora_scale: float = 0.0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """One pre-norm decoder layer. params: one layer's slice of `LAYER_PARAMS` (and of the LoRA
+  factors, added to their projection's output scaled by `lora_scale`, unmerged); x: [B, T, D];
   positions: [B, T]; attend(q [B, T, N, H], k, v [B, T, K, H]) -> [B, T, N, H] is the attention
   (over the T tokens, and for `extend` over the cache too). -> (x [B, T, D], this layer's keys and
   values [B, T, K, H] in the compute dtype).
   """
   p = {name: value.astype(dtype) for name, value in params.items()}
+
+  def project(x, target, contract=1):
+    y = matmul(x, p[TARGETS[target][0]], contract)
+    a, b = adapter_names(target)
+    if a not in p:
+      return y
+    return y + (matmul(matmul(x, p[a], contract), p[b]) * jnp.asarray(lora_scale, dtype)).astype(y.dtype)
+
   h = rms_norm(x, p['attn_norm'], config.rms_norm_eps)
-  q, k, v = matmul(h, p['q_weight']), matmul(h, p['k_weight']), matmul(h, p['v_weight'])
+  q, k, v = project(h, 'q'), project(h, 'k'), project(h, 'v')
   if config.attention_bias:
     q, k, v = q + p['q_bias'], k + p['k_bias'], v + p['v_bias']
   if config.qk_norm:  # each head's query and key normalised over H, before the rotation
     q, k = rms_norm(q, p['q_norm'], config.rms_norm_eps), rms_norm(k, p['k_norm'], config.rms_norm_eps)
   q = apply_rope(q, positions, config.rope_theta)
   k = apply_rope(k, positions, config.rope_theta)
-  x = x + matmul(attend(q, k, v), p['o_weight'], contract=2)
+  x = x + project(attend(q, k, v), 'o', contract=2)
   x = constrain(x, ('batch', 'seq', 'act_embed'))
   h = rms_norm(x, p['mlp_norm'], config.rms_norm_eps)
-  x = x + matmul(jax.nn.silu(matmul(h, p['gate_weight'])) * matmul(h, p['up_weight']), p['down_weight'])
+  x = x + project(jax.nn.silu(project(h, 'gate')) * project(h, 'up'), 'down')
   return constrain(x, ('batch', 'seq', 'act_embed')), (k, v)
 
 
@@ -256,6 +268,16 @@ class DecoderLayers(nnx.Module):
     self.up_weight = weight((L, D, F), ('layers', 'embed', 'mlp'))
     self.down_weight = weight((L, F, D), ('layers', 'mlp', 'embed'))
 
+  def add_adapters(self, lora: LoraConfig, key: jax.Array, dtype) -> None:
+    """LoRA factors on the `lora.targets` projections (model/lora.py): A drawn from `key`, B zero."""
+    for target, target_key in zip(lora.targets, jax.random.split(key, len(lora.targets))):
+      stacked = getattr(self, TARGETS[target][0])
+      (a_shape, a_axes), (b_shape, b_axes) = adapter_shapes(target, stacked.shape, stacked.logical_axes, lora.rank)
+      a_name, b_name = adapter_names(target)
+      setattr(self, a_name, Adapter(init_a(target_key, a_shape, dtype), logical_axes=a_axes))
+      setattr(self, b_name, Adapter(jnp.zeros(b_shape, dtype), logical_axes=b_axes))
+    self.names = self.names + tuple(name for target in lora.targets for name in adapter_names(target))
+
   def arrays(self) -> dict:
     return {name: getattr(self, name)[...] for name in self.names}
 
@@ -280,6 +302,8 @@ class Qwen2(nnx.Module):
     if not config.tie_word_embeddings:
       self.lm_head = nnx.Param(normal(rngs.params(), (D, V), self.param_dtype),
                                logical_axes=('embed', 'vocab'))
+    if options.lora is not None:  # drawn last: the base weights are those of the same seed without LoRA
+      self.layers.add_adapters(options.lora, rngs.params(), jnp.dtype(options.param_dtype))
 
   @property
   def dtype(self) -> jnp.dtype:
@@ -288,8 +312,13 @@ class Qwen2(nnx.Module):
 
   @property
   def param_dtype(self) -> jnp.dtype:
-    """Storage dtype of the parameters."""
-    return jnp.dtype(self.options.param_dtype)
+    """Storage dtype of the (base) parameters: with LoRA the frozen base is held in the compute
+    dtype, and `options.param_dtype` is the adapters'."""
+    return jnp.dtype(self.options.dtype if self.options.lora is not None else self.options.param_dtype)
+
+  @property
+  def lora_scale(self) -> float:
+    return 0.0 if self.options.lora is None else self.options.lora.scale
 
   def run_layers(self, x: jax.Array, layer: Callable, xs=None) -> tuple[jax.Array, typing.Any]:
     """Runs the L layers on x [B, T, D]: `layer(x, params, xs_l) -> (x, out_l)`, where params is
@@ -323,7 +352,8 @@ class Qwen2(nnx.Module):
       positions = segment_positions(segment_ids)
     slots = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     attend = sequence_attention(self.options.attention, slots, segment_ids, self.options.attention_chunk)
-    block = functools.partial(decoder_block, attend=attend, config=self.config, dtype=self.dtype)
+    block = functools.partial(decoder_block, attend=attend, config=self.config, dtype=self.dtype,
+                              lora_scale=self.lora_scale)
     if self.options.remat != 'none':
       block = jax.checkpoint(block, policy=_REMAT_POLICIES[self.options.remat])
 
@@ -415,7 +445,8 @@ class Qwen2(nnx.Module):
         return cache_attention(implementation, q, new, parts, cache.k, cache.v, own, cache_mask, cache.length,
                                cache.segment_ids, segment_ids, query_slots, self.options.decode_block)
 
-      return decoder_block(params, x, positions, attend, config=self.config, dtype=self.dtype)
+      return decoder_block(params, x, positions, attend, config=self.config, dtype=self.dtype,
+                           lora_scale=self.lora_scale)
 
     own = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32) if stacked else (cache.k, cache.v)
     layer_caches = (own,) + (() if prefix is None else (prefix.k, prefix.v))

@@ -8,6 +8,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
+from grpo_jax.model import lora
 from grpo_jax.model.sharding import named_sharding
 
 
@@ -16,22 +17,37 @@ class TrainState:
   """Everything that changes during training (and is checkpointed)."""
 
   step: jax.Array  # int32 RL steps done: the run's one step counter
-  params: nnx.State  # master parameters (param_dtype)
+  params: nnx.State  # the trained parameters (param_dtype): all of them, or with LoRA the adapters
   opt_state: optax.OptState
   key: jax.Array  # uint32[2] PRNG state for rollouts and mini-batch shuffling
   updates: jax.Array  # int32 optimizer updates applied (drives the learning-rate schedule)
   skips: jax.Array  # int32 consecutive updates skipped for non-finite loss or gradients
   # Prompt groups in flight between steps (sampler/partial.Pool) with algo.max_lag > 0; None on-policy.
   pool: object = None
+  # With LoRA (model.lora), the frozen base parameters in the compute dtype: an input of every
+  # jitted step that passes through it unchanged (donated, so aliased: never copied), and never
+  # checkpointed (`checkpointed`); None without LoRA.
+  frozen: nnx.State | None = None
+
+  @property
+  def policy(self) -> nnx.State:
+    """The policy's whole parameter state, the model's graphdef merges with (the same arrays)."""
+    return lora.join(self.params, self.frozen)
+
+  def checkpointed(self) -> 'TrainState':
+    """What a checkpoint holds: all but the frozen base (which comes from model.path again)."""
+    return self.replace(frozen=None)
 
 
-def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int, pool=None) -> TrainState:
+def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int, pool=None,
+                     frozen=None) -> TrainState:
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
                     key=jax.random.PRNGKey(seed), updates=jnp.zeros((), jnp.int32),
-                    skips=jnp.zeros((), jnp.int32), pool=pool)
+                    skips=jnp.zeros((), jnp.int32), pool=pool, frozen=frozen)
 
 
-def train_state_shardings(params: nnx.State, optimizer: optax.GradientTransformation, pool=None) -> TrainState:
+def train_state_shardings(params: nnx.State, optimizer: optax.GradientTransformation, pool=None,
+                          frozen=None) -> TrainState:
   """The one layout of a TrainState: the parameters as they lie (the logical-axis rules of
   model/sharding.py), every optimizer leaf that mirrors a parameter (AdamW's moments) laid out
   like that parameter, so FSDP shards the optimizer state too, and the counters and key
@@ -43,7 +59,8 @@ def train_state_shardings(params: nnx.State, optimizer: optax.GradientTransforma
                                         jax.eval_shape(optimizer.init, params), param_shardings,
                                         transform_non_params=lambda _: replicated)
   return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, key=replicated,
-                    updates=replicated, skips=replicated, pool=pool_shardings(pool, replicated.mesh))
+                    updates=replicated, skips=replicated, pool=pool_shardings(pool, replicated.mesh),
+                    frozen=None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen))
 
 
 def pool_shardings(pool, mesh):
@@ -54,15 +71,16 @@ def pool_shardings(pool, mesh):
 
 
 def create_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int,
-                       pool=None, shardings: TrainState | None = None) -> TrainState:
+                       pool=None, shardings: TrainState | None = None, frozen=None) -> TrainState:
   """A fresh TrainState in `shardings` (default `train_state_shardings`), built on the parameters'
   devices; `pool`: an empty partial-rollout pool (sampler/partial.empty_pool) or None. A pool laid
-  out on other devices (the sampler's, split devices) is placed there on its own."""
-  shardings = train_state_shardings(params, optimizer, pool) if shardings is None else shardings
+  out on other devices (the sampler's, split devices) is placed there on its own. `frozen`: a LoRA
+  model's base, kept as it lies."""
+  shardings = train_state_shardings(params, optimizer, pool, frozen) if shardings is None else shardings
   mesh = jax.tree.leaves(shardings.params)[0].mesh
   apart = pool is not None and jax.tree.leaves(shardings.pool)[0].mesh != mesh
   init = jax.jit(functools.partial(init_train_state, optimizer=optimizer, seed=seed),
                  out_shardings=shardings.replace(pool=None) if apart else shardings)
   if not apart:
-    return init(params, pool=pool)
-  return init(params).replace(pool=jax.device_put(pool, shardings.pool))
+    return init(params, pool=pool, frozen=frozen)
+  return init(params, frozen=frozen).replace(pool=jax.device_put(pool, shardings.pool))

@@ -188,7 +188,7 @@ class RLStep:
     prompts = stages.prompts(prompt_key, position, self.prompts_per_step)
     if stages.advance is not None:
       state = self._join(stages, state, prompts, sample_key, prompt_key, position)
-      pool, taken = stages.advance(state.params, state.pool, state.step)
+      pool, taken = stages.advance(state.policy, state.pool, state.step)
       state = state.replace(pool=pool)
       observe('rollout', taken.rollout)
       prompts = self._taken_prompts(taken)
@@ -196,10 +196,10 @@ class RLStep:
       observe('reward', scores)
       return state, Round(prompts, taken.rollout, scores, taken.metrics)
     if stages.act is not None:
-      rollout, scores = stages.act(state.params, prompts, sample_key, self.algo.group_size)
+      rollout, scores = stages.act(state.policy, prompts, sample_key, self.algo.group_size)
       observe('rollout', rollout)
     else:
-      rollout = stages.sample(state.params, prompts.tokens, prompts.mask, sample_key)
+      rollout = stages.sample(state.policy, prompts.tokens, prompts.mask, sample_key)
       observe('rollout', rollout)
       scores = stages.reward(rollout, prompts, self.algo.group_size)
     observe('reward', scores)
@@ -271,7 +271,7 @@ class RLStep:
       prompts = self.jitted.prompts(prompt_key, at, self.prompts_per_step)
       state = self._join(self.jitted, state, prompts, sample_key, prompt_key, at)
       if self.split and index == self.max_lag - 1:  # the groups step 0 trains on
-        pipeline, _ = self.jitted.advance(state.params, state.pool, state.step)
+        pipeline, _ = self.jitted.advance(state.policy, state.pool, state.step)
         state = state.replace(pool=pipeline)
     return state, self.max_lag * self.prompts_per_step
 

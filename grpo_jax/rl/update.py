@@ -21,6 +21,7 @@ import optax
 from flax import nnx, struct
 
 from grpo_jax.errors import require
+from grpo_jax.model import lora
 from grpo_jax.model.sharding import batch_groups
 from grpo_jax.rl import algo, packing
 from grpo_jax.rl.algo import AlgoConfig
@@ -178,8 +179,13 @@ def _score(graphdef, params, inputs: LossInputs, micro: MicroBatches, settings: 
 def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, graphdef,
            optimizer: optax.GradientTransformation, schedule: optax.Schedule,
            settings: UpdateSettings) -> tuple[TrainState, dict]:
-  """mu passes of mini-batch optimizer updates over `batch`. Traceable (rl/step.py jits it)."""
+  """mu passes of mini-batch optimizer updates over `batch`. Traceable (rl/step.py jits it).
+  ref_params: pi_ref's whole parameter state (algo.kl_beta > 0); None with LoRA, where pi_ref is
+  the state's own base with the adapters off."""
   config = settings.algo
+  if config.kl_beta > 0 and ref_params is None:
+    require(state.frozen is not None, 'ref_params', 'are needed for algo.kl_beta > 0 without LoRA')
+    ref_params = lora.join(lora.adapters_off(state.params), state.frozen)
   completion_length = batch.completion_length
   rows = LossInputs(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask, advantages=batch.advantages,
                     sampler_log_probs=batch.sampler_log_probs, lags=batch.lags)
@@ -187,7 +193,7 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
   if not settings.on_policy or config.kl_beta > 0:
     scoring = MicroBatches.of(settings, batch.tokens, batch.segment_ids, completion_length, settings.micro_rows)
     rows = rows.replace(
-        old_log_probs=None if settings.on_policy else _score(graphdef, state.params, rows, scoring, settings),
+        old_log_probs=None if settings.on_policy else _score(graphdef, state.policy, rows, scoring, settings),
         ref_log_probs=_score(graphdef, ref_params, rows, scoring, settings) if config.kl_beta > 0 else None)
 
   key, shuffle_key = jax.random.split(state.key)
@@ -196,7 +202,10 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
   else:
     orders = [jnp.arange(settings.rows)] * config.ppo_epochs
   orders = jnp.stack(orders).reshape(-1, settings.minibatch_rows)  # [mu * minibatches, rows per minibatch]
-  grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
+  # Gradients with respect to the trained parameters only (with LoRA: the adapters; the frozen base
+  # is a constant of the loss, so no weight gradient of it is ever formed).
+  grad_fn = jax.value_and_grad(lambda trained, *args: policy_loss(lora.join(trained, state.frozen), *args),
+                               has_aux=True)
 
   def minibatch_update(carry, order):
     params, opt_state, updates, skips = carry

@@ -1,0 +1,177 @@
+"""Low-rank adapters (LoRA) on the decoder's projections: the `model.lora` section, the adapter
+parameters' shapes and layout, and the split of a model's state into what trains and what stays.
+
+A projection y = x W with W [*I, *O] gains two factors, A [*I, r] and B [r, *O], and computes
+y = x W + s (x A) B with s = alpha / r (alpha / sqrt(r) with `rslora`). B starts at zero, so the
+adapted model equals the base exactly at step 0; A starts as PEFT draws it (uniform in
++-1/sqrt(fan_in)). Both factors are stacked over layers like the weights ([L, *I, r], [L, r, *O])
+and carry logical axes, so they shard with their weight: A by the weight's input axes, B by its
+output axes (column- and row-parallel as the weight is), the rank replicated.
+
+With LoRA the base weights are frozen and held in the compute dtype; only the adapters (in
+`param_dtype`) are trained, carried by the optimizer and checkpointed. Adapters are a Variable type
+of their own (`Adapter`), so a model's state splits by type: `split_trainable`.
+"""
+
+import dataclasses
+import hashlib
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_jax.errors import require
+
+# Projection name -> (weight parameter, PEFT module path within a layer).
+TARGETS = {
+    'q': ('q_weight', 'self_attn.q_proj'),
+    'k': ('k_weight', 'self_attn.k_proj'),
+    'v': ('v_weight', 'self_attn.v_proj'),
+    'o': ('o_weight', 'self_attn.o_proj'),
+    'gate': ('gate_weight', 'mlp.gate_proj'),
+    'up': ('up_weight', 'mlp.up_proj'),
+    'down': ('down_weight', 'mlp.down_proj'),
+}
+# Leading input dimensions each weight contracts (o_weight [L, N, H, D] contracts N and H).
+CONTRACT = {'o': 2}
+
+
+class Adapter(nnx.Param):
+  """A LoRA factor: trained, while the rest of a LoRA model's parameters stay frozen."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """The `model.lora` section: adapters of rank `rank` on the `targets` projections of every layer."""
+
+  rank: int = 8
+  alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+  targets: tuple[str, ...] = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
+  rslora: bool = False  # scale by alpha / sqrt(rank) instead (rank-stabilised LoRA)
+  dropout: float = 0.0  # only 0: see __post_init__
+
+  def __post_init__(self):
+    require(self.rank >= 1, 'rank', f'must be >= 1, got {self.rank}')
+    require(self.alpha > 0, 'alpha', f'must be > 0, got {self.alpha}')
+    require(len(self.targets) > 0, 'targets', f'must name at least one of {", ".join(TARGETS)}')
+    unknown = [name for name in self.targets if name not in TARGETS]
+    require(not unknown, 'targets', f'{unknown[0] if unknown else ""!r} is not a projection; choose among '
+            f'{", ".join(TARGETS)}')
+    require(len(set(self.targets)) == len(self.targets), 'targets', f'names a projection twice: {list(self.targets)}')
+    # Dropout on the adapters' input would make the trainer's log-probs differ from the sampler's
+    # (which decodes without it) on every token: the GRPO ratio would start away from 1.
+    require(self.dropout == 0.0, 'dropout', f'must be 0 (the sampler decodes without dropout, so any other '
+            f'value makes the importance ratio start away from 1), got {self.dropout}')
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+def adapter_names(target: str) -> tuple[str, str]:
+  """The DecoderLayers attribute names of a target's A and B factors."""
+  return f'{target}_lora_a', f'{target}_lora_b'
+
+
+def adapter_shapes(target: str, weight_shape: tuple, weight_axes: tuple, rank: int):
+  """((A shape, A axes), (B shape, B axes)) for a stacked weight [L, *I, *O] with its logical axes."""
+  inner = 1 + CONTRACT.get(target, 1)  # L and the input dims
+  a = ((*weight_shape[:inner], rank), (*weight_axes[:inner], None))
+  b = ((weight_shape[0], rank, *weight_shape[inner:]), (weight_axes[0], None, *weight_axes[inner:]))
+  return a, b
+
+
+def init_a(key, shape, dtype):
+  """A as PEFT initialises lora_A (kaiming-uniform, a = sqrt(5)): uniform in +-1/sqrt(fan_in)."""
+  fan_in = math.prod(shape[1:-1])
+  bound = 1.0 / math.sqrt(fan_in)
+  return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+
+def has_adapters(state: nnx.State) -> bool:
+  return any(isinstance(v, Adapter) for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def split_trainable(state: nnx.State) -> tuple[nnx.State, nnx.State | None]:
+  """(what trains, what stays frozen): (adapters, base) of a LoRA model; (everything, None) otherwise."""
+  if not has_adapters(state):
+    return state, None
+  return nnx.split_state(state, Adapter, ...)
+
+
+def join(trainable: nnx.State, frozen: nnx.State | None) -> nnx.State:
+  """The model's whole state again (no copies: the same arrays)."""
+  return trainable if frozen is None else nnx.merge_state(trainable, frozen)
+
+
+def adapters_off(trainable: nnx.State) -> nnx.State:
+  """The adapters with every B factor zero: joined with the base, the base model itself (the
+  reference policy of the KL term; x A 0 adds exact zeros)."""
+  def off(path, variable):
+    return variable.replace(jnp.zeros_like(variable[...])) if str(path[-1]).endswith('_lora_b') else variable
+  return nnx.map_state(off, trainable)
+
+
+def merged(state: nnx.State, lora: LoraConfig) -> nnx.State:
+  """The base parameters with each adapted weight replaced by W + s A B, computed in fp32 and
+  stored in W's dtype; the adapters dropped. Traceable."""
+  layers = state['layers']
+  values = {}
+  for target in lora.targets:
+    weight_name, _ = TARGETS[target]
+    a_name, b_name = adapter_names(target)
+    weight, a, b = layers[weight_name][...], layers[a_name][...], layers[b_name][...]
+    L, rank = a.shape[0], a.shape[-1]
+    delta = jnp.einsum('lir,lro->lio', a.reshape(L, -1, rank).astype(jnp.float32),
+                       b.reshape(L, rank, -1).astype(jnp.float32)).reshape(weight.shape)
+    values[weight_name] = (weight.astype(jnp.float32) + lora.scale * delta).astype(weight.dtype)
+
+  def replace(path, variable):
+    name = str(path[-1]) if len(path) >= 2 and str(path[0]) == 'layers' else None
+    return variable.replace(values[name]) if name in values else variable
+
+  _, base = split_trainable(state)
+  return nnx.map_state(replace, base)
+
+
+def base_fingerprint(architecture: dict) -> str:
+  """A short hash of a base model's architecture (its HF config dict), stored with LoRA checkpoints."""
+  return hashlib.sha256(json.dumps(architecture, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---- PEFT's adapter format ----
+
+def peft_tensors(state: nnx.State, lora: LoraConfig) -> dict:
+  """The adapters of a LoRA model's state as PEFT names them for transformers' Qwen2 (numpy, their
+  own dtype): lora_A.weight [r, in] and lora_B.weight [out, r] per layer and target."""
+  import numpy as np
+
+  layers, tensors = state['layers'], {}
+  for target in lora.targets:
+    a_name, b_name = adapter_names(target)
+    a, b = np.asarray(layers[a_name][...]), np.asarray(layers[b_name][...])
+    module = TARGETS[target][1]
+    for index in range(a.shape[0]):
+      prefix = f'base_model.model.model.layers.{index}.{module}'
+      tensors[f'{prefix}.lora_A.weight'] = np.ascontiguousarray(a[index].reshape(-1, lora.rank).T)
+      tensors[f'{prefix}.lora_B.weight'] = np.ascontiguousarray(b[index].reshape(lora.rank, -1).T)
+  return tensors
+
+
+def save_peft(state: nnx.State, lora: LoraConfig, directory: str, base_model: str | None) -> None:
+  """Writes a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) that
+  `peft.PeftModel.from_pretrained` loads onto the base model."""
+  import os
+
+  from safetensors.numpy import save_file
+
+  config = dict(peft_type='LORA', task_type='CAUSAL_LM', r=lora.rank, lora_alpha=lora.alpha,
+                target_modules=sorted(TARGETS[target][1].split('.')[-1] for target in lora.targets),
+                lora_dropout=lora.dropout, bias='none', use_rslora=lora.rslora, fan_in_fan_out=False,
+                inference_mode=True, base_model_name_or_path=base_model)
+  with open(os.path.join(directory, 'adapter_config.json'), 'w') as f:
+    json.dump(config, f, indent=2)
+  save_file(peft_tensors(state, lora), os.path.join(directory, 'adapter_model.safetensors'),
+            metadata=dict(format='pt'))
