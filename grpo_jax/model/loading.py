@@ -243,13 +243,14 @@ def save_hf(model: Qwen2, directory: str, *, max_shard_bytes: int = 4 << 30) -> 
 
 
 def from_pretrained(path: str, dtype=None, *, mesh: Mesh | None = None,
-                    options: ModelOptions | None = None) -> Qwen2:
+                    options: ModelOptions | None = None, seed: int = 0) -> Qwen2:
   """Loads a Hugging Face directory or a grpo_jax (orbax) checkpoint as a `Qwen2` module.
 
   dtype: compute and storage dtype ('float32' when neither it nor `options` is given), a
   shorthand for `options=ModelOptions(dtype=dtype, param_dtype=dtype)`; options: all the model's
   options. With `mesh`, parameters are laid out by the logical-axis table in `sharding.py`;
-  without, on the first device.
+  without, on the first device. With `options.lora`, the checkpoint is the frozen base (read in the
+  compute dtype) and fresh adapters, drawn from `seed`, go on it.
   """
   if not os.path.isdir(path):
     raise UserError(f'model path {path} is not a directory')
@@ -259,6 +260,9 @@ def from_pretrained(path: str, dtype=None, *, mesh: Mesh | None = None,
     # .name turns a dtype object such as jnp.bfloat16 into the option's spelling.
     name = jnp.dtype(dtype or 'float32').name
     options = ModelOptions(dtype=name, param_dtype=name)
+  if options.lora is not None:
+    base = from_pretrained(path, mesh=mesh, options=frozen_base(options))
+    return with_adapters(base, options, mesh or _single_device_mesh(), seed)
   if is_orbax_checkpoint(path):
     return load_orbax(path, options=options, mesh=mesh)
   return load_hf(path, options=options, mesh=mesh)
@@ -285,14 +289,17 @@ class ModelConfig:
     if self.options.attention == 'cudnn' and jax.default_backend() != 'gpu':
       raise UserError(f'model.attention: cudnn runs on NVIDIA GPUs only; this run\'s devices are '
                       f'{jax.default_backend()} (use dense or chunked)')
-    if self.options.lora is not None:  # the base in the compute dtype, then the adapters on it
-      base = dataclasses.replace(self.options, lora=None, param_dtype=self.options.dtype)
-      model = (from_pretrained(self.path, mesh=mesh, options=base) if self.path else
-               init_model(self.architecture, options=base, mesh=mesh, seed=seed))
-      return with_adapters(model, self.options, mesh or _single_device_mesh(), seed)
     if self.path:
-      return from_pretrained(self.path, mesh=mesh, options=self.options)
+      return from_pretrained(self.path, mesh=mesh, options=self.options, seed=seed)
+    if self.options.lora is not None:  # the same base weights as without LoRA, the adapters drawn after
+      base = init_model(self.architecture, options=frozen_base(self.options), mesh=mesh, seed=seed)
+      return with_adapters(base, self.options, mesh or _single_device_mesh(), seed)
     return init_model(self.architecture, options=self.options, mesh=mesh, seed=seed)
+
+
+def frozen_base(options: ModelOptions) -> ModelOptions:
+  """A LoRA model's base: no adapters, held in the compute dtype."""
+  return dataclasses.replace(options, lora=None, param_dtype=options.dtype)
 
 
 def with_adapters(model: Qwen2, options: ModelOptions, mesh: Mesh, seed: int) -> Qwen2:
