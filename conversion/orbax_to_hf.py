@@ -20,7 +20,7 @@ import sys
 import time
 
 from conversion.common import atomic_directory, host_mesh
-from grpo_jax.checkpoint import locate, restore_policy
+from grpo_jax.checkpoint import locate, restore_policy, run_tokenizer
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import lora
 from grpo_jax.model.config import load_hf_config
@@ -85,10 +85,7 @@ def trained_policy(checkpoints: str, found_step: int | None, step: int | None):
   graphdef, params, config, step = restore_policy(checkpoints, step if step is not None else found_step, host_mesh(),
                                                   options=None)
   print(f'policy of run {config.run.name!r} at step {step} ({checkpoints}/{step})', file=sys.stderr, flush=True)
-  tokenizer = next((path for path in (config.task.tokenizer, config.model.path)
-                    if path and any(os.path.isfile(os.path.join(path, name)) for name in ('tokenizer.json', 'vocab.json'))),
-                   None)
-  return nnx.merge(graphdef, params), tokenizer, config
+  return nnx.merge(graphdef, params), run_tokenizer(config), config
 
 
 def lora_export(model, base_path: str | None, args, staging: str):

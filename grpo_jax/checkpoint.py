@@ -119,17 +119,12 @@ def locate(path: str) -> tuple[str, int | None] | None:
   return None
 
 
-def restore_policy(checkpoints: str, step: int | None, mesh, options=None):
-  """(graphdef, params, config, step) of a training run's policy at `step` (None: the newest):
-  the parameters alone, placed on `mesh` whatever mesh and number of processes wrote them.
-  The architecture is the one stored in the checkpoint (older ones: the run's model section);
-  `options` (a ModelOptions; default the run's own) sets the dtypes and the attention."""
-  from flax import nnx
-
+def run_of(checkpoints: str, step: int | None):
+  """(config, architecture, step, meta) of a training run's checkpoint `step` (None: the newest),
+  reading only its metadata. The architecture is the one stored in the checkpoint (older ones:
+  the run's model section)."""
   from grpo_jax import config as config_lib
   from grpo_jax.model.config import from_hf_dict, load_hf_config
-  from grpo_jax.model.loading import abstract_model
-  from grpo_jax.model.sharding import state_shardings
 
   checkpointer = Checkpointer(checkpoints, max_to_keep=1, asynchronous=False)
   try:
@@ -137,20 +132,38 @@ def restore_policy(checkpoints: str, step: int | None, mesh, options=None):
     if step is None or step not in checkpointer.manager.all_steps():
       raise UserError(f'{checkpoints} holds no complete checkpoint' + (f' of step {step}' if step is not None else ''))
     meta = checkpointer.meta(step)
-    config = config_lib.from_dict(meta['config'])
-    if 'architecture' in meta:
-      architecture = from_hf_dict(meta['architecture'], f'{checkpoints}/{step}/meta')
-    elif config.model.path and os.path.isfile(os.path.join(config.model.path, 'config.json')):
-      architecture = load_hf_config(config.model.path)
-    elif config.model.path:
-      raise UserError(f'{checkpoints}/{step} does not store its architecture and the run\'s model.path '
-                      f'{config.model.path} (where it was read from) is gone')
-    else:
-      architecture = config.model.architecture
-    options = options if options is not None else config.model.options
+  finally:
+    checkpointer.close()
+  config = config_lib.from_dict(meta['config'])
+  if 'architecture' in meta:
+    architecture = from_hf_dict(meta['architecture'], f'{checkpoints}/{step}/meta')
+  elif config.model.path and os.path.isfile(os.path.join(config.model.path, 'config.json')):
+    architecture = load_hf_config(config.model.path)
+  elif config.model.path:
+    raise UserError(f'{checkpoints}/{step} does not store its architecture and the run\'s model.path '
+                    f'{config.model.path} (where it was read from) is gone')
+  else:
+    architecture = config.model.architecture
+  return config, architecture, step, meta
+
+
+def restore_policy(checkpoints: str, step: int | None, mesh, options=None):
+  """(graphdef, params, config, step) of a training run's policy at `step` (None: the newest):
+  the parameters alone, placed on `mesh` whatever mesh and number of processes wrote them;
+  a LoRA run's adapters on its base (read again from its model.path). `options` (a ModelOptions;
+  default the run's own) sets the dtypes and the attention; a LoRA run keeps its own adapters."""
+  from flax import nnx
+
+  from grpo_jax.model.loading import abstract_model
+  from grpo_jax.model.sharding import state_shardings
+
+  config, architecture, step, meta = run_of(checkpoints, step)
+  options = options if options is not None else config.model.options
+  checkpointer = Checkpointer(checkpoints, max_to_keep=1, asynchronous=False)
+  try:
     if config.model.options.lora is not None:
-      params = _lora_policy(checkpointer, step, meta, config, architecture, options, mesh)
-      return params[0], params[1], config, step
+      graphdef, params = _lora_policy(checkpointer, step, meta, config, architecture, options, mesh)
+      return graphdef, params, config, step
     graphdef, abstract = nnx.split(abstract_model(architecture, options))
     target = jax.tree.map(lambda variable, sharding: variable.replace(
         jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=sharding)),
@@ -160,6 +173,13 @@ def restore_policy(checkpoints: str, step: int | None, mesh, options=None):
     checkpointer.close()
   return graphdef, params, config, step
 
+
+def run_tokenizer(config) -> str | None:
+  """The directory holding a training run's tokenizer (its task.tokenizer or model.path), if any
+  still does."""
+  return next((path for path in (config.task.tokenizer, config.model.path)
+               if path and any(os.path.isfile(os.path.join(path, name)) for name in ('tokenizer.json', 'vocab.json'))),
+              None)
 
 
 def _lora_policy(checkpointer: Checkpointer, step: int, meta: dict, config, architecture, options, mesh):

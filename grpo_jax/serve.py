@@ -83,7 +83,9 @@ def check_port(host: str, port: int) -> None:
 
 def parse_args(argv):
   parser = argparse.ArgumentParser(prog='python -m grpo_jax.serve', description=__doc__.splitlines()[0])
-  parser.add_argument('--ckpt', required=True, help='Hugging Face directory or grpo_jax checkpoint')
+  parser.add_argument('--ckpt', required=True,
+                      help='Hugging Face directory, grpo_jax checkpoint, or a training workdir / checkpoints/<step> '
+                           '(a LoRA run\'s: its adapters on its base)')
   parser.add_argument('--port', type=int, required=True)
   parser.add_argument('--host', default='127.0.0.1', help='address to listen on ([::] for all)')
   parser.add_argument('--slots', type=int, default=8, help='concurrent decodes (decode batch B)')
@@ -105,13 +107,20 @@ def parse_args(argv):
 
 
 def build_engine(args) -> QwenEngine:
+  from flax import nnx
+
+  from grpo_jax.checkpoint import locate, restore_policy, run_of, run_tokenizer
   from grpo_jax.model.config import load_hf_config
   from grpo_jax.model.loading import from_pretrained, load_tokenizer
+  from grpo_jax.model.qwen2 import ModelOptions
   from grpo_jax.sampler.layout import serving_mesh
 
   if not os.path.isdir(args.ckpt):
     raise UserError(f'--ckpt {args.ckpt} is not a directory')
-  tokenizer = load_tokenizer(args.ckpt)
+  training = locate(args.ckpt)  # a training run's policy, else a model directory
+  run = run_of(*training) if training is not None else None
+  source = (run_tokenizer(run[0]) or args.ckpt) if run is not None else args.ckpt
+  tokenizer = load_tokenizer(source)
   if tokenizer is None and not args.token_ids_only:
     raise UserError(f'{args.ckpt} has no tokenizer, which text requests need; add tokenizer.json '
                     'or pass --token-ids-only')
@@ -127,13 +136,19 @@ def build_engine(args) -> QwenEngine:
   sampling = sampling_from_flags(args)
   check_port(args.host, args.port)
   # Resident weights in the sampler's layout over this host's devices (sampler/layout.py).
-  mesh = serving_mesh(args.tensor, load_hf_config(args.ckpt).num_key_value_heads)
-  model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
+  architecture = run[1] if run is not None else load_hf_config(args.ckpt)
+  mesh = serving_mesh(args.tensor, architecture.num_key_value_heads)
+  if run is None:
+    model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
+  else:  # the run's policy at --dtype; a LoRA run's adapters decode unmerged, as in training
+    graphdef, params, _, _ = restore_policy(training[0], run[2], mesh,
+                                            options=ModelOptions(dtype=args.dtype, param_dtype=args.dtype))
+    model = nnx.merge(graphdef, params)
   special = special_tokens(tokenizer, model.config.eos_token_ids)
   settings = DecodeSettings(sampling=sampling, max_new_tokens=args.max_new_tokens, stop_token_ids=special.stop_ids,
                             pad_id=special.pad_id)
   return QwenEngine(model, slots=args.slots, max_prefill_length=args.max_prefill_length, settings=settings,
-                    seed=args.seed, tokenizer_path=args.ckpt if tokenizer else None,
+                    seed=args.seed, tokenizer_path=source if tokenizer else None,
                     chat_template=args.chat_template)
 
 
