@@ -19,15 +19,19 @@ from grpo_jax.model.lora import LoraConfig
 TARGETS = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
 
 
-def _adapted(directory, settings, seed, randomise=True):
+def _adapted(directory, settings, seed, randomise=True, mesh=None):
   """The HF checkpoint with `settings`' adapters on it (fp32); with `randomise`, B drawn nonzero too."""
-  model = ModelConfig(path=directory, options=ModelOptions(lora=settings)).build(None, seed)
+  model = ModelConfig(path=directory, options=ModelOptions(lora=settings)).build(mesh, seed)
   if randomise:
     rng = np.random.default_rng(seed)
-    state = nnx.state(model)
-    state = nnx.map_state(lambda path, v: v.replace(jnp.asarray(0.1 * rng.standard_normal(v.shape), v.dtype))
-                          if isinstance(v, lora.Adapter) else v, state)
-    nnx.update(model, state)
+
+    def draw(path, variable):
+      if not isinstance(variable, lora.Adapter):
+        return variable
+      value = jnp.asarray(0.1 * rng.standard_normal(variable.shape), variable.dtype)
+      return variable.replace(jax.device_put(value, variable[...].sharding))
+
+    nnx.update(model, nnx.map_state(draw, nnx.state(model)))
   return model
 
 
@@ -168,3 +172,36 @@ def test_bad_lora_settings_are_one_line_errors(override, field):
   with pytest.raises(UserError) as error:
     config_lib.load_config('configs/tiny_arith_lora.yaml', [override])
   assert field in str(error.value) and '\n' not in str(error.value), str(error.value)
+
+
+def test_rollout_layout_carries_the_adapters(make_hf_checkpoint, seed):
+  """The sampler's own tensor-parallel layout (sampler/layout.py) lays the adapters out with their
+  weights: sampled from an FSDP mesh of 8 into tensor groups of 4, the rollout equals one device's."""
+  from grpo_jax.model import MeshConfig, make_mesh
+  from grpo_jax.sampler import DecodeSettings, SamplingConfig
+  from grpo_jax.sampler.layout import rollout_layout
+  from grpo_jax.sampler.rollout import GroupSampler
+  from grpo_jax.testing import left_padded, random_prompts
+  directory, _ = make_hf_checkpoint(seed, vocab_size=1024, hidden_size=64, intermediate_size=128)
+  settings = LoraConfig(rank=4, targets=TARGETS)
+  tokens, mask = left_padded(random_prompts(seed, [5, 17, 11, 3], vocab=1024))
+  decode = DecodeSettings(max_new_tokens=10, sampling=SamplingConfig(temperature=1.0))
+
+  def sample(model, layout=None):
+    sampler = GroupSampler(model, group_size=2, settings=decode, slots=0, layout=layout)
+    return jax.device_get(sampler(nnx.state(model), tokens, mask, jax.random.key(3)))
+
+  one = _adapted(directory, settings, seed)
+  reference = sample(one)
+  mesh = make_mesh(MeshConfig(1, 8, 1))
+  with jax.set_mesh(mesh):
+    model = _adapted(directory, settings, seed, mesh=mesh)
+    layout = rollout_layout(model, mesh, 4)
+    resident = layout.place(nnx.state(model))
+    assert resident['layers']['q_lora_b'][...].sharding.spec[2] == 'tensor'  # B split by its heads
+    rollout = sample(model, layout)
+  for name in ('tokens', 'mask', 'lengths'):
+    np.testing.assert_array_equal(np.asarray(getattr(rollout, name)), np.asarray(getattr(reference, name)), err_msg=name)
+  np.testing.assert_allclose(np.asarray(rollout.log_probs), np.asarray(reference.log_probs), rtol=1e-5, atol=1e-5)
+  base = sample(from_pretrained(directory, 'float32'))
+  assert not np.array_equal(np.asarray(base.tokens), np.asarray(reference.tokens))  # the adapters steer it
