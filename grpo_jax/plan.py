@@ -96,14 +96,22 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
     with jax.set_mesh(program_mesh), targets.compiler_log(log):
       programs.append(compile_program(name, target, order, jitted, *args))
 
-  params_bytes = sharding.bytes_per_device(state.params)
-  opt_bytes = sharding.bytes_per_device(state.opt_state)
+  # The sampler decodes from the whole policy: with LoRA the frozen base and the adapters.
+  policy_count = sum(math.prod(x.shape) for x in jax.tree.leaves(state.policy))
   if layout is not None:
-    resident_bytes, decode_mesh = resident_bytes_per_device(state.params, layout), layout.mesh
+    resident_bytes, decode_mesh = resident_bytes_per_device(state.policy, layout), layout.mesh
     layout_report = dict(tensor=layout.tensor, data_groups=layout.data_groups)
   else:  # the training layout: each device reads the whole model, split over 'tensor', every token
-    resident_bytes = architecture.num_params() * jnp.dtype(config.model.options.dtype).itemsize // mesh.shape['tensor']
+    resident_bytes = policy_count * jnp.dtype(config.model.options.dtype).itemsize // mesh.shape['tensor']
     decode_mesh, layout_report = mesh, dict(tensor=mesh.shape['tensor'], data_groups=0)
+  # With LoRA, `parameters` (what the optimizer updates) are the adapters; the frozen base is an
+  # argument of every program (in its compiled peak) and has no optimizer state.
+  per_device = dict(parameters=sharding.bytes_per_device(state.params))
+  if state.frozen is not None:
+    per_device['frozen_base'] = sharding.bytes_per_device(state.frozen)
+  per_device.update(optimizer_state=sharding.bytes_per_device(state.opt_state),
+                    reference=sharding.bytes_per_device(ref_params) if ref_params is not None else 0,
+                    resident_weights=resident_bytes)
   peak = max(program.peak for program in programs)
   pool = getattr(state.pool, 'pool', state.pool)  # partial rollouts: the pool's prompt entries
   report = dict(
@@ -111,12 +119,10 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
       program_devices={program.name: len(built.devices.get(program.name, trainer_devices)) for program in programs},
       mesh=dict(mesh.shape), rollout_layout=layout_report,
       model=dict(layers=architecture.num_hidden_layers, hidden=architecture.hidden_size,
-                 parameters=architecture.num_params()),
-      per_device=dict(parameters=params_bytes, optimizer_state=opt_bytes,
-                      reference=sharding.bytes_per_device(ref_params) if ref_params is not None else 0,
-                      resident_weights=resident_bytes,
-                      kv_cache=kv_cache_bytes_per_device(architecture, config, task.prompt_length, decode_mesh,
-                                                         prompts=0 if pool is None else pool.entries)),
+                 parameters=architecture.num_params(), trained=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
+                 lora=dataclasses.asdict(config.model.options.lora) if config.model.options.lora else None),
+      per_device=per_device | dict(kv_cache=kv_cache_bytes_per_device(architecture, config, task.prompt_length, decode_mesh,
+                                                                      prompts=0 if pool is None else pool.entries)),
       programs=[dataclasses.asdict(program) | dict(peak=program.peak) for program in programs],
       peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes,
       sequence_length=task.prompt_length + config.rollout.max_new_tokens,
@@ -199,6 +205,10 @@ def format_report(report: dict) -> str:
             f'{layout["data_groups"]} data groups (rollout.tensor)' if layout['data_groups'] else
             'rollout layout: the training layout (weights gathered for every decoded token)'),
            'per device (the target compiler\'s memory analysis for the programs):']
+  lora = report['model']['lora']
+  if lora:  # the optimizer's parameters are the adapters; the base is held frozen, in the compute dtype
+    lines.insert(2, f'LoRA rank {lora["rank"]} on {",".join(lora["targets"])}: {report["model"]["trained"] / 1e6:.1f}M '
+                    'trained parameters (the adapters); the base frozen, without optimizer state or a reference copy')
   for name, value in report['per_device'].items():
     lines.append(f'  {name.replace("_", " "):<18}{format_bytes(value):>12}')
   for program in report['programs']:

@@ -15,14 +15,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # recipe -> (model size, a --model-size preset; devices it is traced over here)
 RECIPES = {
     'tiny_arith.yaml': (None, 1),
+    'tiny_arith_lora.yaml': (None, 1),
     'tiny_math.yaml': (None, 1),
     'tiny_guess.yaml': (None, 1),
     'qwen2_5_3b_gsm8k_tool.yaml': ('3B', 8),
     'qwen2_5_0_5b_gsm8k.yaml': ('0.5B', 1),
     'qwen2_5_0_5b_math.yaml': ('0.5B', 8),
     'qwen2_5_7b_math.yaml': ('7B', 8),
+    'qwen2_5_7b_math_lora.yaml': ('7B', 8),
     'qwen2_5_math_dapo.yaml': ('7B', 8),
     'qwen2_5_32b_dapo_aime.yaml': ('32B', 8),
+    'qwen2_5_32b_dapo_aime_lora.yaml': ('32B', 8),
     'qwen3_8b_math.yaml': ('Qwen3-8B', 8),
     'qwen3_32b_dapo_aime.yaml': ('Qwen3-32B', 8),
 }
@@ -79,3 +82,25 @@ def test_the_qwen3_recipes_are_their_qwen2_5_recipes_moved(name):
   assert qwen2_5['task'].pop('enable_thinking') is None  # Qwen2.5's templates have no switch
   del qwen2_5['run']['name'], qwen2_5['model']['path']
   assert qwen3 == qwen2_5
+
+
+@pytest.mark.parametrize('name, changed', [
+    ('qwen2_5_7b_math_lora.yaml', {'rollout': {'slots': 128}, 'eval': {'batch_prompts': 32}}),
+    ('qwen2_5_32b_dapo_aime_lora.yaml', {'rollout': {'slots': 128}, 'algo': {'micro_batch_size': 8},
+                                         'eval': {'batch_prompts': 4}}),
+])
+def test_the_lora_recipes_are_their_full_recipes_through_adapters(name, changed):
+  """Each LoRA recipe is its full-parameter recipe with rank-64 adapters on every linear layer, 10x
+  the learning rate, and only the knobs that fit it on fewer devices changed (decode slots,
+  micro-batches, eval batch: the same samples and gradients)."""
+  load = lambda recipe: config_lib.to_dict(config_lib.load_config(os.path.join(ROOT, 'configs', recipe)))  # noqa: E731
+  lora, full = load(name), load(name.replace('_lora', ''))
+  assert lora['model'].pop('lora') == dict(rank=64, alpha=32.0, targets=['q', 'k', 'v', 'o', 'gate', 'up', 'down'],
+                                           rslora=False, dropout=0.0)
+  assert lora['optim'].pop('learning_rate') == pytest.approx(10 * full['optim'].pop('learning_rate'))
+  assert lora['run'].pop('name') == name[:-len('.yaml')]
+  del full['run']['name'], full['model']['lora']
+  for section, fields in changed.items():
+    for field, value in fields.items():
+      assert lora[section].pop(field) == value and full[section].pop(field) != value
+  assert lora == full
