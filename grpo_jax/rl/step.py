@@ -19,6 +19,7 @@ import optax
 
 from grpo_jax import distributed
 from grpo_jax.data.task import Prompts, Scores, Task
+from grpo_jax.model import lora
 from grpo_jax.rl import algo
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.state import TrainState, pool_shardings
@@ -328,9 +329,19 @@ class RLStep:
       with jax.set_mesh(layout.mesh):
         return dataclasses.replace(pipeline, pool=fill_pool(pipeline.pool, *self._onto_sampler(inputs)))
 
+    sampler_base = []  # with LoRA, the frozen base on the sampler's devices: it crosses once
+
+    def crossed(params):
+      trained, frozen = lora.split_trainable(params)
+      if frozen is None:
+        return layout.transfer(params)
+      if not sampler_base:
+        sampler_base.append(layout.transfer(frozen))
+      return lora.join(layout.transfer(trained), sampler_base[0])  # the adapters cross every step
+
     def advance_stage(params, pipeline, version):
       # Dispatched, not awaited: the sampler decodes the next step's groups under these weights ...
-      resident = layout.transfer(params)
+      resident = crossed(params)
       with jax.set_mesh(layout.mesh):
         pool, ready = sampler_advance(resident, pipeline.pool, self._onto_sampler(version))
       # ... while this step trains on the groups sampled during the last one.
