@@ -97,11 +97,11 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
       programs.append(compile_program(name, target, order, jitted, *args))
 
   # The sampler decodes from the whole policy: with LoRA the frozen base and the adapters.
-  policy_count = sum(math.prod(x.shape) for x in jax.tree.leaves(state.policy))
   if layout is not None:
     resident_bytes, decode_mesh = resident_bytes_per_device(state.policy, layout), layout.mesh
     layout_report = dict(tensor=layout.tensor, data_groups=layout.data_groups)
   else:  # the training layout: each device reads the whole model, split over 'tensor', every token
+    policy_count = sum(math.prod(x.shape) for x in jax.tree.leaves(state.policy))
     resident_bytes = policy_count * jnp.dtype(config.model.options.dtype).itemsize // mesh.shape['tensor']
     decode_mesh, layout_report = mesh, dict(tensor=mesh.shape['tensor'], data_groups=0)
   # With LoRA, `parameters` (what the optimizer updates) are the adapters; the frozen base is an
@@ -121,8 +121,8 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
       model=dict(layers=architecture.num_hidden_layers, hidden=architecture.hidden_size,
                  parameters=architecture.num_params(), trained=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
                  lora=dataclasses.asdict(config.model.options.lora) if config.model.options.lora else None),
-      per_device=per_device | dict(kv_cache=kv_cache_bytes_per_device(architecture, config, task.prompt_length, decode_mesh,
-                                                                      prompts=0 if pool is None else pool.entries)),
+      per_device=per_device | dict(kv_cache=kv_cache_bytes_per_device(
+          architecture, config, task.prompt_length, decode_mesh, prompts=0 if pool is None else pool.entries)),
       programs=[dataclasses.asdict(program) | dict(peak=program.peak) for program in programs],
       peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes,
       sequence_length=task.prompt_length + config.rollout.max_new_tokens,
