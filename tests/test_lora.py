@@ -183,7 +183,7 @@ def test_rollout_layout_carries_the_adapters(make_hf_checkpoint, seed):
   from grpo_jax.sampler.rollout import GroupSampler
   from grpo_jax.testing import left_padded, random_prompts
   directory, _ = make_hf_checkpoint(seed, vocab_size=1024, hidden_size=64, intermediate_size=128)
-  settings = LoraConfig(rank=4, targets=TARGETS)
+  settings = LoraConfig(rank=8, targets=TARGETS)
   tokens, mask = left_padded(random_prompts(seed, [5, 17, 11, 3], vocab=1024))
   decode = DecodeSettings(max_new_tokens=10, sampling=SamplingConfig(temperature=1.0))
 
@@ -196,6 +196,9 @@ def test_rollout_layout_carries_the_adapters(make_hf_checkpoint, seed):
   mesh = make_mesh(MeshConfig(1, 8, 1))
   with jax.set_mesh(mesh):
     model = _adapted(directory, settings, seed, mesh=mesh)
+    layers = nnx.state(model)['layers']
+    # FSDP splits every factor once: A of q by D, B of q (no D) by its rank, B of o by its rank.
+    assert [layers[name][...].sharding.spec[1] for name in ('q_lora_a', 'q_lora_b', 'o_lora_b')] == ['fsdp'] * 3
     layout = rollout_layout(model, mesh, 4)
     resident = layout.place(nnx.state(model))
     assert resident['layers']['q_lora_b'][...].sharding.spec[2] == 'tensor'  # B split by its heads

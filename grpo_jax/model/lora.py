@@ -6,7 +6,8 @@ y = x W + s (x A) B with s = alpha / r (alpha / sqrt(r) with `rslora`). B starts
 adapted model equals the base exactly at step 0; A starts as PEFT draws it (uniform in
 +-1/sqrt(fan_in)). Both factors are stacked over layers like the weights ([L, *I, r], [L, r, *O])
 and carry logical axes, so they shard with their weight: A by the weight's input axes, B by its
-output axes (column- and row-parallel as the weight is), the rank replicated.
+output axes (column- and row-parallel as the weight is), and the rank over 'fsdp' where the
+other axes leave it free.
 
 With LoRA the base weights are frozen and held in the compute dtype; only the adapters (in
 `param_dtype`) are trained, carried by the optimizer and checkpointed. Adapters are a Variable type
@@ -78,8 +79,8 @@ def adapter_names(target: str) -> tuple[str, str]:
 def adapter_shapes(target: str, weight_shape: tuple, weight_axes: tuple, rank: int):
   """((A shape, A axes), (B shape, B axes)) for a stacked weight [L, *I, *O] with its logical axes."""
   inner = 1 + CONTRACT.get(target, 1)  # L and the input dims
-  a = ((*weight_shape[:inner], rank), (*weight_axes[:inner], None))
-  b = ((weight_shape[0], rank, *weight_shape[inner:]), (weight_axes[0], None, *weight_axes[inner:]))
+  a = ((*weight_shape[:inner], rank), (*weight_axes[:inner], 'lora_rank'))
+  b = ((weight_shape[0], rank, *weight_shape[inner:]), (weight_axes[0], 'lora_rank', *weight_axes[inner:]))
   return a, b
 
 

@@ -36,6 +36,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ('head_dim', None),  # H
     ('mlp', 'tensor'),  # F
     ('layers', None),  # L, the scanned layer axis
+    # r, a LoRA factor's rank: FSDP shards it where the factor's other axes leave 'fsdp' unused (B
+    # of q/k/v/gate/up, A of o/down), so no factor lies whole on every device.
+    ('lora_rank', 'fsdp'),
 )
 
 
