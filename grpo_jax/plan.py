@@ -152,7 +152,9 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   advance -> update -> crossing -> advance bounds it when neither side dominates."""
   steps = config.rollout.max_new_tokens
   params = architecture.num_params()
-  step_flops = metrics_lib.model_flops_per_step(params, prompt_length, config.rollout, config.algo)
+  adapters = report['model']['trained'] if config.model.options.lora is not None else None
+  step_flops = metrics_lib.model_flops_per_step(params, prompt_length, config.rollout, config.algo,
+                                                adapter_params=adapters)
   rows = config.completions_per_step
   rollout_flops = 2.0 * params * (config.rollout.prompts_per_step * prompt_length + rows * steps)
   per_device = report['per_device']

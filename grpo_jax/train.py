@@ -170,7 +170,9 @@ class Run:
     self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step, write=self.primary)
     self.num_params = model.config.num_params()
     self.peak_flops = metrics_lib.matmul_peak_flops(config.model.options.dtype)
-    self.step_flops = metrics_lib.model_flops_per_step(self.num_params, task.prompt_length, config.rollout, config.algo)
+    adapters = None if frozen is None else sum(x.size for x in jax.tree.leaves(trained))
+    self.step_flops = metrics_lib.model_flops_per_step(self.num_params, task.prompt_length, config.rollout, config.algo,
+                                                       adapter_params=adapters)
 
   @property
   def step(self) -> int:

@@ -208,3 +208,13 @@ def test_rollout_layout_carries_the_adapters(make_hf_checkpoint, seed):
   np.testing.assert_allclose(np.asarray(rollout.log_probs), np.asarray(reference.log_probs), rtol=1e-5, atol=1e-5)
   base = sample(from_pretrained(directory, 'float32'))
   assert not np.array_equal(np.asarray(base.tokens), np.asarray(reference.tokens))  # the adapters steer it
+
+
+def test_step_flops_count_no_weight_gradients_of_the_base():
+  from grpo_jax.metrics import model_flops_per_step
+  from grpo_jax.rl.algo import AlgoConfig
+  from grpo_jax.sampler.rollout import RolloutConfig
+  rollout, algo = RolloutConfig(prompts_per_step=2, max_new_tokens=3), AlgoConfig(group_size=2)
+  sampled, trained = 2 * 4 + 4 * 3, 4 * (4 + 3)  # prompts once + completions; rows x (prompt + completion)
+  assert model_flops_per_step(100, 4, rollout, algo) == 2 * 100 * sampled + 6 * 100 * trained
+  assert model_flops_per_step(100, 4, rollout, algo, adapter_params=10) == 2 * 110 * sampled + (4 * 100 + 6 * 10) * trained
