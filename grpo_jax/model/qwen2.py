@@ -201,7 +201,12 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
     a, b = adapter_names(target)
     if a not in p:
       return y
-    return y + (matmul(matmul(x, p[a], contract), p[b]) * jnp.asarray(lora_scale, dtype)).astype(y.dtype)
+    # x A as (A^T x^T)^T: with x on the other side of the dot, XLA:GPU's dot merger does not join it
+    # with x W into one matmul over [W | A], which wrote a copy of W every step (bench/lora.py --target).
+    rows, rank = x.shape[:x.ndim - contract], p[a].shape[-1]
+    flat = x.reshape(-1, math.prod(x.shape[x.ndim - contract:]))
+    xa = jnp.einsum('ir,ni->rn', p[a].reshape(-1, rank), flat).T.reshape(*rows, rank)
+    return y + (matmul(xa, p[b]) * jnp.asarray(lora_scale, dtype)).astype(y.dtype)
 
   h = rms_norm(x, p['attn_norm'], config.rms_norm_eps)
   q, k, v = project(h, 'q'), project(h, 'k'), project(h, 'v')
