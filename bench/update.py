@@ -5,7 +5,7 @@ and model-FLOPs utilisation, optionally against the same update in PyTorch (--to
 
 The update is the trainer's own: rl.update.update, jitted as rl/step.py jits it, on a one-device mesh
 with the state donated and its shardings pinned, compiled ahead of time so XLA's memory analysis can be printed before it
-runs. Weights are random (init_model), the batch is random token ids with left padding on every
+runs. Weights are random (the model section's build), the batch is random token ids with left padding on every
 eighth row, completion masks of random length, random advantages and sampler log-probs. Defaults:
 mu = 1, one mini-batch, beta = 0 (the on-policy update: no pi_old or pi_ref pass).
 
@@ -19,6 +19,9 @@ or added: every row is B x T dense tokens). With T = Tp + N tokens per row, N co
     2 * 2*L*N_q*H * (T/2) per token
   update = B * (3 * mu * forward(row) + scoring_passes * forward(row))
     backward = 2 x forward; scoring_passes = [mu > 1 or several mini-batches] (pi_old) + [beta > 0]
+  --lora-rank R (adapters on every projection, the base frozen): no weight gradient of the base,
+    so backward = 1 x forward for the matmuls with weights and 2 x for attention's; the adapters'
+    own FLOPs (2 R (I + O) per adapted projection and token) are left out
 MFU = update FLOPs / median seconds / peak, with peak the measured FLOP/s of a square matmul at the
 compute dtype on the device (8192^3 on an accelerator, 1024^3 on CPU; metrics.matmul_peak_flops)
 and, on H100/H200 in bfloat16, also NVIDIA's nominal dense bf16 peak.
@@ -66,6 +69,8 @@ def parse_args():
   parser.add_argument('--ppo-epochs', type=int, default=1, help='mu')
   parser.add_argument('--num-minibatches', type=int, default=1)
   parser.add_argument('--kl-beta', type=float, default=0.0, help='beta > 0 adds the pi_ref pass')
+  parser.add_argument('--lora-rank', type=int, default=0,
+                      help='R > 0: LoRA adapters of rank R (alpha 2R) on every projection, the base frozen')
   parser.add_argument('--warmup', type=int, default=2, help='untimed updates of each side first')
   parser.add_argument('--repeats', type=int, default=5, help='timed updates (median)')
   parser.add_argument('--threads', type=int, default=os.cpu_count(), help='CPU threads (CPU only)')
@@ -87,6 +92,8 @@ def parse_args():
                  f'{minibatch} rows (--rows / --num-minibatches)')
   if args.kl_beta < 0:
     parser.error(f'--kl-beta must be >= 0, got {args.kl_beta}')
+  if args.torch and args.lora_rank:
+    parser.error('--torch times the full-parameter update only')
   if args.torch and (args.ppo_epochs > 1 or args.num_minibatches > 1 or args.kl_beta > 0):
     parser.error('--torch times only the on-policy update: --ppo-epochs 1, --num-minibatches 1, --kl-beta 0')
   return args
@@ -106,9 +113,11 @@ from flax import nnx  # noqa: E402
 from grpo_jax import config as config_lib  # noqa: E402
 from grpo_jax import testing  # noqa: E402
 from grpo_jax.errors import UserError  # noqa: E402
-from grpo_jax.model import MeshConfig, ModelOptions, Qwen2Config, init_model, make_mesh, to_hf_dict  # noqa: E402
+from grpo_jax.model import MeshConfig, ModelOptions, Qwen2Config, make_mesh, to_hf_dict  # noqa: E402
 from grpo_jax.metrics import matmul_peak_flops  # noqa: E402
 from grpo_jax.rl import update as update_lib  # noqa: E402
+from grpo_jax.model import lora  # noqa: E402
+from grpo_jax.model.lora import LoraConfig  # noqa: E402
 from grpo_jax.rl.state import create_train_state  # noqa: E402
 
 GiB = 2 ** 30
@@ -119,7 +128,8 @@ def run_config(architecture: Qwen2Config, dtype: str) -> config_lib.Config:
   return config_lib.Config(
       model=config_lib.ModelConfig(architecture=architecture, options=ModelOptions(
           dtype=dtype, param_dtype=args.param_dtype, remat=args.remat, scan_layers=not args.no_scan_layers,
-          attention=args.attention, attention_chunk=args.attention_chunk)),
+          attention=args.attention, attention_chunk=args.attention_chunk,
+          lora=LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None)),
       rollout=config_lib.RolloutConfig(prompts_per_step=1, max_new_tokens=args.completion_length),
       algo=config_lib.AlgoConfig(group_size=args.rows, ppo_epochs=args.ppo_epochs,
                                  num_minibatches=args.num_minibatches, kl_beta=args.kl_beta,
@@ -153,6 +163,9 @@ def update_flops(config: Qwen2Config, settings) -> float:
   matmul_params = L * (2 * D * N_q * H + 2 * D * K * H + 3 * D * F)
   forward = 2 * matmul_params * T + 2 * D * V * N + 2 * L * N_q * H * T ** 2
   scoring_passes = (not settings.on_policy) + (settings.algo.kl_beta > 0)
+  if args.lora_rank:  # no weight gradients of the frozen base; attention's backward stays 2 x
+    attention = 2 * L * N_q * H * T ** 2
+    return args.rows * (forward * (2 * settings.algo.ppo_epochs + scoring_passes) + attention * settings.algo.ppo_epochs)
   return args.rows * forward * (3 * settings.algo.ppo_epochs + scoring_passes)
 
 
@@ -168,14 +181,15 @@ def memory_line(compiled) -> str:
 def jax_update(architecture: Qwen2Config, config: config_lib.Config, arrays: dict):
   """(step, settings, live) where step() runs one donated update and waits for it."""
   mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
-  model = init_model(architecture, options=config.model.options, mesh=mesh)
+  model = config.model.build(mesh, 0)  # with --lora-rank: adapters on a frozen base in the compute dtype
   graphdef, params = nnx.split(model)
-  ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
+  params, frozen = lora.split_trainable(params)
+  ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 and frozen is None else None
   optimizer, schedule = config.optim.build(args.warmup + args.repeats + 1)
   settings = update_lib.UpdateSettings(algo=config.algo, temperature=config.rollout.sampling.temperature,
                                        rows=config.completions_per_step)
   with jax.set_mesh(mesh):
-    state = create_train_state(params, optimizer, 0)
+    state = create_train_state(params, optimizer, 0, frozen=frozen)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   update = jax.jit(functools.partial(update_lib.update, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
                                      settings=settings),
