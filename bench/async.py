@@ -7,9 +7,13 @@ default, capped at N), so an on-policy step waits for its longest answer while p
 keep every decode slot busy. Each step is the run's whole step (rl/step.py, K steps in one jit):
 prompts, rollout, a reward in JAX, advantages and the optax update, same model, slots, prompts
 per step, packed update (only real tokens are trained on) and CPU threads. The table also shows the tokens each step trained on and the lag.
-With --split a last row runs split devices at max_lag 1 (rollout.devices=1): the sampler on a
-second host device decodes the next step's groups while the first trains, the same cores shared.
+With --split two last rows run split devices at max_lag 1 (rollout.devices=1): the sampler on a
+second host device decodes the next step's groups while the first trains, the same cores shared
+('pipelined', as train.py runs it), and the same run with the host waiting for the sampler's
+advance before it dispatches the update ('serial': what a step costs when nothing overlaps).
 """
+
+import dataclasses
 
 import argparse
 import os
@@ -36,7 +40,7 @@ def parse_args():
                       help='algo.stale_groups of the partial-rollout modes')
   parser.add_argument('--split', action='store_true',
                       help='also split devices at max_lag 1: sampler and trainer on one CPU device each, '
-                           'pipelined (rollout.devices=1; host loop, one step per call)')
+                           'pipelined and serial (rollout.devices=1; host loop, one step per call)')
   return parser.parse_args()
 
 
@@ -65,11 +69,11 @@ def main():
   mesh = make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
   runs, states, steps_of, out = {}, {}, {}, {}
   lags = [0] + [int(lag) for lag in args.lags.split(',') if lag]
-  modes = [(lag, False) for lag in lags] + ([(1, True)] if args.split else [])
+  modes = [(lag, '') for lag in lags] + ([(1, 'pipelined'), (1, 'serial')] if args.split else [])
   for lag, split in modes:
     overrides = [f'rollout.prompts_per_step={P}', f'algo.group_size={G}', f'rollout.max_new_tokens={N}',
                  'rollout.temperature=1.0', 'algo.packing=true', f'algo.micro_batch_tokens={8 * (args.prompt_length + N)}', f'algo.max_lag={lag}', 'algo.tis_cap=2.0', 'optim.learning_rate=1e-5',
-                 f'train.steps_per_call={args.steps}', 'train.checkpoint_every=0', f'rollout.devices={int(split)}',
+                 f'train.steps_per_call={args.steps}', 'train.checkpoint_every=0', f'rollout.devices={int(bool(split))}',
                  f'algo.stale_groups={args.stale_groups}']
     config = load_config(os.path.join(os.path.dirname(__file__), '..', 'configs', 'tiny_arith.yaml'), overrides)
     with jax.set_mesh(mesh):
@@ -80,12 +84,17 @@ def main():
       position = 0
       if rl_step.needs_priming(state):
         state, position = rl_step.prime(state, 0)
-    name = ('split devices, max_lag 1' if split else 'on-policy' if lag == 0 else f'partial rollouts, max_lag {lag}')
+    if split == 'serial':  # the host waits for the sampler's advance before it goes on
+      advance = rl_step.jitted.advance
+      rl_step.jitted = dataclasses.replace(rl_step.jitted,
+                                           advance=lambda *a, advance=advance: jax.block_until_ready(advance(*a)))
+    name = (f'split devices, max_lag 1, {split}' if split else 'on-policy' if lag == 0 else
+            f'partial rollouts, max_lag {lag}')
     if lag and args.stale_groups == 'regenerate':
       name += ', regenerate'
     states[name], steps_of[name] = [state, position], rl_step
 
-    def run(name=name, split=split):
+    def run(name=name, split=bool(split)):
       state, position = states[name]
       with jax.set_mesh(mesh):
         if split:  # two programs on two devices: steps from the host, stacked like run_steps' metrics
