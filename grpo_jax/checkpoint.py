@@ -190,7 +190,7 @@ def _lora_policy(checkpointer: Checkpointer, step: int, meta: dict, config, arch
   from flax import nnx
 
   from grpo_jax.model import lora
-  from grpo_jax.model.config import to_hf_dict
+  from grpo_jax.model.config import load_hf_config, to_hf_dict
   from grpo_jax.model.loading import ModelConfig
 
   where = f'{checkpointer.directory}/{step}'
@@ -199,7 +199,9 @@ def _lora_policy(checkpointer: Checkpointer, step: int, meta: dict, config, arch
     raise UserError(f'{where} holds LoRA adapters of the base model.path={path}, which is gone: the base weights are '
                     'not in the checkpoint')
   stored = meta.get('base') or {}
-  here = lora.base_fingerprint(to_hf_dict(architecture, dtype=config.model.options.param_dtype))
+  # The base as it is now at model.path (the stored architecture would only compare with itself).
+  current = load_hf_config(path) if path and os.path.isfile(os.path.join(path, 'config.json')) else architecture
+  here = lora.base_fingerprint(to_hf_dict(current, dtype=config.model.options.param_dtype))
   if stored.get('architecture_hash') not in (None, here):
     raise UserError(f'{where}: its base model ({path}) no longer has the architecture the adapters were trained on '
                     f'(hash {stored["architecture_hash"]}, now {here})')
