@@ -17,6 +17,7 @@ from flax import nnx
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model.config import load_hf_config
 from grpo_jax.model.loading import from_pretrained, load_tokenizer
+from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sampler.decode import DecodeSettings
 from grpo_jax.sampler.layout import serving_mesh
 from grpo_jax.sampler.rollout import GroupSampler
@@ -54,10 +55,7 @@ def prompt_ids(args, tokenizer, vocab_size: int) -> list[int]:
     ids = tokenizer(args.prompt)['input_ids']
   if not ids:
     raise UserError('the prompt is empty')
-  bad = [i for i in ids if not 0 <= i < vocab_size]
-  if bad:
-    raise UserError(f'prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})')
-  return ids
+  return check_token_ids(ids, vocab_size, '--prompt-ids' if args.prompt_ids is not None else '--prompt').tolist()
 
 
 @cli_main

@@ -9,17 +9,24 @@ JetStream's stubs (`jetstream.core.proto.jetstream_pb2_grpc.OrchestratorStub(cha
                  tokenizer has one) as one user message, or as a conversation when the text is a
                  JSON list of {"role", "content"} objects; the response carries text and token ids.
 
+Every request is checked in its handler before it is queued (sampler/requests.py): ids outside the
+vocabulary, an empty or over-long prompt (--long-prompts), a negative max_tokens and text sent to
+a --token-ids-only server are refused to that client alone with INVALID_ARGUMENT; max_tokens 0
+means --max-new-tokens.
+
 Sampling (--greedy / --temperature / --top-k / --top-p) is fixed for the server: JetStream's
 DecodeRequest has no field for it. Stop tokens end a sample and are not sent, as JetStream does.
 Needs the extras (google-jetstream); nothing else in grpo_jax imports jetstream.
 """
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import sys
+import types
 
 import jax
 
@@ -27,6 +34,7 @@ from grpo_jax.errors import UserError, cli_main
 from grpo_jax.sampler.decode import DecodeSettings
 from grpo_jax.sampler.engine import QwenEngine, ResultTokens
 from grpo_jax.sampler.engine_tokenizer import CHAT_TEMPLATE_MODES, HFTokenizer
+from grpo_jax.sampler.requests import LONG_PROMPTS, RequestError, RequestRules
 from grpo_jax.sampler.sampling import add_sampling_flags, sampling_from_flags
 from grpo_jax.sampler.special_tokens import special_tokens
 
@@ -55,12 +63,68 @@ def _delete_arrays(tree) -> None:
       leaf.delete()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Queued:
+  """What JetStream's Decode reads of a request, once admitted: the checked ids stand in for the
+  content (text requests are tokenized in the handler, so the prefill thread never is)."""
+
+  max_tokens: int
+  session_cache: str
+  prompt: tuple[list[int], bool]  # (ids, the client tokenizes: the answer carries ids only)
+
+
+def checked_servicer(rules: RequestRules):
+  """JetStream's LLMOrchestrator class with every request checked by `rules` before it is queued
+  (a refusal aborts that call with INVALID_ARGUMENT; a truncated prompt is reported in the call's
+  trailing metadata: prompt-tokens, as sent, and prompt-tokens-kept). Imports jetstream."""
+  import grpc
+  from jetstream.core import orchestrator
+
+  class CheckedOrchestrator(orchestrator.LLMOrchestrator):
+
+    def _get_prefill_content(self, request: _Queued):
+      return request.prompt
+
+    async def Decode(self, request, context=None):  # noqa: N802 (the gRPC method's name)
+      kind = request.WhichOneof('content')
+      content = (request.token_content.token_ids if kind == 'token_content' else
+                 request.text_content.text if kind == 'text_content' else None)
+      try:
+        admitted = rules.admit(kind, content, request.max_tokens)
+      except RequestError as error:
+        if context is None:
+          raise
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))  # raises: nothing is queued
+      if admitted.truncated and context is not None:
+        context.set_trailing_metadata((('prompt-tokens', str(admitted.prompt_tokens)),
+                                       ('prompt-tokens-kept', str(len(admitted.token_ids)))))
+      queued = _Queued(max_tokens=admitted.max_tokens, session_cache=request.session_cache,
+                       prompt=(admitted.token_ids, not admitted.text))
+      async for response in super().Decode(queued, context):
+        yield response
+
+  return CheckedOrchestrator
+
+
+def request_rules(engine: QwenEngine, long_prompts: str = 'refuse') -> RequestRules:
+  """The limits the served engine sets on a request."""
+  tokenizer = engine.build_tokenizer(engine.get_tokenizer()) if engine.tokenizer_path else None
+  return RequestRules(vocab_size=engine.vocab_size, max_prompt_tokens=engine.max_prefill_length,
+                      max_new_tokens=engine.max_new_tokens, tokenizer=tokenizer, long_prompts=long_prompts)
+
+
 def start_server(engine: QwenEngine, port: int, host: str = '127.0.0.1', *, threads: int | None = None,
-                 verbose: bool = False):
-  """Starts JetStream's gRPC server over `engine`; returns its JetStreamServer (call .stop())."""
+                 verbose: bool = False, long_prompts: str = 'refuse'):
+  """Starts JetStream's gRPC server over `engine`, its requests checked (checked_servicer);
+  returns its JetStreamServer (call .stop())."""
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')  # jetstream imports TensorFlow (via seqio)
   register_with_jetstream()
-  from jetstream.core import config_lib, server_lib
+  from jetstream.core import config_lib, orchestrator, server_lib
+
+  # server_lib builds its servicer as orchestrator.LLMOrchestrator(driver=...): it is given a view of
+  # the orchestrator module whose servicer is the checked one (JetStream's own module is untouched).
+  server_lib.orchestrator = types.SimpleNamespace(
+      Driver=orchestrator.Driver, LLMOrchestrator=checked_servicer(request_rules(engine, long_prompts)))
 
   if not verbose:
     logging.getLogger().setLevel(logging.WARNING)  # the orchestrator logs every step at INFO
@@ -101,7 +165,10 @@ def parse_args(argv):
   parser.add_argument('--chat-template', choices=CHAT_TEMPLATE_MODES, default='auto',
                       help='apply the tokenizer chat template to text requests')
   parser.add_argument('--token-ids-only', action='store_true',
-                      help='serve a checkpoint without tokenizer (text requests get an empty answer)')
+                      help='serve a checkpoint without tokenizer (text requests are refused)')
+  parser.add_argument('--long-prompts', choices=LONG_PROMPTS, default='refuse',
+                      help='a prompt longer than --max-prefill-length: refused (INVALID_ARGUMENT), or cut to its '
+                           'last tokens with the cut in the trailing metadata (prompt-tokens, prompt-tokens-kept)')
   parser.add_argument('--verbose', action='store_true', help="keep JetStream's per-step logs")
   return parser.parse_args(argv)
 
@@ -157,7 +224,7 @@ def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
   engine = build_engine(args)
   try:
-    server = start_server(engine, args.port, args.host, verbose=args.verbose)
+    server = start_server(engine, args.port, args.host, verbose=args.verbose, long_prompts=args.long_prompts)
   except ImportError as error:
     raise UserError(f'serving needs google-jetstream (pip install -r requirements-extras.txt): {error}') from None
   except RuntimeError as error:  # grpc could not bind after all

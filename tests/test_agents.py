@@ -18,7 +18,7 @@ from flax import nnx
 
 from grpo_jax import config as config_lib
 from grpo_jax.agents import guess
-from grpo_jax.agents.agent import EnvironmentAgent, Problem
+from grpo_jax.agents.agent import EnvironmentAgent, Problem, Step
 from grpo_jax.agents.inference import Completion, InferenceServer, Request
 from grpo_jax.agents.trajectory import Episode, Trajectory, collate
 from grpo_jax.data.task import Prompts
@@ -112,6 +112,8 @@ def test_budgets_stops_and_late_requests(seed, model):
     (dict(tokens=tuple(range(61))), '61 context tokens + 4 new exceed'),
     (dict(stop_token_ids=(1, 2, 3, 4, 5)), '5 stop ids, at most 4'),
     (dict(sampling=SamplingConfig(greedy=True)), 'differs from the server'),
+    (dict(tokens=(1, 1000, 2)), 'request tokens: token id 1000 at position 1 is outside the vocabulary [0, 1000'),
+    (dict(tokens=(1, 2, -1)), 'request tokens: token id -1 at position 2 is outside'),
 ])
 def test_bad_requests_are_one_line_errors(model, request_fields, message):
   fields = dict(dict(tokens=(1, 2, 3), max_new_tokens=4, key=jax.random.key(0)), **request_fields)
@@ -336,6 +338,36 @@ def test_environment_agent_plays_a_scripted_policy_by_the_rules(seed, model):
     assert trajectory.reward == float(found)
     assert trajectory.turns == len(guesses) == (guesses.index(seed % 994 + 6) + 1 if found else 3)
     assert trajectory.loss_mask == [1, 0] * (trajectory.turns - 1) + [1]
+
+
+class BadObservations:
+  """An environment with a bug: its second answer holds an id past the vocabulary."""
+
+  def __init__(self):
+    self.turns = 0
+
+  async def reset(self):
+    return (3,)
+
+  async def step(self, turn):
+    self.turns += 1
+    return Step(observation=(4, 5) if self.turns == 1 else (6, 1000, 7))
+
+
+def test_an_environment_answering_an_id_outside_the_vocabulary_stops_with_one_line(seed, model):
+  graphdef, params = nnx.split(model)
+  server = InferenceServer(graphdef, settings=DecodeSettings(sampling=T1, max_new_tokens=2), slots=2, max_context=24)
+  server.bind(params)
+  agent = EnvironmentAgent(make_environment=lambda problem, episode: BadObservations(), max_turns=4, turn_tokens=2)
+
+  async def run():
+    async with server:
+      return await agent.episodes(server, Problem(prompt=(2,), data=None), 2, jax.random.key(seed % 1000), 16)
+
+  with pytest.raises(UserError) as error:
+    asyncio.run(run())
+  assert str(error.value) == (f'environment {__name__}.BadObservations: step() returned an observation: token id '
+                              '1000 at position 1 is outside the vocabulary [0, 1000) (a bug in the environment)')
 
 
 # ---- the RL step on the agent task ----

@@ -41,7 +41,8 @@ def test_text_prompt_with_tokenizer_and_errors(seed, make_hf_checkpoint):
   code, _, stderr = generate('--ckpt', directory, '--prompt', 'one plus two')
   assert code == 2 and stderr.strip().startswith('error: --prompt needs a tokenizer')
   code, _, stderr = generate('--ckpt', directory, '--prompt-ids', '5 99999')
-  assert code == 2 and 'prompt token id 99999 is outside the vocabulary' in stderr
+  assert code == 2 and stderr.strip() == ('error: --prompt-ids: token id 99999 at position 1 is outside the '
+                                          'vocabulary [0, 1000)')
   code, _, stderr = generate('--ckpt', directory, '--prompt-ids', '5 6', '--tensor', 3)
   assert code == 2 and stderr.strip() == 'error: --tensor=3 must divide the 8 devices of the mesh'
   write_tokenizer(directory)

@@ -129,9 +129,8 @@ def test_tokenizer_chat_template_padding_and_token_requests(make_hf_checkpoint, 
   padded, length = plain.encode('seven plus two is', max_prefill_length=64)
   assert length == len(ids) and len(padded) == 16 and padded[:length].tolist() == ids
   assert (padded[length:] == 5).all()
-  padded, length = plain.encode(' '.join(['seven plus two is'] * 20), max_prefill_length=16)
-  every = plain.tokenizer(' '.join(['seven plus two is'] * 20))['input_ids']
-  assert length == 16 and padded.tolist() == every[-16:]  # too long: the last tokens are kept
+  with pytest.raises(ValueError, match='exceeds max_prefill_length=16'):  # too long: refused, not cut
+    plain.encode(' '.join(['seven plus two is'] * 20), max_prefill_length=16)
   assert plain.bos_id == -1 and plain.stop_tokens == {0, 7} and plain.pad_id == 5
 
   add_chat_template(directory)
@@ -148,8 +147,8 @@ def test_tokenizer_chat_template_padding_and_token_requests(make_hf_checkpoint, 
 
   empty = tmp_path / 'no_tokenizer'
   empty.mkdir()
-  padded, length = HFTokenizer(str(empty)).encode('one plus one')
-  assert length == 1 and (padded == -1).all()  # rejected: the engine finishes it with no tokens
+  with pytest.raises(ValueError, match='no tokenizer'):
+    HFTokenizer(str(empty)).encode('one plus one')
 
 
 def add_chat_template(directory):

@@ -25,6 +25,8 @@ import numpy as np
 
 from grpo_jax.agents.inference import TURN_BLOCK, Completion, InferenceServer, folded_keys
 from grpo_jax.agents.trajectory import Episode, Trajectory
+from grpo_jax.errors import UserError
+from grpo_jax.model.token_ids import TokenIdError, check_token_ids
 
 
 def episode_keys(key, count: int) -> np.ndarray:
@@ -95,7 +97,7 @@ class EnvironmentAgent:
                     budget: int) -> Trajectory:
     environment = self.make_environment(problem, index)
     episode = Episode(llm, problem.prompt, budget, key)
-    episode.observe(await environment.reset())
+    episode.observe(observation(environment, 'reset()', await environment.reset(), llm.vocab_size))
     trajectory = episode.trajectory
     for _ in range(self.max_turns):
       turn = await episode.act(self.turn_tokens, self.stop_token_ids)
@@ -109,5 +111,16 @@ class EnvironmentAgent:
         trajectory.answer = step.answer
       if step.done:
         break
-      episode.observe(step.observation)
+      episode.observe(observation(environment, 'step()', step.observation, llm.vocab_size))
     return trajectory
+
+
+def observation(environment: Environment, method: str, tokens, vocab_size: int) -> tuple[int, ...]:
+  """An environment's answer, its ids checked against the model's vocabulary: an id outside it is
+  a bug in the environment, which stops the run (UserError naming the environment) rather than
+  reach the model, where it would be a NaN row."""
+  try:
+    return tuple(check_token_ids(tokens, vocab_size, 'observation').tolist())
+  except TokenIdError as error:
+    name = f'{type(environment).__module__}.{type(environment).__qualname__}'
+    raise UserError(f'environment {name}: {method} returned an {error} (a bug in the environment)') from None

@@ -46,6 +46,7 @@ from flax import nnx
 
 from grpo_jax.errors import UserError
 from grpo_jax.model.qwen2 import KVCache
+from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, decode_step, prefill, typed_key
 from grpo_jax.sampler.sampling import SamplingConfig
 
@@ -162,6 +163,7 @@ class InferenceServer:
     self.chunk, self.prefill_rows, self.max_stops, self.layout = chunk, min(prefill_rows, slots), max_stops, layout
     self.stats = ServerStats()
     self._params = None
+    self.vocab_size: int | None = None  # valid request ids are [0, vocab_size): the bound model's
     self._state: DecodeState | None = None
     self._waiting: collections.deque[_Pending] = collections.deque()
     self._holding: list[_Pending | None] = [None] * slots
@@ -185,6 +187,7 @@ class InferenceServer:
     """The parameters the next rollout's decode steps read (the trainer's live ones, laid out once
     into the sampler's own layout when the server has one). Call before each `async with`: leaving
     it frees them, with the slots' cache."""
+    self.vocab_size = nnx.merge(self.graphdef, params).config.vocab_size
     self._params = self._place(params) if self._place is not None else params
     self._forget()  # kept caches were computed with the old parameters
 
@@ -273,6 +276,8 @@ class InferenceServer:
                       f'{self.settings.sampling} (one sampling setting per server)')
     if context < 1:
       raise UserError('inference request: tokens is empty (a request needs a context to continue)')
+    if self._params is not None:
+      check_token_ids(request.tokens, self.vocab_size, 'inference request tokens')
     if not 1 <= budget <= self.settings.max_new_tokens:
       raise UserError(f'inference request: max_new_tokens {budget} outside [1, {self.settings.max_new_tokens}]')
     if context + budget > self.max_context:

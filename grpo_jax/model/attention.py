@@ -77,6 +77,17 @@ DecodeAttention = Literal['dense', 'blockwise', 'pallas']
 DECODE_ATTENTIONS = typing.get_args(DecodeAttention)
 
 
+def written_values(v: jax.Array, mask: jax.Array) -> jax.Array:
+  """v [B, S, K, H] with zeros at the slots no query may see (mask [B, T, S]).
+
+  A cache slot outside the row's own request holds whatever its last occupant (or nobody) left
+  there, NaN and inf included. Its probability is exactly 0, but 0 x NaN is NaN, so masking the
+  probabilities is not enough: the values themselves are selected. Elementwise on the values the
+  attention reads anyway, so XLA fuses it into that read (no extra pass over the cache).
+  """
+  return jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
+
+
 def reads_stacked_cache(implementation: DecodeAttention) -> bool:
   return implementation in ('blockwise', 'pallas')
 
@@ -141,7 +152,7 @@ def blockwise_cache_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax
       k = jax.lax.dynamic_slice_in_dim(k_cache, start, block, axis=1)
       v = jax.lax.dynamic_slice_in_dim(v_cache, start, block, axis=1)
     mask = jax.lax.dynamic_slice_in_dim(cache_mask, start, block, axis=2)
-    return index + 1, merge(stats, scores(k, mask), v, mask)
+    return index + 1, merge(stats, scores(k, mask), written_values(v, mask), mask)
 
   blocks = (jnp.max(lengths) + block - 1) // block
   _, (_, l, acc) = jax.lax.while_loop(lambda carry: carry[0] < blocks, body, (jnp.int32(0), stats))
@@ -190,7 +201,7 @@ def cache_attention(implementation: DecodeAttention, q: jax.Array, new: tuple, p
                                    query_slots, block)
   if implementation == 'blockwise':
     return blockwise_cache_attention(q, [new] + parts, k_cache, v_cache, cache_mask, lengths, block, layer=own)
-  return grouped_attention(q, parts + [(own[0], own[1], cache_mask), new])
+  return grouped_attention(q, parts + [(own[0], written_values(own[1], cache_mask), cache_mask), new])
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

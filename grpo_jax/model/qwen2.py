@@ -28,6 +28,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import require
@@ -37,6 +38,7 @@ from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, DECODE_ATTENTIO
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.lora import TARGETS, Adapter, LoraConfig, adapter_names, adapter_shapes, init_a
 from grpo_jax.model.sharding import constrain
+from grpo_jax.model.token_ids import check_token_ids
 
 DType = Literal['float32', 'bfloat16']
 # Storage dtypes: float16 too, so a float16 checkpoint converts without a change of precision.
@@ -382,6 +384,10 @@ class Qwen2(nnx.Module):
     return constrain(logits, ('batch', 'seq', 'vocab'))
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
+    if not isinstance(tokens, jax.core.Tracer) and getattr(tokens, 'is_fully_addressable', True):
+      # An eager call checks its ids here; under jit the doors that take ids check them
+      # (token_ids.py): a traced lookup cannot raise, and would answer a bad id with a NaN row.
+      check_token_ids(np.asarray(tokens), self.config.vocab_size, 'model input')
     x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
     return constrain(x, ('batch', 'seq', 'act_embed'))
 

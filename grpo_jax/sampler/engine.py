@@ -26,7 +26,8 @@ from flax import nnx
 from grpo_jax.model.qwen2 import KVCache, Qwen2
 from grpo_jax.model.sharding import named_sharding
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Prefix, decode_step, prefill, request_keys, typed_key
-from grpo_jax.sampler.engine_tokenizer import HFTokenizer
+from grpo_jax.model.token_ids import check_token_ids
+from grpo_jax.sampler.engine_tokenizer import NO_TOKEN, HFTokenizer
 
 # Column ranges of ResultTokens.data, one int32 row per slot.
 TOKEN_COLUMNS, VALID_COLUMNS, LENGTH_COLUMNS, LOG_PROB_COLUMNS = (0, 1), (1, 2), (2, 3), (3, 4)
@@ -140,6 +141,11 @@ class QwenEngine:
     self._generate = jax.jit(self._generate_step, donate_argnums=1, out_shardings=(state_shardings, None))
 
   @property
+  def vocab_size(self) -> int:
+    """Valid token ids are [0, vocab_size) (the model's embedding rows)."""
+    return self._model.config.vocab_size
+
+  @property
   def max_new_tokens(self) -> int:
     return self.settings.max_new_tokens
 
@@ -165,13 +171,20 @@ class QwenEngine:
 
   def prefill(self, *, params, existing_prefix: Prefix | None = None, padded_tokens,
               true_length: int) -> Prefix:
-    """padded_tokens [T], real tokens first (right padding); negative ids (a BOS placeholder for
-    Qwen, which has no BOS token) are skipped. existing_prefix: an earlier Prefix to continue."""
-    padded_tokens = np.asarray(padded_tokens, np.int32).reshape(-1)
+    """padded_tokens [T], the true_length real tokens first (right padding); a leading NO_TOKEN
+    (-1: JetStream's BOS placeholder, Qwen has no BOS token) is skipped. Every other real id must
+    be in [0, vocab_size): a TokenIdError (a ValueError) names the first that is not, before
+    anything runs. existing_prefix: an earlier Prefix to continue."""
+    padded_tokens = np.asarray(padded_tokens).reshape(-1)
     width = len(padded_tokens) + (existing_prefix.cache.max_length if existing_prefix else 0)
     if width > self._max_prefill_length:
       raise ValueError(f'prefill of {width} tokens exceeds max_prefill_length={self._max_prefill_length}')
     true_length = min(int(true_length), len(padded_tokens))
+    real = padded_tokens[:true_length].copy()
+    if true_length and real[0] == NO_TOKEN:
+      real[0] = 0  # the placeholder, skipped below
+    check_token_ids(real, self.vocab_size, 'prefill padded_tokens')
+    padded_tokens = padded_tokens.astype(np.int32)
     self.prefill_count += 1
     with jax.set_mesh(self._mesh):
       return self._prefill(params, existing_prefix, padded_tokens, np.int32(true_length))
@@ -259,7 +272,7 @@ class QwenEngine:
                     true_length: jax.Array) -> Prefix:
     model = nnx.merge(self._graphdef, params)
     T = tokens.shape[0]
-    real = (jnp.arange(T) < true_length) & (tokens >= 0)
+    real = (jnp.arange(T) < true_length) & (tokens != NO_TOKEN)
     if existing is None:
       cache = model.init_cache(1, T)
     else:  # continue the earlier prefix in a cache row widened by T slots

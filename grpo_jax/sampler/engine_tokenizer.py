@@ -12,7 +12,6 @@ session cache; `bos_id` is therefore -1, which QwenEngine.prefill skips.
 """
 
 import json
-import logging
 
 import numpy as np
 
@@ -70,16 +69,13 @@ class HFTokenizer:
     return list(self.tokenizer(text)['input_ids'])
 
   def encode(self, s: str, **kwargs) -> tuple[np.ndarray, int]:
-    """Text -> (ids right-padded to a length bucket, true length). Too long a prompt keeps its last
-    max_prefill_length tokens, as JetStream does for token requests."""
+    """Text -> (ids right-padded to a length bucket, true length); ValueError for a prompt longer
+    than max_prefill_length or a tokenizer-less checkpoint. `serve` never gets here: its handler
+    tokenizes and checks each request before queueing it (sampler/requests.py)."""
     max_length = kwargs.get('max_prefill_length') or 1 << 30
     if self.tokenizer is None:
-      logging.warning('text request rejected: the checkpoint has no tokenizer; send token_content')
-      return np.full((MIN_BUCKET,), NO_TOKEN, np.int32), 1
+      raise ValueError('text request: the checkpoint has no tokenizer; send token ids')
     ids = self.token_ids(s)
-    if len(ids) > max_length:
-      logging.warning('prompt of %d tokens truncated to its last %d', len(ids), max_length)
-      ids = ids[-max_length:]
     return pad_prompt(ids, max_length, self._pad_id), len(ids)
 
   def decode(self, token_ids: list[int], **kwargs) -> str:
