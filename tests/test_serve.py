@@ -63,10 +63,12 @@ def test_jetstream_grpc_server_matches_greedy_decoding(seed, make_hf_checkpoint)
   expected = [greedy_until_stop(reference, prompt, 7, stop_ids) for prompt in prompts]
   expected.append(greedy_until_stop(reference, chat_ids, 5, stop_ids))
   assert len(chat_ids) <= 64  # fits --max-prefill-length untruncated
+  long_prompt = rng.integers(3, 1000, 64 + int(rng.integers(1, 30))).tolist()  # cut to its last 64 tokens
+  expected.append(greedy_until_stop(reference, long_prompt[-64:], 8, stop_ids))
 
   port = portpicker.pick_unused_port()
   server = serve('--ckpt', directory, '--port', port, '--slots', 2, '--max-prefill-length', 64,
-                 '--max-new-tokens', 8, '--greedy', '--dtype', 'float32')
+                 '--max-new-tokens', 8, '--greedy', '--dtype', 'float32', '--long-prompts', 'truncate')
   try:
     with grpc.insecure_channel(f'127.0.0.1:{port}') as channel:
       grpc.channel_ready_future(channel).result(timeout=240)
@@ -75,17 +77,20 @@ def test_jetstream_grpc_server_matches_greedy_decoding(seed, make_hf_checkpoint)
                                               max_tokens=7) for p in prompts]
       requests.append(jetstream_pb2.DecodeRequest(
           text_content=jetstream_pb2.DecodeRequest.TextContent(text=question), max_tokens=5))
+      requests.append(jetstream_pb2.DecodeRequest(  # max_tokens 0: the server's --max-new-tokens
+          token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=long_prompt)))
 
       def decode(request):
         ids, text = [], ''
-        for response in stub.Decode(request, timeout=240):
+        call = stub.Decode(request, timeout=240)
+        for response in call:
           for sample in response.stream_content.samples:
             ids.extend(sample.token_ids)
             text += sample.text
-        return ids, text
+        return ids, text, dict(call.trailing_metadata() or ())
 
-      # Three requests at once through two slots: JetStream refills the slot that frees first.
-      with concurrent.futures.ThreadPoolExecutor(3) as pool:
+      # Four requests at once through two slots: JetStream refills the slot that frees first.
+      with concurrent.futures.ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(decode, requests))
       assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30).is_live
   finally:
@@ -96,8 +101,77 @@ def test_jetstream_grpc_server_matches_greedy_decoding(seed, make_hf_checkpoint)
       server.kill()
       raise AssertionError('the server did not shut down within 60 s')
   assert server.returncode == 0, stderr[-3000:]
-  assert [ids for ids, _ in answers] == expected and any(expected)
+  assert [ids for ids, _, _ in answers] == expected and any(expected)
   assert answers[0][1] == '' and answers[2][1] == tokenizer.decode(expected[2])
+  assert answers[3][2] == {'prompt-tokens': str(len(long_prompt)), 'prompt-tokens-kept': '64'}
+  assert 'prompt-tokens' not in answers[0][2]
+
+
+@pytest.mark.slow
+def test_hostile_clients_never_change_another_clients_answer(seed, make_hf_checkpoint):
+  """Good token requests, first alone, then interleaved with bad ones sent at the same time (ids
+  past the vocabulary, negative ids, too long, empty, max_tokens 0 and negative, text to a
+  token-ids-only server) through two slots: each bad one is refused to its own client with
+  INVALID_ARGUMENT, and every good answer is the same in both rounds and equals transformers'."""
+  pytest.importorskip('jetstream.core.proto.jetstream_pb2_grpc',
+                      reason='google-jetstream (requirements-extras.txt) is not installed')
+  import grpc
+  import portpicker
+  from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+
+  directory, reference = make_hf_checkpoint(seed)
+  stop_ids = set(np.atleast_1d(reference.config.eos_token_id or []).tolist())
+  rng = np.random.default_rng(seed)
+  good = [(rng.integers(3, 1000, n).tolist(), int(budget)) for n, budget in
+          zip(rng.integers(1, 17, 6), rng.integers(1, 7, 6))]
+  good[0] = (good[0][0], 0)  # max_tokens 0: the server's --max-new-tokens (6)
+  expected = [greedy_until_stop(reference, prompt, budget or 6, stop_ids) for prompt, budget in good]
+  tokens = lambda ids: dict(token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=ids))  # noqa: E731
+  bad = [  # (request fields, what the refusal says)
+      (dict(tokens([5, 1000, 6]), max_tokens=3), 'token id 1000 at position 1 is outside the vocabulary [0, 1000)'),
+      (dict(tokens([7] * 5 + [2**31 - 1]), max_tokens=3), f'token id {2**31 - 1} at position 5 is outside'),
+      (dict(tokens([-5, 5, 6]), max_tokens=3), 'token id -5 at position 0 is outside'),
+      (dict(tokens(rng.integers(3, 1000, 17).tolist()), max_tokens=3), 'the prompt has 17 tokens, more than'),
+      (dict(tokens([]), max_tokens=3), 'the prompt is empty'),
+      (dict(tokens([5, 6]), max_tokens=-2), 'max_tokens must be >= 0'),
+      (dict(text_content=jetstream_pb2.DecodeRequest.TextContent(text='hello'), max_tokens=3),
+       'this server has no tokenizer'),
+  ]
+
+  port = portpicker.pick_unused_port()
+  server = serve('--ckpt', directory, '--port', port, '--slots', 2, '--max-prefill-length', 16,
+                 '--max-new-tokens', 6, '--greedy', '--dtype', 'float32', '--token-ids-only')
+  try:
+    with grpc.insecure_channel(f'127.0.0.1:{port}') as channel:
+      grpc.channel_ready_future(channel).result(timeout=240)
+      stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+
+      def decode(fields):
+        try:
+          return [i for r in stub.Decode(jetstream_pb2.DecodeRequest(**fields), timeout=240)
+                  for sample in r.stream_content.samples for i in sample.token_ids]
+        except grpc.RpcError as error:
+          return error.code(), error.details()
+
+      good_fields = [dict(tokens(prompt), max_tokens=budget) for prompt, budget in good]
+      with concurrent.futures.ThreadPoolExecutor(len(good) + len(bad)) as pool:
+        alone = list(pool.map(decode, good_fields))
+        every = good_fields + [fields for fields, _ in bad]
+        order = rng.permutation(len(every))  # good and bad requests interleaved at random
+        futures = {int(index): pool.submit(decode, every[index]) for index in order}
+        mixed = [futures[index].result() for index in range(len(every))]
+      assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30).is_live
+  finally:
+    server.send_signal(signal.SIGINT)
+    try:
+      _, stderr = server.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+      server.kill()
+      raise AssertionError('the server did not shut down within 60 s')
+  assert server.returncode == 0, stderr[-3000:]
+  assert alone == expected and mixed[:len(good)] == expected and any(expected)
+  for (code, details), (_, message) in zip(mixed[len(good):], bad):
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and message in details, details
 
 
 def test_cli_errors_are_one_line(seed, make_hf_checkpoint, tmp_path):
