@@ -131,6 +131,7 @@ class ScriptedPolicy:
 
   def __init__(self, tokenizer, turns):
     self.tokenizer, self.turns, self.contexts = tokenizer, list(turns), []
+    self.vocab_size = len(tokenizer)  # the observations' ids are checked against it
 
   async def generate(self, request):
     self.contexts.append(request.tokens)
