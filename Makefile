@@ -1,10 +1,10 @@
 # make demo: set up .venv and run the default job; make test: set up .venv (and the deviceless TPU/GPU
-# compilers in .venv/compilers) and run every test.
+# compilers in .venv/compilers), check the core on the GPU images' JAX (core-smoke), run every test.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-agent demo-math test bench clean
+.PHONY: demo demo-agent demo-math test core-smoke bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,11 +42,31 @@ demo-math: $(VENV)/.extras
 	$(BIN)/python -m grpo_jax.data.word_problems --out data/tiny_math
 	$(BIN)/python -m grpo_jax.train --config configs/tiny_math.yaml
 
-test: $(VENV)/.test $(VENV)/.compilers
+# The core on the GPU images' JAX (requirements-gpu-image.txt), checked on the CPU in an environment of
+# its own; those packages need Python 3.12. Where no python3.12 is found, it skips and says so.
+PYTHON_GPU_IMAGE ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
+GPU_IMAGE_VENV := .venv-gpu-image
+
+$(GPU_IMAGE_VENV)/.installed: requirements-gpu-image.txt
+	rm -rf $(GPU_IMAGE_VENV)
+	$(PYTHON_GPU_IMAGE) -m venv $(GPU_IMAGE_VENV)
+	$(GPU_IMAGE_VENV)/bin/pip install --quiet --upgrade pip
+	$(GPU_IMAGE_VENV)/bin/pip install --quiet -r requirements-gpu-image.txt
+	touch $@
+
+core-smoke:
+ifeq ($(strip $(PYTHON_GPU_IMAGE)),)
+	@echo "core-smoke: no python3.12 here, so the GPU images' JAX was not checked"
+else
+	$(MAKE) $(GPU_IMAGE_VENV)/.installed
+	$(GPU_IMAGE_VENV)/bin/python tests/core_smoke.py
+endif
+
+test: $(VENV)/.test $(VENV)/.compilers core-smoke
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q
 
 bench: $(VENV)/.test
 	$(BIN)/python bench/forward.py
 
 clean:
-	rm -rf $(VENV) runs data/tiny_math
+	rm -rf $(VENV) $(GPU_IMAGE_VENV) runs data/tiny_math

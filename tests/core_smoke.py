@@ -1,0 +1,108 @@
+"""The core on the JAX the GPU images carry, without a GPU: `make core-smoke` runs this script in an
+environment of its own (.venv-gpu-image: requirements-gpu-image.txt, Python 3.12, the GPU images'
+jax/jaxlib and their packages; no jetstream, seqio, tensorflow, clu or math-verify).
+
+It checks what the benchmarks run on those images: a forward pass (the KV-cache path against the
+full sequence), the group sampler (greedy tokens against the full forward's argmax), the fused
+log-prob op (against NumPy's log-softmax) and RL steps of the demo config, with any deprecation
+warning JAX or Flax raise on grpo_jax's own calls turned into an error. Not a pytest module (the
+main environment runs the suite); `python tests/core_smoke.py` prints one line per check.
+"""
+
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import warnings
+
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+# A deprecation that JAX, Flax, Optax or Orbax warns about on a call of grpo_jax's is an error here.
+for category in (DeprecationWarning, FutureWarning):
+  warnings.filterwarnings('error', category=category, module=r'grpo_jax(\.|$)')
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from grpo_jax.model import ModelOptions, Qwen2Config, init_model  # noqa: E402
+from grpo_jax.ops.logprob import token_logprobs  # noqa: E402
+from grpo_jax.sampler import DecodeSettings, GroupSampler, SamplingConfig  # noqa: E402
+
+FORBIDDEN = ('jetstream', 'seqio', 'tensorflow', 'torch')
+
+
+def check(name, ok, detail=''):
+  print(f'{"ok  " if ok else "FAIL"} {name}{": " + detail if detail else ""}', flush=True)
+  if not ok:
+    sys.exit(1)
+
+
+def main():
+  seed = int.from_bytes(os.urandom(4), 'little')
+  import flax
+  import jaxlib
+  import optax
+  import orbax.checkpoint
+  print(f'jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}, optax {optax.__version__}, '
+        f'orbax-checkpoint {orbax.checkpoint.__version__} on Python {sys.version.split()[0]}; seed={seed}', flush=True)
+  rng = np.random.default_rng(seed)
+  config = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+  model = init_model(config, options=ModelOptions(dtype='float32', param_dtype='float32'), seed=seed % 1000)
+
+  tokens = rng.integers(0, 97, (2, 11)).astype(np.int32)
+  logits = np.asarray(model(tokens))
+  cache = model.init_cache(2, 16)
+  first, cache = model.extend(tokens[:, :7], cache)
+  rest, _ = model.extend(tokens[:, 7:], cache)
+  cached = np.concatenate([np.asarray(first), np.asarray(rest)], axis=1)
+  error = float(np.max(np.abs(cached - logits)))
+  check('forward: prefill + cached extend equal the full sequence', np.isfinite(logits).all() and error < 1e-4,
+        f'max |difference| {error:.2e}')
+
+  prompts = rng.integers(0, 97, (2, 5)).astype(np.int32)
+  sampler = GroupSampler(model, group_size=2, settings=DecodeSettings(max_new_tokens=6, sampling=SamplingConfig(
+      greedy=True)), slots=3)
+  rollout = jax.device_get(sampler(nnx.state(model), prompts, np.ones_like(prompts), jax.random.key(seed % 1000)))
+  sequences = np.concatenate([np.repeat(prompts, 2, axis=0), rollout.tokens], axis=1)
+  argmax = np.asarray(model(sequences)).argmax(-1)[:, 4:-1]
+  check('group sampler: greedy tokens equal the full forward\'s argmax',
+        np.array_equal(rollout.tokens, argmax) and rollout.lengths.tolist() == [6] * 4)
+
+  hidden = rng.standard_normal((3, 40, 32)).astype(np.float32)
+  weight = rng.standard_normal((32, 300)).astype(np.float32) * 0.3
+  targets = rng.integers(0, 300, (3, 40))
+  got = np.asarray(token_logprobs(jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(targets),
+                                  implementation='xla_chunked', block_vocab=128))
+  z = hidden.astype(np.float64) @ weight.astype(np.float64)
+  z -= z.max(-1, keepdims=True)
+  want = np.take_along_axis(z - np.log(np.exp(z).sum(-1, keepdims=True)), targets[..., None], -1)[..., 0]
+  error = float(np.max(np.abs(got - want)))
+  check('fused log-probs equal NumPy\'s log-softmax', error < 1e-4, f'max |difference| {error:.2e}')
+
+  from grpo_jax import train
+  with tempfile.TemporaryDirectory() as workdir:
+    printed = io.StringIO()
+    try:
+      with contextlib.redirect_stdout(printed):  # the resolved config and the progress lines
+        train.main(['--config', os.path.join(ROOT, 'configs', 'tiny_arith.yaml'), '--workdir', workdir,
+                    '--set', 'train.steps=3', '--set', 'train.checkpoint_every=0'])
+    except BaseException:
+      print(printed.getvalue())
+      raise
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      rows = [json.loads(line) for line in f]
+  steps = [row for row in rows if 'policy_loss' in row]
+  check('RL steps of the demo config', len(steps) == 3 and all(np.isfinite(row['policy_loss']) for row in steps),
+        f'{len(steps)} steps')
+  loaded = sorted(name for name in sys.modules if name.split('.')[0] in FORBIDDEN)
+  check('no jetstream, seqio, tensorflow or torch imported', not loaded, ', '.join(loaded[:5]))
+
+
+if __name__ == '__main__':
+  main()
