@@ -53,10 +53,12 @@ _SHAPES_2D = {1: '1x1', 4: '2x2', 8: '2x4', 16: '4x4', 32: '4x8', 64: '8x8', 128
 # passes and Triton's tiling read from a stream_executor.GpuTargetConfigProto. device_memory_size
 # is the HBM as the driver reports it. Links, per GPU and direction: NVLink 4 within a host (900 GB/s
 # both ways), and between hosts one 400 Gb/s InfiniBand NDR adapter per GPU (HGX / DGX H100, H200).
+# name: the device kind as the driver reports it; from jax 0.12 on, Pallas's Triton lowering reads
+# the compute capability from it when the devices are only described (any other name: no kernels).
 _GPU = {
-    'h100': dict(name='H100 SXM 80GB', hbm=85_520_809_984, flops=989e12, bandwidth=3.35e12,
+    'h100': dict(name='NVIDIA H100 80GB HBM3', hbm=85_520_809_984, flops=989e12, bandwidth=3.35e12,
                  clock_ghz=1.98, nvlink=450e9, network=50e9),
-    'h200': dict(name='H200 SXM 141GB', hbm=150_754_820_096, flops=989e12, bandwidth=4.8e12,
+    'h200': dict(name='NVIDIA H200', hbm=150_754_820_096, flops=989e12, bandwidth=4.8e12,
                  clock_ghz=1.98, nvlink=450e9, network=50e9),
 }
 
