@@ -44,7 +44,8 @@ demo-math: $(VENV)/.extras
 
 # The core on the GPU images' JAX (requirements-gpu-image.txt), checked on the CPU in an environment of
 # its own; those packages need Python 3.12. Where no python3.12 is found, it skips and says so.
-PYTHON_GPU_IMAGE ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
+PYTHON_GPU_IMAGE ?= $(shell for p in $(HOME)/.pyenv/versions/3.12*/bin/python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 \
+  $$(command -v python3.12); do "$$p" -c 'import venv' >/dev/null 2>&1 && echo "$$p" && break; done)
 GPU_IMAGE_VENV := .venv-gpu-image
 
 $(GPU_IMAGE_VENV)/.installed: requirements-gpu-image.txt
