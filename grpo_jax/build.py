@@ -54,17 +54,19 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
     sampler_devices = split_devices(jax.devices(), config.rollout.devices)[1]
   layout = rollout_layout(model, mesh, config.rollout.tensor, sampler_devices) if resident else None
   # A host-scored task is adapted to the mesh; an agent task's acting stage places its own arrays.
-  step_task = task if task.jittable or getattr(task, 'agent', None) is not None else HostTask(task, mesh)
+  acts = config.task.kind.acts  # the acting rollout mode: episodes on the inference server
+  step_task = task if task.jittable or acts else HostTask(task, mesh)
   pool = empty_pool(config, task)
   trained, frozen = lora.split_trainable(params)  # with LoRA the optimizer sees the adapters only
   return RLStep(graphdef, step_task, config.rollout, config.algo, optimizer, schedule,
-                train_state_shardings(trained, optimizer, pool, frozen), layout=layout, empty_pool=pool, params=params)
+                train_state_shardings(trained, optimizer, pool, frozen), layout=layout, empty_pool=pool, params=params,
+                acts=acts)
 
 
 def build_evaluator(config, task, graphdef, params):
   """The `eval` section's evaluator for `task`: answers sampled and checked for a dataset task
   (evaluation.Evaluator), whole episodes for an agent task (agents/evaluation.py)."""
-  if getattr(task, 'agent', None) is not None:
+  if config.task.kind.acts:
     from grpo_jax.agents.evaluation import EpisodeEvaluator
     return EpisodeEvaluator(config, task, graphdef, params)
   from grpo_jax.evaluation import Evaluator

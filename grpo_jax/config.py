@@ -109,7 +109,7 @@ class Config:
             f'> 1 needs a reward computed in JAX; task {self.task.name!r} scores on the host')
     require(self.train.steps_per_call == 1 or not algo.dynamic_sampling, 'train.steps_per_call',
             '> 1 cannot be combined with algo.dynamic_sampling (the host decides how many rounds to sample)')
-    require(not self.rewards or self.task.name == 'math', 'rewards',
+    require(not self.rewards or self.task.kind.answers, 'rewards',
             f'apply to dataset tasks (task.name=math); task {self.task.name!r} has its own reward')
     for index, term in enumerate(self.rewards):
       require(term.buffer_tokens <= self.rollout.max_new_tokens, f'rewards[{index}].buffer_tokens',

@@ -70,11 +70,11 @@ def main(argv=None):
     samples = config_lib.load_config(args.config, [o for o in overrides if not o.startswith('eval.k=')]).eval.samples
     overrides.append(f'eval.samples={max(args.k, samples)}')
   config = config_lib.load_config(args.config, overrides)
-  if config.task.name not in ('math', 'agent'):
+  if not (config.task.kind.answers or config.task.kind.acts):
     raise UserError(f'evaluation checks answers or episodes: task.name must be math or agent, got {config.task.name!r}')
   mesh = sharding.make_mesh(config.mesh)
   graphdef, params = load_params(config, args.ckpt, mesh)
-  task = MathTask(config.task, config.model.path, config.run.seed, problems=False) if config.task.name == 'math' \
+  task = MathTask(config.task, config.model.path, config.run.seed, problems=False) if config.task.kind.answers \
       else build_task(config)
   evaluator = build_evaluator(config, task, graphdef, params)
   out = args.out or os.path.join(os.path.abspath(args.ckpt), 'eval_samples.jsonl')

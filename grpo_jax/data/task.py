@@ -98,13 +98,16 @@ class TaskShape:
 
 @dataclasses.dataclass(frozen=True)
 class TaskKind:
-  """A built-in task: whether its prompts and reward are JAX functions, and the module that holds
-  it. That module defines check(task section) (the section's fields the task owns), build(config)
+  """A built-in task: whether its prompts and reward are JAX functions, whether it is scored by
+  checking answers to a dataset's problems (reward terms and `grpo_jax.eval` apply), whether its
+  rollouts are episodes acted on the inference server, and the module that holds it. That module defines check(task section) (the section's fields the task owns), build(config)
   -> Task (from a run's whole Config) and shape(config, architecture) -> Task (its shape for the
   plan, without its data)."""
 
   jittable: bool
   module: str  # imported when first used: a run imports only its own task's code
+  answers: bool = False  # completions are answers checked against a dataset's (math)
+  acts: bool = False  # rollouts are episodes on the inference server (agents.stage.AgentStage)
 
   def check(self, task_config: 'TaskConfig') -> None:
     importlib.import_module(self.module).check(task_config)
@@ -118,8 +121,8 @@ class TaskKind:
 
 TaskName = Literal['arith', 'math', 'agent']
 TASKS = {'arith': TaskKind(jittable=True, module='grpo_jax.data.arith'),
-         'math': TaskKind(jittable=False, module='grpo_jax.data.math_task'),
-         'agent': TaskKind(jittable=False, module='grpo_jax.agents.task')}
+         'math': TaskKind(jittable=False, module='grpo_jax.data.math_task', answers=True),
+         'agent': TaskKind(jittable=False, module='grpo_jax.agents.task', acts=True)}
 assert set(TASKS) == set(typing.get_args(TaskName))
 
 
@@ -160,5 +163,9 @@ class TaskConfig:
       require(self.max_prompt_tokens >= 1, 'max_prompt_tokens', f'must be >= 1, got {self.max_prompt_tokens}')
 
   @property
+  def kind(self) -> TaskKind:
+    return TASKS[self.name]
+
+  @property
   def jittable(self) -> bool:
-    return TASKS[self.name].jittable
+    return self.kind.jittable

@@ -121,12 +121,13 @@ class RLStep:
   buffers are reused in place, nothing is relaid out); layout: where the sampler decodes
   (sampler/layout.py: the policy's weights cast and laid out once per rollout, resident on every
   device); None: in the training layout. empty_pool: with algo.max_lag > 0, the partial-rollout
-  pool a fresh TrainState starts with (build.empty_pool).
+  pool a fresh TrainState starts with (build.empty_pool). acts: the task's rollouts are episodes
+  acted on the inference server (its registered kind says so: data/task.py TaskKind.acts).
   """
 
   def __init__(self, graphdef, task: Task, rollout: RolloutConfig, algo_config: AlgoConfig,
                optimizer: optax.GradientTransformation, schedule: optax.Schedule, state_shardings,
-               layout: RolloutLayout | None = None, empty_pool=None, params=None):
+               layout: RolloutLayout | None = None, empty_pool=None, params=None, acts: bool = False):
     self.graphdef, self.task, self.algo, self.layout = graphdef, task, algo_config, layout
     self.empty_pool = empty_pool
     self.optimizer, self.schedule, self.state_shardings = optimizer, schedule, state_shardings
@@ -151,7 +152,7 @@ class RLStep:
     # A jittable task's prompts and reward are jitted like the other stages; a host task's run as they are.
     task_stage = (lambda f: jax.jit(f, static_argnums=2)) if task.jittable else (lambda f: f)
     self.acting = None
-    if getattr(task, 'agent', None) is not None:  # agents.task.AgentTask: episodes on the inference server
+    if acts:  # agents.task.AgentTask: episodes on the inference server
       from grpo_jax.agents.stage import AgentStage
       self.acting = AgentStage(graphdef, task, self.decode, self.slots, self.mesh, layout, rollout.decode_chunk,
                                rollout.reuse_turn_caches)
