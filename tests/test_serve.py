@@ -28,6 +28,17 @@ def serve(*args, **kwargs):
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
+def stop(server):
+  """SIGINT -> (exit code, stderr); the server must exit within 60 s."""
+  server.send_signal(signal.SIGINT)
+  try:
+    _, stderr = server.communicate(timeout=60)
+  except subprocess.TimeoutExpired:
+    server.kill()
+    raise AssertionError('the server did not shut down within 60 s')
+  return server.returncode, stderr
+
+
 def greedy_until_stop(reference, prompt, max_new_tokens, stop_ids):
   """transformers' greedy tokens, cut before the first stop token (JetStream does not send it)."""
   with torch.no_grad():
@@ -94,13 +105,8 @@ def test_jetstream_grpc_server_matches_greedy_decoding(seed, make_hf_checkpoint)
         answers = list(pool.map(decode, requests))
       assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30).is_live
   finally:
-    server.send_signal(signal.SIGINT)
-    try:
-      _, stderr = server.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-      server.kill()
-      raise AssertionError('the server did not shut down within 60 s')
-  assert server.returncode == 0, stderr[-3000:]
+    code, stderr = stop(server)
+  assert code == 0, stderr[-3000:]
   assert [ids for ids, _, _ in answers] == expected and any(expected)
   assert answers[0][1] == '' and answers[2][1] == tokenizer.decode(expected[2])
   assert answers[3][2] == {'prompt-tokens': str(len(long_prompt)), 'prompt-tokens-kept': '64'}
@@ -162,13 +168,8 @@ def test_hostile_clients_never_change_another_clients_answer(seed, make_hf_check
         mixed = [futures[index].result() for index in range(len(every))]
       assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30).is_live
   finally:
-    server.send_signal(signal.SIGINT)
-    try:
-      _, stderr = server.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-      server.kill()
-      raise AssertionError('the server did not shut down within 60 s')
-  assert server.returncode == 0, stderr[-3000:]
+    code, stderr = stop(server)
+  assert code == 0, stderr[-3000:]
   assert alone == expected and mixed[:len(good)] == expected and any(expected)
   for (code, details), (_, message) in zip(mixed[len(good):], bad):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and message in details, details
