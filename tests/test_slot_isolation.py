@@ -78,18 +78,13 @@ def directory(seed, make_hf_checkpoint):
   return make_hf_checkpoint(seed)[0]
 
 
-def settings_for(seed, steps=10):
-  stops = tuple(int(t) for t in np.random.default_rng(seed).choice(1000, 30, replace=False))
-  return DecodeSettings(max_new_tokens=steps, sampling=T1, stop_token_ids=stops)
-
-
 def test_engine_insert(seed, directory):
   """Two slots, six requests of three prompts: slots are refilled after other requests."""
   model = from_pretrained(directory)
   prompts = random_prompts(seed, [3, 9, 5])
 
   def run():
-    engine = QwenEngine(model, slots=2, max_prefill_length=16, settings=settings_for(seed), seed=seed % 1000)
+    engine = QwenEngine(model, slots=2, max_prefill_length=16, settings=decode_settings(seed, 10, stops=30), seed=seed % 1000)
     return generate_groups(engine, engine.load_params(), prompts, group_size=2, check_every=2)
 
   assert_same(*clean_and_poisoned(run))
@@ -104,7 +99,7 @@ def test_group_sampler_refills(seed, directory, implementation, block):
   def run():  # traced anew for each run: the poisoned one must not reuse the clean one's program
     return jax.jit(lambda params, tokens, mask: sample_groups(
         nnx.merge(graphdef, params), tokens, mask, jax.random.key(seed % 1000), group_size=3,
-        settings=settings_for(seed, 12), slots=4))(params, tokens, mask)
+        settings=decode_settings(seed, 12, stops=30), slots=4))(params, tokens, mask)
 
   assert_same(*clean_and_poisoned(run))
 
@@ -165,7 +160,7 @@ def test_inference_server_kept_caches(seed, directory):
 
 def test_bad_ids_are_refused_at_the_engine_and_the_model(seed, directory):
   model = from_pretrained(directory)
-  engine = QwenEngine(model, slots=1, max_prefill_length=16, settings=settings_for(seed))
+  engine = QwenEngine(model, slots=1, max_prefill_length=16, settings=decode_settings(seed, 10, stops=30))
   params = engine.load_params()
   for ids, position, bad in (([5, 1000, 6], 1, 1000), ([5, 6, -5], 2, -5), ([-1, -1, 4], 1, -1)):
     with pytest.raises(TokenIdError, match=rf'token id {bad} at position {position} is outside the vocabulary'):

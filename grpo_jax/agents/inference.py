@@ -187,7 +187,8 @@ class InferenceServer:
     """The parameters the next rollout's decode steps read (the trainer's live ones, laid out once
     into the sampler's own layout when the server has one). Call before each `async with`: leaving
     it frees them, with the slots' cache."""
-    self.vocab_size = nnx.merge(self.graphdef, params).config.vocab_size
+    if self.vocab_size is None:  # the graph, and so the vocabulary, is the server's for life
+      self.vocab_size = nnx.merge(self.graphdef, params).config.vocab_size
     self._params = self._place(params) if self._place is not None else params
     self._forget()  # kept caches were computed with the old parameters
 
