@@ -247,10 +247,16 @@ def test_without_tools_it_is_the_math_task_as_a_single_turn_agent(tmp_path, seed
     rng = np.random.default_rng(seed)
     trajectories = []
     for problem in agent.problems(0, 2):
-      for _ in range(3):
-        guess = rng.choice([problem.data, str(int(problem.data) + 1)])
-        text = str(rng.choice([f'so \\boxed{{{guess}}}<|im_end|>', f'<python>print({guess})</python><|im_end|>',
-                               f'<think>\\boxed{{{problem.data}}}</think> {guess}<|im_end|>']))
+      # Each problem gets a right and a wrong boxed answer (so the rewards are neither all 0 nor all 1)
+      # and one drawn from the other forms, in a drawn order.
+      right, wrong = problem.data, str(int(problem.data) + 1)
+      guess = rng.choice([right, wrong])
+      other = str(rng.choice([f'<python>print({guess})</python><|im_end|>',
+                              f'<think>\\boxed{{{right}}}</think> {guess}<|im_end|>',
+                              f'so \\boxed{{{guess}}}<|im_end|>']))
+      texts = [f'so \\boxed{{{right}}}<|im_end|>', f'so \\boxed{{{wrong}}}<|im_end|>', other]
+      for text in rng.permutation(texts):
+        text = str(text)
         [trajectory] = asyncio.run(agent.agent.episodes(ScriptedPolicy(agent.tokenizer, [text]), problem, 1,
                                                         jax.random.key(0), 48))
         assert trajectory.turns == 1 and trajectory.tool_calls == 0
