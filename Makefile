@@ -1,16 +1,23 @@
 # make demo: set up .venv and run the default job; make test: set up .venv (and the deviceless TPU/GPU
 # compilers in .venv/compilers), check the core on the GPU images' JAX (core-smoke), run every test.
-PYTHON ?= python3
+# jax 0.11+ needs Python 3.12 or newer: PYTHON is the first such interpreter found (python3.13,
+# python3.12, pyenv's 3.12/3.13, python3), or set it: make test PYTHON=/path/to/python3.12.
+NEEDS_PYTHON := import sys, venv; sys.exit(sys.version_info < (3, 12))
+PYTHON ?= $(shell for p in $$(command -v python3.13 python3.12) $(HOME)/.pyenv/versions/3.1[23]*/bin/python3.1[23] \
+  /root/.pyenv/versions/3.1[23]*/bin/python3.1[23] $$(command -v python3); do \
+  "$$p" -c '$(NEEDS_PYTHON)' >/dev/null 2>&1 && echo "$$p" && break; done)
 VENV := .venv
 BIN := $(VENV)/bin
 
 .PHONY: demo demo-agent demo-math test core-smoke bench clean
 
 $(BIN)/python:
+	@test -n "$(PYTHON)" || { echo "no Python 3.12 or newer found (jax 0.12 needs it): make ... PYTHON=/path/to/python3.12"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(VENV)/.runtime: requirements.txt pyproject.toml | $(BIN)/python
+	@$(BIN)/python -c '$(NEEDS_PYTHON)' || { echo "$(VENV) is older than Python 3.12, which jax 0.12 needs: make clean, then again"; exit 1; }
 	$(BIN)/pip install --quiet -r requirements.txt
 	$(BIN)/pip install --quiet --no-deps -e .
 	touch $@

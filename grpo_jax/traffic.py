@@ -11,10 +11,10 @@ reported per iteration of that loop, the rest per execution of the program.
 
 Bytes per device, by kind: all-gather: the gathered result; all-reduce: the reduced operand;
 reduce-scatter: the operand before scattering; all-to-all and collective-permute: the operand.
-Asynchronous pairs (`-start` / `-done`) count once. The interconnect time of a collective over a
-group of g devices at a link bandwidth of W bytes/s per device is estimated as bytes * (g - 1) / g
-/ W, twice that for an all-reduce (a reduce-scatter then an all-gather), on the slowest link the
-group spans.
+Asynchronous pairs (`-start` / `-done`) count once, a `-start` written as ((operands), results) by
+its results. The interconnect time of a collective over a group of g devices at a link bandwidth
+of W bytes/s per device is estimated as bytes * (g - 1) / g / W, twice that for an all-reduce (a
+reduce-scatter then an all-gather), on the slowest link the group spans.
 """
 
 import dataclasses
@@ -111,8 +111,8 @@ def _bytes(kind: str, opcode: str, shape: str, group_size: int) -> int:
   sizes = _shape_bytes(shape)
   if opcode in ('all-gather-start', 'collective-permute-start'):
     return sizes[1] if len(sizes) > 1 else sum(sizes)  # (operand, result[, contexts]): the result arrives
-  if opcode == 'all-to-all-start':  # ((operands), results) of equal sizes (XLA:GPU's asynchronous form)
-    return sum(sizes) // 2
+  if opcode == 'all-to-all-start' or (opcode == 'all-reduce-start' and shape.lstrip().startswith('((')):
+    return sum(sizes) // 2  # ((operands), results) of equal sizes (XLA:GPU's asynchronous forms)
   if kind == 'reduce-scatter':
     return sum(sizes) * group_size  # the operand, of which each device keeps 1 / g
   return sum(sizes)
