@@ -151,6 +151,12 @@ class Target:
   link_bandwidth: float  # bytes/s per chip and direction: ICI (TPU), NVLink within a host (GPU)
   network_bandwidth: float  # bytes/s per chip between GPU hosts (TPU slices: ICI throughout)
 
+  @property
+  def device_kind(self) -> str:
+    """A GPU's device kind as the driver reports it (what Pallas's Triton lowering reads the
+    compute capability from); a TPU's kind name."""
+    return _GPU[self.kind]['name'] if self.platform == 'gpu' else self.kind
+
   def group_bandwidth(self, devices) -> float:
     """Bytes/s per device of the slowest link a collective over `devices` (the target's device
     objects) uses: the network when a GPU group spans hosts, else NVLink or ICI."""

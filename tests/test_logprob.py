@@ -346,7 +346,15 @@ def test_kernels_lower_for_accelerators(schedule, platform, dtype, model):
     return jnp.sum(logp) + jnp.sum(entropy)
 
   step = jax.jit(jax.value_and_grad(loss, (0, 1)))
-  text = step.trace(hidden, weight, targets).lower(lowering_platforms=(platform,)).as_text()
+  # No GPU here: from jax 0.12 on, the Triton lowering reads the compute capability from the device
+  # kind of the mesh it lowers under, as a deviceless compile for an H100 describes it (targets.py).
+  from jax._src.mesh import AbstractDevice
+  from grpo_jax import targets as targets_lib
+  kind = targets_lib.parse_target('h100x1').device_kind if platform == 'cuda' else platform
+  mesh = jax.sharding.AbstractMesh((1,), ('data',), abstract_device=AbstractDevice(
+      device_kind=kind, num_cores=None, platform=platform))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = step.trace(hidden, weight, targets).lower(lowering_platforms=(platform,)).as_text()
   target = {'tpu': '@tpu_custom_call', 'cuda': 'triton'}[platform]
   assert text.count(target) >= 3
   if platform == 'tpu':  # each kernel carries its VMEM limit, within the smallest TPU's VMEM
