@@ -71,7 +71,7 @@ else
 endif
 
 test: $(VENV)/.test $(VENV)/.compilers core-smoke
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q --durations=30
 
 bench: $(VENV)/.test
 	$(BIN)/python bench/forward.py
