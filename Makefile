@@ -27,8 +27,13 @@ $(VENV)/.extras: requirements-extras.txt $(VENV)/.runtime
 	$(BIN)/pip install --quiet -r requirements-extras.txt
 	touch $@
 
+# On Python 3.12 PyPI's torch is its CUDA build, which brings the `triton` package; the tests use
+# torch on the CPU only (as its CPU build, without triton, did), and triton's native library
+# crashed a test process that had already loaded jaxlib's own Triton lowering (a segfault on
+# importing triton from transformers). So it is removed.
 $(VENV)/.test: requirements-test.txt $(VENV)/.extras
 	$(BIN)/pip install --quiet -r requirements-test.txt
+	$(BIN)/pip uninstall --quiet --yes triton
 	touch $@
 
 # The TPU and GPU compilers for deviceless compiles, in a folder of their own (requirements-compile.txt).
