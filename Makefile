@@ -3,9 +3,10 @@
 # jax 0.11+ needs Python 3.12 or newer: PYTHON is the first such interpreter found (python3.13,
 # python3.12, pyenv's 3.12/3.13, python3), or set it: make test PYTHON=/path/to/python3.12.
 NEEDS_PYTHON := import sys, venv; sys.exit(sys.version_info < (3, 12))
-PYTHON ?= $(shell for p in $$(command -v python3.13 python3.12) $(HOME)/.pyenv/versions/3.1[23]*/bin/python3.1[23] \
-  /root/.pyenv/versions/3.1[23]*/bin/python3.1[23] $$(command -v python3); do \
-  "$$p" -c '$(NEEDS_PYTHON)' >/dev/null 2>&1 && echo "$$p" && break; done)
+# $(call first_python,CANDIDATES): the first candidate interpreter that runs $(NEEDS_PYTHON).
+first_python = $(shell for p in $(1); do "$$p" -c '$(NEEDS_PYTHON)' >/dev/null 2>&1 && echo "$$p" && break; done)
+PYTHON ?= $(call first_python,$$(command -v python3.13 python3.12) $(HOME)/.pyenv/versions/3.1[23]*/bin/python3.1[23] \
+  /root/.pyenv/versions/3.1[23]*/bin/python3.1[23] $$(command -v python3))
 VENV := .venv
 BIN := $(VENV)/bin
 
@@ -56,8 +57,8 @@ demo-math: $(VENV)/.extras
 
 # The core on the GPU images' JAX (requirements-gpu-image.txt), checked on the CPU in an environment of
 # its own; those packages need Python 3.12. Where no python3.12 is found, it skips and says so.
-PYTHON_GPU_IMAGE ?= $(shell for p in $(HOME)/.pyenv/versions/3.12*/bin/python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 \
-  $$(command -v python3.12); do "$$p" -c 'import venv' >/dev/null 2>&1 && echo "$$p" && break; done)
+PYTHON_GPU_IMAGE ?= $(call first_python,$(HOME)/.pyenv/versions/3.12*/bin/python3.12 \
+  /root/.pyenv/versions/3.12*/bin/python3.12 $$(command -v python3.12))
 GPU_IMAGE_VENV := .venv-gpu-image
 
 $(GPU_IMAGE_VENV)/.installed: requirements-gpu-image.txt

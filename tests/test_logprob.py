@@ -308,6 +308,13 @@ def _pallas_calls(jaxpr) -> list:
   return found
 
 
+def _described_target(platform, device_kind=None):
+  """An abstract one-device mesh of `platform` devices: what a deviceless compile lowers under."""
+  from jax._src.mesh import AbstractDevice
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ('data',), abstract_device=AbstractDevice(
+      device_kind=device_kind or platform, num_cores=None, platform=platform)))
+
+
 @pytest.mark.parametrize('platform,schedule,interpreted', [('tpu', 'mosaic', False), ('cuda', 'triton', False),
                                                            ('cpu', 'mosaic', True)])
 def test_interpret_and_schedule_follow_the_target_not_the_host(platform, schedule, interpreted):
@@ -315,12 +322,9 @@ def test_interpret_and_schedule_follow_the_target_not_the_host(platform, schedul
   topology from this CPU-only host does) picks that target's kernel, not interpreted; only a CPU
   target interprets. Both used to follow the host's backend, so deviceless compiles silently
   built the interpreted kernel."""
-  from jax._src.mesh import AbstractDevice
-  mesh = jax.sharding.AbstractMesh((1,), ('data',), abstract_device=AbstractDevice(
-      device_kind=platform, num_cores=None, platform=platform))
   shapes = (jax.ShapeDtypeStruct((64, 128), jnp.float32), jax.ShapeDtypeStruct((128, 1024), jnp.float32),
             jax.ShapeDtypeStruct((64,), jnp.int32))
-  with jax.sharding.use_abstract_mesh(mesh):
+  with _described_target(platform):
     assert logprob.target_platform() == ('gpu' if platform == 'cuda' else platform)
     jaxpr = jax.make_jaxpr(lambda h, w, y: token_logprobs(h, w, y, implementation='pallas'))(*shapes)
   (call,) = _pallas_calls(jaxpr.jaxpr)
@@ -348,12 +352,8 @@ def test_kernels_lower_for_accelerators(schedule, platform, dtype, model):
   step = jax.jit(jax.value_and_grad(loss, (0, 1)))
   # No GPU here: from jax 0.12 on, the Triton lowering reads the compute capability from the device
   # kind of the mesh it lowers under, as a deviceless compile for an H100 describes it (targets.py).
-  from jax._src.mesh import AbstractDevice
   from grpo_jax import targets as targets_lib
-  kind = targets_lib.parse_target('h100x1').device_kind if platform == 'cuda' else platform
-  mesh = jax.sharding.AbstractMesh((1,), ('data',), abstract_device=AbstractDevice(
-      device_kind=kind, num_cores=None, platform=platform))
-  with jax.sharding.use_abstract_mesh(mesh):
+  with _described_target(platform, targets_lib.parse_target('h100x1').device_kind if platform == 'cuda' else None):
     text = step.trace(hidden, weight, targets).lower(lowering_platforms=(platform,)).as_text()
   target = {'tpu': '@tpu_custom_call', 'cuda': 'triton'}[platform]
   assert text.count(target) >= 3
