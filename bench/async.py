@@ -1,7 +1,7 @@
 """python bench/async.py [--preset small] [--prompts 8 --group 8] [--new-tokens 256] [--lags 1,2] [--steps 6]
 
 Whole RL steps per second with partial rollouts (algo.max_lag L: groups in flight across steps,
-sampler/partial.py) against on-policy steps, on long-tailed answers: each decoded token is a stop
+sampler/pool.py) against on-policy steps, on long-tailed answers: each decoded token is a stop
 token with probability ~1/mean (a random 1/mean share of a random model's vocabulary; mean N/8 by
 default, capped at N), so an on-policy step waits for its longest answer while partial rollouts
 keep every decode slot busy. Each step is the run's whole step (rl/step.py, K steps in one jit):

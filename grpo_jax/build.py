@@ -11,7 +11,7 @@ from grpo_jax.model import lora
 from grpo_jax.rl.host_task import HostTask
 from grpo_jax.rl.state import train_state_shardings
 from grpo_jax.rl.step import RLStep
-from grpo_jax.sampler import partial
+from grpo_jax.sampler import pool as sampler_pool
 from grpo_jax.sampler.layout import rollout_layout, split_devices
 
 
@@ -26,7 +26,7 @@ def total_updates(config) -> int:
 
 
 def empty_pool(config, task: Task):
-  """The run's partial-rollout pool (algo.max_lag > 0, sampler/partial.py) holding no groups yet;
+  """The run's partial-rollout pool (algo.max_lag > 0, sampler/pool.py) holding no groups yet;
   None on-policy. A jittable task's answers get arrays in it, shaped like one batch's."""
   if not config.algo.max_lag:
     return None
@@ -35,7 +35,7 @@ def empty_pool(config, task: Task):
              if task.jittable else None)
   # Split devices sample one version behind the trainer: the pool itself holds one lag fewer.
   lags = config.algo.max_lag - (1 if config.rollout.devices else 0)
-  return partial.empty_pool((lags + 1) * count, config.algo.group_size, task.prompt_length,
+  return sampler_pool.empty_pool((lags + 1) * count, config.algo.group_size, task.prompt_length,
                             config.rollout.decode_settings(task.stop_token_ids, task.pad_id), answers)
 
 

@@ -1,4 +1,4 @@
-"""Partial rollouts (algo.max_lag > 0, sampler/partial.py): groups carried across steps end with
+"""Partial rollouts (algo.max_lag > 0, sampler/pool.py): groups carried across steps end with
 exactly the tokens the group sampler gives them in one call (same keys, unchanged weights), on one
 device and on a mesh; no trained token is older than the bound; a cut-off answer goes on under
 new weights as if its tokens had been sampled by them; hostile settings are one-line errors."""
@@ -17,7 +17,7 @@ from grpo_jax.config import load_config
 from grpo_jax.errors import UserError
 from grpo_jax.model import MeshConfig, from_pretrained, make_mesh
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
-from grpo_jax.sampler import partial
+from grpo_jax.sampler import pool as sampler_pool
 from grpo_jax.sampler.rollout import sample_groups
 from grpo_jax.testing import left_padded, random_prompts
 
@@ -36,9 +36,9 @@ class Driver:
 
   def __init__(self, graphdef, prompts_per_step, group_size, max_lag, slots, settings, regenerate=False):
     self.count, self.group, self.max_lag = prompts_per_step, group_size, max_lag
-    self.pool = partial.empty_pool((max_lag + 1) * prompts_per_step, group_size, WIDTH, settings)
-    self.fill = jax.jit(functools.partial(partial.fill, answers=None, group_size=group_size, pad_id=0))
-    self.advance = jax.jit(lambda params, pool, version: partial.advance(
+    self.pool = sampler_pool.empty_pool((max_lag + 1) * prompts_per_step, group_size, WIDTH, settings)
+    self.fill = jax.jit(functools.partial(sampler_pool.fill, answers=None, group_size=group_size, pad_id=0))
+    self.advance = jax.jit(lambda params, pool, version: sampler_pool.advance(
         nnx.merge(graphdef, params), pool, version=version, take=prompts_per_step, group_size=group_size,
         settings=settings, slots=slots, max_lag=max_lag, regenerate=regenerate))
     self.batches, self.keys = [], []
@@ -106,7 +106,7 @@ def test_carried_groups_equal_one_call(seed, make_hf_checkpoint, max_lag, slots,
     spanning = [int(row_length) for _, _, lengths, versions in taken_groups.values()
                 for row_length, row in zip(lengths, versions) if len(set(row[:row_length].tolist())) > 1]
     if steps > 64:  # some answer was carried over with more than one chunk of tokens
-      assert max(spanning) > partial._chunk(steps), spanning
+      assert max(spanning) > sampler_pool._chunk(steps), spanning
     for source, (tokens, log_probs, lengths, versions) in taken_groups.items():
       want = reference(params, driver, source)
       np.testing.assert_array_equal(tokens, np.asarray(want.tokens), err_msg=f'group {source}')

@@ -49,6 +49,7 @@ from grpo_jax.model.qwen2 import KVCache
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, decode_step, prefill, typed_key
 from grpo_jax.sampler.sampling import SamplingConfig
+from grpo_jax.sampler.slots import Entry, Slots, admit
 
 FinishReason = Literal['stop', 'length']
 MIN_BUCKET = 8  # the narrowest prefill width; wider ones grow by 1.5x and 4/3 in turn up to max_context
@@ -394,29 +395,18 @@ class InferenceServer:
                        stops=jnp.full((B, self.max_stops), -1, jnp.int32))
 
   def _prefill_into(self, params, state: DecodeState, tokens, real, slots, keys, limits, stops) -> DecodeState:
-    """Prefills R right-padded contexts of width W into a W-slot cache (attention over W keys,
-    not the row's S) and puts each into the first W slots of its row (slot B: a padding row). The
-    row's later slots keep the previous request's entries, marked empty (segment 0) so nothing
-    reads them; decoding overwrites them."""
+    """Prefills R right-padded contexts of width W into a W-entry cache (attention over W keys,
+    not the row's S) and admits each into its slot (slot B: a padding row) with those entries."""
     model = nnx.merge(self.graphdef, params)
     rows, width = tokens.shape
     done = prefill(model, tokens, real, model.init_cache(rows, width))
-    put = lambda target, values: target.at[slots].set(values, mode='drop')  # noqa: E731
-    cache = state.cache
-    segments = jnp.zeros((rows, self.max_context), jnp.int32).at[:, :width].set(done.cache.segment_ids)
-    cache = KVCache(k=cache.k.at[:, slots, :width].set(done.cache.k, mode='drop'),
-                    v=cache.v.at[:, slots, :width].set(done.cache.v, mode='drop'),
-                    segment_ids=put(cache.segment_ids, segments), length=put(cache.length, done.cache.length))
-    return dataclasses.replace(state, cache=cache, hidden=put(state.hidden, done.hidden.astype(state.hidden.dtype)),
-                               keys=put(state.keys, jax.random.wrap_key_data(keys)),
-                               generated=put(state.generated, jnp.zeros_like(limits)),
-                               live=put(state.live, ~done.empty), limit=put(state.limit, limits),
-                               stops=put(state.stops, stops))
+    return admit(state, Slots(index=slots), Entry(hidden=done.hidden, keys=jax.random.wrap_key_data(keys),
+                                                  empty=done.empty, cache=done.cache, limit=limits, stops=stops))
 
   def _extend_into(self, params, state: DecodeState, tokens, real, slots, keys, limits, stops) -> DecodeState:
     """Prefills R right-padded continuations of width W onto the caches their slots kept (each
-    row's cache from its length on; attention over the row's S keys), and makes the rows live.
-    Only the W new entries of each row are written back, not the whole row."""
+    row's cache from its length on; attention over the row's S keys) and admits each into its
+    slot with the W new entries after the kept ones."""
     model = nnx.merge(self.graphdef, params)
     cache, width = state.cache, tokens.shape[1]
     rows_of = lambda values, axis: jnp.take(values, slots, axis=axis, mode='clip')  # noqa: E731
@@ -424,20 +414,13 @@ class InferenceServer:
                    length=rows_of(cache.length, 0))
     done = prefill(model, tokens, real, kept)
     start = kept.length  # [R] where each row's new entries begin
-    positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)  # [R, W]
     new_entries = jax.vmap(lambda row, first: jax.lax.dynamic_slice_in_dim(row, first, width, axis=1), (1, 0), 1)
-    put = lambda target, values: target.at[slots].set(values, mode='drop')  # noqa: E731
-    cache = KVCache(k=cache.k.at[:, slots[:, None], positions].set(new_entries(done.cache.k, start), mode='drop'),
-                    v=cache.v.at[:, slots[:, None], positions].set(new_entries(done.cache.v, start), mode='drop'),
-                    segment_ids=cache.segment_ids.at[slots[:, None], positions].set(
-                        jax.vmap(lambda row, first: jax.lax.dynamic_slice_in_dim(row, first, width))(
-                            done.cache.segment_ids, start), mode='drop'),
-                    length=put(cache.length, done.cache.length))
-    return dataclasses.replace(state, cache=cache, hidden=put(state.hidden, done.hidden.astype(state.hidden.dtype)),
-                               keys=put(state.keys, jax.random.wrap_key_data(keys)),
-                               generated=put(state.generated, jnp.zeros_like(limits)),
-                               live=put(state.live, ~done.empty), limit=put(state.limit, limits),
-                               stops=put(state.stops, stops))
+    brought = KVCache(k=new_entries(done.cache.k, start), v=new_entries(done.cache.v, start),
+                      segment_ids=jax.vmap(lambda row, first: jax.lax.dynamic_slice_in_dim(row, first, width))(
+                          done.cache.segment_ids, start), length=done.cache.length)
+    return admit(state, Slots(index=slots), Entry(hidden=done.hidden, keys=jax.random.wrap_key_data(keys),
+                                                  empty=done.empty, cache=brought, start=start, limit=limits,
+                                                  stops=stops))
 
   def _decode_chunk(self, params, state: DecodeState):
     """Up to `chunk` decode steps, fewer when every slot goes idle first -> (state, Emitted

@@ -217,7 +217,7 @@ class AlgoConfig:
   # (zero-advantage) groups. Every prompt sampled counts as consumed.
   dynamic_sampling: bool = False
   max_sampling_rounds: int = 4  # >= 1: rounds of P prompts per step at most (dynamic_sampling)
-  # Off-policy by a bounded lag (sampler/partial.py): (L + 1) * P prompt groups stay in flight across
+  # Off-policy by a bounded lag (sampler/pool.py): (L + 1) * P prompt groups stay in flight across
   # steps, answers cut off when a step ends go on under the new weights, and each step trains on
   # the P oldest complete groups. A trained token is at most L policy versions older than the
   # update (its log-prob from the sampler is the behaviour policy: tis_cap weights it). 0: on-policy.

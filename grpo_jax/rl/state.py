@@ -22,7 +22,7 @@ class TrainState:
   key: jax.Array  # uint32[2] PRNG state for rollouts and mini-batch shuffling
   updates: jax.Array  # int32 optimizer updates applied (drives the learning-rate schedule)
   skips: jax.Array  # int32 consecutive updates skipped for non-finite loss or gradients
-  # Prompt groups in flight between steps (sampler/partial.Pool) with algo.max_lag > 0; None on-policy.
+  # Prompt groups in flight between steps (sampler/pool.Pool) with algo.max_lag > 0; None on-policy.
   pool: object = None
   # With LoRA (model.lora), the frozen base parameters in the compute dtype: an input of every
   # jitted step that passes through it unchanged (donated, so aliased: never copied), and never
@@ -73,7 +73,7 @@ def pool_shardings(pool, mesh):
 def create_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int,
                        pool=None, shardings: TrainState | None = None, frozen=None) -> TrainState:
   """A fresh TrainState in `shardings` (default `train_state_shardings`), built on the parameters'
-  devices; `pool`: an empty partial-rollout pool (sampler/partial.empty_pool) or None. A pool laid
+  devices; `pool`: an empty partial-rollout pool (sampler/pool.empty_pool) or None. A pool laid
   out on other devices (the sampler's, split devices) is placed there on its own. `frozen`: a LoRA
   model's base, kept as it lies."""
   shardings = train_state_shardings(params, optimizer, pool, frozen) if shardings is None else shardings

@@ -1,7 +1,7 @@
 """The one RL step: prompts -> rollout -> reward -> advantages -> update, for every task.
 
 The sequence is written once (`RLStep._round` then `learn`), over a set of `Stages`. With partial
-rollouts (algo.max_lag > 0) the rollout stage is the pool's (sampler/partial.py): the step's
+rollouts (algo.max_lag > 0) the rollout stage is the pool's (sampler/pool.py): the step's
 prompts join the groups in flight, and the P oldest complete groups are scored and trained on. With a
 jittable task (its prompts and reward are JAX functions) `run_steps` traces the step K times under
 `lax.scan` inside one jit; otherwise train.py calls the step from the host, each stage jitted on
@@ -25,7 +25,7 @@ from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.state import TrainState, pool_shardings
 from grpo_jax.rl.update import Batch, UpdateSettings, update
 from grpo_jax.sampler.layout import RolloutLayout
-from grpo_jax.sampler.partial import Pipeline, advance_resident, advance_split, fill
+from grpo_jax.sampler.pool import Pipeline, advance_resident, advance_split, fill
 from grpo_jax.sampler.rollout import Rollout, RolloutConfig, sample_resident
 
 
@@ -86,7 +86,7 @@ class Stages:
   act(params, prompts, sampling key, G) -> (Rollout, Scores): an agent task's episodes, sampled
       and scored together (agents/stage.py), in place of sample and reward; None for other tasks.
   fill(pool, prompt tokens, prompt mask, answers, sampling key, prompt key, position, version) -> pool
-  advance(params, pool, version) -> (pool, partial.Taken): partial rollouts (algo.max_lag > 0) in
+  advance(params, pool, version) -> (pool, pool.Taken): partial rollouts (algo.max_lag > 0) in
       place of sample: the prompts join the pool, the P groups taken leave it; None on-policy.
   """
 
@@ -303,7 +303,7 @@ class RLStep:
   # ---- split devices (rollout.devices): the sampler and the trainer pipelined ----
 
   def _pipeline_stages(self, pool, params) -> None:
-    """The state between steps becomes a partial.Pipeline on the sampler's devices, and the host
+    """The state between steps becomes a pool.Pipeline on the sampler's devices, and the host
     stages that touch it move there: the step's prompts join the pool on the sampler; the weights
     cross once (RolloutLayout.transfer); the sampler's `advance` is dispatched for the next step
     before the trainer's update of this one, so the two run at once on their own devices."""

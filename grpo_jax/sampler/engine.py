@@ -28,6 +28,7 @@ from grpo_jax.model.sharding import named_sharding
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Prefix, decode_step, prefill, request_keys, typed_key
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sampler.engine_tokenizer import NO_TOKEN, HFTokenizer
+from grpo_jax.sampler.slots import Entry, Slots, admit
 
 # Column ranges of ResultTokens.data, one int32 row per slot.
 TOKEN_COLUMNS, VALID_COLUMNS, LENGTH_COLUMNS, LOG_PROB_COLUMNS = (0, 1), (1, 2), (2, 3), (3, 4)
@@ -286,15 +287,8 @@ class QwenEngine:
     width = prefix.cache.max_length
     if width > self.cache_length:
       raise ValueError(f'prefix of {width} tokens does not fit a cache row of {self.cache_length}')
-    cache = state.cache
-    segment_row = jnp.zeros((1, self.cache_length), jnp.int32).at[:, :width].set(prefix.cache.segment_ids)
-    cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, prefix.cache.k, (0, slot, 0, 0, 0)),
-                    v=jax.lax.dynamic_update_slice(cache.v, prefix.cache.v, (0, slot, 0, 0, 0)),
-                    segment_ids=jax.lax.dynamic_update_slice(cache.segment_ids, segment_row, (slot, 0)),
-                    length=cache.length.at[slot].set(prefix.cache.length[0]))
-    return DecodeState(cache=cache, hidden=state.hidden.at[slot].set(prefix.hidden[0].astype(state.hidden.dtype)),
-                       keys=state.keys.at[slot].set(key), generated=state.generated.at[slot].set(0),
-                       live=state.live.at[slot].set(~prefix.empty[0]))
+    return admit(state, Slots(index=jnp.reshape(slot, (1,))),
+                 Entry(hidden=prefix.hidden, keys=key[None], empty=prefix.empty, cache=prefix.cache))
 
   def _generate_step(self, params, state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     state, emitted = decode_step(nnx.merge(self._graphdef, params), state, self.settings)

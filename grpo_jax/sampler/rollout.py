@@ -25,11 +25,12 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import require
-from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
+from grpo_jax.model.qwen2 import Qwen2
 from grpo_jax.model.sharding import batch_groups, grouped
-from grpo_jax.sampler.decode import DecodeSettings, DecodeState, decode_step, prefill, request_keys
+from grpo_jax.sampler.decode import DecodeSettings, request_keys
 from grpo_jax.sampler.layout import RolloutLayout
 from grpo_jax.sampler.sampling import SamplingConfig
+from grpo_jax.sampler.slots import Decoded, decode_groups, idle_slots, prefill_prompts
 from grpo_jax.sections import inline, section
 
 
@@ -95,7 +96,7 @@ class Rollout:
               episode holds the environment's tokens between the policy's (agents/trajectory.py),
               where `mask` holds the policy's only and `lengths` counts them. None: `mask`.
   versions:   [P*G, N] int32, the policy version (RL steps done) that sampled each token, -1 where
-              masked: partial rollouts (sampler/partial.py) carry answers across steps. None: the
+              masked: partial rollouts (sampler/pool.py) carry answers across steps. None: the
               current version sampled every token.
   """
 
@@ -115,104 +116,42 @@ class Rollout:
 
   ROWS = ('tokens', 'log_probs', 'mask', 'lengths', 'stopped')  # the per-request fields
 
+  @classmethod
+  def of(cls, decoded: Decoded, decode_steps: jax.Array | None = None) -> 'Rollout':
+    """The rows of slots.Decoded [n, Rg, ...], flattened in request order."""
+    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), decoded)
+    mask = jnp.arange(flat.tokens.shape[1])[None, :] < flat.lengths[:, None]
+    return cls(tokens=flat.tokens, log_probs=flat.log_probs, mask=mask, lengths=flat.lengths, stopped=flat.stopped,
+               decode_steps=decode_steps, versions=flat.versions)
+
   @property
   def finish_reasons(self) -> list[str]:
     """'stop' or 'length' per row (reads `stopped` back to the host)."""
     return ['stop' if stopped else 'length' for stopped in np.asarray(self.stopped)]
 
 
-def _per_group(fn, *args):
-  """fn mapped over the group axis of every argument (a gather or scatter within each group)."""
-  return jax.vmap(fn)(*args)
-
-
 def sample_groups(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
                   group_size: int, settings: DecodeSettings, slots: int = 0) -> Rollout:
-  """Samples G completions for each of P prompts through `slots` decode rows (0: one per request).
-  Traceable: run it under jit (see GroupSampler).
+  """Samples G completions for each of P prompts through `slots` decode rows (0: one per request),
+  in the one slot loop (slots.decode_groups) with every request queued in order. Traceable: run
+  it under jit (see GroupSampler).
 
   prompts [P, Tp] int32, left- or right-padded; prompt_mask [P, Tp], 1 on real tokens. Returns the
   Rollout in request order, with `decode_steps` (loop iterations) set.
   """
-  num_prompts, prompt_length = prompts.shape
-  requests, steps = num_prompts * group_size, settings.max_new_tokens
+  num_prompts = prompts.shape[0]
+  requests = num_prompts * group_size
   slots = min(slots or requests, requests)
   groups = batch_groups(num_prompts, slots)
-  per_prompts, per_slots, per_requests = num_prompts // groups, slots // groups, requests // groups
-  prefix = prefill(model, prompts, prompt_mask.astype(jnp.int32), model.init_cache(num_prompts, prompt_length))
-  cache = prefix.cache
-  layers = cache.k.shape[0]
-  split = lambda x: x.reshape((layers, groups, per_prompts) + x.shape[2:])  # noqa: E731
-  shared = SharedPrefix(k=split(cache.k), v=split(cache.v), segment_ids=grouped(cache.segment_ids, groups),
-                        index=jnp.zeros((groups, per_slots), jnp.int32))
-  hidden, empty = grouped(prefix.hidden, groups), grouped(prefix.empty, groups)
-  keys = grouped(request_keys(key, requests), groups)  # [n, R / n]
-  state = DecodeState(cache=model.init_cache(slots, steps), hidden=jnp.zeros((slots, hidden.shape[-1]), hidden.dtype),
-                      keys=keys[:, :per_slots].reshape(slots), generated=jnp.zeros((slots,), jnp.int32),
-                      live=jnp.zeros((slots,), bool), prefix=shared)
-  outputs = Rollout(tokens=jnp.full((groups, per_requests, steps), settings.pad_id, jnp.int32),
-                    log_probs=jnp.zeros((groups, per_requests, steps), jnp.float32),
-                    mask=jnp.zeros((groups, per_requests, steps), bool),
-                    lengths=jnp.zeros((groups, per_requests), jnp.int32),
-                    stopped=jnp.zeros((groups, per_requests), bool))
-  # Per group: the request each slot holds (-1: none yet) and the next request waiting.
-  holding = jnp.full((groups, per_slots), -1, jnp.int32)
-  waiting = jnp.zeros((groups,), jnp.int32)
-
-  def keep_going(carry):
-    _, state, _, waiting, _ = carry
-    return jnp.any(state.live) | jnp.any(waiting < per_requests)
-
-  def insert(state: DecodeState, holding, waiting):
-    """Every free slot takes the next waiting request of its group, in request order."""
-    free = ~state.live.reshape(groups, per_slots)
-    request = waiting[:, None] + jnp.cumsum(free, axis=1, dtype=jnp.int32) - 1
-    taken = free & (request < per_requests)
-    holding = jnp.where(taken, request, holding)
-    prompt = jnp.maximum(holding, 0) // group_size
-    flat = taken.reshape(slots)
-
-    def pick(values, index):
-      return _per_group(lambda v, i: v[i], values, index).reshape((slots,) + values.shape[2:])
-
-    cache = state.cache
-    state = dataclasses.replace(
-        state, hidden=jnp.where(flat[:, None], pick(hidden, prompt).astype(state.hidden.dtype), state.hidden),
-        keys=jnp.where(flat, pick(keys, jnp.maximum(holding, 0)), state.keys),
-        generated=jnp.where(flat, 0, state.generated), live=jnp.where(flat, ~pick(empty, prompt), state.live),
-        # The slot's own cache row starts empty; what the last request wrote there stays, masked.
-        cache=dataclasses.replace(cache, length=jnp.where(flat, 0, cache.length),
-                                  segment_ids=jnp.where(flat[:, None], 0, cache.segment_ids)),
-        prefix=dataclasses.replace(state.prefix, index=jnp.where(taken, prompt, state.prefix.index)))
-    return state, holding, waiting + jnp.sum(taken, axis=1, dtype=jnp.int32)
-
-  def write(out: Rollout, holding, emitted) -> Rollout:
-    """Each emitted token into its request's row, at the request's token index."""
-    valid = emitted.valid.reshape(groups, per_slots)
-    request = jnp.where(valid, holding, per_requests)  # out of range: dropped
-    position = emitted.lengths.reshape(groups, per_slots) - 1
-
-    def scatter(target, values, at_position=True):
-      values = values.reshape(groups, per_slots)
-      if at_position:
-        return _per_group(lambda t, r, p, v: t.at[r, p].set(v, mode='drop'), target, request, position, values)
-      return _per_group(lambda t, r, v: t.at[r].set(v, mode='drop'), target, request, values)
-
-    return Rollout(tokens=scatter(out.tokens, emitted.tokens), log_probs=scatter(out.log_probs, emitted.log_probs),
-                   mask=scatter(out.mask, emitted.valid), lengths=scatter(out.lengths, emitted.lengths, False),
-                   stopped=scatter(out.stopped, emitted.stopped, False))
-
-  def step(carry):
-    count, state, holding, waiting, out = carry
-    state, holding, waiting = insert(state, holding, waiting)
-    state, emitted = decode_step(model, state, settings)
-    return count + 1, state, holding, waiting, write(out, holding, emitted)
-
-  with jax.named_scope('decode_loop'):  # the plan counts this loop's traffic per iteration (traffic.py)
-    count, _, _, _, outputs = jax.lax.while_loop(
-        keep_going, step, (jnp.int32(0), state, holding, waiting, outputs))
-  flat = jax.tree.map(lambda x: x.reshape((requests,) + x.shape[2:]), outputs)
-  return dataclasses.replace(flat, decode_steps=count)
+  per_slots, per_requests = slots // groups, requests // groups
+  shared = prefill_prompts(model, prompts, prompt_mask, groups, slots)
+  order = jnp.broadcast_to(jnp.arange(per_requests, dtype=jnp.int32), (groups, per_requests))
+  count, decoded = decode_groups(
+      model, idle_slots(model, shared, slots, settings.max_new_tokens), settings, prompts=shared,
+      keys=grouped(request_keys(key, requests), groups), queue=order,
+      queued=jnp.full((groups,), per_requests, jnp.int32), holding=jnp.full((groups, per_slots), -1, jnp.int32),
+      decoded=Decoded.empty(groups, per_requests, settings, versions=False), group_size=group_size)
+  return Rollout.of(decoded, count)
 
 
 def sample_resident(graphdef, params, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,

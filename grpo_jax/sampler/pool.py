@@ -9,7 +9,7 @@ of the TrainState, so checkpoints hold it). Each RL step at policy version v (th
      prefilled again with its tokens so far: it goes on under the new weights (the in-flight
      update). Only tokens carry over, never a KV cache, so the pool stays small and a resumed run
      continues exactly as an uninterrupted one.
-  3. One `lax.while_loop` decodes through B slots, a freed slot taking the oldest waiting request,
+  3. The slot loop (slots.decode_groups) decodes through B slots, a freed slot taking the oldest waiting request,
      until at least P groups are complete and every group that entered at version v - L or
      earlier is complete. The newer groups' requests keep the slots busy meanwhile.
   4. The P oldest complete groups leave the pool for the update; everything else carries over.
@@ -37,9 +37,10 @@ from flax import nnx
 
 from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
 from grpo_jax.model.sharding import batch_groups, constrain, grouped
-from grpo_jax.sampler.decode import DecodeSettings, DecodeState, decode_step, prefill, typed_key
+from grpo_jax.sampler.decode import DecodeSettings, typed_key
 from grpo_jax.sampler.layout import RolloutLayout
 from grpo_jax.sampler.rollout import Rollout
+from grpo_jax.sampler.slots import Decoded, Entry, Slots, admit, decode_groups, gather, idle_slots, prefill_prompts
 
 _LAST = jnp.iinfo(jnp.int32).max  # sorts after every real rank
 
@@ -132,15 +133,6 @@ class Taken:
   PROMPTS = ('prompt_tokens', 'prompt_mask', 'answers', 'source', 'batch_position', 'batch_key')  # per group taken
 
 
-def _per_group(fn, *args):
-  return jax.vmap(fn)(*args)
-
-
-def _gather(values, index):
-  """values [n, M, ...], index [n, K] -> [n, K, ...] within each group."""
-  return _per_group(lambda v, i: v[i], values, index)
-
-
 def _group_view(pool: Pool, groups: int) -> Pool:
   return jax.tree.map(lambda x: grouped(x, groups), pool)
 
@@ -178,7 +170,7 @@ def fill(pool: Pool, prompt_tokens: jax.Array, prompt_mask: jax.Array, answers, 
              batch_key=jnp.broadcast_to(jax.random.key_data(typed_key(prompt_key)), (count, 2)), keys=keys)
 
   def place(old, incoming):
-    incoming = _gather(grouped(incoming, groups), src)
+    incoming = gather(grouped(incoming, groups), src)
     return jnp.where(take.reshape(take.shape + (1,) * (old.ndim - 2)), incoming.astype(old.dtype), old)
 
   entries = {name: jax.tree.map(place, getattr(view, name), new[name]) for name in Pool.ENTRIES
@@ -269,13 +261,7 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   version = jnp.asarray(version, jnp.int32)
 
   # The shared prompt cache of every entry, prefilled with the current weights.
-  prefix = prefill(model, pool.prompt_tokens, pool.prompt_mask, model.init_cache(entries, prompt_length))
-  layers = prefix.cache.k.shape[0]
-  split = lambda x: x.reshape((layers, groups, per_entries) + x.shape[2:])  # noqa: E731
-  shared = SharedPrefix(k=split(prefix.cache.k), v=split(prefix.cache.v),
-                        segment_ids=grouped(prefix.cache.segment_ids, groups),
-                        index=jnp.zeros((groups, per_slots), jnp.int32))
-  hidden, empty = grouped(prefix.hidden, groups), grouped(prefix.empty, groups)
+  prompts = prefill_prompts(model, pool.prompt_tokens, pool.prompt_mask, groups, slots)
 
   view = _group_view(pool, groups)
   occupied = view.entered >= 0  # [n, Qg]
@@ -299,22 +285,23 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   holding = jnp.where(held, partial_order[:, :per_slots], -1).astype(jnp.int32)
   # Longest answers in the first slots (a request's tokens do not depend on its slot): the
   # prefill's row blocks then each stop at their own longest answer.
-  by_length = jnp.argsort(-jnp.where(held, _gather(view.lengths, jnp.maximum(holding, 0)), 0), axis=1, stable=True)
-  holding, held = _gather(holding, by_length), _gather(held, by_length)
+  by_length = jnp.argsort(-jnp.where(held, gather(view.lengths, jnp.maximum(holding, 0)), 0), axis=1, stable=True)
+  holding, held = gather(holding, by_length), gather(held, by_length)
 
-  # Their tokens so far are prefilled again over their prompts, with the current weights.
+  # Their tokens so far are prefilled again over their prompts, with the current weights, and
+  # they enter their slots with that cache.
   held_rows = jnp.maximum(holding, 0)
-  lengths = jnp.where(held, _gather(view.lengths, held_rows), 0)
-  tokens = jnp.where(held[..., None], _gather(view.tokens, held_rows), settings.pad_id)
-  shared = dataclasses.replace(shared, index=entry_of[held_rows])
+  lengths = jnp.where(held, gather(view.lengths, held_rows), 0)
+  tokens = jnp.where(held[..., None], gather(view.tokens, held_rows), settings.pad_id)
   flat = lambda x: x.reshape((slots,) + x.shape[2:])  # noqa: E731
+  state = idle_slots(model, prompts, slots, steps)
   if max_lag:
-    cache, resumed = _prefill_answers(model, flat(tokens), flat(lengths), shared, groups)
-  else:  # every group entered is taken each step (split devices at L = 1): nothing is ever cut off
-    cache = model.init_cache(slots, steps)
-    resumed = jnp.zeros((slots, model.config.hidden_size), model.dtype)
-  state = DecodeState(cache=cache, hidden=resumed, keys=flat(_gather(request_keys, held_rows)),
-                      generated=flat(lengths), live=flat(held), prefix=shared)
+    reading = dataclasses.replace(prompts.shared, index=entry_of[held_rows])
+    cache, resumed = _prefill_answers(model, flat(tokens), flat(lengths), reading, groups)
+    state = admit(state, Slots(mask=flat(held)),
+                  Entry(hidden=resumed, keys=flat(gather(request_keys, held_rows)), empty=jnp.zeros((slots,), bool),
+                        generated=flat(lengths), cache=cache, prompt=flat(entry_of[held_rows])))
+  # else every group entered is taken each step (split devices at L = 1): nothing is ever cut off
 
   unstarted = occupied_requests & (view.lengths == 0) & ~view.done
   queue = jnp.argsort(jnp.where(unstarted, priority, _LAST), axis=1, stable=True).astype(jnp.int32)
@@ -325,94 +312,30 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   def complete(done):
     return occupied & jnp.all(done.reshape(groups, per_entries, group_size), axis=2)
 
-  def satisfied(done):
-    finished = complete(done)
+  def enough(decoded: Decoded):
+    finished = complete(decoded.done)
     return (jnp.sum(finished, axis=1) >= per_take) & jnp.all(finished | ~forced, axis=1)
 
-  def keep_going(carry):
-    _, state, _, waiting, view = carry
-    return jnp.any(~satisfied(view.done)) & (jnp.any(state.live) | jnp.any(waiting < queued))
-
-  def insert(state: DecodeState, holding, waiting, view: Pool):
-    free = ~state.live.reshape(groups, per_slots)
-    position = waiting[:, None] + jnp.cumsum(free, axis=1, dtype=jnp.int32) - 1
-    taken = free & (position < queued[:, None])
-    request = _gather(queue, jnp.clip(position, 0, per_requests - 1))
-    holding = jnp.where(taken, request, holding)
-    entry = entry_of[jnp.maximum(holding, 0)]
-    is_empty = _gather(empty, entry)
-    flat_taken = flat(taken)
-    state = dataclasses.replace(
-        state, hidden=jnp.where(flat_taken[:, None], flat(_gather(hidden, entry)).astype(state.hidden.dtype),
-                                state.hidden),
-        keys=jnp.where(flat_taken, flat(_gather(request_keys, jnp.maximum(holding, 0))), state.keys),
-        generated=jnp.where(flat_taken, 0, state.generated),
-        live=jnp.where(flat_taken, ~flat(is_empty), state.live),
-        cache=dataclasses.replace(state.cache, length=jnp.where(flat_taken, 0, state.cache.length),
-                                  segment_ids=jnp.where(flat_taken[:, None], 0, state.cache.segment_ids)),
-        prefix=dataclasses.replace(state.prefix, index=jnp.where(taken, entry, state.prefix.index)))
-    # A request of an empty prompt finishes at once, with no tokens.
-    finished = jnp.where(taken & is_empty, holding, per_requests)
-    view = dataclasses.replace(view, done=_per_group(lambda d, r: d.at[r].set(True, mode='drop'), view.done, finished))
-    return state, holding, waiting + jnp.sum(taken, axis=1, dtype=jnp.int32), view
-
-  def write(view: Pool, holding, emitted, live_after) -> Pool:
-    valid = emitted.valid.reshape(groups, per_slots)
-    request = jnp.where(valid, holding, per_requests)  # out of range: dropped
-    position = emitted.lengths.reshape(groups, per_slots) - 1
-    ended = valid & ~live_after.reshape(groups, per_slots)
-
-    def at(target, values, index=None):
-      values = values.reshape(groups, per_slots)
-      if index is None:
-        return _per_group(lambda t, r, v: t.at[r].set(v, mode='drop'), target, request, values)
-      return _per_group(lambda t, r, p, v: t.at[r, p].set(v, mode='drop'), target, request, index, values)
-
-    return dataclasses.replace(
-        view, tokens=at(view.tokens, emitted.tokens, position), log_probs=at(view.log_probs, emitted.log_probs, position),
-        versions=at(view.versions, jnp.broadcast_to(version, emitted.tokens.shape), position),
-        lengths=at(view.lengths, emitted.lengths), stopped=at(view.stopped, emitted.stopped),
-        done=_per_group(lambda d, r: d.at[r].set(True, mode='drop'), view.done,
-                        jnp.where(ended, holding, per_requests)))
-
-  # Each iteration the slots stay by rows over the batch axes only, as sample_groups lays them out:
-  # left to propagation they also split over 'tensor', and every prompt cache the slots gather
-  # would then cross devices at each token (an all-to-all per layer per decoded token).
-  rows = lambda x: constrain(x, ('batch',) + (None,) * (x.ndim - 1))  # noqa: E731
-
-  def pinned(state: DecodeState) -> DecodeState:
-    return dataclasses.replace(state, hidden=rows(state.hidden), keys=rows(state.keys), generated=rows(state.generated),
-                               live=rows(state.live), prefix=dataclasses.replace(state.prefix, index=rows(state.prefix.index)))
-
-  def step(carry):
-    count, state, holding, waiting, view = carry
-    state, holding, waiting, view = insert(state, holding, waiting, view)
-    state, holding = pinned(state), rows(holding)
-    state, emitted = decode_step(model, state, settings)
-    return count + 1, state, holding, waiting, write(view, holding, emitted, state.live)
-
-  with jax.named_scope('decode_loop'):  # the plan counts this loop's traffic per iteration (traffic.py)
-    count, _, _, _, view = jax.lax.while_loop(
-        keep_going, step, (jnp.int32(0), state, holding, jnp.zeros((groups,), jnp.int32), view))
-  decoded = jnp.sum(view.lengths) - started_tokens
+  count, decoded = decode_groups(
+      model, state, settings, prompts=prompts, keys=request_keys, queue=queue, queued=queued, holding=holding,
+      decoded=Decoded(**{name: getattr(view, name) for name in Pool.REQUESTS}), group_size=group_size,
+      version=version, enough=enough)
+  view = dataclasses.replace(view, **{name: getattr(decoded, name) for name in Pool.REQUESTS})
+  decoded_tokens = jnp.sum(view.lengths) - started_tokens
 
   # The P / n oldest complete entries of each group leave the pool.
   finished = complete(view.done)
   chosen = jnp.argsort(jnp.where(finished, rank, _LAST), axis=1, stable=True)[:, :per_take].astype(jnp.int32)
   rows = (chosen[..., None] * group_size + jnp.arange(group_size)).reshape(groups, per_take * group_size)
 
-  out = {name: _gather(getattr(view, name), rows).reshape((take * group_size,) + getattr(view, name).shape[2:])
-         for name in Pool.REQUESTS}
-  mask = jnp.arange(steps)[None, :] < out['lengths'][:, None]
-  rollout = Rollout(tokens=out['tokens'], log_probs=out['log_probs'], mask=mask, lengths=out['lengths'],
-                    stopped=out['stopped'], decode_steps=count, versions=out['versions'])
-  entry = lambda x: None if x is None else _gather(x, chosen).reshape((take,) + x.shape[2:])  # noqa: E731
+  rollout = Rollout.of(Decoded(**{name: gather(getattr(view, name), rows) for name in Pool.REQUESTS}), count)
+  entry = lambda x: None if x is None else gather(x, chosen).reshape((take,) + x.shape[2:])  # noqa: E731
   prompts = {name: jax.tree.map(entry, getattr(view, name)) for name in Taken.PROMPTS}
 
   # The taken entries are freed; with `regenerate`, a group whose oldest token would be more than
   # L versions old at the next step starts again.
   leaving = jnp.zeros((groups, per_entries), bool)
-  leaving = _per_group(lambda left, c: left.at[c].set(True), leaving, chosen)
+  leaving = jax.vmap(lambda left, c: left.at[c].set(True))(leaving, chosen)
   view = dataclasses.replace(view, entered=jnp.where(leaving, -1, view.entered))
   view = _reset_requests(view, leaving[:, entry_of], settings.pad_id)
   oldest = jnp.min(jnp.where(view.versions >= 0, view.versions, _LAST).reshape(groups, per_entries, -1), axis=2)
@@ -422,8 +345,8 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   carried = (view.entered >= 0)[:, entry_of]
   metrics = dict(groups_regenerated=jnp.sum(stale) if regenerate else jnp.int32(0),
                  carried_requests=jnp.sum(carried & (view.lengths > 0) & ~view.done),
-                 carried_groups=jnp.sum(view.entered >= 0), decoded_tokens=decoded,
-                 slot_occupancy=decoded / jnp.maximum(count * slots, 1))
+                 carried_groups=jnp.sum(view.entered >= 0), decoded_tokens=decoded_tokens,
+                 slot_occupancy=decoded_tokens / jnp.maximum(count * slots, 1))
   taken = Taken(rollout=rollout, metrics=metrics, **prompts)
   return _flat_view(view), taken
 

@@ -1,0 +1,275 @@
+"""Decode slots: how a request enters one, and the one loop that runs groups of requests through them.
+
+`admit(state, slots, entry)` is the only place a request takes a decode slot, on every sampling
+path: GRPO groups and the pool of partial rollouts (inside their decode loop, below), the
+inference server's first and continued turns (agents/inference.py) and the JetStream engine's
+insert (engine.py). It sets what decode_step reads for the row (the hidden state to sample from,
+the request's key, tokens already emitted, its budget and stop ids, the shared prompt it reads)
+and writes the row's own cache. A slot forgets its last occupant here and nowhere else: every
+cache entry of the row past the ones the entering request brings, or keeps for a continued turn,
+is marked empty (segment 0), so attention never reads what an earlier request left there.
+
+`decode_groups` is the slot loop of group sampling, written once for the on-policy group sampler
+(rollout.sample_groups) and the pool (pool.advance): R requests in n groups of the mesh, each
+group's B / n slots serving only its own requests, a freed slot taking the group's next waiting
+request at the top of each iteration, each emitted token written to its request's row.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from grpo_jax.model.qwen2 import KVCache, Qwen2, SharedPrefix
+from grpo_jax.model.sharding import constrain, grouped
+from grpo_jax.sampler.decode import DecodeSettings, DecodeState, decode_step, prefill
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """R requests entering decode slots, one row each.
+
+  hidden:     [R, D] final-norm hidden state of the request's last context token.
+  keys:       [R] typed PRNG keys (token n draws from fold_in(key, n)).
+  empty:      [R] bool, no context to continue: the request finishes at once, with no tokens.
+  generated:  [R] int32 tokens the request emitted before (an answer resumed in the pool); None: 0.
+  cache:      KVCache rows [L, R, W, K, H] the request brings into its slot's row (a prefilled
+              context, or the tokens after a kept cache), `length` [R] the row's length after
+              them; None: none (the prompt is read from a SharedPrefix).
+  start:      [R] int32 where those W entries go in the row: the kept cache's length for a
+              continued turn (the row's entries before it stay); None: 0, a new occupant.
+  prompt:     [R] int32 the shared prompt each request reads (SharedPrefix.index); None: no
+              shared prompts.
+  limit:      [R] int32 token budget; stops: [R, M] int32 stop ids (-1 padded); None: the
+              settings' (the state then carries neither).
+  """
+
+  hidden: jax.Array
+  keys: jax.Array
+  empty: jax.Array
+  generated: jax.Array | None = None
+  cache: KVCache | None = None
+  start: jax.Array | None = None
+  prompt: jax.Array | None = None
+  limit: jax.Array | None = None
+  stops: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Slots:
+  """Which of the B slots the entering requests take.
+
+  mask:   [B] bool, the entry laid out per slot (R = B): a select, elementwise, so slots split over
+          the batch axes stay on their devices (inside the decode loops).
+  index:  [R] int32 the slot of each request; B or more: none (a padding row, dropped).
+  """
+
+  mask: jax.Array | None = None
+  index: jax.Array | None = None
+
+  def put(self, target: jax.Array, values: jax.Array, axis: int = 0) -> jax.Array:
+    """target [..., B, ...] with the entering rows' values [..., R, ...] written along `axis`."""
+    values = values if values.dtype == target.dtype else values.astype(target.dtype)
+    if self.mask is not None:
+      where = self.mask.reshape((1,) * axis + self.mask.shape + (1,) * (target.ndim - axis - 1))
+      return jnp.where(where, values, target)
+    return target.at[(slice(None),) * axis + (self.index,)].set(values, mode='drop')
+
+  def get(self, source: jax.Array) -> jax.Array:
+    """The entering rows' current values [R, ...] of source [B, ...]."""
+    return source if self.mask is not None else jnp.take(source, self.index, axis=0, mode='clip')
+
+
+def _row_cache(cache: KVCache, slots: Slots, entry: Entry) -> KVCache:
+  """The slots' cache rows: kept before `start`, the entry's W entries from there, empty after."""
+  rows, length = entry.hidden.shape[0], cache.max_length
+  start = jnp.zeros((rows,), jnp.int32) if entry.start is None else entry.start
+  offset = jnp.arange(length)[None, :] - start[:, None]  # [R, S] position relative to the entry
+  kept = jnp.where(offset < 0, slots.get(cache.segment_ids), 0)
+  if entry.cache is None:
+    return dataclasses.replace(cache, segment_ids=slots.put(cache.segment_ids, kept), length=slots.put(cache.length, start))
+  width = entry.cache.max_length
+  brought = jnp.take_along_axis(entry.cache.segment_ids, jnp.clip(offset, 0, width - 1), axis=1)
+  segment_ids = jnp.where((offset >= 0) & (offset < width), brought, kept)
+  if slots.mask is not None:  # rows laid out per slot: whole rows
+    if width != length or entry.start is not None:
+      raise ValueError(f'a masked admission brings whole cache rows ({length} entries from 0), got {width}')
+    k, v = slots.put(cache.k, entry.cache.k, axis=1), slots.put(cache.v, entry.cache.v, axis=1)
+  else:
+    positions = start[:, None] + jnp.arange(width)  # [R, W]
+    at = (slice(None), slots.index[:, None], positions)
+    k = cache.k.at[at].set(entry.cache.k.astype(cache.k.dtype), mode='drop')
+    v = cache.v.at[at].set(entry.cache.v.astype(cache.v.dtype), mode='drop')
+  return KVCache(k=k, v=v, segment_ids=slots.put(cache.segment_ids, segment_ids),
+                 length=slots.put(cache.length, entry.cache.length))
+
+
+def admit(state: DecodeState, slots: Slots, entry: Entry) -> DecodeState:
+  """The requests of `entry` into their slots of `state` (module docstring). Traceable."""
+  put = slots.put
+  generated = jnp.zeros(entry.empty.shape, jnp.int32) if entry.generated is None else entry.generated
+  changes = dict(cache=_row_cache(state.cache, slots, entry), hidden=put(state.hidden, entry.hidden),
+                 keys=put(state.keys, entry.keys), generated=put(state.generated, generated),
+                 live=put(state.live, ~entry.empty))
+  if entry.prompt is not None:
+    index = state.prefix.index
+    changes['prefix'] = dataclasses.replace(state.prefix, index=put(index.reshape(-1), entry.prompt).reshape(index.shape))
+  for name in ('limit', 'stops'):
+    if getattr(entry, name) is not None:
+      changes[name] = put(getattr(state, name), getattr(entry, name))
+  return dataclasses.replace(state, **changes)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+  """What R requests in n groups of the mesh have decoded (Rg = R / n each), N = max_new_tokens.
+
+  tokens:     [n, Rg, N] int32; pad after each request's tokens.
+  log_probs:  [n, Rg, N] fp32 the sampler's log-prob of each token.
+  versions:   [n, Rg, N] int32 the policy version that sampled each token, -1 after them; None:
+              not recorded (every token is the current version's).
+  lengths:    [n, Rg] int32; stopped: [n, Rg] bool, ended with a stop id; done: [n, Rg] bool.
+  """
+
+  tokens: jax.Array
+  log_probs: jax.Array
+  versions: jax.Array | None
+  lengths: jax.Array
+  stopped: jax.Array
+  done: jax.Array
+
+  @classmethod
+  def empty(cls, groups: int, requests: int, settings: DecodeSettings, versions: bool) -> 'Decoded':
+    shape = (groups, requests, settings.max_new_tokens)
+    return cls(tokens=jnp.full(shape, settings.pad_id, jnp.int32), log_probs=jnp.zeros(shape, jnp.float32),
+               versions=jnp.full(shape, -1, jnp.int32) if versions else None,
+               lengths=jnp.zeros(shape[:2], jnp.int32), stopped=jnp.zeros(shape[:2], bool),
+               done=jnp.zeros(shape[:2], bool))
+
+
+def gather(values: jax.Array, index: jax.Array) -> jax.Array:
+  """values [n, M, ...], index [n, K] -> [n, K, ...] within each group."""
+  return jax.vmap(lambda v, i: v[i])(values, index)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+  """P prompts prefilled once for every request of their groups, split into n groups of the mesh.
+
+  shared:  SharedPrefix [L, n, Pn, W, K, H] (its `index` [n, Bn], the prompt each slot reads).
+  hidden:  [n, Pn, D] the hidden state each prompt's first token is sampled from.
+  empty:   [n, Pn] bool, the prompt has no real token.
+  """
+
+  shared: SharedPrefix
+  hidden: jax.Array
+  empty: jax.Array
+
+
+def prefill_prompts(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, groups: int, slots: int) -> Prompts:
+  """Prompts [P, Tp] (prompt_mask 1 on real tokens) prefilled into their shared cache, for
+  `slots` decode slots split into `groups`. Traceable."""
+  count, width = prompts.shape
+  done = prefill(model, prompts, prompt_mask.astype(jnp.int32), model.init_cache(count, width))
+  layers = done.cache.k.shape[0]
+  split = lambda x: x.reshape((layers, groups, count // groups) + x.shape[2:])  # noqa: E731
+  shared = SharedPrefix(k=split(done.cache.k), v=split(done.cache.v),
+                        segment_ids=grouped(done.cache.segment_ids, groups),
+                        index=jnp.zeros((groups, slots // groups), jnp.int32))
+  return Prompts(shared=shared, hidden=grouped(done.hidden, groups), empty=grouped(done.empty, groups))
+
+
+def idle_slots(model: Qwen2, prompts: Prompts, slots: int, steps: int) -> DecodeState:
+  """`slots` decode slots holding no request, each with its own cache row of `steps` entries,
+  reading their prompts from `prompts`."""
+  return DecodeState(cache=model.init_cache(slots, steps),
+                     hidden=jnp.zeros((slots, prompts.hidden.shape[-1]), prompts.hidden.dtype),
+                     keys=jax.random.split(jax.random.key(0), slots), generated=jnp.zeros((slots,), jnp.int32),
+                     live=jnp.zeros((slots,), bool), prefix=prompts.shared)
+
+
+def decode_groups(model: Qwen2, state: DecodeState, settings: DecodeSettings, *, prompts: Prompts,
+                  keys: jax.Array, queue: jax.Array, queued: jax.Array, holding: jax.Array, decoded: Decoded,
+                  group_size: int, version=None,
+                  enough: Callable[[Decoded], jax.Array] | None = None) -> tuple[jax.Array, Decoded]:
+  """Decodes requests through the slots of `state` until none is live or waiting, or `enough`.
+
+  keys [n, Rg]: each request's key; request r reads prompt r // group_size of its group.
+  queue [n, Rg] int32: each group's waiting requests in the order they take slots, the first
+      `queued` [n] of them real.
+  holding [n, Bg] int32: the request each slot holds (-1: none), as `state` has them.
+  decoded: the requests' rows to write to (their earlier tokens, for resumed answers).
+  version: written to `decoded.versions` for every token (when it records them).
+  enough: decoded -> [n] bool, each group has what it needs; the loop stops when all have.
+  Returns (iterations run, decoded). Traceable.
+  """
+  groups, per_slots = holding.shape
+  per_requests = decoded.lengths.shape[1]
+  slots = groups * per_slots
+  flat = lambda x: x.reshape((slots,) + x.shape[2:])  # noqa: E731
+  # Each iteration the slots stay by rows over the batch axes only: left to propagation they can
+  # also split over 'tensor', and every prompt cache the slots gather would then cross devices at
+  # each token (an all-to-all per layer per decoded token).
+  rows = lambda x: constrain(x, ('batch',) + (None,) * (x.ndim - 1))  # noqa: E731
+
+  def per_group(target, request, values, position=None):
+    values = values.reshape(groups, per_slots)
+    if position is None:
+      return jax.vmap(lambda t, r, v: t.at[r].set(v, mode='drop'))(target, request, values)
+    return jax.vmap(lambda t, r, p, v: t.at[r, p].set(v, mode='drop'))(target, request, position, values)
+
+  def keep_going(carry):
+    _, state, _, waiting, decoded = carry
+    going = jnp.any(state.live) | jnp.any(waiting < queued)
+    return going if enough is None else going & jnp.any(~enough(decoded))
+
+  def insert(state: DecodeState, holding, waiting, decoded: Decoded):
+    """Every free slot takes the next waiting request of its group, in queue order."""
+    free = ~state.live.reshape(groups, per_slots)
+    position = waiting[:, None] + jnp.cumsum(free, axis=1, dtype=jnp.int32) - 1
+    taken = free & (position < queued[:, None])
+    holding = jnp.where(taken, gather(queue, jnp.clip(position, 0, per_requests - 1)), holding)
+    request = jnp.maximum(holding, 0)
+    prompt = request // group_size
+    empty = gather(prompts.empty, prompt)
+    state = admit(state, Slots(mask=flat(taken)),
+                  Entry(hidden=flat(gather(prompts.hidden, prompt)), keys=flat(gather(keys, request)),
+                        empty=flat(empty), prompt=flat(prompt)))
+    # A request of an empty prompt finishes at once, with no tokens.
+    done = per_group(decoded.done, jnp.where(taken & empty, holding, per_requests), jnp.ones_like(taken))
+    return state, holding, waiting + jnp.sum(taken, axis=1, dtype=jnp.int32), dataclasses.replace(decoded, done=done)
+
+  def write(decoded: Decoded, holding, emitted, live_after) -> Decoded:
+    """Each emitted token into its request's row, at the request's token index."""
+    valid = emitted.valid.reshape(groups, per_slots)
+    request = jnp.where(valid, holding, per_requests)  # out of range: dropped
+    position = emitted.lengths.reshape(groups, per_slots) - 1
+    ended = valid & ~live_after.reshape(groups, per_slots)
+    versions = decoded.versions
+    if versions is not None:
+      versions = per_group(versions, request, jnp.broadcast_to(jnp.asarray(version, jnp.int32), valid.shape), position)
+    return Decoded(tokens=per_group(decoded.tokens, request, emitted.tokens, position),
+                   log_probs=per_group(decoded.log_probs, request, emitted.log_probs, position), versions=versions,
+                   lengths=per_group(decoded.lengths, request, emitted.lengths),
+                   stopped=per_group(decoded.stopped, request, emitted.stopped),
+                   done=per_group(decoded.done, jnp.where(ended, holding, per_requests), jnp.ones_like(ended)))
+
+  def pinned(state: DecodeState) -> DecodeState:
+    return dataclasses.replace(state, hidden=rows(state.hidden), keys=rows(state.keys), generated=rows(state.generated),
+                               live=rows(state.live), prefix=dataclasses.replace(state.prefix, index=rows(state.prefix.index)))
+
+  def step(carry):
+    count, state, holding, waiting, decoded = carry
+    state, holding, waiting, decoded = insert(state, holding, waiting, decoded)
+    state, holding = pinned(state), rows(holding)
+    state, emitted = decode_step(model, state, settings)
+    return count + 1, state, holding, waiting, write(decoded, holding, emitted, state.live)
+
+  with jax.named_scope('decode_loop'):  # the plan counts this loop's traffic per iteration (traffic.py)
+    count, _, _, _, decoded = jax.lax.while_loop(
+        keep_going, step, (jnp.int32(0), state, holding, jnp.zeros((groups,), jnp.int32), decoded))
+  return count, decoded
