@@ -30,7 +30,7 @@ def parse_args():
   parser.add_argument('--rows', type=int, default=64, help='B, decode rows')
   parser.add_argument('--cache', type=int, default=1024, help='S, cache slots per row')
   parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default='bfloat16')
-  parser.add_argument('--target', help='grpo_jax.targets name (h100x1, v5e-1, ...); default: the host')
+  parser.add_argument('--target', help='grpo_jax.plan.targets name (h100x1, v5e-1, ...); default: the host')
   parser.add_argument('--attention', default='dense,blockwise', help='comma-separated decode attentions')
   return parser.parse_args()
 
@@ -72,7 +72,7 @@ def main():
   from grpo_jax.model.loading import abstract_model
 
   if args.target:
-    from grpo_jax import targets
+    from grpo_jax.plan import targets
     devices = targets.parse_target(args.target).devices()[:1]
   else:
     devices = jax.devices()[:1]

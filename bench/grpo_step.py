@@ -283,7 +283,7 @@ def run_both(args, model_dir: str, workdir: str) -> tuple[dict, dict | None]:
   import jax
 
   from grpo_jax import config as config_lib
-  from grpo_jax.model import sharding
+  from grpo_jax import sharding
   from grpo_jax.build import build_task
   from grpo_jax.model import ModelOptions
   from grpo_jax.train import Run

@@ -1,12 +1,12 @@
 """Shared benchmark plumbing: architectures, CPU thread limits and interleaved timing. Imports no
-jax (grpo_jax.testing starts none either), so `limit_threads` can run before jax starts its CPU
+jax (grpo_jax.model.presets starts none either), so `limit_threads` can run before jax starts its CPU
 client."""
 
 import os
 import statistics
 import time
 
-from grpo_jax.testing import QWEN2_5_PRESETS
+from grpo_jax.model.presets import QWEN2_5_PRESETS
 
 # Qwen2 architectures the benchmarks run (keyword arguments of grpo_jax.model.Qwen2Config): two
 # bench-only shapes, and the Qwen2.5 sizes as 'qwen2.5-0.5b' ... 'qwen2.5-72b'.

@@ -62,7 +62,7 @@ import jax.numpy as jnp  # noqa: E402
 if mesh_sizes:  # host devices for a mesh on CPU (ignored by other backends)
   jax.config.update('jax_num_cpu_devices', math.prod(mesh_sizes.values()))
 
-from grpo_jax.model.sharding import MeshConfig, make_mesh, named_sharding  # noqa: E402
+from grpo_jax.sharding import MeshConfig, make_mesh, named_sharding  # noqa: E402
 from grpo_jax.ops import token_logprobs  # noqa: E402
 
 MESH = make_mesh(MeshConfig(**{'fsdp': 1, **mesh_sizes})) if mesh_sizes else None

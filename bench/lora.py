@@ -16,7 +16,7 @@ the merged weights, stored in W's dtype, lose of s A B (bf16 rounds small update
 configs/tiny_arith.yaml and configs/tiny_arith_lora.yaml, in turns), the median over the steps
 after the first chunk of train.steps_per_call (which compiles).
 
---target: the decode step compiled for an accelerator without one (grpo_jax.targets), base and
+--target: the decode step compiled for an accelerator without one (grpo_jax.plan.targets), base and
 unmerged: the kernels one step launches and the bytes XLA's concatenations write per step (XLA:GPU
 joins dots that share an input, such as x W and x A, into one matmul over [W | A], a copy of W).
 """
@@ -54,7 +54,7 @@ def parse_args():
   parser.add_argument('--demo', action='store_true', help='time the CPU demo with and without LoRA instead')
   parser.add_argument('--demo-steps', type=int, default=200)
   parser.add_argument('--demo-repeats', type=int, default=2, help='runs of each config, in turns')
-  parser.add_argument('--target', help='compile the decode step for this accelerator instead (grpo_jax.targets '
+  parser.add_argument('--target', help='compile the decode step for this accelerator instead (grpo_jax.plan.targets '
                       'names, e.g. h100x1; run with PYTHONPATH=.venv/compilers:. JAX_PLATFORMS=cpu)')
   return parser.parse_args()
 
@@ -245,7 +245,7 @@ def compiled_table(preset: str, ranks: list[int]) -> None:
   from flax import nnx
   from jax.sharding import NamedSharding, PartitionSpec
 
-  from grpo_jax import targets
+  from grpo_jax.plan import targets
   from grpo_jax.model import ModelOptions, Qwen2Config, lora
   from grpo_jax.model.loading import abstract_model
 

@@ -1,6 +1,6 @@
 """python bench/rollout_layout.py --config configs/X.yaml --model-size 32B --target h100x8x8 [--tensors 1,2,4,8]
 
-The sampler's program compiled for a target that is not attached (deviceless, grpo_jax/targets.py),
+The sampler's program compiled for a target that is not attached (deviceless, grpo_jax/plan/targets.py),
 once in the training layout (weights gathered for every decoded token, as grpo_jax decoded before
 the rollout layout) and once per sampler tensor size t in its own layout (weights resident), side
 by side: the compiler's peak memory per device, the collectives read from the optimized program
@@ -20,7 +20,7 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo_jax import config as config_lib  # noqa: E402
-from grpo_jax import plan, programs, targets  # noqa: E402
+from grpo_jax.plan import programs, report as plan, targets  # noqa: E402
 from grpo_jax.errors import UserError  # noqa: E402
 
 GiB = 1 << 30

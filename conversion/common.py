@@ -7,7 +7,7 @@ import shutil
 import jax
 
 from grpo_jax.errors import UserError
-from grpo_jax.model.sharding import MeshConfig, make_mesh
+from grpo_jax.sharding import MeshConfig, make_mesh
 
 
 def host_mesh():

@@ -1,5 +1,5 @@
 """A run's parts built from its Config, in one place for training (train.py), the plan
-(programs.py), evaluation (eval.py) and benchmarks: the task, by name from data/task.py's registry,
+(plan/programs.py), evaluation (eval.py) and benchmarks: the task, by name from data/task.py's registry,
 the RL step with its optimizer and schedule (the optim section's), the train state's shardings and
 the sampler's layout, and the evaluator of the task's held-out problems."""
 

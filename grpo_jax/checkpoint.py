@@ -155,7 +155,7 @@ def restore_policy(checkpoints: str, step: int | None, mesh, options=None):
   from flax import nnx
 
   from grpo_jax.model.loading import abstract_model
-  from grpo_jax.model.sharding import state_shardings
+  from grpo_jax.sharding import state_shardings
 
   config, architecture, step, meta = run_of(checkpoints, step)
   options = options if options is not None else config.model.options

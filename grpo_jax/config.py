@@ -2,7 +2,7 @@
 YAML with `--set a.b=c` overrides.
 
 Each section is defined next to the code it configures and checks its own fields (model: model/
-loading.py, mesh: model/sharding.py, task: data/task.py, rollout: sampler/rollout.py, algo:
+loading.py, mesh: grpo_jax/sharding.py, task: data/task.py, rollout: sampler/rollout.py, algo:
 rl/algo.py, optim: rl/optimizer.py, eval: evaluation.py, rewards: data/reward_terms.py,
 distributed: distributed.py); this module defines the run's own sections (run, train), checks the
 fields that span sections, and reads and writes the YAML form. A field marked `inline`
@@ -27,7 +27,7 @@ from grpo_jax.distributed import DistributedConfig
 from grpo_jax.errors import FieldError, UserError, read_text, require
 from grpo_jax.evaluation import EvalConfig
 from grpo_jax.model.loading import ModelConfig
-from grpo_jax.model.sharding import MeshConfig
+from grpo_jax.sharding import MeshConfig
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.optimizer import OptimConfig
 from grpo_jax.sampler.rollout import RolloutConfig

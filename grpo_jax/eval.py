@@ -58,7 +58,7 @@ def load_params(config: config_lib.Config, ckpt: str, mesh):
 
 @cli_main
 def main(argv=None):
-  from grpo_jax.model import sharding
+  from grpo_jax import sharding
 
   args = parse_args(sys.argv[1:] if argv is None else argv)
   overrides = list(args.overrides)

@@ -1,6 +1,5 @@
 """Test kit: the models, configs and inputs that tests and benchmarks build for themselves.
 
-  QWEN2_5_PRESETS, preset(name)     the public Qwen2.5 sizes as Qwen2Config keyword dicts
   random_hf_model(seed, ...)        a random transformers Qwen2ForCausalLM (the PyTorch reference)
   save_random_hf_checkpoint(...)    the same, saved as a Hugging Face checkpoint directory
   random_prompts(seed, lengths)     prompts of given lengths as lists of token ids
@@ -9,66 +8,16 @@
   splitting_token(answers)          a stop id that ends some greedy answers early and not others
 
 Only the standard library is imported at module level; numpy, torch, transformers and grpo_jax's
-model are imported where used. bench/harness.py reads the presets before its limit_threads pins
-the process to N cores, which must come before jax starts its CPU client (and before numpy's BLAS
-sizes its thread pool), so `import grpo_jax.testing` may start neither.
+model are imported where used. The model sizes (Qwen2.5, Qwen3) are grpo_jax.model.presets'.
 """
 
 import contextlib
-
-# The Qwen2.5-*-Instruct config.json files on the Hugging Face hub, as keyword arguments of
-# grpo_jax.model.Qwen2Config (and of transformers.Qwen2Config). Every size has rope_theta 1e6 and
-# max_position_embeddings 32768; some base (not -Instruct) checkpoints give 131072 instead.
-_SHAPE_FIELDS = ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads',
-                 'num_key_value_heads', 'vocab_size', 'tie_word_embeddings')
-_QWEN2_5_SHAPES = {  # D, F, L, N, K, V, tied
-    '0.5B': (896, 4864, 24, 14, 2, 151936, True),
-    '1.5B': (1536, 8960, 28, 12, 2, 151936, True),
-    '3B': (2048, 11008, 36, 16, 2, 151936, True),
-    '7B': (3584, 18944, 28, 28, 4, 152064, False),
-    '14B': (5120, 13824, 48, 40, 8, 152064, False),
-    '32B': (5120, 27648, 64, 40, 8, 152064, False),
-    '72B': (8192, 29568, 80, 64, 8, 152064, False),
-}
-
-
-def _presets(shapes: dict, **fields) -> dict:
-  """size -> Qwen2Config keywords: the shape table's fields and the family's common ones."""
-  return {size: dict(zip(_SHAPE_FIELDS, shape), **fields) for size, shape in shapes.items()}
-
-
-QWEN2_5_PRESETS = _presets(_QWEN2_5_SHAPES, rope_theta=1_000_000.0, max_position_embeddings=32768)
-# The Qwen3 dense config.json files (Qwen3-*): head_dim 128, rope_theta 1e6, 40960 positions, no
-# q/k/v bias, per-head q/k norms.
-_QWEN3_SHAPES = {  # D, F, L, N, K, V, tied
-    '0.6B': (1024, 3072, 28, 16, 8, 151936, True),
-    '1.7B': (2048, 6144, 28, 16, 8, 151936, True),
-    '4B': (2560, 9728, 36, 32, 8, 151936, True),
-    '8B': (4096, 12288, 36, 32, 8, 151936, False),
-    '14B': (5120, 17408, 40, 40, 8, 151936, False),
-    '32B': (5120, 25600, 64, 64, 8, 151936, False),
-}
-QWEN3_PRESETS = _presets(_QWEN3_SHAPES, head_dim=128, rope_theta=1_000_000.0, max_position_embeddings=40960,
-                         attention_bias=False, qk_norm=True)
-# --model-size names: the Qwen2.5 sizes as they are ('7B') or prefixed, the Qwen3 sizes prefixed ('Qwen3-8B').
-MODEL_PRESETS = {**QWEN2_5_PRESETS, **{f'Qwen2.5-{size}': shape for size, shape in QWEN2_5_PRESETS.items()},
-                 **{f'Qwen3-{size}': shape for size, shape in QWEN3_PRESETS.items()}}
 
 # The tests' reference model: small enough to build and run at once on CPU, with GQA (N = 4 query
 # heads over K = 2 key/value heads); tests that need tied embeddings or more layers override it.
 TINY_HF_FIELDS = dict(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
                       max_position_embeddings=1024, tie_word_embeddings=False)
-
-
-def preset(name: str, **overrides):
-  """grpo_jax.model.Qwen2Config of the model size `name` (a MODEL_PRESETS key: '0.5B', ..., '72B'
-  or 'Qwen2.5-7B' for Qwen2.5, 'Qwen3-0.6B', ..., 'Qwen3-32B'), fields overridden."""
-  if name not in MODEL_PRESETS:
-    raise KeyError(f'no model preset {name!r}; one of {", ".join(MODEL_PRESETS)}')
-  # Imported here: grpo_jax.model's package imports jax (see the module docstring).
-  from grpo_jax.model import Qwen2Config
-  return Qwen2Config(**{**MODEL_PRESETS[name], **overrides})
 
 
 def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None, model_type: str = 'qwen2',

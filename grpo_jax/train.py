@@ -25,7 +25,8 @@ from grpo_jax.build import build_evaluator, build_rl_step, build_task
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.data.task import Task
 from grpo_jax.errors import UserError, cli_main
-from grpo_jax.model import lora, sharding
+from grpo_jax import sharding
+from grpo_jax.model import lora
 from grpo_jax.model.config import to_hf_dict
 from grpo_jax.rl.state import create_train_state
 from grpo_jax.sampler.layout import split_devices

@@ -202,7 +202,7 @@ def test_decode_attention_kernel_compiles_for_the_hardware(platform, target):
   """Qwen2.5 0.5B, 7B and 32B head shapes, bf16, 64 rows of a 4,096-slot cache stacked over two
   layers: one kernel call in each lowered program (not the interpreter), compiled, and no copy of
   a layer's cache among the program's temporaries (the layer is read in place)."""
-  result = _run(platform, ['grpo_jax.targets', 'decode-attention', target], timeout=600)
+  result = _run(platform, ['grpo_jax.plan.targets', 'decode-attention', target], timeout=600)
   lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{')]
   assert [line['model'] for line in lines] == ['0.5B', '7B', '32B'], result.stderr[-3000:]
   for line in lines:

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from grpo_jax import targets
+from grpo_jax.plan import targets
 from grpo_jax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +40,7 @@ def _run(platform: str, args, timeout: int):
 
 
 def _kernel_results(platform: str, target: str, *extra):
-  result = _run(platform, ['grpo_jax.targets', 'kernels', target, *extra], timeout=900)
+  result = _run(platform, ['grpo_jax.plan.targets', 'kernels', target, *extra], timeout=900)
   lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{')]
   assert lines, result.stderr[-3000:]
   return result.returncode, lines

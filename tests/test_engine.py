@@ -165,7 +165,7 @@ def test_core_modules_do_not_import_jetstream_or_tensorflow():
 
 
 def test_engine_on_a_mesh_shards_the_decode_state_and_matches_transformers(seed, make_hf_checkpoint):
-  from grpo_jax.model.sharding import MeshConfig, make_mesh
+  from grpo_jax.sharding import MeshConfig, make_mesh
   directory, reference = make_hf_checkpoint(seed)
   mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=2), devices=jax.devices()[:4])
   model = from_pretrained(directory, mesh=mesh)

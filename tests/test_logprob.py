@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.model.sharding import MeshConfig, make_mesh, named_sharding
+from grpo_jax.sharding import MeshConfig, make_mesh, named_sharding
 from grpo_jax.ops import token_logprobs
 from grpo_jax.ops import logprob, logprob_mosaic, logprob_pallas, logprob_triton
 
@@ -352,7 +352,7 @@ def test_kernels_lower_for_accelerators(schedule, platform, dtype, model):
   step = jax.jit(jax.value_and_grad(loss, (0, 1)))
   # No GPU here: from jax 0.12 on, the Triton lowering reads the compute capability from the device
   # kind of the mesh it lowers under, as a deviceless compile for an H100 describes it (targets.py).
-  from grpo_jax import targets as targets_lib
+  from grpo_jax.plan import targets as targets_lib
   with _described_target(platform, targets_lib.parse_target('h100x1').device_kind if platform == 'cuda' else None):
     text = step.trace(hidden, weight, targets).lower(lowering_platforms=(platform,)).as_text()
   target = {'tpu': '@tpu_custom_call', 'cuda': 'triton'}[platform]

@@ -148,7 +148,7 @@ def test_only_adapters_train(tmp_path):
   """The optimizer state mirrors the adapters alone; the base lies in the state's `frozen`, in the
   compute dtype, and a checkpoint would not hold it."""
   from grpo_jax.build import build_rl_step, build_task
-  from grpo_jax.model import sharding
+  from grpo_jax import sharding
   from grpo_jax.rl.state import create_train_state
   config = config_lib.load_config('configs/tiny_arith_lora.yaml', ['model.dtype=bfloat16', 'algo.kl_beta=0.1'])
   mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:1])

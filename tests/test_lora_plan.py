@@ -9,8 +9,8 @@ import os
 import jax
 
 from grpo_jax import config as config_lib
-from grpo_jax import plan, targets
-from grpo_jax.programs import model_architecture
+from grpo_jax.plan import report as plan, targets
+from grpo_jax.plan.programs import model_architecture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -16,7 +16,7 @@ from grpo_jax import config as config_lib
 from grpo_jax import train
 from grpo_jax.data import word_problems
 from grpo_jax.data.task import Prompts, Scores
-from grpo_jax.model import sharding
+from grpo_jax import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'rollout_tokens_per_s', 'update_tokens_per_s', 'mfu'}

@@ -83,7 +83,7 @@ def test_plan_names_the_knob_that_brings_a_run_under_the_device_memory(tmp_path)
 
 
 def test_compiler_log_lines_are_summarised_by_kind():
-  from grpo_jax import targets
+  from grpo_jax.plan import targets
   lines = ['WARNING: All log messages before absl::InitializeLog() is called are written to STDERR',
            'I0000 00:00:17.1 cudart_stub.cc:31] Could not find cuda drivers on your machine',
            'W1125 04:14:25.3 spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. The compiler ...',

@@ -8,8 +8,8 @@ import jax
 import pytest
 
 from grpo_jax import config as config_lib
-from grpo_jax.model import sharding
-from grpo_jax.programs import model_architecture, step_programs
+from grpo_jax import sharding
+from grpo_jax.plan.programs import model_architecture, step_programs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # recipe -> (model size, a --model-size preset; devices it is traced over here)

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from grpo_jax import traffic
+from grpo_jax.plan import traffic
 from grpo_jax.errors import UserError
 from grpo_jax.model import MeshConfig, ModelOptions, from_pretrained, make_mesh
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
@@ -285,7 +285,7 @@ def test_tensor_that_does_not_divide_the_devices_is_one_line():
 def test_interconnect_time_uses_the_slowest_link_a_group_spans():
   """Two H100 hosts of 2 GPUs: an all-reduce within a host runs on NVLink, one across hosts on the
   network; each moves 2 (g - 1) / g of its bytes, an all-gather (g - 1) / g."""
-  from grpo_jax import targets
+  from grpo_jax.plan import targets
   target = targets.parse_target('h100x2x2')
   devices = [FakeDevice('gpu', host) for host in (0, 0, 1, 1)]
   size = 1 << 30
@@ -302,8 +302,8 @@ def test_interconnect_time_uses_the_slowest_link_a_group_spans():
 
 def test_the_plan_tries_wider_sampler_tensor_axes_as_knobs():
   from grpo_jax import config as config_lib
-  from grpo_jax.advice import knobs
-  from grpo_jax.testing import preset
+  from grpo_jax.plan.advice import knobs
+  from grpo_jax.model.presets import preset
   config = config_lib.load_config(None, ['model.remat=full', 'model.attention=chunked'])
   found = [knob.name for knob in knobs(config, preset('7B'), devices=8, sequence_length=24, current_rollout_tensor=2)]
   assert [name for name in found if name.startswith('rollout.tensor')] == ['rollout.tensor=4', 'rollout.tensor=8']

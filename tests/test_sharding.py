@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from grpo_jax.errors import UserError
 from grpo_jax.model import MeshConfig, from_pretrained, make_mesh
-from grpo_jax.model.sharding import named_sharding, spec_for
+from grpo_jax.sharding import named_sharding, spec_for
 
 MESHES = {
     'data8': (MeshConfig(data=8, fsdp=1, tensor=1), 8),

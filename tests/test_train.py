@@ -223,7 +223,7 @@ def test_mesh_layouts_keep_the_state_shardings(tmp_path):
   shardings through the donated update (test_mesh_equivalence.py compares the numbers with one
   device)."""
   from grpo_jax import config as config_lib
-  from grpo_jax.model import sharding
+  from grpo_jax import sharding
   config = config_lib.load_config(CONFIG, ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2',
                                             'rollout.prompts_per_step=8', 'algo.group_size=4',
                                             'train.progress=false', 'train.steps=2'])
@@ -246,7 +246,7 @@ def test_fsdp_shards_the_optimizer_state_like_the_parameters(tmp_path):
   import jax
   import optax
   from grpo_jax import config as config_lib
-  from grpo_jax.model import sharding
+  from grpo_jax import sharding
   config = config_lib.load_config(CONFIG, ['mesh.fsdp=8', 'rollout.prompts_per_step=8', 'algo.group_size=4',
                                            'train.progress=false', 'train.steps=2'])
   mesh = sharding.make_mesh(config.mesh)
@@ -287,7 +287,7 @@ def jax_shardings(state):
 
 def test_bf16_compute_keeps_fp32_master_weights(tmp_path, seed):
   from grpo_jax import config as config_lib
-  from grpo_jax.model import sharding
+  from grpo_jax import sharding
   config = config_lib.load_config(CONFIG, [
       'model.dtype=bfloat16', 'model.param_dtype=float32', 'rollout.prompts_per_step=8', 'algo.group_size=4',
       'train.progress=false', 'train.steps=3'])

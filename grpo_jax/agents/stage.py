@@ -8,6 +8,7 @@ same order. A run over several processes with an agent task is refused.
 """
 
 import asyncio
+import dataclasses
 
 import jax
 import numpy as np
@@ -38,9 +39,7 @@ class AgentStage:
     self._facts: list[dict] = []
 
   def prompts(self, key, position: int, count: int) -> Prompts:
-    prompts = self.task.prompts(key, position, count)
-    return Prompts(tokens=distributed.replicated(prompts.tokens, self.mesh),
-                   mask=distributed.replicated(prompts.mask, self.mesh), answers=prompts.answers)
+    return self.task.prompts(key, position, count).map_arrays(lambda x: distributed.replicated(x, self.mesh))
 
   def act(self, params, prompts: Prompts, key: jax.Array, group_size: int) -> tuple[Rollout, Scores]:
     """The episodes of every problem, G each, problem p's from fold_in(key, p)."""
@@ -58,9 +57,9 @@ class AgentStage:
     rollout, scores, facts = collate(asyncio.run(run()), self.budget, self.pad_id)
     self._facts.append(facts)
     place = lambda value: distributed.replicated(value, self.mesh)  # noqa: E731
-    rollout = Rollout(**{name: place(getattr(rollout, name)) for name in Rollout.ROWS}, context=place(rollout.context),
-                      decode_steps=place(np.int32(self.server.stats.decode_steps - before)))
-    return rollout, Scores(rewards=place(scores.rewards), failures=place(scores.failures))
+    rollout = dataclasses.replace(rollout.map_rows(place),
+                                  decode_steps=place(np.int32(self.server.stats.decode_steps - before)))
+    return rollout, dataclasses.replace(scores.map_rows(place), failures=place(scores.failures))
 
   def take_facts(self) -> dict:
     """episode/<fact>: the means over the episodes acted since the last call."""

@@ -14,6 +14,7 @@ import typing
 from typing import Any, Literal, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from grpo_jax.data.sources import DatasetSource
 from grpo_jax.errors import UserError, require
@@ -36,6 +37,16 @@ class Prompts:
   mask: jax.Array
   answers: Any
 
+  def map_arrays(self, fn) -> 'Prompts':
+    """fn applied to the prompts' arrays (tokens, mask); the answers stay as they are (a host
+    task's are strings)."""
+    return dataclasses.replace(self, tokens=fn(self.tokens), mask=fn(self.mask))
+
+  def repeat(self, group_size: int) -> 'Prompts':
+    """Each prompt's arrays G times over, row p * G + g for sample g of prompt p (the rows of its
+    completions); answers as they are."""
+    return self.map_arrays(lambda x: jnp.repeat(x, group_size, axis=0))
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +62,20 @@ class Scores:
   rewards: jax.Array
   failures: jax.Array
   terms: dict = dataclasses.field(default_factory=dict)
+
+  def map_rows(self, fn) -> 'Scores':
+    """fn applied to every per-row array (the rewards and each term); `failures` as it is."""
+    return dataclasses.replace(self, rewards=fn(self.rewards), terms={label: fn(v) for label, v in self.terms.items()})
+
+  def take(self, rows) -> 'Scores':
+    """Rows `rows` (indices) of the rewards and terms; `failures` (a count over all rows) stays."""
+    return self.map_rows(lambda x: x[rows])
+
+  @classmethod
+  def concatenate(cls, scores: 'list[Scores]') -> 'Scores':
+    """The rows of several rounds' scores in order; failures summed."""
+    return cls(rewards=jnp.concatenate([s.rewards for s in scores]), failures=sum(s.failures for s in scores),
+               terms={label: jnp.concatenate([s.terms[label] for s in scores]) for label in scores[0].terms})
 
 
 class Task(Protocol):

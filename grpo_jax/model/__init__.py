@@ -1,11 +1,22 @@
-"""Qwen2 / Qwen2.5 in Flax NNX: the module, its architecture config, sharding and I/O."""
+"""Qwen2 / Qwen2.5 / Qwen3 in Flax NNX: the module, its architecture config and sizes, and I/O.
 
-from grpo_jax.model.config import Qwen2Config, from_hf_dict, load_hf_config, to_hf_dict
-from grpo_jax.model.loading import (from_pretrained, init_model, load_tokenizer, save_hf,
-                                    save_orbax)
-from grpo_jax.model.qwen2 import KVCache, ModelOptions, Qwen2
-from grpo_jax.model.sharding import MeshConfig, make_mesh
+The names below load their module when first used, so importing a light submodule
+(grpo_jax.model.presets) does not import jax.
+"""
 
-__all__ = ['KVCache', 'MeshConfig', 'ModelOptions', 'Qwen2', 'Qwen2Config', 'from_hf_dict',
-           'from_pretrained', 'init_model', 'load_hf_config', 'load_tokenizer', 'make_mesh', 'save_hf',
-           'save_orbax', 'to_hf_dict']
+import importlib
+
+_MODULES = {
+    'grpo_jax.model.config': ('Qwen2Config', 'from_hf_dict', 'load_hf_config', 'to_hf_dict'),
+    'grpo_jax.model.loading': ('from_pretrained', 'init_model', 'load_tokenizer', 'save_hf', 'save_orbax'),
+    'grpo_jax.model.qwen2': ('KVCache', 'ModelOptions', 'Qwen2'),
+    'grpo_jax.sharding': ('MeshConfig', 'make_mesh'),
+}
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name not in _EXPORTS:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -26,7 +26,7 @@ from grpo_jax.errors import UserError, checkpoint_read, quiet_abandoned_reads, r
 from grpo_jax.model import lora, weights
 from grpo_jax.model.config import Qwen2Config, load_hf_config, to_hf_dict
 from grpo_jax.model.qwen2 import DType, ModelOptions, Qwen2
-from grpo_jax.model.sharding import MeshConfig, make_mesh, state_shardings
+from grpo_jax.sharding import MeshConfig, make_mesh, state_shardings
 from grpo_jax.sections import inline
 
 PARAMS_DIR = 'params'

@@ -23,7 +23,7 @@ their rows of dh are then exactly zero.
 
 Under a device mesh (`jax.set_mesh`) the fused implementations run inside shard_map in the
 vocabulary-parallel layout Megatron uses for its cross-entropy: tokens split over the mesh axes of
-the 'batch' rule, W's columns over those of the 'vocab' rule (model/sharding.py), each device
+the 'batch' rule, W's columns over those of the 'vocab' rule (grpo_jax/sharding.py), each device
 computing its tokens against its columns, with per-token log-sum-exp, target logit and entropy
 combined over the vocabulary axis. Without it XLA would gather W's columns on every device, and
 a Pallas call, which XLA cannot partition, would run whole on every device.
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from grpo_jax.model.sharding import spec_for
+from grpo_jax.sharding import spec_for
 from grpo_jax.ops.tiles import (F32, CONTRACT_TOKENS, CONTRACT_VOCAB, dot_precision, finish_stats,
                                 initial_stats, logit_gradient, update_stats)
 

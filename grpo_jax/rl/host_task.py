@@ -13,7 +13,7 @@ import numpy as np
 
 from grpo_jax import distributed
 from grpo_jax.data.task import Prompts, Scores, Task
-from grpo_jax.model import sharding
+from grpo_jax import sharding
 from grpo_jax.sampler.rollout import Rollout
 
 
@@ -30,9 +30,7 @@ class HostTask:
 
   def prompts(self, key, position: int, count: int) -> Prompts:
     """The task's prompts as global arrays (every process computes the same ones)."""
-    prompts = self.task.prompts(key, position, count)
-    return Prompts(tokens=distributed.replicated(prompts.tokens, self.mesh),
-                   mask=distributed.replicated(prompts.mask, self.mesh), answers=prompts.answers)
+    return self.task.prompts(key, position, count).map_arrays(lambda x: distributed.replicated(x, self.mesh))
 
   def _row_shardings(self, tree):
     return jax.tree.map(lambda x: sharding.named_sharding(self.mesh, x.shape, ('batch',) + (None,) * (x.ndim - 1))
@@ -45,7 +43,7 @@ class HostTask:
     rollout = jax.device_put(rollout, self._row_shardings(rollout))  # every field laid out by rows alike
     groups = distributed.owned_groups(rollout.tokens, group_size)
     rows = (groups[:, None] * group_size + np.arange(group_size)).reshape(-1)
-    mine = Rollout(**{name: distributed.local_rows(getattr(rollout, name), rows) for name in Rollout.ROWS})
+    mine = rollout.map_rows(lambda x: distributed.local_rows(x, rows))
     scores = self.task.reward(mine, Prompts(tokens=None, mask=None, answers=[prompts.answers[g] for g in groups]),
                               group_size)
 

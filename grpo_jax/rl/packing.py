@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from grpo_jax.model.sharding import batch_groups, constrain, grouped
+from grpo_jax.sharding import batch_groups, constrain, grouped
 
 
 @struct.dataclass

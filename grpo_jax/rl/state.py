@@ -9,7 +9,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.model import lora
-from grpo_jax.model.sharding import named_sharding
+from grpo_jax.sharding import named_sharding
 
 
 @struct.dataclass
@@ -49,7 +49,7 @@ def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation,
 def train_state_shardings(params: nnx.State, optimizer: optax.GradientTransformation, pool=None,
                           frozen=None) -> TrainState:
   """The one layout of a TrainState: the parameters as they lie (the logical-axis rules of
-  model/sharding.py), every optimizer leaf that mirrors a parameter (AdamW's moments) laid out
+  grpo_jax/sharding.py), every optimizer leaf that mirrors a parameter (AdamW's moments) laid out
   like that parameter, so FSDP shards the optimizer state too, and the counters and key
   replicated; a partial-rollout pool (arrays or their shapes) by rows over the batch axes. Init, the
   jitted update, the K-step loop and checkpoint restore all use it."""

@@ -35,10 +35,10 @@ def make_batch(prompts: Prompts, rollout: Rollout, scores: Scores, algo_config: 
   group = algo_config.group_size
   advantages = algo.ADVANTAGES[algo_config.advantage](scores.rewards.reshape(-1, group),
                                                       algo_config.advantage_epsilon).reshape(-1)
-  prompt_tokens = jnp.repeat(prompts.tokens, group, axis=0)
-  prompt_segments = jnp.repeat(prompts.mask.astype(jnp.int32), group, axis=0)
-  return Batch(tokens=jnp.concatenate([prompt_tokens, rollout.tokens], axis=1),
-               segment_ids=jnp.concatenate([prompt_segments, rollout.sequence_mask.astype(jnp.int32)], axis=1),
+  rows = prompts.repeat(group)
+  return Batch(tokens=jnp.concatenate([rows.tokens, rollout.tokens], axis=1),
+               segment_ids=jnp.concatenate([rows.mask.astype(jnp.int32), rollout.sequence_mask.astype(jnp.int32)],
+                                           axis=1),
                mask=rollout.mask, advantages=advantages, sampler_log_probs=rollout.log_probs,
                lags=None if rollout.versions is None else jnp.where(rollout.mask, version - rollout.versions, 0))
 
@@ -166,7 +166,7 @@ class RLStep:
     if self.split:
       self._pipeline_stages(empty_pool, params)
     self._sampled_metrics = jax.jit(self._rounds_metrics)
-    self._take_rows = jax.jit(_take_rows)
+    self._take_groups = jax.jit(_take_groups)
     self.run_steps = jax.jit(self._run_steps, static_argnums=3, donate_argnums=0,
                              out_shardings=(state_shardings, replicated))
 
@@ -232,7 +232,7 @@ class RLStep:
       rounds.append(sampled)
     shortfall = max(0, prompts_per_step - len(informative))
     chosen = sorted(informative[:prompts_per_step] + (uninformative[-shortfall:] if shortfall else []))
-    trained = _gather_groups(self._take_rows, self.mesh, rounds, chosen, group)
+    trained = _gather_groups(self._take_groups, self.mesh, rounds, chosen, group)
     state, metrics = self.jitted.learn(state, ref_params, trained.prompts.tokens, trained.prompts.mask,
                                        trained.rollout, trained.scores)
     observe('update', metrics)
@@ -246,11 +246,7 @@ class RLStep:
   def _rounds_metrics(self, rollouts: list[Rollout], scores: list[Scores]) -> dict:
     """rollout_metrics of every round's completions together; the rounds' decode loops ran one
     after another over the same slots."""
-    rows = {name: jnp.concatenate([getattr(r, name) for r in rollouts]) for name in Rollout.ROWS}
-    rollout = Rollout(**rows, decode_steps=sum(r.decode_steps for r in rollouts))
-    together = Scores(rewards=jnp.concatenate([s.rewards for s in scores]), failures=sum(s.failures for s in scores),
-                      terms={label: jnp.concatenate([s.terms[label] for s in scores]) for label in scores[0].terms})
-    return rollout_metrics(rollout, together, self.algo.group_size, self.slots)
+    return rollout_metrics(Rollout.concatenate(rollouts), Scores.concatenate(scores), self.algo.group_size, self.slots)
 
   def _run_steps(self, state: TrainState, ref_params, position, num_steps: int) -> tuple[TrainState, dict]:
     """num_steps whole RL steps in one jit (jittable tasks); metrics come back stacked [num_steps]."""
@@ -402,33 +398,26 @@ def _host_split_key(state: TrainState) -> tuple[TrainState, jax.Array, jax.Array
   return state.replace(key=key), prompt_key, sample_key
 
 
-def _take_rows(arrays: list, rows: jax.Array) -> jax.Array:
-  """Rows `rows` of the arrays stacked along axis 0, on the devices."""
-  return jnp.concatenate(arrays)[rows]
+def _take_groups(rounds: list[tuple[Prompts, Rollout, Scores]], prompt_rows: jax.Array, sample_rows: jax.Array):
+  """(prompt arrays, rollout, scores) of the rows chosen from the rounds stacked in order, on the
+  devices (jitted in RLStep)."""
+  prompts = Prompts(tokens=jnp.concatenate([p.tokens for p, _, _ in rounds])[prompt_rows],
+                    mask=jnp.concatenate([p.mask for p, _, _ in rounds])[prompt_rows], answers=None)
+  return (prompts, Rollout.concatenate([r for _, r, _ in rounds]).take(sample_rows),
+          Scores.concatenate([s for _, _, s in rounds]).take(sample_rows))
 
 
 def _gather_groups(take, mesh, rounds: list[Round], chosen, group_size: int) -> Round:
   """The prompts, rollout rows and scores of the `chosen` (round, prompt) groups, in that order,
-  gathered on the devices by `take` (_take_rows, jitted): nothing but the indices crosses to or
-  from the host, so it works the same when the arrays span processes."""
+  gathered on the devices by `take` (_take_groups, jitted): nothing but the indices crosses to or
+  from the host, so it works the same when the arrays span processes. Every field of the rollout
+  and scores travels (Rollout.take); the rollout's decode_steps and the failures are every
+  round's (the caller reports the rounds' metrics)."""
   prompts_per_round = rounds[0].prompts.tokens.shape[0]
   prompt_rows = np.asarray([round_index * prompts_per_round + index for round_index, index in chosen])
   sample_rows = (prompt_rows[:, None] * group_size + np.arange(group_size)).reshape(-1)
   prompt_rows, sample_rows = (distributed.replicated(rows.astype(np.int32), mesh) for rows in (prompt_rows, sample_rows))
-
-  def gathered(get, rows):
-    return take([get(round_) for round_ in rounds], rows)
-
-  prompts = Prompts(tokens=gathered(lambda r: r.prompts.tokens, prompt_rows),
-                    mask=gathered(lambda r: r.prompts.mask, prompt_rows),
-                    answers=[rounds[round_index].prompts.answers[index] for round_index, index in chosen])
-  rollout = Rollout(**{name: gathered(lambda r, name=name: getattr(r.rollout, name), sample_rows)
-                       for name in Rollout.ROWS},
-                    decode_steps=rounds[-1].rollout.decode_steps,  # the metrics of all rounds are the caller's
-                    context=None if rounds[0].rollout.context is None else
-                    gathered(lambda r: r.rollout.context, sample_rows))
-  scores = Scores(rewards=gathered(lambda r: r.scores.rewards, sample_rows),
-                  failures=sum(r.scores.failures for r in rounds),  # on the devices, as the rows
-                  terms={label: gathered(lambda r, label=label: r.scores.terms[label], sample_rows)
-                         for label in rounds[0].scores.terms})
-  return Round(prompts, rollout, scores)
+  arrays = [(dataclasses.replace(r.prompts, answers=None), r.rollout, r.scores) for r in rounds]
+  prompts, rollout, scores = take(arrays, prompt_rows, sample_rows)
+  answers = [rounds[round_index].prompts.answers[index] for round_index, index in chosen]
+  return Round(dataclasses.replace(prompts, answers=answers), rollout, scores)

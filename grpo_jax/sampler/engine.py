@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.model.qwen2 import KVCache, Qwen2
-from grpo_jax.model.sharding import named_sharding
+from grpo_jax.sharding import named_sharding
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Prefix, decode_step, prefill, request_keys, typed_key
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sampler.engine_tokenizer import NO_TOKEN, HFTokenizer

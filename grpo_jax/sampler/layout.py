@@ -4,7 +4,7 @@ The trainer keeps its parameters in the training layout (FSDP shards every weigh
 dimension D). Decoding in that layout would all-gather every layer's weights to every device once
 per generated token. Before each rollout the policy's parameters are instead cast to the compute
 dtype and laid out once for decoding: tensor-parallel over a sampler tensor axis of t devices
-(attention heads and KV heads, MLP columns, vocabulary; the rule table of model/sharding.py),
+(attention heads and KV heads, MLP columns, vocabulary; the rule table of grpo_jax/sharding.py),
 replicated over the other n / t devices, which become the sampler's data groups. The prompts, the
 shared prompt cache, the decode slots and their KV cache follow by the same rules: rows over the
 data groups, KV heads over the tensor axis. Inside the decode loop only activations move (two
@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.errors import UserError
 from grpo_jax.model.qwen2 import Qwen2
-from grpo_jax.model.sharding import MESH_AXES, spec_for
+from grpo_jax.sharding import MESH_AXES, spec_for
 
 
 def devices_per_host(devices: Sequence[jax.Device]) -> int:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
-from grpo_jax.model.sharding import batch_groups, constrain, grouped
+from grpo_jax.sharding import batch_groups, constrain, grouped
 from grpo_jax.sampler.decode import DecodeSettings, typed_key
 from grpo_jax.sampler.layout import RolloutLayout
 from grpo_jax.sampler.rollout import Rollout

@@ -26,7 +26,7 @@ from flax import nnx
 
 from grpo_jax.errors import require
 from grpo_jax.model.qwen2 import Qwen2
-from grpo_jax.model.sharding import batch_groups, grouped
+from grpo_jax.sharding import batch_groups, grouped
 from grpo_jax.sampler.decode import DecodeSettings, request_keys
 from grpo_jax.sampler.layout import RolloutLayout
 from grpo_jax.sampler.sampling import SamplingConfig
@@ -114,7 +114,28 @@ class Rollout:
     """[P*G, N] the tokens of each row's sequence after its prompt (what the model attends to)."""
     return self.mask if self.context is None else self.context
 
-  ROWS = ('tokens', 'log_probs', 'mask', 'lengths', 'stopped')  # the per-request fields
+  def _row_fields(self) -> list[str]:
+    """The per-row fields ([P*G, ...]: every field but `decode_steps`) this rollout has."""
+    return [field.name for field in dataclasses.fields(self)
+            if field.name != 'decode_steps' and getattr(self, field.name) is not None]
+
+  def map_rows(self, fn) -> 'Rollout':
+    """fn applied to every per-row field, `context` and `versions` included: a field added later
+    travels with the rows on every path."""
+    return dataclasses.replace(self, **{name: fn(getattr(self, name)) for name in self._row_fields()})
+
+  def take(self, rows) -> 'Rollout':
+    """Rows `rows` (indices) of every per-row field."""
+    return self.map_rows(lambda x: x[rows])
+
+  @classmethod
+  def concatenate(cls, rollouts: 'list[Rollout]') -> 'Rollout':
+    """The rows of rollouts sampled one after another (dynamic sampling's rounds), in order;
+    `decode_steps` their sum (the rounds' loops ran one after another over the same slots)."""
+    first = rollouts[0]
+    rows = {name: jnp.concatenate([getattr(r, name) for r in rollouts]) for name in first._row_fields()}
+    steps = None if first.decode_steps is None else sum(r.decode_steps for r in rollouts)
+    return dataclasses.replace(first, decode_steps=steps, **rows)
 
   @classmethod
   def of(cls, decoded: Decoded, decode_steps: jax.Array | None = None) -> 'Rollout':

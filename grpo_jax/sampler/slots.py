@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.model.qwen2 import KVCache, Qwen2, SharedPrefix
-from grpo_jax.model.sharding import constrain, grouped
+from grpo_jax.sharding import constrain, grouped
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, decode_step, prefill
 
 
@@ -269,7 +269,7 @@ def decode_groups(model: Qwen2, state: DecodeState, settings: DecodeSettings, *,
     state, emitted = decode_step(model, state, settings)
     return count + 1, state, holding, waiting, write(decoded, holding, emitted, state.live)
 
-  with jax.named_scope('decode_loop'):  # the plan counts this loop's traffic per iteration (traffic.py)
+  with jax.named_scope('decode_loop'):  # the plan counts this loop's traffic per iteration (plan/traffic.py)
     count, _, _, _, decoded = jax.lax.while_loop(
         keep_going, step, (jnp.int32(0), state, holding, jnp.zeros((groups,), jnp.int32), decoded))
   return count, decoded

@@ -1,68 +1,29 @@
-"""python -m grpo_jax.plan --config configs/X.yaml --target v5p-128 [--model-size 32B] [--set a.b=c ...]
+"""The plan's report: a run's programs compiled for a target (programs.py), the per-device memory
+the target compiler gives for each, whether the step fits, the collectives per program and per
+decode step (traffic.py), and a roofline estimate of the step's time. `python -m grpo_jax.plan`
+prints it (plan/__main__.py)."""
 
-Compiles a run's RL step for a TPU slice or GPU cluster that is not attached (targets.py) and
-reports the target compiler's own per-device memory: the parameters, the optimizer state, the
-reference policy, the KV cache, each compiled program's arguments, outputs and temporaries, and
-whether the step fits. Nothing is extrapolated: the program compiled is the run's own, at full
-depth and the run's real shapes. With a jittable task that is the K-steps-in-one-jit loop; with a
-host-scored task, the sampler and the update (the reward runs on the host between them).
+import dataclasses
+import math
 
-The model's shape comes from --model-size (a Qwen2.5 size: 0.5B ... 72B), else from
-model.path's config.json, else from model.architecture; no weights are read. --layers overrides
-the depth (to see how memory grows with it).
+import jax
+import jax.numpy as jnp
 
-The programs come from programs.py; when the run does not fit, advice.py compiles them again
-with each knob that lowers memory. Needs the target's compiler: `pip install -r requirements-compile.txt` (`make test` puts it in
-.venv/compilers: run with PYTHONPATH=.venv/compilers). The host's own devices stay CPUs.
-"""
-
-import os
-
-os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # compile for the target; never initialise it here
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-
-from grpo_jax import targets  # noqa: E402  (imports no jax)
-
-_STARTUP_LOG: list[str] = []
-with targets.compiler_log(_STARTUP_LOG):  # the compilers' plugins log as jax loads them
-  import jax  # noqa: E402
-  import jax.numpy as jnp  # noqa: E402
-
-from grpo_jax import config as config_lib  # noqa: E402
-from grpo_jax import metrics as metrics_lib  # noqa: E402
-from grpo_jax.advice import advise, format_advice  # noqa: E402
-from grpo_jax.errors import UserError, cli_main  # noqa: E402
-from grpo_jax.model import sharding  # noqa: E402
-from grpo_jax.programs import compile_program, model_architecture, step_programs  # noqa: E402
-from grpo_jax.sampler.layout import resident_bytes_per_device, split_devices  # noqa: E402
-from grpo_jax.targets import format_bytes  # noqa: E402
-
-
-def parse_args(argv):
-  parser = argparse.ArgumentParser(prog='python -m grpo_jax.plan', description=__doc__.splitlines()[0])
-  parser.add_argument('--config', required=True, help='YAML run config (see configs/)')
-  parser.add_argument('--target', required=True, help='v4-N, v5p-N, v5e-N, v6e-N, h100xN, h200xN, h100xHOSTSxGPUS')
-  parser.add_argument('--model-size', help='a Qwen2.5 size (0.5B, 1.5B, 3B, 7B, 14B, 32B, 72B) for the model shape')
-  parser.add_argument('--layers', type=int, help='override the number of layers')
-  parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE', dest='overrides',
-                      help='override one config key, e.g. --set rollout.max_new_tokens=12288 (repeatable)')
-  parser.add_argument('--device-memory', help='memory per device to plan for instead of the target\'s, e.g. 40GiB or 16GB')
-  parser.add_argument('--no-advice', action='store_true',
-                      help='when the run does not fit, do not compile the knobs that might bring it under')
-  parser.add_argument('--json', help='also write the report as JSON to this file')
-  return parser.parse_args(argv)
+from grpo_jax import config as config_lib
+from grpo_jax import metrics as metrics_lib
+from grpo_jax.errors import UserError
+from grpo_jax import sharding
+from grpo_jax.plan import targets
+from grpo_jax.plan.programs import compile_program, step_programs
+from grpo_jax.plan.targets import format_bytes
+from grpo_jax.sampler.layout import resident_bytes_per_device, split_devices
 
 
 def kv_cache_bytes_per_device(architecture, config: config_lib.Config, prompt_length: int, mesh, prompts: int = 0) -> int:
   """The sampler's K and V caches (sampler/rollout.py): the shared prompt cache [L, P, Tp, K, H]
   (`prompts` entries with partial rollouts' pool, else P) and the slots' own rows [L, B, N, K, H]
   (B = rollout.slots, else P * G), each with its rows over the batch axes and KV heads over
-  'tensor' where they divide (model/sharding.py's rules)."""
+  'tensor' where they divide (grpo_jax/sharding.py's rules)."""
   rows = config.completions_per_step
   slots = min(config.rollout.slots or rows, rows)
   total = 0
@@ -78,7 +39,7 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
          resident: bool = True) -> dict:
   """The report of `config`'s programs compiled for `target` (those named in `only`, else all);
   `resident` as step_programs takes it."""
-  log: list[str] = list(_STARTUP_LOG)
+  log: list[str] = list(targets.STARTUP_LOG)
   with targets.compiler_log(log):  # the compilers' plugins log as they start, too
     devices = target.devices()
   trainer_devices, sampler_devices = split_devices(devices, config.rollout.devices)
@@ -243,33 +204,3 @@ def format_report(report: dict) -> str:
   return '\n'.join(lines)
 
 
-@cli_main
-def main(argv=None) -> int:
-  args = parse_args(sys.argv[1:] if argv is None else argv)
-  target = targets.parse_target(args.target)
-  if args.device_memory:
-    target = dataclasses.replace(target, hbm_bytes=parse_bytes(args.device_memory, '--device-memory'))
-  config = config_lib.load_config(args.config, args.overrides)
-  architecture = model_architecture(config, args.model_size, args.layers)
-  report = plan(config, target, architecture)
-  print(format_report(report), flush=True)
-  if not report['fits'] and not args.no_advice:
-    print('trying the knobs that lower memory without changing what is learned (each compiled for the target):',
-          flush=True)
-    peaks = {program['name']: program['peak'] for program in report['programs']}
-    report['advice'] = advise(lambda extra: config_lib.load_config(args.config, [*args.overrides, *extra]),
-                              lambda config, only: plan(config, target, architecture, only=only), architecture,
-                              report, on_result=lambda row: print(format_advice(row, peaks), flush=True))
-    fitting = [row['knob'] for row in report['advice'] if row['fits']]
-    print(f'brings it under: {" | ".join(fitting)}' if fitting else
-          'no knob brings it under: more devices, a larger memory, or a smaller recipe (rows, sequence length)',
-          flush=True)
-    report['advice_fits'] = fitting
-  if args.json:
-    with open(args.json, 'w') as f:
-      json.dump(report, f, indent=1, default=float)
-  return 0 if report['fits'] else 1
-
-
-if __name__ == '__main__':
-  sys.exit(main())

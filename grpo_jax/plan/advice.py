@@ -5,7 +5,7 @@ import dataclasses
 
 from grpo_jax import config as config_lib
 from grpo_jax.errors import UserError
-from grpo_jax.targets import format_bytes
+from grpo_jax.plan.targets import format_bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,11 +14,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax import config as config_lib
-from grpo_jax import targets, traffic
+from grpo_jax.plan import targets, traffic
 from grpo_jax.build import build_rl_step
 from grpo_jax.data.task import TASKS, Scores
 from grpo_jax.errors import UserError
-from grpo_jax.model import lora, sharding
+from grpo_jax import sharding
+from grpo_jax.model import lora
 from grpo_jax.model.config import load_hf_config
 from grpo_jax.model.loading import abstract_model
 from grpo_jax.rl.state import init_train_state
@@ -26,7 +27,7 @@ from grpo_jax.sampler.layout import place_program
 
 
 def model_architecture(config: config_lib.Config, model_size: str | None, layers: int | None):
-  from grpo_jax.testing import MODEL_PRESETS, preset
+  from grpo_jax.model.presets import MODEL_PRESETS, preset
   if model_size is not None:
     if model_size not in MODEL_PRESETS:
       raise UserError(f'--model-size {model_size}: one of {", ".join(MODEL_PRESETS)}')

@@ -27,6 +27,7 @@ import tempfile
 from grpo_jax.errors import UserError
 
 GiB = 1 << 30
+STARTUP_LOG: list[str] = []  # what the compilers' plugins logged as jax loaded them (python -m grpo_jax.plan)
 
 
 def format_bytes(value: int) -> str:
@@ -318,13 +319,13 @@ def compile_decode_attention_kernels(target: Target, models=tuple(DECODE_ATTENTI
 
 
 def main(argv=None) -> int:
-  """python -m grpo_jax.targets kernels TARGET [--width D ...]: compiles the Pallas log-prob kernels
+  """python -m grpo_jax.plan.targets kernels TARGET [--width D ...]: compiles the Pallas log-prob kernels
   for TARGET and prints one JSON line per compile (exit 1 if any was refused);
-  python -m grpo_jax.targets decode-attention TARGET [--block block=SIZE]: the same for the ragged
+  python -m grpo_jax.plan.targets decode-attention TARGET [--block block=SIZE]: the same for the ragged
   decode-attention kernel."""
   import argparse
   import json
-  parser = argparse.ArgumentParser(prog='python -m grpo_jax.targets')
+  parser = argparse.ArgumentParser(prog='python -m grpo_jax.plan.targets')
   parser.add_argument('what', choices=['kernels', 'decode-attention'])
   parser.add_argument('target')
   parser.add_argument('--width', type=int, action='append', help='hidden width(s) (default: 896, 3584, 5120)')
