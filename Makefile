@@ -10,7 +10,7 @@ PYTHON ?= $(call first_python,$$(command -v python3.13 python3.12) $(HOME)/.pyen
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-agent demo-math test core-smoke bench clean
+.PHONY: demo demo-agent demo-math test test-fast core-smoke bench clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 or newer found (jax 0.12 needs it): make ... PYTHON=/path/to/python3.12"; exit 1; }
@@ -76,8 +76,17 @@ else
 	$(GPU_IMAGE_VENV)/bin/python tests/core_smoke.py
 endif
 
+# Two workers; a file whose module fixtures are costly runs whole on one (its xdist_group), every
+# other test goes to whichever worker is free, the slow ones first (tests/conftest.py). Every run
+# ends with its 30 slowest tests.
+PYTEST := $(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=30
+
 test: $(VENV)/.test $(VENV)/.compilers core-smoke
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q --durations=30
+	$(PYTEST)
+
+# The edit loop: the unit tests (no CLI run, no learning run, no deviceless compile), under 3 minutes.
+test-fast: $(VENV)/.test
+	$(PYTEST) -m fast
 
 bench: $(VENV)/.test
 	$(BIN)/python bench/forward.py

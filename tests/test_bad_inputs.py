@@ -14,6 +14,9 @@ from grpo_jax.data.sources import load_records
 from grpo_jax.errors import FieldError, UserError
 from grpo_jax.model.config import load_hf_config
 
+# Its module-scoped fixtures are built once: the whole file runs on one xdist worker.
+pytestmark = pytest.mark.xdist_group('test_bad_inputs')
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--config', 'configs/tiny_arith.yaml', '--set', 'train.steps=2', '--set', 'train.steps_per_call=1',
         '--set', 'train.checkpoint_every=1', '--set', 'train.progress=false']

@@ -28,6 +28,9 @@ from grpo_jax.sampler.layout import choose_tensor, resident_bytes_per_device, ro
 from grpo_jax.sampler.rollout import GroupSampler
 from grpo_jax.testing import left_padded, random_prompts, splitting_token
 
+# Its module-scoped fixtures are built once: the whole file runs on one xdist worker.
+pytestmark = pytest.mark.xdist_group('test_rollout_layout')
+
 FIELDS = ('tokens', 'mask', 'lengths', 'stopped')
 VOCAB, HIDDEN, MLP = 1024, 64, 128  # divisible by 8: vocabulary, MLP columns split on every tensor size
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (2, 1, 4)]

@@ -20,6 +20,9 @@ from grpo_jax.rl.loss import lag_means, mismatch_by_lag
 from grpo_jax.rl.state import create_train_state
 from grpo_jax.sampler.layout import split_devices
 
+# Its module-scoped fixtures are built once: the whole file runs on one xdist worker.
+pytestmark = pytest.mark.xdist_group('test_split')
+
 MAX_LAG = 2
 
 

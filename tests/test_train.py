@@ -141,9 +141,9 @@ def _wait_for(predicate, process, timeout=240):
 
 @pytest.mark.slow
 @pytest.mark.parametrize('steps_per_call, packing, config', [
-    (1, [], CONFIG), (5, ['algo.packing=true', 'algo.micro_batch_tokens=18'], CONFIG),
+    (1, [], CONFIG), (4, ['algo.packing=true', 'algo.micro_batch_tokens=18'], CONFIG),
     (1, [], os.path.join(ROOT, 'configs', 'tiny_guess.yaml')),
-    (5, ['algo.max_lag=2', 'algo.tis_cap=2.0', 'rollout.slots=12'], CONFIG)],
+    (4, ['algo.max_lag=2', 'algo.tis_cap=2.0', 'rollout.slots=12'], CONFIG)],
     ids=['host-loop', 'fused-packed', 'agent', 'fused-partial-rollouts'])
 def test_kill_and_resume_equals_uninterrupted(tmp_path, steps_per_call, packing, config):
   """The host loop with the padded update, the K-step jit with the packed one, the agent task
@@ -153,20 +153,21 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, steps_per_call, packing,
 
 
 def kill_and_resume(tmp_path, steps_per_call, settings, config=CONFIG, devices=1):
-  """A run killed with SIGKILL after its second checkpoint, resumed, equals an uninterrupted one."""
-  steps = 60
-  options = ['--set', f'train.steps_per_call={steps_per_call}', '--set', 'train.checkpoint_every=10']
+  """A run killed with SIGKILL after its second checkpoint, resumed, equals an uninterrupted one.
+  24 steps, a checkpoint every 4: the kill lands at step 8 or later with 16 steps to spare."""
+  steps, every = 24, 4
+  options = ['--set', f'train.steps_per_call={steps_per_call}', '--set', f'train.checkpoint_every={every}']
   options += [argument for setting in settings for argument in ('--set', setting)]
   start = functools.partial(_start, config=config, devices=devices)
   reference = start(tmp_path / 'whole', steps, *options)
   assert reference.wait(timeout=300) == 0, reference.stderr.read()
 
   victim = start(tmp_path / 'killed', steps, *options)
-  reached = _wait_for(lambda: any(s >= 20 for s in _finished_steps(tmp_path / 'killed')), victim)
+  reached = _wait_for(lambda: any(s >= 2 * every for s in _finished_steps(tmp_path / 'killed')), victim)
   assert reached, 'the run ended before its second checkpoint'
   victim.send_signal(signal.SIGKILL)
   victim.wait()
-  assert 20 <= max(_finished_steps(tmp_path / 'killed')) < steps
+  assert 2 * every <= max(_finished_steps(tmp_path / 'killed')) < steps
   resumed = start(tmp_path / 'killed', steps, *options)
   _, err = resumed.communicate(timeout=300)
   assert resumed.returncode == 0, err
