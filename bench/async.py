@@ -13,7 +13,6 @@ second host device decodes the next step's groups while the first trains, the sa
 advance before it dispatches the update ('serial': what a step costs when nothing overlaps).
 """
 
-import dataclasses
 
 import argparse
 import os
@@ -81,33 +80,29 @@ def main():
       rl_step = build_rl_step(config, model, mesh, task, sampler_devices=jax.devices()[1:2] if split else None)
       state = create_train_state(nnx.state(model), rl_step.optimizer, 0, pool=rl_step.empty_pool,
                                  shardings=rl_step.state_shardings)
-      position = 0
-      if rl_step.needs_priming(state):
-        state, position = rl_step.prime(state, 0)
     if split == 'serial':  # the host waits for the sampler's advance before it goes on
-      advance = rl_step.jitted.advance
-      rl_step.jitted = dataclasses.replace(rl_step.jitted,
-                                           advance=lambda *a, advance=advance: jax.block_until_ready(advance(*a)))
+      advance = rl_step.host_mode.advance
+      rl_step.host_mode.advance = lambda *a, advance=advance: jax.block_until_ready(advance(*a))
     name = (f'split devices, max_lag 1, {split}' if split else 'on-policy' if lag == 0 else
             f'partial rollouts, max_lag {lag}')
     if lag and args.stale_groups == 'regenerate':
       name += ', regenerate'
-    states[name], steps_of[name] = [state, position], rl_step
+    states[name], steps_of[name] = state, rl_step
 
     def run(name=name, split=bool(split)):
-      state, position = states[name]
+      state = states[name]
       with jax.set_mesh(mesh):
         if split:  # two programs on two devices: steps from the host, stacked like run_steps' metrics
           rows = []
-          for index in range(args.steps):
-            state, row = steps_of[name](state, None, position + index * P)
+          for _ in range(args.steps):
+            state, row = steps_of[name](state, None)
             rows.append(row)
           metrics = {key: np.stack([np.asarray(row[key]) for row in jax.device_get(rows)]) for key in rows[0]}
           state = jax.block_until_ready(state)  # the sampler's last advance is part of the call
         else:
-          state, metrics = steps_of[name].run_steps(state, None, position, args.steps)
+          state, metrics = steps_of[name].run_steps(state, None, args.steps)
           metrics = jax.device_get(metrics)
-      states[name] = [state, position + args.steps * P]
+      states[name] = state
       out.setdefault(name, []).append(metrics)
     runs[name] = run
   results = harness.interleaved(runs, args.repeats)

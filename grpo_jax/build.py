@@ -9,9 +9,11 @@ from flax import nnx
 from grpo_jax.data.task import TASKS, Task
 from grpo_jax.model import lora
 from grpo_jax.rl.host_task import HostTask
-from grpo_jax.rl.state import train_state_shardings
+from grpo_jax.rl.modes import Acting, GroupSampling, PoolSampling, Sampling
+from grpo_jax.rl.state import pool_shardings, train_state_shardings
 from grpo_jax.rl.step import RLStep
 from grpo_jax.sampler import pool as sampler_pool
+from grpo_jax.sampler.pool import PoolSettings
 from grpo_jax.sampler.layout import rollout_layout, split_devices
 
 
@@ -25,18 +27,40 @@ def total_updates(config) -> int:
   return config.train.steps * config.algo.ppo_epochs * config.algo.num_minibatches
 
 
-def empty_pool(config, task: Task):
-  """The run's partial-rollout pool (algo.max_lag > 0, sampler/pool.py) holding no groups yet;
-  None on-policy. A jittable task's answers get arrays in it, shaped like one batch's."""
+def decode_slots(config) -> int:
+  """B: the decode slots the sampler fills (rollout.slots, at most one per completion)."""
+  rows = config.rollout.prompts_per_step * config.algo.group_size
+  return min(config.rollout.slots or rows, rows)
+
+
+def pool_settings(config, task: Task) -> PoolSettings | None:
+  """The run's pool of partial rollouts (algo.max_lag > 0, sampler/pool.py), derived here once;
+  None on-policy."""
   if not config.algo.max_lag:
     return None
-  count = config.rollout.prompts_per_step
-  answers = (jax.eval_shape(lambda key: task.prompts(key, 0, count), jax.random.PRNGKey(0)).answers
+  return PoolSettings(take=config.rollout.prompts_per_step, group_size=config.algo.group_size,
+                      # Split devices sample one version behind the trainer: the pool holds one lag fewer.
+                      lag=config.algo.max_lag - (1 if config.rollout.devices else 0),
+                      decode=config.rollout.decode_settings(task.stop_token_ids, task.pad_id),
+                      slots=decode_slots(config), regenerate=config.algo.stale_groups == 'regenerate')
+
+
+def empty_pool(settings: PoolSettings | None, task: Task, prompt_count: int):
+  """The pool holding no groups yet (None on-policy). A jittable task's answers get arrays in it,
+  shaped like one batch's."""
+  if settings is None:
+    return None
+  answers = (jax.eval_shape(lambda key: task.prompts(key, 0, prompt_count), jax.random.PRNGKey(0)).answers
              if task.jittable else None)
-  # Split devices sample one version behind the trainer: the pool itself holds one lag fewer.
-  lags = config.algo.max_lag - (1 if config.rollout.devices else 0)
-  return sampler_pool.empty_pool((lags + 1) * count, config.algo.group_size, task.prompt_length,
-                            config.rollout.decode_settings(task.stop_token_ids, task.pad_id), answers)
+  return sampler_pool.empty_pool(settings.entries, settings.group_size, task.prompt_length, settings.decode, answers)
+
+
+def rollout_mode(config) -> type:
+  """The run's rollout mode (rl/modes.py), chosen here once: agents acting for a task whose kind
+  acts, the pool with algo.max_lag > 0, else group sampling."""
+  if config.task.kind.acts:
+    return Acting
+  return PoolSampling if config.algo.max_lag else GroupSampling
 
 
 def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=None, resident: bool = True,
@@ -53,14 +77,23 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
   if config.rollout.devices and sampler_devices is None:
     sampler_devices = split_devices(jax.devices(), config.rollout.devices)[1]
   layout = rollout_layout(model, mesh, config.rollout.tensor, sampler_devices) if resident else None
+  mode = rollout_mode(config)
   # A host-scored task is adapted to the mesh; an agent task's acting stage places its own arrays.
-  acts = config.task.kind.acts  # the acting rollout mode: episodes on the inference server
-  step_task = task if task.jittable or acts else HostTask(task, mesh)
-  pool = empty_pool(config, task)
+  step_task = task if task.jittable or mode is Acting else HostTask(task, mesh)
+  settings = pool_settings(config, task)
+  pool = empty_pool(settings, task, config.rollout.prompts_per_step)
   trained, frozen = lora.split_trainable(params)  # with LoRA the optimizer sees the adapters only
-  return RLStep(graphdef, step_task, config.rollout, config.algo, optimizer, schedule,
-                train_state_shardings(trained, optimizer, pool, frozen), layout=layout, empty_pool=pool, params=params,
-                acts=acts)
+  shardings = train_state_shardings(trained, optimizer, pool, frozen)
+  if layout is not None and layout.split and pool is not None:  # the pool and the groups ready on the sampler
+    pool = sampler_pool.empty_pipeline(graphdef, params, pool, layout, settings)
+    shardings = shardings.replace(pool=pool_shardings(pool, layout.mesh))
+  sampling = Sampling(graphdef=graphdef, task=step_task, group_size=config.algo.group_size,
+                      prompts_per_step=config.rollout.prompts_per_step,
+                      decode=config.rollout.decode_settings(task.stop_token_ids, task.pad_id),
+                      slots=decode_slots(config), layout=layout, mesh=mesh, rollout=config.rollout,
+                      pool=settings)
+  return RLStep(graphdef, mode, sampling, config.algo, optimizer, schedule, shardings,
+                sequence_length=task.prompt_length + config.rollout.max_new_tokens, empty_pool=pool)
 
 
 def build_evaluator(config, task, graphdef, params):

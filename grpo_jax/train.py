@@ -21,11 +21,11 @@ from flax import nnx
 from grpo_jax import config as config_lib
 from grpo_jax import distributed
 from grpo_jax import metrics as metrics_lib
+from grpo_jax import sharding
 from grpo_jax.build import build_evaluator, build_rl_step, build_task
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.data.task import Task
 from grpo_jax.errors import UserError, cli_main
-from grpo_jax import sharding
 from grpo_jax.model import lora
 from grpo_jax.model.config import to_hf_dict
 from grpo_jax.rl.state import create_train_state
@@ -141,24 +141,20 @@ class Run:
     except OSError as error:
       raise UserError(f'workdir {workdir} cannot be created: {error.strerror or error}') from None
     self.checkpointer = Checkpointer(checkpoints, max_to_keep=config.train.max_to_keep)
-    self.data_position = 0  # prompts consumed: a dataset task's order depends only on it and run.seed
     self.saved_step = self.checkpointer.latest_step()
     if self.saved_step is not None:
       try:
         check_base(self.checkpointer, self.saved_step, self.base)
         restored, meta = self.checkpointer.restore(self.saved_step, self.state.checkpointed())
-        self.state = restored.replace(frozen=self.state.frozen)
+        # The data position (prompts consumed) is the checkpoint's metadata's, as it always was.
+        self.state = restored.replace(frozen=self.state.frozen,
+                                      position=distributed.replicated(np.int32(meta['data_position']), mesh))
       except UserError:
         self.checkpointer.close()  # its background threads would otherwise die noisily at exit
         raise
-      self.data_position = int(meta['data_position'])
       changes = changed_keys(meta.get('config', {}), config_lib.to_dict(config))
       print(f'resumed from {self.checkpointer.directory}/{self.saved_step}'
             + (f' with a changed config: {"; ".join(changes)}' if changes else ''), file=sys.stderr, flush=True)
-    if self.rl_step.needs_priming(self.state):  # partial rollouts: the first L * P prompts enter the pool
-      with jax.set_mesh(mesh):
-        self.state, consumed = self.rl_step.prime(self.state, self.data_position)
-      self.data_position += consumed
     # Every input is validated by now (the task, mesh and model before this object, the
     # checkpoint just above): only from here on is anything in an existing workdir written.
     # Only process 0 of a multi-host run writes logs; every process takes part in the checkpoints.
@@ -179,16 +175,20 @@ class Run:
   def step(self) -> int:
     return int(self.state.step)
 
+  @property
+  def data_position(self) -> int:
+    """Prompts the run has consumed (the state's; the step advances it)."""
+    return int(distributed.host_value(self.state.position))
+
   # ---- one chunk of steps ----
 
   def fused_steps(self, count: int) -> list[dict]:
     """`count` RL steps inside one jitted call (a jittable task)."""
     start = time.perf_counter()
     with jax.set_mesh(self.mesh):
-      self.state, stacked = self.rl_step.run_steps(self.state, self.ref_params, self.data_position, count)
+      self.state, stacked = self.rl_step.run_steps(self.state, self.ref_params, count)
       stacked = to_host(stacked)
     elapsed = (time.perf_counter() - start) / count
-    self.data_position += count * self.config.rollout.prompts_per_step
     timing = dict(rollout_s=None, reward_s=None, update_s=None, step_time_s=elapsed)
     return [dict({name: value[i] for name, value in stacked.items()}, **timing) for i in range(count)]
 
@@ -206,9 +206,8 @@ class Run:
       mark = now
 
     with jax.set_mesh(self.mesh):
-      self.state, metrics = self.rl_step(self.state, self.ref_params, self.data_position, observe)
+      self.state, metrics = self.rl_step(self.state, self.ref_params, observe)
       metrics = to_host(metrics)
-    self.data_position += int(metrics['sampling_rounds']) * self.config.rollout.prompts_per_step
     return dict(metrics, rollout_s=seconds['rollout'], reward_s=seconds['reward'], update_s=seconds['update'],
                 step_time_s=mark - begin)
 

@@ -1,7 +1,6 @@
 """The math recipe end to end: dynamic sampling (which groups train, what is consumed, exact
 resume), in-training evaluation, the eval CLI, and the tiny_math demo learning on the text path."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -13,10 +12,10 @@ import numpy as np
 import pytest
 
 from grpo_jax import config as config_lib
+from grpo_jax import sharding
 from grpo_jax import train
 from grpo_jax.data import word_problems
 from grpo_jax.data.task import Prompts, Scores
-from grpo_jax import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'rollout_tokens_per_s', 'update_tokens_per_s', 'mfu'}
@@ -61,7 +60,7 @@ def dynamic_run(tmp_path, informative, rounds, prompts=4, group=4):
   model = config.model.build(mesh, config.run.seed)
   run = train.Run(config, str(tmp_path / 'work'), mesh, model, ScriptedTask(informative))
   learned, sampled = [], []
-  learn, sample = run.rl_step.jitted.learn, run.rl_step.jitted.sample
+  learn, sample = run.rl_step.learn, run.rl_step.host_mode.sample
 
   def spy_learn(state, ref_params, prompt_tokens, prompt_mask, rollout, scores):
     learned.append((np.asarray(prompt_tokens), np.asarray(scores.rewards)))
@@ -72,7 +71,7 @@ def dynamic_run(tmp_path, informative, rounds, prompts=4, group=4):
     sampled.append((int(rollout.decode_steps), int(np.asarray(rollout.lengths).sum())))
     return rollout
 
-  run.rl_step.jitted = dataclasses.replace(run.rl_step.jitted, learn=spy_learn, sample=spy_sample)
+  run.rl_step.learn, run.rl_step.host_mode.sample = spy_learn, spy_sample
   return run, learned, sampled
 
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from grpo_jax import config as config_lib
+from grpo_jax import sharding
 from grpo_jax import train
 from grpo_jax.build import build_task
 from grpo_jax.data import word_problems
 from grpo_jax.data.math_task import MathTask
-from grpo_jax import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (2, 1, 4)]

@@ -13,10 +13,10 @@ import optax
 import pytest
 
 from grpo_jax import config as config_lib
+from grpo_jax import sharding
 from grpo_jax.data import word_problems
 from grpo_jax.data.math_task import MathTask
 from grpo_jax.errors import UserError
-from grpo_jax import sharding
 from grpo_jax.model.qwen2 import segment_positions
 from grpo_jax.rl import packing
 from grpo_jax.rl.algo import AlgoConfig

@@ -4,7 +4,6 @@ versions behind, and every token equals what the weights of its recorded version
 tokens before it (teacher-forced per version); the weights cross to the sampler's devices in its
 own layout, shard for shard; hostile settings are one-line errors."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -46,20 +45,18 @@ def split_run():
                              shardings=rl_step.state_shardings)
   copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
   learned, weights, metrics = [], [], []
-  learn = rl_step.jitted.learn
+  learn = rl_step.learn
 
   def recording(state, ref_params, prompt_tokens, prompt_mask, rollout, scores):
     learned.append(jax.device_get((prompt_tokens, prompt_mask, rollout)))
     return learn(state, ref_params, prompt_tokens, prompt_mask, rollout, scores)
 
-  rl_step.jitted = dataclasses.replace(rl_step.jitted, learn=recording)
+  rl_step.learn = recording
   with jax.set_mesh(mesh):
-    state, position = rl_step.prime(state, 0)
-    for _ in range(6):
+    for _ in range(6):  # the first step primes the pool (its groups sampled under these weights)
       weights.append(copy(state.params))
-      state, row = rl_step(state, None, position)
+      state, row = rl_step(state, None)
       metrics.append(jax.device_get(row))
-      position += config.rollout.prompts_per_step
   return dict(rl_step=rl_step, mesh=mesh, sampler=sampler, state=state, learned=learned, weights=weights,
               metrics=metrics, graphdef=nnx.graphdef(model))
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from grpo_jax.agents.agent import Agent, Problem
-from grpo_jax.data.task import Prompts, Scores
+from grpo_jax.data.task import Prompts
 from grpo_jax.errors import UserError, require
 
 BUILT_IN = {'guess_number': 'grpo_jax.agents.guess', 'tool_use': 'grpo_jax.agents.tool_use'}
@@ -54,9 +54,6 @@ class AgentTask:
       tokens[row, self.prompt_length - length:] = problem.prompt
       mask[row, self.prompt_length - length:] = 1
     return Prompts(tokens=tokens, mask=mask, answers=problems)
-
-  def reward(self, rollout, prompts: Prompts, group_size: int) -> Scores:
-    raise UserError('an agent task scores its own episodes: run it through the RL step')
 
 
 def _module(environment: str):

@@ -31,11 +31,16 @@ class Prompts:
   mask:     [P, Tp] int32, 1 on real tokens.
   answers:  what the task's reward compares completions with: [P, A] int32 expected tokens for the
             arithmetic task (a JAX array), P reference strings for a dataset task (host only).
+  position: where the RL step drew them: the data position of the first (int32), and ...
+  key:      ... the prompt key (the pool of partial rollouts records both, so a host task's answers
+            can be drawn again after a resume); None from a task itself.
   """
 
   tokens: jax.Array
   mask: jax.Array
   answers: Any
+  position: Any = None
+  key: Any = None
 
   def map_arrays(self, fn) -> 'Prompts':
     """fn applied to the prompts' arrays (tokens, mask); the answers stay as they are (a host

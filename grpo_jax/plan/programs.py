@@ -14,14 +14,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax import config as config_lib
-from grpo_jax.plan import targets, traffic
+from grpo_jax import sharding
 from grpo_jax.build import build_rl_step
 from grpo_jax.data.task import TASKS, Scores
 from grpo_jax.errors import UserError
-from grpo_jax import sharding
 from grpo_jax.model import lora
 from grpo_jax.model.config import load_hf_config
 from grpo_jax.model.loading import abstract_model
+from grpo_jax.rl.modes import GroupSampling
+from grpo_jax.plan import targets, traffic
 from grpo_jax.rl.state import init_train_state
 from grpo_jax.sampler.layout import place_program
 
@@ -167,21 +168,23 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
   # pi_ref: a copy of the policy; with LoRA the state's own base (adapters off), no copy.
   ref_params = params if config.algo.kl_beta > 0 and frozen is None else None
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  if step.split:
+  if step.layout is not None and step.layout.split:
     return _split_programs(config, task, step, state, ref_params, replicated)
   if task.jittable:
-    programs = [(f'{config.train.steps_per_call} RL steps in one jit', step.run_steps,
-                 (state, ref_params, 0, config.train.steps_per_call))]
+    programs = [(f'{config.train.steps_per_call} RL steps in one jit', step.fused,
+                 (state, ref_params, config.train.steps_per_call))]
   else:
     prompts = jax.ShapeDtypeStruct((config.rollout.prompts_per_step, task.prompt_length), jnp.int32, sharding=replicated)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
     with jax.set_mesh(mesh):
-      rollout = jax.eval_shape(step.traced.sample, state.policy, prompts, prompts, key)
+      rollout = jax.eval_shape(GroupSampling(step.sampling, host=False).sample, state.policy, prompts, prompts, key)
     scores = _abstract_scores(config, replicated)
     rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
-    sampler = (('rollout', step.jitted.advance, (state.policy, state.pool, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)))
-               if step.max_lag else ('rollout', step.jitted.sample, (state.policy, prompts, prompts, key)))
-    programs = [sampler, ('update', step.jitted.learn, (state, ref_params, prompts, prompts, rollout, scores))]
+    version = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    sampler = (('rollout', step.host_mode.advance, (state.policy, state.pool, version)) if config.algo.max_lag else
+               ('rollout', step.host_mode.sample, (state.policy, prompts, prompts, key)))
+    programs = [sampler, ('update', step.update_program,
+                          (state.replace(pool=None), ref_params, prompts, prompts, rollout, scores))]
   return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=step.layout)
 
 
@@ -198,8 +201,8 @@ def _split_programs(config, task, step, state, ref_params, replicated) -> StepPr
   prompts = jax.ShapeDtypeStruct(ready.prompt_tokens.shape, jnp.int32, sharding=replicated)
   scores = _abstract_scores(config, replicated)
   rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), ready.rollout)
-  programs = [('rollout', step.sampler_program, (resident, state.pool.pool, version)),
+  programs = [('rollout', step.host_mode.sampler_program, (resident, state.pool.pool, version)),
               ('transfer', place_program(layout.mirror), (state.policy,)),
-              ('update', step.trainer_program, (state.replace(pool=None), ref_params, prompts, prompts, rollout, scores))]
+              ('update', step.update_program, (state.replace(pool=None), ref_params, prompts, prompts, rollout, scores))]
   return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=layout,
                       devices=dict(rollout=list(layout.mesh.devices.reshape(-1))))

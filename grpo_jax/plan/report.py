@@ -11,8 +11,8 @@ import jax.numpy as jnp
 
 from grpo_jax import config as config_lib
 from grpo_jax import metrics as metrics_lib
-from grpo_jax.errors import UserError
 from grpo_jax import sharding
+from grpo_jax.errors import UserError
 from grpo_jax.plan import targets
 from grpo_jax.plan.programs import compile_program, step_programs
 from grpo_jax.plan.targets import format_bytes

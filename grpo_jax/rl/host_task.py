@@ -12,8 +12,8 @@ import jax
 import numpy as np
 
 from grpo_jax import distributed
-from grpo_jax.data.task import Prompts, Scores, Task
 from grpo_jax import sharding
+from grpo_jax.data.task import Prompts, Scores, Task
 from grpo_jax.sampler.rollout import Rollout
 
 

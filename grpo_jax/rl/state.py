@@ -22,6 +22,10 @@ class TrainState:
   key: jax.Array  # uint32[2] PRNG state for rollouts and mini-batch shuffling
   updates: jax.Array  # int32 optimizer updates applied (drives the learning-rate schedule)
   skips: jax.Array  # int32 consecutive updates skipped for non-finite loss or gradients
+  # int32 prompts the run has consumed (the data position): a dataset task's order depends only on
+  # it and run.seed; the step advances it by the prompts it draws. Checkpoints keep it in their
+  # metadata (`checkpointed` leaves it out of the arrays), as they did before it lived here.
+  position: jax.Array | None = None
   # Prompt groups in flight between steps (sampler/pool.Pool) with algo.max_lag > 0; None on-policy.
   pool: object = None
   # With LoRA (model.lora), the frozen base parameters in the compute dtype: an input of every
@@ -35,15 +39,16 @@ class TrainState:
     return lora.join(self.params, self.frozen)
 
   def checkpointed(self) -> 'TrainState':
-    """What a checkpoint holds: all but the frozen base (which comes from model.path again)."""
-    return self.replace(frozen=None)
+    """What a checkpoint's arrays hold: all but the frozen base (which comes from model.path
+    again) and the data position (in the checkpoint's metadata)."""
+    return self.replace(frozen=None, position=None)
 
 
 def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int, pool=None,
                      frozen=None) -> TrainState:
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
                     key=jax.random.PRNGKey(seed), updates=jnp.zeros((), jnp.int32),
-                    skips=jnp.zeros((), jnp.int32), pool=pool, frozen=frozen)
+                    skips=jnp.zeros((), jnp.int32), position=jnp.zeros((), jnp.int32), pool=pool, frozen=frozen)
 
 
 def train_state_shardings(params: nnx.State, optimizer: optax.GradientTransformation, pool=None,
@@ -59,7 +64,7 @@ def train_state_shardings(params: nnx.State, optimizer: optax.GradientTransforma
                                         jax.eval_shape(optimizer.init, params), param_shardings,
                                         transform_non_params=lambda _: replicated)
   return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, key=replicated,
-                    updates=replicated, skips=replicated, pool=pool_shardings(pool, replicated.mesh),
+                    updates=replicated, skips=replicated, position=replicated, pool=pool_shardings(pool, replicated.mesh),
                     frozen=None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen))
 
 

@@ -45,6 +45,37 @@ from grpo_jax.sampler.slots import Decoded, Entry, Slots, admit, decode_groups, 
 _LAST = jnp.iinfo(jnp.int32).max  # sorts after every real rank
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolSettings:
+  """A run's pool, derived once from its config (build.pool_settings).
+
+  take:        P, the groups that leave the pool each step (the step's new prompts).
+  group_size:  G.
+  lag:         L, the pool's own bound on a group's lag: algo.max_lag, one fewer with split devices
+               (their sampler runs one version behind the trainer).
+  decode:      the sampler's static settings.
+  slots:       B, the decode slots.
+  regenerate:  algo.stale_groups is 'regenerate'.
+  """
+
+  take: int
+  group_size: int
+  lag: int
+  decode: DecodeSettings
+  slots: int
+  regenerate: bool
+
+  @property
+  def entries(self) -> int:
+    """Q = (L + 1) * P entries: the pool's size."""
+    return (self.lag + 1) * self.take
+
+  def advance(self, version) -> dict:
+    """`advance`'s keyword arguments at policy version `version`."""
+    return dict(version=version, take=self.take, group_size=self.group_size, settings=self.decode, slots=self.slots,
+                max_lag=self.lag, regenerate=self.regenerate)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Pool:
@@ -381,3 +412,11 @@ class Pipeline:
 
   pool: Pool
   ready: Taken
+
+
+def empty_pipeline(graphdef, params, pool: Pool, layout: RolloutLayout, settings: PoolSettings) -> Pipeline:
+  """Split devices' state between steps before the first one: `pool` (empty) and zeros shaped like
+  the groups the sampler's advance makes ready (params: the policy's state, or abstract arrays)."""
+  shapes = jax.eval_shape(lambda params, pool: advance_split(graphdef, layout.mirror.place(params), pool, layout=layout,
+                                                             **settings.advance(jnp.int32(0))), params, pool)[1]
+  return Pipeline(pool=pool, ready=jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
