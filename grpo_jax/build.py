@@ -6,7 +6,7 @@ the sampler's layout, and the evaluator of the task's held-out problems."""
 import jax
 from flax import nnx
 
-from grpo_jax.data.task import TASKS, Task
+from grpo_jax.data.task import Task
 from grpo_jax.model import lora
 from grpo_jax.rl.host_task import HostTask
 from grpo_jax.rl.modes import Acting, GroupSampling, PoolSampling, Sampling
@@ -19,7 +19,7 @@ from grpo_jax.sampler.layout import rollout_layout, split_devices
 
 def build_task(config) -> Task:
   """The run's task from its `task` section (config: a config.Config)."""
-  return TASKS[config.task.name].build(config)
+  return config.task.kind.build(config)
 
 
 def total_updates(config) -> int:

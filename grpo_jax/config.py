@@ -114,15 +114,12 @@ class Config:
     for index, term in enumerate(self.rewards):
       require(term.buffer_tokens <= self.rollout.max_new_tokens, f'rewards[{index}].buffer_tokens',
               f'({term.buffer_tokens}) must be <= rollout.max_new_tokens ({self.rollout.max_new_tokens})')
-    require(self.eval.dataset.source is None or self.task.name in ('math', 'agent'), 'eval.source',
+    require(self.eval.dataset.source is None or self.task.kind.answers or self.task.kind.acts, 'eval.source',
             f'needs a dataset or agent task (task.name=math or agent); task {self.task.name!r} has no answers to check')
-    require(algo.max_lag == 0 or self.task.name != 'agent', 'algo.max_lag',
-            'applies to single-turn tasks (arith, math); agent episodes run on the inference server')
     require(self.rollout.devices == 0 or algo.max_lag >= 1, 'rollout.devices',
             f'({self.rollout.devices}) needs algo.max_lag >= 1: on devices of its own the sampler decodes the next '
             'step\'s groups under weights one version behind the update')
-    require(self.task.name != 'math' or bool(self.model.path or self.task.tokenizer), 'model.path',
-            'or task.tokenizer must be set for task.name=math: the tokenizer is read from that directory')
+    self.task.kind.check_run(self)
 
 
 # ---- loading ----

@@ -73,6 +73,12 @@ def check(task_config) -> None:
     module.check(task_config)
 
 
+def check_run(config) -> None:
+  """Agent episodes run on the inference server, one policy version each: no partial rollouts."""
+  require(config.algo.max_lag == 0, 'algo.max_lag',
+          'applies to single-turn tasks (arith, math); agent episodes run on the inference server')
+
+
 def build(config) -> AgentTask:
   environment = config.task.environment
   module = _module(environment)

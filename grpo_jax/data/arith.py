@@ -41,6 +41,11 @@ def check(task_config) -> None:
   check_arguments(task_config.max_operand, task_config.operators)
 
 
+def check_run(config) -> None:
+  """The arithmetic task asks nothing of the run's other sections: its tokenizer is built in."""
+  del config
+
+
 def build(config) -> 'ArithmeticTask':
   """The task of a run's Config (its `task` section), checked against the rollout's budget."""
   task = ArithmeticTask(config.task.max_operand, config.task.operators)

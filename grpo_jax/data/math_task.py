@@ -209,6 +209,12 @@ def check(task_config: TaskConfig) -> None:
           'must name the problems for task.name=math (a .jsonl/.json/.parquet file, hf:<name>[:<config>] or tfds:<name>)')
 
 
+def check_run(config) -> None:
+  """A math task reads its tokenizer from model.path or task.tokenizer."""
+  require(bool(config.model.path or config.task.tokenizer), 'model.path',
+          'or task.tokenizer must be set for task.name=math: the tokenizer is read from that directory')
+
+
 def build(config) -> MathTask:
   """The task of a run's Config: its task section, the model's tokenizer, run.seed and the reward terms."""
   return MathTask(config.task, config.model.path, config.run.seed, config.rewards, config.rollout.max_new_tokens)

@@ -130,9 +130,10 @@ class TaskShape:
 class TaskKind:
   """A built-in task: whether its prompts and reward are JAX functions, whether it is scored by
   checking answers to a dataset's problems (reward terms and `grpo_jax.eval` apply), whether its
-  rollouts are episodes acted on the inference server, and the module that holds it. That module defines check(task section) (the section's fields the task owns), build(config)
-  -> Task (from a run's whole Config) and shape(config, architecture) -> Task (its shape for the
-  plan, without its data)."""
+  rollouts are episodes acted on the inference server, and the module that holds it. That module
+  defines check(task section) (the section's fields the task owns), check_run(config) (what the
+  task asks of the run's other sections), build(config) -> Task (from a run's whole Config) and
+  shape(config, architecture) -> Task (its shape for the plan, without its data)."""
 
   jittable: bool
   module: str  # imported when first used: a run imports only its own task's code
@@ -141,6 +142,10 @@ class TaskKind:
 
   def check(self, task_config: 'TaskConfig') -> None:
     importlib.import_module(self.module).check(task_config)
+
+  def check_run(self, config) -> None:
+    """The task's checks across a run's sections (config.Config runs it once they are built)."""
+    importlib.import_module(self.module).check_run(config)
 
   def build(self, config) -> Task:
     return importlib.import_module(self.module).build(config)

@@ -16,7 +16,7 @@ from flax import nnx
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
 from grpo_jax.build import build_rl_step
-from grpo_jax.data.task import TASKS, Scores
+from grpo_jax.data.task import Scores
 from grpo_jax.errors import UserError
 from grpo_jax.model import lora
 from grpo_jax.model.config import load_hf_config
@@ -154,7 +154,7 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
   bench/rollout_layout.py compares the two). sampler_devices: split devices (rollout.devices),
   the sampler's own: then the sampler's program on them, the update on `mesh`, and the program
   that lays the weights out for the crossing, on `mesh` too."""
-  task = TASKS[config.task.name].shape(config, architecture)
+  task = config.task.kind.shape(config, architecture)
   if task.vocab_size > architecture.vocab_size:
     raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but the model has {architecture.vocab_size}')
   model = abstract_model(architecture, config.model.options)
