@@ -28,7 +28,7 @@ from grpo_jax.data.task import Task
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import lora
 from grpo_jax.model.config import to_hf_dict
-from grpo_jax.rl.state import create_train_state
+from grpo_jax.rl.state import TrainState, create_train_state
 from grpo_jax.sampler.layout import split_devices
 
 
@@ -147,8 +147,8 @@ class Run:
         check_base(self.checkpointer, self.saved_step, self.base)
         restored, meta = self.checkpointer.restore(self.saved_step, self.state.checkpointed())
         # The data position (prompts consumed) is the checkpoint's metadata's, as it always was.
-        self.state = restored.replace(frozen=self.state.frozen,
-                                      position=distributed.replicated(np.int32(meta['data_position']), mesh))
+        self.state = TrainState.restored(restored, distributed.replicated(np.int32(meta['data_position']), mesh),
+                                         frozen=self.state.frozen)
       except UserError:
         self.checkpointer.close()  # its background threads would otherwise die noisily at exit
         raise

@@ -38,10 +38,33 @@ class TrainState:
     """The policy's whole parameter state, the model's graphdef merges with (the same arrays)."""
     return lora.join(self.params, self.frozen)
 
-  def checkpointed(self) -> 'TrainState':
+  def checkpointed(self) -> 'Stored':
     """What a checkpoint's arrays hold: all but the frozen base (which comes from model.path
     again) and the data position (in the checkpoint's metadata)."""
-    return self.replace(frozen=None, position=None)
+    return Stored(step=self.step, params=self.params, opt_state=self.opt_state, key=self.key, updates=self.updates,
+                  skips=self.skips, pool=self.pool)
+
+  @classmethod
+  def restored(cls, stored: 'Stored', position: jax.Array, frozen=None) -> 'TrainState':
+    """The state a checkpoint's arrays and its data position make, with the frozen base (LoRA)."""
+    return cls(step=stored.step, params=stored.params, opt_state=stored.opt_state, key=stored.key,
+               updates=stored.updates, skips=stored.skips, position=position, pool=stored.pool, frozen=frozen)
+
+
+@struct.dataclass
+class Stored:
+  """A TrainState as a checkpoint's arrays hold it: its fields but the data position, the tree
+  every checkpoint has had (so the ones written before the position joined the state resume).
+  `frozen` is always None (the base comes from model.path again)."""
+
+  step: jax.Array
+  params: nnx.State
+  opt_state: optax.OptState
+  key: jax.Array
+  updates: jax.Array
+  skips: jax.Array
+  pool: object = None
+  frozen: None = None
 
 
 def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int, pool=None,
