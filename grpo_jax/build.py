@@ -42,7 +42,8 @@ def pool_settings(config, task: Task) -> PoolSettings | None:
                       # Split devices sample one version behind the trainer: the pool holds one lag fewer.
                       lag=config.algo.max_lag - (1 if config.rollout.devices else 0),
                       decode=config.rollout.decode_settings(task.stop_token_ids, task.pad_id),
-                      slots=decode_slots(config), regenerate=config.algo.stale_groups == 'regenerate')
+                      slots=decode_slots(config), regenerate=config.algo.stale_groups == 'regenerate',
+                      priming=config.algo.max_lag)
 
 
 def empty_pool(settings: PoolSettings | None, task: Task, prompt_count: int):

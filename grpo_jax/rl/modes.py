@@ -135,7 +135,7 @@ class PoolSampling:
 
   def __init__(self, sampling: Sampling, host: bool):
     settings = sampling.pool
-    self.group_size, self.count, self.lag = sampling.group_size, sampling.prompts_per_step, settings.lag
+    self.group_size, self.priming = sampling.group_size, settings.priming
     self.jittable = sampling.task.jittable
     self.answers = None if self.jittable else AnswerBook(sampling.task, sampling.prompts_per_step)
     self.reward = sampling.task_stage(sampling.task.reward, host)
@@ -162,10 +162,10 @@ class PoolSampling:
     0 trains on. `draw(state) -> (state, prompts, sampling key)`."""
     if int(distributed.host_value(state.step)) != 0:
       return state
-    for index in range(self.lag):
+    for index in range(self.priming):
       state, prompts, key = draw(state)
       state = self.join(state, prompts, key)
-      if self.split and index == self.lag - 1:  # the groups step 0 trains on
+      if self.split and index == self.priming - 1:  # the groups step 0 trains on
         pipeline, _ = self.advance(state.policy, state.pool, state.step)
         state = state.replace(pool=pipeline)
     return state

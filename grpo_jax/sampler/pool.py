@@ -56,6 +56,8 @@ class PoolSettings:
   decode:      the sampler's static settings.
   slots:       B, the decode slots.
   regenerate:  algo.stale_groups is 'regenerate'.
+  priming:     batches of P prompts a fresh pool takes before the first step: algo.max_lag (with
+               split devices one more than `lag`: the first advance runs before the first update).
   """
 
   take: int
@@ -64,6 +66,7 @@ class PoolSettings:
   decode: DecodeSettings
   slots: int
   regenerate: bool
+  priming: int
 
   @property
   def entries(self) -> int:
