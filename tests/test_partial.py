@@ -198,14 +198,14 @@ def test_answer_book_draws_missing_answers_again():
   import types
 
   from grpo_jax.data.task import Prompts
-  from grpo_jax.rl.step import _AnswerBook
+  from grpo_jax.rl.modes import AnswerBook
 
   class Task:
     def prompts(self, key, position, count):
       return Prompts(tokens=None, mask=None, answers=[f'{position + i}:{int(np.asarray(key)[1])}' for i in range(count)])
 
   task, count = Task(), 3
-  book, resumed = _AnswerBook(task, count), _AnswerBook(task, count)
+  book, resumed = AnswerBook(task, count), AnswerBook(task, count)
   for position, key in ((0, 11), (3, 12)):
     book.record(position, task.prompts(jnp.asarray([0, key], jnp.uint32), position, count).answers)
   taken = types.SimpleNamespace(source=np.asarray([4, 1, 5]), batch_position=np.asarray([3, 0, 3]),

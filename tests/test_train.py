@@ -49,6 +49,7 @@ def run_cli(workdir, *overrides, check=True, devices=1):
   return result
 
 
+@pytest.mark.slow
 def test_demo_reward_rises(tmp_path):
   result = run_cli(tmp_path, '--set', 'train.steps=250', '--set', 'train.checkpoint_every=50')
   rows = read_metrics(tmp_path)
