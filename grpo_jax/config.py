@@ -27,11 +27,11 @@ from grpo_jax.distributed import DistributedConfig
 from grpo_jax.errors import FieldError, UserError, read_text, require
 from grpo_jax.evaluation import EvalConfig
 from grpo_jax.model.loading import ModelConfig
-from grpo_jax.sharding import MeshConfig
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.optimizer import OptimConfig
 from grpo_jax.sampler.rollout import RolloutConfig
 from grpo_jax.sections import is_inline, section
+from grpo_jax.sharding import MeshConfig
 
 __all__ = ['AlgoConfig', 'Config', 'EvalConfig', 'ModelConfig', 'OptimConfig', 'RolloutConfig', 'RunConfig',
            'TaskConfig', 'TrainConfig', 'load_config']

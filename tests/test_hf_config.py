@@ -11,8 +11,8 @@ from flax import nnx
 from grpo_jax.errors import UserError
 from grpo_jax.model import ModelOptions, from_hf_dict, to_hf_dict
 from grpo_jax.model.loading import abstract_model
-from grpo_jax.sharding import spec_for
 from grpo_jax.model.presets import QWEN2_5_PRESETS, QWEN3_PRESETS, preset
+from grpo_jax.sharding import spec_for
 
 # The parameter counts on the Qwen2.5 model cards, in billions.
 PUBLISHED_BILLIONS = {'0.5B': 0.49, '1.5B': 1.54, '3B': 3.09, '7B': 7.61, '14B': 14.7, '32B': 32.5, '72B': 72.7}

@@ -26,8 +26,8 @@ from grpo_jax.errors import UserError, checkpoint_read, quiet_abandoned_reads, r
 from grpo_jax.model import lora, weights
 from grpo_jax.model.config import Qwen2Config, load_hf_config, to_hf_dict
 from grpo_jax.model.qwen2 import DType, ModelOptions, Qwen2
-from grpo_jax.sharding import MeshConfig, make_mesh, state_shardings
 from grpo_jax.sections import inline
+from grpo_jax.sharding import MeshConfig, make_mesh, state_shardings
 
 PARAMS_DIR = 'params'
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'vocab.json', 'merges.txt',

@@ -37,8 +37,8 @@ from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, DECODE_ATTENTIO
                                       sequence_attention)
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.lora import TARGETS, Adapter, LoraConfig, adapter_names, adapter_shapes, init_a
-from grpo_jax.sharding import constrain
 from grpo_jax.model.token_ids import check_token_ids
+from grpo_jax.sharding import constrain
 
 DType = Literal['float32', 'bfloat16']
 # Storage dtypes: float16 too, so a float16 checkpoint converts without a change of precision.

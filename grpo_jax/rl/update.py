@@ -22,12 +22,12 @@ from flax import nnx, struct
 
 from grpo_jax.errors import require
 from grpo_jax.model import lora
-from grpo_jax.sharding import batch_groups, constrain
 from grpo_jax.rl import algo, packing
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.loss import (MISMATCH, LossInputs, lag_means, log_probs_of, mismatch_by_lag, policy_loss,
                               sampler_mismatch)
 from grpo_jax.rl.state import TrainState
+from grpo_jax.sharding import batch_groups, constrain
 
 
 @struct.dataclass

@@ -24,11 +24,11 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.model.qwen2 import KVCache, Qwen2
-from grpo_jax.sharding import named_sharding
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Prefix, decode_step, prefill, request_keys, typed_key
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sampler.engine_tokenizer import NO_TOKEN, HFTokenizer
 from grpo_jax.sampler.slots import Entry, Slots, admit
+from grpo_jax.sharding import named_sharding
 
 # Column ranges of ResultTokens.data, one int32 row per slot.
 TOKEN_COLUMNS, VALID_COLUMNS, LENGTH_COLUMNS, LOG_PROB_COLUMNS = (0, 1), (1, 2), (2, 3), (3, 4)

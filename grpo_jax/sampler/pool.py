@@ -36,11 +36,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
-from grpo_jax.sharding import batch_groups, constrain, grouped
 from grpo_jax.sampler.decode import DecodeSettings, typed_key
 from grpo_jax.sampler.layout import RolloutLayout
 from grpo_jax.sampler.rollout import Rollout
 from grpo_jax.sampler.slots import Decoded, Entry, Slots, admit, decode_groups, gather, idle_slots, prefill_prompts
+from grpo_jax.sharding import batch_groups, constrain, grouped
 
 _LAST = jnp.iinfo(jnp.int32).max  # sorts after every real rank
 

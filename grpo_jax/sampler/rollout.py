@@ -26,12 +26,12 @@ from flax import nnx
 
 from grpo_jax.errors import require
 from grpo_jax.model.qwen2 import Qwen2
-from grpo_jax.sharding import batch_groups, grouped
 from grpo_jax.sampler.decode import DecodeSettings, request_keys
 from grpo_jax.sampler.layout import RolloutLayout
 from grpo_jax.sampler.sampling import SamplingConfig
 from grpo_jax.sampler.slots import Decoded, decode_groups, idle_slots, prefill_prompts
 from grpo_jax.sections import inline, section
+from grpo_jax.sharding import batch_groups, grouped
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.model.qwen2 import KVCache, Qwen2, SharedPrefix
-from grpo_jax.sharding import constrain, grouped
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, decode_step, prefill
+from grpo_jax.sharding import constrain, grouped
 
 
 @jax.tree_util.register_dataclass
