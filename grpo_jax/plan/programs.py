@@ -21,7 +21,6 @@ from grpo_jax.errors import UserError
 from grpo_jax.model import lora
 from grpo_jax.model.config import load_hf_config
 from grpo_jax.model.loading import abstract_model
-from grpo_jax.rl.modes import GroupSampling
 from grpo_jax.plan import targets, traffic
 from grpo_jax.rl.state import init_train_state
 from grpo_jax.sampler.layout import place_program
@@ -177,12 +176,13 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
     prompts = jax.ShapeDtypeStruct((config.rollout.prompts_per_step, task.prompt_length), jnp.int32, sharding=replicated)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
     with jax.set_mesh(mesh):
-      rollout = jax.eval_shape(GroupSampling(step.sampling, host=False).sample, state.policy, prompts, prompts, key)
+      rollout = jax.eval_shape(step.sampling.sample, state.policy, prompts, prompts, key)
     scores = _abstract_scores(config, replicated)
     rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
     version = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     sampler = (('rollout', step.host_mode.advance, (state.policy, state.pool, version)) if config.algo.max_lag else
-               ('rollout', step.host_mode.sample, (state.policy, prompts, prompts, key)))
+               # the group sampler (an agent task's server decodes with the same step)
+               ('rollout', jax.jit(step.sampling.sample), (state.policy, prompts, prompts, key)))
     programs = [sampler, ('update', step.update_program,
                           (state.replace(pool=None), ref_params, prompts, prompts, rollout, scores))]
   return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=step.layout)

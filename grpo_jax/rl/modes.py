@@ -67,6 +67,11 @@ class Sampling:
   rollout: RolloutConfig
   pool: PoolSettings | None = None
 
+  def sample(self, params, prompt_tokens, prompt_mask, key) -> Rollout:
+    """G completions of each prompt from `params` (sampler/rollout.py). Traceable."""
+    return sample_resident(self.graphdef, params, prompt_tokens, prompt_mask, key, layout=self.layout,
+                           group_size=self.group_size, settings=self.decode, slots=self.slots)
+
   def task_stage(self, fn: Callable, host: bool) -> Callable:
     """A task's prompts or reward as a stage: jitted on the host when the task is jittable (its
     count or group size static); a host task's as it is."""
@@ -78,12 +83,8 @@ class GroupSampling:
 
   def __init__(self, sampling: Sampling, host: bool):
     self.group_size = sampling.group_size
-
-    def sample(params, prompt_tokens, prompt_mask, key) -> Rollout:
-      return sample_resident(sampling.graphdef, params, prompt_tokens, prompt_mask, key, layout=sampling.layout,
-                             group_size=sampling.group_size, settings=sampling.decode, slots=sampling.slots)
-
-    self.sample = jax.jit(sample) if host else sample  # (params, prompt tokens, prompt mask, key) -> Rollout
+    # (params, prompt tokens, prompt mask, key) -> Rollout
+    self.sample = jax.jit(sampling.sample) if host else sampling.sample
     self.reward = sampling.task_stage(sampling.task.reward, host)  # (rollout, prompts, G) -> Scores
     self.prompts = sampling.task_stage(sampling.task.prompts, host)  # (key, position, P) -> Prompts
 
