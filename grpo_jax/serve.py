@@ -21,6 +21,7 @@ Needs the extras (google-jetstream); nothing else in grpo_jax imports jetstream.
 
 import argparse
 import dataclasses
+import faulthandler
 import logging
 import os
 import signal
@@ -233,6 +234,7 @@ def main(argv=None):
   # SIGINT and SIGTERM stop cleanly (a shell may start a background job with SIGINT ignored).
   signal.signal(signal.SIGINT, signal.default_int_handler)
   signal.signal(signal.SIGTERM, signal.default_int_handler)
+  faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack to stderr
   try:
     server.wait_for_termination()  # stops the orchestrator threads and the gRPC server on exit
   except KeyboardInterrupt:

@@ -34,8 +34,13 @@ def stop(server):
   try:
     _, stderr = server.communicate(timeout=60)
   except subprocess.TimeoutExpired:
-    server.kill()
-    raise AssertionError('the server did not shut down within 60 s')
+    server.send_signal(signal.SIGUSR1)  # the server dumps every thread's stack
+    try:
+      _, stderr = server.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+      server.kill()
+      _, stderr = server.communicate()
+    raise AssertionError(f'the server did not shut down within 60 s:\n{stderr[-6000:]}') from None
   return server.returncode, stderr
 
 
