@@ -60,6 +60,7 @@ class TrainConfig:
   max_to_keep: int = 3  # checkpoints kept in workdir/checkpoints
   max_consecutive_skips: int = 5  # stop after this many updates in a row with non-finite loss or grads
   progress: bool = True  # live progress bar on stderr
+  tensorboard: bool = True  # TensorBoard events through clu (importing it loads TensorFlow: about 5 s)
 
   def __post_init__(self):
     with section('train'):

@@ -55,12 +55,15 @@ def check_workdir(workdir: str) -> None:
     raise UserError(f'workdir {workdir}: {existing} is not writable')
 
 
-def setup(config: config_lib.Config, config_path: str | None, workdir: str | None):
+def setup(config: config_lib.Config, config_path: str | None, workdir: str | None, devices=None):
   """Resolves and checks the workdir (writing nothing: Run writes once the run's inputs are all
-  validated) and builds the mesh and the model."""
+  validated) and builds the mesh (over `devices`, default every device but the sampler's own)
+  and the model."""
   workdir = config_lib.resolve_workdir(config, config_path, workdir)
   check_workdir(workdir)
-  mesh = sharding.make_mesh(config.mesh, devices=split_devices(jax.devices(), config.rollout.devices)[0])
+  if devices is None:
+    devices = split_devices(jax.devices(), config.rollout.devices)[0]
+  mesh = sharding.make_mesh(config.mesh, devices=devices)
   model = config.model.build(mesh, config.run.seed)
   return workdir, mesh, model
 
@@ -76,10 +79,11 @@ def _flat(tree: dict, prefix: str = '') -> dict:
 
 
 def changed_keys(before: dict, after: dict) -> list[str]:
-  """'key: old -> new' for every config key whose value differs between two to_dict() configs."""
+  """'key: old -> new' for every config key whose value differs between two to_dict() configs (a
+  key `before` lacks is a setting added since it was written, not a change)."""
   old, new = _flat(before), _flat(after)
   return [f'{key}: {old.get(key)!r} -> {new.get(key)!r}' for key in sorted(old.keys() | new.keys())
-          if old.get(key) != new.get(key)]
+          if key in old and old.get(key) != new.get(key)]
 
 
 def base_record(config: config_lib.Config, architecture: dict) -> dict:
@@ -164,7 +168,8 @@ class Run:
       with open(os.path.join(workdir, 'config.yaml'), 'w') as f:
         f.write(resolved)
       print(f'# resolved config (saved to {workdir}/config.yaml)\n{resolved}', flush=True)
-    self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step, write=self.primary)
+    self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step, write=self.primary,
+                                      tensorboard=config.train.tensorboard)
     self.num_params = model.config.num_params()
     self.peak_flops = metrics_lib.matmul_peak_flops(config.model.options.dtype)
     adapters = None if frozen is None else sum(x.size for x in jax.tree.leaves(trained))

@@ -399,6 +399,7 @@ def test_the_agent_demo_learns_from_the_replies(tmp_path):
   can reach (4 guesses of 16 numbers: 0.25), and episodes get shorter."""
   from test_train import read_metrics, run_cli
   run_cli(tmp_path, '--config', GUESS, '--set', 'train.steps=150', '--set', 'train.progress=false',
+          '--set', 'train.tensorboard=false',
           '--set', 'train.checkpoint_every=0')
   rows = read_metrics(tmp_path)
   first, last = rows[:10], rows[-10:]
@@ -446,6 +447,7 @@ def test_episode_evaluation_plays_every_secret(tmp_path):
   tokens), and pass@k and the facts summarise the samples file."""
   from test_train import run_cli
   run_cli(tmp_path, '--config', GUESS, '--set', 'train.steps=1', '--set', 'train.progress=false',
+          '--set', 'train.tensorboard=false',
           '--set', 'train.checkpoint_every=0', '--set', 'eval.every=1', '--set', 'eval.samples=3',
           '--set', 'eval.k=2', '--set', 'eval.batch_prompts=8', '--set', 'rollout.prompts_per_step=4')
   with open(tmp_path / 'eval.jsonl') as f:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.xdist_group('test_bad_inputs')
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--config', 'configs/tiny_arith.yaml', '--set', 'train.steps=2', '--set', 'train.steps_per_call=1',
-        '--set', 'train.checkpoint_every=1', '--set', 'train.progress=false']
+        '--set', 'train.checkpoint_every=1', '--set', 'train.progress=false', '--set', 'train.tensorboard=false']
 
 
 def run_cli(module, *args, timeout=300):

@@ -252,6 +252,7 @@ def test_a_training_runs_policy_exports_to_transformers(seed, tmp_path):
 
   config = config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny_arith.yaml'), [
       'rollout.prompts_per_step=8', 'algo.group_size=4', 'train.steps_per_call=1', 'train.progress=false',
+      'train.tensorboard=false',
       'optim.warmup_steps=0', 'optim.learning_rate=0.01', 'algo.entropy_coef=0.01', f'run.seed={seed}'])
   mesh = make_mesh(MeshConfig(), jax.devices()[:1])
   model = config.model.build(mesh, config.run.seed)

@@ -16,7 +16,7 @@ from test_train import ROOT, kill_and_resume, read_metrics, device_env
 
 LORA = os.path.join(ROOT, 'configs', 'tiny_arith_lora.yaml')
 FULL = os.path.join(ROOT, 'configs', 'tiny_arith.yaml')
-QUIET = ['--set', 'train.progress=false']
+QUIET = ['--set', 'train.progress=false', '--set', 'train.tensorboard=false']
 
 
 def _train(workdir, config, *settings, check=True):

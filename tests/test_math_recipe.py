@@ -16,6 +16,7 @@ from grpo_jax import sharding
 from grpo_jax import train
 from grpo_jax.data import word_problems
 from grpo_jax.data.task import Prompts, Scores
+from runs import device_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'rollout_tokens_per_s', 'update_tokens_per_s', 'mfu'}
@@ -55,7 +56,8 @@ class ScriptedTask:
 def dynamic_run(tmp_path, informative, rounds, prompts=4, group=4):
   config = config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny_arith.yaml'), [
       f'rollout.prompts_per_step={prompts}', f'algo.group_size={group}', 'train.steps_per_call=1',
-      'algo.dynamic_sampling=true', f'algo.max_sampling_rounds={rounds}', 'train.progress=false'])
+      'algo.dynamic_sampling=true', f'algo.max_sampling_rounds={rounds}', 'train.progress=false',
+      'train.tensorboard=false'])
   mesh = sharding.make_mesh(config_lib.dataclasses.replace(config.mesh, fsdp=1), jax.devices()[:1])
   model = config.model.build(mesh, config.run.seed)
   run = train.Run(config, str(tmp_path / 'work'), mesh, model, ScriptedTask(informative))
@@ -116,14 +118,14 @@ def word_problem_files(tmp_path_factory):
 
 def tiny_math(files, workdir, *overrides, module='grpo_jax.train', timeout=600):
   sets = [f'task.source={files["train"]}', f'task.tokenizer={files["tokenizer"]}', f'eval.source={files["eval"]}',
-          'train.progress=false', *overrides]
+          'train.progress=false', 'train.tensorboard=false', *overrides]
   args = ['--config', os.path.join(ROOT, 'configs', 'tiny_math.yaml')]
   if module == 'grpo_jax.train':
     args += ['--workdir', str(workdir)]
   for assignment in sets:
     args += ['--set', assignment]
   return subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT, capture_output=True, text=True,
-                        timeout=timeout, env=dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1'))
+                        timeout=timeout, env=device_env(1))
 
 
 def read_jsonl(path):

@@ -26,7 +26,7 @@ COMPARED = ('reward_mean', 'reward_std', 'policy_loss', 'kl', 'entropy', 'grad_n
 # The learning rate is small because Adam turns any difference in a near-zero gradient (the order of
 # a cross-device sum) into a step of up to the learning rate.
 MOVING = ['algo.entropy_coef=0.01', 'algo.kl_beta=0.01', 'optim.learning_rate=1e-3', 'optim.warmup_steps=0',
-          'train.progress=false']
+          'train.progress=false', 'train.tensorboard=false']
 
 
 def two_steps(tmp_path, config_path, overrides, mesh_shape, task=None, name=None, fused=False):

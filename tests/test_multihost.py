@@ -14,10 +14,13 @@ import sys
 import numpy as np
 import pytest
 
+from runs import device_env, train_here
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'rollout_tokens_per_s', 'update_tokens_per_s', 'mfu'}
 COMMON = ['--config', 'configs/tiny_arith.yaml', '--set', 'train.steps_per_call=2', '--set', 'train.checkpoint_every=2',
-          '--set', 'train.progress=false', '--set', 'rollout.prompts_per_step=8', '--set', 'algo.group_size=4',
+          '--set', 'train.progress=false', '--set', 'train.tensorboard=false',
+          '--set', 'rollout.prompts_per_step=8', '--set', 'algo.group_size=4',
           '--set', 'optim.warmup_steps=0', '--set', 'optim.learning_rate=0.01',
           # Rewards of a random model are almost all 0: the entropy bonus and the KL term give every
           # update a gradient, so the parameters move at every step and a wrong collective shows.
@@ -31,8 +34,10 @@ def free_port() -> int:
 
 
 def environment(devices: int, **extra) -> dict:
-  env = {k: v for k, v in os.environ.items() if not k.startswith('JAX_')}
-  env.update(JAX_PLATFORMS='cpu', XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}', **extra)
+  """A process of its own, on `devices` CPU devices (the suite's compilation cache kept)."""
+  env = {k: v for k, v in device_env(devices).items()
+         if not k.startswith('JAX_') or k.startswith(('JAX_COMPILATION_CACHE', 'JAX_PERSISTENT_CACHE'))}
+  env.update(JAX_PLATFORMS='cpu', **extra)
   return env
 
 
@@ -64,6 +69,15 @@ def launch(workdir, processes: int, devices_each: int, *overrides, base=COMMON,
   return results
 
 
+def one_process(workdir, *overrides, base=COMMON) -> None:
+  """The run `launch(workdir, 1, 8, *overrides, base=base)` makes, in this process on its 8 devices
+  (the reference the processes are compared with; their collectives are what is under test)."""
+  arguments = [*base, *overrides]
+  config = arguments[arguments.index('--config') + 1]
+  train_here(workdir, config, *[value for flag, value in zip(arguments, arguments[1:]) if flag == '--set'],
+             devices=8)
+
+
 def metrics(workdir, name='metrics.jsonl'):
   with open(os.path.join(workdir, name)) as f:
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
@@ -82,7 +96,7 @@ def assert_same_run(got, expected, tolerance=1e-5):
 
 @pytest.mark.slow
 def test_two_processes_equal_one_and_resume_on_one_process_with_another_mesh(tmp_path):
-  one = launch(tmp_path / 'one', 1, 8, '--set', 'train.steps=6')
+  one_process(tmp_path / 'one', '--set', 'train.steps=6')
   two = launch(tmp_path / 'two', 2, 4, '--set', 'train.steps=4')
   # Process 0 alone reports; process 1 joins every step and checkpoint and writes no logs.
   assert 'mean reward' in two[0].stdout and 'mean reward' not in two[1].stdout
@@ -113,11 +127,12 @@ def test_host_scored_math_task_on_two_processes_equals_one(tmp_path):
           '--set', f'eval.source={files["eval"]}', '--set', 'eval.every=2', '--set', 'eval.max_problems=16',
           '--set', 'eval.batch_prompts=8', '--set', 'rollout.prompts_per_step=8', '--set', 'algo.group_size=4',
           '--set', 'algo.max_sampling_rounds=3', '--set', 'train.steps=3', '--set', 'train.checkpoint_every=2',
-          '--set', 'train.progress=false', '--set', 'optim.warmup_steps=0', '--set', 'algo.entropy_coef=0.01',
+          '--set', 'train.progress=false', '--set', 'train.tensorboard=false', '--set', 'optim.warmup_steps=0',
+          '--set', 'algo.entropy_coef=0.01',
           '--set', 'algo.kl_beta=0.01']
   subprocess.run([sys.executable, '-m', 'conversion.hf_to_orbax', '--hf', str(tmp_path / 'hf'), '--out',
                   str(tmp_path / 'orbax')], cwd=ROOT, env=environment(1), check=True, capture_output=True, timeout=300)
-  launch(tmp_path / 'one', 1, 8, '--set', f'model.path={tmp_path / "hf"}', base=base)
+  one_process(tmp_path / 'one', '--set', f'model.path={tmp_path / "hf"}', base=base)
   two = launch(tmp_path / 'two', 2, 4, '--set', f'model.path={tmp_path / "orbax"}', base=base)
   assert 'eval at step 2' in two[0].stderr and 'eval at step' not in two[1].stderr
   reference = metrics(tmp_path / 'one')

@@ -214,7 +214,7 @@ def test_the_tool_recipe_runs_its_first_steps_on_the_cpu(tmp_path, make_hf_check
           '--set', 'eval.split=train', '--set', 'eval.every=2', '--set', 'eval.max_problems=2',
           '--set', 'eval.samples=2',
           '--set', 'eval.k=2', '--set', 'eval.batch_prompts=2',
-          '--set', 'train.progress=false')
+          '--set', 'train.progress=false', '--set', 'train.tensorboard=false')
   rows = read_metrics(tmp_path)
   assert [row['step'] for row in rows] == [1, 2]
   for row in rows:

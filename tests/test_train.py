@@ -15,16 +15,16 @@ import pytest
 
 from grpo_jax import train
 from grpo_jax.build import build_task
+from runs import device_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, 'configs', 'tiny_arith.yaml')
 TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'rollout_tokens_per_s', 'update_tokens_per_s', 'mfu'}
 # A smaller batch for the resume and reproducibility tests.
-SMALL = ['--set', 'rollout.prompts_per_step=8', '--set', 'algo.group_size=4', '--set', 'train.progress=false']
+SMALL = ['--set', 'rollout.prompts_per_step=8', '--set', 'algo.group_size=4', '--set', 'train.progress=false',
+         '--set', 'train.tensorboard=false']
 # CLI runs see one CPU device: conftest's 8 fake devices only add collectives to these runs (the
 # mesh test below covers them).
-def device_env(count: int) -> dict:
-  return dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={count}')
 
 
 ONE_DEVICE_ENV = device_env(1)
@@ -91,7 +91,7 @@ def test_tensorboard_events_through_clu(tmp_path):
   import tensorflow as tf
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
   run_cli(tmp_path, *SMALL, '--set', 'train.steps=6', '--set', 'train.steps_per_call=3',
-          '--set', 'train.checkpoint_every=0')
+          '--set', 'train.checkpoint_every=0', '--set', 'train.tensorboard=true')
   events = EventAccumulator(str(tmp_path / 'tensorboard'))
   events.Reload()
   logged = events.Tensors('reward_mean')
@@ -228,7 +228,7 @@ def test_mesh_layouts_keep_the_state_shardings(tmp_path):
   from grpo_jax import sharding
   config = config_lib.load_config(CONFIG, ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2',
                                             'rollout.prompts_per_step=8', 'algo.group_size=4',
-                                            'train.progress=false', 'train.steps=2'])
+                                            'train.progress=false', 'train.tensorboard=false', 'train.steps=2'])
   mesh = sharding.make_mesh(config.mesh)
   model = config.model.build(mesh, config.run.seed)
   run = train.Run(config, str(tmp_path / 'run'), mesh, model, build_task(config))
@@ -250,7 +250,7 @@ def test_fsdp_shards_the_optimizer_state_like_the_parameters(tmp_path):
   from grpo_jax import config as config_lib
   from grpo_jax import sharding
   config = config_lib.load_config(CONFIG, ['mesh.fsdp=8', 'rollout.prompts_per_step=8', 'algo.group_size=4',
-                                           'train.progress=false', 'train.steps=2'])
+                                           'train.progress=false', 'train.tensorboard=false', 'train.steps=2'])
   mesh = sharding.make_mesh(config.mesh)
   run = train.Run(config, str(tmp_path), mesh, config.model.build(mesh, config.run.seed),
                   build_task(config))
@@ -292,7 +292,7 @@ def test_bf16_compute_keeps_fp32_master_weights(tmp_path, seed):
   from grpo_jax import sharding
   config = config_lib.load_config(CONFIG, [
       'model.dtype=bfloat16', 'model.param_dtype=float32', 'rollout.prompts_per_step=8', 'algo.group_size=4',
-      'train.progress=false', 'train.steps=3'])
+      'train.progress=false', 'train.tensorboard=false', 'train.steps=3'])
   mesh = sharding.make_mesh(config.mesh)
   run = train.Run(config, str(tmp_path), mesh, config.model.build(mesh, config.run.seed),
                   build_task(config))
