@@ -395,16 +395,17 @@ def test_agent_steps_on_a_mesh_equal_one_device(tmp_path):
 
 @pytest.mark.slow
 def test_the_agent_demo_learns_from_the_replies(tmp_path):
-  """configs/tiny_guess.yaml for 150 steps: the reward passes what any policy deaf to the replies
-  can reach (4 guesses of 16 numbers: 0.25), and episodes get shorter."""
+  """configs/tiny_guess.yaml for 120 steps: the reward passes what any policy deaf to the replies
+  can reach (4 guesses of 16 numbers: 0.25), and episodes get shorter (measured: 0.17 over the first
+  10 steps, 0.40 over steps 111-120, 0.45 over 141-150; make demo-agent runs its 600)."""
   from test_train import read_metrics, run_cli
-  run_cli(tmp_path, '--config', GUESS, '--set', 'train.steps=150', '--set', 'train.progress=false',
+  run_cli(tmp_path, '--config', GUESS, '--set', 'train.steps=120', '--set', 'train.progress=false',
           '--set', 'train.tensorboard=false',
           '--set', 'train.checkpoint_every=0')
   rows = read_metrics(tmp_path)
   first, last = rows[:10], rows[-10:]
   mean = lambda rows, name: sum(row[name] for row in rows) / len(rows)  # noqa: E731
-  assert mean(first, 'reward_mean') <= 0.3 and mean(last, 'reward_mean') >= 0.35  # measured 0.43-0.45 (seeds 0-2)
+  assert mean(first, 'reward_mean') <= 0.3 and mean(last, 'reward_mean') >= 0.35
   assert mean(last, 'episode/turns') < mean(first, 'episode/turns')
 
 

@@ -51,20 +51,23 @@ def run_cli(workdir, *overrides, check=True, devices=1):
 
 @pytest.mark.slow
 def test_demo_reward_rises(tmp_path):
-  result = run_cli(tmp_path, '--set', 'train.steps=250', '--set', 'train.checkpoint_every=50')
+  """The demo's first 120 steps from the command line (make demo runs its 400: mean reward 0.00 over
+  the first 10, 0.60 over steps 101-120, 0.91 over the last 40): the reward rises from nothing to
+  over half the answers."""
+  result = run_cli(tmp_path, '--set', 'train.steps=120', '--set', 'train.checkpoint_every=30')
   rows = read_metrics(tmp_path)
-  assert [row['step'] for row in rows] == list(range(1, 251))
+  assert [row['step'] for row in rows] == list(range(1, 121))
   first = np.mean([row['reward_mean'] for row in rows[:10]])
   last = np.mean([row['reward_mean'] for row in rows[-20:]])
-  assert first <= 0.2 and last >= 0.6 and last - first >= 0.4, (first, last)
+  assert first <= 0.1 and last >= 0.5 and last - first >= 0.4, (first, last)
   required = {'reward_mean', 'reward_std', 'frac_zero_std_groups', 'response_len_mean', 'response_len_max',
               'truncated_frac', 'policy_loss', 'kl', 'entropy', 'clip_frac_low', 'clip_frac_high',
               'grad_norm', 'lr', 'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'mfu'}
   assert required <= set(rows[0])
   assert all(row['tokens_per_s'] > 0 and 0 < row['mfu'] < 1 for row in rows)
   assert os.path.isfile(tmp_path / 'config.yaml') and os.path.getsize(tmp_path / 'reward.png') > 10_000
-  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['150', '200', '250']  # max_to_keep: 3
-  assert 'reward_mean' in result.stdout and 'step 250/250' in result.stderr  # summary table, progress bar
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['120', '60', '90']  # max_to_keep: 3
+  assert 'reward_mean' in result.stdout and 'step 120/120' in result.stderr  # summary table, progress bar
 
 
 @pytest.mark.slow
