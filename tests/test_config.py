@@ -100,3 +100,14 @@ def test_train_cli_bad_key_is_one_line(tmp_path):
   assert result.stderr.strip() == \
       ("error: unknown config key 'optimiser' (valid keys here: run, model, mesh, task, rollout, algo, "
        "optim, train, rewards, eval, distributed)")
+
+
+def test_a_key_added_since_a_checkpoint_was_written_is_not_a_change():
+  """Resuming names the keys whose values changed; a key the checkpoint's stored config lacks (a
+  setting this code added, e.g. train.tensorboard) is not one of them, a removed or changed one is."""
+  from grpo_jax.train import changed_keys
+  stored = to_dict(load_config(os.path.join(ROOT, 'configs', 'tiny_arith.yaml'), []))
+  del stored['train']['tensorboard']
+  stored['algo']['retired_knob'] = 3
+  current = to_dict(load_config(os.path.join(ROOT, 'configs', 'tiny_arith.yaml'), ['train.steps=7']))
+  assert changed_keys(stored, current) == ['algo.retired_knob: 3 -> None', f'train.steps: {stored["train"]["steps"]} -> 7']

@@ -111,6 +111,7 @@ def test_same_seed_same_curve_and_fused_equals_host_loop(tmp_path):
   run_cli(tmp_path / 'host', *common, '--set', 'train.steps_per_call=1')
   a, b, host = (without_timing(read_metrics(tmp_path / name)) for name in ('a', 'b', 'host'))
   assert a == b
+  assert not os.path.exists(tmp_path / 'a' / 'tensorboard')  # train.tensorboard=false: no events
   # K steps in one jit and the host loop run the same functions: same samples, same rewards.
   assert [row['reward_mean'] for row in a] == [row['reward_mean'] for row in host]
   for fused_row, host_row in zip(a, host):
