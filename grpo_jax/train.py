@@ -82,8 +82,7 @@ def changed_keys(before: dict, after: dict) -> list[str]:
   """'key: old -> new' for every config key whose value differs between two to_dict() configs (a
   key `before` lacks is a setting added since it was written, not a change)."""
   old, new = _flat(before), _flat(after)
-  return [f'{key}: {old.get(key)!r} -> {new.get(key)!r}' for key in sorted(old.keys() | new.keys())
-          if key in old and old.get(key) != new.get(key)]
+  return [f'{key}: {old[key]!r} -> {new.get(key)!r}' for key in sorted(old) if old[key] != new.get(key)]
 
 
 def base_record(config: config_lib.Config, architecture: dict) -> dict:

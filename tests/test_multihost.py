@@ -3,7 +3,6 @@ devices) run the same RL steps as one process over the same 8 devices, and a che
 together resumes in one process on another mesh."""
 
 import collections
-import json
 import os
 import signal
 import socket
@@ -14,10 +13,9 @@ import sys
 import numpy as np
 import pytest
 
-from runs import device_env, train_here
+from runs import device_env, read_metrics, train_here, without_timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'rollout_tokens_per_s', 'update_tokens_per_s', 'mfu'}
 COMMON = ['--config', 'configs/tiny_arith.yaml', '--set', 'train.steps_per_call=2', '--set', 'train.checkpoint_every=2',
           '--set', 'train.progress=false', '--set', 'train.tensorboard=false',
           '--set', 'rollout.prompts_per_step=8', '--set', 'algo.group_size=4',
@@ -79,8 +77,7 @@ def one_process(workdir, *overrides, base=COMMON) -> None:
 
 
 def metrics(workdir, name='metrics.jsonl'):
-  with open(os.path.join(workdir, name)) as f:
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+  return without_timing(read_metrics(workdir, name))
 
 
 def assert_same_run(got, expected, tolerance=1e-5):
@@ -128,8 +125,7 @@ def test_host_scored_math_task_on_two_processes_equals_one(tmp_path):
           '--set', 'eval.batch_prompts=8', '--set', 'rollout.prompts_per_step=8', '--set', 'algo.group_size=4',
           '--set', 'algo.max_sampling_rounds=3', '--set', 'train.steps=3', '--set', 'train.checkpoint_every=2',
           '--set', 'train.progress=false', '--set', 'train.tensorboard=false', '--set', 'optim.warmup_steps=0',
-          '--set', 'algo.entropy_coef=0.01',
-          '--set', 'algo.kl_beta=0.01']
+          '--set', 'algo.entropy_coef=0.01', '--set', 'algo.kl_beta=0.01']
   subprocess.run([sys.executable, '-m', 'conversion.hf_to_orbax', '--hf', str(tmp_path / 'hf'), '--out',
                   str(tmp_path / 'orbax')], cwd=ROOT, env=environment(1), check=True, capture_output=True, timeout=300)
   one_process(tmp_path / 'one', '--set', f'model.path={tmp_path / "hf"}', base=base)

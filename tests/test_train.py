@@ -3,7 +3,6 @@ and kill -9 (also mid-save) never costs more than the steps since the last compl
 
 import functools
 import glob
-import json
 import os
 import signal
 import subprocess
@@ -15,32 +14,19 @@ import pytest
 
 from grpo_jax import train
 from grpo_jax.build import build_task
-from runs import device_env
+from runs import device_env, read_metrics, without_timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, 'configs', 'tiny_arith.yaml')
-TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'rollout_tokens_per_s', 'update_tokens_per_s', 'mfu'}
 # A smaller batch for the resume and reproducibility tests.
 SMALL = ['--set', 'rollout.prompts_per_step=8', '--set', 'algo.group_size=4', '--set', 'train.progress=false',
          '--set', 'train.tensorboard=false']
-# CLI runs see one CPU device: conftest's 8 fake devices only add collectives to these runs (the
-# mesh test below covers them).
-
-
-ONE_DEVICE_ENV = device_env(1)
-
-
-def read_metrics(workdir):
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    return [json.loads(line) for line in f]
-
-
-def without_timing(rows):
-  return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
 
 
 def run_cli(workdir, *overrides, check=True, devices=1):
-  """python -m grpo_jax.train in a subprocess on `devices` CPU devices; returns the CompletedProcess."""
+  """python -m grpo_jax.train in a subprocess on `devices` CPU devices (one by default: conftest's 8
+  fake devices would only add collectives to these runs; the mesh tests below cover them); returns
+  the CompletedProcess."""
   result = subprocess.run([sys.executable, '-m', 'grpo_jax.train', '--config', CONFIG, '--workdir', str(workdir),
                            *overrides], cwd=ROOT, env=device_env(devices), capture_output=True, text=True,
                           timeout=600)
