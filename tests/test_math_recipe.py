@@ -16,10 +16,9 @@ from grpo_jax import sharding
 from grpo_jax import train
 from grpo_jax.data import word_problems
 from grpo_jax.data.task import Prompts, Scores
-from runs import device_env
+from runs import device_env, train_here, without_timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'rollout_tokens_per_s', 'update_tokens_per_s', 'mfu'}
 
 
 # ---- dynamic sampling, in process ----
@@ -116,16 +115,25 @@ def word_problem_files(tmp_path_factory):
   return word_problems.write(str(tmp_path_factory.mktemp('tiny_math')))
 
 
-def tiny_math(files, workdir, *overrides, module='grpo_jax.train', timeout=600):
-  sets = [f'task.source={files["train"]}', f'task.tokenizer={files["tokenizer"]}', f'eval.source={files["eval"]}',
+def tiny_math_sets(files, *overrides):
+  return [f'task.source={files["train"]}', f'task.tokenizer={files["tokenizer"]}', f'eval.source={files["eval"]}',
           'train.progress=false', 'train.tensorboard=false', *overrides]
+
+
+def tiny_math(files, workdir, *overrides, module='grpo_jax.train', timeout=600):
+  """configs/tiny_math.yaml on the word problems from the command line (`module`'s), in a subprocess."""
   args = ['--config', os.path.join(ROOT, 'configs', 'tiny_math.yaml')]
   if module == 'grpo_jax.train':
     args += ['--workdir', str(workdir)]
-  for assignment in sets:
+  for assignment in tiny_math_sets(files, *overrides):
     args += ['--set', assignment]
   return subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT, capture_output=True, text=True,
                         timeout=timeout, env=device_env(1))
+
+
+def tiny_math_here(files, workdir, *overrides):
+  """The same run in this process (tests/runs.py)."""
+  return train_here(workdir, 'configs/tiny_math.yaml', *tiny_math_sets(files, *overrides))
 
 
 def read_jsonl(path):
@@ -137,15 +145,11 @@ def read_jsonl(path):
 def test_dynamic_sampling_and_eval_resume_exactly(tmp_path, word_problem_files):
   common = ['train.steps=6', 'train.checkpoint_every=3', 'eval.every=3', 'eval.max_problems=8', 'eval.samples=2',
             'eval.k=2', 'eval.batch_prompts=8', 'rollout.prompts_per_step=4', 'algo.group_size=4']
-  whole = tiny_math(word_problem_files, tmp_path / 'whole', *common)
-  assert whole.returncode == 0, whole.stderr[-3000:]
-  first = tiny_math(word_problem_files, tmp_path / 'split', *common[1:], 'train.steps=3')
-  assert first.returncode == 0, first.stderr[-3000:]
-  second = tiny_math(word_problem_files, tmp_path / 'split', *common)
-  assert second.returncode == 0, second.stderr[-3000:]
-  strip = lambda rows: [{k: v for k, v in row.items() if k not in TIMING} for row in rows]  # noqa: E731
+  tiny_math_here(word_problem_files, tmp_path / 'whole', *common)
+  tiny_math_here(word_problem_files, tmp_path / 'split', *common[1:], 'train.steps=3')
+  tiny_math_here(word_problem_files, tmp_path / 'split', *common)
   rows = read_jsonl(tmp_path / 'whole' / 'metrics.jsonl')
-  assert strip(read_jsonl(tmp_path / 'split' / 'metrics.jsonl')) == strip(rows)
+  assert without_timing(read_jsonl(tmp_path / 'split' / 'metrics.jsonl')) == without_timing(rows)
   assert read_jsonl(tmp_path / 'split' / 'eval.jsonl') == read_jsonl(tmp_path / 'whole' / 'eval.jsonl')
   assert [row['step'] for row in read_jsonl(tmp_path / 'whole' / 'eval.jsonl')] == [0, 3, 6]
   assert all(row['sampling_rounds'] >= 1 and 'reward/math' in row for row in rows)
@@ -156,9 +160,8 @@ def test_dynamic_sampling_and_eval_resume_exactly(tmp_path, word_problem_files):
 
 @pytest.mark.slow
 def test_eval_cli_on_a_training_checkpoint(tmp_path, word_problem_files):
-  trained = tiny_math(word_problem_files, tmp_path / 'run', 'train.steps=2', 'eval.every=0',
-                      'rollout.prompts_per_step=4', 'algo.group_size=4')
-  assert trained.returncode == 0, trained.stderr[-3000:]
+  tiny_math_here(word_problem_files, tmp_path / 'run', 'train.steps=2', 'eval.every=0', 'rollout.prompts_per_step=4',
+                 'algo.group_size=4')
   out = tmp_path / 'samples.jsonl'
   result = subprocess.run([sys.executable, '-m', 'grpo_jax.eval', '--config', os.path.join(ROOT, 'configs', 'tiny_math.yaml'),
                            '--ckpt', str(tmp_path / 'run'), '--data', word_problem_files['eval'], '--k', '4',

@@ -14,7 +14,7 @@ import pytest
 
 from grpo_jax import train
 from grpo_jax.build import build_task
-from runs import device_env, read_metrics, without_timing
+from runs import device_env, read_metrics, train_here, without_timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, 'configs', 'tiny_arith.yaml')
@@ -91,11 +91,12 @@ def test_tensorboard_events_through_clu(tmp_path):
 
 
 def test_same_seed_same_curve_and_fused_equals_host_loop(tmp_path):
-  common = [*SMALL, '--set', 'train.steps=12', '--set', 'train.checkpoint_every=0']
-  run_cli(tmp_path / 'a', *common, '--set', 'train.steps_per_call=4')
-  run_cli(tmp_path / 'b', *common, '--set', 'train.steps_per_call=4')
-  run_cli(tmp_path / 'host', *common, '--set', 'train.steps_per_call=1')
-  a, b, host = (without_timing(read_metrics(tmp_path / name)) for name in ('a', 'b', 'host'))
+  common = [*SMALL[1::2], 'train.steps=12', 'train.checkpoint_every=0']
+  runs = {'a': ['train.steps_per_call=4'], 'b': ['train.steps_per_call=4'], 'host': ['train.steps_per_call=1'],
+          'c': ['train.steps_per_call=4', 'run.seed=1']}
+  for name, extra in runs.items():  # in this process: the same seed twice here, across processes in the resume tests
+    train_here(tmp_path / name, CONFIG, *common, *extra)
+  a, b, host, c = (without_timing(read_metrics(tmp_path / name)) for name in runs)
   assert a == b
   assert not os.path.exists(tmp_path / 'a' / 'tensorboard')  # train.tensorboard=false: no events
   # K steps in one jit and the host loop run the same functions: same samples, same rewards.
@@ -103,9 +104,7 @@ def test_same_seed_same_curve_and_fused_equals_host_loop(tmp_path):
   for fused_row, host_row in zip(a, host):
     for name in ('policy_loss', 'entropy', 'grad_norm'):
       assert fused_row[name] == pytest.approx(host_row[name], rel=1e-4, abs=1e-6), name
-  # Different seeds give a different run.
-  run_cli(tmp_path / 'c', *common, '--set', 'train.steps_per_call=4', '--set', 'run.seed=1')
-  assert without_timing(read_metrics(tmp_path / 'c')) != a
+  assert c != a  # different seeds give a different run
 
 
 def _start(workdir, steps, *overrides, config=CONFIG, devices=1):
