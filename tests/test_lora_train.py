@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from runs import train_here
 from test_train import ROOT, kill_and_resume, read_metrics, device_env
 
 LORA = os.path.join(ROOT, 'configs', 'tiny_arith_lora.yaml')
@@ -61,12 +62,12 @@ def test_lora_kill_and_resume_equals_uninterrupted(tmp_path):
 
 
 def test_lora_and_full_checkpoints_refuse_each_other(tmp_path):
-  _train(tmp_path / 'full', FULL, 'train.steps=2', 'train.steps_per_call=1')
+  train_here(tmp_path / 'full', FULL, *QUIET[1::2], 'train.steps=2', 'train.steps_per_call=1')  # the refusals: CLI lines
   result = _train(tmp_path / 'full', LORA, 'train.steps=4', check=False)
   assert result.returncode != 0
   line = result.stderr.strip().splitlines()[-1]
   assert 'is from a full-parameter run; model.lora cannot resume from it' in line, result.stderr
-  _train(tmp_path / 'lora', LORA, 'train.steps=2', 'train.steps_per_call=1')
+  train_here(tmp_path / 'lora', LORA, *QUIET[1::2], 'train.steps=2', 'train.steps_per_call=1')
   result = _train(tmp_path / 'lora', FULL, 'train.steps=4', check=False)
   assert result.returncode != 0 and 'holds LoRA adapters' in result.stderr.strip().splitlines()[-1], result.stderr
   result = _train(tmp_path / 'lora', LORA, 'train.steps=4', 'model.lora.rank=8', check=False)
@@ -84,7 +85,7 @@ def test_lora_exports_as_peft_and_merged(tmp_path, make_hf_checkpoint, seed):
   from conversion.common import host_mesh
   base, torch_model = make_hf_checkpoint(seed)
   # The entropy bonus moves the adapters even where a random base earns no reward.
-  _train(tmp_path / 'run', LORA, f'model.path={base}', 'train.steps=3', 'train.steps_per_call=1',
+  train_here(tmp_path / 'run', LORA, *QUIET[1::2], f'model.path={base}', 'train.steps=3', 'train.steps_per_call=1',
          'optim.learning_rate=2e-2', 'algo.entropy_coef=1.0', 'model.lora.targets=[q, v, o, up, down]')
   graphdef, params, config, _ = restore_policy(*locate(str(tmp_path / 'run')), host_mesh())
   policy = nnx.merge(graphdef, params)
