@@ -292,7 +292,7 @@ def run_both(args, model_dir: str, workdir: str) -> tuple[dict, dict | None]:
   config = config_lib.Config(
       run=config_lib.RunConfig(name='bench_grpo_step', seed=0),
       model=config_lib.ModelConfig(path=model_dir, options=ModelOptions(scan_layers=False)),
-      task=config_lib.TaskConfig(name='arith', max_operand=MAX_OPERAND, operators='+'),
+      task=arith.ArithSection(max_operand=MAX_OPERAND, operators='+'),
       rollout=config_lib.RolloutConfig(prompts_per_step=args.prompts, max_new_tokens=args.new_tokens),
       algo=config_lib.AlgoConfig(group_size=args.group),
       optim=config_lib.OptimConfig(learning_rate=args.learning_rate),

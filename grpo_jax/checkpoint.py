@@ -177,7 +177,7 @@ def restore_policy(checkpoints: str, step: int | None, mesh, options=None):
 def run_tokenizer(config) -> str | None:
   """The directory holding a training run's tokenizer (its task.tokenizer or model.path), if any
   still does."""
-  return next((path for path in (config.task.tokenizer, config.model.path)
+  return next((path for path in (config.task.tokenizer_directory, config.model.path)
                if path and any(os.path.isfile(os.path.join(path, name)) for name in ('tokenizer.json', 'vocab.json'))),
               None)
 

@@ -2,15 +2,18 @@
 YAML with `--set a.b=c` overrides.
 
 Each section is defined next to the code it configures and checks its own fields (model: model/
-loading.py, mesh: grpo_jax/sharding.py, task: data/task.py, rollout: sampler/rollout.py, algo:
-rl/algo.py, optim: rl/optimizer.py, eval: evaluation.py, rewards: data/reward_terms.py,
-distributed: distributed.py); this module defines the run's own sections (run, train), checks the
-fields that span sections, and reads and writes the YAML form. A field marked `inline`
-(sections.py) is a smaller section whose keys are written in its parent (`rollout.temperature`).
-Every field has a default and a one-line comment. Loading checks every key and type and reports
-the first mistake in one sentence naming the key, e.g. `config key 'mesh.tensor' expects int, got 'two'`.
+loading.py, mesh: grpo_jax/sharding.py, rollout: sampler/rollout.py, algo: rl/algo.py, optim:
+rl/optimizer.py, eval: evaluation.py, rewards: data/reward_terms.py, distributed: distributed.py);
+this module defines the run's own sections (run, train), checks the fields that span sections, and
+reads and writes the YAML form. A field marked `inline` (sections.py) is a smaller section whose
+keys are written in its parent (`rollout.temperature`). The task section is a tagged union (a class
+with `variants()`, data/task.py): `task.name` picks the class, defined beside its task's code, whose
+fields it holds. Every field has a default and a one-line comment. Loading checks every key and type
+and reports the first mistake in one sentence naming the key, e.g. `config key 'mesh.tensor' expects
+int, got 'two'`.
 """
 
+import copy
 import dataclasses
 import datetime
 import math
@@ -22,7 +25,8 @@ from typing import Literal
 import yaml
 
 from grpo_jax.data.reward_terms import RewardTerm
-from grpo_jax.data.task import TaskConfig
+from grpo_jax.data.arith import ArithSection
+from grpo_jax.data.task import TaskSection
 from grpo_jax.distributed import DistributedConfig
 from grpo_jax.errors import FieldError, UserError, read_text, require
 from grpo_jax.evaluation import EvalConfig
@@ -34,7 +38,7 @@ from grpo_jax.sections import is_inline, section
 from grpo_jax.sharding import MeshConfig
 
 __all__ = ['AlgoConfig', 'Config', 'EvalConfig', 'ModelConfig', 'OptimConfig', 'RolloutConfig', 'RunConfig',
-           'TaskConfig', 'TrainConfig', 'load_config']
+           'TaskSection', 'TrainConfig', 'load_config']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +87,7 @@ class Config:
   run: RunConfig = RunConfig()
   model: ModelConfig = ModelConfig()
   mesh: MeshConfig = MeshConfig()
-  task: TaskConfig = TaskConfig()
+  task: TaskSection = ArithSection()  # a tagged union: task.name picks the kind's section (data/task.py)
   rollout: RolloutConfig = RolloutConfig()
   algo: AlgoConfig = AlgoConfig()
   optim: OptimConfig = OptimConfig()
@@ -120,7 +124,7 @@ class Config:
     require(self.rollout.devices == 0 or algo.max_lag >= 1, 'rollout.devices',
             f'({self.rollout.devices}) needs algo.max_lag >= 1: on devices of its own the sampler decodes the next '
             'step\'s groups under weights one version behind the update')
-    self.task.kind.check_run(self)
+    self.task.check_run(self)
 
 
 # ---- loading ----
@@ -164,6 +168,8 @@ def _coerce(kind, value, key: str):
   if dataclasses.is_dataclass(kind):
     if not isinstance(value, dict):
       raise UserError(f'config key {key!r} expects a mapping of fields, got {value!r}')
+    if hasattr(kind, 'variants'):
+      kind, value = _variant(kind, value, key)
     return _build(kind, value, key + '.')
   if kind is bool:
     if not isinstance(value, bool):
@@ -200,6 +206,43 @@ def _keys(cls) -> dict:
     else:
       keys[field.name] = (field.name, None)
   return keys
+
+
+def _default(cls, key: str):
+  """The default of key `key` as written in section `cls` (an inline section's keys included)."""
+  name, holder = _keys(cls)[key]
+  if holder is not None:
+    return getattr(holder.default, name)
+  field = next(field for field in dataclasses.fields(cls) if field.name == name)
+  return field.default_factory() if field.default is dataclasses.MISSING else field.default
+
+
+def _variant(tagged, data: dict, key: str, stored: bool = False):
+  """The class of tagged section `tagged` that `data`'s `name` picks, and `data` without the keys
+  that belong to another of its classes. Those keys are accepted at their defaults: configs written
+  before the section became a tagged union hold every kind's keys; any other value is an error
+  naming the kind it applies to (`stored`: a checkpoint's config, whose other kinds' keys are
+  dropped whatever they hold)."""
+  variants = tagged.variants()
+  tag = _coerce(typing.get_type_hints(tagged)['name'], data.get('name', tagged.name), f'{key}.name')
+  chosen = variants[tag]
+  own = _keys(chosen)
+  kept = {}
+  for name, value in data.items():
+    owners = [other for other, cls in variants.items() if other != tag and name in _keys(cls)]
+    if name in own or not owners:  # its own key, or unknown to every kind (_build names it)
+      kept[name] = value
+      continue
+    cls = variants[owners[0]]
+    field_name, holder = _keys(cls)[name]
+    hint = typing.get_type_hints(type(holder.default) if holder is not None else cls)[field_name]
+    try:
+      is_default = _coerce(hint, value, f'{key}.{name}') == _default(cls, name)
+    except UserError:
+      is_default = False
+    if not (stored or is_default):
+      raise UserError(f'config key {key + "." + name!r} applies to {key}.name: {" or ".join(owners)}, not {tag!r}')
+  return chosen, kept
 
 
 def _build(cls, data: dict, prefix: str = ''):
@@ -258,14 +301,37 @@ def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Confi
     data = data or {}
     if not isinstance(data, dict):
       raise UserError(f'config file {path} must hold a mapping of sections, got {type(data).__name__}')
+  switched = {assignment.split('=', 1)[0].strip().split('.')[0] for assignment in overrides
+              if assignment.split('=', 1)[0].strip().endswith('.name')}
+  if switched:  # --set task.name=... switches the file's kind: the file's keys of its other kinds go
+    probe = copy.deepcopy(data)
+    for assignment in overrides:
+      _apply_override(probe, assignment)
+    data = _without_other_kinds(data, switched, probe)
   for assignment in overrides:
     _apply_override(data, assignment)
   return _build(Config, data)
 
 
+def _without_other_kinds(data: dict, sections, final: dict) -> dict:
+  """`data` without the keys of tagged `sections` that belong to another kind than the one `final`
+  (the same data, overrides applied) picks: a stored config's, or a file's whose kind the command
+  line changes."""
+  data = dict(data)
+  hints = typing.get_type_hints(Config)
+  for name in sections:
+    kind = hints.get(name)
+    if hasattr(kind, 'variants') and isinstance(data.get(name), dict) and isinstance(final.get(name), dict):
+      tag = final[name].get('name', kind.name)
+      data[name] = _variant(kind, dict(data[name], name=tag), name, stored=True)[1]
+  return data
+
+
 def from_dict(data: dict) -> Config:
-  """The Config of a plain nested dict (to_dict's form, as stored in checkpoints), checked as a file is."""
-  return _build(Config, data)
+  """The Config of a plain nested dict (to_dict's form, as stored in checkpoints), checked as a file
+  is, except that the keys of a tagged section's other kinds are dropped whatever their values (a
+  checkpoint written before the task section was a tagged union stores every kind's keys)."""
+  return _build(Config, _without_other_kinds(data, [field.name for field in dataclasses.fields(Config)], data))
 
 
 def to_dict(config) -> dict:

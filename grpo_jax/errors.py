@@ -104,8 +104,8 @@ def checkpoint_read():
 def quiet_abandoned_reads() -> None:
   """After a checkpoint read failed (and was reported as one UserError), drops what orbax's and
   TensorStore's abandoned concurrent reads print later: the exceptions of read coroutines that are
-  garbage-collected unawaited ('Exception ignored in: <coroutine ...>'), asyncio's 'Task exception
-  was never retrieved', and 'Event loop is closed' from TensorStore's callback threads (through
+  garbage-collected unawaited ('Exception ignored in: <coroutine ...>'), asyncio's 'Task (or
+  Future) exception was never retrieved', and 'Event loop is closed' from TensorStore's callback threads (through
   threading's or sys's excepthook). Anything else still reaches the previous hooks."""
   def from_checkpoint_io(exc_value, obj=None) -> bool:
     code = getattr(obj, 'cr_code', None)
@@ -128,7 +128,8 @@ def quiet_abandoned_reads() -> None:
   class _Filter(logging.Filter):
     def filter(self, record):
       error = record.exc_info[1] if record.exc_info else None
-      return not (record.getMessage().startswith('Task exception was never retrieved')
+      return not (record.getMessage().startswith(('Task exception was never retrieved',
+                                                  'Future exception was never retrieved'))
                   or (error is not None and from_checkpoint_io(error)))
 
   previous_except = sys.excepthook

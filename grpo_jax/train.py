@@ -79,10 +79,13 @@ def _flat(tree: dict, prefix: str = '') -> dict:
 
 
 def changed_keys(before: dict, after: dict) -> list[str]:
-  """'key: old -> new' for every config key whose value differs between two to_dict() configs (a
-  key `before` lacks is a setting added since it was written, not a change)."""
+  """'key: old -> new' for every config key whose value differs between two to_dict() configs. Not
+  changes: a key `before` lacks (a setting added since it was written), and a task key `after`
+  lacks (another task kind's: checkpoints written before the task section was a tagged union
+  stored every kind's keys; a change of kind shows as task.name)."""
   old, new = _flat(before), _flat(after)
-  return [f'{key}: {old[key]!r} -> {new.get(key)!r}' for key in sorted(old) if old[key] != new.get(key)]
+  return [f'{key}: {old[key]!r} -> {new.get(key)!r}' for key in sorted(old)
+          if (key in new or not key.startswith('task.')) and old[key] != new.get(key)]
 
 
 def base_record(config: config_lib.Config, architecture: dict) -> dict:

@@ -111,3 +111,88 @@ def test_a_key_added_since_a_checkpoint_was_written_is_not_a_change():
   stored['algo']['retired_knob'] = 3
   current = to_dict(load_config(os.path.join(ROOT, 'configs', 'tiny_arith.yaml'), ['train.steps=7']))
   assert changed_keys(stored, current) == ['algo.retired_knob: 3 -> None', f'train.steps: {stored["train"]["steps"]} -> 7']
+
+
+# ---- the task section, a tagged union ----
+
+TASK_CONFIGS = {'arith': 'tiny_arith.yaml', 'math': 'tiny_math.yaml', 'agent': 'tiny_guess.yaml'}
+# What each kind's section held before it was a tagged union: every kind's keys, in one section.
+# (tiny_math.yaml names files under data/, which are not read to build a config.)
+EVERY_KIND_KEYS = {'name', 'max_operand', 'operators', 'source', 'split', 'format', 'prompt_field', 'answer_field',
+                   'mix', 'prompt_template', 'chat_template', 'enable_thinking', 'tokenizer', 'max_prompt_tokens',
+                   'reward_workers', 'environment', 'max_turns', 'turn_tokens', 'tools', 'tool_timeout_s', 'guess_range'}
+
+
+def kind_keys():
+  """{kind: its section's keys as written}, from three configs' resolved YAML."""
+  return {kind: set(to_dict(load_config(os.path.join(ROOT, 'configs', path)))['task'])
+          for kind, path in TASK_CONFIGS.items()}
+
+
+def test_each_task_kind_holds_its_own_fields():
+  from grpo_jax.agents.task import AgentSection
+  from grpo_jax.data.arith import ArithSection
+  from grpo_jax.data.math_task import MathSection
+  keys = kind_keys()
+  assert set().union(*keys.values()) == EVERY_KIND_KEYS  # no key of the old section is lost
+  assert keys['arith'] == {'name', 'max_operand', 'operators'}
+  assert 'max_turns' not in keys['math'] and 'max_operand' not in keys['agent'] and 'source' in keys['agent']
+  for kind, cls in (('arith', ArithSection), ('math', MathSection), ('agent', AgentSection)):
+    config = load_config(os.path.join(ROOT, 'configs', TASK_CONFIGS[kind]))
+    assert type(config.task) is cls and config.task.kind.section is cls
+    assert from_dict(to_dict(config)) == config
+  # Every --set path of a kind's keys works on a run of that kind (each set to a value of its own).
+  values = dict(max_operand=12, operators='+-', source='x.jsonl', split='test', format='gsm8k', prompt_field='q',
+                answer_field='a', mix=[], prompt_template='Q: {prompt}', chat_template=False, enable_thinking=True,
+                tokenizer='tok', max_prompt_tokens=40, reward_workers=3, environment='tool_use', max_turns=3,
+                turn_tokens=5, tools=['python'], tool_timeout_s=2.0, guess_range=8)
+  for kind, path in TASK_CONFIGS.items():
+    sets = [f'task.{key}={yaml.safe_dump(values[key], default_flow_style=True).strip().removesuffix("...").strip()}'
+            for key in sorted(keys[kind] - {'name'})]
+    task = to_dict(load_config(os.path.join(ROOT, 'configs', path), sets))['task']
+    assert {key: task[key] for key in keys[kind] - {'name'}} == {key: values[key] for key in keys[kind] - {'name'}}
+
+
+def test_another_kinds_key_is_accepted_at_its_default_and_refused_otherwise(tmp_path):
+  from grpo_jax.data.arith import ArithSection
+  path = os.path.join(ROOT, 'configs', 'tiny_arith.yaml')
+  # A file written before the tagged union, holding every key at its default, still loads.
+  assert load_config(path, ['task.max_turns=4', 'task.source=null', 'task.tools=[python, calculator]']) == \
+      load_config(path)
+  with pytest.raises(UserError) as error:
+    load_config(path, ['task.max_turns=2'])
+  assert str(error.value) == "config key 'task.max_turns' applies to task.name: agent, not 'arith'"
+  with pytest.raises(UserError, match="config key 'task.reward_workers' applies to task.name: math or agent, not "):
+    load_config(path, ['task.reward_workers=2'])
+  with pytest.raises(UserError, match="config key 'task.max_operand' applies to task.name: arith, not 'agent'"):
+    load_config(os.path.join(ROOT, 'configs', 'tiny_guess.yaml'), ['task.max_operand=5'])
+  with pytest.raises(UserError) as error:
+    load_config(path, ['task.max_turn=2'])
+  assert str(error.value) == "unknown config key 'task.max_turn' (valid keys here: name, max_operand, operators)"
+  # --set task.name switches a file's kind: the file's keys of its other kinds go (a guessing-game
+  # file as arithmetic), but a key of another kind set on the same command line is still refused.
+  guess = os.path.join(ROOT, 'configs', 'tiny_guess.yaml')
+  assert load_config(guess, ['task.name=arith', 'task.max_operand=5']).task == ArithSection(max_operand=5)
+  with pytest.raises(UserError, match="'task.max_turns' applies to task.name: agent, not 'arith'"):
+    load_config(guess, ['task.name=arith', 'task.max_turns=2'])
+
+
+@pytest.mark.parametrize('kind', sorted(TASK_CONFIGS))
+def test_a_checkpoints_config_from_before_the_tagged_union_still_loads(kind, tmp_path):
+  """A checkpoint's stored config from before held every kind's keys in the task section, some at
+  values this kind never read: it loads as the same config, and resuming names no task key as changed."""
+  from grpo_jax.train import changed_keys
+  config = load_config(os.path.join(ROOT, 'configs', TASK_CONFIGS[kind]))
+  current = to_dict(config)
+  others = {'max_operand': 9, 'operators': '+-', 'source': None, 'split': 'train', 'format': 'custom',
+            'prompt_field': 'prompt', 'answer_field': 'answer', 'mix': [], 'prompt_template': '{prompt}',
+            'chat_template': True, 'enable_thinking': None, 'tokenizer': None, 'max_prompt_tokens': 512,
+            'reward_workers': 4, 'environment': 'guess_number', 'max_turns': 7, 'turn_tokens': 0,
+            'tools': ['calculator'], 'tool_timeout_s': 10.0, 'guess_range': 16}
+  stored = dict(current, task=dict(others, **current['task']))
+  assert set(stored['task']) == EVERY_KIND_KEYS
+  assert from_dict(stored) == config
+  assert changed_keys(stored, current) == []
+  # The same keys in a file are checked: another kind's key at a value of its own is a mistake there.
+  with pytest.raises(UserError, match="config key 'task.(max_turns|operators)' applies to task.name: (agent|arith), "):
+    load_config(write(tmp_path, yaml.safe_dump(stored)))

@@ -12,7 +12,7 @@ import pytest
 from grpo_jax import config as config_lib
 from grpo_jax import train
 from grpo_jax.data import rewards
-from grpo_jax.data.math_task import MathTask
+from grpo_jax.data.math_task import MathSection, MathTask
 from grpo_jax.data.sources import DatasetSource, column, load_records
 from grpo_jax.errors import UserError
 from grpo_jax.sampler.rollout import Rollout
@@ -203,9 +203,9 @@ def write_problems(path, count, long_ones=()):
 def make_config(model_path, source, seed=0, **task):
   fields = dict(dict(prompt_field='problem', answer_field='solution'),
                 **{name: task.pop(name) for name in ('format', 'prompt_field', 'answer_field') if name in task})
-  task = dict(dict(name='math', dataset=DatasetSource(source, **fields), max_prompt_tokens=48, reward_workers=2), **task)
+  task = dict(dict(dataset=DatasetSource(source, **fields), max_prompt_tokens=48, reward_workers=2), **task)
   return config_lib.Config(run=config_lib.RunConfig(seed=seed), model=config_lib.ModelConfig(path=model_path),
-                           task=config_lib.TaskConfig(**task))
+                           task=MathSection(**task))
 
 
 def make_task(model_path, source, seed=0, **task):

@@ -11,13 +11,15 @@ and resume — is the same as for any task.
 
 import dataclasses
 import importlib
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
 
 from grpo_jax.agents.agent import Agent, Problem
 from grpo_jax.data.task import Prompts
+from grpo_jax.data.math_task import ProblemFields
 from grpo_jax.errors import UserError, require
+from grpo_jax.sections import section
 
 BUILT_IN = {'guess_number': 'grpo_jax.agents.guess', 'tool_use': 'grpo_jax.agents.tool_use'}
 
@@ -62,21 +64,37 @@ def _module(environment: str):
   return None
 
 
-def check(task_config) -> None:
-  """The `task` section's agent fields (data/task.py's registry runs it)."""
-  environment = task_config.environment
-  require(environment in BUILT_IN or environment.count(':') == 1, 'environment',
-          f'must be one of {", ".join(BUILT_IN)} or module:function, got {environment!r}')
-  require(task_config.max_turns >= 1, 'max_turns', f'must be >= 1, got {task_config.max_turns}')
-  module = _module(environment)
-  if module is not None:
-    module.check(task_config)
+@dataclasses.dataclass(frozen=True)
+class AgentSection(ProblemFields):
+  """The `task` section of `task.name: agent`: the environment and its episodes' bounds. The problem
+  fields it shares with the math task are read by environments that pose a dataset's problems
+  (tool_use); an environment's own fields are checked by its module's check(section)."""
 
+  name: Literal['agent'] = 'agent'
+  # A built-in environment (guess_number, tool_use) or module:function returning an agents.task.AgentTask
+  environment: str = 'guess_number'
+  max_turns: int = 4  # policy turns per episode
+  turn_tokens: int = 0  # tool_use: tokens per policy turn; 0: the rollout's max_new_tokens
+  tools: tuple[str, ...] = ('python', 'calculator')  # tool_use: the tools the policy may call
+  tool_timeout_s: float = 10.0  # tool_use: the deadline of one tool call (and answer check)
+  guess_range: int = 16  # guess_number: the secret is in [0, guess_range)
 
-def check_run(config) -> None:
-  """Agent episodes run on the inference server, one policy version each: no partial rollouts."""
-  require(config.algo.max_lag == 0, 'algo.max_lag',
-          'applies to single-turn tasks (arith, math); agent episodes run on the inference server')
+  def __post_init__(self):
+    super().__post_init__()
+    with section('task'):
+      environment = self.environment
+      require(environment in BUILT_IN or environment.count(':') == 1, 'environment',
+              f'must be one of {", ".join(BUILT_IN)} or module:function, got {environment!r}')
+      require(self.max_turns >= 1, 'max_turns', f'must be >= 1, got {self.max_turns}')
+      require(self.turn_tokens >= 0, 'turn_tokens', f'must be >= 0, got {self.turn_tokens}')
+      module = _module(environment)
+      if module is not None:
+        module.check(self)
+
+  def check_run(self, config) -> None:
+    """Agent episodes run on the inference server, one policy version each: no partial rollouts."""
+    require(config.algo.max_lag == 0, 'algo.max_lag',
+            'applies to single-turn tasks (arith, math); agent episodes run on the inference server')
 
 
 def build(config) -> AgentTask:

@@ -136,7 +136,9 @@ class ToolEnvironment:
 
 
 def check(task_config) -> None:
-  math_task.check(task_config)
+  """The agent section's fields tool_use reads (agents/task.py AgentSection runs it)."""
+  require(bool(task_config.dataset.source), 'source', 'must name the problems for task.environment=tool_use (a '
+          '.jsonl/.json/.parquet file, hf:<name>[:<config>] or tfds:<name>)')
   require(set(task_config.tools) <= set(TOOLS), 'tools',
           f'must name tools among {", ".join(TOOLS)} (none: single-turn answers), got {list(task_config.tools)}')
   require(task_config.tool_timeout_s > 0, 'tool_timeout_s', f'must be > 0, got {task_config.tool_timeout_s}')

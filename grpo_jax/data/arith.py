@@ -7,14 +7,18 @@ with no host round trip. The character-level tokenizer is built here with the `t
 library, so the task needs no files and no network.
 """
 
+import dataclasses
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from grpo_jax.data.task import Prompts, Scores
+from grpo_jax.data.task import Prompts, Scores, TaskSection
 from grpo_jax.errors import require
 from grpo_jax.sampler.rollout import Rollout
+from grpo_jax.sections import section
 
 PAD, EOS, BOS = '<pad>', '<|endoftext|>', '<bos>'
 SYMBOLS = (PAD, EOS, BOS) + tuple('0123456789+-*=')
@@ -36,14 +40,18 @@ def check_arguments(max_operand: int, operators: str) -> None:
           f'must be characters from {OPERATORS!r}, got {operators!r}')
 
 
-def check(task_config) -> None:
-  """The `task` config section's arithmetic fields (data/task.py's registry runs it)."""
-  check_arguments(task_config.max_operand, task_config.operators)
+@dataclasses.dataclass(frozen=True)
+class ArithSection(TaskSection):
+  """The `task` section of `task.name: arith` (the default): the problems' operands and operators.
+  Its tokenizer is built in, so it asks nothing of the run's other sections."""
 
+  name: Literal['arith'] = 'arith'
+  max_operand: int = 9  # operands drawn from [0, max_operand]
+  operators: str = '+'  # operators drawn uniformly from these characters (+ - *)
 
-def check_run(config) -> None:
-  """The arithmetic task asks nothing of the run's other sections: its tokenizer is built in."""
-  del config
+  def __post_init__(self):
+    with section('task'):
+      check_arguments(self.max_operand, self.operators)
 
 
 def build(config) -> 'ArithmeticTask':

@@ -13,9 +13,11 @@ math-verify check alone, 1.0 / 0.0 against the reference answer, in a pool of
 `Scores.failures`.
 """
 
+import dataclasses
 import os
 import sys
 import weakref
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -24,12 +26,43 @@ import numpy as np
 from grpo_jax import distributed
 from grpo_jax.data.adapters import adapt
 from grpo_jax.data.reward_terms import RewardComposer, RewardTerm
-from grpo_jax.data.sources import load_records
-from grpo_jax.data.task import Prompts, Scores, TaskConfig, TaskShape
+from grpo_jax.data.sources import DatasetSource, load_records
+from grpo_jax.data.task import Prompts, Scores, TaskSection, TaskShape
 from grpo_jax.errors import UserError, require
 from grpo_jax.model.loading import load_tokenizer
 from grpo_jax.sampler.rollout import Rollout
 from grpo_jax.sampler.special_tokens import special_tokens
+from grpo_jax.sections import inline, section
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemFields(TaskSection):
+  """The fields of a task whose prompts are a dataset's problems rendered through a tokenizer (the
+  math task's section, and the agent task's, whose tool_use environment reads problems so). The
+  problems are written in the section itself: `task.source`, `task.split`, `task.format`,
+  `task.prompt_field`, `task.answer_field` (data/sources.py)."""
+
+  dataset: DatasetSource = inline(DatasetSource())  # the problems
+  mix: tuple[DatasetSource, ...] = ()  # more datasets, shuffled into one stream with the task's own
+  prompt_template: str = '{prompt}'  # format string; chat models go through the chat template
+  chat_template: bool = True  # apply the tokenizer's chat template when it has one
+  # The chat template's thinking switch (Qwen3: a <think> block before the answer, which the reward
+  # skips); None: the template's own default. Templates without the switch ignore it.
+  enable_thinking: bool | None = None
+  tokenizer: str | None = None  # directory of the Hugging Face tokenizer; None: model.path's
+  max_prompt_tokens: int = 512  # prompts are left-padded to this; longer prompts are skipped
+  reward_workers: int = 4  # processes verifying answers with math-verify
+
+  def __post_init__(self):
+    with section('task'):
+      for index, dataset in enumerate(self.mix):
+        require(bool(dataset.source), f'mix[{index}].source', 'must name a dataset')
+      require(self.reward_workers >= 1, 'reward_workers', f'must be >= 1, got {self.reward_workers}')
+      require(self.max_prompt_tokens >= 1, 'max_prompt_tokens', f'must be >= 1, got {self.max_prompt_tokens}')
+
+  @property
+  def tokenizer_directory(self) -> str | None:
+    return self.tokenizer
 
 
 class ProblemSet:
@@ -41,7 +74,7 @@ class ProblemSet:
   (template, chat template, max_prompt_tokens). Prints the kept / skipped counts of each dataset.
   """
 
-  def __init__(self, tokenizer, use_chat_template: bool, task: TaskConfig, datasets, section: str, tools=None):
+  def __init__(self, tokenizer, use_chat_template: bool, task: 'ProblemFields', datasets, section: str, tools=None):
     self.tokenizer, self.use_chat_template, self.task_config = tokenizer, use_chat_template, task
     self.tools = tools  # function schemas the chat template lists for the model (tool use), or None
     self.prompt_ids, self.answers, self.data_sources, self.texts = [], [], [], []
@@ -108,7 +141,7 @@ class MathTask:
 
   jittable = False
 
-  def __init__(self, task: TaskConfig, model_path: str, seed: int, rewards: tuple[RewardTerm, ...] = (),
+  def __init__(self, task: 'ProblemFields', model_path: str, seed: int, rewards: tuple[RewardTerm, ...] = (),
                max_new_tokens: int = 0, problems: bool = True, tools=None):
     where = f'task.tokenizer {task.tokenizer}' if task.tokenizer else f'model.path {model_path}'
     self.tokenizer = load_tokenizer(task.tokenizer or model_path)
@@ -203,16 +236,22 @@ def _format(template: str, question) -> str:
                     f'({type(error).__name__}: {error}); write literal braces doubled, e.g. \\boxed{{{{}}}}') from None
 
 
-def check(task_config: TaskConfig) -> None:
-  """The `task` config section's fields a math task needs (data/task.py's registry runs it)."""
-  require(bool(task_config.dataset.source), 'source',
-          'must name the problems for task.name=math (a .jsonl/.json/.parquet file, hf:<name>[:<config>] or tfds:<name>)')
+@dataclasses.dataclass(frozen=True)
+class MathSection(ProblemFields):
+  """The `task` section of `task.name: math`: a dataset's problems, scored on the host."""
 
+  name: Literal['math'] = 'math'
 
-def check_run(config) -> None:
-  """A math task reads its tokenizer from model.path or task.tokenizer."""
-  require(bool(config.model.path or config.task.tokenizer), 'model.path',
-          'or task.tokenizer must be set for task.name=math: the tokenizer is read from that directory')
+  def __post_init__(self):
+    super().__post_init__()
+    with section('task'):
+      require(bool(self.dataset.source), 'source', 'must name the problems for task.name=math (a .jsonl/.json/.parquet '
+              'file, hf:<name>[:<config>] or tfds:<name>)')
+
+  def check_run(self, config) -> None:
+    """A math task reads its tokenizer from model.path or task.tokenizer."""
+    require(bool(config.model.path or self.tokenizer), 'model.path',
+            'or task.tokenizer must be set for task.name=math: the tokenizer is read from that directory')
 
 
 def build(config) -> MathTask:

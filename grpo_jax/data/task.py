@@ -16,10 +16,8 @@ from typing import Any, Literal, Protocol
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.data.sources import DatasetSource
 from grpo_jax.errors import UserError, require
 from grpo_jax.sampler.rollout import Rollout
-from grpo_jax.sections import inline, section
 
 
 @jax.tree_util.register_dataclass
@@ -130,22 +128,20 @@ class TaskShape:
 class TaskKind:
   """A built-in task: whether its prompts and reward are JAX functions, whether it is scored by
   checking answers to a dataset's problems (reward terms and `grpo_jax.eval` apply), whether its
-  rollouts are episodes acted on the inference server, and the module that holds it. That module
-  defines check(task section) (the section's fields the task owns), check_run(config) (what the
-  task asks of the run's other sections), build(config) -> Task (from a run's whole Config) and
-  shape(config, architecture) -> Task (its shape for the plan, without its data)."""
+  rollouts are episodes acted on the inference server, the module that holds it and the class of
+  its `task` section there (a TaskSection). That module also defines build(config) -> Task (from a
+  run's whole Config) and shape(config, architecture) -> Task (its shape for the plan, without its
+  data)."""
 
   jittable: bool
   module: str  # imported when first used: a run imports only its own task's code
+  section_class: str  # the TaskSection subclass in `module` holding this kind's fields
   answers: bool = False  # completions are answers checked against a dataset's (math)
   acts: bool = False  # rollouts are episodes on the inference server (agents.stage.AgentStage)
 
-  def check(self, task_config: 'TaskConfig') -> None:
-    importlib.import_module(self.module).check(task_config)
-
-  def check_run(self, config) -> None:
-    """The task's checks across a run's sections (config.Config runs it once they are built)."""
-    importlib.import_module(self.module).check_run(config)
+  @property
+  def section(self) -> type['TaskSection']:
+    return getattr(importlib.import_module(self.module), self.section_class)
 
   def build(self, config) -> Task:
     return importlib.import_module(self.module).build(config)
@@ -155,47 +151,26 @@ class TaskKind:
 
 
 TaskName = Literal['arith', 'math', 'agent']
-TASKS = {'arith': TaskKind(jittable=True, module='grpo_jax.data.arith'),
-         'math': TaskKind(jittable=False, module='grpo_jax.data.math_task', answers=True),
-         'agent': TaskKind(jittable=False, module='grpo_jax.agents.task', acts=True)}
+TASKS = {'arith': TaskKind(jittable=True, module='grpo_jax.data.arith', section_class='ArithSection'),
+         'math': TaskKind(jittable=False, module='grpo_jax.data.math_task', section_class='MathSection', answers=True),
+         'agent': TaskKind(jittable=False, module='grpo_jax.agents.task', section_class='AgentSection', acts=True)}
 assert set(TASKS) == set(typing.get_args(TaskName))
 
 
 @dataclasses.dataclass(frozen=True)
-class TaskConfig:
-  """The `task` config section: what the policy is asked and how it is scored (data/arith.py,
-  data/math_task.py). A dataset task's problems are written in this section: `task.source`,
-  `task.split`, `task.format`, `task.prompt_field`, `task.answer_field` (data/sources.py)."""
+class TaskSection:
+  """The `task` config section, a tagged union: `task.name` picks the task kind (TASKS), and the
+  kind's own subclass, defined beside its code, holds its fields and checks them
+  (data/arith.py ArithSection, data/math_task.py MathSection, agents/task.py AgentSection).
+  config.py builds the subclass that `name` picks. A subclass's `check_run(config)` checks what the
+  task asks of the run's other sections (config.Config runs it once they are built)."""
 
   name: TaskName = 'arith'  # built-in arithmetic (reward in JAX) | math dataset (host reward) | agent (episodes)
-  max_operand: int = 9  # arith: operands drawn from [0, max_operand]
-  operators: str = '+'  # arith: operators drawn uniformly from these characters (+ - *)
-  dataset: DatasetSource = inline(DatasetSource())  # math: the problems
-  mix: tuple[DatasetSource, ...] = ()  # math: more datasets, shuffled into one stream with the task's own
-  prompt_template: str = '{prompt}'  # math: format string; chat models go through the chat template
-  chat_template: bool = True  # math: apply the tokenizer's chat template when it has one
-  # math: the chat template's thinking switch (Qwen3: a <think> block before the answer, which the
-  # reward skips); None: the template's own default. Templates without the switch ignore it.
-  enable_thinking: bool | None = None
-  tokenizer: str | None = None  # math: directory of the Hugging Face tokenizer; None: model.path's
-  max_prompt_tokens: int = 512  # math: prompts are left-padded to this; longer prompts are skipped
-  reward_workers: int = 4  # math: processes verifying answers with math-verify
-  # agent: a built-in environment (guess_number, tool_use) or module:function returning an agents.task.AgentTask
-  environment: str = 'guess_number'
-  max_turns: int = 4  # agent: policy turns per episode
-  turn_tokens: int = 0  # agent, tool_use: tokens per policy turn; 0: the rollout's max_new_tokens
-  tools: tuple[str, ...] = ('python', 'calculator')  # agent, tool_use: the tools the policy may call
-  tool_timeout_s: float = 10.0  # agent, tool_use: the deadline of one tool call (and answer check)
-  guess_range: int = 16  # agent, guess_number: the secret is in [0, guess_range)
 
-  def __post_init__(self):
-    with section('task'):
-      TASKS[self.name].check(self)
-      for index, dataset in enumerate(self.mix):
-        require(bool(dataset.source), f'mix[{index}].source', 'must name a dataset')
-      require(self.reward_workers >= 1, 'reward_workers', f'must be >= 1, got {self.reward_workers}')
-      require(self.turn_tokens >= 0, 'turn_tokens', f'must be >= 0, got {self.turn_tokens}')
-      require(self.max_prompt_tokens >= 1, 'max_prompt_tokens', f'must be >= 1, got {self.max_prompt_tokens}')
+  @staticmethod
+  def variants() -> dict[str, type['TaskSection']]:
+    """The section's class for each value of its tag, `name` (config.py reads a section by it)."""
+    return {name: kind.section for name, kind in TASKS.items()}
 
   @property
   def kind(self) -> TaskKind:
@@ -204,3 +179,12 @@ class TaskConfig:
   @property
   def jittable(self) -> bool:
     return self.kind.jittable
+
+  @property
+  def tokenizer_directory(self) -> str | None:
+    """The directory this section reads its tokenizer from (None: the model's, or a built-in one)."""
+    return None
+
+  def check_run(self, config) -> None:
+    """What the task asks of the run's other sections (nothing by default)."""
+    del config
