@@ -131,16 +131,16 @@ def _wait_for(predicate, process, timeout=240):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('steps_per_call, packing, config', [
-    (1, [], CONFIG), (4, ['algo.packing=true', 'algo.micro_batch_tokens=18'], CONFIG),
-    (1, [], os.path.join(ROOT, 'configs', 'tiny_guess.yaml')),
-    (4, ['algo.max_lag=2', 'algo.tis_cap=2.0', 'rollout.slots=12'], CONFIG)],
-    ids=['host-loop', 'fused-packed', 'agent', 'fused-partial-rollouts'])
-def test_kill_and_resume_equals_uninterrupted(tmp_path, steps_per_call, packing, config):
-  """The host loop with the padded update, the K-step jit with the packed one, the agent task
-  (episodes on the inference server, multi-turn trajectories) and partial rollouts (the pool of
-  groups in flight is part of the checkpoint). test_split.py runs it with split devices."""
-  kill_and_resume(tmp_path, steps_per_call, packing, config)
+@pytest.mark.parametrize('steps_per_call, settings, config', [
+    (1, [], CONFIG), (1, [], os.path.join(ROOT, 'configs', 'tiny_guess.yaml')),
+    (4, ['algo.max_lag=2', 'algo.tis_cap=2.0', 'rollout.slots=12', 'algo.packing=true', 'algo.micro_batch_tokens=18'],
+     CONFIG)],
+    ids=['host-loop', 'agent', 'fused-partial-rollouts-packed'])
+def test_kill_and_resume_equals_uninterrupted(tmp_path, steps_per_call, settings, config):
+  """The host loop with the padded update, the agent task (episodes on the inference server,
+  multi-turn trajectories), and the K-step jit with partial rollouts (the pool of groups in flight
+  is part of the checkpoint) and the packed update. test_split.py runs it with split devices."""
+  kill_and_resume(tmp_path, steps_per_call, settings, config)
 
 
 def kill_and_resume(tmp_path, steps_per_call, settings, config=CONFIG, devices=1):
