@@ -126,8 +126,8 @@ def test_host_scored_math_task_on_two_processes_equals_one(tmp_path):
           '--set', 'algo.max_sampling_rounds=3', '--set', 'train.steps=3', '--set', 'train.checkpoint_every=2',
           '--set', 'train.progress=false', '--set', 'train.tensorboard=false', '--set', 'optim.warmup_steps=0',
           '--set', 'algo.entropy_coef=0.01', '--set', 'algo.kl_beta=0.01']
-  subprocess.run([sys.executable, '-m', 'conversion.hf_to_orbax', '--hf', str(tmp_path / 'hf'), '--out',
-                  str(tmp_path / 'orbax')], cwd=ROOT, env=environment(1), check=True, capture_output=True, timeout=300)
+  from conversion import hf_to_orbax, orbax_to_hf  # in this process: their command lines are test_conversion.py's
+  hf_to_orbax.main(['--hf', str(tmp_path / 'hf'), '--out', str(tmp_path / 'orbax')])
   one_process(tmp_path / 'one', '--set', f'model.path={tmp_path / "hf"}', base=base)
   two = launch(tmp_path / 'two', 2, 4, '--set', f'model.path={tmp_path / "orbax"}', base=base)
   assert 'eval at step 2' in two[0].stderr and 'eval at step' not in two[1].stderr
@@ -139,9 +139,7 @@ def test_host_scored_math_task_on_two_processes_equals_one(tmp_path):
   # The trained policy exported to Hugging Face from the checkpoint two processes wrote (one process
   # reads it, parameters only): the same tensors as the one-process run's export, moved by training.
   for run in ('one', 'two'):
-    subprocess.run([sys.executable, '-m', 'conversion.orbax_to_hf', '--ckpt', str(tmp_path / run), '--out',
-                    str(tmp_path / f'{run}_hf')], cwd=ROOT, env=environment(1), check=True, capture_output=True,
-                   timeout=300)
+    orbax_to_hf.main(['--ckpt', str(tmp_path / run), '--out', str(tmp_path / f'{run}_hf')])
   from safetensors.numpy import load_file
   one, two, initial = (load_file(str(tmp_path / name / 'model.safetensors')) for name in ('one_hf', 'two_hf', 'hf'))
   assert one.keys() == two.keys() == initial.keys()
