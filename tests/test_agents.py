@@ -32,6 +32,7 @@ from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.sampler.decode import request_keys
 from grpo_jax.sampler.rollout import sample_groups
 from grpo_jax.testing import left_padded, random_prompts
+from runs import read_metrics, train_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T1 = SamplingConfig(temperature=1.0)
@@ -398,10 +399,8 @@ def test_the_agent_demo_learns_from_the_replies(tmp_path):
   """configs/tiny_guess.yaml for 120 steps: the reward passes what any policy deaf to the replies
   can reach (4 guesses of 16 numbers: 0.25), and episodes get shorter (measured: 0.17 over the first
   10 steps, 0.40 over steps 111-120, 0.45 over 141-150; make demo-agent runs its 600)."""
-  from test_train import read_metrics, run_cli
-  run_cli(tmp_path, '--config', GUESS, '--set', 'train.steps=120', '--set', 'train.progress=false',
-          '--set', 'train.tensorboard=false',
-          '--set', 'train.checkpoint_every=0')
+  train_here(tmp_path, GUESS, 'train.steps=120', 'train.progress=false', 'train.tensorboard=false',
+             'train.checkpoint_every=0')
   rows = read_metrics(tmp_path)
   first, last = rows[:10], rows[-10:]
   mean = lambda rows, name: sum(row[name] for row in rows) / len(rows)  # noqa: E731
@@ -446,11 +445,9 @@ def test_episode_evaluation_plays_every_secret(tmp_path):
   """eval during training on the guessing game: every secret once, n episodes each and a greedy
   one; an episode counts as solved exactly when its last guess is the secret (read here from its
   tokens), and pass@k and the facts summarise the samples file."""
-  from test_train import run_cli
-  run_cli(tmp_path, '--config', GUESS, '--set', 'train.steps=1', '--set', 'train.progress=false',
-          '--set', 'train.tensorboard=false',
-          '--set', 'train.checkpoint_every=0', '--set', 'eval.every=1', '--set', 'eval.samples=3',
-          '--set', 'eval.k=2', '--set', 'eval.batch_prompts=8', '--set', 'rollout.prompts_per_step=4')
+  train_here(tmp_path, GUESS, 'train.steps=1', 'train.progress=false', 'train.tensorboard=false',
+             'train.checkpoint_every=0', 'eval.every=1', 'eval.samples=3', 'eval.k=2', 'eval.batch_prompts=8',
+             'rollout.prompts_per_step=4')
   with open(tmp_path / 'eval.jsonl') as f:
     summaries = [json.loads(line) for line in f]
   with open(tmp_path / 'eval' / 'samples_1.jsonl') as f:

@@ -63,8 +63,8 @@ def test_demo_learns_with_fewer_decode_slots_and_a_packed_update(tmp_path):
   answers run to the 4-token cap (sequences of 9 tokens: 4 a row, 64 rows, 4 micro-batches); the
   trained one's stop after 2 (7 tokens: 5 a row), so fewer rows. 150 steps (measured: 63 rows at
   the first, 52 at the last; mean reward 0.68 over the last 20)."""
-  run_cli(tmp_path, '--set', 'train.steps=150', '--set', 'train.checkpoint_every=150', '--set', 'rollout.slots=48',
-          '--set', 'algo.packing=true', '--set', 'algo.pack_length=36', '--set', 'algo.micro_batch_tokens=576')
+  train_here(tmp_path, CONFIG, 'train.steps=150', 'train.checkpoint_every=150', 'rollout.slots=48', 'algo.packing=true',
+             'algo.pack_length=36', 'algo.micro_batch_tokens=576', 'train.progress=false', 'train.tensorboard=false')
   rows = read_metrics(tmp_path)
   assert all(row['micro_batches'] <= 4 and row['packed_rows'] <= 64 for row in rows)
   assert rows[0]['packed_rows'] >= 60 and rows[-1]['packed_rows'] <= 58
