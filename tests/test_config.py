@@ -11,6 +11,7 @@ from grpo_jax.config import Config, from_dict, load_config, to_dict, to_yaml
 from grpo_jax.data.sources import DatasetSource
 from grpo_jax.errors import UserError
 from grpo_jax.sampler import SamplingConfig
+from runs import device_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,8 +81,8 @@ def test_train_cli_saves_resolved_config_and_trains(tmp_path):
   result = subprocess.run(
       [sys.executable, '-m', 'grpo_jax.train', '--config', 'configs/tiny_arith.yaml',
        '--set', 'run.seed=5', '--set', 'train.steps=2', '--set', 'train.steps_per_call=1',
-       '--set', 'optim.learning_rate=2e-4', '--workdir', str(workdir)],
-      cwd=ROOT, capture_output=True, text=True, timeout=300)
+       '--set', 'optim.learning_rate=2e-4', '--set', 'train.tensorboard=false', '--workdir', str(workdir)],
+      cwd=ROOT, capture_output=True, text=True, timeout=300, env=device_env(1))
   assert result.returncode == 0, result.stderr
   saved = yaml.safe_load((workdir / 'config.yaml').read_text())
   assert saved['run']['seed'] == 5 and saved['train']['steps'] == 2

@@ -352,7 +352,7 @@ task: {{name: math, source: {source}, prompt_field: problem, answer_field: solut
 rollout: {{prompts_per_step: 2, max_new_tokens: 4}}
 algo: {{group_size: 2}}
 optim: {{learning_rate: 1.0e-4}}
-train: {{steps: 3, checkpoint_every: 0, progress: false}}
+train: {{steps: 3, checkpoint_every: 0, progress: false, tensorboard: false}}
 """)
   train.main(['--config', str(config), '--workdir', str(tmp_path / 'run')])
   with open(tmp_path / 'run' / 'metrics.jsonl') as f:

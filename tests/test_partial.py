@@ -232,7 +232,7 @@ task: {{name: math, source: {source}, prompt_field: problem, answer_field: solut
 rollout: {{prompts_per_step: 2, max_new_tokens: 6, slots: 3}}
 algo: {{group_size: 2, max_lag: 1, tis_cap: 2.0}}
 optim: {{learning_rate: 1.0e-3}}
-train: {{steps: 6, checkpoint_every: 3, progress: false}}
+train: {{steps: 6, checkpoint_every: 3, progress: false, tensorboard: false}}
 """)
   rows = {}
   for name, stops in (('whole', [6]), ('resumed', [3, 6])):
