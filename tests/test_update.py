@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from grpo_jax.config import AlgoConfig, Config, OptimConfig, RolloutConfig, TrainConfig
+from grpo_jax.data.math_task import MathSection
 from grpo_jax.data.sources import DatasetSource
 from grpo_jax.errors import UserError
 from grpo_jax.model.config import Qwen2Config
@@ -333,15 +334,18 @@ VALID = Config(rollout=RolloutConfig(prompts_per_step=4), algo=AlgoConfig(group_
 
 
 def replace(config, **sections):
-  return dataclasses.replace(config, **{name: dataclasses.replace(getattr(config, name), **fields)
-                                        for name, fields in sections.items()})
+  """`config` with the named sections' fields replaced (a dict), or a section replaced whole (the
+  task section of another kind: each kind is its own class)."""
+  return dataclasses.replace(config, **{
+      name: fields if dataclasses.is_dataclass(fields) else dataclasses.replace(getattr(config, name), **fields)
+      for name, fields in sections.items()})
 
 
 @pytest.mark.parametrize('sections, field', [
     (dict(algo=dict(group_size=1)), 'algo.group_size'),
     (dict(algo=dict(num_minibatches=3)), 'algo.num_minibatches'),  # 16 rows
     (dict(algo=dict(num_minibatches=2, micro_batch_size=3)), 'algo.micro_batch_size'),  # of 8
-    (dict(task=dict(name='math', dataset=DatasetSource('x.jsonl')), train=dict(steps_per_call=2)), 'train.steps_per_call'),
+    (dict(task=MathSection(dataset=DatasetSource('x.jsonl')), train=dict(steps_per_call=2)), 'train.steps_per_call'),
     (dict(train=dict(steps_per_call=3)), 'train.checkpoint_every'),  # 4 is not a multiple of 3
 ])
 def test_validate_names_the_field(sections, field):

@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.errors import UserError, require
+from grpo_jax.errors import UserError
 from grpo_jax.sampler.rollout import Rollout
 
 
