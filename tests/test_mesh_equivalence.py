@@ -29,8 +29,9 @@ MOVING = ['algo.entropy_coef=0.01', 'algo.kl_beta=0.01', 'optim.learning_rate=1e
           'train.progress=false', 'train.tensorboard=false']
 
 
-def two_steps(tmp_path, config_path, overrides, mesh_shape, task=None, name=None, fused=False):
-  """Two RL steps from the host loop (or, `fused`, in one jit) -> (metric rows, parameters)."""
+def two_steps(tmp_path, config_path, overrides, mesh_shape, task=None, name=None, fused=False, inspect=None):
+  """Two RL steps from the host loop (or, `fused`, in one jit) -> (metric rows, parameters).
+  inspect(state, mesh), if given, is called before the steps and after them."""
   data, fsdp, tensor = mesh_shape
   config = config_lib.load_config(config_path, [*MOVING, *overrides, f'mesh.data={data}', f'mesh.fsdp={fsdp}',
                                                 f'mesh.tensor={tensor}',
@@ -41,7 +42,11 @@ def two_steps(tmp_path, config_path, overrides, mesh_shape, task=None, name=None
   task = task or build_task(config)
   run = train.Run(config, str(tmp_path / (name or f'{data}x{fsdp}x{tensor}')), mesh, model, task)
   try:
+    if inspect is not None:
+      inspect(run.state, mesh)
     rows = run.fused_steps(2) if fused else [run.host_step() for _ in range(2)]
+    if inspect is not None:
+      inspect(run.state, mesh)
     params = jax.tree.map(np.asarray, jax.device_get(run.state.params))
   finally:
     run.close()
@@ -57,15 +62,30 @@ def assert_equal_runs(reference, other):
   assert rows[-1]['grad_norm'] > 0
 
 
+def rule_table_layout(state, mesh):
+  """The partition spec of every leaf of the state (parameters, Adam moments), after checking that
+  the parameters are placed by the rule table (q_weight's spec is sharding.spec_for's)."""
+  q_weight = state.params['layers']['q_weight']
+  assert q_weight.sharding.spec == sharding.spec_for(q_weight.shape, ('layers', 'embed', 'q_heads', 'head_dim'),
+                                                     dict(mesh.shape))
+  return [leaf.sharding.spec for leaf in jax.tree.leaves(state)]
+
+
 @pytest.mark.slow
 def test_jittable_task_on_every_mesh_equals_one_device(tmp_path):
+  """Also: on every mesh the parameters and Adam moments keep their rule-table shardings through
+  the donated update, in the K-step jit ((1,8,1), (2,2,2)) and from the host loop ((8,1,1), (2,1,4))."""
   config = os.path.join(ROOT, 'configs', 'tiny_arith.yaml')
   overrides = ['rollout.prompts_per_step=8', 'algo.group_size=4', 'train.steps_per_call=1']
   reference = two_steps(tmp_path, config, overrides, (1, 1, 1))
   for mesh_shape in MESHES:
     # Two of the meshes run both steps in one jit: the layout changes inside it, once per step.
     fused = mesh_shape in ((1, 8, 1), (2, 2, 2))
-    assert_equal_runs(reference, two_steps(tmp_path, config, overrides, mesh_shape, fused=fused))
+    layouts = []
+    assert_equal_runs(reference, two_steps(tmp_path, config, overrides, mesh_shape, fused=fused,
+                                           inspect=lambda state, mesh: layouts.append(rule_table_layout(state, mesh))))
+    before, after = layouts
+    assert after == before, mesh_shape
 
 
 @pytest.mark.slow

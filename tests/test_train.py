@@ -210,28 +210,6 @@ def test_nonfinite_updates_stop_the_run_with_checkpoint_intact(tmp_path):
   assert sum(row['nonfinite'] for row in rows) >= 3
 
 
-def test_mesh_layouts_keep_the_state_shardings(tmp_path):
-  """data x fsdp x tensor = 2 x 2 x 2: the parameters and Adam moments keep their rule-table
-  shardings through the donated update (test_mesh_equivalence.py compares the numbers with one
-  device)."""
-  from grpo_jax import config as config_lib
-  from grpo_jax import sharding
-  config = config_lib.load_config(CONFIG, ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2',
-                                            'rollout.prompts_per_step=8', 'algo.group_size=4',
-                                            'train.progress=false', 'train.tensorboard=false', 'train.steps=2'])
-  mesh = sharding.make_mesh(config.mesh)
-  model = config.model.build(mesh, config.run.seed)
-  run = train.Run(config, str(tmp_path / 'run'), mesh, model, build_task(config))
-  before = jax_shardings(run.state)
-  run.fused_steps(1)
-  run.host_step()
-  assert jax_shardings(run.state) == before
-  q_weight = run.state.params['layers']['q_weight']
-  assert q_weight.sharding.spec == sharding.spec_for(q_weight.shape, ('layers', 'embed', 'q_heads', 'head_dim'),
-                                                     dict(mesh.shape))
-  run.close()
-
-
 def test_fsdp_shards_the_optimizer_state_like_the_parameters(tmp_path):
   """fsdp=8 on 8 devices: each device holds 1/8 of the parameters and of each AdamW moment (plus
   the small tensors the rules replicate), before and after fused and host steps."""
@@ -270,11 +248,6 @@ def test_fsdp_shards_the_optimizer_state_like_the_parameters(tmp_path):
     check(run.state)
   finally:
     run.close()
-
-
-def jax_shardings(state):
-  import jax
-  return [leaf.sharding.spec for leaf in jax.tree.leaves(state)]
 
 
 def test_bf16_compute_keeps_fp32_master_weights(tmp_path, seed):
