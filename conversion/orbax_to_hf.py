@@ -20,7 +20,7 @@ import sys
 import time
 
 from conversion.common import atomic_directory, host_mesh
-from grpo_jax.checkpoint import locate, restore_policy, run_tokenizer
+from grpo_jax.checkpoint import locate, restore_policy, run_of, run_tokenizer
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import lora
 from grpo_jax.model.config import load_hf_config
@@ -56,6 +56,8 @@ def main(argv=None):
   if (args.merge_lora or args.peft) and training is None:
     raise UserError(f'--{"merge-lora" if args.merge_lora else "peft"} applies to a LoRA training run\'s checkpoints; '
                     f'--ckpt {args.ckpt} is a model checkpoint')
+  if training is not None:
+    check_lora_flags(args, run_of(*training_step(*training, args.step))[0].model.options.lora)
   if args.like:
     load_hf_config(args.like)  # fail early on a wrong --like
   with atomic_directory(args.out, args.force) as staging:
@@ -76,13 +78,29 @@ def main(argv=None):
   print(f'wrote {args.out} in {time.perf_counter() - start:.1f}s')
 
 
+def training_step(checkpoints: str, found_step: int | None, step: int | None) -> tuple[str, int | None]:
+  """(checkpoints, the step --ckpt and --step name: None for the newest)."""
+  if step is not None and found_step is not None and step != found_step:
+    raise UserError(f'--step {step} differs from the step of --ckpt {checkpoints}/{found_step}')
+  return checkpoints, step if step is not None else found_step
+
+
+def check_lora_flags(args, settings) -> None:
+  """One line, before anything is loaded, where --merge-lora / --peft and the checkpoint disagree
+  (`settings`: the run's model.lora, read from the checkpoint's metadata; None: full-parameter)."""
+  if settings is None and (args.merge_lora or args.peft):
+    raise UserError(f'--{"merge-lora" if args.merge_lora else "peft"}: --ckpt {args.ckpt} is from a full-parameter '
+                    'run (no model.lora): it holds no adapters; convert it without the flag')
+  if settings is not None and not (args.merge_lora or args.peft):
+    raise UserError(f'--ckpt {args.ckpt} holds LoRA adapters (model.lora rank {settings.rank}): pass --merge-lora for '
+                    'a merged Hugging Face model, or --peft for a PEFT adapter directory')
+
+
 def trained_policy(checkpoints: str, found_step: int | None, step: int | None):
   """(model on the host, tokenizer directory or None, the run's config) of a training run's checkpoint."""
   from flax import nnx
 
-  if step is not None and found_step is not None and step != found_step:
-    raise UserError(f'--step {step} differs from the step of --ckpt {checkpoints}/{found_step}')
-  graphdef, params, config, step = restore_policy(checkpoints, step if step is not None else found_step, host_mesh(),
+  graphdef, params, config, step = restore_policy(*training_step(checkpoints, found_step, step), host_mesh(),
                                                   options=None)
   print(f'policy of run {config.run.name!r} at step {step} ({checkpoints}/{step})', file=sys.stderr, flush=True)
   return nnx.merge(graphdef, params), run_tokenizer(config), config
@@ -90,7 +108,7 @@ def trained_policy(checkpoints: str, found_step: int | None, step: int | None):
 
 def lora_export(model, base_path: str | None, args, staging: str):
   """A LoRA policy as --merge-lora or --peft ask (--peft writes its directory here and returns None);
-  a full-parameter policy as it is. One line where the flags and the checkpoint disagree."""
+  a full-parameter policy as it is (check_lora_flags has refused flags that do not fit the run)."""
   import dataclasses
 
   from flax import nnx
@@ -98,14 +116,9 @@ def lora_export(model, base_path: str | None, args, staging: str):
   from grpo_jax.model.loading import abstract_model
 
   settings = model.options.lora
+  check_lora_flags(args, settings)
   if settings is None:
-    if args.merge_lora or args.peft:
-      raise UserError(f'--{"merge-lora" if args.merge_lora else "peft"}: --ckpt {args.ckpt} is from a full-parameter '
-                      'run (no model.lora): it holds no adapters; convert it without the flag')
     return model
-  if not (args.merge_lora or args.peft):
-    raise UserError(f'--ckpt {args.ckpt} holds LoRA adapters (model.lora rank {settings.rank}): pass --merge-lora for '
-                    'a merged Hugging Face model, or --peft for a PEFT adapter directory')
   state = nnx.state(model)
   if args.peft:
     lora.save_peft(state, settings, staging, base_path)

@@ -112,8 +112,16 @@ def test_lora_exports_as_peft_and_merged(tmp_path, make_hf_checkpoint, seed):
   merged = transformers.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
   with torch.no_grad():
     np.testing.assert_allclose(merged(torch.tensor(tokens)).logits.numpy(), ours, rtol=0, atol=1e-4)
-  out, result = convert()
-  assert result.returncode != 0 and '--merge-lora' in result.stderr.strip().splitlines()[-1], result.stderr
+  # Without a flag it is refused before anything is read but the checkpoint's metadata: with its
+  # base moved away, the line is about the flags, not about the missing base.
+  os.rename(base, f'{base}.away')
+  try:
+    out, result = convert()
+  finally:
+    os.rename(f'{base}.away', base)
+  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+      f'error: --ckpt {tmp_path / "run"} holds LoRA adapters (model.lora rank 16): pass --merge-lora for a merged Hugging '
+      'Face model, or --peft for a PEFT adapter directory'], result.stderr
   assert not os.path.exists(out)
   # grpo_jax.serve takes the run's workdir too: its engine decodes with the adapters on the base.
   from grpo_jax import serve
