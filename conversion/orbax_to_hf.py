@@ -20,7 +20,7 @@ import sys
 import time
 
 from conversion.common import atomic_directory, host_mesh
-from grpo_jax.checkpoint import locate, restore_policy, run_of, run_tokenizer
+from grpo_jax.checkpoint import locate, restore_adapters, restore_policy, run_of, run_tokenizer
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import lora
 from grpo_jax.model.config import load_hf_config
@@ -66,9 +66,14 @@ def main(argv=None):
       model = load_orbax(args.ckpt, options=ModelOptions(param_dtype=load_hf_config(args.ckpt).checkpoint_dtype),
                          mesh=host_mesh())
       tokenizer = args.ckpt
+    elif args.peft:  # the adapters alone: the base's weights are not read (nor needed here)
+      adapters, run_config, step = restore_adapters(*training_step(*training, args.step), host_mesh())
+      print(f'adapters of run {run_config.run.name!r} at step {step}', file=sys.stderr, flush=True)
+      lora.save_peft(adapters, run_config.model.options.lora, staging, run_config.model.path)
+      model, tokenizer = None, run_tokenizer(run_config)
     else:
       model, tokenizer, run_config = trained_policy(*training, step=args.step)
-      model = lora_export(model, run_config.model.path, args, staging)
+      model = lora_export(model, args, staging)
     if model is not None:
       save_hf(model, staging, max_shard_bytes=int(args.max_shard_gb * 2**30))
     if args.like or tokenizer:
@@ -106,9 +111,9 @@ def trained_policy(checkpoints: str, found_step: int | None, step: int | None):
   return nnx.merge(graphdef, params), run_tokenizer(config), config
 
 
-def lora_export(model, base_path: str | None, args, staging: str):
-  """A LoRA policy as --merge-lora or --peft ask (--peft writes its directory here and returns None);
-  a full-parameter policy as it is (check_lora_flags has refused flags that do not fit the run)."""
+def lora_export(model, args, staging: str):
+  """A LoRA policy merged into its base (--merge-lora); a full-parameter policy as it is
+  (check_lora_flags has refused flags that do not fit the run; --peft does not load the policy)."""
   import dataclasses
 
   from flax import nnx
@@ -119,12 +124,8 @@ def lora_export(model, base_path: str | None, args, staging: str):
   check_lora_flags(args, settings)
   if settings is None:
     return model
-  state = nnx.state(model)
-  if args.peft:
-    lora.save_peft(state, settings, staging, base_path)
-    return None
   plain = dataclasses.replace(model.options, lora=None, param_dtype=model.options.dtype)
-  return nnx.merge(nnx.graphdef(abstract_model(model.config, plain)), lora.merged(state, settings))
+  return nnx.merge(nnx.graphdef(abstract_model(model.config, plain)), lora.merged(nnx.state(model), settings))
 
 
 def _merge_config(original_path: str, written_path: str) -> None:

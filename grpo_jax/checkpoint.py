@@ -152,11 +152,6 @@ def restore_policy(checkpoints: str, step: int | None, mesh, options=None):
   the parameters alone, placed on `mesh` whatever mesh and number of processes wrote them;
   a LoRA run's adapters on its base (read again from its model.path). `options` (a ModelOptions;
   default the run's own) sets the dtypes and the attention; a LoRA run keeps its own adapters."""
-  from flax import nnx
-
-  from grpo_jax.model.loading import abstract_model
-  from grpo_jax.sharding import state_shardings
-
   config, architecture, step, meta = run_of(checkpoints, step)
   options = options if options is not None else config.model.options
   checkpointer = Checkpointer(checkpoints, max_to_keep=1, asynchronous=False)
@@ -164,14 +159,58 @@ def restore_policy(checkpoints: str, step: int | None, mesh, options=None):
     if config.model.options.lora is not None:
       graphdef, params = _lora_policy(checkpointer, step, meta, config, architecture, options, mesh)
       return graphdef, params, config, step
-    graphdef, abstract = nnx.split(abstract_model(architecture, options))
-    target = jax.tree.map(lambda variable, sharding: variable.replace(
-        jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=sharding)),
-        abstract, state_shardings(abstract, mesh), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    graphdef, target = _restore_target(architecture, options, mesh)
     params = checkpointer.restore_params(step, target)
   finally:
     checkpointer.close()
   return graphdef, params, config, step
+
+
+def restore_adapters(checkpoints: str, step: int | None, mesh):
+  """(adapters, config, step) of a LoRA run's checkpoint at `step` (None: the newest): the adapters'
+  state alone (lora.split_trainable's), read without the base's weights, so they can be exported
+  where the base is not. Where the base's config.json is still at model.path, the adapters must have
+  been trained on its architecture."""
+  from grpo_jax.model import lora
+
+  config, architecture, step, meta = run_of(checkpoints, step)
+  checkpointer = Checkpointer(checkpoints, max_to_keep=1, asynchronous=False)
+  try:
+    _check_base_architecture(f'{checkpointer.directory}/{step}', config, architecture, meta)
+    _, target = _restore_target(architecture, config.model.options, mesh)
+    adapters = checkpointer.restore_params(step, lora.split_trainable(target)[0])
+  finally:
+    checkpointer.close()
+  return adapters, config, step
+
+
+def _restore_target(architecture, options, mesh):
+  """(graphdef, the state's abstract arrays placed on `mesh`) of a model: what orbax restores into."""
+  from flax import nnx
+
+  from grpo_jax.model.loading import abstract_model
+  from grpo_jax.sharding import state_shardings
+
+  graphdef, abstract = nnx.split(abstract_model(architecture, options))
+  return graphdef, jax.tree.map(lambda variable, sharding: variable.replace(
+      jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=sharding)),
+      abstract, state_shardings(abstract, mesh), is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _check_base_architecture(where: str, config, architecture, meta: dict) -> None:
+  """One line when the base at a LoRA run's model.path no longer has the architecture its adapters
+  were trained on (a base not there is not checked: the stored architecture would only compare with
+  itself)."""
+  from grpo_jax.model import lora
+  from grpo_jax.model.config import load_hf_config, to_hf_dict
+
+  path = config.model.path
+  stored = meta.get('base') or {}
+  current = load_hf_config(path) if path and os.path.isfile(os.path.join(path, 'config.json')) else architecture
+  here = lora.base_fingerprint(to_hf_dict(current, dtype=config.model.options.param_dtype))
+  if stored.get('architecture_hash') not in (None, here):
+    raise UserError(f'{where}: its base model ({path}) no longer has the architecture the adapters were trained on '
+                    f'(hash {stored["architecture_hash"]}, now {here})')
 
 
 def run_tokenizer(config) -> str | None:
@@ -190,7 +229,6 @@ def _lora_policy(checkpointer: Checkpointer, step: int, meta: dict, config, arch
   from flax import nnx
 
   from grpo_jax.model import lora
-  from grpo_jax.model.config import load_hf_config, to_hf_dict
   from grpo_jax.model.loading import ModelConfig
 
   where = f'{checkpointer.directory}/{step}'
@@ -198,13 +236,7 @@ def _lora_policy(checkpointer: Checkpointer, step: int, meta: dict, config, arch
   if path and not os.path.exists(path):
     raise UserError(f'{where} holds LoRA adapters of the base model.path={path}, which is gone: the base weights are '
                     'not in the checkpoint')
-  stored = meta.get('base') or {}
-  # The base as it is now at model.path (the stored architecture would only compare with itself).
-  current = load_hf_config(path) if path and os.path.isfile(os.path.join(path, 'config.json')) else architecture
-  here = lora.base_fingerprint(to_hf_dict(current, dtype=config.model.options.param_dtype))
-  if stored.get('architecture_hash') not in (None, here):
-    raise UserError(f'{where}: its base model ({path}) no longer has the architecture the adapters were trained on '
-                    f'(hash {stored["architecture_hash"]}, now {here})')
+  _check_base_architecture(where, config, architecture, meta)
   options = dataclasses.replace(options, lora=config.model.options.lora)
   model = ModelConfig(path=path, architecture=architecture, options=options).build(mesh, config.run.seed)
   graphdef, state = nnx.split(model)

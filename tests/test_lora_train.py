@@ -102,7 +102,12 @@ def test_lora_exports_as_peft_and_merged(tmp_path, make_hf_checkpoint, seed):
     command = [sys.executable, '-m', 'conversion.orbax_to_hf', '--ckpt', str(tmp_path / 'run'), '--out', str(out), *flags]
     return out, subprocess.run(command, cwd=ROOT, env=device_env(1), capture_output=True, text=True, timeout=300)
 
-  out, result = convert('--peft')
+  # --peft reads the adapters alone: it exports with the base moved away (PEFT loads them onto it after).
+  os.rename(base, f'{base}.away')
+  try:
+    out, result = convert('--peft')
+  finally:
+    os.rename(f'{base}.away', base)
   assert result.returncode == 0, result.stderr
   loaded = peft.PeftModel.from_pretrained(torch_model.float(), str(out)).eval()
   with torch.no_grad():
