@@ -310,7 +310,24 @@ def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Confi
     data = _without_other_kinds(data, switched, probe)
   for assignment in overrides:
     _apply_override(data, assignment)
-  return _build(Config, data)
+  return _with_local_paths_resolved(_build(Config, data))
+
+
+def _with_local_paths_resolved(config: Config) -> Config:
+  """model.path and the task's tokenizer made absolute where they name something on this machine,
+  so the run's stored config (checkpoints, config.yaml) finds them from any directory and an export
+  names its base by a path that resolves anywhere; a name that is no local path (a hub name) stays as
+  written. A checkpoint's stored config is taken as it was stored (from_dict)."""
+  def resolved(path: str | None) -> str | None:
+    return os.path.abspath(path) if path and os.path.exists(path) else path
+
+  changes = {}
+  if resolved(config.model.path) != config.model.path:
+    changes['model'] = dataclasses.replace(config.model, path=resolved(config.model.path))
+  tokenizer = config.task.tokenizer_directory
+  if resolved(tokenizer) != tokenizer:
+    changes['task'] = dataclasses.replace(config.task, tokenizer=resolved(tokenizer))
+  return dataclasses.replace(config, **changes) if changes else config
 
 
 def _without_other_kinds(data: dict, sections, final: dict) -> dict:

@@ -197,3 +197,17 @@ def test_a_checkpoints_config_from_before_the_tagged_union_still_loads(kind, tmp
   # The same keys in a file are checked: another kind's key at a value of its own is a mistake there.
   with pytest.raises(UserError, match="config key 'task.(max_turns|operators)' applies to task.name: (agent|arith), "):
     load_config(write(tmp_path, yaml.safe_dump(stored)))
+
+
+def test_local_model_and_tokenizer_paths_are_stored_absolute(tmp_path, monkeypatch):
+  """A relative model.path or task.tokenizer that exists here is stored absolute (checkpoints and
+  exports then find the base from any directory); a name that is no local path stays as written."""
+  (tmp_path / 'base').mkdir()
+  (tmp_path / 'tok').mkdir()
+  monkeypatch.chdir(tmp_path)
+  config = load_config(os.path.join(ROOT, 'configs', 'tiny_math.yaml'), ['model.path=base', 'task.tokenizer=./tok'])
+  assert (config.model.path, config.task.tokenizer) == (str(tmp_path / 'base'), str(tmp_path / 'tok'))
+  assert to_dict(config)['model']['path'] == str(tmp_path / 'base')
+  named = load_config(os.path.join(ROOT, 'configs', 'tiny_math.yaml'), ['model.path=Qwen/Qwen2.5-0.5B'])
+  assert (named.model.path, named.task.tokenizer) == ('Qwen/Qwen2.5-0.5B', 'data/tiny_math/tokenizer')
+  assert from_dict(dict(to_dict(named), model=dict(to_dict(named)['model'], path='base'))).model.path == 'base'
