@@ -34,7 +34,7 @@ from grpo_jax.model.loading import ModelConfig
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.optimizer import OptimConfig
 from grpo_jax.sampler.rollout import RolloutConfig
-from grpo_jax.sections import is_inline, section
+from grpo_jax.sections import Arguments, is_inline, section
 from grpo_jax.sharding import MeshConfig
 
 __all__ = ['AlgoConfig', 'Config', 'EvalConfig', 'ModelConfig', 'OptimConfig', 'RolloutConfig', 'RunConfig',
@@ -160,6 +160,13 @@ def _coerce(kind, value, key: str):
     if value not in typing.get_args(kind):
       raise UserError(f'config key {key!r} must be one of {_type_name(kind)}, got {value!r}')
     return value
+  if origin is dict:  # free keys, values as written (task.environment_args)
+    if not isinstance(value, dict):
+      raise UserError(f'config key {key!r} expects a mapping, got {value!r}')
+    for name in value:
+      if not isinstance(name, str):
+        raise UserError(f'config key {key!r}: its keys are names, got {name!r}')
+    return Arguments(copy.deepcopy(value))
   if origin is tuple:
     if not isinstance(value, (list, tuple)):
       raise UserError(f'config key {key!r} expects a list, got {value!r}')

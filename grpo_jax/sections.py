@@ -3,6 +3,7 @@ assembles the sections into a run's Config and loads it from YAML)."""
 
 import contextlib
 import dataclasses
+import json
 
 from grpo_jax.errors import FieldError
 
@@ -25,3 +26,16 @@ def inline(default):
 
 def is_inline(field: dataclasses.Field) -> bool:
   return bool(field.metadata.get('inline'))
+
+
+class Arguments(dict):
+  """A section's mapping of free keys, as written (`task.environment_args`): read-only and hashable
+  like the frozen sections that hold it; its values are YAML's (numbers, strings, lists, mappings)."""
+
+  def __hash__(self):
+    return hash(json.dumps(self, sort_keys=True, default=repr))
+
+  def _read_only(self, *args, **kwargs):
+    raise TypeError('a config section\'s arguments are read-only')
+
+  __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only

@@ -82,10 +82,13 @@ def changed_keys(before: dict, after: dict) -> list[str]:
   """'key: old -> new' for every config key whose value differs between two to_dict() configs. Not
   changes: a key `before` lacks (a setting added since it was written), and a task key `after`
   lacks (another task kind's: checkpoints written before the task section was a tagged union
-  stored every kind's keys; a change of kind shows as task.name)."""
+  stored every kind's keys; a change of kind shows as task.name). An environment's own arguments
+  (task.environment_args) are compared both ways: one added or removed is a change."""
   old, new = _flat(before), _flat(after)
-  return [f'{key}: {old[key]!r} -> {new.get(key)!r}' for key in sorted(old)
-          if (key in new or not key.startswith('task.')) and old[key] != new.get(key)]
+  arguments = {key: None for key in new if key.startswith('task.environment_args.') and key not in old}
+  return [f'{key}: {old.get(key)!r} -> {new.get(key)!r}' for key in sorted({**old, **arguments})
+          if (key in new or not key.startswith('task.') or key.startswith('task.environment_args.'))
+          and old.get(key) != new.get(key)]
 
 
 def base_record(config: config_lib.Config, architecture: dict) -> dict:

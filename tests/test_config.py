@@ -119,9 +119,12 @@ def test_a_key_added_since_a_checkpoint_was_written_is_not_a_change():
 TASK_CONFIGS = {'arith': 'tiny_arith.yaml', 'math': 'tiny_math.yaml', 'agent': 'tiny_guess.yaml'}
 # What each kind's section held before it was a tagged union: every kind's keys, in one section.
 # (tiny_math.yaml names files under data/, which are not read to build a config.)
-EVERY_KIND_KEYS = {'name', 'max_operand', 'operators', 'source', 'split', 'format', 'prompt_field', 'answer_field',
-                   'mix', 'prompt_template', 'chat_template', 'enable_thinking', 'tokenizer', 'max_prompt_tokens',
-                   'reward_workers', 'environment', 'max_turns', 'turn_tokens', 'tools', 'tool_timeout_s', 'guess_range'}
+# The task section's keys when it was one class for every kind; environment_args came after.
+OLD_SECTION_KEYS = {'name', 'max_operand', 'operators', 'source', 'split', 'format', 'prompt_field', 'answer_field',
+                    'mix', 'prompt_template', 'chat_template', 'enable_thinking', 'tokenizer', 'max_prompt_tokens',
+                    'reward_workers', 'environment', 'max_turns', 'turn_tokens', 'tools', 'tool_timeout_s',
+                    'guess_range'}
+EVERY_KIND_KEYS = OLD_SECTION_KEYS | {'environment_args'}
 
 
 def kind_keys():
@@ -145,8 +148,8 @@ def test_each_task_kind_holds_its_own_fields():
   # Every --set path of a kind's keys works on a run of that kind (each set to a value of its own).
   values = dict(max_operand=12, operators='+-', source='x.jsonl', split='test', format='gsm8k', prompt_field='q',
                 answer_field='a', mix=[], prompt_template='Q: {prompt}', chat_template=False, enable_thinking=True,
-                tokenizer='tok', max_prompt_tokens=40, reward_workers=3, environment='tool_use', max_turns=3,
-                turn_tokens=5, tools=['python'], tool_timeout_s=2.0, guess_range=8)
+                tokenizer='tok', max_prompt_tokens=40, reward_workers=3, environment='my_env:make',
+                environment_args={'rounds': 2, 'words': ['a', 'b']}, max_turns=3, turn_tokens=5, tools=['python'], tool_timeout_s=2.0, guess_range=8)
   for kind, path in TASK_CONFIGS.items():
     sets = [f'task.{key}={yaml.safe_dump(values[key], default_flow_style=True).strip().removesuffix("...").strip()}'
             for key in sorted(keys[kind] - {'name'})]
@@ -191,7 +194,7 @@ def test_a_checkpoints_config_from_before_the_tagged_union_still_loads(kind, tmp
             'reward_workers': 4, 'environment': 'guess_number', 'max_turns': 7, 'turn_tokens': 0,
             'tools': ['calculator'], 'tool_timeout_s': 10.0, 'guess_range': 16}
   stored = dict(current, task=dict(others, **current['task']))
-  assert set(stored['task']) == EVERY_KIND_KEYS
+  assert set(stored['task']) == OLD_SECTION_KEYS | set(current['task'])
   assert from_dict(stored) == config
   assert changed_keys(stored, current) == []
   # The same keys in a file are checked: another kind's key at a value of its own is a mistake there.

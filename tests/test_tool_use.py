@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from grpo_jax import config as config_lib
-from grpo_jax.agents import tool_use, tools
+from grpo_jax.agents import task as agent_task
+from grpo_jax.agents import text, tools
 from grpo_jax.agents.inference import Completion
 from grpo_jax.errors import UserError
 from grpo_jax.workers import Failed, WorkerPool
@@ -117,13 +118,13 @@ def test_observations_follow_the_chat_template(tmp_path):
   from grpo_jax.model import load_tokenizer
   tokenizer = load_tokenizer(tool_tokenizer_dir(tmp_path))
   schemas = [tools.SCHEMAS['python']]
-  layout = tool_use.observation_format(tokenizer, True, schemas)
+  layout = text.message_format(tokenizer, True, schemas)
   assert (layout.turn_end, layout.before + '{}' + layout.after) == ('<|im_end|>', '<|im_end|>' + QWEN_OBSERVATION)
-  plain = tool_use.observation_format(tokenizer, False, schemas)
+  plain = text.message_format(tokenizer, False, schemas)
   assert (plain.before, plain.after) == ('\n<output>\n', '\n</output>\n')
   tokenizer.chat_template = "{% for m in messages %}{% if m.role != 'tool' %}{{ m.content }}{% endif %}{% endfor %}"
   with pytest.raises(UserError, match='does not render a tool message'):
-    tool_use.observation_format(tokenizer, True, schemas)
+    text.message_format(tokenizer, True, schemas)
 
 
 class ScriptedPolicy:
@@ -147,7 +148,7 @@ def test_a_scripted_tool_episode(tmp_path):
   source = write_gsm8k(tmp_path / 'g.jsonl', 3)
   config = config_lib.load_config(RECIPE, [f'model.path={directory}', f'task.source={source}', 'task.reward_workers=1',
                                            'task.max_turns=6', 'task.max_prompt_tokens=1024'])
-  task = tool_use.build(config)
+  task = agent_task.build(config)
   try:
     problem = task.problems(0, 1)[0]
     answer = problem.data
@@ -234,7 +235,7 @@ def test_without_tools_it_is_the_math_task_as_a_single_turn_agent(tmp_path, seed
   source = write_gsm8k(tmp_path / 'g.jsonl', 5)
   common = [f'model.path={directory}', f'task.source={source}', 'task.reward_workers=1', f'run.seed={seed % 1000}',
             'task.max_prompt_tokens=192']
-  agent = tool_use.build(config_lib.load_config(RECIPE, common + ['task.tools=[]', 'task.max_turns=1']))
+  agent = agent_task.build(config_lib.load_config(RECIPE, common + ['task.tools=[]', 'task.max_turns=1']))
   math_config = config_lib.load_config(RECIPE, common + ['task.name=math', 'eval.source=null'])
   math = MathTask(math_config.task, math_config.model.path, math_config.run.seed)
   try:

@@ -10,8 +10,9 @@ Episode g draws from fold_in(key, g). The trainer owns the control flow: it hand
 problems of a step, the live policy behind `llm` and the keys, and trains on what comes back.
 
 Most agents are an `EnvironmentAgent`: the policy and an `Environment` take turns, up to
-`max_turns` policy turns; the environment answers each turn with an observation (appended to the
-conversation, outside the loss), a reward and whether the episode is over. Environments are
+`max_turns` policy turns; the environment reads each turn (a `Turn`: its ids and its text) and
+answers with an observation (ids or text, appended to the conversation, outside the loss), a reward
+and whether the episode is over. Environments are
 straight-line async code; one that waits (a tool in a worker process, a sleeping service) holds
 no decode slot while it waits.
 """
@@ -23,7 +24,8 @@ from typing import Any, Callable, Protocol
 import jax
 import numpy as np
 
-from grpo_jax.agents.inference import TURN_BLOCK, Completion, InferenceServer, folded_keys
+from grpo_jax.agents.inference import TURN_BLOCK, InferenceServer, folded_keys
+from grpo_jax.agents.text import TextCodec, Turn
 from grpo_jax.agents.trajectory import Episode, Trajectory
 from grpo_jax.errors import UserError
 from grpo_jax.model.token_ids import TokenIdError, check_token_ids
@@ -54,12 +56,13 @@ class Agent(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-  """An environment's answer to one policy turn: tokens appended for the policy to read (ignored
-  when `done`), the reward the turn earned, whether the episode is over, whether the turn
-  called a tool and whether that call failed (counted per episode), and the answer the turn gave
-  (normalised text; evaluation's majority vote counts it), if any."""
+  """An environment's answer to one policy turn: what the policy reads next (ignored when `done`):
+  token ids, or text (sent as the task's next `user` message, agents/text.py); the reward the turn
+  earned; whether the episode is over; whether the turn called a tool and whether that call failed
+  (counted per episode); and the answer the turn gave, if any: normalised text, which evaluation's
+  majority vote counts (the episode's last answer is its vote)."""
 
-  observation: tuple[int, ...] = ()
+  observation: tuple[int, ...] | str = ()
   reward: float = 0.0
   done: bool = False
   tool_call: bool = False
@@ -69,23 +72,30 @@ class Step:
 
 class Environment(Protocol):
 
-  async def reset(self) -> tuple[int, ...]:
-    """Tokens the episode starts with after the prompt (often none)."""
+  async def reset(self) -> tuple[int, ...] | str:
+    """What the episode starts with after the prompt (often nothing): ids, or text appended as written."""
 
-  async def step(self, turn: Completion) -> Step:
-    """Answers the policy's turn."""
+  async def step(self, turn: Turn) -> Step:
+    """Answers the policy's turn (turn.text: its text without the stop id; turn.tokens: its ids)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class EnvironmentAgent:
   """The policy and an environment taking turns: `make_environment(problem, episode)` makes episode
-  `episode`'s environment; each policy turn is at most `turn_tokens` tokens, ending early at one of
-  `stop_token_ids`; at most `max_turns` turns. An episode's reward is the sum of its turns'."""
+  `episode`'s environment; a policy turn ends at one of the task's stop ids (AgentTask.stop_token_ids,
+  the one place they are set) or after `turn_tokens` tokens; an episode ends when a step says
+  `done`, after `max_turns` turns, or when its token budget is spent. Its reward is the sum of its
+  turns'.
+
+  `max_turns` and `turn_tokens` are the run's (`task.max_turns`, `task.turn_tokens`): the task's
+  build (agents/task.py) sets them, and `text` (the task tokenizer's TextCodec, for Turn.text and
+  text observations). An environment may give tighter bounds of its own here (the guessing game's
+  turns are one token): the smaller of its value and the run's applies."""
 
   make_environment: Callable[[Problem, int], Environment]
-  max_turns: int
-  turn_tokens: int
-  stop_token_ids: tuple[int, ...] = ()
+  max_turns: int | None = None
+  turn_tokens: int | None = None
+  text: TextCodec | None = None
 
   async def episodes(self, llm: InferenceServer, problem: Problem, count: int, key: jax.Array,
                      budget: int) -> list[Trajectory]:
@@ -95,14 +105,18 @@ class EnvironmentAgent:
 
   async def episode(self, llm: InferenceServer, problem: Problem, index: int, key: jax.Array,
                     budget: int) -> Trajectory:
+    if self.max_turns is None or self.turn_tokens is None:
+      raise ValueError('EnvironmentAgent: max_turns and turn_tokens are unset (agents.task.build sets them from the '
+                       'run\'s task section)')
     environment = self.make_environment(problem, index)
     episode = Episode(llm, problem.prompt, budget, key)
-    episode.observe(observation(environment, 'reset()', await environment.reset(), llm.vocab_size))
+    episode.observe(self.observation(environment, 'reset()', await environment.reset(), None, llm.vocab_size))
     trajectory = episode.trajectory
     for _ in range(self.max_turns):
-      turn = await episode.act(self.turn_tokens, self.stop_token_ids)
-      if turn is None:
+      completion = await episode.act(self.turn_tokens)
+      if completion is None:
         break
+      turn = self.text.turn(completion) if self.text is not None else Turn(**vars(completion))
       step = await environment.step(turn)
       trajectory.reward += step.reward
       trajectory.tool_calls += int(step.tool_call)
@@ -111,8 +125,23 @@ class EnvironmentAgent:
         trajectory.answer = step.answer
       if step.done:
         break
-      episode.observe(observation(environment, 'step()', step.observation, llm.vocab_size))
+      episode.observe(self.observation(environment, 'step()', step.observation, turn, llm.vocab_size))
     return trajectory
+
+  def observation(self, environment: Environment, method: str, answer, turn: Turn | None,
+                  vocab_size: int) -> tuple[int, ...]:
+    """An environment's answer as ids: text through the task's tokenizer (a reply to `turn`, or
+    as written after the prompt), ids checked against the model's vocabulary."""
+    if isinstance(answer, str):
+      if self.text is None:
+        raise UserError(f'environment {_name(environment)}: {method} returned text, but the task has no tokenizer '
+                        '(AgentTask.tokenizer) to encode it')
+      answer = self.text.encode(answer) if turn is None else self.text.reply(answer, turn)
+    return observation(environment, method, answer, vocab_size)
+
+
+def _name(environment) -> str:
+  return f'{type(environment).__module__}.{type(environment).__qualname__}'
 
 
 def observation(environment: Environment, method: str, tokens, vocab_size: int) -> tuple[int, ...]:
@@ -122,5 +151,5 @@ def observation(environment: Environment, method: str, tokens, vocab_size: int) 
   try:
     return tuple(check_token_ids(tokens, vocab_size, 'observation').tolist())
   except TokenIdError as error:
-    name = f'{type(environment).__module__}.{type(environment).__qualname__}'
-    raise UserError(f'environment {name}: {method} returned an {error} (a bug in the environment)') from None
+    raise UserError(f'environment {_name(environment)}: {method} returned an {error} (a bug in the environment)') \
+        from None

@@ -69,8 +69,9 @@ def build(config) -> AgentTask:
                     data=int(np.random.default_rng((seed, position + index)).integers(n)))
             for index in range(count)]
 
-  agent = EnvironmentAgent(make_environment=lambda problem, episode: GuessNumber(n, problem.data), max_turns=turns,
-                           turn_tokens=1)
+  # One token per turn is the game's own bound; task.max_turns bounds the guesses (agents/task.py).
+  agent = EnvironmentAgent(make_environment=lambda problem, episode: GuessNumber(n, problem.data), turn_tokens=1)
+
   def every_secret() -> list[Problem]:  # evaluation plays each secret once
     return [Problem(prompt=(WORDS.index(BOS),), data=secret) for secret in range(n)]
 

@@ -2,23 +2,27 @@
 episodes (`task.name: agent`, `task.environment` names it).
 
 The task section's `environment` is a built-in (`guess_number`: agents/guess.py, `tool_use`:
-agents/tool_use.py) or
-`module:function`, a function of the run's Config returning an AgentTask (as custom reward terms
-are named). The RL step (rl/step.py) runs the agent's episodes in place of sampling and scoring
-(agents/stage.py): everything after that — advantages, the update, dynamic sampling, checkpoints
-and resume — is the same as for any task.
+agents/tool_use.py) or `module:function`: a factory `function(config, **task.environment_args)`
+returning an AgentTask, imported from the Python path (as custom reward terms are named). A text
+environment's factory is a few lines with `text_task` (README, "Your own environment"). The RL
+step (rl/step.py) runs the agent's episodes in place of sampling and scoring (agents/stage.py):
+everything after that — advantages, the update, dynamic sampling, checkpoints and resume — is the
+same as for any task.
 """
 
+import contextlib
 import dataclasses
 import importlib
+import inspect
 from typing import Any, Callable, Literal
 
 import numpy as np
 
-from grpo_jax.agents.agent import Agent, Problem
+from grpo_jax.agents.agent import Agent, EnvironmentAgent, Environment, Problem
+from grpo_jax.agents.text import TextCodec
+from grpo_jax.data.math_task import ProblemFields, open_tokenizer, render_prompt
 from grpo_jax.data.task import Prompts
-from grpo_jax.data.math_task import ProblemFields
-from grpo_jax.errors import UserError, require
+from grpo_jax.errors import FieldError, UserError, require
 from grpo_jax.sections import section
 
 BUILT_IN = {'guess_number': 'grpo_jax.agents.guess', 'tool_use': 'grpo_jax.agents.tool_use'}
@@ -28,8 +32,10 @@ BUILT_IN = {'guess_number': 'grpo_jax.agents.guess', 'tool_use': 'grpo_jax.agent
 class AgentTask:
   """problems(position, count) -> the step's Problems (a problem's order depends only on the run's
   seed and its position, so a resumed run sees the same ones); agent: runs their episodes.
-  prompt_length: Tp, prompts are left-padded to it with `pad_id`. eval_problems() -> the held-out
-  problems evaluation runs episodes of (None: the task has none)."""
+  prompt_length: Tp, prompts are left-padded to it with `pad_id`. vocab_size: the ids the task's
+  tokenizer has. stop_token_ids: the ids that end every policy turn (the one place they are set).
+  tokenizer: decodes turns for the environment (Turn.text) and encodes its text answers.
+  eval_problems() -> the held-out problems evaluation runs episodes of (None: the task has none)."""
 
   agent: Agent
   problems: Callable[[int, int], list[Problem]]
@@ -73,8 +79,12 @@ class AgentSection(ProblemFields):
   name: Literal['agent'] = 'agent'
   # A built-in environment (guess_number, tool_use) or module:function returning an agents.task.AgentTask
   environment: str = 'guess_number'
-  max_turns: int = 4  # policy turns per episode
-  turn_tokens: int = 0  # tool_use: tokens per policy turn; 0: the rollout's max_new_tokens
+  # module:function's own arguments, passed as written: function(config, **environment_args)
+  environment_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+  max_turns: int = 4  # policy turns per episode, for every environment (one may set fewer of its own)
+  # Tokens per policy turn, for every environment (one may set fewer of its own: guess_number's
+  # turns are one token); 0: the rollout's max_new_tokens
+  turn_tokens: int = 0
   tools: tuple[str, ...] = ('python', 'calculator')  # tool_use: the tools the policy may call
   tool_timeout_s: float = 10.0  # tool_use: the deadline of one tool call (and answer check)
   guess_range: int = 16  # guess_number: the secret is in [0, guess_range)
@@ -88,6 +98,9 @@ class AgentSection(ProblemFields):
       require(self.max_turns >= 1, 'max_turns', f'must be >= 1, got {self.max_turns}')
       require(self.turn_tokens >= 0, 'turn_tokens', f'must be >= 0, got {self.turn_tokens}')
       module = _module(environment)
+      require(module is None or not self.environment_args, 'environment_args',
+              f'are the arguments of an environment of your own (module:function); the built-in {environment} '
+              'takes none (its settings are task keys of their own)')
       if module is not None:
         module.check(self)
 
@@ -98,19 +111,111 @@ class AgentSection(ProblemFields):
 
 
 def build(config) -> AgentTask:
+  """The run's AgentTask: the built-in's, or what task.environment's factory returns for
+  (config, **task.environment_args), with the run's turn bounds and the tokenizer's text on its
+  EnvironmentAgent."""
   environment = config.task.environment
   module = _module(environment)
   if module is not None:
-    return module.build(config)
+    return bound(module.build(config), config)
   name, function = environment.split(':')
   try:
     factory = getattr(importlib.import_module(name), function)
   except (ImportError, AttributeError) as error:
-    raise UserError(f'task.environment {environment}: cannot import it ({error})') from None
-  task = factory(config)
+    raise UserError(f'task.environment {environment}: cannot import it ({error}; its module must be on the Python '
+                    'path: installed, in the working directory, or on PYTHONPATH)') from None
+  arguments = dict(config.task.environment_args)
+  _check_arguments(factory, environment, arguments)
+  with _naming_arguments():
+    task = factory(config, **arguments)
   if not isinstance(task, AgentTask):
     raise UserError(f'task.environment {environment}: returned {type(task).__name__}, not an AgentTask')
-  return task
+  return bound(task, config)
+
+
+def _check_arguments(factory, environment: str, arguments: dict) -> None:
+  """task.environment_args against the factory's signature: each key one of its parameters, each
+  parameter without a default given."""
+  try:
+    parameters = list(inspect.signature(factory).parameters.values())[1:]  # the first is the config
+  except (TypeError, ValueError):  # no signature to read (a builtin): the call says what is wrong
+    return
+  named = {p.name: p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+    for key in arguments:
+      require(key in named, f'task.environment_args.{key}',
+              f'is not an argument of {environment} (its arguments: {", ".join(named) or "none"})')
+  for key, parameter in named.items():
+    require(parameter.default is not parameter.empty or key in arguments, f'task.environment_args.{key}',
+            f'must be set: {environment} has no default for it')
+
+
+@contextlib.contextmanager
+def _naming_arguments():
+  """A factory's require(condition, 'key', message) names task.environment_args.key; errors that
+  already name a field in full (task.max_prompt_tokens, model.path) pass unchanged."""
+  try:
+    yield
+  except FieldError as error:
+    if '.' in error.field:
+      raise
+    raise error.renamed(f'task.environment_args.{error.field}') from None
+
+
+def bound(task: AgentTask, config) -> AgentTask:
+  """The task with the run's bounds on its EnvironmentAgent: task.max_turns, task.turn_tokens (0:
+  rollout.max_new_tokens), each the smaller of the run's and the environment's own where it set
+  one; and the TextCodec of the task's tokenizer (replies as `user` messages of its chat template
+  when task.chat_template holds). Any other Agent reads the config itself."""
+  agent = task.agent
+  if not isinstance(agent, EnvironmentAgent):
+    return task
+  turns = min(config.task.max_turns, agent.max_turns or config.task.max_turns)
+  tokens = config.task.turn_tokens or config.rollout.max_new_tokens
+  tokens = min(tokens, agent.turn_tokens or tokens)
+  text = agent.text
+  if text is None and task.tokenizer is not None:
+    text = TextCodec(task.tokenizer, task.stop_token_ids, config.task.chat_template, role='user')
+  return dataclasses.replace(task, agent=dataclasses.replace(agent, max_turns=turns, turn_tokens=tokens, text=text))
+
+
+def text_task(config, problem: Callable[[int], tuple[Any, Any]], make_environment: Callable[[Problem, int], Environment],
+              eval_problems: list[tuple[Any, Any]] | None = None) -> AgentTask:
+  """An AgentTask of text problems and a text environment, on the run's tokenizer (task.tokenizer,
+  else model.path).
+
+  problem(index) -> (question, data) of the run's index-th problem: the same index must give the
+  same problem (a resumed run replays its positions). The question is text, rendered as the math
+  task's prompts are (task.prompt_template, then the chat template unless task.chat_template is
+  false), or a list of chat messages; `data` is what the environment needs (a secret, a reference
+  answer). make_environment(problem, episode) -> the Environment of one episode (problem.data is
+  `data`). eval_problems: the held-out (question, data) pairs evaluation plays, if any.
+
+  Turns end at the tokenizer's stop ids; prompts longer than task.max_prompt_tokens are an error
+  naming the problem."""
+  require(bool(config.model.path or config.task.tokenizer), 'model.path',
+          f'or task.tokenizer must be set for task.environment {config.task.environment}: its text is read with that '
+          'tokenizer')
+  tokenizer, special, use_chat_template = open_tokenizer(config.task, config.model.path)
+  limit = config.task.max_prompt_tokens
+
+  def posed(question, data, index: int, where: str) -> Problem:
+    text = render_prompt(tokenizer, use_chat_template, config.task, question, index, where)
+    ids = tuple(tokenizer(text, add_special_tokens=not use_chat_template)['input_ids'])
+    if not 1 <= len(ids) <= limit:
+      raise UserError(f'{config.task.environment}: {where} problem {index} has a prompt of {len(ids)} tokens; '
+                      f'task.max_prompt_tokens is {limit}')
+    return Problem(prompt=ids, data=data)
+
+  def problems(position: int, count: int) -> list[Problem]:
+    return [posed(*problem(index), index, 'task') for index in range(position, position + count)]
+
+  def held_out() -> list[Problem]:
+    return [posed(question, data, index, 'eval') for index, (question, data) in enumerate(eval_problems)]
+
+  return AgentTask(EnvironmentAgent(make_environment), problems, prompt_length=limit, vocab_size=len(tokenizer),
+                   stop_token_ids=tuple(special.stop_ids), pad_id=special.pad_id, tokenizer=tokenizer,
+                   eval_problems=None if eval_problems is None else held_out)
 
 
 def shape(config, architecture):

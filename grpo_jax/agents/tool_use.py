@@ -20,53 +20,17 @@ cannot be read, fails, hangs, crashes or floods its output becomes a short error
 counts as a tool error, never a crash of the run.
 """
 
-import dataclasses
-
 from grpo_jax.agents.agent import EnvironmentAgent, Problem, Step
 from grpo_jax.agents.inference import Completion
 from grpo_jax.agents.task import AgentTask
+from grpo_jax.agents.text import TextCodec
 from grpo_jax.agents.tools import SCHEMAS, TOOLS, parse_tool_call, work, worker_setup
 from grpo_jax.data import math_task
-from grpo_jax.errors import UserError, require
+from grpo_jax.errors import require
 from grpo_jax.evaluation import final_answer
 from grpo_jax.workers import Failed, WorkerPool
 
 MAX_OBSERVATION_CHARS = 1200
-_SLOT = '\x00'  # stands for a message's content while the chat template renders around it
-
-
-@dataclasses.dataclass(frozen=True)
-class ObservationFormat:
-  """The text around a tool's output after a policy turn: `before` (what follows the turn's last
-  token: the end of its message, the tool message's opening) and `after` (its end, the next
-  assistant header). `turn_end`: the text of the turn's stop token when the template writes it
-  (a turn that stopped on it already holds it)."""
-
-  before: str
-  after: str
-  turn_end: str = ''
-
-
-def observation_format(tokenizer, use_chat_template: bool, tools) -> ObservationFormat:
-  """The chat template's rendering of a tool message after an assistant turn (read off the
-  template by rendering a conversation with and without it), else the plain `<output>` wrapper."""
-  if not use_chat_template:
-    return ObservationFormat('\n<output>\n', '\n</output>\n')
-  conversation = [{'role': 'user', 'content': 'q'}, {'role': 'assistant', 'content': _SLOT}]
-  try:
-    turn = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False)
-    answered = tokenizer.apply_chat_template(conversation + [{'role': 'tool', 'content': _SLOT}], tools=tools,
-                                             tokenize=False, add_generation_prompt=True)
-  except Exception as error:  # noqa: BLE001 (jinja's errors have no common base)
-    raise UserError(f'the tokenizer\'s chat template cannot render a tool message ({type(error).__name__}: '
-                    f'{error}); set task.chat_template: false for the <output> format') from None
-  if not answered.startswith(turn) or answered.count(_SLOT) != 2:
-    raise UserError('the tokenizer\'s chat template does not render a tool message after the assistant\'s turn; '
-                    'set task.chat_template: false for the <output> format')
-  end_of_turn = turn.split(_SLOT)[1]
-  before, after = (end_of_turn + answered[len(turn):]).split(_SLOT)
-  stop = tokenizer.eos_token or ''
-  return ObservationFormat(before, after, stop if stop and end_of_turn.startswith(stop) else '')
 
 
 class ToolWorld:
@@ -75,28 +39,21 @@ class ToolWorld:
 
   def __init__(self, math: math_task.MathTask, tools: tuple[str, ...], pool: WorkerPool):
     self.math, self.tools, self.pool = math, tools, pool
-    self.format = observation_format(math.tokenizer, math.use_chat_template, [SCHEMAS[name] for name in tools]) \
-        if tools else None
     self.tokenizer = math.tokenizer
-    encode = lambda text: tuple(self.tokenizer(text, add_special_tokens=False)['input_ids'])  # noqa: E731
-    # (before, after) tokens around a result: after a turn that did not / did end on its stop token.
-    self._around = {} if self.format is None else {
-        ended: (encode(self.format.before[len(self.format.turn_end) if ended else 0:]), encode(self.format.after))
-        for ended in (False, True)}
+    # A result is the chat template's `tool` message after the policy's turn (agents/text.py).
+    self.messages = TextCodec(math.tokenizer, math.stop_token_ids, math.use_chat_template, role='tool',
+                              tools=[SCHEMAS[name] for name in tools]) if tools else None
+    # Read off the template now: one that cannot render a tool message stops the run here, not mid-step.
+    self.format = self.messages.format if self.messages is not None else None
 
   def text(self, tokens) -> str:
     return self.math.decode([tokens], [[True] * len(tokens)])[0] if tokens else ''
 
   def observation(self, result: str, turn: Completion) -> tuple[int, ...]:
-    """The tokens that answer `turn` with the tool's `result` (the template's text around it is
-    tokenized once, in `_around`)."""
-    ended = bool(self.format.turn_end) and turn.finish_reason == 'stop' and bool(turn.tokens) and \
-        self.tokenizer.decode([turn.tokens[-1]]) == self.format.turn_end
+    """The tokens that answer `turn` with the tool's `result`, cut to MAX_OBSERVATION_CHARS."""
     if len(result) > MAX_OBSERVATION_CHARS:
       result = result[:MAX_OBSERVATION_CHARS] + f'\n... ({len(result) - MAX_OBSERVATION_CHARS} more characters cut)'
-    before, after = self._around[ended]
-    return before + tuple(self.tokenizer(result, add_special_tokens=False, split_special_tokens=True)['input_ids']) \
-        + after
+    return self.messages.reply(result, turn)
 
   async def run(self, name: str, argument: str) -> tuple[str, bool]:
     """The tool's text and whether it failed."""
@@ -165,9 +122,8 @@ def build(config) -> AgentTask:
     return [Problem(prompt=tuple(int(t) for t in ids), data=answer, source=source)
             for ids, answer, source in zip(held_out.prompt_ids, held_out.answers, held_out.data_sources)]
 
-  turn_tokens = task.turn_tokens or config.rollout.max_new_tokens
-  agent = EnvironmentAgent(make_environment=lambda problem, episode: ToolEnvironment(world, problem.data),
-                           max_turns=task.max_turns, turn_tokens=turn_tokens)  # the server stops at the task's ids
+  # task.max_turns and task.turn_tokens bound its turns (agents/task.py); the task's stop ids end them.
+  agent = EnvironmentAgent(make_environment=lambda problem, episode: ToolEnvironment(world, problem.data))
 
   def close():
     pool.close()

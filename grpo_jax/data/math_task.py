@@ -106,21 +106,7 @@ class ProblemSet:
     return len(self.prompt_ids)
 
   def render(self, question, index: int = 0, section: str = 'task') -> str:
-    """The prompt text of one question: the template, then the chat template for chat models."""
-    if not isinstance(question, str):  # already chat messages, as in some RL datasets
-      if not self.use_chat_template:
-        raise UserError(f'{section}: record {index} holds chat messages; they need task.chat_template: true and a '
-                        'tokenizer with a chat template')
-      messages = list(question)
-    else:
-      text = _format(self.task_config.prompt_template, question)
-      if not self.use_chat_template:
-        return text
-      messages = [{'role': 'user', 'content': text}]
-    options = {} if self.task_config.enable_thinking is None else {'enable_thinking': self.task_config.enable_thinking}
-    if self.tools:
-      options['tools'] = self.tools
-    return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **options)
+    return render_prompt(self.tokenizer, self.use_chat_template, self.task_config, question, index, section, self.tools)
 
   def left_padded(self, indices, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, mask) [len(indices), length] int32 of the problems at `indices`, left-padded."""
@@ -133,6 +119,42 @@ class ProblemSet:
     return tokens, mask
 
 
+def render_prompt(tokenizer, use_chat_template: bool, task: 'ProblemFields', question, index: int = 0,
+                  section: str = 'task', tools=None) -> str:
+  """The prompt text of one question (problem `index` of `section`, for messages): the task's
+  template, then the chat template for chat models; a question given as chat messages goes
+  through the chat template alone. `tools`: function schemas the chat template lists."""
+  if not isinstance(question, str):  # already chat messages, as in some RL datasets
+    if not use_chat_template:
+      raise UserError(f'{section}: record {index} holds chat messages; they need task.chat_template: true and a '
+                      'tokenizer with a chat template')
+    messages = list(question)
+  else:
+    text = _format(task.prompt_template, question)
+    if not use_chat_template:
+      return text
+    messages = [{'role': 'user', 'content': text}]
+  options = {} if task.enable_thinking is None else {'enable_thinking': task.enable_thinking}
+  if tools:
+    options['tools'] = tools
+  return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **options)
+
+
+def open_tokenizer(task: 'ProblemFields', model_path: str | None):
+  """(tokenizer, its special ids, whether prompts go through its chat template) of a task that
+  reads `task.tokenizer`, else `model_path`; one-line errors for a missing tokenizer or eos token."""
+  where = f'task.tokenizer {task.tokenizer}' if task.tokenizer else f'model.path {model_path}'
+  tokenizer = load_tokenizer(task.tokenizer or model_path)
+  if tokenizer is None:
+    raise UserError(f'{where} has no tokenizer (tokenizer.json or vocab.json)')
+  special = special_tokens(tokenizer)
+  if special.eos_id is None:
+    raise UserError(f'the tokenizer in {where} has no eos token (set eos_token in tokenizer_config.json)')
+  if '\0' not in _format(task.prompt_template, '\0'):
+    raise UserError(f'task.prompt_template {task.prompt_template!r} has no {{prompt}} for the question')
+  return tokenizer, special, task.chat_template and bool(getattr(tokenizer, 'chat_template', None))
+
+
 class MathTask:
   """Prompts from `task.source`, rewards from the run's terms on the host (a Task). The tokenizer
   is read from `task.tokenizer`, else `model_path`; `seed` (run.seed) orders the prompts; `rewards` (the config's terms;
@@ -143,21 +165,11 @@ class MathTask:
 
   def __init__(self, task: 'ProblemFields', model_path: str, seed: int, rewards: tuple[RewardTerm, ...] = (),
                max_new_tokens: int = 0, problems: bool = True, tools=None):
-    where = f'task.tokenizer {task.tokenizer}' if task.tokenizer else f'model.path {model_path}'
-    self.tokenizer = load_tokenizer(task.tokenizer or model_path)
-    if self.tokenizer is None:
-      raise UserError(f'{where} has no tokenizer (tokenizer.json or vocab.json)')
+    self.tokenizer, special, self.use_chat_template = open_tokenizer(task, model_path)
     self.task_config, self.seed = task, seed
     self.vocab_size = len(self.tokenizer)
-    special = special_tokens(self.tokenizer)
-    if special.eos_id is None:
-      raise UserError(f'the tokenizer in {where} has no eos token (set eos_token in '
-                      'tokenizer_config.json)')
     self.eos_id, self.pad_id, self.stop_token_ids = special.eos_id, special.pad_id, special.stop_ids
     self.prompt_length = task.max_prompt_tokens
-    self.use_chat_template = task.chat_template and bool(getattr(self.tokenizer, 'chat_template', None))
-    if '\0' not in _format(task.prompt_template, '\0'):
-      raise UserError(f'task.prompt_template {task.prompt_template!r} has no {{prompt}} for the question')
     # problems=False: only the tokenizer, rendering and stop ids (evaluation brings its own problems).
     self.problems = (ProblemSet(self.tokenizer, self.use_chat_template, task, (task.dataset, *task.mix), 'task',
                                 tools) if problems else None)
