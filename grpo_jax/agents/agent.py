@@ -112,7 +112,7 @@ class EnvironmentAgent:
     episode = Episode(llm, problem.prompt, budget, key)
     episode.observe(self.observation(environment, 'reset()', await environment.reset(), None, llm.vocab_size))
     trajectory = episode.trajectory
-    for _ in range(self.max_turns):
+    for index in range(self.max_turns):
       completion = await episode.act(self.turn_tokens)
       if completion is None:
         break
@@ -123,7 +123,7 @@ class EnvironmentAgent:
       trajectory.tool_errors += int(step.tool_error)
       if step.answer is not None:
         trajectory.answer = step.answer
-      if step.done:
+      if step.done or index == self.max_turns - 1:  # no turn reads an answer to the last one
         break
       episode.observe(self.observation(environment, 'step()', step.observation, turn, llm.vocab_size))
     return trajectory

@@ -24,6 +24,7 @@ from grpo_jax import distributed
 from grpo_jax import metrics as metrics_lib
 from grpo_jax.agents.agent import episode_keys
 from grpo_jax.agents.inference import InferenceServer
+from grpo_jax.agents.text import decode
 from grpo_jax.agents.trajectory import FACTS
 from grpo_jax.errors import UserError
 from grpo_jax.evaluation import summarize
@@ -102,7 +103,7 @@ class EpisodeEvaluator:
   def _text(self, episode):
     if self.task.tokenizer is None:
       return [int(token) for token in episode.tokens]
-    return self.task.tokenizer.decode(episode.tokens)
+    return decode(self.task.tokenizer, episode.tokens)  # ids the tokenizer lacks as U+FFFD
 
   def close(self) -> None:
     pass
