@@ -9,6 +9,7 @@ from the newest complete checkpoint.
 """
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -84,11 +85,21 @@ def changed_keys(before: dict, after: dict) -> list[str]:
   lacks (another task kind's: checkpoints written before the task section was a tagged union
   stored every kind's keys; a change of kind shows as task.name). An environment's own arguments
   (task.environment_args) are compared both ways: one added or removed is a change."""
+  if _architecture_unread(before):  # stored before the config recorded the architecture read from model.path
+    before = dict(before, model=dict(before['model'], architecture=after.get('model', {}).get('architecture')))
   old, new = _flat(before), _flat(after)
   arguments = {key: None for key in new if key.startswith('task.environment_args.') and key not in old}
   return [f'{key}: {old.get(key)!r} -> {new.get(key)!r}' for key in sorted({**old, **arguments})
           if (key in new or not key.startswith('task.') or key.startswith('task.environment_args.'))
           and old.get(key) != new.get(key)]
+
+
+def _architecture_unread(stored: dict) -> bool:
+  """A stored config of a run from model.path whose architecture is the section's unused default
+  (written before runs recorded the architecture they read from model.path)."""
+  model = stored.get('model', {})
+  return bool(model.get('path')) and model.get('architecture') == config_lib.to_dict(config_lib.Config())['model'][
+      'architecture']
 
 
 def base_record(config: config_lib.Config, architecture: dict) -> dict:
@@ -130,6 +141,8 @@ class Run:
   The RL step itself is rl/step.py's; the step counter is the state's."""
 
   def __init__(self, config: config_lib.Config, workdir: str, mesh, model, task: Task):
+    if config.model.path:  # the architecture trained is the one read there: the printed and stored config say so
+      config = dataclasses.replace(config, model=dataclasses.replace(config.model, architecture=model.config))
     self.config, self.mesh = config, mesh
     if task.vocab_size > model.config.vocab_size:
       raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but model vocab_size is '

@@ -1,5 +1,6 @@
 """Run config: YAML + --set overrides, one-line errors naming the key, and the train entry point."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import yaml
 from grpo_jax.config import Config, from_dict, load_config, to_dict, to_yaml
 from grpo_jax.data.sources import DatasetSource
 from grpo_jax.errors import UserError
+from grpo_jax.model.config import Qwen2Config
 from grpo_jax.sampler import SamplingConfig
 from runs import device_env
 
@@ -214,3 +216,17 @@ def test_local_model_and_tokenizer_paths_are_stored_absolute(tmp_path, monkeypat
   named = load_config(os.path.join(ROOT, 'configs', 'tiny_math.yaml'), ['model.path=Qwen/Qwen2.5-0.5B'])
   assert (named.model.path, named.task.tokenizer) == ('Qwen/Qwen2.5-0.5B', 'data/tiny_math/tokenizer')
   assert from_dict(dict(to_dict(named), model=dict(to_dict(named)['model'], path='base'))).model.path == 'base'
+
+
+def test_a_run_from_model_path_compares_the_architecture_it_read():
+  """Configs stored before runs recorded the architecture read from model.path hold the section's
+  unused default: resuming names no architecture key as changed. Stored since, a change of base shows."""
+  from grpo_jax.train import changed_keys
+  config = load_config(os.path.join(ROOT, 'configs', 'tiny_math.yaml'), ['model.path=/some/base'])
+  read = dataclasses.replace(config.model.architecture, hidden_size=96, num_hidden_layers=3)
+  after = to_dict(dataclasses.replace(config, model=dataclasses.replace(config.model, architecture=read)))
+  old = to_dict(dataclasses.replace(config, model=dataclasses.replace(config.model, architecture=Qwen2Config())))
+  assert changed_keys(old, after) == []
+  other = to_dict(dataclasses.replace(config, model=dataclasses.replace(
+      config.model, architecture=dataclasses.replace(read, hidden_size=128))))
+  assert changed_keys(other, after) == ['model.architecture.hidden_size: 128 -> 96']

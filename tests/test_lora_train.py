@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import yaml
 import pytest
 from flax import nnx
 
@@ -89,6 +90,11 @@ def test_lora_exports_as_peft_and_merged(tmp_path, make_hf_checkpoint, seed):
   # The entropy bonus moves the adapters even where a random base earns no reward.
   train_here(tmp_path / 'run', LORA, *QUIET[1::2], f'model.path={base}', 'train.steps=3', 'train.steps_per_call=1',
          'optim.learning_rate=2e-2', 'algo.entropy_coef=1.0', 'model.lora.targets=[q, v, o, up, down]')
+  # The run's printed and stored config shows the architecture read from model.path, not the section's default.
+  stored = yaml.safe_load((tmp_path / 'run' / 'config.yaml').read_text())['model']['architecture']
+  fields = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads',
+            'num_key_value_heads', 'tie_word_embeddings')
+  assert {name: stored[name] for name in fields} == {name: getattr(torch_model.config, name) for name in fields}
   graphdef, params, config, _ = restore_policy(*locate(str(tmp_path / 'run')), host_mesh())
   policy = nnx.merge(graphdef, params)
   tokens = np.random.default_rng(seed).integers(0, policy.config.vocab_size, (2, 11))

@@ -274,7 +274,7 @@ class ModelConfig:
   written in this section: `model.dtype`, `model.remat`, ...; see model/qwen2.py)."""
 
   path: str | None = None  # Hugging Face dir or grpo_jax checkpoint; None: random init from `architecture`
-  architecture: Qwen2Config = Qwen2Config()  # used only when `path` is None
+  architecture: Qwen2Config = Qwen2Config()  # used only when `path` is None (a run from `path` stores the one read there)
   options: ModelOptions = inline(ModelOptions())
 
   def __post_init__(self):
