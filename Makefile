@@ -10,7 +10,7 @@ PYTHON ?= $(call first_python,$$(command -v python3.13 python3.12) $(HOME)/.pyen
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-agent demo-math demo-lora test test-fast core-smoke bench clean
+.PHONY: demo demo-agent demo-math demo-lora test test-fast core-smoke sandbox bench clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 or newer found (jax 0.12 needs it): make ... PYTHON=/path/to/python3.12"; exit 1; }
@@ -84,8 +84,22 @@ endif
 # ends with its 30 slowest tests.
 PYTEST := $(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=30
 
-test: $(VENV)/.test $(VENV)/.compilers core-smoke
+test: $(VENV)/.test $(VENV)/.compilers core-smoke sandbox
 	$(PYTEST)
+
+# The sandbox of model-written code (grpo_jax/sandbox.py) is bubblewrap, a system package, beyond
+# what .venv holds: as root it is installed with apt-get (Debian, Ubuntu) or dnf (Fedora); otherwise
+# one line says how, and make stops.
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing bubblewrap (apt-get) for the tool sandbox"; \
+	    apt-get install -y -qq bubblewrap >/dev/null 2>&1 || { apt-get update -qq >/dev/null && apt-get install -y -qq bubblewrap >/dev/null; }; \
+	  elif [ "$$(id -u)" = 0 ] && command -v dnf >/dev/null 2>&1; then \
+	    echo "installing bubblewrap (dnf) for the tool sandbox"; dnf install -y -q bubblewrap; \
+	  else \
+	    echo "the tool sandbox needs bubblewrap: sudo apt-get install bubblewrap (or dnf install bubblewrap), then make test again"; exit 1; \
+	  fi; }
 
 # The edit loop: the unit tests (no CLI run, no learning run, no deviceless compile), under 3 minutes.
 test-fast: $(VENV)/.test

@@ -1,4 +1,4 @@
-"""python bench/agents.py [--preset small] [--episodes 128] [--turns 4] [--mean-turn 16] [--latency-ms 50] [--no-reuse]
+"""python bench/agents.py [--preset small] [--episodes 128] [--turns 4] [--mean-turn 16] [--latency-ms 50] [--no-reuse] [--sandbox N]
 
 Useful tokens/s of multi-turn episodes on the inference server (grpo_jax/agents/inference.py), run
 two ways over the same server, model, keys and workload:
@@ -14,7 +14,9 @@ the budget is the turn's length), and each environment answer takes an exponenti
 time (mean --latency-ms, as a tool call or a remote service would) before it appends
 --observation tokens. Both ways must give the same trajectories (asserted); useful tokens are the
 policy's tokens. The server keeps each turn's KV cache for the episode's next turn (both ways);
---no-reuse prefills every turn's whole context instead.
+--no-reuse prefills every turn's whole context instead. --sandbox N: each environment answer is
+instead one real Python tool call (a short script) in a fresh sandbox (grpo_jax/sandbox.py), through
+N tool workers as the tool-use environment runs them.
 """
 
 import argparse
@@ -44,6 +46,8 @@ def parse_args():
   parser.add_argument('--threads', type=int, default=os.cpu_count())
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--no-reuse', dest='reuse', action='store_false', help='no KV reuse across turns')
+  parser.add_argument('--sandbox', type=int, default=0, metavar='N',
+                      help='each answer one sandboxed Python call through N tool workers (0: a sleep of the latency)')
   return parser.parse_args()
 
 
@@ -73,11 +77,24 @@ def workload(vocab: int):
   return prompts, budgets, latencies, answers
 
 
+TOOLS = None  # the tool workers, with --sandbox
+latencies_ = None  # the workload's environment latencies [E, T]
+
+
+async def answer(index: int, turn: int) -> None:
+  """The environment's time to answer: a sleep of the drawn latency, or one sandboxed Python call."""
+  if TOOLS is None:
+    await asyncio.sleep(latencies_[index, turn])
+    return
+  text, failed = await TOOLS.call('python', f'print(sum(i * i for i in range({1000 * (index + turn + 1)})))')
+  assert not failed, text
+
+
 async def asynchronous(server, episodes, budgets, latencies, answers):
   async def one(index, episode):
     for turn in range(args.turns):
       await episode.act(int(budgets[index, turn]))
-      await asyncio.sleep(latencies[index, turn])
+      await answer(index, turn)
       episode.observe(answers[index][turn])
 
   await asyncio.gather(*(one(i, e) for i, e in enumerate(episodes)))
@@ -86,7 +103,7 @@ async def asynchronous(server, episodes, budgets, latencies, answers):
 async def lock_step(server, episodes, budgets, latencies, answers):
   for turn in range(args.turns):
     await asyncio.gather(*(e.act(int(budgets[i, turn])) for i, e in enumerate(episodes)))
-    await asyncio.gather(*(asyncio.sleep(latencies[i, turn]) for i in range(len(episodes))))
+    await asyncio.gather(*(answer(i, turn) for i in range(len(episodes))))
     for index, episode in enumerate(episodes):
       episode.observe(answers[index][turn])
 
@@ -97,7 +114,17 @@ def main():
     testing.save_random_hf_checkpoint(directory, 0, init='default', jitter=0.02, **to_hf_dict(config))
     model = from_pretrained(directory, dtype='float32')
   graphdef, params = nnx.split(model)
+  global TOOLS, latencies_
   prompts, budgets, latencies, answers = workload(config.vocab_size)
+  latencies_ = latencies
+  if args.sandbox:
+    import functools
+    from grpo_jax import sandbox
+    from grpo_jax.agents import tools
+    from grpo_jax.workers import WorkerPool
+    sandbox.check()
+    TOOLS = WorkerPool(args.sandbox, tools.work, setup=functools.partial(tools.worker_setup, 'bwrap', sandbox.Limits()),
+                       timeout_s=30.0, name='tool worker')
   args.slots = args.slots or args.episodes
   budget = args.turns * (args.max_turn + args.observation)
   server = InferenceServer(graphdef, settings=DecodeSettings(sampling=SamplingConfig(temperature=1.0),
@@ -131,10 +158,12 @@ def main():
       assert mine.tokens == theirs.tokens and mine.loss_mask == theirs.loss_mask, f'{name}: episode {index}'
       np.testing.assert_allclose(mine.log_probs, theirs.log_probs, rtol=1e-5, atol=1e-5)
 
+  environment = (f'each answer one sandboxed Python call through {args.sandbox} tool workers' if args.sandbox else
+                 f'environment latency exponential (mean {latencies.mean() * 1e3:.0f} ms, max '
+                 f'{latencies.max() * 1e3:.0f} ms)')
   print(f'\n{args.preset}: {config.num_params() / 1e6:.0f}M params, {args.episodes} episodes x {args.turns} turns, '
         f'turn budgets geometric (mean {budgets.mean():.1f}, p90 {np.percentile(budgets, 90):.0f}, max '
-        f'{budgets.max()}), environment latency exponential (mean {latencies.mean() * 1e3:.0f} ms, max '
-        f'{latencies.max() * 1e3:.0f} ms), {args.observation} observation tokens; {args.slots} slots, chunks of '
+        f'{budgets.max()}), {environment}, {args.observation} observation tokens; {args.slots} slots, chunks of '
         f'{args.chunk}; KV reuse across turns {"on" if args.reuse else "off"}; {jax.default_backend()}, '
         f'{args.threads} threads, median of {args.repeats}')
   print(f'{"episodes run":<24} {"warm-up s":>9} {"s":>8} {"useful tok":>10} {"useful tok/s":>12} {"vs lock-step":>12} '

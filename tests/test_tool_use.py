@@ -5,20 +5,21 @@ chat template (Qwen2.5's tool-response layout), a scripted policy's episode is a
 turn by turn, and the tool-use recipe runs its first RL steps on the CPU."""
 
 import asyncio
+import functools
 import json
 import os
-import time
 
 import jax
 import numpy as np
 import pytest
 
 from grpo_jax import config as config_lib
+from grpo_jax import sandbox
 from grpo_jax.agents import task as agent_task
-from grpo_jax.agents import text, tools
+from grpo_jax.agents import text, tool_use, tools
 from grpo_jax.agents.inference import Completion
 from grpo_jax.errors import UserError
-from grpo_jax.workers import Failed, WorkerPool
+from grpo_jax.workers import WorkerPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, 'configs', 'qwen2_5_3b_gsm8k_tool.yaml')
@@ -62,38 +63,37 @@ def write_gsm8k(path, count: int) -> str:
 
 @pytest.fixture(scope='module')
 def pool():
-  with WorkerPool(2, tools.work, warmup=('math', '\\boxed{1}', '1'), setup=tools.worker_setup, timeout_s=3.0,
-                  memory_bytes=1 << 30, name='tool worker') as pool:
+  """The tool workers as tool_use makes them: each Python call in a sandbox of its own, 3 s at most."""
+  limits = sandbox.Limits(timeout_s=3.0, cpu_s=3)
+  sandbox.check(limits)
+  with WorkerPool(2, tools.work, warmup=('math', '\\boxed{1}', '1'), setup=functools.partial(tools.worker_setup, 'bwrap',
+                  limits), timeout_s=3.0 + tool_use.SANDBOX_MARGIN_S, memory_bytes=1 << 30, name='tool worker') as pool:
     yield pool
 
 
 HOSTILE = [  # (code, a piece of the observation); every one is a tool error
-    ('while True:\n  pass', Failed('deadline')),
-    ('import os\nos._exit(3)', Failed('crashed')),
+    ('while True:\n  pass', 'error: the python call ran past its 3 s limit'),
+    ('import os\nos._exit(3)', ''),
     ('x = bytearray(8 << 30)', 'MemoryError'),
-    ('import socket\nsocket.create_connection(("10.1.2.3", 80))', 'OSError: the python tool has no network'),
-    ('import os\nos.kill(os.getppid(), 9)', 'PermissionError: the python tool cannot send signals'),
-    ('raise SystemExit(ValueError("x"))', ''),
+    ('import socket\nsocket.create_connection(("10.1.2.3", 80))', 'OSError: [Errno 101] Network is unreachable'),
+    ('raise SystemExit(ValueError("x"))', 'x'),
     ('print(1/0)', 'ZeroDivisionError: division by zero'),
 ]
 
 
 def test_hostile_python_is_bounded_in_the_workers(pool):
-  """Each hostile script in its own item: the others run on, the trainer's process is untouched,
-  and a flood of output is cut at the tool's limit."""
+  """Each hostile script in its own item: the others run on, no worker is lost (each call's sandbox
+  ends it), and a flood of output is cut at the tool's limit. Containment itself: test_sandbox.py."""
   futures = [pool.submit('python', code) for code, _ in HOSTILE]
   flood = pool.submit('python', 'print("x" * 10_000_000)')
   fine = pool.submit('python', 'import math\nprint(math.comb(10, 3) * 2)')
   for (code, expected), future in zip(HOSTILE, futures):
-    result = future.result(timeout=120)
-    if isinstance(expected, Failed):
-      assert isinstance(result, Failed) and result.reason == expected.reason, code
-    elif expected:
-      assert result[1] and expected in result[0], (code, result)
+    text, failed = future.result(timeout=120)
+    assert failed and expected in text, (code, text)
   assert fine.result(timeout=60) == ('240', False)
   text, failed = flood.result(timeout=60)
   assert not failed and len(text) < 1100 and text.endswith('(9999001 more characters cut)')  # print's newline too
-  assert pool.failures >= 2  # the hang and the crash
+  assert pool.failures == 0
   assert pool.map([('calculator', '2 ** 10000'), ('math', 'so \\boxed{7}', '7')]) == \
       [('error: exponent 10000 is past 1000', True), 1.0]
 
@@ -104,14 +104,13 @@ def test_a_pool_serves_async_callers_while_one_item_hangs(pool):
   async def run():
     hung = asyncio.ensure_future(pool.call('python', 'import time\ntime.sleep(60)'))
     await asyncio.sleep(0.2)
-    start = time.monotonic()
     quick = await asyncio.gather(*(pool.call('calculator', f'{i} * 3') for i in range(6)))
-    quick_s = time.monotonic() - start
-    return await hung, quick, quick_s
+    answered_first = not hung.done()  # the quick ones came back while the hung call still held its worker
+    return await hung, quick, answered_first
 
-  hung, quick, quick_s = asyncio.run(run())
-  assert isinstance(hung, Failed) and hung.reason == 'deadline'
-  assert quick == [(str(3 * i), False) for i in range(6)] and quick_s < 2.5
+  hung, quick, answered_first = asyncio.run(run())
+  assert hung == ('error: the python call ran past its 3 s limit', True)
+  assert quick == [(str(3 * i), False) for i in range(6)] and answered_first
 
 
 def test_observations_follow_the_chat_template(tmp_path):
@@ -195,6 +194,22 @@ def test_bad_tool_configs_are_one_line_errors(tmp_path, fields, message):
   base = [f'model.path={tool_tokenizer_dir(tmp_path)}', f'task.source={write_gsm8k(tmp_path / "g.jsonl", 2)}']
   with pytest.raises(UserError, match=message):
     config_lib.load_config(RECIPE, base + fields)
+
+
+def test_tool_use_refuses_to_run_model_code_without_its_sandbox(tmp_path, monkeypatch, capsys):
+  fields = [f'model.path={tool_tokenizer_dir(tmp_path / "tokenizer")}', 'task.reward_workers=1',
+            'task.max_prompt_tokens=1024',
+            f'task.source={write_gsm8k(tmp_path / "g.jsonl", 2)}']
+  monkeypatch.setattr(sandbox, 'bwrap', lambda: None)
+  with pytest.raises(UserError) as error:
+    agent_task.build(config_lib.load_config(RECIPE, fields))
+  assert str(error.value).startswith('task.sandbox: bwrap, but bubblewrap (bwrap) is not installed; install '
+                                     'bubblewrap (Debian/Ubuntu: apt-get install bubblewrap')
+  # Opted out: it runs, and says so on every start. Without the python tool nothing needs a sandbox.
+  for extra in (['task.sandbox=none'], ['task.tools=[calculator]']):
+    agent_task.build(config_lib.load_config(RECIPE, fields + extra)).close()
+    said = capsys.readouterr().err
+    assert ('task.sandbox: none: the python tool runs model-written code unsandboxed' in said) == (extra[0][5] == 's')
 
 
 @pytest.mark.slow

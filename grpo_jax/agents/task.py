@@ -87,6 +87,9 @@ class AgentSection(ProblemFields):
   turn_tokens: int = 0
   tools: tuple[str, ...] = ('python', 'calculator')  # tool_use: the tools the policy may call
   tool_timeout_s: float = 10.0  # tool_use: the deadline of one tool call (and answer check)
+  # tool_use: each Python call in a fresh bubblewrap sandbox (grpo_jax/sandbox.py); none: in the
+  # tool worker, unsandboxed, as the trainer's user (said on every start)
+  sandbox: Literal['bwrap', 'none'] = 'bwrap'
   guess_range: int = 16  # guess_number: the secret is in [0, guess_range)
 
   def __post_init__(self):
@@ -179,7 +182,8 @@ def bound(task: AgentTask, config) -> AgentTask:
   return dataclasses.replace(task, agent=dataclasses.replace(agent, max_turns=turns, turn_tokens=tokens, text=text))
 
 
-def text_task(config, problem: Callable[[int], tuple[Any, Any]], make_environment: Callable[[Problem, int], Environment],
+def text_task(config, problem: Callable[[int], tuple[Any, Any]],
+              make_environment: Callable[[Problem, int], Environment],
               eval_problems: list[tuple[Any, Any]] | None = None) -> AgentTask:
   """An AgentTask of text problems and a text environment, on the run's tokenizer (task.tokenizer,
   else model.path).

@@ -15,11 +15,17 @@ then the assistant's header); a tokenizer without one gets `<output>...</output>
 is tokenized with its special tokens split, so output that spells `<|im_end|>` cannot end a turn.
 
 Tools and answer checks run in `task.reward_workers` bounded worker processes (grpo_jax.workers:
-`task.tool_timeout_s` per call, a memory cap, no network, dying with the trainer); a call that
+a deadline, a memory cap, dying with the trainer); each Python call runs from there in a sandbox of
+its own (grpo_jax.sandbox, `task.sandbox: bwrap`), `task.tool_timeout_s` at most. A call that
 cannot be read, fails, hangs, crashes or floods its output becomes a short error observation and
 counts as a tool error, never a crash of the run.
 """
 
+import functools
+import os
+import sys
+
+from grpo_jax import sandbox
 from grpo_jax.agents.agent import EnvironmentAgent, Problem, Step
 from grpo_jax.agents.inference import Completion
 from grpo_jax.agents.task import AgentTask
@@ -31,6 +37,7 @@ from grpo_jax.evaluation import final_answer
 from grpo_jax.workers import Failed, WorkerPool
 
 MAX_OBSERVATION_CHARS = 1200
+SANDBOX_MARGIN_S = 5.0  # the worker's deadline past the sandbox's: starting and ending one takes a moment
 
 
 class ToolWorld:
@@ -101,13 +108,29 @@ def check(task_config) -> None:
   require(task_config.tool_timeout_s > 0, 'tool_timeout_s', f'must be > 0, got {task_config.tool_timeout_s}')
 
 
+def _worker_setup(task, tools):
+  """The tool workers' set-up: a sandbox per Python call (checked here: one line and no run when it
+  cannot start), or, with `task.sandbox: none`, the code in the worker, said on every start."""
+  if 'python' not in tools:
+    return functools.partial(worker_setup, 'none')
+  if task.sandbox == 'none':
+    print(f'task.sandbox: none: the python tool runs model-written code unsandboxed, as the trainer\'s user (uid '
+          f'{os.getuid()}), with its files, environment and network in reach', file=sys.stderr, flush=True)
+    return functools.partial(worker_setup, 'none')
+  limits = sandbox.Limits(timeout_s=task.tool_timeout_s, cpu_s=int(task.tool_timeout_s) + 1)
+  sandbox.check(limits)
+  return functools.partial(worker_setup, 'bwrap', limits)
+
+
 def build(config) -> AgentTask:
   task = config.task
   tools = tuple(dict.fromkeys(task.tools))
   schemas = [SCHEMAS[name] for name in tools] or None
+  setup = _worker_setup(task, tools)  # before anything starts: a sandbox that cannot start stops the run here
   math = math_task.MathTask(task, config.model.path, config.run.seed, tools=schemas)
-  pool = WorkerPool(task.reward_workers, work, warmup=('math', '\\boxed{1}', '1'), setup=worker_setup,
-                    timeout_s=task.tool_timeout_s, name='tool worker')
+  pool = WorkerPool(task.reward_workers, work, warmup=('math', '\\boxed{1}', '1'), setup=setup,
+                    timeout_s=task.tool_timeout_s + (SANDBOX_MARGIN_S if task.sandbox == 'bwrap' else 0.0),
+                    name='tool worker')
   world = ToolWorld(math, tools, pool)
 
   def problems(position: int, count: int) -> list[Problem]:

@@ -1,6 +1,8 @@
-"""Tool calls in a policy's turn, and the built-in tools: a calculator and Python, run in bounded
-worker processes (grpo_jax.workers: a deadline, a memory cap, no network, dying with the trainer),
-never in the trainer's process.
+"""Tool calls in a policy's turn, and the built-in tools: a calculator and Python, run from bounded
+worker processes (grpo_jax.workers: a deadline, a memory cap, dying with the trainer), never in the
+trainer's process. Each Python call runs in a fresh OS-level sandbox (grpo_jax.sandbox: bubblewrap
+namespaces, an unprivileged uid, rlimits, no network, no file of the trainer's); only with
+`task.sandbox: none` does it run inside the worker itself, bounded against accidents alone.
 
 Two formats are read:
   Qwen2.5's chat template:  <tool_call>\\n{"name": "calculator", "arguments": {"expression": "2*(3+4)"}}\\n</tool_call>
@@ -168,13 +170,23 @@ def _no_signals(*args, **kwargs):
   raise PermissionError('the python tool cannot send signals')
 
 
-def worker_setup() -> None:
-  """A tool worker's start: no network, no signals to other processes (the trainer), files of at
-  most 16 MiB, a fresh temporary working directory. These bound accidents and loops, not a
-  determined attacker (ctypes reaches past them): the tool runs as the trainer's user, so models
-  whose code must be contained need a sandbox service behind a custom environment."""
+_SANDBOX = None  # the worker's grpo_jax.sandbox.Sandbox, when the pool runs Python sandboxed
+
+
+def worker_setup(sandbox: str = 'none', limits=None) -> None:
+  """A tool worker's start. `sandbox: bwrap`: each Python call runs in a new sandbox under
+  `limits` (a grpo_jax.sandbox.Limits), as this worker slot's uid when the trainer is root.
+  `none`: it runs in this worker, with accidents bounded only (no new sockets, no signals through
+  os.kill, files of at most 16 MiB, a fresh temporary working directory): ctypes, `_socket`,
+  /proc and the trainer's files and environment are all within its reach."""
   import logging
   logging.getLogger('math_verify').setLevel(logging.CRITICAL)
+  if sandbox == 'bwrap':
+    global _SANDBOX
+    from grpo_jax import sandbox as sandbox_lib
+    from grpo_jax.workers import worker_slot
+    _SANDBOX = sandbox_lib.Sandbox(limits or sandbox_lib.Limits(), slot=worker_slot())
+    return
   disable_network()
   os.kill = os.killpg = _no_signals  # type: ignore[assignment]
   try:
@@ -194,7 +206,7 @@ def work(kind: str, first: str, second: str = '') -> tuple[str, bool] | float:
     text = calculate(first)
     return text, text.startswith('error:')
   if kind == 'python':
-    return _python(first)
+    return _SANDBOX.python(first) if _SANDBOX is not None else _python(first)
   raise ValueError(f'unknown work {kind!r}')
 
 

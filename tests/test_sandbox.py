@@ -1,0 +1,233 @@
+"""Containment of model-written code (grpo_jax/sandbox.py): each escape a policy could try is run
+inside the sandbox and shown to fail, with the trainer (this process) and its files unaffected.
+Network escapes aim only at a listener this test opens on the host's 127.0.0.1."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from grpo_jax import sandbox as sandbox_lib
+from grpo_jax.sandbox import Limits, Sandbox, SandboxUnavailable
+
+LIMITS = Limits(timeout_s=8.0, cpu_s=8, processes=16, tmp_bytes=8 << 20, file_bytes=4 << 20, memory_bytes=1 << 30)
+
+
+@pytest.fixture(scope='module')
+def box():
+  return Sandbox(LIMITS, slot=3)
+
+
+def run(box, code: str, **names):
+  """The sandbox's Result for `code`, with `names` as literals in front of it."""
+  prelude = ''.join(f'{name} = {value!r}\n' for name, value in names.items())
+  return box.run(prelude + textwrap.dedent(code))
+
+
+def processes_matching(text: str) -> list[int]:
+  """Host pids whose command line holds `text`."""
+  found = []
+  for name in os.listdir('/proc'):
+    if name.isdigit():
+      try:
+        with open(f'/proc/{name}/cmdline', 'rb') as f:
+          if text.encode() in f.read().replace(b'\0', b' '):
+            found.append(int(name))
+      except OSError:
+        pass
+  return found
+
+
+def test_no_variable_and_no_process_of_the_trainer_is_visible(box, monkeypatch):
+  secret = f'hf_{os.urandom(8).hex()}'
+  monkeypatch.setenv('HF_TOKEN', secret)
+  result = run(box, '''
+      import os
+      print(sorted(os.environ))
+      print(os.getuid(), os.geteuid(), os.getgid(), os.getegid(), os.getgroups())
+      print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))
+      for path in (f'/proc/{trainer}/environ', '/proc/1/environ'):
+        try:
+          print(path, open(path, 'rb').read())
+        except OSError as error:
+          print(path, type(error).__name__)
+      ''', trainer=os.getpid())
+  assert result.returncode == 0, result.output
+  # Only the sandbox's own variables; never root (its own uid when the trainer is root); a PID
+  # namespace holding bwrap's init and the call; the trainer's environment not there to read.
+  uid = sandbox_lib.UID_BASE + 3 if os.geteuid() == 0 else os.getuid()
+  gid = uid if os.geteuid() == 0 else os.getgid()
+  assert result.output.splitlines() == [
+      "['HOME', 'LANG', 'PATH', 'PWD', 'PYTHONDONTWRITEBYTECODE']", f'{uid} {uid} {gid} {gid} []', '[1, 2]',
+      f'/proc/{os.getpid()}/environ FileNotFoundError', '/proc/1/environ PermissionError']
+  assert uid != 0
+  assert secret not in result.output
+
+
+def test_no_file_of_the_trainer_is_readable_or_writable(box, tmp_path):
+  token = tmp_path / 'token'
+  token.write_text('secret-token')
+  checkpoint = tmp_path / 'checkpoints' / '7'
+  checkpoint.mkdir(parents=True)
+  (checkpoint / 'meta.json').write_text('{}')
+  site = box.paths[0]
+  result = run(box, '''
+      import os
+      for path in (token, checkpoint, readme, '/etc/passwd', '/etc/shadow', os.path.expanduser('~root') + '/.ssh',
+                   '/root/.cache/huggingface/token'):
+        try:
+          print(path, 'READ', open(path).read()[:20] if os.path.isfile(path) else os.listdir(path))
+        except OSError as error:
+          print(path, type(error).__name__)
+      os.symlink(token, '/tmp/link')  # a link resolves inside the sandbox
+      try:
+        print('link READ', open('/tmp/link').read())
+      except OSError as error:
+        print('link', type(error).__name__)
+      for path in ('/usr/evil', site + '/evil.py', '/evil', str(checkpoint) + '/evil'):
+        try:
+          open(path, 'w').write('x')
+          print(path, 'WROTE')
+        except OSError as error:
+          print(path, type(error).__name__)
+      ''', token=str(token), checkpoint=str(checkpoint), readme=os.path.abspath(__file__), site=site)
+  assert result.returncode == 0, result.output
+  assert 'READ' not in result.output and 'WROTE' not in result.output, result.output
+  assert 'secret-token' not in result.output
+  assert token.read_text() == 'secret-token' and sorted(os.listdir(checkpoint)) == ['meta.json']
+  assert not os.path.exists(os.path.join(site, 'evil.py')) and not os.path.exists('/usr/evil')
+
+
+def test_the_network_is_its_own_loopback(box):
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+    listener.bind(('127.0.0.1', 0))
+    listener.listen(4)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    result = run(box, '''
+        import _socket, socket
+        for address in (('127.0.0.1', port), ('10.1.2.3', 80)):
+          for make in (lambda: _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM), socket.socket):
+            s = make()
+            s.settimeout(2)
+            try:
+              s.connect(address)
+              print(address, 'CONNECTED')
+            except OSError as error:
+              print(address, type(error).__name__, error.errno)
+        ''', port=port)
+    with pytest.raises(socket.timeout):
+      listener.accept()  # nothing reached the host's listener
+  assert result.returncode == 0, result.output
+  assert 'CONNECTED' not in result.output
+  # The sandbox's own loopback, with nothing listening on it; no route anywhere else.
+  assert result.output.splitlines() == [f"('127.0.0.1', {port}) ConnectionRefusedError 111"] * 2 + \
+      ["('10.1.2.3', 80) OSError 101"] * 2
+
+
+def test_signals_reach_no_process_of_the_trainer(box):
+  sentinel = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+  try:
+    result = run(box, '''
+        import ctypes, os, signal
+        libc = ctypes.CDLL(None, use_errno=True)
+        for pid in (trainer, sentinel, -1):
+          print(pid, libc.kill(pid, signal.SIGKILL), ctypes.get_errno())
+        try:
+          os.kill(sentinel, signal.SIGKILL)
+        except OSError as error:
+          print('os.kill', type(error).__name__)
+        ''', trainer=os.getpid(), sentinel=sentinel.pid)
+    time.sleep(0.2)
+    assert sentinel.poll() is None, 'the sandbox killed a process of the trainer'
+    assert 'os.kill ProcessLookupError' in result.output
+  finally:
+    sentinel.kill()
+    sentinel.wait()
+
+
+def test_nothing_it_starts_outlives_the_call_or_reaches_the_next(box):
+  marker = f'{time.time() % 1000:.6f}'
+  result = run(box, '''
+      import os, subprocess
+      subprocess.Popen(['/bin/sleep', marker], start_new_session=True)
+      if os.fork() == 0:  # a daemon, double-forked
+        os.setsid()
+        if os.fork() == 0:
+          os.execv('/bin/sleep', ['/bin/sleep', marker])
+        os._exit(0)
+      open('/tmp/note', 'w').write('left behind')
+      print('started')
+      ''', marker=marker)
+  assert result.output.strip() == 'started', result.output
+  deadline = time.monotonic() + 5
+  while processes_matching(f'sleep {marker}') and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert processes_matching(f'sleep {marker}') == []
+  after = run(box, '''
+      import os
+      print(os.listdir('/tmp'), os.path.exists('/tmp/note'))
+      ''')
+  assert after.output.strip() == '[] False'
+
+
+def test_floods_are_bounded_and_the_host_is_unaffected(box):
+  start = time.monotonic()
+  forks = run(box, '''
+      import os
+      children = 0
+      try:
+        while True:
+          if os.fork() == 0:
+            import time
+            time.sleep(30)
+            os._exit(0)
+          children += 1
+      except OSError as error:
+        print('forks', children, type(error).__name__)
+      ''')
+  assert time.monotonic() - start < LIMITS.timeout_s + 3
+  assert 'forks' in forks.output and 'BlockingIOError' in forks.output, forks.output
+  assert int(forks.output.split()[1]) < LIMITS.processes
+  # A file stops at the file-size limit (EFBIG), the private /tmp at its size (ENOSPC).
+  disk = run(box, '''
+      for name, megabytes in (('/tmp/big', 6), ('/tmp/a', 3), ('/tmp/b', 3)):
+        try:
+          with open(name, 'wb') as f:
+            for _ in range(megabytes):
+              f.write(b'x' * (1 << 20))
+          print(name, 'written')
+        except OSError as error:
+          print(name, error.errno)
+      ''')
+  assert disk.output.splitlines() == ['/tmp/big 27', '/tmp/a written', '/tmp/b 28']
+  memory = run(box, 'x = bytearray(4 << 30)')
+  assert memory.failed and 'MemoryError' in memory.output
+  cpu = Sandbox(Limits(timeout_s=20.0, cpu_s=1))
+  start = time.monotonic()
+  spin = cpu.python('while True:\n  pass')
+  assert spin[1] and 'stopped' in spin[0] and time.monotonic() - start < 10
+
+
+def test_one_line_when_the_sandbox_cannot_start(monkeypatch, tmp_path):
+  monkeypatch.setattr(sandbox_lib, 'bwrap', lambda: None)
+  with pytest.raises(SandboxUnavailable) as error:
+    sandbox_lib.check()
+  assert 'bubblewrap (bwrap) is not installed' in str(error.value) and 'task.sandbox: none' in str(error.value)
+  monkeypatch.undo()
+  # A bwrap that cannot make namespaces (a container without them, AppArmor's restriction).
+  fake = tmp_path / 'bwrap'
+  fake.write_text('#!/bin/sh\necho "bwrap: No permissions to create a new namespace, likely because the kernel '
+                  'does not allow non-privileged user namespaces." >&2\nexit 1\n')
+  fake.chmod(0o755)
+  monkeypatch.setenv('PATH', f'{tmp_path}:{os.environ["PATH"]}')
+  with pytest.raises(SandboxUnavailable) as error:
+    sandbox_lib.check()
+  message = str(error.value)
+  assert '\n' not in message and 'No permissions to create a new namespace' in message
+  assert 'user.max_user_namespaces' in message and 'task.sandbox: none' in message
