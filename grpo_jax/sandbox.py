@@ -167,7 +167,7 @@ class Sandbox:
     rlimits = [('RLIMIT_CPU', limits.cpu_s), ('RLIMIT_AS', limits.memory_bytes), ('RLIMIT_NPROC', processes),
                ('RLIMIT_FSIZE', limits.file_bytes), ('RLIMIT_NOFILE', limits.open_files), ('RLIMIT_CORE', 0)]
     runner = RUNNER.replace('LIMITS', repr(rlimits)).replace('PATHS', repr(self.paths))
-    python = [self.executable, '-I', '-S', '-B', '-c', runner]
+    python = [self.executable, '-I', '-S', '-B', '-u', '-c', runner]  # -u: output in the order written
     if self.root:
       python = ['/usr/bin/setpriv', f'--reuid={self.uid}', f'--regid={self.uid}', '--clear-groups',
                 '--inh-caps=-all', '--bounding-set=-all', '--no-new-privs', '--', *python]

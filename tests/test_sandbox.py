@@ -43,6 +43,18 @@ def processes_matching(text: str) -> list[int]:
   return found
 
 
+def processes_of(uid: int) -> list[int]:
+  found = []
+  for name in os.listdir('/proc'):
+    try:
+      with open(f'/proc/{name}/status') as f:
+        if any(line.startswith('Uid:') and int(line.split()[1]) == uid for line in f):
+          found.append(int(name))
+    except (OSError, ValueError):
+      pass
+  return found
+
+
 def test_no_variable_and_no_process_of_the_trainer_is_visible(box, monkeypatch):
   secret = f'hf_{os.urandom(8).hex()}'
   monkeypatch.setenv('HF_TOKEN', secret)
@@ -194,6 +206,9 @@ def test_floods_are_bounded_and_the_host_is_unaffected(box):
   assert time.monotonic() - start < LIMITS.timeout_s + 3
   assert 'forks' in forks.output and 'BlockingIOError' in forks.output, forks.output
   assert int(forks.output.split()[1]) < LIMITS.processes
+  if os.geteuid() == 0:  # the slot's uid holds no process once the call is over
+    time.sleep(0.2)
+    assert processes_of(sandbox_lib.UID_BASE + 3) == []
   # A file stops at the file-size limit (EFBIG), the private /tmp at its size (ENOSPC).
   disk = run(box, '''
       for name, megabytes in (('/tmp/big', 6), ('/tmp/a', 3), ('/tmp/b', 3)):
@@ -231,3 +246,32 @@ def test_one_line_when_the_sandbox_cannot_start(monkeypatch, tmp_path):
   message = str(error.value)
   assert '\n' not in message and 'No permissions to create a new namespace' in message
   assert 'user.max_user_namespaces' in message and 'task.sandbox: none' in message
+
+
+def test_the_sandbox_dies_with_its_caller(tmp_path):
+  """A caller killed with -9 (the trainer or its tool worker, pre-empted) takes the sandbox's whole
+  tree with it."""
+  marker = f'{time.time() % 1000:.6f}'
+  caller = subprocess.Popen([sys.executable, '-c', textwrap.dedent(f'''
+      from grpo_jax.sandbox import Sandbox, Limits
+      Sandbox(Limits(timeout_s=60.0, cpu_s=60)).run("import subprocess\\nsubprocess.Popen(['/bin/sleep', '{marker}'], "
+                                                    "start_new_session=True)\\nimport time\\ntime.sleep(60)")
+      ''')], env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+  deadline = time.monotonic() + 30
+  while not processes_matching(f'sleep {marker}') and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert processes_matching(f'sleep {marker}'), 'the sandboxed call never started'
+  caller.kill()
+  caller.wait()
+  deadline = time.monotonic() + 5
+  while processes_matching(f'sleep {marker}') and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert processes_matching(f'sleep {marker}') == []
+
+
+@pytest.mark.parametrize('code', ['print(6 * 7)', 'import sys\nprint("a"); print("b", file=sys.stderr)',
+                                  'print(1)\n1 / 0', 'raise SystemExit(0)', 'print("x" * 100_000)',
+                                  'import math, fractions\nprint(math.comb(30, 7), fractions.Fraction(3, 9))'])
+def test_a_benign_call_answers_as_it_does_unsandboxed(box, code):
+  from grpo_jax.agents import tools
+  assert box.python(code) == tools._python(code)
