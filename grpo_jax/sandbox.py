@@ -279,7 +279,9 @@ def check(limits: Limits = Limits()) -> None:
     return
   said = result.output.strip().splitlines()[-1] if result.output.strip() else f'exit status {result.returncode}'
   hint = ''
-  if 'namespace' in said or 'uid map' in said or 'Operation not permitted' in said or 'Permission denied' in said:
+  if 'Unknown option' in said:
+    hint = ' (this bubblewrap is too old: the sandbox needs 0.6 or newer, for --size and --disable-userns)'
+  elif 'namespace' in said or 'uid map' in said or 'Operation not permitted' in said or 'Permission denied' in said:
     hint = (' (user namespaces are off or restricted here: sysctl user.max_user_namespaces must be above 0; '
             'kernel.unprivileged_userns_clone=1 on older Debian kernels; Ubuntu 24.04\'s AppArmor needs '
             'kernel.apparmor_restrict_unprivileged_userns=0 or a bwrap profile; in a container, run it with '
