@@ -78,13 +78,12 @@ def workload(vocab: int):
 
 
 TOOLS = None  # the tool workers, with --sandbox
-latencies_ = None  # the workload's environment latencies [E, T]
 
 
-async def answer(index: int, turn: int) -> None:
+async def answer(latencies, index: int, turn: int) -> None:
   """The environment's time to answer: a sleep of the drawn latency, or one sandboxed Python call."""
   if TOOLS is None:
-    await asyncio.sleep(latencies_[index, turn])
+    await asyncio.sleep(latencies[index, turn])
     return
   text, failed = await TOOLS.call('python', f'print(sum(range({1000 * (index + turn + 1)})))')
   assert not failed, text
@@ -94,7 +93,7 @@ async def asynchronous(server, episodes, budgets, latencies, answers):
   async def one(index, episode):
     for turn in range(args.turns):
       await episode.act(int(budgets[index, turn]))
-      await answer(index, turn)
+      await answer(latencies, index, turn)
       episode.observe(answers[index][turn])
 
   await asyncio.gather(*(one(i, e) for i, e in enumerate(episodes)))
@@ -103,7 +102,7 @@ async def asynchronous(server, episodes, budgets, latencies, answers):
 async def lock_step(server, episodes, budgets, latencies, answers):
   for turn in range(args.turns):
     await asyncio.gather(*(e.act(int(budgets[i, turn])) for i, e in enumerate(episodes)))
-    await asyncio.gather(*(answer(i, turn) for i in range(len(episodes))))
+    await asyncio.gather(*(answer(latencies, i, turn) for i in range(len(episodes))))
     for index, episode in enumerate(episodes):
       episode.observe(answers[index][turn])
 
@@ -114,9 +113,8 @@ def main():
     testing.save_random_hf_checkpoint(directory, 0, init='default', jitter=0.02, **to_hf_dict(config))
     model = from_pretrained(directory, dtype='float32')
   graphdef, params = nnx.split(model)
-  global TOOLS, latencies_
+  global TOOLS
   prompts, budgets, latencies, answers = workload(config.vocab_size)
-  latencies_ = latencies
   if args.sandbox:
     import functools
     from grpo_jax import sandbox

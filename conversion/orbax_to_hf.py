@@ -121,7 +121,6 @@ def lora_export(model, args, staging: str):
   from grpo_jax.model.loading import abstract_model
 
   settings = model.options.lora
-  check_lora_flags(args, settings)
   if settings is None:
     return model
   plain = dataclasses.replace(model.options, lora=None, param_dtype=model.options.dtype)

@@ -87,7 +87,7 @@ sys.stdin.close()
 del name, value
 try:
   exec(compile(code, '<tool>', 'exec'), {'__name__': '__main__', '__builtins__': __builtins__})
-except SystemExit as exit:
+except SystemExit:
   raise
 except BaseException as error:
   sys.stdout.flush()

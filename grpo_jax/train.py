@@ -88,8 +88,8 @@ def changed_keys(before: dict, after: dict) -> list[str]:
   if _architecture_unread(before):  # stored before the config recorded the architecture read from model.path
     before = dict(before, model=dict(before['model'], architecture=after.get('model', {}).get('architecture')))
   old, new = _flat(before), _flat(after)
-  arguments = {key: None for key in new if key.startswith('task.environment_args.') and key not in old}
-  return [f'{key}: {old.get(key)!r} -> {new.get(key)!r}' for key in sorted({**old, **arguments})
+  arguments = {key for key in new if key.startswith('task.environment_args.')}
+  return [f'{key}: {old.get(key)!r} -> {new.get(key)!r}' for key in sorted(old.keys() | arguments)
           if (key in new or not key.startswith('task.') or key.startswith('task.environment_args.'))
           and old.get(key) != new.get(key)]
 

@@ -15,6 +15,7 @@ with special tokens split, so an answer that spells `<|im_end|>` cannot end a tu
 """
 
 import dataclasses
+import functools
 
 from grpo_jax.agents.inference import Completion
 from grpo_jax.errors import UserError
@@ -113,14 +114,17 @@ class TextCodec:
     self.size = tokenizer_size(tokenizer)
     self.use_chat_template = use_chat_template and bool(getattr(tokenizer, 'chat_template', None))
     self.role, self.tools = role, tools
-    self._format = None
-    self._around = None
 
-  @property
+  @functools.cached_property
   def format(self) -> MessageFormat:
-    if self._format is None:
-      self._format = message_format(self.tokenizer, self.use_chat_template, self.tools, self.role)
-    return self._format
+    return message_format(self.tokenizer, self.use_chat_template, self.tools, self.role)
+
+  @functools.cached_property
+  def _around(self) -> dict:
+    """(before, after) ids around a message, after a turn that did not / did end on its stop token."""
+    layout = self.format
+    return {ended: (encode(self.tokenizer, layout.before[len(layout.turn_end) if ended else 0:], False),
+                    encode(self.tokenizer, layout.after, False)) for ended in (False, True)}
 
   def turn(self, completion: Completion) -> Turn:
     tokens = completion.tokens
@@ -137,9 +141,6 @@ class TextCodec:
     """The ids answering `turn` with the message `text`: the template's text around it (tokenized
     once, with its special tokens), `text` with special tokens split."""
     layout = self.format
-    if self._around is None:
-      self._around = {ended: (encode(self.tokenizer, layout.before[len(layout.turn_end) if ended else 0:], False),
-                              encode(self.tokenizer, layout.after, False)) for ended in (False, True)}
     ended = bool(layout.turn_end) and turn.finish_reason == 'stop' and bool(turn.tokens) and \
         decode(self.tokenizer, turn.tokens[-1:]) == layout.turn_end
     before, after = self._around[ended]
