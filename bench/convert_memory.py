@@ -45,9 +45,7 @@ def write_checkpoint(config: Qwen2Config, directory: str, dtype, shards: int) ->
   """Writes config.json, `shards` safetensors files and their index; returns the tensor bytes."""
   entries = []
   for rule in weights.rules_for(config):
-    names = [rule.hf_name.format(i=i) for i in range(config.num_hidden_layers)] if rule.per_layer \
-        else [rule.hf_name]
-    for name in names:
+    for name in rule.all_hf_names(config):
       shape = rule.hf_shape(config)
       seed = len(entries)
       entries.append(weights.TensorEntry(name, shape, np.dtype(dtype),

@@ -1,9 +1,13 @@
 """The device mesh and the one table that maps logical axis names to mesh axes.
 
 Every parameter carries its logical axes as metadata (`logical_axes=('vocab', 'embed')`); key
-activations are constrained with the same names. This table is the whole tensor/FSDP/data
+activations are constrained with the same names. This table is the whole tensor/FSDP/data/expert
 parallelism plan: Megatron's column/row-parallel split falls out of sharding heads and the MLP
-hidden dimension over `tensor`, ZeRO-3-style parameter sharding out of `embed` over `fsdp`.
+hidden dimension over `tensor`, ZeRO-3-style parameter sharding out of `embed` over `fsdp`, and
+expert parallelism out of a mixture's experts over `expert` (the fourth axis, used by mixtures of
+experts only). The `expert` devices take rows of the batch like `fsdp` ones and, in a dense
+weight, share its ZeRO shards: an expert weight's E dimension claims `expert` first, so its D
+dimension is split over `fsdp` alone.
 
 A dimension whose size is not divisible by its mesh axes is replicated along them instead (for
 example Qwen2.5-0.5B's two KV heads on a tensor axis of 4), so every Qwen2.5 size lays out on
@@ -21,20 +25,21 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.errors import UserError, require
 
-MESH_AXES = ('data', 'fsdp', 'tensor')
+MESH_AXES = ('data', 'fsdp', 'tensor', 'expert')
 
 # logical axis -> mesh axes (None: replicated). Suffix-free names; the dim letters are in docstrings.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ('batch', ('data', 'fsdp')),  # B
+    ('batch', ('data', 'fsdp', 'expert')),  # B
     ('seq', None),  # T
     ('cache_seq', None),  # S
     ('vocab', 'tensor'),  # V
-    ('embed', 'fsdp'),  # D, parameters (FSDP shards weights along D)
+    ('embed', ('fsdp', 'expert')),  # D, parameters (FSDP shards weights along D)
     ('act_embed', None),  # D, activations
     ('q_heads', 'tensor'),  # N
     ('kv_heads', 'tensor'),  # K
     ('head_dim', None),  # H
-    ('mlp', 'tensor'),  # F
+    ('mlp', 'tensor'),  # F (and M, an expert's width)
+    ('experts', 'expert'),  # E
     ('layers', None),  # L, the scanned layer axis
     # r, a LoRA factor's rank: FSDP shards it where the factor's other axes leave 'fsdp' unused (B
     # of q/k/v/gate/up, A of o/down), so no factor lies whole on every device.
@@ -49,29 +54,36 @@ class MeshConfig:
   data: int = 1  # pure data parallelism (replicated parameters)
   fsdp: int = -1  # data parallelism with parameters sharded along the embed dimension
   tensor: int = 1  # tensor parallelism over heads, MLP hidden and vocab
+  expert: int = 1  # expert parallelism: a mixture's experts split over these devices (rows too)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(getattr(self, name) for name in MESH_AXES)
 
   def __post_init__(self):
-    shape = (self.data, self.fsdp, self.tensor)
+    shape = self.shape
     for name, size in zip(MESH_AXES, shape):
       require(size >= 1 or size == -1, f'mesh.{name}', f'must be a positive size or -1, got {size}')
-    require(shape.count(-1) <= 1, 'mesh',
-            f'may have at most one axis of -1, got data={shape[0]} fsdp={shape[1]} tensor={shape[2]}')
+    require(shape.count(-1) <= 1, 'mesh', f'may have at most one axis of -1, got {_sizes(shape)}')
+
+
+def _sizes(shape) -> str:
+  return ' '.join(f'{name}={size}' for name, size in zip(MESH_AXES, shape))
 
 
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds a ('data', 'fsdp', 'tensor') mesh over `devices` (default: all devices)."""
+  """Builds a ('data', 'fsdp', 'tensor', 'expert') mesh over `devices` (default: all devices)."""
   devices = list(devices) if devices is not None else jax.devices()
-  shape = [config.data, config.fsdp, config.tensor]  # sizes checked by MeshConfig
+  shape = list(config.shape)  # sizes checked by MeshConfig
   known = math.prod(size for size in shape if size != -1)
   if -1 in shape:
     if len(devices) % known:
       raise UserError(f'mesh: {len(devices)} devices cannot be split into axes of sizes {shape}')
     shape[shape.index(-1)] = len(devices) // known
   if math.prod(shape) != len(devices):
-    raise UserError(
-        f'mesh: data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} = {math.prod(shape)} devices, '
-        f'but {len(devices)} are available')
-  return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    raise UserError(f'mesh: {_sizes(shape).replace(" ", " x ")} = {math.prod(shape)} devices, '
+                    f'but {len(devices)} are available')
+  return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def _mesh_axes_for(logical: str | None) -> tuple[str, ...]:

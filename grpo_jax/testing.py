@@ -22,7 +22,8 @@ TINY_HF_FIELDS = dict(vocab_size=1000, hidden_size=64, intermediate_size=176, nu
 
 def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None, model_type: str = 'qwen2',
                     **overrides):
-  """A transformers Qwen2ForCausalLM (model_type 'qwen3': Qwen3ForCausalLM) in eval mode:
+  """A transformers Qwen2ForCausalLM (model_type 'qwen3': Qwen3ForCausalLM, 'qwen3_moe':
+  Qwen3MoeForCausalLM) in eval mode:
   TINY_HF_FIELDS updated by `overrides` (any keyword of the transformers config, e.g.
   **to_hf_dict(config) or attn_implementation='sdpa').
 
@@ -39,7 +40,7 @@ def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None
 
   if init not in ('random', 'default'):
     raise ValueError(f"init must be 'random' or 'default', got {init!r}")
-  family = {'qwen2': 'Qwen2', 'qwen3': 'Qwen3'}[model_type]
+  family = {'qwen2': 'Qwen2', 'qwen3': 'Qwen3', 'qwen3_moe': 'Qwen3Moe'}[model_type]
   config_class, model_class = (getattr(transformers, family + suffix) for suffix in ('Config', 'ForCausalLM'))
   overrides = {key: value for key, value in overrides.items() if key not in ('architectures', 'model_type')}
   torch.manual_seed(seed)

@@ -1,12 +1,16 @@
-"""Qwen2 / Qwen2.5 / Qwen3 (dense) architecture, read from and written to a Hugging Face `config.json`.
+"""Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE architecture, read from and written to a Hugging Face `config.json`.
 
 One model family: Qwen3 dense is Qwen2 with per-head RMSNorm on queries and keys before RoPE
 (`qk_norm`), no bias on the q/k/v projections (`attention_bias`), and an explicit head_dim.
+Qwen3-MoE is Qwen3 whose MLP, in the layers `sparse_layers` names, is a mixture of `num_experts`
+SwiGLU experts of width `moe_intermediate_size`, each token sent to the `num_experts_per_tok` the
+router scores highest.
 
 Field names follow the Hugging Face spelling so a user can compare a checkpoint's config.json
 with this dataclass line by line. Dimension letters used elsewhere: D = hidden_size,
 F = intermediate_size, N = num_attention_heads, K = num_key_value_heads, H = head_dim,
-V = vocab_size, L = num_hidden_layers.
+V = vocab_size, L = num_hidden_layers; for mixtures of experts E = num_experts, M =
+moe_intermediate_size (an expert's SwiGLU width), k = num_experts_per_tok.
 """
 
 import dataclasses
@@ -17,7 +21,8 @@ from grpo_jax.errors import UserError, read_text
 
 # model_type -> (architecture class, its defaults for the fields that tell the family members apart)
 MODEL_TYPES = {'qwen2': ('Qwen2ForCausalLM', dict(attention_bias=True, qk_norm=False)),
-               'qwen3': ('Qwen3ForCausalLM', dict(attention_bias=False, qk_norm=True))}
+               'qwen3': ('Qwen3ForCausalLM', dict(attention_bias=False, qk_norm=True)),
+               'qwen3_moe': ('Qwen3MoeForCausalLM', dict(attention_bias=False, qk_norm=True))}
 SUPPORTED_ARCHITECTURES = tuple(architecture for architecture, _ in MODEL_TYPES.values())
 
 
@@ -42,6 +47,14 @@ class Qwen2Config:
   checkpoint_dtype: str = 'float32'  # dtype the checkpoint stores its weights in
   attention_bias: bool = True  # q/k/v projections carry a bias (Qwen2: yes, Qwen3: no)
   qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
+  # Mixture of experts (Qwen3-MoE); num_experts 0 is a dense model.
+  num_experts: int = 0  # E, experts in each sparse layer
+  num_experts_per_tok: int = 1  # k, experts each token is sent to
+  moe_intermediate_size: int = 0  # M, each expert's SwiGLU width
+  decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % decoder_sparse_step == 0 ...
+  mlp_only_layers: tuple[int, ...] = ()  # ... and it is not listed here (these keep the dense MLP)
+  norm_topk_prob: bool = False  # renormalise the k chosen experts' probabilities to sum to 1
+  router_aux_loss_coef: float = 0.001  # the checkpoint's load-balancing weight (pretraining; RL: algo's)
 
   def __post_init__(self):
     positive = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
@@ -72,39 +85,78 @@ class Qwen2Config:
                       'Qwen2 checkpoints always carry q/k/v biases')
     if self.resolved_head_dim % 2:
       raise UserError(f'head_dim must be even for rotary embeddings, got {self.resolved_head_dim}')
+    if self.num_experts < 0:
+      raise UserError(f'model architecture field num_experts must be >= 0, got {self.num_experts}')
+    if self.num_experts:
+      if not 1 <= self.num_experts_per_tok <= self.num_experts:
+        raise UserError(f'model architecture field num_experts_per_tok must be in [1, num_experts='
+                        f'{self.num_experts}], got {self.num_experts_per_tok}')
+      if self.moe_intermediate_size <= 0:
+        raise UserError(f'model architecture field moe_intermediate_size must be positive, got {self.moe_intermediate_size}')
+      if self.decoder_sparse_step <= 0:
+        raise UserError(f'model architecture field decoder_sparse_step must be positive, got {self.decoder_sparse_step}')
+      if self.num_experts > 32767:
+        raise UserError(f'model architecture field num_experts must be at most 32767, got {self.num_experts}')
+      if self.qk_norm is False:
+        raise UserError('model architecture: a mixture of experts (num_experts > 0) is Qwen3-MoE, which has qk_norm')
+    bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+    if bad:
+      raise UserError(f'model architecture field mlp_only_layers names layer {bad[0]}, outside [0, '
+                      f'{self.num_hidden_layers})')
 
   @property
   def model_type(self) -> str:
     """The Hugging Face model_type this architecture is written as."""
-    return 'qwen3' if self.qk_norm else 'qwen2'
+    return 'qwen3_moe' if self.num_experts else 'qwen3' if self.qk_norm else 'qwen2'
+
+  @property
+  def sparse_layers(self) -> tuple[bool, ...]:
+    """[L] whether each layer's MLP is the mixture of experts (transformers' rule)."""
+    return tuple(bool(self.num_experts) and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+                 for i in range(self.num_hidden_layers))
+
+  def layers_of(self, kind: str) -> tuple[int, ...]:
+    """The layers of a kind, in order: 'all', 'dense' (a dense MLP) or 'sparse' (experts)."""
+    return tuple(i for i, sparse in enumerate(self.sparse_layers) if kind == 'all' or sparse == (kind == 'sparse'))
+
+  @property
+  def num_sparse_layers(self) -> int:
+    """Ls, the layers with a mixture of experts (what the recorded routes hold per token)."""
+    return sum(self.sparse_layers)
 
   @property
   def resolved_head_dim(self) -> int:
     return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
-  def num_params(self) -> int:
-    """Parameter count, counting a tied embedding once."""
+  def num_params(self, active: bool = False) -> int:
+    """Parameter count, counting a tied embedding once; `active`: those one token computes with
+    (k of the E experts of each sparse layer, the router's all), what FLOPs and MFU count."""
     d, f, v, h = self.hidden_size, self.intermediate_size, self.vocab_size, self.resolved_head_dim
     n, k = self.num_attention_heads, self.num_key_value_heads
     attention = d * n * h + 2 * d * k * h + n * h * d
     attention += (n * h + 2 * k * h) if self.attention_bias else 0
     attention += 2 * h if self.qk_norm else 0
-    layer = attention + 3 * d * f + 2 * d
+    sparse = self.num_sparse_layers
+    experts = self.num_experts_per_tok if active else self.num_experts
+    mlps = (self.num_hidden_layers - sparse) * 3 * d * f + sparse * (experts * 3 * d * self.moe_intermediate_size
+                                                                     + d * self.num_experts)
+    layers = self.num_hidden_layers * (attention + 2 * d) + mlps
     head = 0 if self.tie_word_embeddings else d * v
-    return v * d + self.num_hidden_layers * layer + d + head
+    return v * d + layers + d + head
 
 
 def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
-  """Reads a Hugging Face Qwen2 or Qwen3 (dense) config in either the transformers-4.x or 5.x spelling."""
+  """Reads a Hugging Face Qwen2, Qwen3 or Qwen3-MoE config in either the transformers-4.x or 5.x spelling."""
   architectures = raw.get('architectures') or []
   model_type = raw.get('model_type')
   if model_type not in MODEL_TYPES or any(a != MODEL_TYPES[model_type][0] for a in architectures):
     found = ', '.join(architectures) or f'model_type={model_type!r}'
     raise UserError(
         f'{source}: unsupported architecture {found} (model_type {model_type!r}); grpo_jax supports '
-        f'{", ".join(SUPPORTED_ARCHITECTURES)} (model_type qwen2: Qwen2 and Qwen2.5; qwen3: Qwen3 dense)')
+        f'{", ".join(SUPPORTED_ARCHITECTURES)} (model_type qwen2: Qwen2 and Qwen2.5; qwen3: Qwen3 dense; '
+        'qwen3_moe: Qwen3 mixtures of experts)')
   family = MODEL_TYPES[model_type][1]
-  if model_type == 'qwen3' and raw.get('attention_bias'):
+  if model_type in ('qwen3', 'qwen3_moe') and raw.get('attention_bias'):
     raise UserError(f'{source}: attention_bias=true is not supported for qwen3 (its o_proj would carry a bias '
                     'too; no Qwen3 checkpoint has one)')
   if raw.get('use_sliding_window'):
@@ -138,6 +190,22 @@ def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
   missing = [name for name, value in fields.items() if value is None]
   if missing:
     raise UserError(f'{source}: missing field {missing[0]}')
+  experts = {}
+  if model_type == 'qwen3_moe':
+    # transformers 5.x writes the expert count as num_local_experts, 4.x and the hub as num_experts.
+    count = raw.get('num_experts', raw.get('num_local_experts'))
+    for name, value in (('num_experts', count), ('num_experts_per_tok', raw.get('num_experts_per_tok')),
+                        ('moe_intermediate_size', raw.get('moe_intermediate_size'))):
+      if value is None:
+        raise UserError(f'{source}: missing field {name} (model_type qwen3_moe)')
+    if not count:
+      raise UserError(f'{source}: num_experts is 0; a qwen3_moe checkpoint has experts')
+    experts = dict(num_experts=int(count), num_experts_per_tok=int(raw['num_experts_per_tok']),
+                   moe_intermediate_size=int(raw['moe_intermediate_size']),
+                   decoder_sparse_step=int(raw.get('decoder_sparse_step', 1)),
+                   mlp_only_layers=tuple(int(i) for i in raw.get('mlp_only_layers') or ()),
+                   norm_topk_prob=bool(raw.get('norm_topk_prob', False)),
+                   router_aux_loss_coef=float(raw.get('router_aux_loss_coef', 0.001)))
   return Qwen2Config(
       **fields,
       head_dim=raw.get('head_dim'),
@@ -151,6 +219,7 @@ def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
       checkpoint_dtype=str(checkpoint_dtype),
       attention_bias=bool(raw.get('attention_bias', family['attention_bias'])),
       qk_norm=family['qk_norm'],
+      **experts,
   )
 
 
@@ -185,7 +254,17 @@ def to_hf_dict(config: Qwen2Config, dtype: str | None = None) -> dict:
       'eos_token_id': eos[0] if len(eos) == 1 else (eos or None),
       'dtype': dtype,
       'torch_dtype': dtype,
+      **(_experts_hf_dict(config) if config.num_experts else {}),
   }
+
+
+def _experts_hf_dict(config: Qwen2Config) -> dict:
+  # The expert count under both spellings: transformers 5.x reads num_local_experts, 4.x num_experts.
+  return {'num_experts': config.num_experts, 'num_local_experts': config.num_experts,
+          'num_experts_per_tok': config.num_experts_per_tok, 'moe_intermediate_size': config.moe_intermediate_size,
+          'decoder_sparse_step': config.decoder_sparse_step, 'mlp_only_layers': list(config.mlp_only_layers),
+          'norm_topk_prob': config.norm_topk_prob, 'router_aux_loss_coef': config.router_aux_loss_coef,
+          'output_router_logits': False}
 
 
 def load_hf_config(directory: str) -> Qwen2Config:

@@ -1,5 +1,5 @@
-"""Qwen2 / Qwen2.5 / Qwen3 (dense) decoder in Flax NNX: one model, the family's differences are
-options of its Qwen2Config (`attention_bias`, `qk_norm`).
+"""Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE decoder in Flax NNX: one model, the family's differences
+are options of its Qwen2Config (`attention_bias`, `qk_norm`, `num_experts`).
 
 Layer parameters are stored stacked along a leading layer axis L, so the decoder runs as one
 `lax.scan` (compile time independent of depth) or, with `scan_layers=False`, as an unrolled loop
@@ -11,7 +11,14 @@ over the same arrays. Parameter names carry their dimension letters:
   k_weight       [L, D, K, H]      k_bias      [L, K, H]        (v_* likewise)
   q_norm         [L, H]            k_norm      [L, H]           (qk_norm)
   o_weight       [L, N, H, D]
-  gate_weight    [L, D, F]         up_weight   [L, D, F]        down_weight [L, F, D]
+  gate_weight    [Ld, D, F]        up_weight   [Ld, D, F]       down_weight [Ld, F, D]
+  router_weight  [Ls, D, E]        expert_gate_weight, expert_up_weight [Ls, E, D, M]
+  expert_down_weight [Ls, E, M, D]                                (num_experts > 0; model/moe.py)
+
+A mixture of experts stores the dense MLP of its Ld dense layers and the experts of its Ls sparse
+layers (config.sparse_layers) in stacks of their own, so no layer carries both. When every layer is
+of one kind (every Qwen3-MoE checkpoint published: decoder_sparse_step 1, no mlp_only_layers) the
+layers scan; a mixed model runs them unrolled, each layer reading its slice of its kind's stack.
 
 Masking uses segment ids [B, T]: 0 marks padding, and a token attends to earlier tokens of its own
 segment only. A Hugging Face 0/1 attention mask is a valid segment-id array, and packed sequences
@@ -37,6 +44,7 @@ from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, DECODE_ATTENTIO
                                       sequence_attention)
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.lora import TARGETS, Adapter, LoraConfig, adapter_names, adapter_shapes, init_a
+from grpo_jax.model.moe import Routing, sparse_mlp
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sharding import constrain
 
@@ -78,15 +86,24 @@ class ModelOptions:
     require(self.decode_block >= 1, 'decode_block', f'must be >= 1, got {self.decode_block}')
 
 
+DENSE_MLP_PARAMS = ('gate_weight', 'up_weight', 'down_weight')
+EXPERT_PARAMS = ('router_weight', 'expert_gate_weight', 'expert_up_weight', 'expert_down_weight')
 LAYER_PARAMS = ('attn_norm', 'q_weight', 'q_bias', 'q_norm', 'k_weight', 'k_bias', 'k_norm', 'v_weight', 'v_bias',
-                'o_weight', 'mlp_norm', 'gate_weight', 'up_weight', 'down_weight')
+                'o_weight', 'mlp_norm') + DENSE_MLP_PARAMS + EXPERT_PARAMS
 
 
 def layer_params(config: Qwen2Config) -> tuple[str, ...]:
   """The names of LAYER_PARAMS this architecture has."""
   absent = (() if config.attention_bias else ('q_bias', 'k_bias', 'v_bias')) + (() if config.qk_norm else
                                                                                   ('q_norm', 'k_norm'))
+  absent += (() if config.num_sparse_layers else EXPERT_PARAMS)
+  absent += (() if config.num_sparse_layers < config.num_hidden_layers else DENSE_MLP_PARAMS)
   return tuple(name for name in LAYER_PARAMS if name not in absent)
+
+
+def stacked_layers(config: Qwen2Config, name: str) -> tuple[int, ...]:
+  """The layers whose slices the stacked parameter `name` holds, in order."""
+  return config.layers_of('sparse' if name in EXPERT_PARAMS else 'dense' if name in DENSE_MLP_PARAMS else 'all')
 
 
 @jax.tree_util.register_dataclass
@@ -189,12 +206,15 @@ def matmul(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
 
 
 def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Attend, *,
-                  config: Qwen2Config, dtype, lora_scale: float = 0.0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                  config: Qwen2Config, dtype, lora_scale: float = 0.0, real: jax.Array | None = None,
+                  replay: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Routing | None]:
   """One pre-norm decoder layer. params: one layer's slice of `LAYER_PARAMS` (and of the LoRA
   factors, added to their projection's output scaled by `lora_scale`, unmerged); x: [B, T, D];
   positions: [B, T]; attend(q [B, T, N, H], k, v [B, T, K, H]) -> [B, T, N, H] is the attention
-  (over the T tokens, and for `extend` over the cache too). -> (x [B, T, D], this layer's keys and
-  values [B, T, K, H] in the compute dtype).
+  (over the T tokens, and for `extend` over the cache too). A sparse layer (its slice holds
+  `router_weight`) routes as model/moe.py says: real [B, T] marks the tokens its load statistics
+  count, replay [B, T, k] the experts to route to (None: the router's top k). -> (x [B, T, D], this
+  layer's keys and values [B, T, K, H] in the compute dtype, its Routing or None when dense).
   """
   p = {name: value.astype(dtype) for name, value in params.items()}
 
@@ -221,8 +241,23 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
   x = x + project(attend(q, k, v), 'o', contract=2)
   x = constrain(x, ('batch', 'seq', 'act_embed'))
   h = rms_norm(x, p['mlp_norm'], config.rms_norm_eps)
-  x = x + project(jax.nn.silu(project(h, 'gate')) * project(h, 'up'), 'down')
-  return constrain(x, ('batch', 'seq', 'act_embed')), (k, v)
+  routing = None
+  if 'router_weight' in p:
+    real = jnp.ones(h.shape[:2], bool) if real is None else real
+    out, routing = sparse_mlp(p, h, real, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
+                              replay=replay)
+  else:
+    out = project(jax.nn.silu(project(h, 'gate')) * project(h, 'up'), 'down')
+  return constrain(x + out, ('batch', 'seq', 'act_embed')), (k, v), routing
+
+
+def _gathered(stacked: Routing | None) -> Routing | None:
+  """The sparse layers' Routing stacked over Ls -> the model's: experts [B, T, Ls, k], a token re-routed
+  when any layer re-routed it."""
+  if stacked is None:
+    return None
+  return Routing(experts=jnp.moveaxis(stacked.experts, 0, 2), load=stacked.load, probability=stacked.probability,
+                 tokens=stacked.tokens[0], differs=jnp.any(stacked.differs, axis=0))
 
 
 def _segments(tokens: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
@@ -248,6 +283,8 @@ class DecoderLayers(nnx.Module):
   def __init__(self, config: Qwen2Config, param_dtype, rngs: nnx.Rngs):
     c = config
     L, D, F = c.num_hidden_layers, c.hidden_size, c.intermediate_size
+    Ls = c.num_sparse_layers
+    Ld, E, M = L - Ls, c.num_experts, c.moe_intermediate_size
     N, K, H = c.num_attention_heads, c.num_key_value_heads, c.resolved_head_dim
     normal = nnx.initializers.normal(c.initializer_range)
 
@@ -271,9 +308,15 @@ class DecoderLayers(nnx.Module):
       self.k_norm = constant(1.0, (L, H), ('layers', 'head_dim'))
     self.o_weight = weight((L, N, H, D), ('layers', 'q_heads', 'head_dim', 'embed'))
     self.mlp_norm = constant(1.0, (L, D), ('layers', 'act_embed'))
-    self.gate_weight = weight((L, D, F), ('layers', 'embed', 'mlp'))
-    self.up_weight = weight((L, D, F), ('layers', 'embed', 'mlp'))
-    self.down_weight = weight((L, F, D), ('layers', 'mlp', 'embed'))
+    if Ld:
+      self.gate_weight = weight((Ld, D, F), ('layers', 'embed', 'mlp'))
+      self.up_weight = weight((Ld, D, F), ('layers', 'embed', 'mlp'))
+      self.down_weight = weight((Ld, F, D), ('layers', 'mlp', 'embed'))
+    if Ls:  # experts over the 'expert' mesh axis, each one's SwiGLU split like a dense MLP
+      self.router_weight = weight((Ls, D, E), ('layers', 'embed', None))
+      self.expert_gate_weight = weight((Ls, E, D, M), ('layers', 'experts', 'embed', 'mlp'))
+      self.expert_up_weight = weight((Ls, E, D, M), ('layers', 'experts', 'embed', 'mlp'))
+      self.expert_down_weight = weight((Ls, E, M, D), ('layers', 'experts', 'mlp', 'embed'))
 
   def add_adapters(self, lora: LoraConfig, key: jax.Array, dtype) -> None:
     """LoRA factors on the `lora.targets` projections (model/lora.py): A drawn from `key`, B zero."""
@@ -327,49 +370,85 @@ class Qwen2(nnx.Module):
   def lora_scale(self) -> float:
     return 0.0 if self.options.lora is None else self.options.lora.scale
 
-  def run_layers(self, x: jax.Array, layer: Callable, xs=None) -> tuple[jax.Array, typing.Any]:
-    """Runs the L layers on x [B, T, D]: `layer(x, params, xs_l) -> (x, out_l)`, where params is
-    one layer's slice of the stacked parameters and xs_l of `xs` (a pytree of [L, ...] arrays, or
-    None). -> (x, the out_l stacked along a leading L axis).
+  def run_layers(self, x: jax.Array, layer: Callable, xs=None,
+                 replay: jax.Array | None = None) -> tuple[jax.Array, typing.Any, Routing | None]:
+    """Runs the L layers on x [B, T, D]: `layer(x, params, xs_l, replay_l) -> (x, out_l, routing_l)`,
+    where params is one layer's slice of the stacked parameters, xs_l of `xs` (a pytree of [L, ...]
+    arrays, or None) and replay_l of `replay` ([Ls, B, T, k] routes of the sparse layers, or None;
+    None in a dense layer). -> (x, the out_l stacked along a leading L axis, the sparse layers'
+    Routing stacked along a leading Ls axis, or None in a dense model).
 
-    As one lax.scan with `scan_layers`, otherwise unrolled over the same arrays; either way xs is
-    sliced one layer at a time, so a stacked KV cache is read in place, never carried.
+    As one lax.scan with `scan_layers` when every layer is of one kind, otherwise unrolled over the
+    same arrays; either way xs is sliced one layer at a time, so a stacked KV cache is read in
+    place, never carried.
     """
     params = self.layers.arrays()
-    if self.options.scan_layers:
-      return jax.lax.scan(lambda x, inputs: layer(x, *inputs), x, (params, xs))
-    outs = []
+    sparse = self.config.sparse_layers
+    if self.options.scan_layers and len(set(sparse)) == 1:
+      def body(x, inputs):
+        x, out, routing = layer(x, *inputs)
+        return x, (out, routing)
+      x, (outs, routings) = jax.lax.scan(body, x, (params, xs, replay))
+      return x, outs, routings
+    slot = {name: {i: j for j, i in enumerate(stacked_layers(self.config, name))} for name in params}
+    sparse_index = [sum(sparse[:i]) for i in range(len(sparse))]
+    outs, routings = [], []
     for index in range(self.config.num_hidden_layers):
-      x, out = layer(x, *jax.tree.map(lambda a, i=index: a[i], (params, xs)))
+      own = {name: value[slot[name][index]] for name, value in params.items() if index in slot[name]}
+      replay_l = None if replay is None or not sparse[index] else replay[sparse_index[index]]
+      x, out, routing = layer(x, own, jax.tree.map(lambda a, i=index: a[i], xs), replay_l)
       outs.append(out)
-    return x, jax.tree.map(lambda *parts: jnp.stack(parts), *outs)
+      if routing is not None:
+        routings.append(routing)
+    stack = lambda parts: jax.tree.map(lambda *p: jnp.stack(p), *parts)  # noqa: E731
+    return x, stack(outs), (stack(routings) if routings else None)
 
   # ---- full-sequence forward (training, scoring) ----
 
   def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None, routes: jax.Array | None = None) -> jax.Array:
     """tokens [B, T] int32 -> logits [B, T, V] fp32."""
-    return self.project(self.hidden_states(tokens, positions=positions, segment_ids=segment_ids))
+    return self.project(self.hidden_states(tokens, positions=positions, segment_ids=segment_ids, routes=routes))
 
   def hidden_states(self, tokens: jax.Array, *, positions: jax.Array | None = None,
-                    segment_ids: jax.Array | None = None) -> jax.Array:
-    """Final-norm hidden states [B, T, D] (what the fused log-prob op consumes)."""
+                    segment_ids: jax.Array | None = None, routes: jax.Array | None = None,
+                    return_routing: bool = False):
+    """Final-norm hidden states [B, T, D] (what the fused log-prob op consumes).
+
+    routes [B, T, Ls, k]: a mixture of experts routes each token to these experts (routing replay,
+    model/moe.py). return_routing: return (hidden, Routing) instead, what the sparse layers did
+    (None for a dense model).
+    """
     segment_ids = _segments(tokens, segment_ids)
     if positions is None:
       positions = segment_positions(segment_ids)
     slots = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     attend = sequence_attention(self.options.attention, slots, segment_ids, self.options.attention_chunk)
-    block = functools.partial(decoder_block, attend=attend, config=self.config, dtype=self.dtype,
-                              lora_scale=self.lora_scale)
+    real = segment_ids != 0
+
+    def block(params, x, replay):
+      return decoder_block(params, x, positions, attend, config=self.config, dtype=self.dtype,
+                           lora_scale=self.lora_scale, real=real, replay=replay)
     if self.options.remat != 'none':
       block = jax.checkpoint(block, policy=_REMAT_POLICIES[self.options.remat])
 
-    def layer(x, params, _):
-      x, _ = block(params, x, positions)
-      return x, None
+    def layer(x, params, _, replay):
+      x, _, routing = block(params, x, replay)
+      return x, None, routing
 
-    x, _ = self.run_layers(self._embed(tokens), layer)
-    return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
+    x, _, routing = self.run_layers(self._embed(tokens), layer, replay=self._replay(routes))
+    hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
+    return (hidden, _gathered(routing)) if return_routing else hidden
+
+  def _replay(self, routes: jax.Array | None) -> jax.Array | None:
+    """routes [B, T, Ls, k] -> [Ls, B, T, k], the sparse layers' slices (None: route live)."""
+    if routes is None:
+      return None
+    c = self.config
+    expected = (c.num_sparse_layers, c.num_experts_per_tok)
+    if not c.num_sparse_layers or routes.shape[2:] != expected:
+      raise ValueError(f'routes of shape {routes.shape}: this model routes [B, T, {expected[0]}, {expected[1]}]')
+    return jnp.moveaxis(routes, 2, 0)
 
   def lm_head_weight(self) -> jax.Array:
     """[D, V] in the compute dtype; the transposed embedding when tied."""
@@ -403,7 +482,7 @@ class Qwen2(nnx.Module):
 
   def extend(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array | None = None,
              segment_ids: jax.Array | None = None, return_hidden: bool = False,
-             prefix: SharedPrefix | None = None) -> tuple[jax.Array, KVCache]:
+             prefix: SharedPrefix | None = None, return_routing: bool = False):
     """Appends T tokens per row to the cache and returns their logits [B, T, V] and the new cache.
 
     return_hidden: return the final-norm hidden states [B, T, D] instead of logits, so a prefill
@@ -417,6 +496,9 @@ class Qwen2(nnx.Module):
     prefix: a SharedPrefix each row reads before its own cache row (which then holds only what
     follows the prompt); its real tokens count towards the positions and are attended with the
     same segment rule. Only `cache` is written.
+
+    return_routing: return (out, cache, Routing) with what the sparse layers did for these
+    tokens (its `experts` [B, T, Ls, k] are what the sampler records; None in a dense model).
     """
     segment_ids = _segments(tokens, segment_ids)
     prefix_segments = None if prefix is None else prefix.rows(prefix.segment_ids)  # [B, W]
@@ -446,7 +528,7 @@ class Qwen2(nnx.Module):
     implementation = self.options.decode_attention
     stacked = reads_stacked_cache(implementation)
 
-    def layer(x, params, layer_cache):
+    def layer(x, params, layer_cache, _):
       own, *shared = layer_cache  # this layer's cache rows, or (stacked) its index into the stack
       parts = [] if prefix is None else [(prefix.rows(shared[0]), prefix.rows(shared[1]), prefix_mask)]
 
@@ -457,11 +539,11 @@ class Qwen2(nnx.Module):
                                cache.segment_ids, segment_ids, query_slots, self.options.decode_block)
 
       return decoder_block(params, x, positions, attend, config=self.config, dtype=self.dtype,
-                           lora_scale=self.lora_scale)
+                           lora_scale=self.lora_scale, real=segment_ids != 0)
 
     own = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32) if stacked else (cache.k, cache.v)
     layer_caches = (own,) + (() if prefix is None else (prefix.k, prefix.v))
-    x, (k_new, v_new) = self.run_layers(self._embed(tokens), layer, layer_caches)
+    x, (k_new, v_new), routing = self.run_layers(self._embed(tokens), layer, layer_caches)
     hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
     if length == cache.max_length:
       # The tokens fill the whole cache (so it was empty: length + T <= S): it is the new keys and
@@ -473,4 +555,5 @@ class Qwen2(nnx.Module):
                           v=_write_layers(cache.v, v_new.astype(cache.v.dtype), cache.length),
                           segment_ids=_write_rows(cache.segment_ids, segment_ids, cache.length),
                           length=cache.length + length)
-    return (hidden if return_hidden else self.project(hidden)), new_cache
+    out = hidden if return_hidden else self.project(hidden)
+    return (out, new_cache, _gathered(routing)) if return_routing else (out, new_cache)

@@ -1,8 +1,10 @@
-"""Hugging Face Qwen2 / Qwen3 tensors <-> grpo_jax parameters, as one declarative table.
+"""Hugging Face Qwen2 / Qwen3 / Qwen3-MoE tensors <-> grpo_jax parameters, as one declarative table.
 
-Each rule maps a Hugging Face tensor name (per layer, `{i}`) to a grpo_jax parameter path and says
-how the layout changes: PyTorch Linear weights are [out, in] and are transposed to [in, out], then
-split into heads. Both directions are read from the same table.
+Each rule maps a Hugging Face tensor name (per layer, `{i}`; per expert, `{e}`) to a grpo_jax
+parameter path and says how the layout changes: PyTorch Linear weights are [out, in] and are
+transposed to [in, out], then split into heads. Both directions are read from the same table. A
+mixture of experts is stored on the hub (and by transformers' save_pretrained) one tensor per
+expert, `mlp.experts.{e}.gate_proj.weight`; grpo_jax stacks a layer's E experts into one array.
 
 Reading goes one tensor at a time, with positioned reads of the safetensors files, so converting or
 loading a checkpoint never holds more than the destination arrays plus one source tensor.
@@ -29,7 +31,7 @@ def dim_sizes(config: Qwen2Config) -> dict[str, int]:
   """Sizes of the dimension letters (D, F, V, N, K, H; see model/config.py) for this architecture."""
   return {'D': config.hidden_size, 'F': config.intermediate_size, 'V': config.vocab_size,
           'N': config.num_attention_heads, 'K': config.num_key_value_heads,
-          'H': config.resolved_head_dim}
+          'H': config.resolved_head_dim, 'E': config.num_experts, 'M': config.moe_intermediate_size}
 
 
 def _evaluate(spec: str, config: Qwen2Config) -> tuple[int, ...]:
@@ -40,14 +42,17 @@ def _evaluate(spec: str, config: Qwen2Config) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-  hf_name: str  # Hugging Face name; '{i}' stands for the layer index
+  hf_name: str  # Hugging Face name; '{i}' stands for the layer index, '{e}' for the expert's
   path: tuple[str, ...]  # grpo_jax parameter path in the NNX state
   transpose: bool  # PyTorch Linear [out, in] -> [in, out], before the reshape
   hf_spec: str  # Hugging Face shape in dim letters, e.g. 'N*H D'
-  spec: str  # grpo_jax shape of one layer's slice, e.g. 'D N H'
+  spec: str  # grpo_jax shape of one layer's slice (of one expert's, stacked over E), e.g. 'D N H'
   when: str = ''  # the architecture field that must hold for the tensor to exist ('!' negates); '': always
+  layers: str = 'all'  # the layers that have it: 'all', 'dense' (a dense MLP) or 'sparse' (experts)
 
   def present(self, config: Qwen2Config) -> bool:
+    if self.per_layer and not config.layers_of(self.layers):
+      return False
     if not self.when:
       return True
     negated = self.when.startswith('!')
@@ -56,6 +61,21 @@ class Rule:
   @property
   def per_layer(self) -> bool:
     return '{i}' in self.hf_name
+
+  @property
+  def per_expert(self) -> bool:
+    return '{e}' in self.hf_name
+
+  def hf_names(self, config: Qwen2Config, index: int | None) -> list[str]:
+    """The Hugging Face tensors of the `index`-th slice of the stacked parameter (one per expert)."""
+    if not self.per_layer:
+      return [self.hf_name]
+    layer = config.layers_of(self.layers)[index]
+    return [self.hf_name.format(i=layer, e=e) for e in range(config.num_experts if self.per_expert else 1)]
+
+  def all_hf_names(self, config: Qwen2Config) -> list[str]:
+    count = len(config.layers_of(self.layers)) if self.per_layer else 1
+    return [name for index in range(count) for name in self.hf_names(config, index if self.per_layer else None)]
 
   def shape(self, config: Qwen2Config) -> tuple[int, ...]:
     return _evaluate(self.spec, config)
@@ -79,9 +99,15 @@ RULES = (
     Rule(_LAYER + 'self_attn.v_proj.bias', ('layers', 'v_bias'), False, 'K*H', 'K H', 'attention_bias'),
     Rule(_LAYER + 'self_attn.o_proj.weight', ('layers', 'o_weight'), True, 'D N*H', 'N H D'),
     Rule(_LAYER + 'post_attention_layernorm.weight', ('layers', 'mlp_norm'), False, 'D', 'D'),
-    Rule(_LAYER + 'mlp.gate_proj.weight', ('layers', 'gate_weight'), True, 'F D', 'D F'),
-    Rule(_LAYER + 'mlp.up_proj.weight', ('layers', 'up_weight'), True, 'F D', 'D F'),
-    Rule(_LAYER + 'mlp.down_proj.weight', ('layers', 'down_weight'), True, 'D F', 'F D'),
+    Rule(_LAYER + 'mlp.gate_proj.weight', ('layers', 'gate_weight'), True, 'F D', 'D F', layers='dense'),
+    Rule(_LAYER + 'mlp.up_proj.weight', ('layers', 'up_weight'), True, 'F D', 'D F', layers='dense'),
+    Rule(_LAYER + 'mlp.down_proj.weight', ('layers', 'down_weight'), True, 'D F', 'F D', layers='dense'),
+    Rule(_LAYER + 'mlp.gate.weight', ('layers', 'router_weight'), True, 'E D', 'D E', layers='sparse'),
+    Rule(_LAYER + 'mlp.experts.{e}.gate_proj.weight', ('layers', 'expert_gate_weight'), True, 'M D', 'D M',
+         layers='sparse'),
+    Rule(_LAYER + 'mlp.experts.{e}.up_proj.weight', ('layers', 'expert_up_weight'), True, 'M D', 'D M', layers='sparse'),
+    Rule(_LAYER + 'mlp.experts.{e}.down_proj.weight', ('layers', 'expert_down_weight'), True, 'D M', 'M D',
+         layers='sparse'),
     Rule('model.norm.weight', ('final_norm',), False, 'D', 'D'),
     Rule('lm_head.weight', ('lm_head',), True, 'V D', 'D V', '!tie_word_embeddings'),
 )
@@ -259,9 +285,7 @@ class HFCheckpoint:
     """Every expected tensor present with the expected shape, nothing unexpected."""
     expected = {}
     for rule in rules_for(config):
-      names = [rule.hf_name.format(i=i) for i in range(config.num_hidden_layers)] if rule.per_layer \
-          else [rule.hf_name]
-      for name in names:
+      for name in rule.all_hf_names(config):
         expected[name] = rule.hf_shape(config)
     for name, shape in expected.items():
       if name not in self._where:
@@ -276,10 +300,11 @@ class HFCheckpoint:
       if name not in expected and not tied_head and not IGNORED.fullmatch(name):
         raise UserError(f'{self.directory}: unexpected tensor {name} for a {config.model_type} model')
 
-  def layer_slice(self, rule: Rule, config: Qwen2Config, layer: int | None) -> np.ndarray:
-    """One layer's slice of a parameter (or the whole parameter if not per layer), grpo_jax layout."""
-    name = rule.hf_name.format(i=layer) if rule.per_layer else rule.hf_name
-    return to_internal(rule, self.tensor(name), config)
+  def layer_slice(self, rule: Rule, config: Qwen2Config, index: int | None) -> np.ndarray:
+    """The `index`-th slice of a layer-stacked parameter (the whole parameter if not per layer),
+    grpo_jax layout; a layer's E experts stacked."""
+    slices = [to_internal(rule, self.tensor(name), config) for name in rule.hf_names(config, index)]
+    return np.stack(slices) if rule.per_expert else slices[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,9 +359,11 @@ def hf_tensors(params: dict, config: Qwen2Config) -> Iterator[TensorEntry]:
     dtype = np.dtype(array.dtype)
     shape = rule.hf_shape(config)
     if rule.per_layer:
-      for layer in range(config.num_hidden_layers):
-        yield TensorEntry(rule.hf_name.format(i=layer), shape, dtype,
-                          lambda rule=rule, array=array, layer=layer: to_hf(rule, np.asarray(array[layer]), config))
+      for index in range(array.shape[0]):
+        for expert, name in enumerate(rule.hf_names(config, index)):
+          at = (index, expert) if rule.per_expert else (index,)
+          yield TensorEntry(name, shape, dtype,
+                            lambda rule=rule, array=array, at=at: to_hf(rule, np.asarray(array[at]), config))
     else:
       yield TensorEntry(rule.hf_name, shape, dtype,
                         lambda rule=rule, array=array: to_hf(rule, np.asarray(array), config))

@@ -192,7 +192,7 @@ def _grouped_mesh(devices: Sequence[jax.Device], tensor: int, field: str) -> Mes
   """(data = n / t, fsdp = 1, tensor = t) over `devices` in their order."""
   if tensor < 1 or len(devices) % tensor:
     raise UserError(f'{field}={tensor} must divide the {len(devices)} devices of the mesh')
-  return Mesh(np.asarray(devices).reshape(len(devices) // tensor, 1, tensor), MESH_AXES,
+  return Mesh(np.asarray(devices).reshape(len(devices) // tensor, 1, tensor, 1), MESH_AXES,
               axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 

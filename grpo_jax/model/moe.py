@@ -1,0 +1,140 @@
+"""The mixture-of-experts MLP of Qwen3-MoE: the router, routing replay, and the experts computed
+dropless with grouped (ragged) matmuls.
+
+A sparse layer scores each token against the E experts (router [D, E]), takes the softmax in fp32
+and sends the token to its k most probable experts, weighting their outputs by those
+probabilities (renormalised over the k when `norm_topk_prob`). Every token is computed: the
+N * k (token, expert) pairs are sorted by expert, and each expert's SwiGLU multiplies its
+contiguous run of rows with `jax.lax.ragged_dot` (one grouped matmul per projection, never a
+[tokens, experts, M] tensor on TPU and GPU, where XLA keeps the ragged dot; XLA:CPU lowers it
+as a masked dense product over the experts, which the tiny CPU models afford).
+
+Routing replay: given the expert ids a token was routed to before (the sampler's, recorded with
+the rollout), the layer sends it to those experts while the gates still come from the live
+router's softmax at those ids, so the router keeps its gradient. A token whose recorded ids are
+`unrecorded` (the dtype's largest value; a token the sampler never fed back, such as an answer's
+last) takes the live router's choice.
+
+Shapes: x [B, T, D], router [D, E], expert_gate / expert_up [E, D, M], expert_down [E, M, D],
+routes [B, T, k] int.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from grpo_jax.sharding import constrain
+
+
+def route_dtype(num_experts: int) -> jnp.dtype:
+  """The compact integer dtype recorded routes travel in: uint8 up to 255 experts, else int16."""
+  return jnp.dtype(jnp.uint8 if num_experts <= 255 else jnp.int16)
+
+
+def unrecorded(shape, num_experts: int) -> jax.Array:
+  """Routes of tokens that were not routed: the dtype's largest value, never an expert id."""
+  dtype = route_dtype(num_experts)
+  return jnp.full(shape, jnp.iinfo(dtype).max, dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """What the sparse layers decided for B x T tokens (stacked over the Ls sparse layers).
+
+  experts:     [B, T, Ls, k] route_dtype, the experts each token was computed with.
+  load:        [Ls, E] fp32, (token, expert) pairs per expert, real tokens only.
+  probability: [Ls, E] fp32, the router's softmax summed over real tokens.
+  tokens:      [] fp32, real tokens (the normaliser of both sums).
+  differs:     [B, T] bool, some layer's live top-k set is not the one used (always False
+               without replay): the tokens replay re-routed.
+  """
+
+  experts: jax.Array
+  load: jax.Array
+  probability: jax.Array
+  tokens: jax.Array
+  differs: jax.Array
+
+  def aux_loss(self) -> jax.Array:
+    """The load-balancing loss as transformers' `load_balancing_loss_func` computes it over the
+    sparse layers: E * sum_e f_e P_e, f_e the fraction of (token, k) pairs sent to expert e and
+    P_e the mean router probability of e, both over every layer's real tokens. On the routes used
+    (the recorded ones with replay)."""
+    layers, experts = self.load.shape
+    rows = jnp.maximum(self.tokens * layers, 1.0)
+    fraction = jnp.sum(self.load, axis=0) / rows
+    probability = jnp.sum(self.probability, axis=0) / rows
+    return experts * jnp.sum(fraction * probability)
+
+  def imbalance(self) -> jax.Array:
+    """max / mean (token, expert) pairs per expert, averaged over the sparse layers (1: balanced)."""
+    mean = jnp.maximum(jnp.mean(self.load, axis=1), 1e-9)
+    return jnp.mean(jnp.max(self.load, axis=1) / mean)
+
+
+def route(h: jax.Array, router: jax.Array, *, top_k: int, norm_topk_prob: bool,
+          replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """h [B, T, D] (compute dtype), router [D, E] -> (experts [B, T, k] int32, gates [B, T, k] in h's
+  dtype, probabilities [B, T, E] fp32, differs [B, T] bool).
+
+  replay [B, T, k] (`unrecorded` rows: the live choice): route to those experts instead of the top k; the gates
+  are the live softmax at them, renormalised over them when `norm_topk_prob`.
+  """
+  logits = jnp.einsum('BTD,DE->BTE', h, router.astype(h.dtype))
+  probabilities = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  _, chosen = jax.lax.top_k(probabilities, top_k)
+  if replay is None:
+    experts, differs = chosen, jnp.zeros(h.shape[:2], bool)
+  else:
+    replay = replay.astype(jnp.int32)
+    recorded = (replay[..., :1] >= 0) & (replay[..., :1] < probabilities.shape[-1])
+    experts = jnp.where(recorded, replay, chosen)
+    differs = jnp.any(jnp.sort(experts, axis=-1) != jnp.sort(chosen, axis=-1), axis=-1)
+  gates = jnp.take_along_axis(probabilities, experts, axis=-1)
+  if norm_topk_prob:
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+  return experts, gates.astype(h.dtype), probabilities, differs
+
+
+def experts_forward(x: jax.Array, experts: jax.Array, gates: jax.Array, gate_weight: jax.Array,
+                    up_weight: jax.Array, down_weight: jax.Array) -> jax.Array:
+  """x [B, T, D] through each token's k experts, weighted by gates [B, T, k] and summed -> [B, T, D].
+
+  The B * T * k (token, expert) pairs are sorted by expert and each projection is one grouped
+  matmul over the E runs (`ragged_dot`): dropless, every pair computed, no capacity factor.
+  """
+  batch, length, width = x.shape
+  top_k = experts.shape[-1]
+  num_experts = gate_weight.shape[0]
+  flat = experts.reshape(-1)  # [B*T*k]
+  order = jnp.argsort(flat, stable=True)
+  token = order // top_k
+  sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+  rows = jnp.take(x.reshape(-1, width), token, axis=0)  # [B*T*k, D], grouped by expert
+  hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, gate_weight, sizes))
+            * jax.lax.ragged_dot(rows, up_weight, sizes))
+  out = jax.lax.ragged_dot(hidden, down_weight, sizes)  # [B*T*k, D]
+  out = out * jnp.take(gates.reshape(-1), order)[:, None]
+  combined = jnp.zeros((batch * length, width), out.dtype).at[token].add(out)
+  return constrain(combined.reshape(batch, length, width), ('batch', 'seq', 'act_embed'))
+
+
+def sparse_mlp(params: dict, h: jax.Array, real: jax.Array, *, top_k: int, norm_topk_prob: bool,
+               replay: jax.Array | None = None) -> tuple[jax.Array, Routing]:
+  """One sparse layer's MLP. params: router_weight [D, E], expert_gate_weight, expert_up_weight
+  [E, D, M], expert_down_weight [E, M, D] in the compute dtype; h [B, T, D]; real [B, T] bool, the
+  tokens that count in the load statistics. -> (out [B, T, D], this layer's Routing, with
+  `experts` [B, T, k] and load / probability [E])."""
+  experts, gates, probabilities, differs = route(h, params['router_weight'], top_k=top_k,
+                                                 norm_topk_prob=norm_topk_prob, replay=replay)
+  out = experts_forward(h, experts, gates, params['expert_gate_weight'], params['expert_up_weight'],
+                        params['expert_down_weight'])
+  weight = real.astype(jnp.float32)
+  num_experts = probabilities.shape[-1]
+  load = jnp.einsum('BTkE,BT->E', jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), weight)
+  probability = jnp.einsum('BTE,BT->E', probabilities, weight)
+  routing = Routing(experts=experts.astype(route_dtype(num_experts)), load=load, probability=probability,
+                    tokens=jnp.sum(weight), differs=differs & real)
+  return out, routing
