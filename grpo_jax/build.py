@@ -7,6 +7,7 @@ import jax
 from flax import nnx
 
 from grpo_jax.data.task import Task
+from grpo_jax.errors import require
 from grpo_jax.model import lora
 from grpo_jax.rl.host_task import HostTask
 from grpo_jax.rl.modes import Acting, GroupSampling, PoolSampling, Sampling
@@ -33,6 +34,12 @@ def decode_slots(config) -> int:
   return min(config.rollout.slots or rows, rows)
 
 
+def decode_settings(config, task: Task):
+  """The trainer's sampler settings: the task's stop and pad ids; routes recorded for routing replay."""
+  return config.rollout.decode_settings(task.stop_token_ids, task.pad_id,
+                                        record_routes=config.algo.routing_replay == 'rollout')
+
+
 def pool_settings(config, task: Task) -> PoolSettings | None:
   """The run's pool of partial rollouts (algo.max_lag > 0, sampler/pool.py), derived here once;
   None on-policy."""
@@ -41,19 +48,20 @@ def pool_settings(config, task: Task) -> PoolSettings | None:
   return PoolSettings(take=config.rollout.prompts_per_step, group_size=config.algo.group_size,
                       # Split devices sample one version behind the trainer: the pool holds one lag fewer.
                       lag=config.algo.max_lag - (1 if config.rollout.devices else 0),
-                      decode=config.rollout.decode_settings(task.stop_token_ids, task.pad_id),
+                      decode=decode_settings(config, task),
                       slots=decode_slots(config), regenerate=config.algo.stale_groups == 'regenerate',
                       priming=config.algo.max_lag)
 
 
-def empty_pool(settings: PoolSettings | None, task: Task, prompt_count: int):
+def empty_pool(settings: PoolSettings | None, task: Task, prompt_count: int, architecture):
   """The pool holding no groups yet (None on-policy). A jittable task's answers get arrays in it,
-  shaped like one batch's."""
+  shaped like one batch's; `architecture` (the model's) sizes recorded routes."""
   if settings is None:
     return None
   answers = (jax.eval_shape(lambda key: task.prompts(key, 0, prompt_count), jax.random.PRNGKey(0)).answers
              if task.jittable else None)
-  return sampler_pool.empty_pool(settings.entries, settings.group_size, task.prompt_length, settings.decode, answers)
+  return sampler_pool.empty_pool(settings.entries, settings.group_size, task.prompt_length, settings.decode, answers,
+                                 architecture)
 
 
 def rollout_mode(config) -> type:
@@ -74,6 +82,9 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
   rollout.devices of jax.devices(), which `mesh` must leave out)."""
   graphdef, own = nnx.split(model)
   params = own if params is None else params
+  require(config.algo.routing_replay == 'none' or model.config.num_sparse_layers, 'algo.routing_replay',
+          f"'{config.algo.routing_replay}' replays the experts of a mixture of experts; this model "
+          f'({model.config.model_type}) is dense: set algo.routing_replay=none')
   optimizer, schedule = config.optim.build(total_updates(config))
   if config.rollout.devices and sampler_devices is None:
     sampler_devices = split_devices(jax.devices(), config.rollout.devices)[1]
@@ -82,7 +93,7 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
   # A host-scored task is adapted to the mesh; an agent task's acting stage places its own arrays.
   step_task = task if task.jittable or mode is Acting else HostTask(task, mesh)
   settings = pool_settings(config, task)
-  pool = empty_pool(settings, task, config.rollout.prompts_per_step)
+  pool = empty_pool(settings, task, config.rollout.prompts_per_step, model.config)
   trained, frozen = lora.split_trainable(params)  # with LoRA the optimizer sees the adapters only
   shardings = train_state_shardings(trained, optimizer, pool, frozen)
   if layout is not None and layout.split and pool is not None:  # the pool and the groups ready on the sampler
@@ -90,7 +101,7 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
     shardings = shardings.replace(pool=pool_shardings(pool, layout.mesh))
   sampling = Sampling(graphdef=graphdef, task=step_task, group_size=config.algo.group_size,
                       prompts_per_step=config.rollout.prompts_per_step,
-                      decode=config.rollout.decode_settings(task.stop_token_ids, task.pad_id),
+                      decode=decode_settings(config, task),
                       slots=decode_slots(config), layout=layout, mesh=mesh, rollout=config.rollout,
                       pool=settings)
   return RLStep(graphdef, mode, sampling, config.algo, optimizer, schedule, shardings,

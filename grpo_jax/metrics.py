@@ -171,18 +171,20 @@ def plot_rewards(history: list[dict], path: str, title: str) -> str | None:
   return path
 
 
-def model_flops_per_step(num_params: int, prompt_length: int, rollout, algo, adapter_params: int | None = None) -> float:
+def model_flops_per_step(active_params: int, prompt_length: int, rollout, algo, adapter_params: int | None = None) -> float:
   """Approximate model FLOPs of one RL step (the run's `rollout` and `algo` config sections): 2 N
   per sampled token, 6 N per trained token (plus 2 N per token for each extra scoring pass: pi_old
-  when mu > 1 or several mini-batches, pi_ref). With LoRA (`adapter_params` A): the frozen N need
-  no weight gradients, so 4 N + 6 A per trained token, and every pass also runs the adapters."""
+  when mu > 1 or several mini-batches, pi_ref). N = `active_params`, the parameters one token
+  computes with (Qwen2Config.num_params(active=True): a mixture of experts counts the k experts a
+  token is routed to, not all E). With LoRA (`adapter_params` A): the frozen N need no weight
+  gradients, so 4 N + 6 A per trained token, and every pass also runs the adapters."""
   rows = rollout.prompts_per_step * algo.group_size
   sequence = prompt_length + rollout.max_new_tokens
   sampled = rollout.prompts_per_step * prompt_length + rows * rollout.max_new_tokens
   trained = rows * sequence * algo.ppo_epochs
   scoring_passes = (algo.ppo_epochs > 1 or algo.num_minibatches > 1) + (algo.kl_beta > 0)
-  forward = num_params + (adapter_params or 0)
-  per_trained = 6.0 * num_params if adapter_params is None else 4.0 * num_params + 6.0 * adapter_params
+  forward = active_params + (adapter_params or 0)
+  per_trained = 6.0 * active_params if adapter_params is None else 4.0 * active_params + 6.0 * adapter_params
   return 2.0 * forward * sampled + per_trained * trained + 2.0 * forward * rows * sequence * scoring_passes
 
 

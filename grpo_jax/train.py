@@ -191,8 +191,9 @@ class Run:
     self.num_params = model.config.num_params()
     self.peak_flops = metrics_lib.matmul_peak_flops(config.model.options.dtype)
     adapters = None if frozen is None else sum(x.size for x in jax.tree.leaves(trained))
-    self.step_flops = metrics_lib.model_flops_per_step(self.num_params, task.prompt_length, config.rollout, config.algo,
-                                                       adapter_params=adapters)
+    # FLOPs (and MFU) count the parameters a token computes with: a mixture's active ones.
+    self.step_flops = metrics_lib.model_flops_per_step(model.config.num_params(active=True), task.prompt_length,
+                                                       config.rollout, config.algo, adapter_params=adapters)
 
   @property
   def step(self) -> int:

@@ -106,8 +106,8 @@ def test_round_trip_through_hf_dict():
     (dict(hidden_act='gelu'), "hidden_act='gelu' is not supported"),
     (dict(num_key_value_heads=3), 'must be a multiple of num_key_value_heads (3)'),
     (dict(hidden_size=None), 'missing field hidden_size'),
-    (dict(architectures=['Qwen3MoeForCausalLM'], model_type='qwen3_moe'),
-     "unsupported architecture Qwen3MoeForCausalLM (model_type 'qwen3_moe')"),
+    (dict(architectures=['Qwen2MoeForCausalLM'], model_type='qwen2_moe'),
+     "unsupported architecture Qwen2MoeForCausalLM (model_type 'qwen2_moe')"),
     (dict(architectures=['Qwen3ForCausalLM'], model_type='qwen3', attention_bias=True),
      'attention_bias=true is not supported for qwen3'),
 ])

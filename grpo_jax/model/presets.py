@@ -1,8 +1,10 @@
-"""The public model sizes: Qwen2.5 and Qwen3 dense shapes as grpo_jax.model.Qwen2Config keyword
-dicts (the plan's --model-size, the benchmarks' architectures, the tests' config checks).
+"""The public model sizes: Qwen2.5, Qwen3 dense and Qwen3-MoE shapes as grpo_jax.model.Qwen2Config
+keyword dicts (the plan's --model-size, the benchmarks' architectures, the tests' config checks).
 
   QWEN2_5_PRESETS, QWEN3_PRESETS   size ('0.5B', '7B', ...) -> Qwen2Config keywords
-  MODEL_PRESETS                    every --model-size name ('7B', 'Qwen2.5-7B', 'Qwen3-8B') -> keywords
+  QWEN3_MOE_PRESETS                size ('30B-A3B', '235B-A22B') -> Qwen2Config keywords
+  MODEL_PRESETS                    every --model-size name ('7B', 'Qwen2.5-7B', 'Qwen3-8B',
+                                   'Qwen3-30B-A3B') -> keywords
   preset(name, **overrides)        the Qwen2Config of one
 
 Imports only the standard library (preset() imports the config when called): bench/harness.py
@@ -42,16 +44,33 @@ _QWEN3_SHAPES = {  # D, F, L, N, K, V, tied
     '14B': (5120, 17408, 40, 40, 8, 151936, False),
     '32B': (5120, 25600, 64, 64, 8, 151936, False),
 }
-QWEN3_PRESETS = _presets(_QWEN3_SHAPES, head_dim=128, rope_theta=1_000_000.0, max_position_embeddings=40960,
-                         attention_bias=False, qk_norm=True)
-# --model-size names: the Qwen2.5 sizes as they are ('7B') or prefixed, the Qwen3 sizes prefixed ('Qwen3-8B').
+_QWEN3_FIELDS = dict(head_dim=128, rope_theta=1_000_000.0, max_position_embeddings=40960, attention_bias=False,
+                     qk_norm=True)
+QWEN3_PRESETS = _presets(_QWEN3_SHAPES, **_QWEN3_FIELDS)
+# The Qwen3-MoE config.json files (Qwen3-*B-A*B): Qwen3's attention, and in every layer
+# (decoder_sparse_step 1, no mlp_only_layers) E experts of width M of which each token takes k,
+# their probabilities renormalised over the k. intermediate_size F is the dense MLP's width, which
+# no layer of these checkpoints uses. Totals / activated per the model cards: 30.5B / 3.3B and
+# 235B / 22B.
+_QWEN3_MOE_FIELDS = ('hidden_size', 'intermediate_size', 'moe_intermediate_size', 'num_hidden_layers',
+                     'num_attention_heads', 'num_key_value_heads', 'num_experts', 'num_experts_per_tok')
+_QWEN3_MOE_SHAPES = {  # D, F, M, L, N, K, E, k
+    '30B-A3B': (2048, 6144, 768, 48, 32, 4, 128, 8),
+    '235B-A22B': (4096, 12288, 1536, 94, 64, 4, 128, 8),
+}
+QWEN3_MOE_PRESETS = {size: dict(zip(_QWEN3_MOE_FIELDS, shape), vocab_size=151936, tie_word_embeddings=False,
+                          norm_topk_prob=True, **_QWEN3_FIELDS)
+                     for size, shape in _QWEN3_MOE_SHAPES.items()}
+# --model-size names: the Qwen2.5 sizes as they are ('7B') or prefixed, the Qwen3 sizes prefixed
+# ('Qwen3-8B', 'Qwen3-30B-A3B').
 MODEL_PRESETS = {**QWEN2_5_PRESETS, **{f'Qwen2.5-{size}': shape for size, shape in QWEN2_5_PRESETS.items()},
-                 **{f'Qwen3-{size}': shape for size, shape in QWEN3_PRESETS.items()}}
+                 **{f'Qwen3-{size}': shape for size, shape in {**QWEN3_PRESETS, **QWEN3_MOE_PRESETS}.items()}}
 
 
 def preset(name: str, **overrides):
   """grpo_jax.model.Qwen2Config of the model size `name` (a MODEL_PRESETS key: '0.5B', ..., '72B'
-  or 'Qwen2.5-7B' for Qwen2.5, 'Qwen3-0.6B', ..., 'Qwen3-32B'), fields overridden."""
+  or 'Qwen2.5-7B' for Qwen2.5, 'Qwen3-0.6B', ..., 'Qwen3-32B', 'Qwen3-30B-A3B', 'Qwen3-235B-A22B'),
+  fields overridden."""
   if name not in MODEL_PRESETS:
     raise KeyError(f'no model preset {name!r}; one of {", ".join(MODEL_PRESETS)}')
   from grpo_jax.model.config import Qwen2Config  # here: this module imports no jax (the docstring)

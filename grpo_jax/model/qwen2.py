@@ -352,6 +352,11 @@ class Qwen2(nnx.Module):
     if not config.tie_word_embeddings:
       self.lm_head = nnx.Param(normal(rngs.params(), (D, V), self.param_dtype),
                                logical_axes=('embed', 'vocab'))
+    if options.lora is not None and config.num_sparse_layers:
+      experts = [target for target in options.lora.targets if TARGETS[target][0] in DENSE_MLP_PARAMS]
+      require(not experts, 'model.lora.targets',
+              f'{experts[0] if experts else ""!r}: adapters on the MLP of a mixture of experts (its experts) are not '
+              "built; target the attention projections ('q', 'k', 'v', 'o')")
     if options.lora is not None:  # drawn last: the base weights are those of the same seed without LoRA
       self.layers.add_adapters(options.lora, rngs.params(), jnp.dtype(options.param_dtype))
 

@@ -225,6 +225,12 @@ class AlgoConfig:
   # max_lag > 0: 'wait': a step also waits for the groups at the bound, so none is ever too old;
   # 'regenerate': it waits for P complete groups only, and a group that would pass the bound restarts.
   stale_groups: Literal['wait', 'regenerate'] = 'wait'
+  # Mixtures of experts (model/moe.py). 'rollout': the sampler records each token's experts in every
+  # sparse layer and the trainer's pi_old and pi_theta passes route to them, the gates recomputed from
+  # the live router (rollout routing replay); 'none': the trainer routes by its own router.
+  routing_replay: Literal['none', 'rollout'] = 'none'
+  replay_reference: bool = False  # pi_ref (kl_beta > 0) replays the rollout's routes too
+  router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss on the routes used (logged either way)
 
   def __post_init__(self):
     with section('algo'):
@@ -254,3 +260,6 @@ class AlgoConfig:
       require(self.dual_clip == 0 or self.dual_clip > 1, 'dual_clip', f'must be 0 (off) or > 1, got {self.dual_clip}')
       require(self.kl_beta >= 0, 'kl_beta', f'must be >= 0, got {self.kl_beta}')
       require(self.tis_cap == 0 or self.tis_cap >= 1, 'tis_cap', f'must be 0 (off) or >= 1, got {self.tis_cap}')
+      require(self.router_aux_loss_coef >= 0, 'router_aux_loss_coef', f'must be >= 0, got {self.router_aux_loss_coef}')
+      require(self.routing_replay == 'rollout' or not self.replay_reference, 'replay_reference',
+              "replays the rollout's routes: set algo.routing_replay=rollout")

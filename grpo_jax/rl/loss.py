@@ -22,6 +22,8 @@ class LossInputs:
   """The rows the loss reads: a mini-batch, or one micro-batch of it. B rows, N completion tokens.
 
   tokens, segment_ids, mask, advantages, sampler_log_probs: as in update.Batch.
+  routes         [B, Tp + N, Ls, k] the sampler's experts of every token, replayed by the passes
+                 (algo.routing_replay 'rollout'); None: the model routes by its own router.
   lags           [B, N] int32 versions between the token's sampler and the policy trained (partial
                  rollouts, algo.max_lag > 0); None: every token is the current policy's.
   old_log_probs  [B, N] fp32 pi_old(y_t); None on-policy (pi_old is the current policy, no pass).
@@ -37,6 +39,7 @@ class LossInputs:
   advantages: jax.Array
   sampler_log_probs: jax.Array
   lags: jax.Array | None = None
+  routes: jax.Array | None = None
   old_log_probs: jax.Array | None = None
   ref_log_probs: jax.Array | None = None
   weights: jax.Array | None = None
@@ -44,43 +47,51 @@ class LossInputs:
 
 
 def completion_log_probs(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array, completion_length: int,
-                         *, temperature: float, implementation: str, with_entropy: bool = False):
-  """log pi(y_t) [B, N] (and entropy [B, N]) of the last N tokens, from the fused op.
+                         *, temperature: float, implementation: str, with_entropy: bool = False,
+                         routes: jax.Array | None = None):
+  """(log pi(y_t) [B, N] (and entropy [B, N]) of the last N tokens, from the fused op; the
+  model's Routing of the rows, None for a dense model). routes [B, Tp + N, Ls, k]: replayed.
 
   The logits predicting completion token t sit at position Tp + t - 1, so the op reads the hidden
   states of positions Tp - 1 .. Tp + N - 2; prompts must be left-padded.
   """
-  hidden = model.hidden_states(tokens, segment_ids=segment_ids)
+  hidden, routing = model.hidden_states(tokens, segment_ids=segment_ids, routes=routes, return_routing=True)
   hidden = hidden[:, -completion_length - 1:-1]
   return token_logprobs(hidden, model.lm_head_weight(), tokens[:, -completion_length:],
                         temperature=temperature, return_entropy=with_entropy,
-                        implementation=implementation)
+                        implementation=implementation), routing
 
 
 def packed_token_log_probs(model: Qwen2, packed: packing.Packed, *, temperature: float, implementation: str,
-                           with_entropy: bool = False):
-  """log pi [n, m, L - 1] (and entropy) of every packed token but each row's first, at the column
-  before it (position c - 1 predicts the token in column c), for packed rows [n, m, L]."""
+                           with_entropy: bool = False, replay: bool = False):
+  """(log pi [n, m, L - 1] (and entropy) of every packed token but each row's first, at the column
+  before it (position c - 1 predicts the token in column c), for packed rows [n, m, L]; the
+  model's Routing). replay: route to the packed rows' recorded experts."""
   groups, rows, length = packed.tokens.shape
   tokens = packed.tokens.reshape(groups * rows, length)
-  hidden = model.hidden_states(tokens, segment_ids=packed.segment_ids.reshape(groups * rows, length))
+  routes = packed.routes.reshape((groups * rows,) + packed.routes.shape[2:]) if replay else None
+  hidden, routing = model.hidden_states(tokens, segment_ids=packed.segment_ids.reshape(groups * rows, length),
+                                        routes=routes, return_routing=True)
   out = token_logprobs(hidden[:, :-1], model.lm_head_weight(), tokens[:, 1:], temperature=temperature,
                        return_entropy=with_entropy, implementation=implementation)
-  return jax.tree.map(lambda x: x.reshape(groups, rows, length - 1), out)
+  return jax.tree.map(lambda x: x.reshape(groups, rows, length - 1), out), routing
 
 
 def log_probs_of(model: Qwen2, micro: LossInputs, packed: packing.Packed | None, *, temperature: float,
-                 implementation: str, with_entropy: bool = False):
+                 implementation: str, with_entropy: bool = False, replay: bool = False, with_routing: bool = False):
   """log pi [B, N] (and entropy) of the micro-batch's completions in the padded layout: from its
-  padded rows, or (packed) from its packed rows, 0 outside the sequences packed into them."""
+  padded rows, or (packed) from its packed rows, 0 outside the sequences packed into them.
+  replay: route to `micro.routes` (the sampler's experts). with_routing: return (values, Routing)."""
   options = dict(temperature=temperature, implementation=implementation, with_entropy=with_entropy)
   completion_length = micro.mask.shape[1]
   if packed is None:
-    return completion_log_probs(model, micro.tokens, micro.segment_ids, completion_length, **options)
-  values = packed_token_log_probs(model, packed, **options)
-  if with_entropy:
-    return tuple(packing.unpack(value, packed, completion_length) for value in values)
-  return packing.unpack(values, packed, completion_length)
+    values, routing = completion_log_probs(model, micro.tokens, micro.segment_ids, completion_length, **options,
+                                           routes=micro.routes if replay else None)
+  else:
+    values, routing = packed_token_log_probs(model, packed, **options, replay=replay)
+    values = (tuple(packing.unpack(value, packed, completion_length) for value in values) if with_entropy
+              else packing.unpack(values, packed, completion_length))
+  return (values, routing) if with_routing else values
 
 
 LOG_2 = float(np.log(2.0))  # |log ratio| > log 2: the ratio lies outside [0.5, 2]
@@ -137,8 +148,9 @@ def policy_loss(params, graphdef, micro: LossInputs, config: AlgoConfig, tempera
   """
   model = nnx.merge(graphdef, params)
   mask = micro.mask
-  log_probs, entropy = log_probs_of(model, micro, packed, temperature=temperature,
-                                    implementation=config.logprob_implementation, with_entropy=True)
+  (log_probs, entropy), routing = log_probs_of(model, micro, packed, temperature=temperature,
+                                               implementation=config.logprob_implementation, with_entropy=True,
+                                               replay=config.routing_replay == 'rollout', with_routing=True)
   if packed is not None and not on_policy:  # elsewhere: the old policy's values, so every ratio there is a finite 1
     log_probs = jnp.where(mask, log_probs, micro.old_log_probs)
   old = jax.lax.stop_gradient(log_probs) if on_policy else micro.old_log_probs
@@ -162,11 +174,22 @@ def policy_loss(params, graphdef, micro: LossInputs, config: AlgoConfig, tempera
   loss = jnp.sum(token_loss * micro.weights)
   # Reported metrics are token means over the mini-batch, whatever the loss aggregation.
   per_token = micro.token_weights
+  experts = {}
+  if routing is not None:
+    # Per micro-batch, weighted by its share of the mini-batch's completion tokens: the sums over
+    # micro-batches are the mini-batch's token-weighted means (so is the auxiliary loss's term).
+    share = jnp.sum(per_token)
+    aux = routing.aux_loss()
+    loss = loss + config.router_aux_loss_coef * aux * share
+    experts = dict(router_aux_loss=aux * share, expert_load_max_over_mean=routing.imbalance() * share)
+    if config.routing_replay == 'rollout':
+      rerouted = jnp.sum(routing.differs) / jnp.maximum(routing.tokens, 1.0)
+      experts['routing_replay_rerouted_frac'] = rerouted * share
   metrics = dict(policy_loss=jnp.sum(pg_loss * per_token), kl=jnp.sum(kl * per_token),
                  entropy=jnp.sum(jax.lax.stop_gradient(entropy) * per_token),
                  clip_frac_low=jnp.sum(surrogate['clipped_low'] * per_token),
                  clip_frac_high=jnp.sum(surrogate['clipped_high'] * per_token),
-                 ratio_mean=jnp.sum(surrogate['ratio'] * per_token))
+                 ratio_mean=jnp.sum(surrogate['ratio'] * per_token), **experts)
   if on_policy:
     metrics.update(sampler_mismatch(log_probs, micro.sampler_log_probs, mask, per_token))
     if micro.lags is not None:

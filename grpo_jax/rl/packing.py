@@ -34,6 +34,7 @@ class Packed:
   start        [n, Bn] int32    the column of each sequence's first completion token
   rows_used    [n] int32        rows holding a real token: rows [0, rows_used) of each group
   real_tokens  [] int32         real (prompt and completion) tokens of all groups
+  routes       [n, R, L, Ls, k] the tokens' recorded experts (routing replay), or None
   """
 
   tokens: jax.Array
@@ -42,6 +43,7 @@ class Packed:
   start: jax.Array
   rows_used: jax.Array
   real_tokens: jax.Array
+  routes: jax.Array | None = None
 
   @property
   def row_length(self) -> int:
@@ -69,9 +71,10 @@ def first_fit_decreasing(lengths: jax.Array, rows: int, row_length: int):
   return row, offset, segment
 
 
-def _pack_group(tokens, segment_ids, completion_length: int, rows: int, row_length: int):
+def _pack_group(tokens, segment_ids, routes, completion_length: int, rows: int, row_length: int):
   """One group's padded rows tokens, segment_ids [Bn, W] (prompt left-padded, completion
-  right-padded) -> tokens, segment_ids [R, L], row, start [Bn], rows used."""
+  right-padded), routes [Bn, W, Ls, k] or None -> tokens, segment_ids [R, L], routes [R, L, Ls, k]
+  or None, row, start [Bn], rows used."""
   width = tokens.shape[1]
   real = segment_ids != 0
   lengths = jnp.sum(real, axis=1, dtype=jnp.int32)
@@ -82,29 +85,35 @@ def _pack_group(tokens, segment_ids, completion_length: int, rows: int, row_leng
   columns = offset[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :] - first[:, None]
   columns = jnp.where(real, columns, row_length)  # padding: out of range, dropped
   targets = jnp.broadcast_to(row[:, None], columns.shape)
-  scatter = lambda values, fill: jnp.full((rows, row_length), fill, jnp.int32).at[targets, columns].set(  # noqa: E731
-      values, mode='drop', unique_indices=True)
+  def scatter(values, fill):
+    empty = jnp.full((rows, row_length) + values.shape[2:], fill, values.dtype)
+    return empty.at[targets, columns].set(values, mode='drop', unique_indices=True)
+
   packed_tokens = scatter(tokens.astype(jnp.int32), 0)
-  packed_segments = scatter(jnp.broadcast_to(segment[:, None], columns.shape), 0)
+  packed_segments = scatter(jnp.broadcast_to(segment[:, None], columns.shape).astype(jnp.int32), 0)
+  packed_routes = None if routes is None else scatter(routes, jnp.iinfo(routes.dtype).max)  # moe.unrecorded's value
   fill = jnp.zeros((rows,), jnp.int32).at[row].add(lengths)
-  return packed_tokens, packed_segments, row, offset + prompt_tokens, jnp.sum(fill > 0, dtype=jnp.int32)
+  return packed_tokens, packed_segments, packed_routes, row, offset + prompt_tokens, jnp.sum(fill > 0, dtype=jnp.int32)
 
 
 def pack(tokens: jax.Array, segment_ids: jax.Array, completion_length: int, row_length: int,
-         micro_rows: int) -> Packed:
+         micro_rows: int, routes: jax.Array | None = None) -> Packed:
   """Packs the padded rows tokens, segment_ids [B, W] (each a left-padded prompt then a completion
-  of `completion_length` slots) into rows of `row_length` >= W tokens, per batch group. Each group
+  of `completion_length` slots; routes [B, W, Ls, k] travel with their tokens) into rows of
+  `row_length` >= W tokens, per batch group. Each group
   gets R = Bn rows rounded up to a multiple of `micro_rows` (one sequence per row at worst), so
   the packed rows split into micro-batches of `micro_rows` rows of every group."""
   groups = batch_groups(tokens.shape[0])
   per_group = tokens.shape[0] // groups
   rows = -(-per_group // micro_rows) * micro_rows
-  pack_one = lambda t, s: _pack_group(t, s, completion_length, rows, row_length)  # noqa: E731
-  packed_tokens, packed_segments, row, start, rows_used = jax.vmap(pack_one)(grouped(tokens, groups),
-                                                                            grouped(segment_ids, groups))
-  on_groups = lambda x: constrain(x, ('batch', None, None))  # noqa: E731  (each group's rows stay on its devices)
+  pack_one = lambda t, s, r: _pack_group(t, s, r, completion_length, rows, row_length)  # noqa: E731
+  packed_tokens, packed_segments, packed_routes, row, start, rows_used = jax.vmap(pack_one)(
+      grouped(tokens, groups), grouped(segment_ids, groups), None if routes is None else grouped(routes, groups))
+  # each group's rows stay on its devices
+  on_groups = lambda x: None if x is None else constrain(x, ('batch',) + (None,) * (x.ndim - 1))  # noqa: E731
   return Packed(tokens=on_groups(packed_tokens), segment_ids=on_groups(packed_segments), row=row,
-                start=start, rows_used=rows_used, real_tokens=jnp.sum(segment_ids != 0, dtype=jnp.int32))
+                start=start, rows_used=rows_used, real_tokens=jnp.sum(segment_ids != 0, dtype=jnp.int32),
+                routes=on_groups(packed_routes))
 
 
 def micro_batch_count(packed: Packed, micro_rows: int) -> jax.Array:
@@ -119,6 +128,7 @@ def micro_batch(packed: Packed, index: jax.Array, micro_rows: int) -> Packed:
   take = lambda x: jax.lax.dynamic_slice_in_dim(x, first, micro_rows, axis=1)  # noqa: E731
   inside = (packed.row >= first) & (packed.row < first + micro_rows)
   return packed.replace(tokens=take(packed.tokens), segment_ids=take(packed.segment_ids),
+                        routes=None if packed.routes is None else take(packed.routes),
                         row=jnp.where(inside, packed.row - first, -1))
 
 

@@ -38,7 +38,8 @@ def make_batch(prompts: Prompts, rollout: Rollout, scores: Scores, algo_config: 
                segment_ids=jnp.concatenate([rows.mask.astype(jnp.int32), rollout.sequence_mask.astype(jnp.int32)],
                                            axis=1),
                mask=rollout.mask, advantages=advantages, sampler_log_probs=rollout.log_probs,
-               lags=None if rollout.versions is None else jnp.where(rollout.mask, version - rollout.versions, 0))
+               lags=None if rollout.versions is None else jnp.where(rollout.mask, version - rollout.versions, 0),
+               routes=rollout.routes)
 
 
 def rollout_metrics(rollout: Rollout, scores: Scores, group_size: int, slots: int) -> dict:

@@ -40,6 +40,7 @@ class Batch:
   advantages    [B] fp32
   sampler_log_probs [B, N] fp32    the sampler's log pi(y_t) (for the TIS correction)
   lags          [B, N] int32 or None versions between each token's sampler and this policy (partial rollouts)
+  routes        [B, Tp + N, Ls, k] or None the sampler's experts of every token (routing replay, model/moe.py)
   """
 
   tokens: jax.Array
@@ -48,6 +49,7 @@ class Batch:
   advantages: jax.Array
   sampler_log_probs: jax.Array
   lags: jax.Array | None = None
+  routes: jax.Array | None = None
 
   @property
   def completion_length(self) -> int:
@@ -112,14 +114,14 @@ class MicroBatches:
 
   @classmethod
   def of(cls, settings: UpdateSettings, tokens: jax.Array, segment_ids: jax.Array, completion_length: int,
-         micro_rows: int) -> 'MicroBatches':
-    """The micro-batches of padded rows tokens, segment_ids [B, Tp + N] as `settings` lay them out;
-    `micro_rows`: padded rows per micro-batch."""
+         micro_rows: int, routes: jax.Array | None = None) -> 'MicroBatches':
+    """The micro-batches of padded rows tokens, segment_ids [B, Tp + N] (and their routes
+    [B, Tp + N, Ls, k]) as `settings` lay them out; `micro_rows`: padded rows per micro-batch."""
     if not settings.algo.packing:
       return cls(count=tokens.shape[0] // micro_rows, rows=micro_rows)
     length = settings.row_length(tokens.shape[1])
     rows = settings.packed_micro_rows(tokens.shape[0], length)
-    packed = packing.pack(tokens, segment_ids, completion_length, length, rows)
+    packed = packing.pack(tokens, segment_ids, completion_length, length, rows, routes)
     return cls(count=packing.micro_batch_count(packed, rows), rows=rows, packed=packed)
 
   def take(self, index, inputs: LossInputs) -> tuple[LossInputs, packing.Packed | None]:
@@ -162,13 +164,15 @@ def _accumulate(gradients, count):
   return jax.lax.fori_loop(0, count, add, (loss, metrics, grads))
 
 
-def _score(graphdef, params, inputs: LossInputs, micro: MicroBatches, settings: UpdateSettings) -> jax.Array:
+def _score(graphdef, params, inputs: LossInputs, micro: MicroBatches, settings: UpdateSettings,
+           replay: bool) -> jax.Array:
   """Log-probs [B, N] of every row of `inputs` without gradients, one micro-batch at a time (the
-  pi_old and pi_ref passes). Packed micro-batches each fill their own sequences' rows."""
+  pi_old and pi_ref passes), routed to the inputs' recorded experts when `replay`. Packed
+  micro-batches each fill their own sequences' rows."""
   def one(index, out):
     rows, packed = micro.take(index, inputs)
     values = log_probs_of(nnx.merge(graphdef, params), rows, packed, temperature=settings.temperature,
-                          implementation=settings.algo.logprob_implementation)
+                          implementation=settings.algo.logprob_implementation, replay=replay)
     if packed is None:
       return jax.lax.dynamic_update_slice_in_dim(out, values, index * micro.rows, axis=0)
     return jnp.where(rows.mask, values, out)
@@ -204,15 +208,20 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
     require(frozen is not None, 'ref_params', 'are needed for algo.kl_beta > 0 without LoRA')
     ref_params = lora.join(lora.adapters_off(state.params), frozen)
   completion_length = batch.completion_length
+  replay = config.routing_replay == 'rollout'
+  require(not replay or batch.routes is not None, 'algo.routing_replay',
+          "is 'rollout', but this rollout recorded no routes (a dense model, or a rollout mode that records none)")
   rows = LossInputs(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask, advantages=batch.advantages,
-                    sampler_log_probs=batch.sampler_log_probs, lags=batch.lags)
+                    sampler_log_probs=batch.sampler_log_probs, lags=batch.lags, routes=batch.routes if replay else None)
   # pi_old and pi_ref score the whole batch, laid out (packed) once for both.
   if not settings.on_policy or config.kl_beta > 0:
-    scoring = MicroBatches.of(settings, batch.tokens, batch.segment_ids, completion_length, settings.micro_rows)
+    scoring = MicroBatches.of(settings, batch.tokens, batch.segment_ids, completion_length, settings.micro_rows,
+                              rows.routes)
     rows = rows.replace(
         old_log_probs=None if settings.on_policy else _score(graphdef, lora.join(state.params, frozen), rows, scoring,
-                                                             settings),
-        ref_log_probs=_score(graphdef, ref_params, rows, scoring, settings) if config.kl_beta > 0 else None)
+                                                             settings, replay),
+        ref_log_probs=(_score(graphdef, ref_params, rows, scoring, settings, replay and config.replay_reference)
+                       if config.kl_beta > 0 else None))
 
   key, shuffle_key = jax.random.split(state.key)
   if config.num_minibatches > 1:
@@ -231,7 +240,8 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
     minibatch = minibatch.replace(
         weights=algo.aggregation_weights(minibatch.mask, config.loss_aggregation, completion_length),
         token_weights=algo.aggregation_weights(minibatch.mask, 'token-mean'))
-    micro = MicroBatches.of(settings, minibatch.tokens, minibatch.segment_ids, completion_length, settings.micro_rows)
+    micro = MicroBatches.of(settings, minibatch.tokens, minibatch.segment_ids, completion_length, settings.micro_rows,
+                            minibatch.routes)
 
     def gradients(index):
       inputs, packed = micro.take(index, minibatch)

@@ -22,6 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.model.moe import unrecorded
 from grpo_jax.model.qwen2 import KVCache, Qwen2, SharedPrefix
 from grpo_jax.sampler.sampling import SamplingConfig, select
 
@@ -34,6 +35,7 @@ class DecodeSettings:
   max_new_tokens: int = 16  # N: a request finishes with reason 'length' after this many tokens
   stop_token_ids: tuple[int, ...] = ()  # a request finishes with reason 'stop' after emitting one
   pad_id: int = 0  # written where a row emits nothing
+  record_routes: bool = False  # keep the experts each token was routed to (routing replay; MoE only)
 
 
 @jax.tree_util.register_dataclass
@@ -45,11 +47,14 @@ class Prefix:
            decoding continues right after it (right padding is overwritten, left padding masked).
   hidden:  [P, D] final-norm hidden state of each prompt's last real token.
   empty:   [P] bool, the prompt had no real token (its request finishes at once, with no tokens).
+  routes:  [P, T, Ls, k] the experts each prompt token was routed to (model/moe.py), or None when
+           not recorded.
   """
 
   cache: KVCache
   hidden: jax.Array
   empty: jax.Array
+  routes: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -90,6 +95,8 @@ class Emitted:
   valid:      [B] bool, the row held a live request and emitted this token.
   lengths:    [B] int32 tokens the row's request has emitted, this one included.
   stopped:    [B] bool, this token is a stop token (the request finished with reason 'stop').
+  routes:     [B, Ls, k] the experts this token was routed to when fed back (settings.record_routes),
+              `unrecorded` where it was not fed back (the row's last token, or none emitted); else None.
   """
 
   tokens: jax.Array
@@ -97,6 +104,7 @@ class Emitted:
   valid: jax.Array
   lengths: jax.Array
   stopped: jax.Array
+  routes: jax.Array | None = None
 
 
 def typed_key(key: jax.Array) -> jax.Array:
@@ -112,18 +120,28 @@ def request_keys(key: jax.Array, count: int, first: int = 0) -> jax.Array:
 
 
 def prefill(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array, cache: KVCache,
-            prefix: SharedPrefix | None = None) -> Prefix:
+            prefix: SharedPrefix | None = None, record_routes: bool = False) -> Prefix:
   """Runs tokens [P, T] (segment_ids [P, T], 0 on padding) into `cache` [L, P, S, K, H] from its
   current length on (an empty cache, or an earlier prefix to continue); `prefix`: shared prompts
   the rows continue (partial rollouts prefill a cut-off answer over its prompt). Only the P hidden states
   that are sampled from leave the model: the [P, T, V] logits of a long prompt batch would be
-  tens of GB over Qwen's 151,936-token vocabulary."""
+  tens of GB over Qwen's 151,936-token vocabulary. record_routes: keep each token's experts."""
   start = cache.length
-  hidden, cache = model.extend(tokens, cache, segment_ids=segment_ids, return_hidden=True, prefix=prefix)
+  hidden, cache, routing = model.extend(tokens, cache, segment_ids=segment_ids, return_hidden=True, prefix=prefix,
+                                        return_routing=True)
   last = jnp.max(jnp.where(segment_ids != 0, jnp.arange(tokens.shape[1]), -1), axis=1)  # [P]
   cache = dataclasses.replace(cache, length=start + last + 1)
   hidden = jnp.take_along_axis(hidden, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]
-  return Prefix(cache=cache, hidden=hidden, empty=last < 0)
+  routes = _recorded(routing, segment_ids != 0) if record_routes else None
+  return Prefix(cache=cache, hidden=hidden, empty=last < 0, routes=routes)
+
+
+def _recorded(routing, real: jax.Array) -> jax.Array:
+  """routing.experts [B, T, Ls, k] where `real` [B, T], `unrecorded` elsewhere."""
+  if routing is None:
+    raise ValueError('routes are recorded for a mixture of experts only (this model is dense)')
+  experts = routing.experts
+  return jnp.where(real[:, :, None, None], experts, unrecorded(experts.shape, routing.load.shape[-1]))
 
 
 def _select_one(logits: jax.Array, key: jax.Array, sampling: SamplingConfig):
@@ -132,15 +150,17 @@ def _select_one(logits: jax.Array, key: jax.Array, sampling: SamplingConfig):
   return tokens[0], log_probs[0]
 
 
-def _advance(model: Qwen2, state: DecodeState, tokens: jax.Array) -> DecodeState:
-  """Feeds each live row's token through the model into its cache row; other rows are untouched."""
+def _advance(model: Qwen2, state: DecodeState, tokens: jax.Array) -> tuple[DecodeState, jax.Array | None]:
+  """Feeds each live row's token through the model into its cache row; other rows are untouched.
+  -> (state, the fed tokens' routes [B, Ls, k], `unrecorded` on rows not live; None in a dense model)."""
   live = state.live
-  hidden, cache = model.extend(tokens[:, None], state.cache, segment_ids=live[:, None].astype(jnp.int32),
-                               return_hidden=True, prefix=state.prefix)
+  hidden, cache, routing = model.extend(tokens[:, None], state.cache, segment_ids=live[:, None].astype(jnp.int32),
+                                        return_hidden=True, prefix=state.prefix, return_routing=True)
   # A free row writes a padding entry at its current slot but keeps its length, so it never runs
   # past the end of its row and the entry is overwritten by the next request inserted there.
   cache = dataclasses.replace(cache, length=jnp.where(live, cache.length, state.cache.length))
-  return dataclasses.replace(state, cache=cache, hidden=hidden[:, 0].astype(state.hidden.dtype))
+  routes = None if routing is None else _recorded(routing, live[:, None])[:, 0]
+  return dataclasses.replace(state, cache=cache, hidden=hidden[:, 0].astype(state.hidden.dtype)), routes
 
 
 def decode_step(model: Qwen2, state: DecodeState, settings: DecodeSettings) -> tuple[DecodeState, Emitted]:
@@ -161,5 +181,7 @@ def decode_step(model: Qwen2, state: DecodeState, settings: DecodeSettings) -> t
   # Always advanced, even when no row is live any more (one wasted forward per rollout): under a
   # lax.cond skipping it, XLA:GPU copied both whole KV caches into the loop's buffers on every
   # decode step (the 32B recipe's rollout held the cache twice, 96.6 GiB per H100; 50.2 without).
-  state = _advance(model, state, tokens)
+  state, routes = _advance(model, state, tokens)
+  if settings.record_routes:
+    emitted = dataclasses.replace(emitted, routes=routes)
   return state, emitted

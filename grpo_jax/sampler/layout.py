@@ -114,7 +114,7 @@ class RolloutLayout:
   def shardings(self, params: nnx.State) -> nnx.State:
     """The resident layout of every parameter: NamedShardings on the sampler mesh."""
     shape = dict(self.mesh.shape)
-    return jax.tree.map(lambda variable: NamedSharding(self.mesh, spec_for(variable.shape, _axes(variable), shape)),
+    return jax.tree.map(lambda variable: NamedSharding(self.mesh, resident_spec(variable.shape, _axes(variable), shape)),
                         params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
   def place(self, params: nnx.State) -> nnx.State:
@@ -132,7 +132,7 @@ class RolloutLayout:
     def move(variable):
       value = variable[...].astype(self.dtype)
       axes = _axes(variable)
-      final = spec_for(value.shape, axes, shape)
+      final = resident_spec(value.shape, axes, shape)
       staged = _with_data_on_embed(value.shape, axes, final, shape['data'])
       if staged is not None:
         value = jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, staged))
@@ -175,10 +175,23 @@ def _axes(variable) -> tuple:
   return getattr(variable, 'logical_axes', None) or (None,) * len(variable.shape)
 
 
+def resident_spec(shape, axes, mesh_shape: dict) -> PartitionSpec:
+  """A parameter's resident PartitionSpec on the sampler mesh: the rule table's, and a mixture's
+  expert dimension E (logical 'experts') over the data groups where they divide it."""
+  spec = spec_for(shape, axes, mesh_shape)
+  data = mesh_shape['data']
+  if 'experts' not in axes or data == 1 or shape[list(axes).index('experts')] % data:
+    return spec
+  dim = list(axes).index('experts')
+  spec = list(spec) + [None] * (len(shape) - len(spec))
+  spec[dim] = 'data'
+  return PartitionSpec(*spec)
+
+
 def _with_data_on_embed(shape, axes, final: PartitionSpec, data: int) -> PartitionSpec | None:
   """`final` with the model dimension (logical 'embed') also split over 'data', or None when there
   is no such dimension or 'data' does not divide it."""
-  if data == 1 or 'embed' not in axes:
+  if data == 1 or 'embed' not in axes or 'data' in final:
     return None
   dim = list(axes).index('embed')
   spec = list(final) + [None] * (len(shape) - len(final))

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_jax.model.config import Qwen2Config
+from grpo_jax.model.moe import unrecorded
 from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
 from grpo_jax.sampler.decode import DecodeSettings, typed_key
 from grpo_jax.sampler.layout import RolloutLayout
@@ -100,6 +102,9 @@ class Pool:
   lengths:        [R] int32 tokens sampled so far.
   stopped:        [R] bool, ended with a stop token.
   done:           [R] bool, finished (stop token or max_new_tokens).
+  routes:         [R, N, Ls, k] the experts each sampled token was routed to, recorded when it was
+                  sampled (with its log-prob: a resumed answer keeps its older routes); `unrecorded`
+                  after them. None: not recorded (a dense model, or no routing replay).
   """
 
   prompt_tokens: jax.Array
@@ -116,19 +121,26 @@ class Pool:
   lengths: jax.Array
   stopped: jax.Array
   done: jax.Array
+  routes: jax.Array | None = None
 
   ENTRIES = ('prompt_tokens', 'prompt_mask', 'answers', 'entered', 'source', 'batch_position', 'batch_key', 'keys')
-  REQUESTS = ('tokens', 'log_probs', 'versions', 'lengths', 'stopped', 'done')
+  REQUESTS = ('tokens', 'log_probs', 'versions', 'lengths', 'stopped', 'done', 'routes')
 
   @property
   def entries(self) -> int:
     return self.entered.shape[0]
 
 
-def empty_pool(entries: int, group_size: int, prompt_length: int, settings: DecodeSettings, answers=None) -> Pool:
+def empty_pool(entries: int, group_size: int, prompt_length: int, settings: DecodeSettings, answers=None,
+               architecture: Qwen2Config | None = None) -> Pool:
   """A pool of `entries` free entries. answers: one batch's answers (arrays or ShapeDtypeStructs
-  [P, ...]) of a jittable task, whose per-entry arrays the pool then holds; None for a host task."""
+  [P, ...]) of a jittable task, whose per-entry arrays the pool then holds; None for a host task.
+  architecture: the model's, which sizes the routes when settings.record_routes."""
   requests, steps = entries * group_size, settings.max_new_tokens
+  routes = None
+  if settings.record_routes:
+    c = architecture
+    routes = unrecorded((requests, steps, c.num_sparse_layers, c.num_experts_per_tok), c.num_experts)
   zeros = lambda shape, dtype=jnp.int32: jnp.zeros(shape, dtype)  # noqa: E731
   return Pool(prompt_tokens=jnp.full((entries, prompt_length), settings.pad_id, jnp.int32),
               prompt_mask=zeros((entries, prompt_length)),
@@ -139,7 +151,8 @@ def empty_pool(entries: int, group_size: int, prompt_length: int, settings: Deco
               keys=zeros((entries, 2), jnp.uint32),
               tokens=jnp.full((requests, steps), settings.pad_id, jnp.int32),
               log_probs=zeros((requests, steps), jnp.float32), versions=jnp.full((requests, steps), -1, jnp.int32),
-              lengths=zeros((requests,)), stopped=zeros((requests,), bool), done=zeros((requests,), bool))
+              lengths=zeros((requests,)), stopped=zeros((requests,), bool), done=zeros((requests,), bool),
+              routes=routes)
 
 
 @jax.tree_util.register_dataclass
@@ -178,10 +191,13 @@ def _flat_view(pool: Pool) -> Pool:
 def _reset_requests(pool: Pool, reset: jax.Array, pad_id: int) -> Pool:
   """Requests where `reset` [n, Rg] start again: no tokens, not done."""
   row = reset[..., None]
+  routes = pool.routes
+  if routes is not None:
+    routes = jnp.where(row[..., None, None], jnp.iinfo(routes.dtype).max, routes)  # moe.unrecorded's value
   return dataclasses.replace(
       pool, tokens=jnp.where(row, pad_id, pool.tokens), log_probs=jnp.where(row, 0.0, pool.log_probs),
       versions=jnp.where(row, -1, pool.versions), lengths=jnp.where(reset, 0, pool.lengths),
-      stopped=pool.stopped & ~reset, done=pool.done & ~reset)
+      stopped=pool.stopped & ~reset, done=pool.done & ~reset, routes=routes)
 
 
 def fill(pool: Pool, prompt_tokens: jax.Array, prompt_mask: jax.Array, answers, *, version, key: jax.Array,
@@ -295,7 +311,8 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   version = jnp.asarray(version, jnp.int32)
 
   # The shared prompt cache of every entry, prefilled with the current weights.
-  prompts = prefill_prompts(model, pool.prompt_tokens, pool.prompt_mask, groups, slots)
+  prompts = prefill_prompts(model, pool.prompt_tokens, pool.prompt_mask, groups, slots,
+                            record_routes=settings.record_routes)
 
   view = _group_view(pool, groups)
   occupied = view.entered >= 0  # [n, Qg]
@@ -362,7 +379,13 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   chosen = jnp.argsort(jnp.where(finished, rank, _LAST), axis=1, stable=True)[:, :per_take].astype(jnp.int32)
   rows = (chosen[..., None] * group_size + jnp.arange(group_size)).reshape(groups, per_take * group_size)
 
-  rollout = Rollout.of(Decoded(**{name: gather(getattr(view, name), rows) for name in Pool.REQUESTS}), count)
+  # The taken rows' prompt routes are this step's prefill's (the prompt is prefilled anew every step).
+  prompt_routes = None
+  if settings.record_routes:
+    picked = gather(prompts.routes, jnp.repeat(chosen, group_size, axis=1))
+    prompt_routes = picked.reshape((-1,) + picked.shape[2:])
+  rollout = Rollout.of(Decoded(**{name: None if getattr(view, name) is None else gather(getattr(view, name), rows)
+                                  for name in Pool.REQUESTS}), count, prompt_routes)
   entry = lambda x: None if x is None else gather(x, chosen).reshape((take,) + x.shape[2:])  # noqa: E731
   prompts = {name: jax.tree.map(entry, getattr(view, name)) for name in Taken.PROMPTS}
 

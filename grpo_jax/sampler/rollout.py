@@ -72,10 +72,10 @@ class RolloutConfig:
       require(self.slots >= 0, 'slots', f'must be >= 0 (0: one per completion), got {self.slots}')
       require(self.devices >= 0, 'devices', f'must be >= 0 (0: the trainer\'s devices), got {self.devices}')
 
-  def decode_settings(self, stop_token_ids, pad_id: int) -> DecodeSettings:
-    """The sampler's static settings for a task's stop and pad ids."""
+  def decode_settings(self, stop_token_ids, pad_id: int, record_routes: bool = False) -> DecodeSettings:
+    """The sampler's static settings for a task's stop and pad ids (record_routes: routing replay)."""
     return DecodeSettings(sampling=self.sampling, max_new_tokens=self.max_new_tokens,
-                          stop_token_ids=tuple(stop_token_ids), pad_id=pad_id)
+                          stop_token_ids=tuple(stop_token_ids), pad_id=pad_id, record_routes=record_routes)
 
 
 @jax.tree_util.register_dataclass
@@ -98,6 +98,10 @@ class Rollout:
   versions:   [P*G, N] int32, the policy version (RL steps done) that sampled each token, -1 where
               masked: partial rollouts (sampler/pool.py) carry answers across steps. None: the
               current version sampled every token.
+  routes:     [P*G, Tp + N, Ls, k] the experts each token of the row's sequence (its prompt, then
+              its completion) was routed to by the sampler, `unrecorded` on padding and on the
+              tokens never fed back (a mixture of experts with routing replay; model/moe.py).
+              None: not recorded.
   """
 
   tokens: jax.Array
@@ -108,6 +112,7 @@ class Rollout:
   decode_steps: jax.Array | None = None
   context: jax.Array | None = None
   versions: jax.Array | None = None
+  routes: jax.Array | None = None
 
   @property
   def sequence_mask(self) -> jax.Array:
@@ -138,12 +143,15 @@ class Rollout:
     return dataclasses.replace(first, decode_steps=steps, **rows)
 
   @classmethod
-  def of(cls, decoded: Decoded, decode_steps: jax.Array | None = None) -> 'Rollout':
-    """The rows of slots.Decoded [n, Rg, ...], flattened in request order."""
+  def of(cls, decoded: Decoded, decode_steps: jax.Array | None = None,
+         prompt_routes: jax.Array | None = None) -> 'Rollout':
+    """The rows of slots.Decoded [n, Rg, ...], flattened in request order; prompt_routes
+    [P*G, Tp, Ls, k]: the recorded routes of each row's prompt (with decoded.routes)."""
     flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), decoded)
     mask = jnp.arange(flat.tokens.shape[1])[None, :] < flat.lengths[:, None]
+    routes = None if flat.routes is None else jnp.concatenate([prompt_routes, flat.routes], axis=1)
     return cls(tokens=flat.tokens, log_probs=flat.log_probs, mask=mask, lengths=flat.lengths, stopped=flat.stopped,
-               decode_steps=decode_steps, versions=flat.versions)
+               decode_steps=decode_steps, versions=flat.versions, routes=routes)
 
   @property
   def finish_reasons(self) -> list[str]:
@@ -165,14 +173,15 @@ def sample_groups(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, key:
   slots = min(slots or requests, requests)
   groups = batch_groups(num_prompts, slots)
   per_slots, per_requests = slots // groups, requests // groups
-  shared = prefill_prompts(model, prompts, prompt_mask, groups, slots)
+  shared = prefill_prompts(model, prompts, prompt_mask, groups, slots, record_routes=settings.record_routes)
   order = jnp.broadcast_to(jnp.arange(per_requests, dtype=jnp.int32), (groups, per_requests))
   count, decoded = decode_groups(
       model, idle_slots(model, shared, slots, settings.max_new_tokens), settings, prompts=shared,
       keys=grouped(request_keys(key, requests), groups), queue=order,
       queued=jnp.full((groups,), per_requests, jnp.int32), holding=jnp.full((groups, per_slots), -1, jnp.int32),
-      decoded=Decoded.empty(groups, per_requests, settings, versions=False), group_size=group_size)
-  return Rollout.of(decoded, count)
+      decoded=Decoded.empty(groups, per_requests, settings, versions=False, model=model), group_size=group_size)
+  prompt_routes = shared.request_routes(per_requests, group_size) if settings.record_routes else None
+  return Rollout.of(decoded, count, prompt_routes)
 
 
 def sample_resident(graphdef, params, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,

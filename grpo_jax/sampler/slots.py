@@ -21,6 +21,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.model.moe import unrecorded
 from grpo_jax.model.qwen2 import KVCache, Qwen2, SharedPrefix
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, decode_step, prefill
 from grpo_jax.sharding import constrain, grouped
@@ -132,6 +133,8 @@ class Decoded:
   versions:   [n, Rg, N] int32 the policy version that sampled each token, -1 after them; None:
               not recorded (every token is the current version's).
   lengths:    [n, Rg] int32; stopped: [n, Rg] bool, ended with a stop id; done: [n, Rg] bool.
+  routes:     [n, Rg, N, Ls, k] the experts each token was routed to (settings.record_routes; MoE),
+              `unrecorded` where none; None: not recorded.
   """
 
   tokens: jax.Array
@@ -140,14 +143,21 @@ class Decoded:
   lengths: jax.Array
   stopped: jax.Array
   done: jax.Array
+  routes: jax.Array | None = None
 
   @classmethod
-  def empty(cls, groups: int, requests: int, settings: DecodeSettings, versions: bool) -> 'Decoded':
+  def empty(cls, groups: int, requests: int, settings: DecodeSettings, versions: bool,
+            model: Qwen2 | None = None) -> 'Decoded':
+    """No tokens yet; `model` (a mixture of experts) sizes the routes when settings.record_routes."""
     shape = (groups, requests, settings.max_new_tokens)
+    routes = None
+    if settings.record_routes:
+      c = model.config
+      routes = unrecorded(shape + (c.num_sparse_layers, c.num_experts_per_tok), c.num_experts)
     return cls(tokens=jnp.full(shape, settings.pad_id, jnp.int32), log_probs=jnp.zeros(shape, jnp.float32),
                versions=jnp.full(shape, -1, jnp.int32) if versions else None,
                lengths=jnp.zeros(shape[:2], jnp.int32), stopped=jnp.zeros(shape[:2], bool),
-               done=jnp.zeros(shape[:2], bool))
+               done=jnp.zeros(shape[:2], bool), routes=routes)
 
 
 def gather(values: jax.Array, index: jax.Array) -> jax.Array:
@@ -163,24 +173,37 @@ class Prompts:
   shared:  SharedPrefix [L, n, Pn, W, K, H] (its `index` [n, Bn], the prompt each slot reads).
   hidden:  [n, Pn, D] the hidden state each prompt's first token is sampled from.
   empty:   [n, Pn] bool, the prompt has no real token.
+  routes:  [n, Pn, W, Ls, k] the experts each prompt token was routed to, or None (not recorded).
   """
 
   shared: SharedPrefix
   hidden: jax.Array
   empty: jax.Array
+  routes: jax.Array | None = None
+
+  def request_routes(self, requests: int, group_size: int) -> jax.Array:
+    """[n * requests, W, Ls, k]: each of a group's `requests` requests' prompt routes (request r
+    reads prompt r // group_size of its group)."""
+    groups = self.routes.shape[0]
+    index = jnp.broadcast_to(jnp.arange(requests, dtype=jnp.int32) // group_size, (groups, requests))
+    picked = gather(self.routes, index)
+    return picked.reshape((-1,) + picked.shape[2:])
 
 
-def prefill_prompts(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, groups: int, slots: int) -> Prompts:
+def prefill_prompts(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, groups: int, slots: int,
+                    record_routes: bool = False) -> Prompts:
   """Prompts [P, Tp] (prompt_mask 1 on real tokens) prefilled into their shared cache, for
-  `slots` decode slots split into `groups`. Traceable."""
+  `slots` decode slots split into `groups`; record_routes: keep their tokens' experts. Traceable."""
   count, width = prompts.shape
-  done = prefill(model, prompts, prompt_mask.astype(jnp.int32), model.init_cache(count, width))
+  done = prefill(model, prompts, prompt_mask.astype(jnp.int32), model.init_cache(count, width),
+                 record_routes=record_routes)
   layers = done.cache.k.shape[0]
   split = lambda x: x.reshape((layers, groups, count // groups) + x.shape[2:])  # noqa: E731
   shared = SharedPrefix(k=split(done.cache.k), v=split(done.cache.v),
                         segment_ids=grouped(done.cache.segment_ids, groups),
                         index=jnp.zeros((groups, slots // groups), jnp.int32))
-  return Prompts(shared=shared, hidden=grouped(done.hidden, groups), empty=grouped(done.empty, groups))
+  return Prompts(shared=shared, hidden=grouped(done.hidden, groups), empty=grouped(done.empty, groups),
+                 routes=None if done.routes is None else grouped(done.routes, groups))
 
 
 def idle_slots(model: Qwen2, prompts: Prompts, slots: int, steps: int) -> DecodeState:
@@ -216,8 +239,9 @@ def decode_groups(model: Qwen2, state: DecodeState, settings: DecodeSettings, *,
   # each token (an all-to-all per layer per decoded token).
   rows = lambda x: constrain(x, ('batch',) + (None,) * (x.ndim - 1))  # noqa: E731
 
-  def per_group(target, request, values, position=None):
-    values = values.reshape(groups, per_slots)
+  def per_group(target, request, values, position=None, trailing=0):
+    """values [B] or [n, Bg] (and `trailing` dims after) written at each group's `request` rows."""
+    values = values.reshape((groups, per_slots) + values.shape[values.ndim - trailing:])
     if position is None:
       return jax.vmap(lambda t, r, v: t.at[r].set(v, mode='drop'))(target, request, values)
     return jax.vmap(lambda t, r, p, v: t.at[r, p].set(v, mode='drop'))(target, request, position, values)
@@ -252,11 +276,15 @@ def decode_groups(model: Qwen2, state: DecodeState, settings: DecodeSettings, *,
     versions = decoded.versions
     if versions is not None:
       versions = per_group(versions, request, jnp.broadcast_to(jnp.asarray(version, jnp.int32), valid.shape), position)
+    routes = decoded.routes
+    if routes is not None:
+      routes = per_group(routes, request, emitted.routes, position, trailing=2)
     return Decoded(tokens=per_group(decoded.tokens, request, emitted.tokens, position),
                    log_probs=per_group(decoded.log_probs, request, emitted.log_probs, position), versions=versions,
                    lengths=per_group(decoded.lengths, request, emitted.lengths),
                    stopped=per_group(decoded.stopped, request, emitted.stopped),
-                   done=per_group(decoded.done, jnp.where(ended, holding, per_requests), jnp.ones_like(ended)))
+                   done=per_group(decoded.done, jnp.where(ended, holding, per_requests), jnp.ones_like(ended)),
+                   routes=routes)
 
   def pinned(state: DecodeState) -> DecodeState:
     return dataclasses.replace(state, hidden=rows(state.hidden), keys=rows(state.keys), generated=rows(state.generated),
