@@ -19,6 +19,9 @@ from grpo_jax.model.config import Qwen2Config, from_hf_dict
 from grpo_jax.model.lora import LoraConfig
 from grpo_jax.model.moe import route_dtype
 from grpo_jax.model.qwen2 import Qwen2
+from grpo_jax.rl import algo
+from grpo_jax.rl.algo import AlgoConfig
+from grpo_jax.rl.loss import LossInputs, log_probs_of, policy_loss
 from grpo_jax.sampler.decode import DecodeSettings
 from grpo_jax.sampler.rollout import GroupSampler
 from grpo_jax.sampler.sampling import SamplingConfig
@@ -190,3 +193,62 @@ def test_replay_routes_to_the_recorded_experts_with_live_gates(seed, make_hf_che
 
   gradient = jax.grad(loss)(router)['layers']['router_weight'][...]
   assert float(jnp.abs(gradient).max()) > 0
+
+
+# ---- replay in the update ----
+
+MOE_ARCHITECTURE = Qwen2Config(vocab_size=1100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=False,
+                               qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                               norm_topk_prob=True)
+
+
+def sampler_routes(graphdef, params, batch) -> jax.Array:
+  """The experts a sampler with other weights chose for every real token of `batch` (padding unrecorded)."""
+  _, routing = nnx.merge(graphdef, params).hidden_states(batch.tokens, segment_ids=batch.segment_ids,
+                                                         return_routing=True)
+  real = np.asarray(batch.segment_ids != 0)[..., None, None]
+  return jnp.asarray(np.where(real, np.asarray(routing.experts), 255).astype(np.uint8))
+
+
+@pytest.mark.parametrize('replay_reference', [False, True])
+def test_replayed_update_packed_equals_padded_and_starts_at_ratio_one(seed, replay_reference):
+  """The sampler's routes (a perturbed router's) travel through packing: the packed update equals the
+  padded one with every replay setting, the auxiliary loss weighted in. On the first of two
+  mini-batches pi_theta is pi_old under the same replayed routes: every ratio is exactly 1."""
+  from test_packing import assert_packed_equals_padded, run_update
+  from test_update import random_batch, random_model
+  rng = np.random.default_rng(seed)
+  graphdef, params = random_model(rng, MOE_ARCHITECTURE)
+  # The sampler's router differs: some of its routes are not the ones the trainer's would choose.
+  sampler = jax.tree.map(lambda p: p, params)
+  router = sampler['layers']['router_weight']
+  router.set_value(router[...] + jnp.asarray(0.3 * rng.standard_normal(router.shape), router.dtype))
+  _, ref_params = random_model(rng, MOE_ARCHITECTURE)
+  batch = random_batch(rng)
+  batch = batch.replace(routes=sampler_routes(graphdef, sampler, batch))
+  settings = dict(routing_replay='rollout', replay_reference=replay_reference, router_aux_loss_coef=0.05,
+                  kl_beta=0.05, ppo_epochs=2, tis_cap=2.0)
+  padded = run_update(settings, params, batch, seed, packed=False, ref_params=ref_params,
+                      architecture=MOE_ARCHITECTURE)
+  packed = run_update(settings, params, batch, seed, packed=True, ref_params=ref_params,
+                      architecture=MOE_ARCHITECTURE)
+  assert_packed_equals_padded(padded, packed, batch)
+  metrics = padded[1]
+  assert 0 < float(metrics['routing_replay_rerouted_frac']) < 1
+  assert float(metrics['router_aux_loss']) >= 1.0 and float(metrics['expert_load_max_over_mean']) >= 1.0
+  # pi_old scored with replay, then the loss's pi_theta on the same weights: every ratio is exactly 1
+  # (exp(0)), while the trainer's own routes would give other log-probs.
+  inputs = LossInputs(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask,
+                      advantages=batch.advantages, sampler_log_probs=batch.sampler_log_probs, routes=batch.routes)
+  model = nnx.merge(graphdef, params)
+  old = log_probs_of(model, inputs, None, temperature=1.0, implementation='xla_chunked', replay=True)
+  own = log_probs_of(model, inputs, None, temperature=1.0, implementation='xla_chunked')
+  mask = np.asarray(batch.mask)
+  assert np.abs(np.asarray(old) - np.asarray(own))[mask].max() > 1e-4
+  weights = algo.aggregation_weights(batch.mask, 'token-mean')
+  inputs = inputs.replace(old_log_probs=old, weights=weights, token_weights=weights)
+  config = AlgoConfig(group_size=4, routing_replay='rollout', logprob_implementation='xla_chunked')
+  _, metrics = policy_loss(params, graphdef, inputs, config, 1.0, on_policy=False)
+  assert float(metrics['ratio_mean']) == pytest.approx(1.0, abs=1e-6)
+  assert float(metrics['clip_frac_low']) == 0 and float(metrics['clip_frac_high']) == 0

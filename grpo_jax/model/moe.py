@@ -5,9 +5,11 @@ A sparse layer scores each token against the E experts (router [D, E]), takes th
 and sends the token to its k most probable experts, weighting their outputs by those
 probabilities (renormalised over the k when `norm_topk_prob`). Every token is computed: the
 N * k (token, expert) pairs are sorted by expert, and each expert's SwiGLU multiplies its
-contiguous run of rows with `jax.lax.ragged_dot` (one grouped matmul per projection, never a
-[tokens, experts, M] tensor on TPU and GPU, where XLA keeps the ragged dot; XLA:CPU lowers it
-as a masked dense product over the experts, which the tiny CPU models afford).
+contiguous run of rows with one grouped matmul per projection (ops/grouped_matmul.py: XLA's
+ragged dot on TPUs, a Triton kernel on GPUs, where XLA:GPU would expand the ragged dot into
+[experts, rows, ...] tensors), never a [tokens, experts, M] tensor. On CPUs the experts run densely
+instead (experts_dense: every expert on every token, the unchosen ones weighted 0), which is
+cheaper there than XLA:CPU's lowering of the ragged dot, itself a masked product over all experts.
 
 Routing replay: given the expert ids a token was routed to before (the sampler's, recorded with
 the rollout), the layer sends it to those experts while the gates still come from the live
@@ -24,6 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.ops.grouped_matmul import expert_mlp
 from grpo_jax.sharding import constrain
 
 
@@ -103,7 +106,7 @@ def experts_forward(x: jax.Array, experts: jax.Array, gates: jax.Array, gate_wei
   """x [B, T, D] through each token's k experts, weighted by gates [B, T, k] and summed -> [B, T, D].
 
   The B * T * k (token, expert) pairs are sorted by expert and each projection is one grouped
-  matmul over the E runs (`ragged_dot`): dropless, every pair computed, no capacity factor.
+  matmul over the E runs (`grouped_matmul`): dropless, every pair computed, no capacity factor.
   """
   batch, length, width = x.shape
   top_k = experts.shape[-1]
@@ -113,12 +116,29 @@ def experts_forward(x: jax.Array, experts: jax.Array, gates: jax.Array, gate_wei
   token = order // top_k
   sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
   rows = jnp.take(x.reshape(-1, width), token, axis=0)  # [B*T*k, D], grouped by expert
-  hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, gate_weight, sizes))
-            * jax.lax.ragged_dot(rows, up_weight, sizes))
-  out = jax.lax.ragged_dot(hidden, down_weight, sizes)  # [B*T*k, D]
+  out = expert_mlp(rows, sizes, gate_weight, up_weight, down_weight)  # [B*T*k, D]
   out = out * jnp.take(gates.reshape(-1), order)[:, None]
   combined = jnp.zeros((batch * length, width), out.dtype).at[token].add(out)
   return constrain(combined.reshape(batch, length, width), ('batch', 'seq', 'act_embed'))
+
+
+def experts_dense(x: jax.Array, experts: jax.Array, gates: jax.Array, gate_weight: jax.Array,
+                  up_weight: jax.Array, down_weight: jax.Array) -> jax.Array:
+  """experts_forward's result computed by every expert for every token, the k chosen ones weighted by
+  their gates and the rest by 0: E / k times the active FLOPs, no sort, gather or scatter. The CPU's
+  path: XLA:CPU lowers `ragged_dot` as a masked product over all E experts of all B * T * k pairs
+  (k times more work than this), and the tiny CPU models are bound by per-op overheads."""
+  num_experts = gate_weight.shape[0]
+  weights = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=gates.dtype) * gates[..., None], axis=-2)  # [B, T, E]
+  hidden = (jax.nn.silu(jnp.einsum('BTD,EDM->BTEM', x, gate_weight))
+            * jnp.einsum('BTD,EDM->BTEM', x, up_weight))
+  return jnp.einsum('BTEM,EMD,BTE->BTD', hidden, down_weight, weights)
+
+
+def dense_experts_here() -> bool:
+  """Whether the experts run densely (experts_dense): when the program is for CPUs."""
+  from grpo_jax.ops.logprob import target_platform  # the one rule for what a trace is compiled for
+  return target_platform() == 'cpu'
 
 
 def sparse_mlp(params: dict, h: jax.Array, real: jax.Array, *, top_k: int, norm_topk_prob: bool,
@@ -129,8 +149,9 @@ def sparse_mlp(params: dict, h: jax.Array, real: jax.Array, *, top_k: int, norm_
   `experts` [B, T, k] and load / probability [E])."""
   experts, gates, probabilities, differs = route(h, params['router_weight'], top_k=top_k,
                                                  norm_topk_prob=norm_topk_prob, replay=replay)
-  out = experts_forward(h, experts, gates, params['expert_gate_weight'], params['expert_up_weight'],
-                        params['expert_down_weight'])
+  compute = experts_dense if dense_experts_here() else experts_forward
+  out = compute(h, experts, gates, params['expert_gate_weight'], params['expert_up_weight'],
+                params['expert_down_weight'])
   weight = real.astype(jnp.float32)
   num_experts = probabilities.shape[-1]
   load = jnp.einsum('BTkE,BT->E', jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), weight)

@@ -21,7 +21,10 @@ Implementations (same results up to fp32 summation order):
 The Triton kernels read rows in tiles of block_rows rows of one group each (a group's last tile
 masked), so a group of s rows costs ceil(s / block_rows) tiles: at most E tiles more than a dense
 product over R rows. The tile map is built with a few [E]- and [Tl]-sized jnp ops (`row_tiles`),
-Tl = ceil(R / block_rows) + E tiles: a static grid whose unused tiles return at once. Not yet
+Tl = ceil(R / block_rows) + E tiles: a static grid whose unused tiles return at once. Triton's
+dots take tiles of at least 16 rows, so a decode step's few rows an expert (Qwen3-30B-A3B: 512
+rows over 128 experts) cost 4x the FLOPs of the rows; the weights, which bound it, are read once
+either way. Not yet
 run on a GPU: compiled deviceless for H100 (tests/test_grouped_matmul.py) and tested in
 interpret mode against ragged_dot; the blocks are untuned.
 
@@ -46,8 +49,8 @@ from grpo_jax.ops.logprob import target_platform
 GroupedMatmulImplementation = Literal['auto', 'ragged_dot', 'triton']
 IMPLEMENTATIONS = typing.get_args(GroupedMatmulImplementation)
 # Caps of the Triton tiles, untuned (no GPU at hand): [128 rows, 128 columns] fp32 accumulators
-# (64 registers a thread at 8 warps) and 64-deep contraction slices, with 3 pipeline stages 96 KiB
-# of an H100's 227 KiB of shared memory. A row tile reads its group's whole weight slice, so
+# (64 registers a thread at 8 warps) and 64-deep contraction slices, whose bf16 operand tiles in
+# 3 pipeline stages take 96 KiB of an H100's 227 KiB of shared memory. A row tile reads its group's whole weight slice, so
 # taller tiles read the weights fewer times (at 256 rows an expert, twice instead of four times).
 # The weight gradient's [D tile, M tile] accumulators are 128 x 128 for the same reason: each
 # program reads its group's d out columns once per D tile.
@@ -69,7 +72,7 @@ def grouped_matmul(rows, weight, group_sizes, *, implementation: GroupedMatmulIm
   rows[r] @ weight[g]; rows past sum(group_sizes) become zeros. The result has the common dtype
   of rows and weight, accumulated in fp32. block_rows (triton: a power of two >= 16) defaults to
   the mean group size rounded up to a power of two within [16, 128], so small decode batches do
-  not pad each group's few rows to 64. interpret defaults to True exactly on CPU targets.
+  not pad each group's few rows to 128. interpret defaults to True exactly on CPU targets.
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f'implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}')
@@ -178,7 +181,8 @@ QWEN3_30B_A3B = dict(experts=128, model=2048, hidden=768, top_k=8)
 
 def expert_mlp(rows, group_sizes, gate_weight, up_weight, down_weight, **options):
   """rows [R, D] sorted by expert, group_sizes [E], gate / up [E, D, M], down [E, M, D] -> [R, D]:
-  each row through its expert's SwiGLU, the three grouped matmuls of model/moe.py's layer."""
+  each row through its expert's SwiGLU, as three grouped matmuls (model/moe.py's experts, and the
+  compiles and benchmark below)."""
   hidden = (jax.nn.silu(grouped_matmul(rows, gate_weight, group_sizes, **options))
             * grouped_matmul(rows, up_weight, group_sizes, **options))
   return grouped_matmul(hidden, down_weight, group_sizes, **options)
@@ -235,6 +239,7 @@ def expert_mlp_shapes(rows: int, dtype='bfloat16', experts=QWEN3_30B_A3B['expert
           ((experts, model, hidden), dtype), ((experts, hidden, model), dtype)]
 
 
+# An array type in HLO text, e.g. bf16[128,4096,2048]: its element type and dimensions.
 _ARRAY = r'\b(pred|[suf]\d+|bf16)\[([\d,]*)\]'
 
 
@@ -256,6 +261,7 @@ def program_summary(compiled, groups: int, rows: int) -> dict:
   both a `groups` and a `rows` dimension (a dense [E, R, *] expansion), its largest array, the
   compiler's temporary bytes and cost analysis (FLOPs and bytes accessed; XLA counts nothing
   inside a Triton custom call)."""
+  import math
   import re
   text = compiled.as_text()
   calls = re.findall(r'custom_call_target="([^"]+)"', text)
@@ -266,7 +272,7 @@ def program_summary(compiled, groups: int, rows: int) -> dict:
   def size(array):
     dtype, dims = array
     bits = 1 if dtype == 'pred' else int(dtype.lstrip('subf') or 16)
-    return max(1, bits // 8) * int(jnp.prod(jnp.array(dims or (1,))))
+    return max(1, bits // 8) * math.prod(dims)
 
   largest = max(arrays, key=size)
   cost = xla_cost(compiled)
@@ -279,17 +285,16 @@ def program_summary(compiled, groups: int, rows: int) -> dict:
 
 
 def main(argv=None) -> int:
-  """python -m grpo_jax.ops.grouped_matmul TARGET [--rows R] [--forward-only]: one JSON line."""
+  """python -m grpo_jax.ops.grouped_matmul TARGET [--rows R] [--forward-only]: one JSON line. Run
+  it as tests/test_deviceless.py runs the compilers: JAX_PLATFORMS=cpu, .venv/compilers on PYTHONPATH."""
   import argparse
   import json
-  import os
   parser = argparse.ArgumentParser(prog='python -m grpo_jax.ops.grouped_matmul')
   parser.add_argument('target', help='e.g. h100x1, v5p-8 (grpo_jax/plan/targets.py)')
   parser.add_argument('--rows', type=int, default=4096, help='R, (token, expert) rows')
   parser.add_argument('--forward-only', action='store_true')
   parser.add_argument('--implementation', default='auto', choices=IMPLEMENTATIONS)
   args = parser.parse_args(argv)
-  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   function = expert_mlp_function(not args.forward_only, implementation=args.implementation)
   compiled = compile_for(args.target, function, *expert_mlp_shapes(args.rows))
   print(json.dumps(dict(target=args.target, rows=args.rows, backward=not args.forward_only,
