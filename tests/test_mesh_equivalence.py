@@ -30,17 +30,18 @@ MOVING = ['algo.entropy_coef=0.01', 'algo.kl_beta=0.01', 'optim.learning_rate=1e
 
 
 def two_steps(tmp_path, config_path, overrides, mesh_shape, task=None, name=None, fused=False, inspect=None):
-  """Two RL steps from the host loop (or, `fused`, in one jit) -> (metric rows, parameters).
+  """Two RL steps from the host loop (or, `fused`, in one jit) -> (metric rows, parameters), on a
+  mesh of shape (data, fsdp, tensor) or (data, fsdp, tensor, expert).
   inspect(state, mesh), if given, is called before the steps and after them."""
-  data, fsdp, tensor = mesh_shape
+  data, fsdp, tensor, expert = (*mesh_shape, 1)[:4]  # (data, fsdp, tensor[, expert])
   config = config_lib.load_config(config_path, [*MOVING, *overrides, f'mesh.data={data}', f'mesh.fsdp={fsdp}',
-                                                f'mesh.tensor={tensor}',
+                                                f'mesh.tensor={tensor}', f'mesh.expert={expert}',
                                                 f'rollout.tensor={ROLLOUT_TENSOR.get(tuple(mesh_shape), 1)}'])
-  devices = jax.devices()[:data * fsdp * tensor]
+  devices = jax.devices()[:data * fsdp * tensor * expert]
   mesh = sharding.make_mesh(config.mesh, devices)
   model = config.model.build(mesh, config.run.seed)
   task = task or build_task(config)
-  run = train.Run(config, str(tmp_path / (name or f'{data}x{fsdp}x{tensor}')), mesh, model, task)
+  run = train.Run(config, str(tmp_path / (name or 'x'.join(map(str, mesh_shape)))), mesh, model, task)
   try:
     if inspect is not None:
       inspect(run.state, mesh)

@@ -26,6 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.model.linear import matmul
 from grpo_jax.ops.grouped_matmul import expert_mlp
 from grpo_jax.sharding import constrain
 
@@ -128,11 +129,13 @@ def experts_dense(x: jax.Array, experts: jax.Array, gates: jax.Array, gate_weigh
   their gates and the rest by 0: E / k times the active FLOPs, no sort, gather or scatter. The CPU's
   path: XLA:CPU lowers `ragged_dot` as a masked product over all E experts of all B * T * k pairs
   (k times more work than this), and the tiny CPU models are bound by per-op overheads."""
-  num_experts = gate_weight.shape[0]
+  num_experts, width, hidden_width = gate_weight.shape
   weights = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=gates.dtype) * gates[..., None], axis=-2)  # [B, T, E]
-  hidden = (jax.nn.silu(jnp.einsum('BTD,EDM->BTEM', x, gate_weight))
-            * jnp.einsum('BTD,EDM->BTEM', x, up_weight))
-  return jnp.einsum('BTEM,EMD,BTE->BTD', hidden, down_weight, weights)
+  # As 2-D matmuls over the experts' weights side by side, [D, E*M] (linear.matmul says why).
+  side_by_side = lambda w: jnp.moveaxis(w, 0, 1).reshape(width, num_experts * hidden_width)  # noqa: E731
+  hidden = jax.nn.silu(matmul(x, side_by_side(gate_weight))) * matmul(x, side_by_side(up_weight))  # [B, T, E*M]
+  hidden = hidden.reshape(x.shape[:2] + (num_experts, hidden_width)) * weights[..., None]
+  return matmul(hidden, down_weight, contract=2)
 
 
 def dense_experts_here() -> bool:
