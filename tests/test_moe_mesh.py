@@ -39,3 +39,13 @@ def test_moe_rl_steps_on_an_expert_mesh_equal_one_device(tmp_path, mesh_shape, o
   assert_equal_runs(reference, other)
   for name in ('router_aux_loss', 'expert_load_max_over_mean', 'routing_replay_rerouted_frac'):
     np.testing.assert_allclose(other[0][-1][name], reference[0][-1][name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.slow
+def test_moe_partial_rollouts_kill_and_resume_equal_uninterrupted(tmp_path):
+  """Routes recorded by older weights ride in the pool of partial rollouts (max_lag 1) and in its
+  checkpoints: a run on an expert-parallel mesh killed with SIGKILL and resumed equals an
+  uninterrupted one, metric for metric."""
+  from test_train import kill_and_resume
+  kill_and_resume(tmp_path, 1, ['algo.max_lag=1', 'algo.tis_cap=2.0', 'mesh.fsdp=1', 'mesh.expert=2',
+                                'rollout.prompts_per_step=8', 'algo.group_size=4'], config=CONFIG, devices=2)
