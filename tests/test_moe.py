@@ -2,6 +2,8 @@
 random tiny checkpoints; greedy decoding against its `generate`; conversion both ways; the sampler's
 recorded routes and their replay in the trainer (model/moe.py)."""
 
+import dataclasses
+import functools
 import json
 import os
 
@@ -252,3 +254,43 @@ def test_replayed_update_packed_equals_padded_and_starts_at_ratio_one(seed, repl
   _, metrics = policy_loss(params, graphdef, inputs, config, 1.0, on_policy=False)
   assert float(metrics['ratio_mean']) == pytest.approx(1.0, abs=1e-6)
   assert float(metrics['clip_frac_low']) == 0 and float(metrics['clip_frac_high']) == 0
+
+
+def test_sorted_grouped_experts_equal_the_dense_path_with_gradients(seed):
+  """The accelerators' path (pairs sorted by expert, grouped matmuls) against the CPU's (every expert on
+  every token): outputs and gradients with respect to the input, the gates and the three weights,
+  with one expert taking most pairs and others none."""
+  from grpo_jax.model import moe
+  rng = np.random.default_rng(seed)
+  B, T, D, E, M, k = 3, 7, 16, 8, 12, 2
+  x = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+  experts = rng.integers(0, 3, (B, T, k))  # experts 3..7 receive nothing
+  experts[..., 0] = 1  # expert 1 takes most pairs
+  experts[..., 1] = np.where(experts[..., 1] == 1, 2, experts[..., 1])  # a token's k experts differ
+  experts = jnp.asarray(experts, jnp.int32)
+  gates = jnp.asarray(rng.uniform(0.1, 1.0, (B, T, k)), jnp.float32)
+  weights = [jnp.asarray(0.3 * rng.standard_normal(shape), jnp.float32) for shape in ((E, D, M), (E, D, M), (E, M, D))]
+  probe = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+
+  def loss(path, x, gates, *weights):
+    return jnp.sum(path(x, experts, gates, *weights) * probe)
+
+  every = (0, 1, 2, 3, 4)
+  dense = jax.value_and_grad(functools.partial(loss, moe.experts_dense), every)(x, gates, *weights)
+  grouped = jax.value_and_grad(functools.partial(loss, moe.experts_forward), every)(x, gates, *weights)
+  np.testing.assert_allclose(moe.experts_forward(x, experts, gates, *weights),
+                             moe.experts_dense(x, experts, gates, *weights), rtol=1e-5, atol=1e-5)
+  for a, b in zip(grouped[1], dense[1]):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_remat_and_scan_give_the_same_gradients(seed):
+  """The layers scanned and rematerialised (every layer sparse) against unrolled without remat."""
+  config = dataclasses.replace(MOE_ARCHITECTURE, num_hidden_layers=3)
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, config.vocab_size, (2, 9)), jnp.int32)
+  grads = []
+  for options in (ModelOptions(remat='full', scan_layers=True), ModelOptions(scan_layers=False)):
+    model = Qwen2(config, options, rngs=nnx.Rngs(seed % 1000))
+    graphdef, state = nnx.split(model)
+    grads.append(jax.grad(lambda s: jnp.sum(nnx.merge(graphdef, s)(tokens)[..., :7] ** 2))(state))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), *grads)
