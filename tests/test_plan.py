@@ -33,7 +33,7 @@ def test_plan_compiles_the_small_recipe_for_the_target(platform, target, extra, 
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   report = json.loads(report_path.read_text())
   assert 'fits' in result.stdout and report['fits'] and report['devices'] == 8 and 'advice' not in report
-  assert report['mesh'] == {'data': 1, 'fsdp': 8, 'tensor': 1}
+  assert report['mesh'] == {'data': 1, 'fsdp': 8, 'tensor': 1, 'expert': 1}
   assert [program['name'] for program in report['programs']] == ['rollout', 'update']
   # FSDP: each device holds an eighth of the fp32 parameters and of each AdamW moment (plus the
   # few tensors too small to split: biases and norms of width D / 8 or less).
@@ -49,7 +49,7 @@ def test_plan_compiles_the_small_recipe_for_the_target(platform, target, extra, 
   assert update['aliased'] >= per_device['parameters'] + per_device['optimizer_state']  # donated state
   assert 0 < update['temporaries'] and report['peak'] <= report['hbm']
   # The sampler's own layout: 2 KV heads -> weights split over pairs, 4 data groups of rows.
-  assert report['rollout_layout'] == {'tensor': 2, 'data_groups': 4}
+  assert report['rollout_layout'] == {'tensor': 2, 'data_groups': 4, 'experts_per_device': None}
   bf16 = report['model']['parameters'] * 2
   assert bf16 / 2 * 0.99 <= per_device['resident_weights'] <= bf16 / 2 * 1.01
   rollout = report['programs'][0]
@@ -124,7 +124,7 @@ def test_plan_of_split_devices_and_of_partial_rollouts(tmp_path):
   split = reports['split']
   assert [program['name'] for program in split['programs']] == ['rollout', 'transfer', 'update']
   assert split['program_devices'] == {'rollout': 4, 'transfer': 4, 'update': 4}
-  assert split['mesh'] == {'data': 1, 'fsdp': 4, 'tensor': 1}
+  assert split['mesh'] == {'data': 1, 'fsdp': 4, 'tensor': 1, 'expert': 1}
   crossing = split['split']
   assert crossing['sampler_devices'] == crossing['trainer_devices'] == 4
   assert crossing['transfer_bytes_per_device'] == split['per_device']['resident_weights'] > 0

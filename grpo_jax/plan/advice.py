@@ -27,7 +27,9 @@ def knobs(config: config_lib.Config, architecture, devices: int, sequence_length
   rematerialisation, smaller gradient-accumulation micro-batches, chunked attention (the update);
   fewer decode slots (the rollout: the same samples, fewer held at once); more tensor parallelism
   (both programs: the weights, the optimizer state and the KV cache split further over heads);
-  a wider sampler tensor axis than `current_rollout_tensor` (the rollout: fewer resident weights).
+  a wider sampler tensor axis than `current_rollout_tensor` (the rollout: fewer resident weights);
+  for a mixture of experts, expert parallelism (both: each device's experts whole, E split over
+  'expert' instead of D over 'fsdp').
   Micro-batches are tried from half the current one down to one row per data-parallel device
   (padded rows), or down to one packed row of `pack_length` tokens per batch shard (packing:
   micro_batch_tokens). sequence_length: Tp + N."""
@@ -67,6 +69,12 @@ def knobs(config: config_lib.Config, architecture, devices: int, sequence_length
     if wider > tensor and devices % wider == 0 and architecture.num_key_value_heads % wider == 0:
       found.append(Knob((f'mesh.tensor={wider}', 'mesh.data=1', 'mesh.fsdp=-1'), 'both',
                         f'tensor parallelism over {wider} devices (heads, MLP, vocabulary and KV cache split)'))
+  expert = mesh.expert if mesh.expert > 0 else 1
+  for wider in (4, 8, 16) if architecture.num_experts else ():
+    if wider > expert and devices % wider == 0 and architecture.num_experts % wider == 0:
+      found.append(Knob((f'mesh.expert={wider}', 'mesh.data=1', 'mesh.fsdp=-1'), 'both',
+                        f'expert parallelism over {wider} devices ({architecture.num_experts // wider} experts '
+                        'of each sparse layer per device, whole)'))
   return found
 
 

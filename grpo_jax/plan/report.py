@@ -1,7 +1,12 @@
 """The plan's report: a run's programs compiled for a target (programs.py), the per-device memory
 the target compiler gives for each, whether the step fits, the collectives per program and per
 decode step (traffic.py), and a roofline estimate of the step's time. `python -m grpo_jax.plan`
-prints it (plan/__main__.py)."""
+prints it (plan/__main__.py).
+
+A mixture of experts is reported with its active parameters beside its total (the FLOPs count the
+active ones), where its experts lie in the rollout layout (sharded over the sampler's data groups,
+sampler/layout.py), and the bytes of one step's recorded routes (what routing replay carries from
+the sampler to the update)."""
 
 import dataclasses
 import math
@@ -13,6 +18,7 @@ from grpo_jax import config as config_lib
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import sharding
 from grpo_jax.errors import UserError
+from grpo_jax.model.moe import route_dtype
 from grpo_jax.plan import targets
 from grpo_jax.plan.programs import compile_program, step_programs
 from grpo_jax.plan.targets import format_bytes
@@ -33,6 +39,16 @@ def kv_cache_bytes_per_device(architecture, config: config_lib.Config, prompt_le
     layout = sharding.named_sharding(mesh, shape, ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim'))
     total += 2 * math.prod(layout.shard_shape(shape)) * jnp.dtype(config.model.options.dtype).itemsize
   return total
+
+
+def routes_bytes(architecture, rows: int, sequence_length: int) -> int:
+  """Bytes of one step's recorded routes (a mixture of experts; 0 for a dense model): each token's
+  k expert ids in each of the Ls sparse layers, [rows, Tp + N, Ls, k] of model/moe.route_dtype
+  (one byte each up to 255 experts)."""
+  if not architecture.num_experts:
+    return 0
+  itemsize = route_dtype(architecture.num_experts).itemsize
+  return rows * sequence_length * architecture.num_sparse_layers * architecture.num_experts_per_tok * itemsize
 
 
 def plan(config: config_lib.Config, target: targets.Target, architecture, only: set[str] | None = None,
@@ -60,11 +76,12 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
   # The sampler decodes from the whole policy: with LoRA the frozen base and the adapters.
   if layout is not None:
     resident_bytes, decode_mesh = resident_bytes_per_device(state.policy, layout), layout.mesh
-    layout_report = dict(tensor=layout.tensor, data_groups=layout.data_groups)
+    layout_report = dict(tensor=layout.tensor, data_groups=layout.data_groups,
+                         experts_per_device=layout.experts_per_device(architecture.num_experts))
   else:  # the training layout: each device reads the whole model, split over 'tensor', every token
     policy_count = sum(math.prod(x.shape) for x in jax.tree.leaves(state.policy))
     resident_bytes = policy_count * jnp.dtype(config.model.options.dtype).itemsize // mesh.shape['tensor']
-    decode_mesh, layout_report = mesh, dict(tensor=mesh.shape['tensor'], data_groups=0)
+    decode_mesh, layout_report = mesh, dict(tensor=mesh.shape['tensor'], data_groups=0, experts_per_device=None)
   # With LoRA, `parameters` (what the optimizer updates) are the adapters; the frozen base is an
   # argument of every program (in its compiled peak) and has no optimizer state.
   per_device = dict(parameters=sharding.bytes_per_device(state.params))
@@ -80,13 +97,18 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
       program_devices={program.name: len(built.devices.get(program.name, trainer_devices)) for program in programs},
       mesh=dict(mesh.shape), rollout_layout=layout_report,
       model=dict(layers=architecture.num_hidden_layers, hidden=architecture.hidden_size,
-                 parameters=architecture.num_params(), trained=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
+                 parameters=architecture.num_params(), active_parameters=architecture.num_params(active=True),
+                 experts=architecture.num_experts, experts_per_token=architecture.num_experts_per_tok,
+                 sparse_layers=architecture.num_sparse_layers,
+                 trained=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
                  lora=dataclasses.asdict(config.model.options.lora) if config.model.options.lora else None),
       per_device=per_device | dict(kv_cache=kv_cache_bytes_per_device(
           architecture, config, task.prompt_length, decode_mesh, prompts=0 if pool is None else pool.entries)),
       programs=[dataclasses.asdict(program) | dict(peak=program.peak) for program in programs],
       peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes,
       sequence_length=task.prompt_length + config.rollout.max_new_tokens,
+      routes_bytes=routes_bytes(architecture, config.completions_per_step,
+                                task.prompt_length + config.rollout.max_new_tokens),
       compiler_notes=targets.summarise_compiler_log(log), compiler_log=log)
   if config.rollout.devices:  # each sampler device receives its resident shard once per step
     report['split'] = dict(trainer_devices=len(trainer_devices), sampler_devices=len(sampler_devices),
@@ -101,7 +123,7 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   """Roofline estimate of the step, per program the largest of compute, HBM and interconnect time.
 
   compute: model FLOPs at the target's peak (the rollout's 2 N per sampled token, the rest the
-  update's). HBM: every decode step reads the resident weights and, on average, half of each row's
+  update's; N the active parameters, a mixture's k experts of E). HBM: every decode step reads the resident weights and, on average, half of each row's
   KV cache. Interconnect: the compiled collectives (traffic.py), once per program outside the
   decode loop and N times inside it (N = max_new_tokens: the longest answer's decode steps).
 
@@ -112,7 +134,7 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   advance v - 1 and update v - 1, so a step costs max(R, U, (R + U + X) / 2): the two-step cycle
   advance -> update -> crossing -> advance bounds it when neither side dominates."""
   steps = config.rollout.max_new_tokens
-  params = architecture.num_params()
+  params = architecture.num_params(active=True)
   adapters = report['model']['trained'] if config.model.options.lora is not None else None
   step_flops = metrics_lib.model_flops_per_step(params, prompt_length, config.rollout, config.algo,
                                                 adapter_params=adapters)
@@ -162,10 +184,15 @@ def _collective_summary(by_kind: dict) -> str:
 
 def format_report(report: dict) -> str:
   layout = report['rollout_layout']
+  model = report['model']
+  mixture = (f' ({model["active_parameters"] / 1e9:.2f}B active: {model["experts_per_token"]} of '
+             f'{model["experts"]} experts in {model["sparse_layers"]} sparse layers)' if model['experts'] else '')
+  experts = (f'; experts sharded over the data groups, {layout["experts_per_device"]} of {model["experts"]} '
+             'per device' if layout['experts_per_device'] else '')
   lines = [f'# {report["device"]}', f'mesh {report["mesh"]} over {report["devices"]} devices; model '
-           f'{report["model"]["parameters"] / 1e9:.2f}B parameters, {report["model"]["layers"]} layers',
+           f'{model["parameters"] / 1e9:.2f}B parameters{mixture}, {model["layers"]} layers',
            (f'rollout layout: weights resident, tensor-parallel over {layout["tensor"]} devices x '
-            f'{layout["data_groups"]} data groups (rollout.tensor)' if layout['data_groups'] else
+            f'{layout["data_groups"]} data groups (rollout.tensor){experts}' if layout['data_groups'] else
             'rollout layout: the training layout (weights gathered for every decoded token)'),
            'per device (the target compiler\'s memory analysis for the programs):']
   lora = report['model']['lora']
@@ -183,6 +210,9 @@ def format_report(report: dict) -> str:
     lines.append(f'    collectives per device (compiled program): {_collective_summary(collectives["outside"])} '
                  'per run' + (f'; per decode step {_collective_summary(collectives["per_decode_step"])}'
                               if program['name'] not in ('update', 'transfer') else ''))
+  if report['routes_bytes']:
+    lines.append(f'recorded routes per step: {format_bytes(report["routes_bytes"])} (rows x sequence x '
+                 f'{model["sparse_layers"]} sparse layers x top-{model["experts_per_token"]} expert ids)')
   verdict = 'fits' if report['fits'] else 'DOES NOT FIT'
   lines.append(f'peak {format_bytes(report["peak"])} of {format_bytes(report["hbm"])} per device: {verdict}')
   estimate = report['estimate']

@@ -26,6 +26,21 @@ trainer's devices, over a mirror of the sampler's mesh (the same shape), so that
 a copy of each device's shard to its counterpart, device to device (no host copy; across hosts the
 backend's cross-host transfers, which need exactly that: equal shardings on both sides).
 
+A mixture of experts (Qwen3-MoE): its dense weights (attention, router, embeddings) are laid out
+as above, and its experts are sharded instead of replicated: each sparse layer's E experts
+[Ls, E, D, M] are split over the n / t data groups (E over 'data', `resident_spec`; each one's M
+over the tensor axis as a dense MLP's F), so a device holds E t / n experts of every sparse layer
+and the resident experts cost t / n of what replicating them would. The mesh is unchanged: the
+data groups keep the rows, the prompt cache and the KV cache as for a dense model (the KV-cache
+bytes do not change), and the experts' E takes the same devices. Laying them out moves each
+expert's weights once per RL step (`place`: the dense weights' two stages, then the data groups
+passed from D to E, an all-to-all); per decode step the collectives are then activation-sized, the
+tokens and their expert outputs exchanged between the data groups, and no expert weight moves
+inside the decode loop. That last needs the model's expert computation to keep each device's
+experts where they lie: XLA's partitioner cannot split a ragged (grouped) matmul along its
+groups, and given one with E split it gathers the experts of each layer instead (the plan's
+per-decode-step collectives show which happened: BENCHMARKS.md, "Mixture of experts").
+
 When t does not divide the KV heads (e.g. t = 4 with Qwen2.5-0.5B's 2 KV heads) the KV heads, their
 projections and the KV cache are replicated over the tensor group instead of split (the rule
 table drops an axis that does not divide); the samples are the same, the cache costs t times the
@@ -105,6 +120,13 @@ class RolloutLayout:
   def data_groups(self) -> int:
     return self.mesh.shape['data']
 
+  def experts_per_device(self, num_experts: int) -> int | None:
+    """A mixture's experts each device holds of every sparse layer (`resident_spec`); None for a
+    dense model (num_experts 0)."""
+    if not num_experts:
+      return None
+    return num_experts // self.data_groups if num_experts % self.data_groups == 0 else num_experts
+
   @contextlib.contextmanager
   def active(self):
     """Traces the sampler under the sampler's mesh (model/sharding.constrain reads it)."""
@@ -126,7 +148,10 @@ class RolloutLayout:
     resident layout with D still split over the sampler's data groups (an all-to-all within each
     tensor group when the trainer shards D over the same devices), then D gathered over the data
     groups. In one stage XLA's partitioner cannot go from D split n ways to columns split t ways
-    and replicates the whole weight on every device first."""
+    and replicates the whole weight on every device first. A mixture's experts, E split over the
+    data groups, take the same first stage with the data groups on D, then a third collective moves
+    them from D to E (an all-to-all within each tensor position's devices); straight from D over
+    all n devices XLA replicates them too."""
     shape = dict(self.mesh.shape)
 
     def move(variable):
@@ -134,7 +159,7 @@ class RolloutLayout:
       axes = _axes(variable)
       final = resident_spec(value.shape, axes, shape)
       staged = _with_data_on_embed(value.shape, axes, final, shape['data'])
-      if staged is not None:
+      if staged is not None:  # the data groups on D first (a mixture's experts: then moved to E)
         value = jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, staged))
       return variable.replace(jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, final)))
 
@@ -189,12 +214,12 @@ def resident_spec(shape, axes, mesh_shape: dict) -> PartitionSpec:
 
 
 def _with_data_on_embed(shape, axes, final: PartitionSpec, data: int) -> PartitionSpec | None:
-  """`final` with the model dimension (logical 'embed') also split over 'data', or None when there
-  is no such dimension or 'data' does not divide it."""
-  if data == 1 or 'embed' not in axes or 'data' in final:
+  """`final` with the data groups on the model dimension (logical 'embed') instead of where it has
+  them (a mixture's experts E), or None when there is no such dimension or 'data' does not divide it."""
+  if data == 1 or 'embed' not in axes:
     return None
   dim = list(axes).index('embed')
-  spec = list(final) + [None] * (len(shape) - len(final))
+  spec = [None if entry == 'data' else entry for entry in list(final) + [None] * (len(shape) - len(final))]
   if spec[dim] is not None or shape[dim] % data:
     return None
   spec[dim] = 'data'
