@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = {
     'tiny_arith.yaml': (None, 1),
     'tiny_arith_lora.yaml': (None, 1),
+    'tiny_arith_moe.yaml': (None, 1),
     'tiny_math.yaml': (None, 1),
     'tiny_guess.yaml': (None, 1),
     'qwen2_5_3b_gsm8k_tool.yaml': ('3B', 8),
