@@ -78,8 +78,8 @@ def _collectives_moved(found, in_loop: bool) -> int:
   return sum(traffic.totals(found, in_loop=in_loop).values())
 
 
-def test_resident_experts_are_sharded_over_the_data_groups():
-  """FSDP over 8 devices, sampler tensor 2 (4 data groups): each device holds 4 of the 16 experts
+def test_resident_experts_are_sharded_over_the_sampler_groups():
+  """FSDP over 8 devices, sampler tensor 2 (4 groups, the sampler mesh's 'expert' axis): each device holds 4 of the 16 experts
   of each layer, each expert's M split over the pair, while the dense weights lie whole along D and
   are replicated over the groups. The layout moves about the resident weights (at most 1.5x them;
   straight from D over 8 devices to E over 4 XLA replicated the experts first, 2.8x)."""
@@ -95,7 +95,7 @@ def test_resident_experts_are_sharded_over_the_data_groups():
   layers = resident['layers']
   for name in EXPERTS:
     stacked = layers[name][...]
-    assert stacked.sharding.spec[1] == 'data'
+    assert stacked.sharding.spec[1] == 'expert'
     d_or_m = (64, 16) if name != 'expert_down_weight' else (16, 64)
     assert stacked.sharding.shard_shape(stacked.shape) == (2, 4) + d_or_m
     original = np.asarray(params['layers'][name][...])
@@ -108,7 +108,7 @@ def test_resident_experts_are_sharded_over_the_data_groups():
     assert all(len(devices) == 2 for devices in held.values())
   for name in ('q_weight', 'o_weight', 'router_weight'):
     dense = layers[name][...]
-    assert 'data' not in dense.sharding.spec
+    assert 'expert' not in jax.tree.leaves(tuple(dense.sharding.spec))
     assert dense.sharding.shard_shape(dense.shape)[1 if name != 'o_weight' else 3] == 64  # D whole
   found = traffic.collectives(hlo, 8)
   assert _collectives_moved(found, False) <= 1.5 * resident_bytes_per_device(params, layout)

@@ -26,20 +26,18 @@ trainer's devices, over a mirror of the sampler's mesh (the same shape), so that
 a copy of each device's shard to its counterpart, device to device (no host copy; across hosts the
 backend's cross-host transfers, which need exactly that: equal shardings on both sides).
 
-A mixture of experts (Qwen3-MoE): its dense weights (attention, router, embeddings) are laid out
-as above, and its experts are sharded instead of replicated: each sparse layer's E experts
-[Ls, E, D, M] are split over the n / t data groups (E over 'data', `resident_spec`; each one's M
-over the tensor axis as a dense MLP's F), so a device holds E t / n experts of every sparse layer
-and the resident experts cost t / n of what replicating them would. The mesh is unchanged: the
-data groups keep the rows, the prompt cache and the KV cache as for a dense model (the KV-cache
-bytes do not change), and the experts' E takes the same devices. Laying them out moves each
-expert's weights once per RL step (`place`: the dense weights' two stages, then the data groups
-passed from D to E, an all-to-all); per decode step the collectives are then activation-sized, the
-tokens and their expert outputs exchanged between the data groups, and no expert weight moves
-inside the decode loop. That last needs the model's expert computation to keep each device's
-experts where they lie: XLA's partitioner cannot split a ragged (grouped) matmul along its
-groups, and given one with E split it gathers the experts of each layer instead (the plan's
-per-decode-step collectives show which happened: BENCHMARKS.md, "Mixture of experts").
+A mixture of experts (Qwen3-MoE): the sampler's n / t groups are its mesh's `expert` axis
+instead of `data`, (data = 1, fsdp = 1, tensor = t, expert = n / t). The rows, the prompt cache
+and the KV cache split over the groups as for a dense model (the rule table's 'batch' includes
+'expert'; the KV-cache bytes do not change), the dense weights (attention, router, embeddings)
+stay replicated over them (`resident_spec`), and each sparse layer's E experts [Ls, E, D, M] are
+split over them (each one's M over the tensor axis, as a dense MLP's F): a device holds E t / n
+experts of every sparse layer, t / n of what replicating them would cost. Per decode step the
+model's expert parallelism (model/expert_parallel.py) sends each token's rows to the group that
+holds its experts and back, inside the tensor position's devices: the collectives are
+activation-sized and no expert weight moves inside the decode loop (the plan's per-decode-step
+collectives; BENCHMARKS.md, "Mixture of experts"). Laying the experts out moves each one's
+weights once per RL step (`place`: D over the groups first, then to E).
 
 When t does not divide the KV heads (e.g. t = 4 with Qwen2.5-0.5B's 2 KV heads) the KV heads, their
 projections and the KV cache are replicated over the tensor group instead of split (the rule
@@ -91,13 +89,18 @@ class RolloutLayout:
   source: the trainer's mesh (data, fsdp, tensor), whose layout the parameters arrive in and the
           rollout is returned in (rows over its batch axes).
   mesh:   the sampler's mesh over the same devices in the same order: (data = n / t, fsdp = 1,
-          tensor = t).
+          tensor = t, expert = 1), or for a mixture of experts (1, 1, t, n / t).
   dtype:  the compute dtype the resident weights are cast to.
   """
 
   source: Mesh
   mesh: Mesh
   dtype: str
+
+  @property
+  def groups_axis(self) -> str:
+    """The sampler mesh's axis over its n / t groups: 'expert' for a mixture of experts, else 'data'."""
+    return 'expert' if self.mesh.shape['expert'] > 1 else 'data'
 
   @property
   def split(self) -> bool:
@@ -110,7 +113,8 @@ class RolloutLayout:
     when the halves are equal, else the trainer's devices grouped by the same tensor size), where
     `transfer` lays the weights out before they cross."""
     devices = list(np.asarray(self.source.devices).reshape(-1))
-    return dataclasses.replace(self, mesh=_grouped_mesh(devices, self.tensor, 'rollout.tensor'))
+    return dataclasses.replace(self, mesh=_grouped_mesh(devices, self.tensor, 'rollout.tensor',
+                                                        experts=self.groups_axis == 'expert'))
 
   @property
   def tensor(self) -> int:
@@ -118,14 +122,16 @@ class RolloutLayout:
 
   @property
   def data_groups(self) -> int:
-    return self.mesh.shape['data']
+    """n / t: the groups that each hold all the weights (a mixture's experts: split over them)."""
+    return self.mesh.shape[self.groups_axis]
 
   def experts_per_device(self, num_experts: int) -> int | None:
     """A mixture's experts each device holds of every sparse layer (`resident_spec`); None for a
     dense model (num_experts 0)."""
     if not num_experts:
       return None
-    return num_experts // self.data_groups if num_experts % self.data_groups == 0 else num_experts
+    groups = self.mesh.shape['expert']
+    return num_experts // groups if num_experts % groups == 0 else num_experts
 
   @contextlib.contextmanager
   def active(self):
@@ -149,17 +155,17 @@ class RolloutLayout:
     tensor group when the trainer shards D over the same devices), then D gathered over the data
     groups. In one stage XLA's partitioner cannot go from D split n ways to columns split t ways
     and replicates the whole weight on every device first. A mixture's experts, E split over the
-    data groups, take the same first stage with the data groups on D, then a third collective moves
-    them from D to E (an all-to-all within each tensor position's devices); straight from D over
-    all n devices XLA replicates them too."""
+    groups, take the same first stage with the groups on D, then a third collective moves them from
+    D to E (an all-to-all within each tensor position's devices); straight from D over all n devices
+    XLA replicates them too."""
     shape = dict(self.mesh.shape)
 
     def move(variable):
       value = variable[...].astype(self.dtype)
       axes = _axes(variable)
       final = resident_spec(value.shape, axes, shape)
-      staged = _with_data_on_embed(value.shape, axes, final, shape['data'])
-      if staged is not None:  # the data groups on D first (a mixture's experts: then moved to E)
+      staged = _with_groups_on_embed(value.shape, axes, final, self.groups_axis, shape[self.groups_axis])
+      if staged is not None:  # the groups on D first (a mixture's experts: then moved to E)
         value = jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, staged))
       return variable.replace(jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, final)))
 
@@ -201,37 +207,40 @@ def _axes(variable) -> tuple:
 
 
 def resident_spec(shape, axes, mesh_shape: dict) -> PartitionSpec:
-  """A parameter's resident PartitionSpec on the sampler mesh: the rule table's, and a mixture's
-  expert dimension E (logical 'experts') over the data groups where they divide it."""
-  spec = spec_for(shape, axes, mesh_shape)
-  data = mesh_shape['data']
-  if 'experts' not in axes or data == 1 or shape[list(axes).index('experts')] % data:
-    return spec
-  dim = list(axes).index('experts')
-  spec = list(spec) + [None] * (len(shape) - len(spec))
-  spec[dim] = 'data'
-  return PartitionSpec(*spec)
+  """A parameter's resident PartitionSpec on the sampler mesh: the rule table's, where the 'expert'
+  axis (a mixture's groups) splits the experts' E and nothing else: every other weight is
+  replicated over it (the rule table would also split a weight's D over it)."""
+  if 'experts' not in axes:
+    mesh_shape = dict(mesh_shape, expert=1)
+  return spec_for(shape, axes, mesh_shape)
 
 
-def _with_data_on_embed(shape, axes, final: PartitionSpec, data: int) -> PartitionSpec | None:
-  """`final` with the data groups on the model dimension (logical 'embed') instead of where it has
-  them (a mixture's experts E), or None when there is no such dimension or 'data' does not divide it."""
-  if data == 1 or 'embed' not in axes:
+def _with_groups_on_embed(shape, axes, final: PartitionSpec, groups_axis: str, groups: int) -> PartitionSpec | None:
+  """`final` with the sampler's groups (`groups_axis`) on the model dimension (logical 'embed')
+  instead of where it has them (a mixture's experts E), or None when there is no such dimension or
+  the groups do not divide it."""
+  if groups == 1 or 'embed' not in axes:
     return None
   dim = list(axes).index('embed')
-  spec = [None if entry == 'data' else entry for entry in list(final) + [None] * (len(shape) - len(final))]
-  if spec[dim] is not None or shape[dim] % data:
+  spec = [None if entry == groups_axis else entry for entry in list(final) + [None] * (len(shape) - len(final))]
+  if spec[dim] is not None or shape[dim] % groups:
     return None
-  spec[dim] = 'data'
+  spec[dim] = groups_axis
   return PartitionSpec(*spec)
 
 
-def _grouped_mesh(devices: Sequence[jax.Device], tensor: int, field: str) -> Mesh:
-  """(data = n / t, fsdp = 1, tensor = t) over `devices` in their order."""
+def _grouped_mesh(devices: Sequence[jax.Device], tensor: int, field: str, experts: bool = False) -> Mesh:
+  """(data = n / t, fsdp = 1, tensor = t, expert = 1) over `devices` in their order, or for a
+  mixture of experts (1, 1, t, n / t): either way each tensor group is t consecutive devices."""
   if tensor < 1 or len(devices) % tensor:
     raise UserError(f'{field}={tensor} must divide the {len(devices)} devices of the mesh')
-  return Mesh(np.asarray(devices).reshape(len(devices) // tensor, 1, tensor, 1), MESH_AXES,
-              axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+  # The axes of a mixture's mesh are named in another order, the groups before the tensor axis: the
+  # devices keep their order (one device assignment with the trainer's mesh, so one program can hold
+  # both layouts) and each tensor group stays t consecutive devices.
+  names = ('data', 'fsdp', 'expert', 'tensor') if experts else MESH_AXES
+  grid = np.asarray(devices).reshape(1, 1, len(devices) // tensor, tensor) if experts else \
+      np.asarray(devices).reshape(len(devices) // tensor, 1, tensor, 1)
+  return Mesh(grid, names, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
 def rollout_mesh(source: Mesh, tensor: int) -> Mesh:
@@ -267,7 +276,8 @@ def rollout_layout(model: Qwen2, source: Mesh, tensor: int = 0, devices: Sequenc
   `model` (its KV heads and compute dtype) with `tensor` devices per group (0: choose_tensor)."""
   devices = list(np.asarray(source.devices).reshape(-1)) if devices is None else list(devices)
   tensor = tensor or choose_tensor(devices, model.config.num_key_value_heads)
-  return RolloutLayout(source=source, mesh=_grouped_mesh(devices, tensor, 'rollout.tensor'), dtype=model.options.dtype)
+  mesh = _grouped_mesh(devices, tensor, 'rollout.tensor', experts=model.config.num_sparse_layers > 0)
+  return RolloutLayout(source=source, mesh=mesh, dtype=model.options.dtype)
 
 
 def resident_bytes_per_device(params, layout: RolloutLayout) -> int:
