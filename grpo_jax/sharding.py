@@ -14,8 +14,10 @@ example Qwen2.5-0.5B's two KV heads on a tensor axis of 4), so every Qwen2.5 siz
 every mesh; `spec_for` reports which axes were dropped.
 """
 
+import contextlib
 import dataclasses
 import math
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -120,6 +122,33 @@ def spec_for(shape: Sequence[int], logical_axes: Sequence[str | None], mesh_shap
   while spec and spec[-1] is None:
     spec.pop()
   return PartitionSpec(*spec)
+
+
+_ENTERED = threading.local()  # the meshes `use_mesh` entered, innermost last
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh):
+  """Traces under `mesh` inside a jit (the sampler's own layout): its abstract mesh for the sharding
+  constraints, and the mesh itself for `current_mesh` (a shard_map given only the abstract mesh
+  lowers with the device ids of the mesh set outside the jit, the trainer's)."""
+  entered = _ENTERED.__dict__.setdefault('meshes', [])
+  entered.append(mesh)
+  try:
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      yield
+  finally:
+    entered.pop()
+
+
+def current_mesh():
+  """The mesh being traced under, for shard_map: the one `use_mesh` entered when it is the current
+  abstract mesh, else the abstract mesh itself (that of jax.set_mesh outside the jit)."""
+  abstract = jax.sharding.get_abstract_mesh()
+  for mesh in reversed(_ENTERED.__dict__.get('meshes', [])):
+    if mesh.abstract_mesh == abstract:
+      return mesh
+  return abstract
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:

@@ -26,6 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.model import expert_parallel
 from grpo_jax.model.linear import matmul
 from grpo_jax.ops.grouped_matmul import expert_mlp
 from grpo_jax.sharding import constrain
@@ -152,7 +153,10 @@ def sparse_mlp(params: dict, h: jax.Array, real: jax.Array, *, top_k: int, norm_
   `experts` [B, T, k] and load / probability [E])."""
   experts, gates, probabilities, differs = route(h, params['router_weight'], top_k=top_k,
                                                  norm_topk_prob=norm_topk_prob, replay=replay)
-  compute = experts_dense if dense_experts_here() else experts_forward
+  if expert_parallel.applies(params['expert_gate_weight'].shape[0]):
+    compute = expert_parallel.experts_forward  # the experts on the devices that hold them
+  else:
+    compute = experts_dense if dense_experts_here() else experts_forward
   out = compute(h, experts, gates, params['expert_gate_weight'], params['expert_up_weight'],
                 params['expert_down_weight'])
   weight = real.astype(jnp.float32)

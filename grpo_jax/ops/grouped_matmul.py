@@ -28,8 +28,8 @@ either way. Not yet
 run on a GPU: compiled deviceless for H100 (tests/test_grouped_matmul.py) and tested in
 interpret mode against ragged_dot; the blocks are untuned.
 
-Under a device mesh the Pallas call is not partitioned by XLA (as with any custom call): an
-expert-parallel layout needs a shard_map around it, which the MoE layer does not have yet.
+Under a device mesh the Pallas call is not partitioned by XLA (as with any custom call): it runs
+inside model/expert_parallel.py's shard_map, on each device's own experts.
 
 `python -m grpo_jax.ops.grouped_matmul TARGET` compiles a Qwen3-30B-A3B expert MLP for TARGET
 (deviceless, see grpo_jax/plan/targets.py) and prints what is in the program as one JSON line.
@@ -167,7 +167,7 @@ def _triton_bwd(plan: _Plan, residuals, d_out):
                                    block_in=_blocks(weight.shape[1], BLOCK_WEIGHT),
                                    block_out=_blocks(weight.shape[2], BLOCK_OUT),
                                    interpret=plan.interpret)
-  return d_rows, d_weight, None
+  return kernels.sum_to_type(d_rows, rows), kernels.sum_to_type(d_weight, weight), None
 
 
 _triton.defvjp(_triton_fwd, _triton_bwd)

@@ -117,6 +117,31 @@ def _params(accumulator_rows: int, accumulator_columns: int):
   return pltriton.CompilerParams(num_warps=warps, num_stages=3)
 
 
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes (inside a shard_map) that x varies over: jax 0.12 keeps them in its type's
+  ManualAxisType, jax 0.11 (the GPU machines') in `vma`."""
+  aval = jax.typeof(x)
+  return frozenset(aval.mat.varying if hasattr(aval, 'mat') else aval.vma)
+
+
+def sum_to_type(cotangent, primal):
+  """A custom VJP's cotangent summed over the mesh axes it varies over and its primal does not:
+  the transpose of the implicit broadcast that put the primal into a varying product (d rows
+  over the 'tensor' shards of M, d weight over the batch axes)."""
+  extra = tuple(sorted(varying_axes(cotangent) - varying_axes(primal)))
+  return lax.psum(cotangent, extra) if extra else cotangent
+
+
+def _result(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
+  """A kernel's result type, varying over the mesh axes its operands vary over: inside a shard_map
+  that checks them (model/expert_parallel.py) a pallas_call must be told."""
+  varying = frozenset().union(*map(varying_axes, operands))
+  if not hasattr(jax.sharding, 'ManualAxisType'):  # jax 0.11
+    return jax.ShapeDtypeStruct(shape, dtype, vma=varying)
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              manual_axis_type=jax.sharding.ManualAxisType(varying=varying) if varying else None)
+
+
 def rows_matmul(tiles, x, w, *, transpose: bool, block_rows: int, block_out: int,
                 block_inner: int, interpret: bool, name: str):
   """tiles: (tile_group, tile_start, tile_end) int32 [Tl]; x [R, K]; w [E, K, N] (transpose:
@@ -127,7 +152,7 @@ def rows_matmul(tiles, x, w, *, transpose: bool, block_rows: int, block_out: int
                              block_inner=block_inner, transpose=transpose, groups=groups)
   return pl.pallas_call(
       kernel, grid=(tiles[0].shape[0], pl.cdiv(outer, block_out)),
-      out_shape=jax.ShapeDtypeStruct((x.shape[0], outer), x.dtype),
+      out_shape=_result((x.shape[0], outer), x.dtype, x, w),
       compiler_params=_params(block_rows, block_out), interpret=interpret, name=name,
   )(*tiles, x, w)
 
@@ -141,7 +166,7 @@ def weight_matmul(group_first, group_end, x, dy, *, block_rows: int, block_in: i
                              block_out=block_out)
   return pl.pallas_call(
       kernel, grid=(groups, pl.cdiv(inner, block_in), pl.cdiv(outer, block_out)),
-      out_shape=jax.ShapeDtypeStruct((groups, inner, outer), x.dtype),
+      out_shape=_result((groups, inner, outer), x.dtype, x, dy),
       compiler_params=_params(block_in, block_out), interpret=interpret,
       name='grouped_matmul_grad_weight',
   )(group_first, group_end, x, dy)

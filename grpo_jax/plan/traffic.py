@@ -10,7 +10,8 @@ per iteration: collectives inside the loop marked `marker` (a `jax.named_scope` 
 reported per iteration of that loop, the rest per execution of the program.
 
 Bytes per device, by kind: all-gather: the gathered result; all-reduce: the reduced operand;
-reduce-scatter: the operand before scattering; all-to-all and collective-permute: the operand.
+reduce-scatter: the operand before scattering; all-to-all and collective-permute: the operand;
+ragged-all-to-all: its receive buffer (the rows that arrive fill at most that).
 Asynchronous pairs (`-start` / `-done`) count once, a `-start` written as ((operands), results) by
 its results. The interconnect time of a collective over a group of g devices at a link bandwidth
 of W bytes/s per device is estimated as bytes * (g - 1) / g / W, twice that for an all-reduce (a
@@ -27,7 +28,8 @@ import numpy as np
 KINDS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'permute')
 _OPCODES = {'all-gather': 'all-gather', 'all-gather-start': 'all-gather', 'all-reduce': 'all-reduce',
             'all-reduce-start': 'all-reduce', 'reduce-scatter': 'reduce-scatter', 'all-to-all': 'all-to-all',
-            'all-to-all-start': 'all-to-all', 'ragged-all-to-all': 'all-to-all', 'collective-permute': 'permute',
+            'all-to-all-start': 'all-to-all', 'ragged-all-to-all': 'all-to-all',
+            'ragged-all-to-all-start': 'all-to-all', 'collective-permute': 'permute',
             'collective-permute-start': 'permute'}
 _DTYPE_BYTES = {'pred': 1, 's4': 1, 'u4': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's16': 2, 'u16': 2,
                 'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8,
@@ -111,6 +113,8 @@ def _bytes(kind: str, opcode: str, shape: str, group_size: int) -> int:
   sizes = _shape_bytes(shape)
   if opcode in ('all-gather-start', 'collective-permute-start'):
     return sizes[1] if len(sizes) > 1 else sum(sizes)  # (operand, result[, contexts]): the result arrives
+  if opcode == 'ragged-all-to-all-start':
+    return sizes[6]  # ((operand, output, four offset arrays), result, ...): the receive buffer
   if opcode == 'all-to-all-start' or (opcode == 'all-reduce-start' and shape.lstrip().startswith('((')):
     return sum(sizes) // 2  # ((operands), results) of equal sizes (XLA:GPU's asynchronous forms)
   if kind == 'reduce-scatter':

@@ -58,7 +58,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.errors import UserError
 from grpo_jax.model.qwen2 import Qwen2
-from grpo_jax.sharding import MESH_AXES, spec_for
+from grpo_jax.sharding import MESH_AXES, spec_for, use_mesh
 
 
 def devices_per_host(devices: Sequence[jax.Device]) -> int:
@@ -136,7 +136,7 @@ class RolloutLayout:
   @contextlib.contextmanager
   def active(self):
     """Traces the sampler under the sampler's mesh (model/sharding.constrain reads it)."""
-    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+    with use_mesh(self.mesh):
       yield
 
   def shardings(self, params: nnx.State) -> nnx.State:
