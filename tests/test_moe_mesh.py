@@ -49,3 +49,28 @@ def test_moe_partial_rollouts_kill_and_resume_equal_uninterrupted(tmp_path):
   from test_train import kill_and_resume
   kill_and_resume(tmp_path, 1, ['algo.max_lag=1', 'algo.tis_cap=2.0', 'mesh.fsdp=1', 'mesh.expert=2',
                                 'rollout.prompts_per_step=8', 'algo.group_size=4'], config=CONFIG, devices=2)
+
+
+@pytest.mark.parametrize('mesh_shape', [(1, 8, 1, 1)])  # expert > 1: the RL steps above, test_expert_parallel.py
+def test_moe_gradients_on_a_mesh_equal_one_device(seed, mesh_shape):
+  """The model's loss gradients with the experts computed per device (model/expert_parallel.py: each
+  device's own pairs; exchanged over 'expert' where it is > 1) equal the one-device dense path."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from grpo_jax.model.loading import init_model
+  from test_moe import MOE_ARCHITECTURE
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, MOE_ARCHITECTURE.vocab_size, (8, 6)), jnp.int32)
+
+  def gradients(mesh):
+    model = init_model(MOE_ARCHITECTURE, mesh=mesh, seed=seed % 1000)
+    graphdef, state = nnx.split(model)
+    loss = lambda state: jnp.sum(nnx.merge(graphdef, state)(tokens)[..., :50] ** 2)  # noqa: E731
+    if mesh is None:
+      return jax.tree.map(np.asarray, jax.jit(jax.grad(loss))(state))
+    with jax.set_mesh(mesh):
+      return jax.tree.map(np.asarray, jax.jit(jax.grad(loss))(state))
+
+  want = gradients(None)
+  got = gradients(sharding.make_mesh(sharding.MeshConfig(*mesh_shape)))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max()), got, want)

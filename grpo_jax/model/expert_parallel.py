@@ -70,10 +70,13 @@ def expert_axis_size() -> int:
 
 
 def applies(num_experts: int) -> bool:
-  """Whether the experts run expert-parallel here: an 'expert' axis of more than one device that
-  divides the E experts (else the rule table leaves E whole and shards D over 'expert' too)."""
-  size = expert_axis_size()
-  return size > 1 and num_experts % size == 0
+  """Whether the experts run here, under a mesh of more than one device whose 'expert' axis divides
+  the E experts (else the rule table leaves E whole and shards D over 'expert' too). An 'expert'
+  axis of 1 still gains from it: each device sorts and computes its own tokens' pairs with the
+  experts' D gathered over 'fsdp', as a dense FSDP layer does, where XLA's partitioner would sort
+  the whole batch's pairs across devices."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and mesh.size > 1 and num_experts % expert_axis_size() == 0
 
 
 def experts_forward(x: jax.Array, experts: jax.Array, gates: jax.Array, gate_weight: jax.Array,
@@ -140,12 +143,14 @@ def _local_experts(x, experts, gates, gate_weight, up_weight, down_weight, *, to
   token = order // top_k
   rows = jnp.take(x, token, axis=0)  # [P, D], by expert and so by owning rank
   counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-  dispatch, combine, group_sizes = _slices(jax.lax.all_gather(counts, AXIS), jax.lax.axis_index(AXIS), local_experts)
-
-  transport = _Transport(ragged, capacity=tokens * min(top_k, local_experts))
-  received = _exchange(transport, (len(rows), ranks * transport.capacity), rows, dispatch, combine)
-  out = expert_mlp(received, group_sizes, gate_weight, up_weight, down_weight)  # rows past the groups: 0
-  back = _exchange(transport, (len(out), len(rows)), out, combine, dispatch)  # [P, D], in `order`
+  if ranks == 1:  # every expert here: no exchange
+    back = expert_mlp(rows, counts, gate_weight, up_weight, down_weight)
+  else:
+    dispatch, combine, group_sizes = _slices(jax.lax.all_gather(counts, AXIS), jax.lax.axis_index(AXIS), local_experts)
+    transport = _Transport(ragged, capacity=tokens * min(top_k, local_experts))
+    received = _exchange(transport, (len(rows), ranks * transport.capacity), rows, dispatch, combine)
+    out = expert_mlp(received, group_sizes, gate_weight, up_weight, down_weight)  # rows past the groups: 0
+    back = _exchange(transport, (len(out), len(rows)), out, combine, dispatch)  # [P, D], in `order`
   weighted = back * jnp.take(gates.reshape(-1), order)[:, None]
   combined = jnp.zeros((tokens, width), weighted.dtype).at[token].add(weighted)
   return jax.lax.psum(combined, summed) if summed else combined
