@@ -186,7 +186,7 @@ def test_engine_in_the_sampler_layout_matches_transformers(seed, make_hf_checkpo
   from grpo_jax.sampler.layout import serving_mesh
   directory, reference = make_hf_checkpoint(seed)
   mesh = serving_mesh(2, kv_heads=2)
-  assert mesh.shape == dict(data=4, fsdp=1, tensor=2)
+  assert mesh.shape == dict(data=4, fsdp=1, tensor=2, expert=1)
   model = from_pretrained(directory, mesh=mesh)
   engine = QwenEngine(model, slots=4, max_prefill_length=16, settings=DecodeSettings(max_new_tokens=6, sampling=GREEDY))
   prompts = random_prompts(seed, [3, 10, 8, 5])
