@@ -17,6 +17,11 @@ cost analysis of the compiled program:
             only where experts_forward keeps its matmuls grouped ('dense [E,R]' flags a program
             whose ragged dots XLA expanded over the experts, as XLA:GPU does with ragged_dot).
 
+  replay    the router of one layer (model/moe.py `route`) on the update's tokens, forward and
+            backward, routing by its own top-k against replaying recorded experts (the top-k still
+            runs, for the re-routed count); and what recording costs the sampler: the routes it
+            writes per decode step and holds per RL step (one byte per token, sparse layer and k).
+
 Nothing is timed: these are the compilers' counts, not measurements. Run with the compilers on the
 path:
 
@@ -50,6 +55,9 @@ def parse_args():
   parser.add_argument('--decode-tokens', type=int, default=64, help='N of a decode step')
   parser.add_argument('--update-tokens', type=int, default=4096, help='N of an update micro-batch')
   parser.add_argument('--json', help='also write the rows as JSON')
+  parser.add_argument('--rollout-rows', type=int, default=1024, help='rows a recipe samples per step (routes held)')
+  parser.add_argument('--sequence', type=int, default=12288, help='prompt + completion tokens of a row')
+  parser.add_argument('--layers', type=int, default=48, help="sparse layers (Qwen3-30B-A3B's 48)")
   return parser.parse_args()
 
 
@@ -78,6 +86,24 @@ def layer_program(tokens: int, backward: bool):
             ((experts, model, hidden), DTYPE), ((experts, model, hidden), DTYPE), ((experts, hidden, model), DTYPE)]
   function = moe.experts_forward
   return (loss_gradients(function, (0, 2, 3, 4, 5)) if backward else function), shapes
+
+
+def router_program(tokens: int, replay: bool):
+  """route() of one layer on [1, N, D] tokens, forward and backward (the router's gradient)."""
+  experts, model, top_k = SHAPE['experts'], SHAPE['model'], SHAPE['top_k']
+
+  def gates(h, router, recorded):
+    _, gates, probabilities, differs = moe.route(h, router, top_k=top_k, norm_topk_prob=True,
+                                                 replay=recorded if replay else None)
+    return gates.astype(jnp.float32).sum() + probabilities.sum() + differs.sum()
+
+  shapes = [((1, tokens, model), DTYPE), ((model, experts), DTYPE), ((1, tokens, top_k), jnp.uint8)]
+  return jax.grad(gates, argnums=(0, 1)), shapes
+
+
+def replay_rows(target: str, tokens: int) -> dict:
+  own, replayed = (measure(target, *router_program(tokens, replay), tokens) for replay in (False, True))
+  return dict(target=target, tokens=tokens, own=own, replayed=replayed)
 
 
 def kernel_cost(rows: int, backward: bool) -> dict:
@@ -142,9 +168,20 @@ def main():
           f'{g["flops"] / 1e9:>15.2f}{d["flops"] / 1e9:>13.2f}{g["flops"] / d["flops"]:>7.3f}'
           f'{g["bytes"] / 1e9:>12.3f}{d["bytes"] / 1e9:>10.3f}{g["bytes"] / d["bytes"]:>7.2f}'
           f'{extra}{r["layer"]["temp"] / 2**20:>10.1f}' + ('  counted' if r['counted'] else ''))
+  replay = [replay_rows(target, args.update_tokens) for target in args.targets.split(',')]
+  print(f'\n# Routing replay: one layer\'s router on {args.update_tokens} tokens, forward + backward, own top-k '
+        'against replaying recorded experts')
+  print(f'{"target":<8}{"own MFLOP":>11}{"replay MFLOP":>14}{"own MB":>9}{"replay MB":>11}')
+  for r in replay:
+    print(f'{r["target"]:<8}{r["own"]["flops"] / 1e6:>11.1f}{r["replayed"]["flops"] / 1e6:>14.1f}'
+          f'{r["own"]["bytes"] / 1e6:>9.2f}{r["replayed"]["bytes"] / 1e6:>11.2f}')
+  per_token = args.layers * SHAPE['top_k']  # uint8 ids: one byte each
+  print(f'recording: {per_token} bytes a token ({args.layers} sparse layers x k={SHAPE["top_k"]}); a decode step of '
+        f'{args.decode_tokens} rows writes {args.decode_tokens * per_token / 1024:.1f} KiB; an RL step of '
+        f'{args.rollout_rows} rows x {args.sequence} tokens holds {args.rollout_rows * args.sequence * per_token / 2**30:.2f} GiB')
   if args.json:
     with open(args.json, 'w') as f:
-      json.dump(rows, f, indent=1)
+      json.dump(dict(experts=rows, replay=replay), f, indent=1)
 
 
 if __name__ == '__main__':
