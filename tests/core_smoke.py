@@ -4,7 +4,8 @@ jax/jaxlib and their packages; no jetstream, seqio, tensorflow, clu or math-veri
 
 It checks what the benchmarks run on those images: a forward pass (the KV-cache path against the
 full sequence), the group sampler (greedy tokens against the full forward's argmax), the fused
-log-prob op (against NumPy's log-softmax) and RL steps of the demo config, with any deprecation
+log-prob op (against NumPy's log-softmax), the mixture of experts' grouped matmuls (against every
+expert on every token) and its expert parallelism (two devices against one) and RL steps of the demo configs (dense, and a mixture with routing replay), with any deprecation
 warning JAX or Flax raise on grpo_jax's own calls turned into an error. Not a pytest module (the
 main environment runs the suite); `python tests/core_smoke.py` prints one line per check.
 """
@@ -18,6 +19,8 @@ import tempfile
 import warnings
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# Two CPU devices: the expert-parallel check runs a mesh of them (the other checks use the first).
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=2').strip()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 # A deprecation that JAX, Flax, Optax or Orbax warns about on a call of grpo_jax's is an error here.
@@ -85,21 +88,45 @@ def main():
   error = float(np.max(np.abs(got - want)))
   check('fused log-probs equal NumPy\'s log-softmax', error < 1e-4, f'max |difference| {error:.2e}')
 
+  from grpo_jax.model import moe
+  experts = jnp.asarray(rng.integers(0, 8, (2, 9, 2)), jnp.int32)
+  experts = jnp.where(experts[..., :1] == experts[..., 1:], jnp.stack([experts[..., 0], (experts[..., 0] + 1) % 8], -1),
+                      experts)  # a token's two experts differ
+  x, gates = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((2, 9, 16), (2, 9, 2)))
+  weights = [jnp.asarray(0.3 * rng.standard_normal(shape), jnp.float32) for shape in ((8, 16, 12), (8, 16, 12), (8, 12, 16))]
+  error = float(jnp.max(jnp.abs(moe.experts_forward(x, experts, gates, *weights) - moe.experts_dense(x, experts, gates, *weights))))
+  check('mixture of experts: sorted grouped matmuls equal every expert on every token', error < 1e-4,
+        f'max |difference| {error:.2e}')
+  from grpo_jax import sharding
+  mixture = Qwen2Config(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, attention_bias=False, qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=16)
+  alone = np.asarray(init_model(mixture, seed=seed % 1000)(tokens))
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=1, tensor=1, expert=2))
+  split = init_model(mixture, mesh=mesh, seed=seed % 1000)
+  graphdef, state = nnx.split(split)
+  with jax.set_mesh(mesh):
+    parallel = np.asarray(jax.jit(lambda state: nnx.merge(graphdef, state)(tokens))(state))
+  error = float(np.max(np.abs(parallel - alone)))
+  check('mixture of experts: expert-parallel logits on 2 devices equal one device', error < 1e-4,
+        f'max |difference| {error:.2e}')
+
   from grpo_jax import train
-  with tempfile.TemporaryDirectory() as workdir:
-    printed = io.StringIO()
-    try:
-      with contextlib.redirect_stdout(printed):  # the resolved config and the progress lines
-        train.main(['--config', os.path.join(ROOT, 'configs', 'tiny_arith.yaml'), '--workdir', workdir,
-                    '--set', 'train.steps=3', '--set', 'train.checkpoint_every=0'])
-    except BaseException:
-      print(printed.getvalue())
-      raise
-    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-      rows = [json.loads(line) for line in f]
-  steps = [row for row in rows if 'policy_loss' in row]
-  check('RL steps of the demo config', len(steps) == 3 and all(np.isfinite(row['policy_loss']) for row in steps),
-        f'{len(steps)} steps')
+  for name, config_name in (('demo', 'tiny_arith.yaml'), ('mixture-of-experts demo, routing replay', 'tiny_arith_moe.yaml')):
+    with tempfile.TemporaryDirectory() as workdir:
+      printed = io.StringIO()
+      try:
+        with contextlib.redirect_stdout(printed):  # the resolved config and the progress lines
+          train.main(['--config', os.path.join(ROOT, 'configs', config_name), '--workdir', workdir,
+                      '--set', 'train.steps=3', '--set', 'train.checkpoint_every=0'])
+      except BaseException:
+        print(printed.getvalue())
+        raise
+      with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+        rows = [json.loads(line) for line in f]
+    steps = [row for row in rows if 'policy_loss' in row]
+    check(f'RL steps of the {name} config', len(steps) == 3 and all(np.isfinite(row['policy_loss']) for row in steps),
+          f'{len(steps)} steps')
   loaded = sorted(name for name in sys.modules if name.split('.')[0] in FORBIDDEN)
   check('no jetstream, seqio, tensorflow or torch imported', not loaded, ', '.join(loaded[:5]))
 
