@@ -28,8 +28,10 @@ def knobs(config: config_lib.Config, architecture, devices: int, sequence_length
   fewer decode slots (the rollout: the same samples, fewer held at once); more tensor parallelism
   (both programs: the weights, the optimizer state and the KV cache split further over heads);
   a wider sampler tensor axis than `current_rollout_tensor` (the rollout: fewer resident weights);
-  for a mixture of experts, expert parallelism (both: each device's experts whole, E split over
-  'expert' instead of D over 'fsdp').
+  for a mixture of experts, another size of the 'expert' axis (both; model/expert_parallel.py):
+  a wider one gathers fewer experts per layer (E / ep, their D over 'fsdp'), a narrower one has
+  smaller all-to-all buffers (ep x tokens x min(k, E / ep) rows received per device), so both ways
+  are tried, wider first.
   Micro-batches are tried from half the current one down to one row per data-parallel device
   (padded rows), or down to one packed row of `pack_length` tokens per batch shard (packing:
   micro_batch_tokens). sequence_length: Tp + N."""
@@ -65,16 +67,18 @@ def knobs(config: config_lib.Config, architecture, devices: int, sequence_length
       found.append(Knob((f'rollout.tensor={wider}',), 'rollout',
                         f'the sampler\'s resident weights split over {wider} devices'
                         + ('' if architecture.num_key_value_heads % wider == 0 else ' (KV heads and cache replicated)')))
+  expert = mesh.expert if mesh.expert > 0 else 1
   for wider in (2, 4, 8):
-    if wider > tensor and devices % wider == 0 and architecture.num_key_value_heads % wider == 0:
+    if (wider > tensor and devices % (wider * expert) == 0
+        and architecture.num_key_value_heads % wider == 0):
       found.append(Knob((f'mesh.tensor={wider}', 'mesh.data=1', 'mesh.fsdp=-1'), 'both',
                         f'tensor parallelism over {wider} devices (heads, MLP, vocabulary and KV cache split)'))
-  expert = mesh.expert if mesh.expert > 0 else 1
-  for wider in (4, 8, 16) if architecture.num_experts else ():
-    if wider > expert and devices % wider == 0 and architecture.num_experts % wider == 0:
-      found.append(Knob((f'mesh.expert={wider}', 'mesh.data=1', 'mesh.fsdp=-1'), 'both',
-                        f'expert parallelism over {wider} devices ({architecture.num_experts // wider} experts '
-                        'of each sparse layer per device, whole)'))
+  sizes = [size for size in (4, 8, 16) if size > expert] + [size for size in (8, 4, 2) if 1 < size < expert]
+  for size in sizes if architecture.num_experts else ():
+    if devices % (size * tensor) == 0 and architecture.num_experts % size == 0:
+      found.append(Knob((f'mesh.expert={size}', 'mesh.data=1', 'mesh.fsdp=-1'), 'both',
+                        f'expert parallelism over {size} devices ({architecture.num_experts // size} experts of '
+                        'each sparse layer per device; tokens sent to them by all-to-all)'))
   return found
 
 
