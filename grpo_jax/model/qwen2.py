@@ -1,24 +1,8 @@
 """Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE decoder in Flax NNX: one model, the family's differences
-are options of its Qwen2Config (`attention_bias`, `qk_norm`, `num_experts`).
+are options of its Qwen2Config (`attention_bias`, `qk_norm`, `num_experts`). Its layers (stacked
+parameters, one layer's computation) are model/layers.py's, its KV cache model/cache.py's.
 
-Layer parameters are stored stacked along a leading layer axis L, so the decoder runs as one
-`lax.scan` (compile time independent of depth) or, with `scan_layers=False`, as an unrolled loop
-over the same arrays. Parameter names carry their dimension letters:
-
-  embedding      [V, D]            lm_head     [D, V] (absent when tied)
-  attn_norm      [L, D]            mlp_norm    [L, D]           final_norm [D]
-  q_weight       [L, D, N, H]      q_bias      [L, N, H]        (attention_bias)
-  k_weight       [L, D, K, H]      k_bias      [L, K, H]        (v_* likewise)
-  q_norm         [L, H]            k_norm      [L, H]           (qk_norm)
-  o_weight       [L, N, H, D]
-  gate_weight    [Ld, D, F]        up_weight   [Ld, D, F]       down_weight [Ld, F, D]
-  router_weight  [Ls, D, E]        expert_gate_weight, expert_up_weight [Ls, E, D, M]
-  expert_down_weight [Ls, E, M, D]                                (num_experts > 0; model/moe.py)
-
-A mixture of experts stores the dense MLP of its Ld dense layers and the experts of its Ls sparse
-layers (config.sparse_layers) in stacks of their own, so no layer carries both. When every layer is
-of one kind (every Qwen3-MoE checkpoint published: decoder_sparse_step 1, no mlp_only_layers) the
-layers scan; a mixed model runs them unrolled, each layer reading its slice of its kind's stack.
+  embedding      [V, D]            lm_head     [D, V] (absent when tied)       final_norm [D]
 
 Masking uses segment ids [B, T]: 0 marks padding, and a token attends to earlier tokens of its own
 segment only. A Hugging Face 0/1 attention mask is a valid segment-id array, and packed sequences
@@ -27,8 +11,6 @@ logits as the unpadded sequence.
 """
 
 import dataclasses
-import functools
-import math
 import typing
 from collections.abc import Callable
 from typing import Literal
@@ -39,13 +21,14 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import require
-from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, DECODE_ATTENTIONS, Attend, AttentionImplementation,
+from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, DECODE_ATTENTIONS, AttentionImplementation,
                                       DecodeAttention, attention_mask, cache_attention, reads_stacked_cache,
                                       sequence_attention)
+from grpo_jax.model.cache import KVCache, SharedPrefix, write_layers, write_rows
 from grpo_jax.model.config import Qwen2Config
-from grpo_jax.model.linear import matmul
-from grpo_jax.model.lora import TARGETS, Adapter, LoraConfig, adapter_names, adapter_shapes, init_a
-from grpo_jax.model.moe import Routing, sparse_mlp
+from grpo_jax.model.layers import DENSE_MLP_PARAMS, DecoderLayers, decoder_block, rms_norm, stacked_layers
+from grpo_jax.model.lora import TARGETS, LoraConfig
+from grpo_jax.model.moe import Routing
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sharding import constrain
 
@@ -87,156 +70,6 @@ class ModelOptions:
     require(self.decode_block >= 1, 'decode_block', f'must be >= 1, got {self.decode_block}')
 
 
-DENSE_MLP_PARAMS = ('gate_weight', 'up_weight', 'down_weight')
-EXPERT_PARAMS = ('router_weight', 'expert_gate_weight', 'expert_up_weight', 'expert_down_weight')
-LAYER_PARAMS = ('attn_norm', 'q_weight', 'q_bias', 'q_norm', 'k_weight', 'k_bias', 'k_norm', 'v_weight', 'v_bias',
-                'o_weight', 'mlp_norm') + DENSE_MLP_PARAMS + EXPERT_PARAMS
-
-
-def layer_params(config: Qwen2Config) -> tuple[str, ...]:
-  """The names of LAYER_PARAMS this architecture has."""
-  absent = (() if config.attention_bias else ('q_bias', 'k_bias', 'v_bias')) + (() if config.qk_norm else
-                                                                                  ('q_norm', 'k_norm'))
-  absent += (() if config.num_sparse_layers else EXPERT_PARAMS)
-  absent += (() if config.num_sparse_layers < config.num_hidden_layers else DENSE_MLP_PARAMS)
-  return tuple(name for name in LAYER_PARAMS if name not in absent)
-
-
-def stacked_layers(config: Qwen2Config, name: str) -> tuple[int, ...]:
-  """The layers whose slices the stacked parameter `name` holds, in order."""
-  return config.layers_of('sparse' if name in EXPERT_PARAMS else 'dense' if name in DENSE_MLP_PARAMS else 'all')
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-  """Keys and values of every layer for B rows of up to S tokens.
-
-  k, v:         [L, B, S, K, H] in the compute dtype.
-  segment_ids:  [B, S] int32, 0 for empty or padding slots.
-  length:       [B] int32, slots written so far; the next token goes to slot `length`.
-  """
-
-  k: jax.Array
-  v: jax.Array
-  segment_ids: jax.Array
-  length: jax.Array
-
-  @property
-  def max_length(self) -> int:
-    return self.k.shape[2]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SharedPrefix:
-  """Prompt caches that many rows read without a copy of their own (the G samples of a prompt,
-  the slots of continuous batching): row r attends over prompt `index` of its group, then over
-  its own cache row.
-
-  The P = n * Pn prompts come in n groups, one per batch shard of the mesh, and the B = n * Bn rows
-  likewise: row g * Bn + j reads prompt (g, index[g, j]), so a row only ever reads prompts held on
-  its own devices (the gather is batched over the group axis, which stays sharded).
-
-  k, v:         [L, n, Pn, W, K, H] in the compute dtype.
-  segment_ids:  [n, Pn, W] int32, 0 on padding.
-  index:        [n, Bn] int32, the prompt each row reads, within its group.
-  """
-
-  k: jax.Array
-  v: jax.Array
-  segment_ids: jax.Array
-  index: jax.Array
-
-  def rows(self, shared: jax.Array) -> jax.Array:
-    """[n, Pn, ...] per-prompt values -> [B, ...] the value each row reads."""
-    picked = jax.vmap(lambda values, index: values[index])(shared, self.index)
-    return picked.reshape((-1,) + picked.shape[2:])
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm computed in fp32, cast back to x's dtype before scaling (as Qwen2 does)."""
-  x32 = x.astype(jnp.float32)
-  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return weight.astype(x.dtype) * normed.astype(x.dtype)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, half-split convention. x: [B, T, n, H], positions: [B, T]."""
-  head_dim = x.shape[-1]
-  inverse_frequency = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles = positions[..., None].astype(jnp.float32) * inverse_frequency  # [B, T, H/2]
-  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-  """Writes new [B, T, ...] into cache [B, S, ...] at slot start[b] of each row."""
-  def write_row(row, update, index):
-    return jax.lax.dynamic_update_slice_in_dim(row, update, index, axis=0)
-  return jax.vmap(write_row)(cache, new, start)
-
-
-def _write_layers(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-  """Writes new [L, B, T, ...] into cache [L, B, S, ...] at slot start[b] of each row b."""
-  # One scatter indexed on (layer, row, slot): a vmap over the row axis would move it to the front,
-  # transposing the whole cache there and back. The layer is an index too, not part of the written
-  # window: with one KV head per device (a tensor-parallel cache) XLA:TPU otherwise laid the cache
-  # out layer-minor for the scatter and copied the whole cache into the layer scan's layer-major
-  # layout on every decode step (twice the cache in temporaries).
-  layers = jnp.arange(new.shape[0])[:, None, None]
-  rows = jnp.arange(new.shape[1])[None, :, None]
-  slots = (start[:, None] + jnp.arange(new.shape[2]))[None]
-  return cache.at[layers, rows, slots].set(new, indices_are_sorted=True, unique_indices=True)
-
-
-def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Attend, *,
-                  config: Qwen2Config, dtype, lora_scale: float = 0.0, real: jax.Array | None = None,
-                  replay: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Routing | None]:
-  """One pre-norm decoder layer. params: one layer's slice of `LAYER_PARAMS` (and of the LoRA
-  factors, added to their projection's output scaled by `lora_scale`, unmerged); x: [B, T, D];
-  positions: [B, T]; attend(q [B, T, N, H], k, v [B, T, K, H]) -> [B, T, N, H] is the attention
-  (over the T tokens, and for `extend` over the cache too). A sparse layer (its slice holds
-  `router_weight`) routes as model/moe.py says: real [B, T] marks the tokens its load statistics
-  count, replay [B, T, k] the experts to route to (None: the router's top k). -> (x [B, T, D], this
-  layer's keys and values [B, T, K, H] in the compute dtype, its Routing or None when dense).
-  """
-  p = {name: value.astype(dtype) for name, value in params.items()}
-
-  def project(x, target, contract=1):
-    y = matmul(x, p[TARGETS[target][0]], contract)
-    a, b = adapter_names(target)
-    if a not in p:
-      return y
-    # x A as (A^T x^T)^T: with x on the other side of the dot, XLA:GPU's dot merger does not join it
-    # with x W into one matmul over [W | A], which wrote a copy of W every step (bench/lora.py --target).
-    rows, rank = x.shape[:x.ndim - contract], p[a].shape[-1]
-    flat = x.reshape(-1, math.prod(x.shape[x.ndim - contract:]))
-    xa = jnp.einsum('ir,ni->rn', p[a].reshape(-1, rank), flat).T.reshape(*rows, rank)
-    return y + (matmul(xa, p[b]) * jnp.asarray(lora_scale, dtype)).astype(y.dtype)
-
-  h = rms_norm(x, p['attn_norm'], config.rms_norm_eps)
-  q, k, v = project(h, 'q'), project(h, 'k'), project(h, 'v')
-  if config.attention_bias:
-    q, k, v = q + p['q_bias'], k + p['k_bias'], v + p['v_bias']
-  if config.qk_norm:  # each head's query and key normalised over H, before the rotation
-    q, k = rms_norm(q, p['q_norm'], config.rms_norm_eps), rms_norm(k, p['k_norm'], config.rms_norm_eps)
-  q = apply_rope(q, positions, config.rope_theta)
-  k = apply_rope(k, positions, config.rope_theta)
-  x = x + project(attend(q, k, v), 'o', contract=2)
-  x = constrain(x, ('batch', 'seq', 'act_embed'))
-  h = rms_norm(x, p['mlp_norm'], config.rms_norm_eps)
-  routing = None
-  if 'router_weight' in p:
-    real = jnp.ones(h.shape[:2], bool) if real is None else real
-    out, routing = sparse_mlp(p, h, real, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
-                              replay=replay)
-  else:
-    out = project(jax.nn.silu(project(h, 'gate')) * project(h, 'up'), 'down')
-  return constrain(x + out, ('batch', 'seq', 'act_embed')), (k, v), routing
-
-
 def _gathered(stacked: Routing | None) -> Routing | None:
   """The sparse layers' Routing stacked over Ls -> the model's: experts [B, T, Ls, k], a token re-routed
   when any layer re-routed it."""
@@ -261,61 +94,6 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
       [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
   segment_start = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
   return index - segment_start
-
-
-class DecoderLayers(nnx.Module):
-  """The L decoder layers' parameters, stacked along a leading layer axis."""
-
-  def __init__(self, config: Qwen2Config, param_dtype, rngs: nnx.Rngs):
-    c = config
-    L, D, F = c.num_hidden_layers, c.hidden_size, c.intermediate_size
-    Ls = c.num_sparse_layers
-    Ld, E, M = L - Ls, c.num_experts, c.moe_intermediate_size
-    N, K, H = c.num_attention_heads, c.num_key_value_heads, c.resolved_head_dim
-    normal = nnx.initializers.normal(c.initializer_range)
-
-    def weight(shape, axes):
-      return nnx.Param(normal(rngs.params(), shape, param_dtype), logical_axes=axes)
-
-    def constant(value, shape, axes):
-      return nnx.Param(jnp.full(shape, value, param_dtype), logical_axes=axes)
-
-    self.names = layer_params(c)
-    self.attn_norm = constant(1.0, (L, D), ('layers', 'act_embed'))
-    self.q_weight = weight((L, D, N, H), ('layers', 'embed', 'q_heads', 'head_dim'))
-    self.k_weight = weight((L, D, K, H), ('layers', 'embed', 'kv_heads', 'head_dim'))
-    self.v_weight = weight((L, D, K, H), ('layers', 'embed', 'kv_heads', 'head_dim'))
-    if c.attention_bias:
-      self.q_bias = constant(0.0, (L, N, H), ('layers', 'q_heads', 'head_dim'))
-      self.k_bias = constant(0.0, (L, K, H), ('layers', 'kv_heads', 'head_dim'))
-      self.v_bias = constant(0.0, (L, K, H), ('layers', 'kv_heads', 'head_dim'))
-    if c.qk_norm:
-      self.q_norm = constant(1.0, (L, H), ('layers', 'head_dim'))
-      self.k_norm = constant(1.0, (L, H), ('layers', 'head_dim'))
-    self.o_weight = weight((L, N, H, D), ('layers', 'q_heads', 'head_dim', 'embed'))
-    self.mlp_norm = constant(1.0, (L, D), ('layers', 'act_embed'))
-    if Ld:
-      self.gate_weight = weight((Ld, D, F), ('layers', 'embed', 'mlp'))
-      self.up_weight = weight((Ld, D, F), ('layers', 'embed', 'mlp'))
-      self.down_weight = weight((Ld, F, D), ('layers', 'mlp', 'embed'))
-    if Ls:  # experts over the 'expert' mesh axis, each one's SwiGLU split like a dense MLP
-      self.router_weight = weight((Ls, D, E), ('layers', 'embed', None))
-      self.expert_gate_weight = weight((Ls, E, D, M), ('layers', 'experts', 'embed', 'mlp'))
-      self.expert_up_weight = weight((Ls, E, D, M), ('layers', 'experts', 'embed', 'mlp'))
-      self.expert_down_weight = weight((Ls, E, M, D), ('layers', 'experts', 'mlp', 'embed'))
-
-  def add_adapters(self, lora: LoraConfig, key: jax.Array, dtype) -> None:
-    """LoRA factors on the `lora.targets` projections (model/lora.py): A drawn from `key`, B zero."""
-    for target, target_key in zip(lora.targets, jax.random.split(key, len(lora.targets))):
-      stacked = getattr(self, TARGETS[target][0])
-      (a_shape, a_axes), (b_shape, b_axes) = adapter_shapes(target, stacked.shape, stacked.logical_axes, lora.rank)
-      a_name, b_name = adapter_names(target)
-      setattr(self, a_name, Adapter(init_a(target_key, a_shape, dtype), logical_axes=a_axes))
-      setattr(self, b_name, Adapter(jnp.zeros(b_shape, dtype), logical_axes=b_axes))
-    self.names = self.names + tuple(name for target in lora.targets for name in adapter_names(target))
-
-  def arrays(self) -> dict:
-    return {name: getattr(self, name)[...] for name in self.names}
 
 
 class Qwen2(nnx.Module):
@@ -542,9 +320,9 @@ class Qwen2(nnx.Module):
       new_cache = KVCache(k=k_new.astype(cache.k.dtype), v=v_new.astype(cache.v.dtype), segment_ids=segment_ids,
                           length=cache.length + length)
     else:
-      new_cache = KVCache(k=_write_layers(cache.k, k_new.astype(cache.k.dtype), cache.length),
-                          v=_write_layers(cache.v, v_new.astype(cache.v.dtype), cache.length),
-                          segment_ids=_write_rows(cache.segment_ids, segment_ids, cache.length),
+      new_cache = KVCache(k=write_layers(cache.k, k_new.astype(cache.k.dtype), cache.length),
+                          v=write_layers(cache.v, v_new.astype(cache.v.dtype), cache.length),
+                          segment_ids=write_rows(cache.segment_ids, segment_ids, cache.length),
                           length=cache.length + length)
     out = hidden if return_hidden else self.project(hidden)
     return (out, new_cache, _gathered(routing)) if return_routing else (out, new_cache)

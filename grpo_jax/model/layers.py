@@ -1,0 +1,170 @@
+"""The decoder's layers: their stacked parameters and one layer's computation.
+
+Layer parameters are stored stacked along a leading layer axis L, so the decoder runs as one
+`lax.scan` (compile time independent of depth) or, with `scan_layers=False`, as an unrolled loop
+over the same arrays (qwen2.Qwen2.run_layers). Parameter names carry their dimension letters:
+
+  attn_norm      [L, D]            mlp_norm    [L, D]
+  q_weight       [L, D, N, H]      q_bias      [L, N, H]        (attention_bias)
+  k_weight       [L, D, K, H]      k_bias      [L, K, H]        (v_* likewise)
+  q_norm         [L, H]            k_norm      [L, H]           (qk_norm)
+  o_weight       [L, N, H, D]
+  gate_weight    [Ld, D, F]        up_weight   [Ld, D, F]       down_weight [Ld, F, D]
+  router_weight  [Ls, D, E]        expert_gate_weight, expert_up_weight [Ls, E, D, M]
+  expert_down_weight [Ls, E, M, D]                                (num_experts > 0; model/moe.py)
+
+A mixture of experts stores the dense MLP of its Ld dense layers and the experts of its Ls sparse
+layers (config.sparse_layers) in stacks of their own, so no layer carries both. When every layer is
+of one kind (every Qwen3-MoE checkpoint published: decoder_sparse_step 1, no mlp_only_layers) the
+layers scan; a mixed model runs them unrolled, each layer reading its slice of its kind's stack.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_jax.model.attention import Attend
+from grpo_jax.model.config import Qwen2Config
+from grpo_jax.model.linear import matmul
+from grpo_jax.model.lora import TARGETS, Adapter, LoraConfig, adapter_names, adapter_shapes, init_a
+from grpo_jax.model.moe import Routing, sparse_mlp
+from grpo_jax.sharding import constrain
+
+DENSE_MLP_PARAMS = ('gate_weight', 'up_weight', 'down_weight')
+EXPERT_PARAMS = ('router_weight', 'expert_gate_weight', 'expert_up_weight', 'expert_down_weight')
+LAYER_PARAMS = ('attn_norm', 'q_weight', 'q_bias', 'q_norm', 'k_weight', 'k_bias', 'k_norm', 'v_weight', 'v_bias',
+                'o_weight', 'mlp_norm') + DENSE_MLP_PARAMS + EXPERT_PARAMS
+
+
+def layer_params(config: Qwen2Config) -> tuple[str, ...]:
+  """The names of LAYER_PARAMS this architecture has."""
+  absent = (() if config.attention_bias else ('q_bias', 'k_bias', 'v_bias')) + (() if config.qk_norm else
+                                                                                  ('q_norm', 'k_norm'))
+  absent += (() if config.num_sparse_layers else EXPERT_PARAMS)
+  absent += (() if config.num_sparse_layers < config.num_hidden_layers else DENSE_MLP_PARAMS)
+  return tuple(name for name in LAYER_PARAMS if name not in absent)
+
+
+def stacked_layers(config: Qwen2Config, name: str) -> tuple[int, ...]:
+  """The layers whose slices the stacked parameter `name` holds, in order."""
+  return config.layers_of('sparse' if name in EXPERT_PARAMS else 'dense' if name in DENSE_MLP_PARAMS else 'all')
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm computed in fp32, cast back to x's dtype before scaling (as Qwen2 does)."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding, half-split convention. x: [B, T, n, H], positions: [B, T]."""
+  head_dim = x.shape[-1]
+  inverse_frequency = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles = positions[..., None].astype(jnp.float32) * inverse_frequency  # [B, T, H/2]
+  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Attend, *,
+                  config: Qwen2Config, dtype, lora_scale: float = 0.0, real: jax.Array | None = None,
+                  replay: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Routing | None]:
+  """One pre-norm decoder layer. params: one layer's slice of `LAYER_PARAMS` (and of the LoRA
+  factors, added to their projection's output scaled by `lora_scale`, unmerged); x: [B, T, D];
+  positions: [B, T]; attend(q [B, T, N, H], k, v [B, T, K, H]) -> [B, T, N, H] is the attention
+  (over the T tokens, and for `extend` over the cache too). A sparse layer (its slice holds
+  `router_weight`) routes as model/moe.py says: real [B, T] marks the tokens its load statistics
+  count, replay [B, T, k] the experts to route to (None: the router's top k). -> (x [B, T, D], this
+  layer's keys and values [B, T, K, H] in the compute dtype, its Routing or None when dense).
+  """
+  p = {name: value.astype(dtype) for name, value in params.items()}
+
+  def project(x, target, contract=1):
+    y = matmul(x, p[TARGETS[target][0]], contract)
+    a, b = adapter_names(target)
+    if a not in p:
+      return y
+    # x A as (A^T x^T)^T: with x on the other side of the dot, XLA:GPU's dot merger does not join it
+    # with x W into one matmul over [W | A], which wrote a copy of W every step (bench/lora.py --target).
+    rows, rank = x.shape[:x.ndim - contract], p[a].shape[-1]
+    flat = x.reshape(-1, math.prod(x.shape[x.ndim - contract:]))
+    xa = jnp.einsum('ir,ni->rn', p[a].reshape(-1, rank), flat).T.reshape(*rows, rank)
+    return y + (matmul(xa, p[b]) * jnp.asarray(lora_scale, dtype)).astype(y.dtype)
+
+  h = rms_norm(x, p['attn_norm'], config.rms_norm_eps)
+  q, k, v = project(h, 'q'), project(h, 'k'), project(h, 'v')
+  if config.attention_bias:
+    q, k, v = q + p['q_bias'], k + p['k_bias'], v + p['v_bias']
+  if config.qk_norm:  # each head's query and key normalised over H, before the rotation
+    q, k = rms_norm(q, p['q_norm'], config.rms_norm_eps), rms_norm(k, p['k_norm'], config.rms_norm_eps)
+  q = apply_rope(q, positions, config.rope_theta)
+  k = apply_rope(k, positions, config.rope_theta)
+  x = x + project(attend(q, k, v), 'o', contract=2)
+  x = constrain(x, ('batch', 'seq', 'act_embed'))
+  h = rms_norm(x, p['mlp_norm'], config.rms_norm_eps)
+  routing = None
+  if 'router_weight' in p:
+    real = jnp.ones(h.shape[:2], bool) if real is None else real
+    out, routing = sparse_mlp(p, h, real, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
+                              replay=replay)
+  else:
+    out = project(jax.nn.silu(project(h, 'gate')) * project(h, 'up'), 'down')
+  return constrain(x + out, ('batch', 'seq', 'act_embed')), (k, v), routing
+
+
+class DecoderLayers(nnx.Module):
+  """The L decoder layers' parameters, stacked along a leading layer axis."""
+
+  def __init__(self, config: Qwen2Config, param_dtype, rngs: nnx.Rngs):
+    c = config
+    L, D, F = c.num_hidden_layers, c.hidden_size, c.intermediate_size
+    Ls = c.num_sparse_layers
+    Ld, E, M = L - Ls, c.num_experts, c.moe_intermediate_size
+    N, K, H = c.num_attention_heads, c.num_key_value_heads, c.resolved_head_dim
+    normal = nnx.initializers.normal(c.initializer_range)
+
+    def weight(shape, axes):
+      return nnx.Param(normal(rngs.params(), shape, param_dtype), logical_axes=axes)
+
+    def constant(value, shape, axes):
+      return nnx.Param(jnp.full(shape, value, param_dtype), logical_axes=axes)
+
+    self.names = layer_params(c)
+    self.attn_norm = constant(1.0, (L, D), ('layers', 'act_embed'))
+    self.q_weight = weight((L, D, N, H), ('layers', 'embed', 'q_heads', 'head_dim'))
+    self.k_weight = weight((L, D, K, H), ('layers', 'embed', 'kv_heads', 'head_dim'))
+    self.v_weight = weight((L, D, K, H), ('layers', 'embed', 'kv_heads', 'head_dim'))
+    if c.attention_bias:
+      self.q_bias = constant(0.0, (L, N, H), ('layers', 'q_heads', 'head_dim'))
+      self.k_bias = constant(0.0, (L, K, H), ('layers', 'kv_heads', 'head_dim'))
+      self.v_bias = constant(0.0, (L, K, H), ('layers', 'kv_heads', 'head_dim'))
+    if c.qk_norm:
+      self.q_norm = constant(1.0, (L, H), ('layers', 'head_dim'))
+      self.k_norm = constant(1.0, (L, H), ('layers', 'head_dim'))
+    self.o_weight = weight((L, N, H, D), ('layers', 'q_heads', 'head_dim', 'embed'))
+    self.mlp_norm = constant(1.0, (L, D), ('layers', 'act_embed'))
+    if Ld:
+      self.gate_weight = weight((Ld, D, F), ('layers', 'embed', 'mlp'))
+      self.up_weight = weight((Ld, D, F), ('layers', 'embed', 'mlp'))
+      self.down_weight = weight((Ld, F, D), ('layers', 'mlp', 'embed'))
+    if Ls:  # experts over the 'expert' mesh axis, each one's SwiGLU split like a dense MLP
+      self.router_weight = weight((Ls, D, E), ('layers', 'embed', None))
+      self.expert_gate_weight = weight((Ls, E, D, M), ('layers', 'experts', 'embed', 'mlp'))
+      self.expert_up_weight = weight((Ls, E, D, M), ('layers', 'experts', 'embed', 'mlp'))
+      self.expert_down_weight = weight((Ls, E, M, D), ('layers', 'experts', 'mlp', 'embed'))
+
+  def add_adapters(self, lora: LoraConfig, key: jax.Array, dtype) -> None:
+    """LoRA factors on the `lora.targets` projections (model/lora.py): A drawn from `key`, B zero."""
+    for target, target_key in zip(lora.targets, jax.random.split(key, len(lora.targets))):
+      stacked = getattr(self, TARGETS[target][0])
+      (a_shape, a_axes), (b_shape, b_axes) = adapter_shapes(target, stacked.shape, stacked.logical_axes, lora.rank)
+      a_name, b_name = adapter_names(target)
+      setattr(self, a_name, Adapter(init_a(target_key, a_shape, dtype), logical_axes=a_axes))
+      setattr(self, b_name, Adapter(jnp.zeros(b_shape, dtype), logical_axes=b_axes))
+    self.names = self.names + tuple(name for target in lora.targets for name in adapter_names(target))
+
+  def arrays(self) -> dict:
+    return {name: getattr(self, name)[...] for name in self.names}
