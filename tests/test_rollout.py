@@ -14,7 +14,10 @@ from grpo_jax.testing import left_padded, random_prompts
 GREEDY = SamplingConfig(greedy=True)
 
 
-@pytest.mark.parametrize('architecture', [dict(), dict(model_type='qwen3', head_dim=24)], ids=['qwen2', 'qwen3'])
+@pytest.mark.parametrize('architecture', [dict(), dict(model_type='qwen3', head_dim=24),
+                                          dict(model_type='qwen3_moe', head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                               moe_intermediate_size=24, norm_topk_prob=True, tie_word_embeddings=True)],
+                         ids=['qwen2', 'qwen3', 'qwen3-moe'])
 def test_greedy_matches_transformers_generate(seed, make_hf_checkpoint, architecture):
   directory, reference = make_hf_checkpoint(seed, **architecture)
   model = from_pretrained(directory)

@@ -37,10 +37,16 @@ def route_dtype(num_experts: int) -> jnp.dtype:
   return jnp.dtype(jnp.uint8 if num_experts <= 255 else jnp.int16)
 
 
+def unrecorded_id(dtype) -> int:
+  """What a route of `dtype` holds for a token that was not routed: the dtype's largest value,
+  never an expert id."""
+  return int(jnp.iinfo(dtype).max)
+
+
 def unrecorded(shape, num_experts: int) -> jax.Array:
-  """Routes of tokens that were not routed: the dtype's largest value, never an expert id."""
+  """Routes of tokens that were not routed (`unrecorded_id`)."""
   dtype = route_dtype(num_experts)
-  return jnp.full(shape, jnp.iinfo(dtype).max, dtype)
+  return jnp.full(shape, unrecorded_id(dtype), dtype)
 
 
 @jax.tree_util.register_dataclass

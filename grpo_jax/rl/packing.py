@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from grpo_jax.model.moe import unrecorded_id
 from grpo_jax.sharding import batch_groups, constrain, grouped
 
 
@@ -91,7 +92,7 @@ def _pack_group(tokens, segment_ids, routes, completion_length: int, rows: int, 
 
   packed_tokens = scatter(tokens.astype(jnp.int32), 0)
   packed_segments = scatter(jnp.broadcast_to(segment[:, None], columns.shape).astype(jnp.int32), 0)
-  packed_routes = None if routes is None else scatter(routes, jnp.iinfo(routes.dtype).max)  # moe.unrecorded's value
+  packed_routes = None if routes is None else scatter(routes, unrecorded_id(routes.dtype))
   fill = jnp.zeros((rows,), jnp.int32).at[row].add(lengths)
   return packed_tokens, packed_segments, packed_routes, row, offset + prompt_tokens, jnp.sum(fill > 0, dtype=jnp.int32)
 

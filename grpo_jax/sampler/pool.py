@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.model.config import Qwen2Config
-from grpo_jax.model.moe import unrecorded
+from grpo_jax.model.moe import unrecorded, unrecorded_id
 from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
 from grpo_jax.sampler.decode import DecodeSettings, typed_key
 from grpo_jax.sampler.layout import RolloutLayout
@@ -193,7 +193,7 @@ def _reset_requests(pool: Pool, reset: jax.Array, pad_id: int) -> Pool:
   row = reset[..., None]
   routes = pool.routes
   if routes is not None:
-    routes = jnp.where(row[..., None, None], jnp.iinfo(routes.dtype).max, routes)  # moe.unrecorded's value
+    routes = jnp.where(row[..., None, None], unrecorded_id(routes.dtype), routes)
   return dataclasses.replace(
       pool, tokens=jnp.where(row, pad_id, pool.tokens), log_probs=jnp.where(row, 0.0, pool.log_probs),
       versions=jnp.where(row, -1, pool.versions), lengths=jnp.where(reset, 0, pool.lengths),
