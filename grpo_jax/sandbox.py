@@ -13,9 +13,12 @@ The policy's Python tool calls (agents/tool_use.py), and any custom environment'
   home directory, tokens or keys; nothing one call writes is seen by the next.
 - environment: empty (`--clearenv`), then PATH, HOME and LANG of its own.
 - never uid 0: a trainer running as root starts bwrap privileged and the code runs as an
-  unprivileged uid of its own (UID_BASE + the worker's slot, so a fork flood in one call cannot
-  starve another's processes), with no capabilities and no_new_privs; any other trainer runs it
-  as its own uid in a new user namespace that cannot create further ones (`--disable-userns`).
+  unprivileged uid of its own call (from the calling process's pid and a per-process call index,
+  so no two calls running at once on the host share one, and a fork flood in one call cannot
+  starve another's processes: the process limit counts per uid), with no capabilities and
+  no_new_privs; any other trainer runs it as its own uid in a new user namespace that cannot
+  create further ones (`--disable-userns`), where the process limit is the uid's count at the
+  start plus `Limits.processes`, shared with whatever else that user starts meanwhile.
 - limits: CPU seconds, address space, processes, file size, open files and core dumps (rlimits set
   before the model's code starts, hard and soft), the tmpfs size, and a wall-clock deadline after
   which the whole tree is killed. Output is read up to `Limits.output_chars`.
@@ -26,6 +29,7 @@ off, AppArmor's restriction on them); tool use refuses to run without one unless
 their bounded worker pool.
 """
 
+import contextlib
 import dataclasses
 import os
 import selectors
@@ -34,12 +38,14 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 
 from grpo_jax.errors import UserError
 
 SANDBOXES = ('bwrap', 'none')
 UID_BASE = 0x5A000  # 368640 and up: no login or system account's uid
+CALLS_PER_PROCESS = 256  # a process's calls at once, each its own uid: UID_BASE + pid * 256 + index
 INSTALL = ('install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap), '
            'or set task.sandbox: none to run model-written code unsandboxed as the trainer\'s user')
 
@@ -140,14 +146,13 @@ def _filesystem(directories) -> list[str]:
 
 
 class Sandbox:
-  """Runs Python code, one fresh bwrap sandbox per call (the module's docstring says what it holds).
-  `slot`: which of a pool's workers calls it (its uid when the trainer is root)."""
+  """Runs Python code, one fresh bwrap sandbox per call (the module's docstring says what it holds);
+  calls from several threads at once each get their own uid when the trainer is root."""
 
-  def __init__(self, limits: Limits = Limits(), slot: int = 0):
-    self.limits, self.slot = limits, slot
+  def __init__(self, limits: Limits = Limits()):
+    self.limits = limits
     self.executable, prefixes, self.paths = _interpreter()
     self.root = os.geteuid() == 0
-    self.uid = UID_BASE + slot if self.root else os.getuid()
     self._args = ['--unshare-ipc', '--unshare-pid', '--unshare-net', '--unshare-uts', '--unshare-cgroup-try',
                   '--die-with-parent', '--new-session', '--clearenv',
                   '--setenv', 'PATH', '/usr/local/bin:/usr/bin:/bin', '--setenv', 'HOME', '/tmp',
@@ -160,29 +165,36 @@ class Sandbox:
     else:
       self._args += ['--unshare-user', '--disable-userns']
 
-  def command(self, processes: int) -> list[str]:
-    """The command line of one call, its process limit `processes` (the uid's count at the start
-    included where the uid is the trainer's)."""
+  def command(self, uid: int, processes: int) -> list[str]:
+    """The command line of one call as `uid` (switched to where the trainer is root), its process
+    limit `processes` (the uid's count at the start included where the uid is the trainer's)."""
     limits = self.limits
     rlimits = [('RLIMIT_CPU', limits.cpu_s), ('RLIMIT_AS', limits.memory_bytes), ('RLIMIT_NPROC', processes),
                ('RLIMIT_FSIZE', limits.file_bytes), ('RLIMIT_NOFILE', limits.open_files), ('RLIMIT_CORE', 0)]
     runner = RUNNER.replace('LIMITS', repr(rlimits)).replace('PATHS', repr(self.paths))
     python = [self.executable, '-I', '-S', '-B', '-u', '-c', runner]  # -u: output in the order written
     if self.root:
-      python = ['/usr/bin/setpriv', f'--reuid={self.uid}', f'--regid={self.uid}', '--clear-groups',
+      python = ['/usr/bin/setpriv', f'--reuid={uid}', f'--regid={uid}', '--clear-groups',
                 '--inh-caps=-all', '--bounding-set=-all', '--no-new-privs', '--', *python]
     return [bwrap() or 'bwrap', *self._args, *python]
 
   def run(self, code: str) -> Result:
     """Runs `code` in a new sandbox; blocking (an async environment awaits asyncio.to_thread)."""
     limits = self.limits
-    processes = limits.processes if self.root else _tasks_of(self.uid) + limits.processes
-    deadline = time.monotonic() + limits.timeout_s
-    try:
-      process = subprocess.Popen(self.command(processes), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, env={}, start_new_session=True, close_fds=True)
-    except OSError as error:
-      raise SandboxUnavailable(f'the sandbox cannot start: {error.strerror or error}; {INSTALL}') from None
+    with _call_uid() if self.root else _trainer_uid() as uid:
+      processes = limits.processes if self.root else _tasks_of(uid) + limits.processes
+      deadline = time.monotonic() + limits.timeout_s
+      try:
+        process = subprocess.Popen(self.command(uid, processes), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, env={}, start_new_session=True, close_fds=True)
+      except OSError as error:
+        raise SandboxUnavailable(f'the sandbox cannot start: {error.strerror or error}; {INSTALL}') from None
+      return self._finish(process, code, deadline)
+
+  def _finish(self, process, code: str, deadline: float) -> Result:
+    """`code` given to the started `process`; its Result once its output closes or the deadline
+    passes, its whole tree gone."""
+    limits = self.limits
     try:
       try:
         process.stdin.write(code.encode('utf-8', 'replace'))
@@ -244,6 +256,31 @@ def _kill(process) -> None:
     os.killpg(process.pid, signal.SIGKILL)
   except ProcessLookupError:
     pass
+
+
+_in_use: set[int] = set()  # this process's call indices now running
+_in_use_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _call_uid():
+  """A uid no other call running now on the host holds: this process's pid and the lowest free
+  index of its calls (pids are unique among live processes)."""
+  with _in_use_lock:
+    index = next((i for i in range(CALLS_PER_PROCESS) if i not in _in_use), None)
+    if index is None:
+      raise SandboxUnavailable(f'more than {CALLS_PER_PROCESS} sandboxed calls at once in one process')
+    _in_use.add(index)
+  try:
+    yield UID_BASE + os.getpid() * CALLS_PER_PROCESS + index
+  finally:
+    with _in_use_lock:
+      _in_use.discard(index)
+
+
+@contextlib.contextmanager
+def _trainer_uid():
+  yield os.getuid()
 
 
 def _tasks_of(uid: int) -> int:

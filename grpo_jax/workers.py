@@ -83,18 +83,8 @@ def _limit_memory(extra_bytes: int) -> None:
     pass
 
 
-_slot = 0  # in a worker: which of its pool's workers it is (replacements keep the slot)
-
-
-def worker_slot() -> int:
-  """In a pool's worker, its slot in [0, workers): what it may own alone (a sandbox uid)."""
-  return _slot
-
-
-def _serve(conn, fn, setup, warmup, parent_pid: int, memory_bytes: int, slot: int = 0) -> None:
+def _serve(conn, fn, setup, warmup, parent_pid: int, memory_bytes: int) -> None:
   """A worker: set-up and warm-up, 'ready', then ('ok', result) or ('raised', line) per item."""
-  global _slot
-  _slot = slot
   _die_with_parent(parent_pid)
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   try:
@@ -125,10 +115,10 @@ def _serve(conn, fn, setup, warmup, parent_pid: int, memory_bytes: int, slot: in
 class _Worker:
   """One process, its end of the pipe, and the item it is working on (with its deadline)."""
 
-  def __init__(self, pool: 'WorkerPool', slot: int):
+  def __init__(self, pool: 'WorkerPool'):
     self.conn, child = pool._context.Pipe()
     self.process = pool._context.Process(
-        target=_serve, args=(child, pool.fn, pool.setup, pool.warmup, os.getpid(), pool.memory_bytes, slot),
+        target=_serve, args=(child, pool.fn, pool.setup, pool.warmup, os.getpid(), pool.memory_bytes),
         name=pool.name, daemon=True)
     self.process.start()
     child.close()
@@ -164,7 +154,7 @@ class WorkerPool:
     self._broken: Exception | None = None
     self._closed = False
     self._wake_read, self._wake_write = self._context.Pipe(duplex=False)
-    self._workers = [_Worker(self, slot) for slot in range(workers)]
+    self._workers = [_Worker(self) for _ in range(workers)]
     self._thread = threading.Thread(target=self._dispatch, name=f'{name}-dispatcher', daemon=True)
     self._thread.start()
     atexit.register(self.close)
@@ -270,7 +260,7 @@ class WorkerPool:
 
   def _replace(self, slot: int) -> None:
     self._workers[slot].stop()
-    self._workers[slot] = _Worker(self, slot)
+    self._workers[slot] = _Worker(self)
 
   def _fail_all(self, error: Exception) -> None:
     with self._lock:

@@ -15,12 +15,14 @@ import pytest
 from grpo_jax import sandbox as sandbox_lib
 from grpo_jax.sandbox import Limits, Sandbox, SandboxUnavailable
 
+pytestmark = pytest.mark.xdist_group('test_sandbox')  # a trainer that is not root shares its uid's process count
+
 LIMITS = Limits(timeout_s=8.0, cpu_s=8, processes=16, tmp_bytes=8 << 20, file_bytes=4 << 20, memory_bytes=1 << 30)
 
 
 @pytest.fixture(scope='module')
 def box():
-  return Sandbox(LIMITS, slot=3)
+  return Sandbox(LIMITS)
 
 
 def run(box, code: str, **names):
@@ -72,7 +74,7 @@ def test_no_variable_and_no_process_of_the_trainer_is_visible(box, monkeypatch):
   assert result.returncode == 0, result.output
   # Only the sandbox's own variables; never root (its own uid when the trainer is root); a PID
   # namespace holding bwrap's init and the call; the trainer's environment not there to read.
-  uid = sandbox_lib.UID_BASE + 3 if os.geteuid() == 0 else os.getuid()
+  uid = sandbox_lib.UID_BASE + os.getpid() * sandbox_lib.CALLS_PER_PROCESS if os.geteuid() == 0 else os.getuid()
   gid = uid if os.geteuid() == 0 else os.getgid()
   assert result.output.splitlines() == [
       "['HOME', 'LANG', 'PATH', 'PWD', 'PYTHONDONTWRITEBYTECODE']", f'{uid} {uid} {gid} {gid} []', '[1, 2]',
@@ -206,9 +208,9 @@ def test_floods_are_bounded_and_the_host_is_unaffected(box):
   assert time.monotonic() - start < LIMITS.timeout_s + 3
   assert 'forks' in forks.output and 'BlockingIOError' in forks.output, forks.output
   assert int(forks.output.split()[1]) < LIMITS.processes
-  if os.geteuid() == 0:  # the slot's uid holds no process once the call is over
+  if os.geteuid() == 0:  # the call's uid holds no process once the call is over
     time.sleep(0.2)
-    assert processes_of(sandbox_lib.UID_BASE + 3) == []
+    assert processes_of(sandbox_lib.UID_BASE + os.getpid() * sandbox_lib.CALLS_PER_PROCESS) == []
   # A file stops at the file-size limit (EFBIG), the private /tmp at its size (ENOSPC).
   disk = run(box, '''
       for name, megabytes in (('/tmp/big', 6), ('/tmp/a', 3), ('/tmp/b', 3)):
@@ -227,6 +229,39 @@ def test_floods_are_bounded_and_the_host_is_unaffected(box):
   start = time.monotonic()
   spin = cpu.python('while True:\n  pass')
   assert spin[1] and 'stopped' in spin[0] and time.monotonic() - start < 10
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason='calls get uids of their own only where the trainer is root')
+def test_a_flood_in_one_call_leaves_a_call_beside_it_its_processes(box):
+  """Two calls at once (an environment's threads): the first holds every process its limit allows,
+  the second still starts its own, as a uid of its own."""
+  import concurrent.futures
+  flood = '''
+      import os, time
+      children = 0
+      try:
+        while True:
+          if os.fork() == 0:
+            time.sleep(4)
+            os._exit(0)
+          children += 1
+      except OSError as error:
+        print(os.getuid(), 'forks', children, type(error).__name__)
+      time.sleep(3)
+      '''
+  beside = '''
+      import os, subprocess
+      children = [subprocess.Popen(['/bin/true']) for _ in range(8)]
+      print(os.getuid(), 'started', sum(child.wait() == 0 for child in children))
+      '''
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    first = pool.submit(run, box, flood)
+    time.sleep(1.5)
+    second = pool.submit(run, box, beside)
+    first, second = first.result().output.split(), second.result().output.split()
+  assert first[1:] == ['forks', str(int(first[2])), 'BlockingIOError'] and int(first[2]) >= LIMITS.processes - 4
+  assert second[1:] == ['started', '8'], second
+  assert first[0] != second[0] and int(second[0]) >= sandbox_lib.UID_BASE
 
 
 def test_one_line_when_the_sandbox_cannot_start(monkeypatch, tmp_path):

@@ -175,7 +175,7 @@ _SANDBOX = None  # the worker's grpo_jax.sandbox.Sandbox, when the pool runs Pyt
 
 def worker_setup(sandbox: str = 'none', limits=None) -> None:
   """A tool worker's start. `sandbox: bwrap`: each Python call runs in a new sandbox under
-  `limits` (a grpo_jax.sandbox.Limits), as this worker slot's uid when the trainer is root.
+  `limits` (a grpo_jax.sandbox.Limits), as a uid of its own when the trainer is root.
   `none`: it runs in this worker, with accidents bounded only (no new sockets, no signals through
   os.kill, files of at most 16 MiB, a fresh temporary working directory): ctypes, `_socket`,
   /proc and the trainer's files and environment are all within its reach."""
@@ -184,8 +184,7 @@ def worker_setup(sandbox: str = 'none', limits=None) -> None:
   if sandbox == 'bwrap':
     global _SANDBOX
     from grpo_jax import sandbox as sandbox_lib
-    from grpo_jax.workers import worker_slot
-    _SANDBOX = sandbox_lib.Sandbox(limits or sandbox_lib.Limits(), slot=worker_slot())
+    _SANDBOX = sandbox_lib.Sandbox(limits or sandbox_lib.Limits())
     return
   disable_network()
   os.kill = os.killpg = _no_signals  # type: ignore[assignment]
