@@ -18,14 +18,24 @@ import contextlib
 TINY_HF_FIELDS = dict(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
                       max_position_embeddings=1024, tie_word_embeddings=False)
+# Qwen2.5-VL: the text model above with M-RoPE (head_dim 16: 8 frequencies as 2 + 3 + 3), a vision
+# tower of 3 blocks (the middle one attending over the whole image, the others in windows of 2 x 2
+# merged blocks), and its special tokens at the top of the tiny vocabulary.
+TINY_VL_TEXT_FIELDS = dict(mrope_section=(2, 3, 3), bos_token_id=None, eos_token_id=None)
+TINY_VISION_FIELDS = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                          fullatt_block_indexes=[1], window_size=56, patch_size=14, temporal_patch_size=2,
+                          spatial_merge_size=2)
+TINY_VL_TOKENS = dict(image_token_id=990, video_token_id=991, vision_start_token_id=992, vision_end_token_id=993)
+VL_TOP_LEVEL = ('vision_config', *TINY_VL_TOKENS)
 
 
 def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None, model_type: str = 'qwen2',
                     **overrides):
   """A transformers Qwen2ForCausalLM (model_type 'qwen3': Qwen3ForCausalLM, 'qwen3_moe':
-  Qwen3MoeForCausalLM) in eval mode:
+  Qwen3MoeForCausalLM, 'qwen2_5_vl': Qwen2_5_VLForConditionalGeneration) in eval mode:
   TINY_HF_FIELDS updated by `overrides` (any keyword of the transformers config, e.g.
-  **to_hf_dict(config) or attn_implementation='sdpa').
+  **to_hf_dict(config) or attn_implementation='sdpa'). For 'qwen2_5_vl' they are the text
+  config's, but for VL_TOP_LEVEL keys (vision_config: TINY_VISION_FIELDS updated by it).
 
   init: 'random' draws every parameter from a normal distribution, biases and norms included
     (transformers' default init leaves biases at 0 and norm weights at 1, which would hide a
@@ -40,12 +50,24 @@ def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None
 
   if init not in ('random', 'default'):
     raise ValueError(f"init must be 'random' or 'default', got {init!r}")
-  family = {'qwen2': 'Qwen2', 'qwen3': 'Qwen3', 'qwen3_moe': 'Qwen3Moe'}[model_type]
-  config_class, model_class = (getattr(transformers, family + suffix) for suffix in ('Config', 'ForCausalLM'))
+  family = {'qwen2': 'Qwen2', 'qwen3': 'Qwen3', 'qwen3_moe': 'Qwen3Moe', 'qwen2_5_vl': 'Qwen2_5_VL'}[model_type]
+  head = 'ForConditionalGeneration' if model_type == 'qwen2_5_vl' else 'ForCausalLM'
+  config_class, model_class = (getattr(transformers, family + suffix) for suffix in ('Config', head))
   overrides = {key: value for key, value in overrides.items() if key not in ('architectures', 'model_type')}
+  if model_type == 'qwen2_5_vl':
+    top = {key: overrides.pop(key) for key in VL_TOP_LEVEL if key in overrides}
+    text = {**TINY_HF_FIELDS, **TINY_VL_TEXT_FIELDS, **overrides}
+    text['rope_parameters'] = {'rope_type': 'default', 'rope_theta': text.pop('rope_theta'),
+                               'mrope_section': list(text.pop('mrope_section'))}
+    config = config_class(text_config=text, **{**TINY_VL_TOKENS, **top,
+                                               'vision_config': {**TINY_VISION_FIELDS, 'out_hidden_size': text['hidden_size'],
+                                                                 **top.get('vision_config', {})},
+                                               'tie_word_embeddings': text['tie_word_embeddings']})
+  else:
+    config = config_class(**{**TINY_HF_FIELDS, **overrides})
   torch.manual_seed(seed)
   with torch.device(device) if device is not None else contextlib.nullcontext():
-    model = model_class(config_class(**{**TINY_HF_FIELDS, **overrides})).eval()
+    model = model_class(config).eval()
   with torch.no_grad():
     if init == 'random':
       # A generator of its own: the draws depend on the seed alone, not on how much of the global
@@ -53,7 +75,7 @@ def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None
       generator = torch.Generator().manual_seed(seed)
       for name, parameter in model.named_parameters():
         noise = torch.randn(parameter.shape, generator=generator)
-        if name.endswith('norm.weight'):
+        if name.endswith(('norm.weight', 'norm1.weight', 'norm2.weight', 'ln_q.weight')):
           parameter.copy_(1.0 + 0.2 * noise)
         elif name.endswith('bias'):
           parameter.copy_(0.5 * noise)

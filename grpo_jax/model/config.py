@@ -1,10 +1,13 @@
-"""Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE architecture, read from and written to a Hugging Face `config.json`.
+"""Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Qwen2.5-VL architecture, read from and written to a Hugging Face
+`config.json`.
 
 One model family: Qwen3 dense is Qwen2 with per-head RMSNorm on queries and keys before RoPE
 (`qk_norm`), no bias on the q/k/v projections (`attention_bias`), and an explicit head_dim.
 Qwen3-MoE is Qwen3 whose MLP, in the layers `sparse_layers` names, is a mixture of `num_experts`
 SwiGLU experts of width `moe_intermediate_size`, each token sent to the `num_experts_per_tok` the
-router scores highest.
+router scores highest. Qwen2.5-VL is Qwen2 whose rotary positions are multimodal (M-RoPE: each
+frequency of the head rotates by the temporal, height or width position, as `mrope_section` splits
+them) with a vision tower (`vision`, a VisionConfig) whose features stand in for the image tokens.
 
 Field names follow the Hugging Face spelling so a user can compare a checkpoint's config.json
 with this dataclass line by line. Dimension letters used elsewhere: D = hidden_size,
@@ -22,8 +25,72 @@ from grpo_jax.errors import UserError, read_text
 # model_type -> (architecture class, its defaults for the fields that tell the family members apart)
 MODEL_TYPES = {'qwen2': ('Qwen2ForCausalLM', dict(attention_bias=True, qk_norm=False)),
                'qwen3': ('Qwen3ForCausalLM', dict(attention_bias=False, qk_norm=True)),
-               'qwen3_moe': ('Qwen3MoeForCausalLM', dict(attention_bias=False, qk_norm=True))}
+               'qwen3_moe': ('Qwen3MoeForCausalLM', dict(attention_bias=False, qk_norm=True)),
+               'qwen2_5_vl': ('Qwen2_5_VLForConditionalGeneration', dict(attention_bias=True, qk_norm=False))}
 SUPPORTED_ARCHITECTURES = tuple(architecture for architecture, _ in MODEL_TYPES.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  """Qwen2.5-VL's vision tower (model/vision.py) and the prompt tokens that hold its features.
+
+  Dimension letters: C = hidden_size (the tower's width), I = intermediate_size, P = in_channels x
+  temporal_patch_size x patch_size^2 (one flattened patch), W = C x spatial_merge_size^2 (the
+  merger's width); its output is the language model's D = out_hidden_size.
+  """
+
+  depth: int = 2  # Lv, transformer blocks
+  hidden_size: int = 32  # C
+  intermediate_size: int = 64  # I, the blocks' SwiGLU width (with biases)
+  num_heads: int = 2
+  out_hidden_size: int = 64  # the language model's hidden_size
+  in_channels: int = 3
+  patch_size: int = 14  # pixels per patch side
+  temporal_patch_size: int = 2  # frames per patch (an image is repeated to fill them)
+  spatial_merge_size: int = 2  # m: m x m patches merge into one language-model token
+  window_size: int = 112  # pixels per side of an attention window (blocks not in fullatt_block_indexes)
+  fullatt_block_indexes: tuple[int, ...] = ()  # blocks attending over the whole image
+  tokens_per_second: int = 2  # video only: the temporal position step per second
+  rope_theta: float = 10000.0  # the tower's 2D rotary base
+  image_token_id: int = 151655  # <|image_pad|>: one per merged patch, replaced by its feature
+  video_token_id: int = 151656
+  vision_start_token_id: int = 151652  # <|vision_start|>
+  vision_end_token_id: int = 151653  # <|vision_end|>
+
+  def __post_init__(self):
+    for name in ('depth', 'hidden_size', 'intermediate_size', 'num_heads', 'out_hidden_size', 'in_channels',
+                 'patch_size', 'temporal_patch_size', 'spatial_merge_size', 'window_size'):
+      if getattr(self, name) <= 0:
+        raise UserError(f'model architecture field vision.{name} must be positive, got {getattr(self, name)}')
+    if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+      raise UserError(f'model architecture field vision.hidden_size ({self.hidden_size}) must split into '
+                      f'vision.num_heads ({self.num_heads}) heads of a multiple of 4 (the 2D rotary embedding)')
+    if self.window_size % (self.patch_size * self.spatial_merge_size):
+      raise UserError(f'model architecture field vision.window_size ({self.window_size}) must be a multiple of '
+                      f'patch_size x spatial_merge_size ({self.patch_size * self.spatial_merge_size})')
+    bad = [i for i in self.fullatt_block_indexes if not 0 <= i < self.depth]
+    if bad:
+      raise UserError(f'model architecture field vision.fullatt_block_indexes names block {bad[0]}, outside '
+                      f'[0, {self.depth})')
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_heads
+
+  @property
+  def patch_dim(self) -> int:
+    """P, one flattened patch: channels x frames x pixels."""
+    return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+  @property
+  def merge_unit(self) -> int:
+    """Patches per language-model token (m^2)."""
+    return self.spatial_merge_size ** 2
+
+  def num_params(self) -> int:
+    c, i, w = self.hidden_size, self.intermediate_size, self.hidden_size * self.merge_unit
+    block = 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + 2 * (c * i + i) + (i * c + c)
+    return self.patch_dim * c + self.depth * block + c + (w * w + w) + (w * self.out_hidden_size + self.out_hidden_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +122,10 @@ class Qwen2Config:
   mlp_only_layers: tuple[int, ...] = ()  # ... and it is not listed here (these keep the dense MLP)
   norm_topk_prob: bool = False  # renormalise the k chosen experts' probabilities to sum to 1
   router_aux_loss_coef: float = 0.001  # the checkpoint's load-balancing weight (pretraining; RL: algo's)
+  # Multimodal rotary positions (Qwen2.5-VL): the H/2 frequencies split into temporal, height and
+  # width parts of these sizes, positions [B, T, 3]; () is the text model's 1D RoPE.
+  mrope_section: tuple[int, ...] = ()
+  vision: VisionConfig | None = None  # the vision tower (Qwen2.5-VL); None: a text model
 
   def __post_init__(self):
     positive = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
@@ -103,10 +174,29 @@ class Qwen2Config:
     if bad:
       raise UserError(f'model architecture field mlp_only_layers names layer {bad[0]}, outside [0, '
                       f'{self.num_hidden_layers})')
+    if self.mrope_section and (len(self.mrope_section) != 3 or sum(self.mrope_section) != self.resolved_head_dim // 2
+                               or min(self.mrope_section) < 0):
+      raise UserError(f'model architecture field mrope_section {list(self.mrope_section)} must be three sizes '
+                      f'summing to head_dim / 2 = {self.resolved_head_dim // 2}')
+    if self.vision is not None:
+      if not self.mrope_section:
+        raise UserError('model architecture: a vision tower (vision) needs mrope_section, its multimodal positions')
+      if self.vision.out_hidden_size != self.hidden_size:
+        raise UserError(f'model architecture field vision.out_hidden_size ({self.vision.out_hidden_size}) must equal '
+                        f'hidden_size ({self.hidden_size}): its features stand in for token embeddings')
+      if self.num_experts or self.qk_norm:
+        raise UserError('model architecture: a vision tower goes with the Qwen2.5 language model (no experts, '
+                        'no qk_norm)')
+      for name in ('image_token_id', 'video_token_id', 'vision_start_token_id', 'vision_end_token_id'):
+        if not 0 <= getattr(self.vision, name) < self.vocab_size:
+          raise UserError(f'model architecture field vision.{name} ({getattr(self.vision, name)}) is outside the '
+                          f'vocabulary [0, {self.vocab_size})')
 
   @property
   def model_type(self) -> str:
     """The Hugging Face model_type this architecture is written as."""
+    if self.vision is not None:
+      return 'qwen2_5_vl'
     return 'qwen3_moe' if self.num_experts else 'qwen3' if self.qk_norm else 'qwen2'
 
   @property
@@ -116,7 +206,10 @@ class Qwen2Config:
                  for i in range(self.num_hidden_layers))
 
   def layers_of(self, kind: str) -> tuple[int, ...]:
-    """The layers of a kind, in order: 'all', 'dense' (a dense MLP) or 'sparse' (experts)."""
+    """The layers of a kind, in order: 'all', 'dense' (a dense MLP) or 'sparse' (experts); 'vision':
+    the vision tower's blocks."""
+    if kind == 'vision':
+      return tuple(range(self.vision.depth)) if self.vision is not None else ()
     return tuple(i for i, sparse in enumerate(self.sparse_layers) if kind == 'all' or sparse == (kind == 'sparse'))
 
   @property
@@ -142,13 +235,20 @@ class Qwen2Config:
                                                                      + d * self.num_experts)
     layers = self.num_hidden_layers * (attention + 2 * d) + mlps
     head = 0 if self.tie_word_embeddings else d * v
-    return v * d + layers + d + head
+    return v * d + layers + d + head + (self.vision.num_params() if self.vision is not None else 0)
 
 
 def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
-  """Reads a Hugging Face Qwen2, Qwen3 or Qwen3-MoE config in either the transformers-4.x or 5.x spelling."""
+  """Reads a Hugging Face Qwen2, Qwen3, Qwen3-MoE or Qwen2.5-VL config in either the transformers-4.x
+  or 5.x spelling (a VL config's text fields at the top, as the hub writes them, or nested in
+  `text_config`, as transformers 5.x does)."""
   architectures = raw.get('architectures') or []
   model_type = raw.get('model_type')
+  if model_type == 'qwen2_5_vl':
+    multimodal = raw
+    raw = {**{k: v for k, v in raw.items() if k not in ('text_config', 'vision_config')},
+           **(raw.get('text_config') or {})}
+    raw['model_type'] = model_type
   if model_type not in MODEL_TYPES or any(a != MODEL_TYPES[model_type][0] for a in architectures):
     found = ', '.join(architectures) or f'model_type={model_type!r}'
     raise UserError(
@@ -170,10 +270,15 @@ def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
   # transformers 5.x nests rope settings in `rope_parameters`; 4.x has `rope_theta` and `rope_scaling`.
   rope = raw.get('rope_parameters') or {}
   rope_theta = rope.get('rope_theta', raw.get('rope_theta', 10000.0))
-  rope_type = rope.get('rope_type') or (raw.get('rope_scaling') or {}).get('rope_type') \
-      or (raw.get('rope_scaling') or {}).get('type') or 'default'
+  scaling = raw.get('rope_scaling') or {}
+  rope_type = rope.get('rope_type') or scaling.get('rope_type') or scaling.get('type') or 'default'
+  mrope_section = tuple(int(n) for n in rope.get('mrope_section') or scaling.get('mrope_section') or ())
+  if rope_type == 'mrope' and mrope_section:  # the hub's Qwen2.5-VL spelling of default RoPE with sections
+    rope_type = 'default'
   if rope_type != 'default':
     raise UserError(f'{source}: rope type {rope_type!r} is not supported; only the default RoPE is')
+  if model_type == 'qwen2_5_vl' and not mrope_section:
+    raise UserError(f'{source}: a qwen2_5_vl config needs rope_parameters.mrope_section (or rope_scaling.mrope_section)')
 
   eos = raw.get('eos_token_id')
   eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
@@ -220,7 +325,38 @@ def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
       attention_bias=bool(raw.get('attention_bias', family['attention_bias'])),
       qk_norm=family['qk_norm'],
       **experts,
+      **(dict(mrope_section=mrope_section, vision=_vision_from_hf(multimodal, source))
+         if model_type == 'qwen2_5_vl' else {}),
   )
+
+
+def _vision_from_hf(raw: dict, source: str) -> VisionConfig:
+  """The vision tower and its token ids of a Qwen2.5-VL config (the hub's and 5.x's spellings)."""
+  vision = raw.get('vision_config')
+  if not isinstance(vision, dict):
+    raise UserError(f'{source}: a qwen2_5_vl config needs a vision_config')
+  text = raw.get('text_config') or {}
+  activation = vision.get('hidden_act', 'silu')
+  if activation != 'silu':
+    raise UserError(f'{source}: vision_config.hidden_act={activation!r} is not supported; Qwen2.5-VL uses silu')
+  defaults = VisionConfig()
+  fields = dict(depth='depth', hidden_size='hidden_size', intermediate_size='intermediate_size', num_heads='num_heads',
+                out_hidden_size='out_hidden_size', in_channels='in_channels', patch_size='patch_size',
+                temporal_patch_size='temporal_patch_size', spatial_merge_size='spatial_merge_size',
+                window_size='window_size', tokens_per_second='tokens_per_second')
+  values = {}
+  for name, key in fields.items():
+    value = vision.get(key, vision.get({'in_channels': 'in_chans', 'patch_size': 'spatial_patch_size'}.get(key, key)))
+    if value is None and name in ('depth', 'hidden_size', 'intermediate_size', 'num_heads', 'out_hidden_size'):
+      raise UserError(f'{source}: missing field vision_config.{key}')
+    values[name] = int(value if value is not None else getattr(defaults, name))
+  rope = vision.get('rope_parameters') or {}
+  tokens = {}
+  for name in ('image_token_id', 'video_token_id', 'vision_start_token_id', 'vision_end_token_id'):
+    value = raw.get(name, text.get(name))
+    tokens[name] = int(value) if value is not None else getattr(defaults, name)
+  return VisionConfig(**values, fullatt_block_indexes=tuple(int(i) for i in vision.get('fullatt_block_indexes') or ()),
+                      rope_theta=float(rope.get('rope_theta', vision.get('rope_theta', 10000.0))), **tokens)
 
 
 def to_hf_dict(config: Qwen2Config, dtype: str | None = None) -> dict:
@@ -230,7 +366,7 @@ def to_hf_dict(config: Qwen2Config, dtype: str | None = None) -> dict:
   """
   dtype = dtype or config.checkpoint_dtype
   eos = list(config.eos_token_ids)
-  return {
+  text = {
       'architectures': [MODEL_TYPES[config.model_type][0]],
       'model_type': config.model_type,
       'attention_bias': config.attention_bias,
@@ -256,6 +392,29 @@ def to_hf_dict(config: Qwen2Config, dtype: str | None = None) -> dict:
       'torch_dtype': dtype,
       **(_experts_hf_dict(config) if config.num_experts else {}),
   }
+  return _multimodal_hf_dict(config, text) if config.vision is not None else text
+
+
+def _multimodal_hf_dict(config: Qwen2Config, text: dict) -> dict:
+  """A Qwen2.5-VL config.json in both spellings at once: the text fields at the top with
+  `rope_scaling.mrope_section` (the hub's, transformers 4.x) and in `text_config` with
+  `rope_parameters.mrope_section` (5.x)."""
+  v = config.vision
+  sections = list(config.mrope_section)
+  text = dict(text, rope_parameters={'rope_type': 'default', 'rope_theta': config.rope_theta,
+                                     'mrope_section': sections})
+  tokens = {name: getattr(v, name) for name in ('image_token_id', 'video_token_id', 'vision_start_token_id',
+                                                 'vision_end_token_id')}
+  vision = {'model_type': 'qwen2_5_vl_vision', 'depth': v.depth, 'hidden_size': v.hidden_size,
+            'intermediate_size': v.intermediate_size, 'num_heads': v.num_heads, 'out_hidden_size': v.out_hidden_size,
+            'in_channels': v.in_channels, 'in_chans': v.in_channels, 'patch_size': v.patch_size,
+            'spatial_patch_size': v.patch_size, 'temporal_patch_size': v.temporal_patch_size,
+            'spatial_merge_size': v.spatial_merge_size, 'window_size': v.window_size,
+            'fullatt_block_indexes': list(v.fullatt_block_indexes), 'tokens_per_second': v.tokens_per_second,
+            'hidden_act': 'silu', 'initializer_range': config.initializer_range,
+            'rope_parameters': {'rope_type': 'axial', 'rope_theta': v.rope_theta}}
+  return {**text, 'rope_scaling': {'type': 'mrope', 'rope_type': 'default', 'mrope_section': sections},
+          'text_config': {**text, 'model_type': 'qwen2_5_vl_text', **tokens}, 'vision_config': vision, **tokens}
 
 
 def _experts_hf_dict(config: Qwen2Config) -> dict:

@@ -23,6 +23,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from grpo_jax.model.attention import Attend
@@ -59,14 +60,27 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, half-split convention. x: [B, T, n, H], positions: [B, T]."""
-  head_dim = x.shape[-1]
-  inverse_frequency = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles = positions[..., None].astype(jnp.float32) * inverse_frequency  # [B, T, H/2]
-  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+def rotate(x: jax.Array, angles: jax.Array) -> jax.Array:
+  """Rotary embedding, half-split convention: x [..., T, n, H] rotated by angles [..., T, H/2]
+  (fp32), pair (i, i + H/2) by angles[i]."""
+  cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float, mrope_section: tuple[int, ...] = ()) -> jax.Array:
+  """RoPE of x [B, T, n, H] at positions [B, T]; with `mrope_section` (M-RoPE) positions may be
+  [B, T, 3] (temporal, row, column), frequency i rotating by the component its section names
+  (sections cycle 0, 1, 2); [B, T] positions are the same on all three, i.e. plain RoPE."""
+  head_dim = x.shape[-1]
+  inverse_frequency = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  positions = positions.astype(jnp.float32)
+  if positions.ndim == 3:
+    component = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)  # [H/2]
+    angles = positions[..., component] * inverse_frequency
+  else:
+    angles = positions[..., None] * inverse_frequency  # [B, T, H/2]
+  return rotate(x, angles)
 
 
 def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Attend, *,
@@ -74,7 +88,7 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
                   replay: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Routing | None]:
   """One pre-norm decoder layer. params: one layer's slice of `LAYER_PARAMS` (and of the LoRA
   factors, added to their projection's output scaled by `lora_scale`, unmerged); x: [B, T, D];
-  positions: [B, T]; attend(q [B, T, N, H], k, v [B, T, K, H]) -> [B, T, N, H] is the attention
+  positions: [B, T] (or [B, T, 3] with M-RoPE); attend(q [B, T, N, H], k, v [B, T, K, H]) -> [B, T, N, H] is the attention
   (over the T tokens, and for `extend` over the cache too). A sparse layer (its slice holds
   `router_weight`) routes as model/moe.py says: real [B, T] marks the tokens its load statistics
   count, replay [B, T, k] the experts to route to (None: the router's top k). -> (x [B, T, D], this
@@ -100,8 +114,8 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
     q, k, v = q + p['q_bias'], k + p['k_bias'], v + p['v_bias']
   if config.qk_norm:  # each head's query and key normalised over H, before the rotation
     q, k = rms_norm(q, p['q_norm'], config.rms_norm_eps), rms_norm(k, p['k_norm'], config.rms_norm_eps)
-  q = apply_rope(q, positions, config.rope_theta)
-  k = apply_rope(k, positions, config.rope_theta)
+  q = apply_rope(q, positions, config.rope_theta, config.mrope_section)
+  k = apply_rope(k, positions, config.rope_theta, config.mrope_section)
   x = x + project(attend(q, k, v), 'o', contract=2)
   x = constrain(x, ('batch', 'seq', 'act_embed'))
   h = rms_norm(x, p['mlp_norm'], config.rms_norm_eps)

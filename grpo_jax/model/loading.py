@@ -31,8 +31,10 @@ from grpo_jax.sharding import MeshConfig, make_mesh, state_shardings
 
 PARAMS_DIR = 'params'
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'vocab.json', 'merges.txt',
-                   'special_tokens_map.json', 'added_tokens.json', 'chat_template.jinja',
-                   'generation_config.json')
+                   'special_tokens_map.json', 'added_tokens.json', 'chat_template.jinja', 'chat_template.json',
+                   'generation_config.json',
+                   # a vision-language model's image processor and processor settings
+                   'preprocessor_config.json', 'processor_config.json')
 
 
 def _single_device_mesh() -> Mesh:

@@ -1,6 +1,8 @@
-"""Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE decoder in Flax NNX: one model, the family's differences
-are options of its Qwen2Config (`attention_bias`, `qk_norm`, `num_experts`). Its layers (stacked
-parameters, one layer's computation) are model/layers.py's, its KV cache model/cache.py's.
+"""Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Qwen2.5-VL decoder in Flax NNX: one model, the family's
+differences are options of its Qwen2Config (`attention_bias`, `qk_norm`, `num_experts`,
+`mrope_section` and `vision`). Its layers (stacked parameters, one layer's computation) are
+model/layers.py's, its KV cache model/cache.py's, its vision tower model/vision.py's: given
+`images`, the tower's features replace the embeddings of the image tokens.
 
   embedding      [V, D]            lm_head     [D, V] (absent when tied)       final_norm [D]
 
@@ -30,6 +32,7 @@ from grpo_jax.model.layers import DENSE_MLP_PARAMS, DecoderLayers, decoder_block
 from grpo_jax.model.lora import TARGETS, LoraConfig
 from grpo_jax.model.moe import Routing
 from grpo_jax.model.token_ids import check_token_ids
+from grpo_jax.model.vision import Images, VisionTower, place
 from grpo_jax.sharding import constrain
 
 DType = Literal['float32', 'bfloat16']
@@ -116,6 +119,8 @@ class Qwen2(nnx.Module):
     if not config.tie_word_embeddings:
       self.lm_head = nnx.Param(normal(rngs.params(), (D, V), self.param_dtype),
                                logical_axes=('embed', 'vocab'))
+    if config.vision is not None:
+      self.visual = VisionTower(config.vision, config.initializer_range, self.param_dtype, rngs)
     if options.lora is not None and config.num_sparse_layers:
       experts = [target for target in options.lora.targets if TARGETS[target][0] in DENSE_MLP_PARAMS]
       require(not experts, 'model.lora.targets',
@@ -175,18 +180,22 @@ class Qwen2(nnx.Module):
   # ---- full-sequence forward (training, scoring) ----
 
   def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None, routes: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None, routes: jax.Array | None = None,
+               images: Images | None = None) -> jax.Array:
     """tokens [B, T] int32 -> logits [B, T, V] fp32."""
-    return self.project(self.hidden_states(tokens, positions=positions, segment_ids=segment_ids, routes=routes))
+    return self.project(self.hidden_states(tokens, positions=positions, segment_ids=segment_ids, routes=routes,
+                                           images=images))
 
   def hidden_states(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                     segment_ids: jax.Array | None = None, routes: jax.Array | None = None,
-                    return_routing: bool = False):
+                    return_routing: bool = False, images: Images | None = None):
     """Final-norm hidden states [B, T, D] (what the fused log-prob op consumes).
 
-    routes [B, T, Ls, k]: a mixture of experts routes each token to these experts (routing replay,
-    model/moe.py). return_routing: return (hidden, Routing) instead, what the sparse layers did
-    (None for a dense model).
+    positions: [B, T], or [B, T, 3] with M-RoPE (vision.mrope_positions); default: each token's
+    index among its segment's. routes [B, T, Ls, k]: a mixture of experts routes each token to
+    these experts (routing replay, model/moe.py). return_routing: return (hidden, Routing)
+    instead, what the sparse layers did (None for a dense model). images: the vision tower's
+    input and where its features go (model/vision.py).
     """
     segment_ids = _segments(tokens, segment_ids)
     if positions is None:
@@ -205,7 +214,7 @@ class Qwen2(nnx.Module):
       x, _, routing = block(params, x, replay)
       return x, None, routing
 
-    x, _, routing = self.run_layers(self._embed(tokens), layer, replay=self._replay(routes))
+    x, _, routing = self.run_layers(self._embed(tokens, images), layer, replay=self._replay(routes))
     hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
     return (hidden, _gathered(routing)) if return_routing else hidden
 
@@ -231,12 +240,16 @@ class Qwen2(nnx.Module):
                         preferred_element_type=jnp.float32)
     return constrain(logits, ('batch', 'seq', 'vocab'))
 
-  def _embed(self, tokens: jax.Array) -> jax.Array:
+  def _embed(self, tokens: jax.Array, images: Images | None = None) -> jax.Array:
     if not isinstance(tokens, jax.core.Tracer) and getattr(tokens, 'is_fully_addressable', True):
       # An eager call checks its ids here; under jit the doors that take ids check them
       # (token_ids.py): a traced lookup cannot raise, and would answer a bad id with a NaN row.
       check_token_ids(np.asarray(tokens), self.config.vocab_size, 'model input')
     x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+    if images is not None:
+      if self.config.vision is None:
+        raise ValueError('images given to a model without a vision tower')
+      x = place(x, self.visual(images, self.dtype), images.placement)
     return constrain(x, ('batch', 'seq', 'act_embed'))
 
   # ---- incremental decoding with a KV cache (prefill, then one token at a time) ----
@@ -251,7 +264,8 @@ class Qwen2(nnx.Module):
 
   def extend(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array | None = None,
              segment_ids: jax.Array | None = None, return_hidden: bool = False,
-             prefix: SharedPrefix | None = None, return_routing: bool = False):
+             prefix: SharedPrefix | None = None, return_routing: bool = False, images: Images | None = None,
+             position_offsets: jax.Array | None = None):
     """Appends T tokens per row to the cache and returns their logits [B, T, V] and the new cache.
 
     return_hidden: return the final-norm hidden states [B, T, D] instead of logits, so a prefill
@@ -268,6 +282,10 @@ class Qwen2(nnx.Module):
 
     return_routing: return (out, cache, Routing) with what the sparse layers did for these
     tokens (its `experts` [B, T, Ls, k] are what the sampler records; None in a dense model).
+
+    images: a prefill's images (model/vision.py); its positions are then M-RoPE's [B, T, 3].
+    position_offsets [B]: added to the default positions (M-RoPE: a decoded token after an image
+    prompt sits at its count of real tokens before it plus the prompt's offset).
     """
     segment_ids = _segments(tokens, segment_ids)
     prefix_segments = None if prefix is None else prefix.rows(prefix.segment_ids)  # [B, W]
@@ -277,6 +295,8 @@ class Qwen2(nnx.Module):
         previous = previous + jnp.sum(prefix_segments != 0, axis=1, dtype=jnp.int32)
       running = jnp.cumsum(segment_ids != 0, axis=1, dtype=jnp.int32) - 1
       positions = previous[:, None] + jnp.maximum(running, 0)
+      if position_offsets is not None:
+        positions = positions + position_offsets[:, None]
     length = tokens.shape[1]
     query_slots = cache.length[:, None] + jnp.arange(length, dtype=jnp.int32)
     key_slots = jnp.broadcast_to(jnp.arange(cache.max_length, dtype=jnp.int32),
@@ -312,7 +332,7 @@ class Qwen2(nnx.Module):
 
     own = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32) if stacked else (cache.k, cache.v)
     layer_caches = (own,) + (() if prefix is None else (prefix.k, prefix.v))
-    x, (k_new, v_new), routing = self.run_layers(self._embed(tokens), layer, layer_caches)
+    x, (k_new, v_new), routing = self.run_layers(self._embed(tokens, images), layer, layer_caches)
     hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
     if length == cache.max_length:
       # The tokens fill the whole cache (so it was empty: length + T <= S): it is the new keys and

@@ -28,10 +28,15 @@ SINGLE_FILE = 'model.safetensors'
 
 
 def dim_sizes(config: Qwen2Config) -> dict[str, int]:
-  """Sizes of the dimension letters (D, F, V, N, K, H; see model/config.py) for this architecture."""
+  """Sizes of the dimension letters (D, F, V, N, K, H, E, M; the vision tower's C, I, P, W and J = 3C,
+  X, Y, Z its patch's channels, frames and side; see model/config.py) for this architecture."""
+  v = config.vision
+  vision = {} if v is None else {'C': v.hidden_size, 'I': v.intermediate_size, 'P': v.patch_dim,
+                                 'W': v.hidden_size * v.merge_unit, 'J': 3 * v.hidden_size, 'X': v.in_channels,
+                                 'Y': v.temporal_patch_size, 'Z': v.patch_size}
   return {'D': config.hidden_size, 'F': config.intermediate_size, 'V': config.vocab_size,
           'N': config.num_attention_heads, 'K': config.num_key_value_heads,
-          'H': config.resolved_head_dim, 'E': config.num_experts, 'M': config.moe_intermediate_size}
+          'H': config.resolved_head_dim, 'E': config.num_experts, 'M': config.moe_intermediate_size, **vision}
 
 
 def _evaluate(spec: str, config: Qwen2Config) -> tuple[int, ...]:
@@ -48,7 +53,7 @@ class Rule:
   hf_spec: str  # Hugging Face shape in dim letters, e.g. 'N*H D'
   spec: str  # grpo_jax shape of one layer's slice (of one expert's, stacked over E), e.g. 'D N H'
   when: str = ''  # the architecture field that must hold for the tensor to exist ('!' negates); '': always
-  layers: str = 'all'  # the layers that have it: 'all', 'dense' (a dense MLP) or 'sparse' (experts)
+  layers: str = 'all'  # the layers that have it: 'all', 'dense' (a dense MLP), 'sparse' (experts), 'vision'
 
   def present(self, config: Qwen2Config) -> bool:
     if self.per_layer and not config.layers_of(self.layers):
@@ -85,6 +90,7 @@ class Rule:
 
 
 _LAYER = 'model.layers.{i}.'
+_BLOCK = 'visual.blocks.{i}.'
 RULES = (
     # Rule(Hugging Face name, grpo_jax path, transpose, Hugging Face shape, grpo_jax shape[, when])
     Rule('model.embed_tokens.weight', ('embedding',), False, 'V D', 'V D'),
@@ -110,6 +116,26 @@ RULES = (
          layers='sparse'),
     Rule('model.norm.weight', ('final_norm',), False, 'D', 'D'),
     Rule('lm_head.weight', ('lm_head',), True, 'V D', 'D V', '!tie_word_embeddings'),
+    # Qwen2.5-VL's vision tower (model/vision.py): its blocks are the 'vision' layers.
+    Rule('visual.patch_embed.proj.weight', ('visual', 'patch_weight'), False, 'C X Y Z Z', 'C P', 'vision'),
+    *(Rule(_BLOCK + name, ('visual', path), transpose, hf, ours, 'vision', layers='vision') for name, path, transpose, hf, ours in (
+        ('norm1.weight', 'norm1', False, 'C', 'C'),
+        ('norm2.weight', 'norm2', False, 'C', 'C'),
+        ('attn.qkv.weight', 'qkv_weight', True, 'J C', 'C J'),
+        ('attn.qkv.bias', 'qkv_bias', False, 'J', 'J'),
+        ('attn.proj.weight', 'proj_weight', True, 'C C', 'C C'),
+        ('attn.proj.bias', 'proj_bias', False, 'C', 'C'),
+        ('mlp.gate_proj.weight', 'gate_weight', True, 'I C', 'C I'),
+        ('mlp.gate_proj.bias', 'gate_bias', False, 'I', 'I'),
+        ('mlp.up_proj.weight', 'up_weight', True, 'I C', 'C I'),
+        ('mlp.up_proj.bias', 'up_bias', False, 'I', 'I'),
+        ('mlp.down_proj.weight', 'down_weight', True, 'C I', 'I C'),
+        ('mlp.down_proj.bias', 'down_bias', False, 'C', 'C'))),
+    Rule('visual.merger.ln_q.weight', ('visual', 'merger_norm'), False, 'C', 'C', 'vision'),
+    Rule('visual.merger.mlp.0.weight', ('visual', 'merger_in_weight'), True, 'W W', 'W W', 'vision'),
+    Rule('visual.merger.mlp.0.bias', ('visual', 'merger_in_bias'), False, 'W', 'W', 'vision'),
+    Rule('visual.merger.mlp.2.weight', ('visual', 'merger_out_weight'), True, 'D W', 'W D', 'vision'),
+    Rule('visual.merger.mlp.2.bias', ('visual', 'merger_out_bias'), False, 'D', 'D', 'vision'),
 )
 
 # Tensors some exporters add that carry no information (recomputed from the config).

@@ -1,0 +1,252 @@
+"""Qwen2.5-VL's vision tower in Flax NNX, and the host-side layout of a batch's images.
+
+The tower turns each image's patches (the image processor's rows, data/images.py) into one feature
+per m x m block of patches, of the language model's width; those features replace the embeddings of
+the prompt's image tokens (`<|image_pad|>`, one per block), in order. Parameters, stacked over the
+Lv blocks (letters as in model/config.py's VisionConfig):
+
+  patch_weight   [C, P]          (the Conv3d patch embedding: its stride is its kernel, so a matmul)
+  norm1, norm2   [Lv, C]         qkv_weight [Lv, C, 3C]  qkv_bias [Lv, 3C]   proj_weight [Lv, C, C]
+  gate_weight, up_weight [Lv, C, I] (+ biases [Lv, I])   down_weight [Lv, I, C]  (+ bias [Lv, C])
+  merger_norm    [C]             merger_in_weight [W, W] (+ bias)  merger_out_weight [W, D] (+ bias)
+
+Attention is bidirectional within a segment: the blocks `fullatt_block_indexes` names attend over
+their whole image (each frame of it), the others within windows of `window_size` pixels. The
+reference implementation reorders patches window by window and back; attention restricted by a
+window id per patch computes the same thing in the processor's order, so nothing is permuted here.
+
+Images are batched as [I, Np, ...]: each padded to Np patches (a bucket, so the compiled programs
+see a bounded set of shapes), padding marked by segment 0 and its features never placed.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_jax.errors import UserError
+from grpo_jax.model.attention import grouped_attention
+from grpo_jax.model.config import Qwen2Config, VisionConfig
+from grpo_jax.model.layers import rms_norm, rotate
+from grpo_jax.model.linear import matmul
+
+VISION_NORM_EPS = 1e-6  # fixed in the reference implementation, not a config field
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Images:
+  """A batch's images for the vision tower, and where their features go in the token batch.
+
+  patches [I, Np, P] (the processor's rows, zero past each image's own), coords [I, Np, 2] each
+  patch's (row, column) in its image's patch grid (the 2D rotary positions), windows / frames
+  [I, Np] int32 the attention segments of the windowed and the full blocks (0: padding),
+  placement [B, T] int32: for each token, the index of its feature in the [I * Np / m^2] merged
+  features, or -1 for a token that keeps its embedding.
+  """
+
+  patches: jax.Array
+  coords: jax.Array
+  windows: jax.Array
+  frames: jax.Array
+  placement: jax.Array
+
+
+class VisionTower(nnx.Module):
+  """Patches [I, Np, P] -> merged features [I, Np / m^2, D]."""
+
+  def __init__(self, config: VisionConfig, initializer_range: float, param_dtype, rngs: nnx.Rngs):
+    self.config = config
+    c = config
+    L, C, I, P = c.depth, c.hidden_size, c.intermediate_size, c.patch_dim
+    W, D = C * c.merge_unit, c.out_hidden_size
+    normal = nnx.initializers.normal(initializer_range)
+
+    def weight(shape, axes):
+      return nnx.Param(normal(rngs.params(), shape, param_dtype), logical_axes=axes)
+
+    def constant(value, shape, axes):
+      return nnx.Param(jnp.full(shape, value, param_dtype), logical_axes=axes)
+
+    self.patch_weight = weight((C, P), ('embed', None))
+    self.norm1 = constant(1.0, (L, C), ('layers', None))
+    self.norm2 = constant(1.0, (L, C), ('layers', None))
+    self.qkv_weight = weight((L, C, 3 * C), ('layers', 'embed', None))
+    self.qkv_bias = constant(0.0, (L, 3 * C), ('layers', None))
+    self.proj_weight = weight((L, C, C), ('layers', None, 'embed'))
+    self.proj_bias = constant(0.0, (L, C), ('layers', None))
+    self.gate_weight = weight((L, C, I), ('layers', 'embed', 'mlp'))
+    self.gate_bias = constant(0.0, (L, I), ('layers', 'mlp'))
+    self.up_weight = weight((L, C, I), ('layers', 'embed', 'mlp'))
+    self.up_bias = constant(0.0, (L, I), ('layers', 'mlp'))
+    self.down_weight = weight((L, I, C), ('layers', 'mlp', 'embed'))
+    self.down_bias = constant(0.0, (L, C), ('layers', None))
+    self.merger_norm = constant(1.0, (C,), (None,))
+    self.merger_in_weight = weight((W, W), ('embed', 'mlp'))
+    self.merger_in_bias = constant(0.0, (W,), ('mlp',))
+    self.merger_out_weight = weight((W, D), ('mlp', 'embed'))
+    self.merger_out_bias = constant(0.0, (D,), (None,))
+
+  def __call__(self, images: Images, dtype) -> jax.Array:
+    c = self.config
+    count, length, _ = images.patches.shape
+    heads, head_dim = c.num_heads, c.head_dim
+    x = jnp.einsum('inp,cp->inc', images.patches.astype(dtype), self.patch_weight[...].astype(dtype))
+    # 2D rotary: head_dim / 4 frequencies, rotated by the row over the first half of each half-split
+    # pair and by the column over the second.
+    inverse_frequency = 1.0 / (c.rope_theta ** (jnp.arange(0, head_dim // 2, 2, dtype=jnp.float32) / (head_dim // 2)))
+    coords = images.coords.astype(jnp.float32)
+    angles = jnp.concatenate([coords[..., 0:1] * inverse_frequency, coords[..., 1:2] * inverse_frequency], axis=-1)
+
+    def segment_mask(segments):
+      return (segments[:, :, None] == segments[:, None, :]) & (segments != 0)[:, None, :]
+
+    masks = (segment_mask(images.windows), segment_mask(images.frames))
+    full = jnp.asarray([i in c.fullatt_block_indexes for i in range(c.depth)])
+    stacked = {name: getattr(self, name)[...].astype(dtype) for name in (
+        'norm1', 'norm2', 'qkv_weight', 'qkv_bias', 'proj_weight', 'proj_bias', 'gate_weight', 'gate_bias',
+        'up_weight', 'up_bias', 'down_weight', 'down_bias')}
+
+    def block(x, inputs):
+      p, full_attention = inputs
+      h = rms_norm(x, p['norm1'], VISION_NORM_EPS)
+      qkv = (matmul(h, p['qkv_weight']) + p['qkv_bias']).reshape(count, length, 3, heads, head_dim)
+      q, k, v = (rotate(qkv[:, :, 0], angles), rotate(qkv[:, :, 1], angles), qkv[:, :, 2])
+      mask = jnp.where(full_attention, masks[1], masks[0])
+      out = grouped_attention(q, [(k, v, mask)]).reshape(count, length, c.hidden_size)
+      x = x + matmul(out, p['proj_weight']) + p['proj_bias']
+      h = rms_norm(x, p['norm2'], VISION_NORM_EPS)
+      gate = jax.nn.silu(matmul(h, p['gate_weight']) + p['gate_bias'])
+      x = x + matmul(gate * (matmul(h, p['up_weight']) + p['up_bias']), p['down_weight']) + p['down_bias']
+      return x, None
+
+    x, _ = jax.lax.scan(block, x, (stacked, full))
+    x = rms_norm(x, self.merger_norm[...].astype(dtype), VISION_NORM_EPS)
+    x = x.reshape(count, length // c.merge_unit, c.hidden_size * c.merge_unit)
+    x = jax.nn.gelu(matmul(x, self.merger_in_weight[...].astype(dtype)) + self.merger_in_bias[...].astype(dtype),
+                    approximate=False)
+    return matmul(x, self.merger_out_weight[...].astype(dtype)) + self.merger_out_bias[...].astype(dtype)
+
+
+def place(embeddings: jax.Array, features: jax.Array, placement: jax.Array) -> jax.Array:
+  """embeddings [B, T, D] with each token whose placement >= 0 replaced by that row of the merged
+  features [I, Nm, D]."""
+  flat = features.reshape(-1, features.shape[-1]).astype(embeddings.dtype)
+  taken = jnp.take(flat, jnp.maximum(placement, 0), axis=0)
+  return jnp.where((placement >= 0)[..., None], taken, embeddings)
+
+
+# ---- the host side: a batch's images laid out for the tower, and M-RoPE positions ----
+
+def image_tokens(grid: tuple[int, int, int], config: VisionConfig) -> int:
+  """How many image tokens (merged features) an image of patch grid (t, h, w) has."""
+  t, h, w = grid
+  return t * h * w // config.merge_unit
+
+
+def patch_layout(grid: tuple[int, int, int], config: VisionConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """For an image of patch grid (t, h, w), its patches in the processor's order (frame, then block
+  of m x m patches in row-major block order, then row-major within the block): each patch's
+  (row, column), its window (1-based) and its frame (1-based)."""
+  t, h, w = grid
+  m = config.spatial_merge_size
+  if h % m or w % m:
+    raise UserError(f'an image of {h} x {w} patches does not split into {m} x {m} blocks (vision.spatial_merge_size)')
+  rows, columns = np.meshgrid(np.arange(h), np.arange(w), indexing='ij')
+  blocked = lambda a: a.reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3).reshape(-1)  # noqa: E731
+  rows, columns = blocked(rows), blocked(columns)
+  span = config.window_size // config.spatial_merge_size // config.patch_size  # blocks per window side
+  windows_across = -(-(w // m) // span)
+  window = (rows // m // span) * windows_across + (columns // m // span)
+  windows_per_frame = -(-(h // m) // span) * windows_across
+  frame = np.repeat(np.arange(t), h * w)
+  coords = np.tile(np.stack([rows, columns], axis=-1), (t, 1))
+  return coords, np.tile(window, t) + frame * windows_per_frame + 1, frame + 1
+
+
+def layout_images(patches: list[np.ndarray], grids: list[tuple[int, int, int]], tokens: np.ndarray,
+                  segment_ids: np.ndarray | None, config: VisionConfig, max_patches: int | None = None,
+                  max_images: int | None = None) -> Images:
+  """The Images of a token batch [B, T] whose image tokens hold, in row-major order, the images'
+  features: patches[j] [n_j, P] with patch grid grids[j]. Each image is padded to `max_patches`
+  (default: the largest), the image axis to `max_images` (default: their count). A count of image
+  tokens that differs from the images' is an error naming both."""
+  if len(patches) != len(grids):
+    raise ValueError(f'{len(patches)} images of patches but {len(grids)} grids')
+  counts = [image_tokens(tuple(grid), config) for grid in grids]
+  for j, (rows, grid) in enumerate(zip(patches, grids)):
+    if rows.shape != (int(np.prod(grid)), config.patch_dim):
+      raise UserError(f'image {j}: patches of shape {list(rows.shape)}, but its grid {list(grid)} needs '
+                      f'[{int(np.prod(grid))}, {config.patch_dim}]')
+  longest = max((len(rows) for rows in patches), default=config.merge_unit)
+  length = max_patches or longest
+  count = max_images or max(len(patches), 1)
+  if longest > length or len(patches) > count:
+    raise UserError(f'{len(patches)} images of up to {longest} patches exceed the bucket of {count} images of '
+                    f'{length} patches')
+  if length % config.merge_unit:
+    raise ValueError(f'max_patches {length} is not a multiple of {config.merge_unit}')
+  real = np.ones(tokens.shape, bool) if segment_ids is None else np.asarray(segment_ids) != 0
+  image_positions = np.argwhere((np.asarray(tokens) == config.image_token_id) & real)  # row-major
+  if len(image_positions) != sum(counts):
+    raise UserError(f'the prompts hold {len(image_positions)} image tokens but their {len(patches)} images have '
+                    f'{sum(counts)} features ({counts}): each image needs exactly its t*h*w/{config.merge_unit} '
+                    'image tokens')
+  out = dict(patches=np.zeros((count, length, config.patch_dim), np.float32),
+             coords=np.zeros((count, length, 2), np.int32), windows=np.zeros((count, length), np.int32),
+             frames=np.zeros((count, length), np.int32))
+  merged = length // config.merge_unit
+  feature_index = []
+  for j, (rows, grid) in enumerate(zip(patches, grids)):
+    coords, windows, frames = patch_layout(tuple(grid), config)
+    n = len(rows)
+    out['patches'][j, :n], out['coords'][j, :n], out['windows'][j, :n], out['frames'][j, :n] = (
+        rows, coords, windows, frames)
+    feature_index.append(j * merged + np.arange(counts[j]))
+  placement = np.full(tokens.shape, -1, np.int32)
+  if feature_index:
+    placement[tuple(image_positions.T)] = np.concatenate(feature_index)
+  return Images(**{name: jnp.asarray(value) for name, value in out.items()}, placement=jnp.asarray(placement))
+
+
+def mrope_positions(tokens: np.ndarray, segment_ids: np.ndarray | None, grids: list[tuple[int, int, int]],
+                    config: Qwen2Config) -> tuple[np.ndarray, np.ndarray]:
+  """M-RoPE positions [B, T, 3] (temporal, row, column) of a token batch whose image tokens hold
+  the images of `grids` in row-major order, and each row's offset [B]: the position of the token
+  after its last, minus its count of real tokens (a decoded token's position is the count of real
+  tokens before it plus this offset). Text tokens count on from the previous token's largest
+  position on all three; an image's block of tokens starts there, its row and column positions
+  the block's, and the text after it goes on from the start plus the larger of its two sides in
+  blocks. Padding (segment 0) gets 0."""
+  v = config.vision
+  tokens = np.asarray(tokens)
+  real = np.ones(tokens.shape, bool) if segment_ids is None else np.asarray(segment_ids) != 0
+  positions = np.zeros(tokens.shape + (3,), np.int32)
+  offsets = np.zeros(tokens.shape[0], np.int32)
+  remaining = list(grids)
+  for b in range(tokens.shape[0]):
+    columns = np.flatnonzero(real[b])
+    row = tokens[b, columns]
+    current, i, out = 0, 0, np.zeros((len(columns), 3), np.int32)
+    while i < len(row):
+      if v is None or row[i] != v.image_token_id:
+        out[i] = current
+        current, i = current + 1, i + 1
+        continue
+      if not remaining:
+        raise UserError(f'row {b} holds more images than the batch has grids ({len(grids)})')
+      t, h, w = remaining.pop(0)
+      m = v.spatial_merge_size
+      frames, hs, ws = np.meshgrid(np.arange(t), np.arange(h // m), np.arange(w // m), indexing='ij')
+      block = np.stack([frames, hs, ws], axis=-1).reshape(-1, 3) + current
+      if i + len(block) > len(row) or np.any(row[i:i + len(block)] != v.image_token_id):
+        raise UserError(f'row {b}: an image of grid {[t, h, w]} needs {len(block)} consecutive image tokens')
+      out[i:i + len(block)] = block
+      current, i = current + max(h, w) // m, i + len(block)
+    positions[b, columns] = out
+    offsets[b] = current - len(columns)
+  if remaining:
+    raise UserError(f'{len(remaining)} of the {len(grids)} images have no image tokens in the prompts')
+  return positions, offsets
