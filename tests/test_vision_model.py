@@ -34,26 +34,33 @@ CASES = {
 
 def image_batch(rng, config, grids_per_row, text_lengths):
   """Left-padded prompts: each row's text, then per image <|vision_start|> its image tokens
-  <|vision_end|> and more text. -> tokens, mask [B, T], the images' patches and grids in order."""
-  rows, patches, grids = [], [], []
+  <|vision_end|> and more text. -> tokens, mask [B, T], each row's (patches, grid) pairs."""
+  rows, images = [], []
   for row_grids, length in zip(grids_per_row, text_lengths):
-    row = list(rng.integers(0, 900, length))
+    row, own = list(rng.integers(0, 900, length)), []
     for grid in row_grids:
       row += [START] + [IMAGE] * vision.image_tokens(grid, config.vision) + [END] + list(rng.integers(0, 900, 2))
-      patches.append(rng.normal(size=(int(np.prod(grid)), config.vision.patch_dim)).astype(np.float32))
-      grids.append(grid)
+      own.append((rng.normal(size=(int(np.prod(grid)), config.vision.patch_dim)).astype(np.float32), grid))
     rows.append(row)
+    images.append(own)
   width = max(map(len, rows))
   tokens, mask = np.zeros((len(rows), width), np.int64), np.zeros((len(rows), width), np.int64)
   for b, row in enumerate(rows):
     tokens[b, width - len(row):], mask[b, width - len(row):] = row, 1
-  return tokens, mask, patches, grids
+  return tokens, mask, images
 
 
-def transformers_inputs(tokens, mask, patches, grids):
+def grids_of(images):
+  return [[grid for _, grid in row] for row in images]
+
+
+def transformers_inputs(tokens, mask, images):
+  """The same batch as transformers takes it: every image's patches concatenated in row-major order."""
   import torch
+  flat = [pair for row in images for pair in row]
   return dict(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask),
-              pixel_values=torch.tensor(np.concatenate(patches)), image_grid_thw=torch.tensor(grids),
+              pixel_values=torch.tensor(np.concatenate([patches for patches, _ in flat])),
+              image_grid_thw=torch.tensor([grid for _, grid in flat]),
               mm_token_type_ids=torch.tensor((tokens == IMAGE).astype(np.int32)))
 
 
@@ -66,24 +73,24 @@ def test_logits_and_positions_match_transformers(case, seed, make_hf_checkpoint)
   config = model.config
   rng = np.random.default_rng(seed)
   # One image of 8 x 12 patches (several windows), two of different sizes, none; one row in the middle.
-  tokens, mask, patches, grids = image_batch(rng, config, [[(1, 8, 12)], [(1, 4, 4), (1, 8, 4)], [], [(1, 6, 2)]],
-                                             [3, 1, 9, 2])
-  inputs = transformers_inputs(tokens, mask, patches, grids)
+  tokens, mask, images = image_batch(rng, config, [[(1, 8, 12)], [(1, 4, 4), (1, 8, 4)], [], [(1, 6, 2)]],
+                                     [3, 1, 9, 2])
+  inputs = transformers_inputs(tokens, mask, images)
   with torch.no_grad():
     expected = reference(**inputs).logits.numpy()
     expected_positions, expected_offsets = reference.model.get_rope_index(
         inputs['input_ids'], mm_token_type_ids=inputs['mm_token_type_ids'], image_grid_thw=inputs['image_grid_thw'],
         attention_mask=inputs['attention_mask'])
-  positions, offsets = vision.mrope_positions(tokens, mask, grids, config)
+  positions, offsets = vision.mrope_positions(tokens, mask, grids_of(images), config)
   np.testing.assert_array_equal(positions, expected_positions.numpy().transpose(1, 2, 0) * mask[..., None])
   np.testing.assert_array_equal(offsets, expected_offsets.numpy()[:, 0])
-  images = vision.layout_images(patches, grids, tokens, mask, config.vision)
+  laid_out = vision.layout_images(images, tokens, mask, config.vision)
   logits = np.asarray(model(jnp.asarray(tokens), positions=jnp.asarray(positions), segment_ids=jnp.asarray(mask),
-                            images=images))
+                            images=laid_out))
   real = mask.astype(bool)
   np.testing.assert_allclose(logits[real], expected[real], rtol=0, atol=1e-4)
   # Padded to a bucket (more patches per image, an extra image slot): the same logits.
-  bucketed = vision.layout_images(patches, grids, tokens, mask, config.vision, max_patches=128, max_images=6)
+  bucketed = vision.layout_images(images, tokens, mask, config.vision, max_patches=128, max_images=3)
   again = np.asarray(model(jnp.asarray(tokens), positions=jnp.asarray(positions), segment_ids=jnp.asarray(mask),
                            images=bucketed))
   np.testing.assert_allclose(again[real], logits[real], rtol=0, atol=1e-5)
@@ -94,17 +101,17 @@ def test_greedy_decoding_matches_generate(seed, make_hf_checkpoint):
 
   directory, reference = make_hf_checkpoint(seed, model_type='qwen2_5_vl')
   model = from_pretrained(directory)
-  tokens, mask, patches, grids = image_batch(np.random.default_rng(seed), model.config,
-                                             [[(1, 4, 8)], [], [(1, 4, 4), (1, 2, 6)]], [2, 7, 1])
+  tokens, mask, images = image_batch(np.random.default_rng(seed), model.config,
+                                     [[(1, 4, 8)], [], [(1, 4, 4), (1, 2, 6)]], [2, 7, 1])
   steps = 8
   with torch.no_grad():
-    expected = reference.generate(**transformers_inputs(tokens, mask, patches, grids), max_new_tokens=steps,
+    expected = reference.generate(**transformers_inputs(tokens, mask, images), max_new_tokens=steps,
                                   do_sample=False).numpy()[:, tokens.shape[1]:]
-  positions, offsets = vision.mrope_positions(tokens, mask, grids, model.config)
+  positions, offsets = vision.mrope_positions(tokens, mask, grids_of(images), model.config)
   cache = model.init_cache(len(tokens), tokens.shape[1] + steps)
   logits, cache = model.extend(jnp.asarray(tokens), cache, positions=jnp.asarray(positions),
                                segment_ids=jnp.asarray(mask),
-                               images=vision.layout_images(patches, grids, tokens, mask, model.config.vision))
+                               images=vision.layout_images(images, tokens, mask, model.config.vision))
   decoded = [np.asarray(jnp.argmax(logits[:, -1], -1))]
   for _ in range(steps - 1):
     logits, cache = model.extend(jnp.asarray(decoded[-1][:, None]), cache, position_offsets=jnp.asarray(offsets))
@@ -156,9 +163,9 @@ def test_the_hubs_config_layout_is_read_as_transformers_5_writes_it(make_hf_chec
 def test_image_token_count_mismatch_is_one_line(seed, make_hf_checkpoint):
   directory, _ = make_hf_checkpoint(seed, model_type='qwen2_5_vl')
   config = from_pretrained(directory).config
-  tokens, mask, patches, grids = image_batch(np.random.default_rng(seed), config, [[(1, 4, 4)]], [3])
+  tokens, mask, images = image_batch(np.random.default_rng(seed), config, [[(1, 4, 4)]], [3])
   fewer = np.delete(tokens, int(np.flatnonzero(tokens[0] == IMAGE)[0]), axis=1)  # 3 image tokens for 4 features
-  with pytest.raises(UserError, match=r'^the prompts hold 3 image tokens but their 1 images have 4 features'):
-    vision.layout_images(patches, grids, fewer, np.ones_like(fewer), config.vision)
+  with pytest.raises(UserError, match=r'^row 0: the prompt holds 3 image tokens but its 1 images have 4 features'):
+    vision.layout_images(images, fewer, np.ones_like(fewer), config.vision)
   with pytest.raises(UserError, match='needs 4 consecutive image tokens'):
-    vision.mrope_positions(fewer, np.ones_like(fewer), grids, config)
+    vision.mrope_positions(fewer, np.ones_like(fewer), grids_of(images), config)

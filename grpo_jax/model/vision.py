@@ -15,8 +15,9 @@ their whole image (each frame of it), the others within windows of `window_size`
 reference implementation reorders patches window by window and back; attention restricted by a
 window id per patch computes the same thing in the processor's order, so nothing is permuted here.
 
-Images are batched as [I, Np, ...]: each padded to Np patches (a bucket, so the compiled programs
-see a bounded set of shapes), padding marked by segment 0 and its features never placed.
+Images are batched per token row as [B, I, Np, ...]: up to I images per row, each padded to Np
+patches (a bucket, so the compiled programs see a bounded set of shapes), padding marked by segment
+0 and its features never placed.
 """
 
 import dataclasses
@@ -38,13 +39,15 @@ VISION_NORM_EPS = 1e-6  # fixed in the reference implementation, not a config fi
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Images:
-  """A batch's images for the vision tower, and where their features go in the token batch.
+  """The images of a batch of B token rows, each row's own, and where their features go.
 
-  patches [I, Np, P] (the processor's rows, zero past each image's own), coords [I, Np, 2] each
-  patch's (row, column) in its image's patch grid (the 2D rotary positions), windows / frames
-  [I, Np] int32 the attention segments of the windowed and the full blocks (0: padding),
-  placement [B, T] int32: for each token, the index of its feature in the [I * Np / m^2] merged
-  features, or -1 for a token that keeps its embedding.
+  patches [B, I, Np, P]: row b's images (up to I, each up to Np patches: the processor's rows,
+  zero past an image's own), coords [B, I, Np, 2] each patch's (row, column) in its image's patch
+  grid (the 2D rotary positions), windows / frames [B, I, Np] int32 the attention segments of the
+  windowed and the full blocks (0: padding), placement [B, T] int32: for each token, the index of
+  its feature among its row's I * Np / m^2 merged features, or -1 for a token that keeps its
+  embedding. Every leaf leads with the row axis, so a batch's rows (micro-batches, shuffles, the G
+  samples of a prompt) take their images along.
   """
 
   patches: jax.Array
@@ -53,9 +56,12 @@ class Images:
   frames: jax.Array
   placement: jax.Array
 
+  def map_rows(self, fn) -> 'Images':
+    return jax.tree.map(fn, self)
+
 
 class VisionTower(nnx.Module):
-  """Patches [I, Np, P] -> merged features [I, Np / m^2, D]."""
+  """Images -> each row's merged features [B, I * Np / m^2, D]."""
 
   def __init__(self, config: VisionConfig, initializer_range: float, param_dtype, rngs: nnx.Rngs):
     self.config = config
@@ -91,19 +97,21 @@ class VisionTower(nnx.Module):
 
   def __call__(self, images: Images, dtype) -> jax.Array:
     c = self.config
-    count, length, _ = images.patches.shape
+    rows, per_row, length, _ = images.patches.shape
+    count = rows * per_row
+    flat = lambda x: x.reshape((count,) + x.shape[2:])  # noqa: E731  every image of every row, one axis
     heads, head_dim = c.num_heads, c.head_dim
-    x = jnp.einsum('inp,cp->inc', images.patches.astype(dtype), self.patch_weight[...].astype(dtype))
+    x = jnp.einsum('inp,cp->inc', flat(images.patches).astype(dtype), self.patch_weight[...].astype(dtype))
     # 2D rotary: head_dim / 4 frequencies, rotated by the row over the first half of each half-split
     # pair and by the column over the second.
     inverse_frequency = 1.0 / (c.rope_theta ** (jnp.arange(0, head_dim // 2, 2, dtype=jnp.float32) / (head_dim // 2)))
-    coords = images.coords.astype(jnp.float32)
+    coords = flat(images.coords).astype(jnp.float32)
     angles = jnp.concatenate([coords[..., 0:1] * inverse_frequency, coords[..., 1:2] * inverse_frequency], axis=-1)
 
     def segment_mask(segments):
       return (segments[:, :, None] == segments[:, None, :]) & (segments != 0)[:, None, :]
 
-    masks = (segment_mask(images.windows), segment_mask(images.frames))
+    masks = (segment_mask(flat(images.windows)), segment_mask(flat(images.frames)))
     full = jnp.asarray([i in c.fullatt_block_indexes for i in range(c.depth)])
     stacked = {name: getattr(self, name)[...].astype(dtype) for name in (
         'norm1', 'norm2', 'qkv_weight', 'qkv_bias', 'proj_weight', 'proj_bias', 'gate_weight', 'gate_bias',
@@ -127,14 +135,14 @@ class VisionTower(nnx.Module):
     x = x.reshape(count, length // c.merge_unit, c.hidden_size * c.merge_unit)
     x = jax.nn.gelu(matmul(x, self.merger_in_weight[...].astype(dtype)) + self.merger_in_bias[...].astype(dtype),
                     approximate=False)
-    return matmul(x, self.merger_out_weight[...].astype(dtype)) + self.merger_out_bias[...].astype(dtype)
+    x = matmul(x, self.merger_out_weight[...].astype(dtype)) + self.merger_out_bias[...].astype(dtype)
+    return x.reshape(rows, per_row * x.shape[1], x.shape[2])
 
 
 def place(embeddings: jax.Array, features: jax.Array, placement: jax.Array) -> jax.Array:
-  """embeddings [B, T, D] with each token whose placement >= 0 replaced by that row of the merged
-  features [I, Nm, D]."""
-  flat = features.reshape(-1, features.shape[-1]).astype(embeddings.dtype)
-  taken = jnp.take(flat, jnp.maximum(placement, 0), axis=0)
+  """embeddings [B, T, D] with each token whose placement >= 0 replaced by that feature of its
+  row's merged features [B, F, D]."""
+  taken = jnp.take_along_axis(features.astype(embeddings.dtype), jnp.maximum(placement, 0)[..., None], axis=1)
   return jnp.where((placement >= 0)[..., None], taken, embeddings)
 
 
@@ -166,55 +174,56 @@ def patch_layout(grid: tuple[int, int, int], config: VisionConfig) -> tuple[np.n
   return coords, np.tile(window, t) + frame * windows_per_frame + 1, frame + 1
 
 
-def layout_images(patches: list[np.ndarray], grids: list[tuple[int, int, int]], tokens: np.ndarray,
+def layout_images(images: list[list[tuple[np.ndarray, tuple[int, int, int]]]], tokens: np.ndarray,
                   segment_ids: np.ndarray | None, config: VisionConfig, max_patches: int | None = None,
                   max_images: int | None = None) -> Images:
-  """The Images of a token batch [B, T] whose image tokens hold, in row-major order, the images'
-  features: patches[j] [n_j, P] with patch grid grids[j]. Each image is padded to `max_patches`
-  (default: the largest), the image axis to `max_images` (default: their count). A count of image
-  tokens that differs from the images' is an error naming both."""
-  if len(patches) != len(grids):
-    raise ValueError(f'{len(patches)} images of patches but {len(grids)} grids')
-  counts = [image_tokens(tuple(grid), config) for grid in grids]
-  for j, (rows, grid) in enumerate(zip(patches, grids)):
-    if rows.shape != (int(np.prod(grid)), config.patch_dim):
-      raise UserError(f'image {j}: patches of shape {list(rows.shape)}, but its grid {list(grid)} needs '
-                      f'[{int(np.prod(grid))}, {config.patch_dim}]')
-  longest = max((len(rows) for rows in patches), default=config.merge_unit)
-  length = max_patches or longest
-  count = max_images or max(len(patches), 1)
-  if longest > length or len(patches) > count:
-    raise UserError(f'{len(patches)} images of up to {longest} patches exceed the bucket of {count} images of '
-                    f'{length} patches')
+  """The Images of a token batch [B, T] whose row b's image tokens hold, in order, the features of
+  images[b]: (patches [n, P], patch grid (t, h, w)) pairs. Each image is padded to `max_patches`
+  (default: the largest), each row's images to `max_images` (default: the most a row has): a
+  bucket, so a compiled program sees one shape. A row whose count of image tokens differs from its
+  images' features is an error naming the row and both counts."""
+  if len(images) != len(tokens):
+    raise ValueError(f'images for {len(images)} rows, tokens for {len(tokens)}')
+  for b, row in enumerate(images):
+    for j, (rows, grid) in enumerate(row):
+      if rows.shape != (int(np.prod(grid)), config.patch_dim):
+        raise UserError(f'row {b} image {j}: patches of shape {list(rows.shape)}, but its grid {list(grid)} needs '
+                        f'[{int(np.prod(grid))}, {config.patch_dim}]')
+  longest = max((len(rows) for row in images for rows, _ in row), default=config.merge_unit)
+  most = max((len(row) for row in images), default=0)
+  length, count = max_patches or longest, max_images or max(most, 1)
+  if longest > length or most > count:
+    raise UserError(f'a row of {most} images of up to {longest} patches exceeds the bucket of {count} images of '
+                    f'{length} patches per row')
   if length % config.merge_unit:
     raise ValueError(f'max_patches {length} is not a multiple of {config.merge_unit}')
   real = np.ones(tokens.shape, bool) if segment_ids is None else np.asarray(segment_ids) != 0
-  image_positions = np.argwhere((np.asarray(tokens) == config.image_token_id) & real)  # row-major
-  if len(image_positions) != sum(counts):
-    raise UserError(f'the prompts hold {len(image_positions)} image tokens but their {len(patches)} images have '
-                    f'{sum(counts)} features ({counts}): each image needs exactly its t*h*w/{config.merge_unit} '
-                    'image tokens')
-  out = dict(patches=np.zeros((count, length, config.patch_dim), np.float32),
-             coords=np.zeros((count, length, 2), np.int32), windows=np.zeros((count, length), np.int32),
-             frames=np.zeros((count, length), np.int32))
-  merged = length // config.merge_unit
-  feature_index = []
-  for j, (rows, grid) in enumerate(zip(patches, grids)):
-    coords, windows, frames = patch_layout(tuple(grid), config)
-    n = len(rows)
-    out['patches'][j, :n], out['coords'][j, :n], out['windows'][j, :n], out['frames'][j, :n] = (
-        rows, coords, windows, frames)
-    feature_index.append(j * merged + np.arange(counts[j]))
+  shape = (len(tokens), count, length)
+  out = dict(patches=np.zeros(shape + (config.patch_dim,), np.float32), coords=np.zeros(shape + (2,), np.int32),
+             windows=np.zeros(shape, np.int32), frames=np.zeros(shape, np.int32))
   placement = np.full(tokens.shape, -1, np.int32)
-  if feature_index:
-    placement[tuple(image_positions.T)] = np.concatenate(feature_index)
+  merged = length // config.merge_unit
+  for b, row in enumerate(images):
+    counts = [image_tokens(tuple(grid), config) for _, grid in row]
+    where = np.flatnonzero((np.asarray(tokens[b]) == config.image_token_id) & real[b])
+    if len(where) != sum(counts):
+      raise UserError(f'row {b}: the prompt holds {len(where)} image tokens but its {len(row)} images have '
+                      f'{sum(counts)} features ({counts}): each image needs exactly its t*h*w/{config.merge_unit} '
+                      'image tokens')
+    for j, (rows, grid) in enumerate(row):
+      coords, windows, frames = patch_layout(tuple(grid), config)
+      n = len(rows)
+      out['patches'][b, j, :n], out['coords'][b, j, :n], out['windows'][b, j, :n], out['frames'][b, j, :n] = (
+          rows, coords, windows, frames)
+    if row:
+      placement[b, where] = np.concatenate([j * merged + np.arange(k) for j, k in enumerate(counts)])
   return Images(**{name: jnp.asarray(value) for name, value in out.items()}, placement=jnp.asarray(placement))
 
 
-def mrope_positions(tokens: np.ndarray, segment_ids: np.ndarray | None, grids: list[tuple[int, int, int]],
+def mrope_positions(tokens: np.ndarray, segment_ids: np.ndarray | None, grids: list[list[tuple[int, int, int]]],
                     config: Qwen2Config) -> tuple[np.ndarray, np.ndarray]:
-  """M-RoPE positions [B, T, 3] (temporal, row, column) of a token batch whose image tokens hold
-  the images of `grids` in row-major order, and each row's offset [B]: the position of the token
+  """M-RoPE positions [B, T, 3] (temporal, row, column) of a token batch whose row b's image tokens
+  hold the images of grids[b] in order, and each row's offset [B]: the position of the token
   after its last, minus its count of real tokens (a decoded token's position is the count of real
   tokens before it plus this offset). Text tokens count on from the previous token's largest
   position on all three; an image's block of tokens starts there, its row and column positions
@@ -225,8 +234,8 @@ def mrope_positions(tokens: np.ndarray, segment_ids: np.ndarray | None, grids: l
   real = np.ones(tokens.shape, bool) if segment_ids is None else np.asarray(segment_ids) != 0
   positions = np.zeros(tokens.shape + (3,), np.int32)
   offsets = np.zeros(tokens.shape[0], np.int32)
-  remaining = list(grids)
   for b in range(tokens.shape[0]):
+    remaining = list(grids[b])
     columns = np.flatnonzero(real[b])
     row = tokens[b, columns]
     current, i, out = 0, 0, np.zeros((len(columns), 3), np.int32)
@@ -236,7 +245,7 @@ def mrope_positions(tokens: np.ndarray, segment_ids: np.ndarray | None, grids: l
         current, i = current + 1, i + 1
         continue
       if not remaining:
-        raise UserError(f'row {b} holds more images than the batch has grids ({len(grids)})')
+        raise UserError(f'row {b} holds more images than its {len(grids[b])} grids')
       t, h, w = remaining.pop(0)
       m = v.spatial_merge_size
       frames, hs, ws = np.meshgrid(np.arange(t), np.arange(h // m), np.arange(w // m), indexing='ij')
@@ -245,8 +254,8 @@ def mrope_positions(tokens: np.ndarray, segment_ids: np.ndarray | None, grids: l
         raise UserError(f'row {b}: an image of grid {[t, h, w]} needs {len(block)} consecutive image tokens')
       out[i:i + len(block)] = block
       current, i = current + max(h, w) // m, i + len(block)
+    if remaining:
+      raise UserError(f'row {b}: {len(remaining)} of its {len(grids[b])} images have no image tokens')
     positions[b, columns] = out
     offsets[b] = current - len(columns)
-  if remaining:
-    raise UserError(f'{len(remaining)} of the {len(grids)} images have no image tokens in the prompts')
   return positions, offsets
