@@ -32,6 +32,8 @@ class Prompts:
   position: where the RL step drew them: the data position of the first (int32), and ...
   key:      ... the prompt key (the pool of partial rollouts records both, so a host task's answers
             can be drawn again after a resume); None from a task itself.
+  vision:   the prompts' images and M-RoPE positions (model/vision.py Vision, rows [P, ...]) for a
+            vision-language model; None: text prompts.
   """
 
   tokens: jax.Array
@@ -39,11 +41,13 @@ class Prompts:
   answers: Any
   position: Any = None
   key: Any = None
+  vision: Any = None
 
   def map_arrays(self, fn) -> 'Prompts':
-    """fn applied to the prompts' arrays (tokens, mask); the answers stay as they are (a host
-    task's are strings)."""
-    return dataclasses.replace(self, tokens=fn(self.tokens), mask=fn(self.mask))
+    """fn applied to the prompts' arrays (tokens, mask, each leaf of vision); the answers stay as
+    they are (a host task's are strings)."""
+    return dataclasses.replace(self, tokens=fn(self.tokens), mask=fn(self.mask),
+                               vision=None if self.vision is None else jax.tree.map(fn, self.vision))
 
   def repeat(self, group_size: int) -> 'Prompts':
     """Each prompt's arrays G times over, row p * G + g for sample g of prompt p (the rows of its
@@ -150,10 +154,11 @@ class TaskKind:
     return importlib.import_module(self.module).shape(config, architecture)
 
 
-TaskName = Literal['arith', 'math', 'agent']
+TaskName = Literal['arith', 'math', 'agent', 'spot']
 TASKS = {'arith': TaskKind(jittable=True, module='grpo_jax.data.arith', section_class='ArithSection'),
          'math': TaskKind(jittable=False, module='grpo_jax.data.math_task', section_class='MathSection', answers=True),
-         'agent': TaskKind(jittable=False, module='grpo_jax.agents.task', section_class='AgentSection', acts=True)}
+         'agent': TaskKind(jittable=False, module='grpo_jax.agents.task', section_class='AgentSection', acts=True),
+         'spot': TaskKind(jittable=True, module='grpo_jax.data.spot', section_class='SpotSection')}
 assert set(TASKS) == set(typing.get_args(TaskName))
 
 
@@ -165,7 +170,8 @@ class TaskSection:
   config.py builds the subclass that `name` picks. A subclass's `check_run(config)` checks what the
   task asks of the run's other sections (config.Config runs it once they are built)."""
 
-  name: TaskName = 'arith'  # built-in arithmetic (reward in JAX) | math dataset (host reward) | agent (episodes)
+  # built-in arithmetic (reward in JAX) | math dataset (host reward) | agent (episodes) | spot (images, in JAX)
+  name: TaskName = 'arith'
 
   @staticmethod
   def variants() -> dict[str, type['TaskSection']]:

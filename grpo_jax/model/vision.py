@@ -60,6 +60,44 @@ class Images:
     return jax.tree.map(fn, self)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Vision:
+  """What prompts with images bring besides their tokens [B, T]: the images, the M-RoPE positions
+  [B, T, 3] and each row's offset [B] (a token after the prompt sits at its count of real tokens
+  before it plus the offset; mrope_positions). Rows lead every leaf."""
+
+  images: Images
+  positions: jax.Array
+  offsets: jax.Array
+
+  def map_rows(self, fn) -> 'Vision':
+    return jax.tree.map(fn, self)
+
+
+def extended(vision: Vision, prompt_mask: jax.Array, completion_mask: jax.Array) -> Vision:
+  """The prompts' Vision [B, Tp] over the rows [B, Tp + N] of prompt and completion (the update's):
+  no completion token takes a feature, and completion token j (of those completion_mask marks)
+  sits at the prompt's count of real tokens plus j plus the offset on all three components, where
+  the sampler decoded it. Traceable."""
+  before = jnp.sum(prompt_mask != 0, axis=1, dtype=jnp.int32)
+  running = jnp.maximum(jnp.cumsum(completion_mask != 0, axis=1, dtype=jnp.int32) - 1, 0)
+  after = (before + vision.offsets)[:, None] + running
+  positions = jnp.concatenate([vision.positions, jnp.broadcast_to(after[..., None], after.shape + (3,))], axis=1)
+  placement = jnp.concatenate([vision.images.placement, jnp.full(completion_mask.shape, -1, jnp.int32)], axis=1)
+  return Vision(images=dataclasses.replace(vision.images, placement=placement), positions=positions,
+                offsets=vision.offsets)
+
+
+def vision_of(images: list[list[tuple[np.ndarray, tuple[int, int, int]]]], tokens: np.ndarray,
+              segment_ids: np.ndarray | None, config: Qwen2Config, max_patches: int | None = None,
+              max_images: int | None = None) -> Vision:
+  """The Vision of a token batch whose row b holds images[b] (layout_images, mrope_positions)."""
+  positions, offsets = mrope_positions(tokens, segment_ids, [[grid for _, grid in row] for row in images], config)
+  return Vision(images=layout_images(images, tokens, segment_ids, config.vision, max_patches, max_images),
+                positions=jnp.asarray(positions), offsets=jnp.asarray(offsets))
+
+
 class VisionTower(nnx.Module):
   """Images -> each row's merged features [B, I * Np / m^2, D]."""
 

@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx, struct
 
 from grpo_jax.model.qwen2 import Qwen2
+from grpo_jax.model.vision import Vision
 from grpo_jax.ops import token_logprobs
 from grpo_jax.rl import algo, packing
 from grpo_jax.rl.algo import AlgoConfig
@@ -31,6 +32,7 @@ class LossInputs:
   weights        [B, N] fp32 the loss aggregation's weights, normalised over the whole mini-batch,
                  so micro-batch losses (and gradients) add up to the mini-batch loss exactly.
   token_weights  [B, N] fp32 token-mean weights over the mini-batch, for the reported metrics.
+  vision         the rows' images and M-RoPE positions over [B, Tp + N] (model/vision.py), or None.
   """
 
   tokens: jax.Array
@@ -44,18 +46,22 @@ class LossInputs:
   ref_log_probs: jax.Array | None = None
   weights: jax.Array | None = None
   token_weights: jax.Array | None = None
+  vision: Vision | None = None
 
 
 def completion_log_probs(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array, completion_length: int,
                          *, temperature: float, implementation: str, with_entropy: bool = False,
-                         routes: jax.Array | None = None):
+                         routes: jax.Array | None = None, vision: Vision | None = None):
   """(log pi(y_t) [B, N] (and entropy [B, N]) of the last N tokens, from the fused op; the
   model's Routing of the rows, None for a dense model). routes [B, Tp + N, Ls, k]: replayed.
+  vision: the rows' images and positions (the vision tower recomputed, trained or frozen).
 
   The logits predicting completion token t sit at position Tp + t - 1, so the op reads the hidden
   states of positions Tp - 1 .. Tp + N - 2; prompts must be left-padded.
   """
-  hidden, routing = model.hidden_states(tokens, segment_ids=segment_ids, routes=routes, return_routing=True)
+  hidden, routing = model.hidden_states(tokens, segment_ids=segment_ids, routes=routes, return_routing=True,
+                                        positions=None if vision is None else vision.positions,
+                                        images=None if vision is None else vision.images)
   hidden = hidden[:, -completion_length - 1:-1]
   return token_logprobs(hidden, model.lm_head_weight(), tokens[:, -completion_length:],
                         temperature=temperature, return_entropy=with_entropy,
@@ -86,8 +92,10 @@ def log_probs_of(model: Qwen2, micro: LossInputs, packed: packing.Packed | None,
   completion_length = micro.mask.shape[1]
   if packed is None:
     values, routing = completion_log_probs(model, micro.tokens, micro.segment_ids, completion_length, **options,
-                                           routes=micro.routes if replay else None)
+                                           routes=micro.routes if replay else None, vision=micro.vision)
   else:
+    if micro.vision is not None:
+      raise ValueError('packed rows carry no images: a vision-language update runs padded (algo.packing false)')
     values, routing = packed_token_log_probs(model, packed, **options, replay=replay)
     values = (tuple(packing.unpack(value, packed, completion_length) for value in values) if with_entropy
               else packing.unpack(values, packed, completion_length))

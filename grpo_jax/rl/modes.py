@@ -67,10 +67,11 @@ class Sampling:
   rollout: RolloutConfig
   pool: PoolSettings | None = None
 
-  def sample(self, params, prompt_tokens, prompt_mask, key) -> Rollout:
-    """G completions of each prompt from `params` (sampler/rollout.py). Traceable."""
+  def sample(self, params, prompt_tokens, prompt_mask, key, vision=None) -> Rollout:
+    """G completions of each prompt from `params` (sampler/rollout.py); vision: the prompts'
+    images. Traceable."""
     return sample_resident(self.graphdef, params, prompt_tokens, prompt_mask, key, layout=self.layout,
-                           group_size=self.group_size, settings=self.decode, slots=self.slots)
+                           group_size=self.group_size, settings=self.decode, slots=self.slots, vision=vision)
 
   def task_stage(self, fn: Callable, host: bool) -> Callable:
     """A task's prompts or reward as a stage: jitted on the host when the task is jittable (its
@@ -83,7 +84,7 @@ class GroupSampling:
 
   def __init__(self, sampling: Sampling, host: bool):
     self.group_size = sampling.group_size
-    # (params, prompt tokens, prompt mask, key) -> Rollout
+    # (params, prompt tokens, prompt mask, key, vision) -> Rollout
     self.sample = jax.jit(sampling.sample) if host else sampling.sample
     self.reward = sampling.task_stage(sampling.task.reward, host)  # (rollout, prompts, G) -> Scores
     self.prompts = sampling.task_stage(sampling.task.prompts, host)  # (key, position, P) -> Prompts
@@ -93,7 +94,7 @@ class GroupSampling:
     return state
 
   def __call__(self, state: TrainState, prompts: Prompts, key, observe=no_observer) -> tuple[TrainState, Round]:
-    rollout = self.sample(state.policy, prompts.tokens, prompts.mask, key)
+    rollout = self.sample(state.policy, prompts.tokens, prompts.mask, key, prompts.vision)
     observe('rollout', rollout)
     scores = self.reward(rollout, prompts, self.group_size)
     observe('reward', scores)

@@ -19,6 +19,7 @@ import optax
 
 from grpo_jax import distributed
 from grpo_jax.data.task import Prompts, Scores
+from grpo_jax.model.vision import extended
 from grpo_jax.rl import algo
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.modes import Acting, Round, Sampling, no_observer
@@ -34,12 +35,13 @@ def make_batch(prompts: Prompts, rollout: Rollout, scores: Scores, algo_config: 
   advantages = algo.ADVANTAGES[algo_config.advantage](scores.rewards.reshape(-1, group),
                                                       algo_config.advantage_epsilon).reshape(-1)
   rows = prompts.repeat(group)
+  vision = None if rows.vision is None else extended(rows.vision, rows.mask, rollout.sequence_mask)
   return Batch(tokens=jnp.concatenate([rows.tokens, rollout.tokens], axis=1),
                segment_ids=jnp.concatenate([rows.mask.astype(jnp.int32), rollout.sequence_mask.astype(jnp.int32)],
                                            axis=1),
                mask=rollout.mask, advantages=advantages, sampler_log_probs=rollout.log_probs,
                lags=None if rollout.versions is None else jnp.where(rollout.mask, version - rollout.versions, 0),
-               routes=rollout.routes)
+               routes=rollout.routes, vision=vision)
 
 
 def rollout_metrics(rollout: Rollout, scores: Scores, group_size: int, slots: int) -> dict:
@@ -158,7 +160,7 @@ class RLStep:
     """The RL step, written once: a round, then advantages and the update."""
     state, sampled = self._round(mode, draw, state, observe)
     state, metrics = learn(state, ref_params, sampled.prompts.tokens, sampled.prompts.mask, sampled.rollout,
-                           sampled.scores)
+                           sampled.scores, sampled.prompts.vision)
     observe('update', metrics)
     return state, dict(metrics, **sampled.metrics)
 
@@ -181,7 +183,7 @@ class RLStep:
     chosen = sorted(informative[:prompts_per_step] + (uninformative[-shortfall:] if shortfall else []))
     trained = _gather_groups(self._take_groups, self.mesh, rounds, chosen, group)
     state, metrics = self.learn(state, ref_params, trained.prompts.tokens, trained.prompts.mask, trained.rollout,
-                                trained.scores)
+                                trained.scores, trained.prompts.vision)
     observe('update', metrics)
     sampled = self._sampled_metrics([r.rollout for r in rounds], [r.scores for r in rounds])
     everything = ('reward_mean', 'reward_std', 'reward_failures', 'frac_zero_std_groups', 'decode_steps',
@@ -203,16 +205,17 @@ class RLStep:
   # ---- the update ----
 
   def learn(self, state: TrainState, ref_params, prompt_tokens, prompt_mask, rollout: Rollout,
-            scores: Scores) -> tuple[TrainState, dict]:
+            scores: Scores, vision=None) -> tuple[TrainState, dict]:
     """The jitted update from the host; the pool passes by it as it is."""
     trained, metrics = self.update_program(state.replace(pool=None), ref_params, prompt_tokens, prompt_mask, rollout,
-                                           scores)
+                                           scores, vision)
     return trained.replace(pool=state.pool), metrics
 
   def _learn(self, state: TrainState, ref_params, prompt_tokens, prompt_mask, rollout: Rollout,
-             scores: Scores) -> tuple[TrainState, dict]:
-    """Advantages, the optax update, the step's metrics; counts the step."""
-    prompts = Prompts(tokens=prompt_tokens, mask=prompt_mask, answers=None)
+             scores: Scores, vision=None) -> tuple[TrainState, dict]:
+    """Advantages, the optax update, the step's metrics; counts the step. vision: the prompts'
+    images (a vision-language model), or None."""
+    prompts = Prompts(tokens=prompt_tokens, mask=prompt_mask, answers=None, vision=vision)
     batch = make_batch(prompts, rollout, scores, self.algo, version=state.step)
     state, update_metrics = update(state, batch, ref_params, graphdef=self.graphdef, optimizer=self.optimizer,
                                    schedule=self.schedule, settings=self.update_settings)
@@ -223,8 +226,10 @@ class RLStep:
 def _take_groups(rounds: list[tuple[Prompts, Rollout, Scores]], prompt_rows: jax.Array, sample_rows: jax.Array):
   """(prompt arrays, rollout, scores) of the rows chosen from the rounds stacked in order, on the
   devices (jitted in RLStep)."""
+  vision = None if rounds[0][0].vision is None else jax.tree.map(
+      lambda *leaves: jnp.concatenate(leaves)[prompt_rows], *[p.vision for p, _, _ in rounds])
   prompts = Prompts(tokens=jnp.concatenate([p.tokens for p, _, _ in rounds])[prompt_rows],
-                    mask=jnp.concatenate([p.mask for p, _, _ in rounds])[prompt_rows], answers=None)
+                    mask=jnp.concatenate([p.mask for p, _, _ in rounds])[prompt_rows], answers=None, vision=vision)
   return (prompts, Rollout.concatenate([r for _, r, _ in rounds]).take(sample_rows),
           Scores.concatenate([s for _, _, s in rounds]).take(sample_rows))
 

@@ -26,6 +26,7 @@ from grpo_jax.rl import algo, packing
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.loss import (MISMATCH, LossInputs, lag_means, log_probs_of, mismatch_by_lag, policy_loss,
                               sampler_mismatch)
+from grpo_jax.model.vision import Vision
 from grpo_jax.rl.state import TrainState
 from grpo_jax.sharding import batch_groups, constrain
 
@@ -41,6 +42,7 @@ class Batch:
   sampler_log_probs [B, N] fp32    the sampler's log pi(y_t) (for the TIS correction)
   lags          [B, N] int32 or None versions between each token's sampler and this policy (partial rollouts)
   routes        [B, Tp + N, Ls, k] or None the sampler's experts of every token (routing replay, model/moe.py)
+  vision        Vision over [B, Tp + N] or None: the rows' images and M-RoPE positions (model/vision.py)
   """
 
   tokens: jax.Array
@@ -50,6 +52,7 @@ class Batch:
   sampler_log_probs: jax.Array
   lags: jax.Array | None = None
   routes: jax.Array | None = None
+  vision: Vision | None = None
 
   @property
   def completion_length(self) -> int:
@@ -211,8 +214,11 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
   replay = config.routing_replay == 'rollout'
   require(not replay or batch.routes is not None, 'algo.routing_replay',
           "is 'rollout', but this rollout recorded no routes (a dense model, or a rollout mode that records none)")
+  require(not config.packing or batch.vision is None, 'algo.packing',
+          'must be false for prompts with images: packed rows do not carry them yet')
   rows = LossInputs(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask, advantages=batch.advantages,
-                    sampler_log_probs=batch.sampler_log_probs, lags=batch.lags, routes=batch.routes if replay else None)
+                    sampler_log_probs=batch.sampler_log_probs, lags=batch.lags, routes=batch.routes if replay else None,
+                    vision=batch.vision)
   # pi_old and pi_ref score the whole batch, laid out (packed) once for both.
   if not settings.on_policy or config.kl_beta > 0:
     scoring = MicroBatches.of(settings, batch.tokens, batch.segment_ids, completion_length, settings.micro_rows,

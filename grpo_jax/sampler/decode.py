@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from grpo_jax.model.moe import unrecorded
 from grpo_jax.model.qwen2 import KVCache, Qwen2, SharedPrefix
+from grpo_jax.model.vision import Vision
 from grpo_jax.sampler.sampling import SamplingConfig, select
 
 
@@ -49,12 +50,14 @@ class Prefix:
   empty:   [P] bool, the prompt had no real token (its request finishes at once, with no tokens).
   routes:  [P, T, Ls, k] the experts each prompt token was routed to (model/moe.py), or None when
            not recorded.
+  offsets: [P] int32 M-RoPE position offsets of prompts with images (model/vision.py), or None.
   """
 
   cache: KVCache
   hidden: jax.Array
   empty: jax.Array
   routes: jax.Array | None = None
+  offsets: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -73,6 +76,7 @@ class DecodeState:
               or None: the settings' for every row (requests of one budget).
   stops:      [B, M] int32 stop ids of each row's own (padded with -1), besides the settings' ones;
               None: only the settings' (the inference server's requests carry their own).
+  offsets:    [B] int32 M-RoPE position offset of each row's prompt (prompts with images); None: 0.
   """
 
   cache: KVCache
@@ -83,6 +87,7 @@ class DecodeState:
   prefix: SharedPrefix | None = None
   limit: jax.Array | None = None
   stops: jax.Array | None = None
+  offsets: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -120,20 +125,23 @@ def request_keys(key: jax.Array, count: int, first: int = 0) -> jax.Array:
 
 
 def prefill(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array, cache: KVCache,
-            prefix: SharedPrefix | None = None, record_routes: bool = False) -> Prefix:
+            prefix: SharedPrefix | None = None, record_routes: bool = False, vision: Vision | None = None) -> Prefix:
   """Runs tokens [P, T] (segment_ids [P, T], 0 on padding) into `cache` [L, P, S, K, H] from its
   current length on (an empty cache, or an earlier prefix to continue); `prefix`: shared prompts
   the rows continue (partial rollouts prefill a cut-off answer over its prompt). Only the P hidden states
   that are sampled from leave the model: the [P, T, V] logits of a long prompt batch would be
-  tens of GB over Qwen's 151,936-token vocabulary. record_routes: keep each token's experts."""
+  tens of GB over Qwen's 151,936-token vocabulary. record_routes: keep each token's experts.
+  vision: the prompts' images and M-RoPE positions (a vision-language model; prompts on an empty cache)."""
   start = cache.length
   hidden, cache, routing = model.extend(tokens, cache, segment_ids=segment_ids, return_hidden=True, prefix=prefix,
-                                        return_routing=True)
+                                        return_routing=True, images=None if vision is None else vision.images,
+                                        positions=None if vision is None else vision.positions)
   last = jnp.max(jnp.where(segment_ids != 0, jnp.arange(tokens.shape[1]), -1), axis=1)  # [P]
   cache = dataclasses.replace(cache, length=start + last + 1)
   hidden = jnp.take_along_axis(hidden, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]
   routes = _recorded(routing, segment_ids != 0) if record_routes else None
-  return Prefix(cache=cache, hidden=hidden, empty=last < 0, routes=routes)
+  return Prefix(cache=cache, hidden=hidden, empty=last < 0, routes=routes,
+                offsets=None if vision is None else vision.offsets)
 
 
 def _recorded(routing, real: jax.Array) -> jax.Array:
@@ -155,7 +163,8 @@ def _advance(model: Qwen2, state: DecodeState, tokens: jax.Array) -> tuple[Decod
   -> (state, the fed tokens' routes [B, Ls, k], `unrecorded` on rows not live; None in a dense model)."""
   live = state.live
   hidden, cache, routing = model.extend(tokens[:, None], state.cache, segment_ids=live[:, None].astype(jnp.int32),
-                                        return_hidden=True, prefix=state.prefix, return_routing=True)
+                                        return_hidden=True, prefix=state.prefix, return_routing=True,
+                                        position_offsets=state.offsets)
   # A free row writes a padding entry at its current slot but keeps its length, so it never runs
   # past the end of its row and the entry is overwritten by the next request inserted there.
   cache = dataclasses.replace(cache, length=jnp.where(live, cache.length, state.cache.length))

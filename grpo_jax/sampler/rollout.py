@@ -26,6 +26,7 @@ from flax import nnx
 
 from grpo_jax.errors import require
 from grpo_jax.model.qwen2 import Qwen2
+from grpo_jax.model.vision import Vision
 from grpo_jax.sampler.decode import DecodeSettings, request_keys
 from grpo_jax.sampler.layout import RolloutLayout
 from grpo_jax.sampler.sampling import SamplingConfig
@@ -160,20 +161,22 @@ class Rollout:
 
 
 def sample_groups(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
-                  group_size: int, settings: DecodeSettings, slots: int = 0) -> Rollout:
+                  group_size: int, settings: DecodeSettings, slots: int = 0, vision: Vision | None = None) -> Rollout:
   """Samples G completions for each of P prompts through `slots` decode rows (0: one per request),
   in the one slot loop (slots.decode_groups) with every request queued in order. Traceable: run
   it under jit (see GroupSampler).
 
-  prompts [P, Tp] int32, left- or right-padded; prompt_mask [P, Tp], 1 on real tokens. Returns the
-  Rollout in request order, with `decode_steps` (loop iterations) set.
+  prompts [P, Tp] int32, left- or right-padded; prompt_mask [P, Tp], 1 on real tokens; vision:
+  the prompts' images (model/vision.py), through the vision tower once per prompt in the prefill.
+  Returns the Rollout in request order, with `decode_steps` (loop iterations) set.
   """
   num_prompts = prompts.shape[0]
   requests = num_prompts * group_size
   slots = min(slots or requests, requests)
   groups = batch_groups(num_prompts, slots)
   per_slots, per_requests = slots // groups, requests // groups
-  shared = prefill_prompts(model, prompts, prompt_mask, groups, slots, record_routes=settings.record_routes)
+  shared = prefill_prompts(model, prompts, prompt_mask, groups, slots, record_routes=settings.record_routes,
+                           vision=vision)
   order = jnp.broadcast_to(jnp.arange(per_requests, dtype=jnp.int32), (groups, per_requests))
   count, decoded = decode_groups(
       model, idle_slots(model, shared, slots, settings.max_new_tokens), settings, prompts=shared,
@@ -186,28 +189,28 @@ def sample_groups(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, key:
 
 def sample_resident(graphdef, params, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
                     layout: RolloutLayout | None, group_size: int, settings: DecodeSettings,
-                    slots: int = 0) -> Rollout:
+                    slots: int = 0, vision: Vision | None = None) -> Rollout:
   """sample_groups from the parameters `params` of the model `graphdef`, in the sampler's own
   layout (sampler/layout.py): the weights are cast and laid out once, the whole rollout is traced
   under the sampler's mesh, and the rows come back laid out over the source mesh's batch axes.
   layout None: in the parameters' own layout. Traceable."""
   if layout is None:
     return sample_groups(nnx.merge(graphdef, params), prompts, prompt_mask, key, group_size=group_size,
-                         settings=settings, slots=slots)
+                         settings=settings, slots=slots, vision=vision)
   resident = layout.place(params)
-  prompts, prompt_mask, key = layout.enter((prompts, prompt_mask, key))
+  prompts, prompt_mask, key, vision = layout.enter((prompts, prompt_mask, key, vision))
   with layout.active():
     rollout = sample_groups(nnx.merge(graphdef, resident), prompts, prompt_mask, key, group_size=group_size,
-                            settings=settings, slots=slots)
+                            settings=settings, slots=slots, vision=vision)
   return layout.rows_to_source(rollout)
 
 
 class GroupSampler:
   """Jitted `sample_resident` over a model's parameter state.
 
-  `sampler(state, prompts, prompt_mask, key)` with `state = nnx.state(model)` (e.g. the trainer's
-  live parameters); the graph definition, the layout and the static settings are fixed at
-  construction.
+  `sampler(state, prompts, prompt_mask, key[, vision])` with `state = nnx.state(model)` (e.g. the
+  trainer's live parameters); the graph definition, the layout and the static settings are fixed
+  at construction.
   """
 
   def __init__(self, model: Qwen2, *, group_size: int, settings: DecodeSettings, slots: int = 0,
@@ -215,11 +218,11 @@ class GroupSampler:
     graphdef, _ = nnx.split(model)
 
     @jax.jit
-    def run(state, prompts, prompt_mask, key):
+    def run(state, prompts, prompt_mask, key, vision):
       return sample_resident(graphdef, state, prompts, prompt_mask, key, layout=layout, group_size=group_size,
-                             settings=settings, slots=slots)
+                             settings=settings, slots=slots, vision=vision)
 
     self._run = run
 
-  def __call__(self, state, prompts, prompt_mask, key) -> Rollout:
-    return self._run(state, prompts, prompt_mask, key)
+  def __call__(self, state, prompts, prompt_mask, key, vision: Vision | None = None) -> Rollout:
+    return self._run(state, prompts, prompt_mask, key, vision)

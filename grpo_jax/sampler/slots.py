@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from grpo_jax.model.moe import unrecorded
 from grpo_jax.model.qwen2 import KVCache, Qwen2, SharedPrefix
+from grpo_jax.model.vision import Vision
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, decode_step, prefill
 from grpo_jax.sharding import constrain, grouped
 
@@ -45,6 +46,7 @@ class Entry:
               shared prompts.
   limit:      [R] int32 token budget; stops: [R, M] int32 stop ids (-1 padded); None: the
               settings' (the state then carries neither).
+  offsets:    [R] int32 the M-RoPE position offset of the request's prompt (images); None: none.
   """
 
   hidden: jax.Array
@@ -56,6 +58,7 @@ class Entry:
   prompt: jax.Array | None = None
   limit: jax.Array | None = None
   stops: jax.Array | None = None
+  offsets: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +120,7 @@ def admit(state: DecodeState, slots: Slots, entry: Entry) -> DecodeState:
   if entry.prompt is not None:
     index = state.prefix.index
     changes['prefix'] = dataclasses.replace(state.prefix, index=put(index.reshape(-1), entry.prompt).reshape(index.shape))
-  for name in ('limit', 'stops'):
+  for name in ('limit', 'stops', 'offsets'):
     if getattr(entry, name) is not None:
       changes[name] = put(getattr(state, name), getattr(entry, name))
   return dataclasses.replace(state, **changes)
@@ -174,12 +177,14 @@ class Prompts:
   hidden:  [n, Pn, D] the hidden state each prompt's first token is sampled from.
   empty:   [n, Pn] bool, the prompt has no real token.
   routes:  [n, Pn, W, Ls, k] the experts each prompt token was routed to, or None (not recorded).
+  offsets: [n, Pn] int32 each prompt's M-RoPE position offset (prompts with images), or None.
   """
 
   shared: SharedPrefix
   hidden: jax.Array
   empty: jax.Array
   routes: jax.Array | None = None
+  offsets: jax.Array | None = None
 
   def request_routes(self, requests: int, group_size: int) -> jax.Array:
     """[n * requests, W, Ls, k]: each of a group's `requests` requests' prompt routes (request r
@@ -191,19 +196,21 @@ class Prompts:
 
 
 def prefill_prompts(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, groups: int, slots: int,
-                    record_routes: bool = False) -> Prompts:
+                    record_routes: bool = False, vision: Vision | None = None) -> Prompts:
   """Prompts [P, Tp] (prompt_mask 1 on real tokens) prefilled into their shared cache, for
-  `slots` decode slots split into `groups`; record_routes: keep their tokens' experts. Traceable."""
+  `slots` decode slots split into `groups`; record_routes: keep their tokens' experts; vision:
+  their images (each prompt's run through the vision tower once, here). Traceable."""
   count, width = prompts.shape
   done = prefill(model, prompts, prompt_mask.astype(jnp.int32), model.init_cache(count, width),
-                 record_routes=record_routes)
+                 record_routes=record_routes, vision=vision)
   layers = done.cache.k.shape[0]
   split = lambda x: x.reshape((layers, groups, count // groups) + x.shape[2:])  # noqa: E731
   shared = SharedPrefix(k=split(done.cache.k), v=split(done.cache.v),
                         segment_ids=grouped(done.cache.segment_ids, groups),
                         index=jnp.zeros((groups, slots // groups), jnp.int32))
   return Prompts(shared=shared, hidden=grouped(done.hidden, groups), empty=grouped(done.empty, groups),
-                 routes=None if done.routes is None else grouped(done.routes, groups))
+                 routes=None if done.routes is None else grouped(done.routes, groups),
+                 offsets=None if done.offsets is None else grouped(done.offsets, groups))
 
 
 def idle_slots(model: Qwen2, prompts: Prompts, slots: int, steps: int) -> DecodeState:
@@ -212,7 +219,8 @@ def idle_slots(model: Qwen2, prompts: Prompts, slots: int, steps: int) -> Decode
   return DecodeState(cache=model.init_cache(slots, steps),
                      hidden=jnp.zeros((slots, prompts.hidden.shape[-1]), prompts.hidden.dtype),
                      keys=jax.random.split(jax.random.key(0), slots), generated=jnp.zeros((slots,), jnp.int32),
-                     live=jnp.zeros((slots,), bool), prefix=prompts.shared)
+                     live=jnp.zeros((slots,), bool), prefix=prompts.shared,
+                     offsets=None if prompts.offsets is None else jnp.zeros((slots,), jnp.int32))
 
 
 def decode_groups(model: Qwen2, state: DecodeState, settings: DecodeSettings, *, prompts: Prompts,
@@ -262,7 +270,8 @@ def decode_groups(model: Qwen2, state: DecodeState, settings: DecodeSettings, *,
     empty = gather(prompts.empty, prompt)
     state = admit(state, Slots(mask=flat(taken)),
                   Entry(hidden=flat(gather(prompts.hidden, prompt)), keys=flat(gather(keys, request)),
-                        empty=flat(empty), prompt=flat(prompt)))
+                        empty=flat(empty), prompt=flat(prompt),
+                        offsets=None if prompts.offsets is None else flat(gather(prompts.offsets, prompt))))
     # A request of an empty prompt finishes at once, with no tokens.
     done = per_group(decoded.done, jnp.where(taken & empty, holding, per_requests), jnp.ones_like(taken))
     return state, holding, waiting + jnp.sum(taken, axis=1, dtype=jnp.int32), dataclasses.replace(decoded, done=done)
@@ -288,7 +297,8 @@ def decode_groups(model: Qwen2, state: DecodeState, settings: DecodeSettings, *,
 
   def pinned(state: DecodeState) -> DecodeState:
     return dataclasses.replace(state, hidden=rows(state.hidden), keys=rows(state.keys), generated=rows(state.generated),
-                               live=rows(state.live), prefix=dataclasses.replace(state.prefix, index=rows(state.prefix.index)))
+                               live=rows(state.live), prefix=dataclasses.replace(state.prefix, index=rows(state.prefix.index)),
+                               offsets=None if state.offsets is None else rows(state.offsets))
 
   def step(carry):
     count, state, holding, waiting, decoded = carry
