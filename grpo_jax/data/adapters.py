@@ -74,7 +74,7 @@ class _Schema:
   data_source: str | None = None
 
 
-def _lookup(record: dict, path: str):
+def lookup(record: dict, path: str):
   """record['a']['b'] for path 'a.b'; None when a part is missing."""
   value = record
   for part in path.split('.'):
@@ -84,7 +84,7 @@ def _lookup(record: dict, path: str):
   return value
 
 
-def _text(value) -> str | None:
+def scalar_text(value) -> str | None:
   """A scalar field as stripped text: integral floats without '.0' (parquet and JSON store 204 as
   204.0 in float columns); None for null, NaN (pandas' missing value), booleans, lists and blanks."""
   if isinstance(value, float):
@@ -107,15 +107,15 @@ def _gsm8k_answer(record: dict) -> str | None:
 
 
 def _math_answer(record: dict) -> str | None:
-  answer = _text(record.get('answer'))
+  answer = scalar_text(record.get('answer'))
   solution = record.get('solution')
   if answer is None and isinstance(solution, str):
-    answer = _text(last_boxed(solution))
+    answer = scalar_text(last_boxed(solution))
   return answer
 
 
 def _first_answer(*paths: str) -> Callable[[dict], str | None]:
-  return lambda record: next((text for text in (_text(_lookup(record, path)) for path in paths) if text), None)
+  return lambda record: next((text for text in (scalar_text(lookup(record, path)) for path in paths) if text), None)
 
 
 _SCHEMAS = {
@@ -129,11 +129,11 @@ _SCHEMAS = {
 
 def _prompt(record: dict, fields: tuple[str, ...], where: str) -> str | tuple[dict, ...]:
   """The question of `record`: text, or its chat messages as a tuple of plain dicts."""
-  field = next((field for field in fields if _lookup(record, field) is not None), None)
+  field = next((field for field in fields if lookup(record, field) is not None), None)
   if field is None:
     raise UserError(f'{where} has no question in field {" or ".join(map(repr, fields))} '
                     f'(missing or null; its fields: {", ".join(map(str, record))})')
-  value = _lookup(record, field)
+  value = lookup(record, field)
   if isinstance(value, str):
     if not value.strip():
       raise UserError(f'{where} has an empty question in field {field!r}')
@@ -166,7 +166,7 @@ def adapt(records: list[dict], format: str, source: str, prompt_field: str = 'pr
     if answer is None:
       skipped += 1
       continue
-    data_source = _text(record.get('data_source')) or schema.data_source or source
+    data_source = scalar_text(record.get('data_source')) or schema.data_source or source
     problems.append(Problem(prompt=prompt, answer=answer, data_source=data_source))
   if not problems:
     raise UserError(f'none of the {len(records)} records of {source} (format {format}) has a usable reference '
