@@ -85,7 +85,8 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
   require(config.algo.routing_replay == 'none' or model.config.num_sparse_layers, 'algo.routing_replay',
           f"'{config.algo.routing_replay}' replays the experts of a mixture of experts; this model "
           f'({model.config.model_type}) is dense: set algo.routing_replay=none')
-  optimizer, schedule = config.optim.build(total_updates(config))
+  freeze = ('visual',) if model.config.vision is not None and config.model.options.freeze_vision else ()
+  optimizer, schedule = config.optim.build(total_updates(config), frozen=freeze)
   if config.rollout.devices and sampler_devices is None:
     sampler_devices = split_devices(jax.devices(), config.rollout.devices)[1]
   layout = rollout_layout(model, mesh, config.rollout.tensor, sampler_devices) if resident else None

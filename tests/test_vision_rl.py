@@ -64,3 +64,31 @@ def test_the_vision_demo_learns_and_blank_images_stay_at_chance(tmp_path):
   seen, blank = ([row['reward_mean'] for row in read_metrics(tmp_path / run)] for run in ('seen', 'blank'))
   assert np.mean(seen[:10]) <= 0.3 and np.mean(seen[-10:]) >= 0.8, (np.mean(seen[:10]), np.mean(seen[-10:]))
   assert np.mean(blank[-10:]) <= 0.25 + 0.1, np.mean(blank[-10:])
+
+
+def test_a_frozen_tower_stays_as_loaded_and_lora_trains_with_images(tmp_path):
+  """model.freeze_vision: after RL steps the tower's weights are those it started with while the
+  language model's moved; LoRA on the language model (its base, tower included, frozen) trains on
+  image prompts: only the adapters change."""
+  from grpo_jax.checkpoint import restore_policy
+  from grpo_jax.sharding import MeshConfig, make_mesh
+
+  mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+  quick = ('train.steps=6', 'train.steps_per_call=3', 'train.checkpoint_every=3', 'train.progress=false',
+           'train.tensorboard=false')
+
+  def params(run, step):
+    _, state, _, _ = restore_policy(str(tmp_path / run / 'checkpoints'), step, mesh)
+    return {'/'.join(map(str, path)): np.asarray(value) for path, value in nnx.to_flat_state(state)}
+
+  train_here(tmp_path / 'frozen', CONFIG, 'model.freeze_vision=true', *quick)
+  before, after = params('frozen', 3), params('frozen', 6)
+  tower = [name for name in before if name.startswith('visual/')]
+  assert len(tower) == 18 and all(np.array_equal(before[name], after[name]) for name in tower)
+  assert not np.array_equal(before['layers/q_weight'], after['layers/q_weight'])
+
+  rows = train_here(tmp_path / 'lora', CONFIG, 'model.lora.rank=4', 'model.lora.targets=[q, v, gate]', *quick)
+  assert all(np.isfinite(row['policy_loss']) and np.isfinite(row['grad_norm']) for row in rows)
+  before, after = params('lora', 3), params('lora', 6)
+  changed = {name for name in before if not np.array_equal(before[name], after[name])}
+  assert changed and all('lora' in name for name in changed), changed

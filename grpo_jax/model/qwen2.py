@@ -61,6 +61,9 @@ class ModelOptions:
   decode_block: int = 256  # cache slots per block of 'blockwise' and 'pallas' decode attention
   # Low-rank adapters (model/lora.py): the base frozen in `dtype`, the adapters in `param_dtype`.
   lora: LoraConfig | None = None
+  # A vision-language model's tower kept as loaded: no gradient flows into it (its features are
+  # constants of the loss) and the optimizer leaves its weights alone. LoRA freezes it anyway.
+  freeze_vision: bool = False
 
   def __post_init__(self):
     choices = {'dtype': typing.get_args(DType), 'param_dtype': typing.get_args(ParamDType),
@@ -249,7 +252,10 @@ class Qwen2(nnx.Module):
     if images is not None:
       if self.config.vision is None:
         raise ValueError('images given to a model without a vision tower')
-      x = place(x, self.visual(images, self.dtype), images.placement)
+      features = self.visual(images, self.dtype)
+      if self.options.freeze_vision:
+        features = jax.lax.stop_gradient(features)
+      x = place(x, features, images.placement)
     return constrain(x, ('batch', 'seq', 'act_embed'))
 
   # ---- incremental decoding with a KV cache (prefill, then one token at a time) ----

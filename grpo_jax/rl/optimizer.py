@@ -3,6 +3,8 @@
 import dataclasses
 from typing import Literal
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from grpo_jax.errors import require
@@ -48,10 +50,28 @@ class OptimConfig:
     decay = self.decay_steps or max(total_updates, self.warmup_steps + 1)
     return optax.warmup_cosine_decay_schedule(0.0, peak, self.warmup_steps, decay, end_value=peak * self.min_lr_ratio)
 
-  def build(self, total_updates: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(AdamW on the schedule, after global-norm clipping when enabled; the schedule)."""
+  def build(self, total_updates: int, frozen: tuple[str, ...] = ()) -> tuple[optax.GradientTransformation,
+                                                                              optax.Schedule]:
+    """(AdamW on the schedule, after global-norm clipping when enabled; the schedule). `frozen`:
+    top-level parameter names the optimizer leaves as they are (no update, no weight decay): a
+    frozen vision tower, 'visual'. Their AdamW moments are still held, at zero (optax's masked
+    states do not lay out by the parameters' shardings), a memory cost left for later."""
     schedule = self.learning_rate_schedule(total_updates)
     adamw = optax.adamw(schedule, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
-    if self.max_grad_norm > 0:
-      return optax.chain(optax.clip_by_global_norm(self.max_grad_norm), adamw), schedule
-    return adamw, schedule
+    optimizer = optax.chain(optax.clip_by_global_norm(self.max_grad_norm), adamw) if self.max_grad_norm > 0 else adamw
+    if frozen:
+      optimizer = optax.chain(optimizer, _zero_updates(frozen))
+    return optimizer, schedule
+
+
+def _zero_updates(names: tuple[str, ...]) -> optax.GradientTransformation:
+  """Zeroes the updates of the parameters under the top-level `names` (stateless)."""
+  def first(path) -> str:
+    return str(getattr(path[0], 'key', getattr(path[0], 'name', path[0])))
+
+  def update(updates, state, params=None):
+    del params
+    zeroed = jax.tree_util.tree_map_with_path(lambda path, u: jnp.zeros_like(u) if first(path) in names else u, updates)
+    return zeroed, state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
