@@ -169,3 +169,14 @@ def test_image_token_count_mismatch_is_one_line(seed, make_hf_checkpoint):
     vision.layout_images(images, fewer, np.ones_like(fewer), config.vision)
   with pytest.raises(UserError, match='needs 4 consecutive image tokens'):
     vision.mrope_positions(fewer, np.ones_like(fewer), grids_of(images), config)
+
+
+def test_presets_count_the_model_cards_parameters():
+  """--model-size Qwen2.5-VL-*: the hub configs' shapes, totals as the model cards give them."""
+  from grpo_jax.model.presets import preset
+
+  totals = {size: round(preset(f'Qwen2.5-VL-{size}').num_params() / 1e9, 2) for size in ('3B', '7B', '72B')}
+  assert totals == {'3B': 3.75, '7B': 8.29, '72B': 73.41}
+  tower = preset('Qwen2.5-VL-7B').vision
+  assert (tower.depth, tower.hidden_size, tower.fullatt_block_indexes, tower.out_hidden_size) == (32, 1280, (7, 15, 23, 31),
+                                                                                                   3584)

@@ -3,6 +3,7 @@ keyword dicts (the plan's --model-size, the benchmarks' architectures, the tests
 
   QWEN2_5_PRESETS, QWEN3_PRESETS   size ('0.5B', '7B', ...) -> Qwen2Config keywords
   QWEN3_MOE_PRESETS                size ('30B-A3B', '235B-A22B') -> Qwen2Config keywords
+  QWEN2_5_VL_PRESETS               size ('3B', '7B', '32B', '72B') -> Qwen2Config keywords (vision as a dict)
   MODEL_PRESETS                    every --model-size name ('7B', 'Qwen2.5-7B', 'Qwen3-8B',
                                    'Qwen3-30B-A3B') -> keywords
   preset(name, **overrides)        the Qwen2Config of one
@@ -61,17 +62,32 @@ _QWEN3_MOE_SHAPES = {  # D, F, M, L, N, K, E, k
 QWEN3_MOE_PRESETS = {size: dict(zip(_QWEN3_MOE_FIELDS, shape), vocab_size=151936, tie_word_embeddings=False,
                           norm_topk_prob=True, **_QWEN3_FIELDS)
                      for size, shape in _QWEN3_MOE_SHAPES.items()}
+# The Qwen2.5-VL-*-Instruct config.json files: the Qwen2.5 language model of the same size (128,000
+# positions) with M-RoPE over [16, 24, 24] frequencies and one vision tower for every size (32 blocks
+# of width 1280, windows of 112 pixels but blocks 7, 15, 23 and 31, merging 2 x 2 patches into the
+# language model's width). Totals per the model cards: 3.75B, 8.29B, 33.5B, 73.4B.
+_VISION_TOWER = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
+                     temporal_patch_size=2, spatial_merge_size=2, window_size=112, fullatt_block_indexes=(7, 15, 23, 31),
+                     tokens_per_second=2, image_token_id=151655, video_token_id=151656,
+                     vision_start_token_id=151652, vision_end_token_id=151653)
+QWEN2_5_VL_PRESETS = {size: dict(QWEN2_5_PRESETS[size], max_position_embeddings=128000, mrope_section=(16, 24, 24),
+                                 vision=dict(_VISION_TOWER, out_hidden_size=QWEN2_5_PRESETS[size]['hidden_size']))
+                      for size in ('3B', '7B', '32B', '72B')}
 # --model-size names: the Qwen2.5 sizes as they are ('7B') or prefixed, the Qwen3 sizes prefixed
-# ('Qwen3-8B', 'Qwen3-30B-A3B').
+# ('Qwen3-8B', 'Qwen3-30B-A3B'), the Qwen2.5-VL sizes prefixed ('Qwen2.5-VL-7B').
 MODEL_PRESETS = {**QWEN2_5_PRESETS, **{f'Qwen2.5-{size}': shape for size, shape in QWEN2_5_PRESETS.items()},
-                 **{f'Qwen3-{size}': shape for size, shape in {**QWEN3_PRESETS, **QWEN3_MOE_PRESETS}.items()}}
+                 **{f'Qwen3-{size}': shape for size, shape in {**QWEN3_PRESETS, **QWEN3_MOE_PRESETS}.items()},
+                 **{f'Qwen2.5-VL-{size}': shape for size, shape in QWEN2_5_VL_PRESETS.items()}}
 
 
 def preset(name: str, **overrides):
   """grpo_jax.model.Qwen2Config of the model size `name` (a MODEL_PRESETS key: '0.5B', ..., '72B'
-  or 'Qwen2.5-7B' for Qwen2.5, 'Qwen3-0.6B', ..., 'Qwen3-32B', 'Qwen3-30B-A3B', 'Qwen3-235B-A22B'),
-  fields overridden."""
+  or 'Qwen2.5-7B' for Qwen2.5, 'Qwen3-0.6B', ..., 'Qwen3-32B', 'Qwen3-30B-A3B', 'Qwen3-235B-A22B',
+  'Qwen2.5-VL-3B', ..., 'Qwen2.5-VL-72B'), fields overridden."""
   if name not in MODEL_PRESETS:
     raise KeyError(f'no model preset {name!r}; one of {", ".join(MODEL_PRESETS)}')
-  from grpo_jax.model.config import Qwen2Config  # here: this module imports no jax (the docstring)
-  return Qwen2Config(**{**MODEL_PRESETS[name], **overrides})
+  from grpo_jax.model.config import Qwen2Config, VisionConfig  # here: this module imports no jax (the docstring)
+  fields = {**MODEL_PRESETS[name], **overrides}
+  if isinstance(fields.get('vision'), dict):
+    fields['vision'] = VisionConfig(**fields['vision'])
+  return Qwen2Config(**fields)

@@ -98,6 +98,19 @@ def vision_of(images: list[list[tuple[np.ndarray, tuple[int, int, int]]]], token
                 positions=jnp.asarray(positions), offsets=jnp.asarray(offsets))
 
 
+def abstract_vision(rows: int, length: int, max_images: int, max_patches: int, config: VisionConfig,
+                    sharding=None) -> Vision:
+  """The shapes of a Vision for `rows` prompts of `length` tokens, each with up to `max_images`
+  images of up to `max_patches` patches (a run's bucket): what the plan compiles with."""
+  def shaped(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  images = (rows, max_images, max_patches)
+  return Vision(images=Images(patches=shaped(images + (config.patch_dim,), jnp.float32),
+                              coords=shaped(images + (2,), jnp.int32), windows=shaped(images, jnp.int32),
+                              frames=shaped(images, jnp.int32), placement=shaped((rows, length), jnp.int32)),
+                positions=shaped((rows, length, 3), jnp.int32), offsets=shaped((rows,), jnp.int32))
+
+
 class VisionTower(nnx.Module):
   """Images -> each row's merged features [B, I * Np / m^2, D]."""
 
