@@ -17,7 +17,7 @@ from flax import nnx
 
 from grpo_jax import config as config_lib
 from grpo_jax.build import build_evaluator, build_task
-from grpo_jax.data.math_task import MathTask
+from grpo_jax.data.math_task import MathTask, image_inputs
 from grpo_jax.errors import UserError, cli_main
 
 
@@ -74,8 +74,8 @@ def main(argv=None):
     raise UserError(f'evaluation checks answers or episodes: task.name must be math or agent, got {config.task.name!r}')
   mesh = sharding.make_mesh(config.mesh)
   graphdef, params = load_params(config, args.ckpt, mesh)
-  task = MathTask(config.task, config.model.path, config.run.seed, problems=False) if config.task.kind.answers \
-      else build_task(config)
+  task = MathTask(config.task, config.model.path, config.run.seed, problems=False, images=image_inputs(config)) \
+      if config.task.kind.answers else build_task(config)
   evaluator = build_evaluator(config, task, graphdef, params)
   out = args.out or os.path.join(os.path.abspath(args.ckpt), 'eval_samples.jsonl')
   try:

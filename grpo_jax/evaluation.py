@@ -145,7 +145,8 @@ class Evaluator:
     if settings.dataset.source is None:
       raise UserError('eval.source is not set: name the held-out problems (or pass --data)')
     self.config, self.settings, self.task = config, settings, task
-    self.problems = ProblemSet(task.tokenizer, task.use_chat_template, config.task, (settings.dataset,), 'eval')
+    self.problems = ProblemSet(task.tokenizer, task.use_chat_template, config.task, (settings.dataset,), 'eval',
+                               images=task.image_inputs)
     self.count = min(len(self.problems), settings.max_problems or len(self.problems))
     budget = settings.max_new_tokens or config.rollout.max_new_tokens
     model = nnx.merge(graphdef, params)
@@ -174,14 +175,15 @@ class Evaluator:
       indices = list(range(start, min(start + batch, self.count)))
       padded = indices + [indices[0]] * (batch - len(indices))  # one shape: one compile
       tokens, mask = self.problems.left_padded(padded, self.task.prompt_length, self.task.pad_id)
+      vision = self.problems.vision(padded, tokens, mask)  # the images, in the set's one bucket
       # Global arrays over the parameters' mesh; the completions come back whole to every process
       # (each scores them all: only process 0 writes, but every one runs the same program).
-      tokens, mask = _placed(tokens, params), _placed(mask, params)
-      rollout = self.sampler(params, tokens, mask, jax.random.fold_in(self.key, start))
+      tokens, mask, vision = jax.tree.map(lambda x: _placed(x, params), (tokens, mask, vision))
+      rollout = self.sampler(params, tokens, mask, jax.random.fold_in(self.key, start), vision)
       texts = self.task.decode(distributed.host_value(rollout.tokens), distributed.host_value(rollout.mask))
       references = [self.problems.answers[i] for i in padded for _ in range(settings.samples)]
       if self.greedy is not None:
-        greedy = self.greedy(params, tokens, mask, self.key)
+        greedy = self.greedy(params, tokens, mask, self.key, vision)
         texts += self.task.decode(distributed.host_value(greedy.tokens), distributed.host_value(greedy.mask))
         references += [self.problems.answers[i] for i in padded]
       scores = self._pool.map(texts, references)

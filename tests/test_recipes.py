@@ -24,6 +24,7 @@ RECIPES = {
     'qwen2_5_0_5b_math.yaml': ('0.5B', 8),
     'qwen2_5_7b_math.yaml': ('7B', 8),
     'qwen2_5_7b_math_lora.yaml': ('7B', 8),
+    'qwen2_5_vl_7b_geo3k.yaml': ('7B', 8),  # the language model's shape: the plan has no tower
     'qwen2_5_math_dapo.yaml': ('7B', 8),
     'qwen2_5_32b_dapo_aime.yaml': ('32B', 8),
     'qwen2_5_32b_dapo_aime_lora.yaml': ('32B', 8),

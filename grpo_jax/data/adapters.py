@@ -17,6 +17,9 @@ data/sources.py in one of these schemas (`task.format`, `eval.format`):
   aime            AIME 2024 (HuggingFaceH4/aime_2024, Maxwell-Jia/AIME_2024): `problem` or `Problem`,
                   `answer` or `Answer` (often an integer); data source 'aime'
 
+The formats geo3k, verl and vision are the schemas of problems with images, which
+data/multimodal.py reads (task.name: math with a vision-language model); adapt() reads the others.
+
 Every format takes the data source (the key of per-source eval metrics) from the record's
 `data_source` field when it has one, else from the format's default, else from `source`.
 A record without its question is an error; one without a usable reference answer is dropped and
@@ -32,8 +35,11 @@ from typing import Literal, get_args
 from grpo_jax.data.rewards import last_boxed
 from grpo_jax.errors import UserError
 
-DatasetFormat = Literal['custom', 'gsm8k', 'math', 'dapo', 'dapo_processed', 'aime']
-FORMATS: tuple[str, ...] = get_args(DatasetFormat)
+TextFormat = Literal['custom', 'gsm8k', 'math', 'dapo', 'dapo_processed', 'aime']
+FORMATS: tuple[str, ...] = get_args(TextFormat)  # the schemas adapt() reads
+# Schemas whose records carry images: data/multimodal.py reads them, with their images.
+VisionFormat = Literal['geo3k', 'verl', 'vision']
+DatasetFormat = Literal[TextFormat, VisionFormat]  # task.format, eval.format
 
 # Only a whole number with comma groups loses its commas: '1,234' is a number, '3,4' a pair.
 _GROUPED_NUMBER = re.compile(r'[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?')

@@ -11,6 +11,16 @@ Completions are decoded and scored by the run's reward terms (data/reward_terms.
 math-verify check alone, 1.0 / 0.0 against the reference answer, in a pool of
 `task.reward_workers` processes); checks that time out or crash score 0 and are counted in
 `Scores.failures`.
+
+Problems with images (task.format geo3k, verl or vision: data/multimodal.py) need a vision-language
+model. Each image is decoded and turned into patches once, at load (data/images.py, with
+model.path's preprocessor_config.json and task.min_pixels / task.max_pixels); the question goes
+through the chat template with an image part per image, each image's <|image_pad|> repeated to its
+token count, and task.max_prompt_tokens counts those tokens. A step's prompts carry their images as
+a Vision (model/vision.py) padded to one bucket for the whole run: as many images per prompt as
+the most any problem has, each as many patches as the largest image (both at most what
+task.max_images, the pixel bound and task.max_prompt_tokens allow), so the compiled programs see
+one shape.
 """
 
 import dataclasses
@@ -25,11 +35,16 @@ import numpy as np
 
 from grpo_jax import distributed
 from grpo_jax.data.adapters import adapt
+from grpo_jax.data.images import ImageSettings, process_image
+from grpo_jax.data.multimodal import (IMAGE_PAD, VISION_END, VISION_FORMATS, VISION_START, expand_image_tokens,
+                                      load_vision_problems, render_user_content)
 from grpo_jax.data.reward_terms import RewardComposer, RewardTerm
 from grpo_jax.data.sources import DatasetSource, load_records
 from grpo_jax.data.task import Prompts, Scores, TaskSection, TaskShape
 from grpo_jax.errors import UserError, require
+from grpo_jax.model.config import Qwen2Config, load_hf_config
 from grpo_jax.model.loading import load_tokenizer
+from grpo_jax.model.vision import Vision, image_tokens, vision_of
 from grpo_jax.sampler.rollout import Rollout
 from grpo_jax.sampler.special_tokens import special_tokens
 from grpo_jax.sections import inline, section
@@ -65,48 +80,173 @@ class ProblemFields(TaskSection):
     return self.tokenizer
 
 
+@dataclasses.dataclass(frozen=True)
+class ImageInputs:
+  """How a run's images reach its model: the model's architecture (its vision tower's token ids,
+  patch and merge sizes), the image processor's settings, the task's image keys, and the dtype the
+  patches are held in: the model's compute dtype, which the tower casts them to first (bfloat16:
+  the same numbers in half the host and device memory)."""
+
+  architecture: Qwen2Config
+  settings: ImageSettings
+  max_images: int
+  skip_bad_images: bool
+  dtype: str
+
+
+def image_inputs(config) -> ImageInputs | None:
+  """The ImageInputs of a run (a Config) one of whose datasets (task.source, task.mix, eval.source)
+  has images, else None. The architecture is model.path's config.json (else model.architecture);
+  the processor's settings are model.path's preprocessor_config.json (else the tower's patch sizes
+  with Qwen2.5-VL's pixel bounds), task.min_pixels / task.max_pixels over either."""
+  task, model = config.task, config.model
+  data = _image_dataset((task.dataset, *task.mix, config.eval.dataset))
+  if data is None:
+    return None
+  architecture = load_hf_config(model.path) if model.path else model.architecture
+  where = f'model.path {model.path}' if model.path else 'model.architecture'
+  vision = architecture.vision
+  if vision is None:
+    raise UserError(f'format {data.format} of {data.source} has images, but {where} has no vision tower '
+                    '(a vision-language model such as Qwen2.5-VL reads them)')
+  if model.path:
+    settings = ImageSettings.from_checkpoint(model.path, task.min_pixels, task.max_pixels)
+  else:
+    bounds = {name: getattr(task, name) for name in ('min_pixels', 'max_pixels') if getattr(task, name) is not None}
+    with section('task'):
+      settings = ImageSettings(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                               merge_size=vision.spatial_merge_size, **bounds)
+  for name, value in (('patch_size', vision.patch_size), ('temporal_patch_size', vision.temporal_patch_size),
+                      ('merge_size', vision.spatial_merge_size)):
+    if getattr(settings, name) != value:
+      raise UserError(f'the image processor of {where} has {name} {getattr(settings, name)}, its vision tower {value}')
+  return ImageInputs(architecture=architecture, settings=settings, max_images=task.max_images,
+                     skip_bad_images=task.skip_bad_images, dtype=model.options.dtype)
+
+
+def _image_dataset(datasets) -> DatasetSource | None:
+  """The first of `datasets` whose format has images, or None."""
+  return next((data for data in datasets if data.source and data.format in VISION_FORMATS), None)
+
+
 class ProblemSet:
   """The problems of one or more datasets, ready for the policy: `prompt_ids` (token ids of each
-  rendered prompt, at most `max_prompt_tokens`), `answers` (reference strings), `data_sources`, `texts`.
+  rendered prompt, at most `max_prompt_tokens`), `answers` (reference strings), `data_sources`, `texts`,
+  and `images`: each problem's (patches [n, P], grid (t, h, w)) per image, () for a text problem.
 
   datasets: each a data.sources.DatasetSource (the task's, task.mix's, eval's), `section` their
-  name in messages; rendering follows `task`
-  (template, chat template, max_prompt_tokens). Prints the kept / skipped counts of each dataset.
+  name in messages; rendering follows `task` (template, chat template, max_prompt_tokens);
+  `images`: how images reach the model (needed by a dataset with images). Prints the kept /
+  skipped counts of each dataset. `bucket`: (images per prompt, patches per image) every batch's
+  Vision is padded to, the most of this set's problems; None without images.
   """
 
-  def __init__(self, tokenizer, use_chat_template: bool, task: 'ProblemFields', datasets, section: str, tools=None):
+  def __init__(self, tokenizer, use_chat_template: bool, task: 'ProblemFields', datasets, section: str, tools=None,
+               images: ImageInputs | None = None):
     self.tokenizer, self.use_chat_template, self.task_config = tokenizer, use_chat_template, task
     self.tools = tools  # function schemas the chat template lists for the model (tool use), or None
-    self.prompt_ids, self.answers, self.data_sources, self.texts = [], [], [], []
+    self.image_inputs = images
+    self.prompt_ids, self.answers, self.data_sources, self.texts, self.images = [], [], [], [], []
     for data in datasets:
       self._add(data, section)
     if not self.prompt_ids:
       raise UserError(f'{section}: every prompt is longer than task.max_prompt_tokens={task.max_prompt_tokens} tokens')
+    self.bucket = None
+    if any(self.images):
+      self.bucket = (max(map(len, self.images)), max(len(patches) for row in self.images for patches, _ in row))
 
   def _add(self, data, section: str) -> None:
     task = self.task_config
-    records = load_records(data.source, data.split)
-    adapted = adapt(records, data.format, data.source, data.prompt_field, data.answer_field)
-    texts = [self.render(problem.prompt, index, section) for index, problem in enumerate(adapted.problems)]
-    ids = self.tokenizer(texts, add_special_tokens=not self.use_chat_template)['input_ids'] if texts else []
+    if data.format in VISION_FORMATS:
+      texts, ids, answers, images, total, skipped = self._read_with_images(data, section)
+    else:
+      records = load_records(data.source, data.split)
+      adapted = adapt(records, data.format, data.source, data.prompt_field, data.answer_field)
+      texts = [self.render(problem.prompt, index, section) for index, problem in enumerate(adapted.problems)]
+      ids = self._tokenized(texts)
+      answers = [(problem.answer, problem.data_source) for problem in adapted.problems]
+      images, total, skipped = [()] * len(texts), len(records), f'{adapted.skipped_no_answer} without an answer'
     keep = [index for index, row in enumerate(ids) if 0 < len(row) <= task.max_prompt_tokens]
     if distributed.is_primary():  # every process reads the same records; one says so
-      print(f'{section}: {data.source} ({data.split}, format {data.format}): kept {len(keep)} of {len(records)} '
+      print(f'{section}: {data.source} ({data.split}, format {data.format}): kept {len(keep)} of {total} '
             f'records; skipped {len(ids) - len(keep)} longer than task.max_prompt_tokens={task.max_prompt_tokens}, '
-            f'{adapted.skipped_no_answer} without an answer', file=sys.stderr, flush=True)
+            f'{skipped}', file=sys.stderr, flush=True)
     if ids and not keep:
       raise UserError(f'every prompt of {data.source} is longer than task.max_prompt_tokens='
                       f'{task.max_prompt_tokens} tokens (the shortest has {min(map(len, ids))})')
     self.prompt_ids += [np.asarray(ids[index], np.int32) for index in keep]
-    self.answers += [adapted.problems[index].answer for index in keep]
-    self.data_sources += [adapted.problems[index].data_source for index in keep]
+    self.answers += [answers[index][0] for index in keep]
+    self.data_sources += [answers[index][1] for index in keep]
     self.texts += [texts[index] for index in keep]
+    self.images += [images[index] for index in keep]
+
+  def _tokenized(self, texts: list[str]) -> list[list[int]]:
+    return self.tokenizer(texts, add_special_tokens=not self.use_chat_template)['input_ids'] if texts else []
+
+  def _read_with_images(self, data, section: str):
+    """(texts, token ids, (answer, data source), images, records read, what was skipped) of a
+    dataset with images: each image's patches made once, here, and its <|image_pad|> repeated to
+    the image's token count in the ids (the texts show one per image)."""
+    inputs = self.image_inputs
+    if inputs is None:
+      raise UserError(f'{section}.format {data.format} ({data.source}) has images, which only task.name=math '
+                      'gives a vision-language model')
+    problems, bad = load_vision_problems(
+        data.source, data.split, data.format, settings=inputs.settings, skip_bad_images=inputs.skip_bad_images,
+        max_images=inputs.max_images, question_field=data.prompt_field, answer_field=data.answer_field,
+        images_field=data.images_field)
+    vision = inputs.architecture.vision
+    texts, expanded, images, tokens = [], [], [], []
+    for problem in problems:
+      processed = tuple((patches.astype(inputs.dtype), grid)
+                        for patches, grid in (process_image(image, inputs.settings) for image in problem.images))
+      counts = [image_tokens(grid, vision) for _, grid in processed]
+      text, full = self._render_with_images(problem.question, counts, f'{section}: {data.source} row {problem.row}')
+      texts.append(text)
+      expanded.append(full)
+      images.append(processed)
+      tokens.append(sum(counts))
+    ids = self._tokenized(expanded)
+    for problem, row, expected in zip(problems, ids, tokens):
+      found = int(np.sum(np.asarray(row) == vision.image_token_id))
+      if found != expected:
+        raise UserError(f'{section}: {data.source} row {problem.row}: the tokenizer gives {found} tokens of id '
+                        f'{vision.image_token_id} (the model\'s vision.image_token_id) for its {expected} image '
+                        f'tokens: it must encode {IMAGE_PAD} as that id')
+    skipped = f'{len(bad)} for their images' + (f' (the first: {bad[0]})' if bad else '')
+    return texts, ids, [(problem.answer, data.source) for problem in problems], images, len(problems) + len(bad), skipped
+
+  def _render_with_images(self, question: str, counts: list[int], where: str) -> tuple[str, str]:
+    """The prompt of a question whose i-th image marker stands for counts[i] image tokens: its text
+    with one <|image_pad|> per image (for logs), and the text the model reads."""
+    text = _format(self.task_config.prompt_template, question)
+    if not self.use_chat_template:
+      return expand_image_tokens(text, [1] * len(counts)), expand_image_tokens(text, counts)
+    shown = self.render([{'role': 'user', 'content': render_user_content(text)}], 0, where)
+    pieces = shown.split(IMAGE_PAD)
+    if len(pieces) - 1 != len(counts):
+      raise UserError(f"{where}: the tokenizer's chat template renders {len(pieces) - 1} {IMAGE_PAD} for "
+                      f'{len(counts)} images (an image part must become {VISION_START}{IMAGE_PAD}{VISION_END})')
+    return shown, pieces[0] + ''.join(IMAGE_PAD * count + piece for count, piece in zip(counts, pieces[1:]))
 
   def __len__(self) -> int:
     return len(self.prompt_ids)
 
   def render(self, question, index: int = 0, section: str = 'task') -> str:
     return render_prompt(self.tokenizer, self.use_chat_template, self.task_config, question, index, section, self.tools)
+
+  def vision(self, indices, tokens: np.ndarray, mask: np.ndarray) -> Vision | None:
+    """The Vision of the problems at `indices`, whose prompts are tokens / mask [len(indices), Tp]
+    (left_padded): their images padded to the set's bucket, made on the host's CPU (the caller
+    places them, as it places the tokens); None for a set without images."""
+    if self.bucket is None:
+      return None
+    inputs, (count, length) = self.image_inputs, self.bucket
+    with jax.default_device(jax.local_devices(backend='cpu')[0]):
+      vision = vision_of([self.images[index] for index in indices], tokens, mask, inputs.architecture,
+                         max_patches=length, max_images=count)
+      images = dataclasses.replace(vision.images, patches=vision.images.patches.astype(inputs.dtype))
+    return dataclasses.replace(vision, images=images)
 
   def left_padded(self, indices, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, mask) [len(indices), length] int32 of the problems at `indices`, left-padded."""
@@ -159,20 +299,22 @@ class MathTask:
   """Prompts from `task.source`, rewards from the run's terms on the host (a Task). The tokenizer
   is read from `task.tokenizer`, else `model_path`; `seed` (run.seed) orders the prompts; `rewards` (the config's terms;
   empty: the math check alone) and `max_new_tokens` (the overlong term's budget) shape the reward;
-  `tools`: function schemas the chat template shows the model (agents/tool_use.py)."""
+  `tools`: function schemas the chat template shows the model (agents/tool_use.py); `images`: how
+  images reach the model (image_inputs), needed by problems with images."""
 
   jittable = False
 
   def __init__(self, task: 'ProblemFields', model_path: str, seed: int, rewards: tuple[RewardTerm, ...] = (),
-               max_new_tokens: int = 0, problems: bool = True, tools=None):
+               max_new_tokens: int = 0, problems: bool = True, tools=None, images: ImageInputs | None = None):
     self.tokenizer, special, self.use_chat_template = open_tokenizer(task, model_path)
     self.task_config, self.seed = task, seed
+    self.image_inputs = images  # how images reach the model (image_inputs), for problems with images
     self.vocab_size = len(self.tokenizer)
     self.eos_id, self.pad_id, self.stop_token_ids = special.eos_id, special.pad_id, special.stop_ids
     self.prompt_length = task.max_prompt_tokens
     # problems=False: only the tokenizer, rendering and stop ids (evaluation brings its own problems).
     self.problems = (ProblemSet(self.tokenizer, self.use_chat_template, task, (task.dataset, *task.mix), 'task',
-                                tools) if problems else None)
+                                tools, images) if problems else None)
     self.composer = RewardComposer(rewards or (RewardTerm('math'),), max_new_tokens, task.reward_workers)
     weakref.finalize(self, self.composer.close)  # the workers end with the task, not only at exit
     self._permutations = {}
@@ -207,14 +349,15 @@ class MathTask:
     return self._permutations[epoch]
 
   def prompts(self, key: jax.Array, position: int, count: int) -> Prompts:
-    """Prompts `position` .. `position + count - 1` of the run, left-padded to prompt_length;
-    answers: their reference answers. `key` is unused: the order comes from run.seed and
-    `position`, which checkpoints record."""
+    """Prompts `position` .. `position + count - 1` of the run, left-padded to prompt_length, with
+    their images in the run's bucket when they have some; answers: their reference answers. `key`
+    is unused: the order comes from run.seed and `position`, which checkpoints record."""
     del key
     indices = self.order(position, count)
     tokens, mask = self.problems.left_padded(indices, self.prompt_length, self.pad_id)
     return Prompts(tokens=jnp.asarray(tokens), mask=jnp.asarray(mask),
-                   answers=[self.answers[index] for index in indices])
+                   answers=[self.answers[index] for index in indices],
+                   vision=self.problems.vision(indices, tokens, mask))
 
   # ---- rewards ----
 
@@ -253,22 +396,48 @@ class MathSection(ProblemFields):
   """The `task` section of `task.name: math`: a dataset's problems, scored on the host."""
 
   name: Literal['math'] = 'math'
+  # Problems with images (format geo3k, verl or vision):
+  max_images: int = 1  # images a problem may have (more: the row is bad); the bucket holds the most found
+  min_pixels: int | None = None  # smallest resized image area; None: model.path's preprocessor_config.json
+  max_pixels: int | None = None  # largest resized image area (bounds the patches); None: as min_pixels
+  skip_bad_images: bool = False  # leave out (and count) rows whose images are missing or corrupt; else stop
 
   def __post_init__(self):
     super().__post_init__()
     with section('task'):
       require(bool(self.dataset.source), 'source', 'must name the problems for task.name=math (a .jsonl/.json/.parquet '
               'file, hf:<name>[:<config>] or tfds:<name>)')
+      require(self.max_images >= 1, 'max_images', f'must be >= 1, got {self.max_images}')
+      for name in ('min_pixels', 'max_pixels'):
+        require(getattr(self, name) is None or getattr(self, name) >= 1, name, f'must be >= 1, got {getattr(self, name)}')
+      require(None in (self.min_pixels, self.max_pixels) or self.min_pixels <= self.max_pixels, 'min_pixels',
+              f'({self.min_pixels}) must not exceed task.max_pixels ({self.max_pixels})')
 
   def check_run(self, config) -> None:
-    """A math task reads its tokenizer from model.path or task.tokenizer."""
+    """A math task reads its tokenizer from model.path or task.tokenizer; problems with images go
+    to a vision-language model through padded rows on-policy."""
     require(bool(config.model.path or self.tokenizer), 'model.path',
             'or task.tokenizer must be set for task.name=math: the tokenizer is read from that directory')
+    data = _image_dataset((self.dataset, *self.mix, config.eval.dataset))
+    if data is None:
+      return
+    why = f'format {data.format} of {data.source} has images'
+    require(bool(config.model.path) or config.model.architecture.vision is not None, 'model.architecture.vision',
+            f'must describe a vision tower: {why}')
+    data = _image_dataset((self.dataset, *self.mix))  # what trains
+    if data is None:
+      return
+    why = f'format {data.format} of {data.source} has images'
+    require(not config.algo.packing, 'algo.packing', f'must be false: packed rows do not carry images yet ({why})')
+    require(not config.algo.max_lag, 'algo.max_lag',
+            f'must be 0: the pool of partial rollouts does not carry images yet ({why})')
 
 
 def build(config) -> MathTask:
-  """The task of a run's Config: its task section, the model's tokenizer, run.seed and the reward terms."""
-  return MathTask(config.task, config.model.path, config.run.seed, config.rewards, config.rollout.max_new_tokens)
+  """The task of a run's Config: its task section, the model's tokenizer, run.seed, the reward
+  terms and, for problems with images, how they reach the model."""
+  return MathTask(config.task, config.model.path, config.run.seed, config.rewards, config.rollout.max_new_tokens,
+                  images=image_inputs(config))
 
 
 def shape(config, architecture) -> TaskShape:

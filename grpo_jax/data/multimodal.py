@@ -26,11 +26,11 @@ A dataset whose decoded images do not fit needs a lazy loader, which this is not
 
 import dataclasses
 import os
-from typing import Literal, get_args
+from typing import get_args
 
 from PIL import Image
 
-from grpo_jax.data.adapters import lookup, scalar_text
+from grpo_jax.data.adapters import VisionFormat, lookup, scalar_text
 from grpo_jax.data.images import ImageSettings, load_image
 from grpo_jax.data.sources import load_records
 from grpo_jax.errors import UserError, require
@@ -39,7 +39,6 @@ IMAGE_MARKER = '<image>'
 # Qwen2.5-VL's tokens around an image's <|image_pad|> tokens, one pad per merged patch.
 VISION_START, IMAGE_PAD, VISION_END = '<|vision_start|>', '<|image_pad|>', '<|vision_end|>'
 
-VisionFormat = Literal['geo3k', 'verl', 'vision']
 VISION_FORMATS: tuple[str, ...] = get_args(VisionFormat)
 
 # (question, answer, images) fields of the fixed schemas; `vision` takes the caller's.

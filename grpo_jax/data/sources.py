@@ -26,9 +26,10 @@ class DatasetSource:
 
   source: str | None = None  # .jsonl/.json/.parquet file, hf:<name>[:<config>] or tfds:<name>
   split: str = 'train'
-  format: DatasetFormat = 'custom'  # dataset schema (data/adapters.py): custom uses the two fields below
-  prompt_field: str = 'prompt'  # format custom: field holding the question (or chat messages)
-  answer_field: str = 'answer'  # format custom: field holding the reference answer
+  format: DatasetFormat = 'custom'  # dataset schema (data/adapters.py; geo3k, verl, vision: with images)
+  prompt_field: str = 'prompt'  # formats custom and vision: field holding the question (or chat messages)
+  answer_field: str = 'answer'  # formats custom and vision: field holding the reference answer
+  images_field: str = 'images'  # format vision: field holding the images (a list, or one image)
 
 
 def load_records(source: str, split: str = 'train') -> list[dict]:
