@@ -3,6 +3,11 @@
 Quick try-out of any checkpoint (Hugging Face directory or grpo_jax checkpoint): G samples of one
 prompt through the group sampler. --json prints one JSON object with token_ids, logprobs,
 finish_reason and, when the checkpoint has a tokenizer, text.
+
+A vision-language checkpoint (Qwen2.5-VL) takes `--image PATH` (repeatable): each `<image>` in
+--prompt becomes that image's `<|vision_start|>`, image tokens and `<|vision_end|>` (a prompt without
+markers gets them at its front, one per image), the image processed as the checkpoint's
+preprocessor_config.json says (--min-pixels / --max-pixels override it).
 """
 
 import argparse
@@ -40,7 +45,32 @@ def parse_args(argv):
                       help='devices per tensor-parallel group; the host\'s devices form groups of this size '
                            '(0: the largest dividing the KV heads)')
   parser.add_argument('--json', action='store_true', help='print one JSON object')
+  parser.add_argument('--image', action='append', default=[], help='an image file (vision-language checkpoints); '
+                      'repeat for several, in the order of the prompt\'s <image> markers')
+  parser.add_argument('--min-pixels', type=int, help='resize bound of --image (default: the checkpoint\'s)')
+  parser.add_argument('--max-pixels', type=int, help='resize bound of --image (default: the checkpoint\'s)')
   return parser.parse_args(argv)
+
+
+def image_prompt(args, tokenizer, config):
+  """(token ids, Vision) of --prompt with its --image files, for a vision-language model."""
+  from grpo_jax.data.images import ImageSettings, load_image, process_image
+  from grpo_jax.data.multimodal import IMAGE_MARKER, expand_image_tokens
+  from grpo_jax.model.vision import check_processor, image_tokens, vision_of
+  if config.vision is None:
+    raise UserError(f'--image: {args.ckpt} is a text model ({config.model_type}); images need a vision-language one')
+  if args.prompt is None or tokenizer is None:
+    raise UserError('--image needs --prompt and a tokenizer in --ckpt (the image tokens are placed in the text)')
+  settings = ImageSettings.from_checkpoint(args.ckpt, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+  check_processor(settings, config.vision, f'{args.ckpt}/preprocessor_config.json')
+  processed = [process_image(load_image(path, f'--image {path}', settings), settings) for path in args.image]
+  text = args.prompt if IMAGE_MARKER in args.prompt else (IMAGE_MARKER + '\n') * len(processed) + args.prompt
+  if text.count(IMAGE_MARKER) != len(processed):
+    raise UserError(f'--prompt holds {text.count(IMAGE_MARKER)} {IMAGE_MARKER} markers for {len(processed)} --image files')
+  text = expand_image_tokens(text, [image_tokens(tuple(grid), config.vision) for _, grid in processed])
+  ids = check_token_ids(tokenizer(text)['input_ids'], config.vocab_size, '--prompt').tolist()
+  prompt = np.array([ids], np.int32)
+  return ids, vision_of([[(patches, tuple(grid)) for patches, grid in processed]], prompt, None, config)
 
 
 def prompt_ids(args, tokenizer, vocab_size: int) -> list[int]:
@@ -72,14 +102,19 @@ def main(argv=None):
   mesh = serving_mesh(args.tensor, load_hf_config(args.ckpt).num_key_value_heads)
   model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
   tokenizer = load_tokenizer(args.ckpt)
-  ids = prompt_ids(args, tokenizer, model.config.vocab_size)
+  vision = None
+  if args.image:
+    ids, vision = image_prompt(args, tokenizer, model.config)
+  else:
+    ids = prompt_ids(args, tokenizer, model.config.vocab_size)
   special = special_tokens(tokenizer, model.config.eos_token_ids)
   settings = DecodeSettings(sampling=sampling, max_new_tokens=args.max_new_tokens, stop_token_ids=special.stop_ids,
                             pad_id=special.pad_id)
   sampler = GroupSampler(model, group_size=args.num_samples, settings=settings)
   prompt = np.array([ids], np.int32)
   with jax.set_mesh(mesh):
-    rollout = jax.device_get(sampler(nnx.state(model), prompt, np.ones_like(prompt), jax.random.key(args.seed)))
+    rollout = jax.device_get(sampler(nnx.state(model), prompt, np.ones_like(prompt), jax.random.key(args.seed),
+                                     vision))
   finish_reasons = rollout.finish_reasons
 
   samples = []

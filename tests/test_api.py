@@ -12,13 +12,14 @@ from grpo_jax.errors import UserError
 from grpo_jax.model import Qwen2, from_pretrained, load_tokenizer, save_orbax
 
 
-def write_tokenizer(directory):
-  """A byte-level BPE tokenizer like Qwen's, trained here with the `tokenizers` library."""
+def write_tokenizer(directory, special=()):
+  """A byte-level BPE tokenizer like Qwen's, trained here with the `tokenizers` library; `special`:
+  more special tokens, ids 1, 2, ... after <|endoftext|>'s 0."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   tokenizer = Tokenizer(models.BPE())
   tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tokenizer.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=['<|endoftext|>'],
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=['<|endoftext|>', *special],
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
   words = ['one', 'two', 'three', 'four', 'five', 'six', 'seven', 'eight', 'nine', 'ten']
   corpus = [f'{a} plus {b} is {c}' for a in words for b in words for c in words]

@@ -103,3 +103,47 @@ def test_vision_rl_steps_on_a_mesh_equal_one_device(tmp_path):
   overrides = ['rollout.prompts_per_step=8', 'algo.group_size=4', 'train.steps_per_call=1']
   reference = two_steps(tmp_path, CONFIG, overrides, (1, 1, 1))
   assert_equal_runs(reference, two_steps(tmp_path, CONFIG, overrides, (2, 2, 2), fused=True))
+
+
+def test_generate_takes_images_as_transformers_does(seed, make_hf_checkpoint, tmp_path):
+  """python -m grpo_jax.generate --image: the image processed as the checkpoint's
+  preprocessor_config.json says and placed at the prompt's <image>; greedy tokens equal transformers'
+  generate on the same pixels; a text checkpoint and a marker count that differs are one-line errors."""
+  import json
+  import subprocess
+  import sys
+
+  import torch
+  from PIL import Image
+
+  from grpo_jax.data.images import ImageSettings, load_image, process_image
+  from test_api import write_tokenizer
+
+  directory, reference = make_hf_checkpoint(seed, model_type='qwen2_5_vl', image_token_id=2, vision_start_token_id=1,
+                                            vision_end_token_id=3, video_token_id=4)
+  write_tokenizer(directory, special=['<|vision_start|>', '<|image_pad|>', '<|vision_end|>', '<|video_pad|>'])
+  with open(os.path.join(directory, 'preprocessor_config.json'), 'w') as f:
+    json.dump({'min_pixels': 3136, 'max_pixels': 40000, 'patch_size': 14, 'merge_size': 2, 'temporal_patch_size': 2}, f)
+  pixels = np.random.default_rng(seed).integers(0, 256, (75, 130, 3), dtype=np.uint8)
+  Image.fromarray(pixels).save(tmp_path / 'figure.png')
+
+  def generate(*args):
+    return subprocess.run([sys.executable, '-m', 'grpo_jax.generate', '--ckpt', directory, *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+  result = generate('--prompt', 'what is <image> seven plus two', '--image', tmp_path / 'figure.png', '--greedy',
+                    '--max-new-tokens', 6, '--json')
+  assert result.returncode == 0, result.stderr
+  settings = ImageSettings(min_pixels=3136, max_pixels=40000)
+  patches, grid = process_image(load_image(str(tmp_path / 'figure.png'), 'figure', settings), settings)
+  from transformers import AutoTokenizer
+  tokenizer = AutoTokenizer.from_pretrained(directory)
+  text = 'what is <|vision_start|>' + '<|image_pad|>' * (int(np.prod(grid)) // 4) + '<|vision_end|> seven plus two'
+  ids = torch.tensor([tokenizer(text)['input_ids']])
+  with torch.no_grad():
+    expected = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=torch.tensor(patches),
+                                  image_grid_thw=torch.tensor([grid]), mm_token_type_ids=(ids == 2).int(),
+                                  do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0)
+  assert json.loads(result.stdout)['token_ids'] == [expected[0, ids.shape[1]:].tolist()]
+  two = generate('--prompt', '<image> and <image>', '--image', tmp_path / 'figure.png')
+  assert two.returncode == 2 and two.stderr.strip() == 'error: --prompt holds 2 <image> markers for 1 --image files'

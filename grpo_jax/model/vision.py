@@ -205,6 +205,16 @@ def image_tokens(grid: tuple[int, int, int], config: VisionConfig) -> int:
   return t * h * w // config.merge_unit
 
 
+def check_processor(settings, config: VisionConfig, where: str) -> None:
+  """An image processor's settings (data/images.py ImageSettings) cut patches the tower reads:
+  the same patch side, frames per patch and merge size, else one line naming `where`."""
+  for ours, theirs in (('patch_size', 'patch_size'), ('temporal_patch_size', 'temporal_patch_size'),
+                       ('merge_size', 'spatial_merge_size')):
+    if getattr(settings, ours) != getattr(config, theirs):
+      raise UserError(f'{where}: the image processor\'s {ours} is {getattr(settings, ours)} but the vision tower\'s '
+                      f'{theirs} is {getattr(config, theirs)}')
+
+
 def patch_layout(grid: tuple[int, int, int], config: VisionConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """For an image of patch grid (t, h, w), its patches in the processor's order (frame, then block
   of m x m patches in row-major block order, then row-major within the block): each patch's
