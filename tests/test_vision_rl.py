@@ -147,3 +147,47 @@ def test_generate_takes_images_as_transformers_does(seed, make_hf_checkpoint, tm
   assert json.loads(result.stdout)['token_ids'] == [expected[0, ids.shape[1]:].tolist()]
   two = generate('--prompt', '<image> and <image>', '--image', tmp_path / 'figure.png')
   assert two.returncode == 2 and two.stderr.strip() == 'error: --prompt holds 2 <image> markers for 1 --image files'
+
+
+def test_packed_update_with_images_equals_padded(seed):
+  """Sequences with 0, 1 or 2 images of different sizes, packed end to end (their M-RoPE positions
+  and image placements travel with their tokens): the same gradients and metrics as the padded
+  update, with pi_old, pi_ref and two passes."""
+  from grpo_jax import config as config_lib
+  from grpo_jax.rl.update import Batch
+  from test_packing import assert_packed_equals_padded, run_update
+  from test_update import ROWS, random_model
+
+  architecture = config_lib.load_config(CONFIG).model.architecture
+  v = architecture.vision
+  rng = np.random.default_rng(seed)
+  graphdef, params = random_model(rng, architecture)
+  _, ref_params = random_model(rng, architecture)
+  rows, images = [], []
+  for _ in range(ROWS):
+    row, own = list(rng.integers(6, 11, rng.integers(1, 4))), []
+    for _ in range(rng.integers(0, 3)):
+      grid = (1, int(rng.choice([2, 4])), int(rng.choice([2, 4])))
+      own.append((rng.normal(size=(int(np.prod(grid)), v.patch_dim)).astype(np.float32), grid))
+      row += [v.vision_start_token_id] + [v.image_token_id] * vision.image_tokens(grid, v) + [v.vision_end_token_id]
+    rows.append(row + [6])
+    images.append(own)
+  width, steps = max(map(len, rows)), 4
+  prompts, prompt_mask = np.zeros((ROWS, width), np.int32), np.zeros((ROWS, width), np.int32)
+  for b, row in enumerate(rows):
+    prompts[b, width - len(row):], prompt_mask[b, width - len(row):] = row, 1
+  lengths = rng.integers(1, steps + 1, ROWS)
+  lengths[:2] = [1, steps]
+  mask = np.arange(steps)[None, :] < lengths[:, None]
+  prompt_vision = vision.vision_of(images, prompts, prompt_mask, architecture, max_images=2, max_patches=16)
+  batch = Batch(tokens=jnp.asarray(np.concatenate([prompts, rng.integers(6, 11, (ROWS, steps))], axis=1), jnp.int32),
+                segment_ids=jnp.asarray(np.concatenate([prompt_mask, mask], axis=1), jnp.int32), mask=jnp.asarray(mask),
+                advantages=jnp.asarray(rng.standard_normal(ROWS), jnp.float32),
+                sampler_log_probs=jnp.asarray(rng.uniform(-3.0, -0.5, mask.shape), jnp.float32),
+                vision=vision.extended(prompt_vision, jnp.asarray(prompt_mask), jnp.asarray(mask)))
+  # Rows of twice a sequence's width: each packed row holds several sequences, and their images.
+  settings = dict(ppo_epochs=2, kl_beta=0.05, tis_cap=1.5, entropy_coef=0.01, pack_length=2 * (width + steps))
+  padded = run_update(settings, params, batch, seed, packed=False, ref_params=ref_params, architecture=architecture)
+  packed = run_update(settings, params, batch, seed, packed=True, ref_params=ref_params, architecture=architecture)
+  assert_packed_equals_padded(padded, packed, batch)
+  assert sum(len(own) for own in images) > 0 and float(packed[1]['packed_rows']) < ROWS

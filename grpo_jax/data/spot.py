@@ -67,7 +67,6 @@ class SpotSection(TaskSection):
               f"must be {SYMBOLS.index(symbol)}, task 'spot''s {symbol} (got {getattr(vision, name)})")
     require(config.model.architecture.vocab_size >= len(SYMBOLS), 'model.architecture.vocab_size',
             f"must be at least {len(SYMBOLS)}, task 'spot''s vocabulary")
-    require(not config.algo.packing, 'algo.packing', 'must be false: packed rows do not carry images yet')
 
 
 def build(config) -> 'SpotTask':

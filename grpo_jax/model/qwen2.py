@@ -32,7 +32,7 @@ from grpo_jax.model.layers import DENSE_MLP_PARAMS, DecoderLayers, decoder_block
 from grpo_jax.model.lora import TARGETS, LoraConfig
 from grpo_jax.model.moe import Routing
 from grpo_jax.model.token_ids import check_token_ids
-from grpo_jax.model.vision import Images, VisionTower, place
+from grpo_jax.model.vision import Images, VisionTower, place, place_from
 from grpo_jax.sharding import constrain
 
 DType = Literal['float32', 'bfloat16']
@@ -191,14 +191,16 @@ class Qwen2(nnx.Module):
 
   def hidden_states(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                     segment_ids: jax.Array | None = None, routes: jax.Array | None = None,
-                    return_routing: bool = False, images: Images | None = None):
+                    return_routing: bool = False, images: Images | None = None, placed=None):
     """Final-norm hidden states [B, T, D] (what the fused log-prob op consumes).
 
     positions: [B, T], or [B, T, 3] with M-RoPE (vision.mrope_positions); default: each token's
     index among its segment's. routes [B, T, Ls, k]: a mixture of experts routes each token to
     these experts (routing replay, model/moe.py). return_routing: return (hidden, Routing)
     instead, what the sparse layers did (None for a dense model). images: the vision tower's
-    input and where its features go (model/vision.py).
+    input and where its features go (model/vision.py). placed: (features [B, F, D], placement
+    [B', T, 2]) features already computed (image_features) placed into rows that take them from
+    several of the B rows (packed rows; vision.place_from).
     """
     segment_ids = _segments(tokens, segment_ids)
     if positions is None:
@@ -217,7 +219,10 @@ class Qwen2(nnx.Module):
       x, _, routing = block(params, x, replay)
       return x, None, routing
 
-    x, _, routing = self.run_layers(self._embed(tokens, images), layer, replay=self._replay(routes))
+    x = self._embed(tokens, images)
+    if placed is not None:
+      x = place_from(x, *placed)
+    x, _, routing = self.run_layers(x, layer, replay=self._replay(routes))
     hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
     return (hidden, _gathered(routing)) if return_routing else hidden
 
@@ -250,13 +255,16 @@ class Qwen2(nnx.Module):
       check_token_ids(np.asarray(tokens), self.config.vocab_size, 'model input')
     x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
     if images is not None:
-      if self.config.vision is None:
-        raise ValueError('images given to a model without a vision tower')
-      features = self.visual(images, self.dtype)
-      if self.options.freeze_vision:
-        features = jax.lax.stop_gradient(features)
-      x = place(x, features, images.placement)
+      x = place(x, self.image_features(images), images.placement)
     return constrain(x, ('batch', 'seq', 'act_embed'))
+
+  def image_features(self, images: Images) -> jax.Array:
+    """Each row's merged image features [B, F, D] in the compute dtype (constants of the loss with
+    `freeze_vision`)."""
+    if self.config.vision is None:
+      raise ValueError('images given to a model without a vision tower')
+    features = self.visual(images, self.dtype)
+    return jax.lax.stop_gradient(features) if self.options.freeze_vision else features
 
   # ---- incremental decoding with a KV cache (prefill, then one token at a time) ----
 

@@ -197,6 +197,16 @@ def place(embeddings: jax.Array, features: jax.Array, placement: jax.Array) -> j
   return jnp.where((placement >= 0)[..., None], taken, embeddings)
 
 
+def place_from(embeddings: jax.Array, features: jax.Array, placement: jax.Array) -> jax.Array:
+  """embeddings [B', T, D] with each token whose placement [B', T, 2] = (b, f) names a feature
+  replaced by feature f of row b of features [B, F, D] (packed rows, whose tokens come from several
+  of the batch's rows); (-1, -1) keeps the embedding."""
+  rows, index = placement[..., 0], placement[..., 1]
+  flat = features.reshape(-1, features.shape[-1]).astype(embeddings.dtype)
+  taken = jnp.take(flat, jnp.maximum(rows, 0) * features.shape[1] + jnp.maximum(index, 0), axis=0)
+  return jnp.where((rows >= 0)[..., None], taken, embeddings)
+
+
 # ---- the host side: a batch's images laid out for the tower, and M-RoPE positions ----
 
 def image_tokens(grid: tuple[int, int, int], config: VisionConfig) -> int:

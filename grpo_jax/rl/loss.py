@@ -69,15 +69,19 @@ def completion_log_probs(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array
 
 
 def packed_token_log_probs(model: Qwen2, packed: packing.Packed, *, temperature: float, implementation: str,
-                           with_entropy: bool = False, replay: bool = False):
+                           with_entropy: bool = False, replay: bool = False, vision: Vision | None = None):
   """(log pi [n, m, L - 1] (and entropy) of every packed token but each row's first, at the column
   before it (position c - 1 predicts the token in column c), for packed rows [n, m, L]; the
-  model's Routing). replay: route to the packed rows' recorded experts."""
+  model's Routing). replay: route to the packed rows' recorded experts. vision: the batch's
+  images, whose features the packed tokens take (packed.placement); the tower runs on all of the
+  batch's rows' images for each micro-batch."""
   groups, rows, length = packed.tokens.shape
-  tokens = packed.tokens.reshape(groups * rows, length)
-  routes = packed.routes.reshape((groups * rows,) + packed.routes.shape[2:]) if replay else None
-  hidden, routing = model.hidden_states(tokens, segment_ids=packed.segment_ids.reshape(groups * rows, length),
-                                        routes=routes, return_routing=True)
+  flat = lambda x: None if x is None else x.reshape((groups * rows,) + x.shape[2:])  # noqa: E731
+  tokens = flat(packed.tokens)
+  routes = flat(packed.routes) if replay else None
+  placed = None if vision is None else (model.image_features(vision.images), flat(packed.placement))
+  hidden, routing = model.hidden_states(tokens, segment_ids=flat(packed.segment_ids), routes=routes,
+                                        return_routing=True, positions=flat(packed.positions), placed=placed)
   out = token_logprobs(hidden[:, :-1], model.lm_head_weight(), tokens[:, 1:], temperature=temperature,
                        return_entropy=with_entropy, implementation=implementation)
   return jax.tree.map(lambda x: x.reshape(groups, rows, length - 1), out), routing
@@ -94,9 +98,7 @@ def log_probs_of(model: Qwen2, micro: LossInputs, packed: packing.Packed | None,
     values, routing = completion_log_probs(model, micro.tokens, micro.segment_ids, completion_length, **options,
                                            routes=micro.routes if replay else None, vision=micro.vision)
   else:
-    if micro.vision is not None:
-      raise ValueError('packed rows carry no images: a vision-language update runs padded (algo.packing false)')
-    values, routing = packed_token_log_probs(model, packed, **options, replay=replay)
+    values, routing = packed_token_log_probs(model, packed, **options, replay=replay, vision=micro.vision)
     values = (tuple(packing.unpack(value, packed, completion_length) for value in values) if with_entropy
               else packing.unpack(values, packed, completion_length))
   return (values, routing) if with_routing else values

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from grpo_jax.model.moe import unrecorded_id
+from grpo_jax.model.vision import Vision
 from grpo_jax.sharding import batch_groups, constrain, grouped
 
 
@@ -36,6 +37,10 @@ class Packed:
   rows_used    [n] int32        rows holding a real token: rows [0, rows_used) of each group
   real_tokens  [] int32         real (prompt and completion) tokens of all groups
   routes       [n, R, L, Ls, k] the tokens' recorded experts (routing replay), or None
+  positions    [n, R, L, 3]     the tokens' M-RoPE positions (sequences with images), or None
+  placement    [n, R, L, 2] int32 each token's image feature: (its sequence b among the batch's B,
+                                the feature's index among b's), (-1, -1) for a token that keeps its
+                                embedding; None without images
   """
 
   tokens: jax.Array
@@ -45,6 +50,8 @@ class Packed:
   rows_used: jax.Array
   real_tokens: jax.Array
   routes: jax.Array | None = None
+  positions: jax.Array | None = None
+  placement: jax.Array | None = None
 
   @property
   def row_length(self) -> int:
@@ -72,10 +79,12 @@ def first_fit_decreasing(lengths: jax.Array, rows: int, row_length: int):
   return row, offset, segment
 
 
-def _pack_group(tokens, segment_ids, routes, completion_length: int, rows: int, row_length: int):
+def _pack_group(tokens, segment_ids, routes, positions, placement, completion_length: int, rows: int,
+                row_length: int):
   """One group's padded rows tokens, segment_ids [Bn, W] (prompt left-padded, completion
-  right-padded), routes [Bn, W, Ls, k] or None -> tokens, segment_ids [R, L], routes [R, L, Ls, k]
-  or None, row, start [Bn], rows used."""
+  right-padded), routes [Bn, W, Ls, k], positions [Bn, W, 3] and placement [Bn, W] or None ->
+  tokens, segment_ids [R, L], routes, positions, placement packed alike (or None), row, start [Bn],
+  rows used."""
   width = tokens.shape[1]
   real = segment_ids != 0
   lengths = jnp.sum(real, axis=1, dtype=jnp.int32)
@@ -93,28 +102,41 @@ def _pack_group(tokens, segment_ids, routes, completion_length: int, rows: int, 
   packed_tokens = scatter(tokens.astype(jnp.int32), 0)
   packed_segments = scatter(jnp.broadcast_to(segment[:, None], columns.shape).astype(jnp.int32), 0)
   packed_routes = None if routes is None else scatter(routes, unrecorded_id(routes.dtype))
+  packed_positions = None if positions is None else scatter(positions.astype(jnp.int32), 0)
+  packed_placement = None if placement is None else scatter(placement.astype(jnp.int32), -1)
   fill = jnp.zeros((rows,), jnp.int32).at[row].add(lengths)
-  return packed_tokens, packed_segments, packed_routes, row, offset + prompt_tokens, jnp.sum(fill > 0, dtype=jnp.int32)
+  return (packed_tokens, packed_segments, packed_routes, packed_positions, packed_placement, row,
+          offset + prompt_tokens, jnp.sum(fill > 0, dtype=jnp.int32))
 
 
 def pack(tokens: jax.Array, segment_ids: jax.Array, completion_length: int, row_length: int,
-         micro_rows: int, routes: jax.Array | None = None) -> Packed:
+         micro_rows: int, routes: jax.Array | None = None, vision: Vision | None = None) -> Packed:
   """Packs the padded rows tokens, segment_ids [B, W] (each a left-padded prompt then a completion
-  of `completion_length` slots; routes [B, W, Ls, k] travel with their tokens) into rows of
-  `row_length` >= W tokens, per batch group. Each group
+  of `completion_length` slots; routes [B, W, Ls, k] travel with their tokens, and so do the
+  M-RoPE positions and image placements of `vision`, model/vision.py, its placements made flat over
+  the B sequences' features) into rows of `row_length` >= W tokens, per batch group. Each group
   gets R = Bn rows rounded up to a multiple of `micro_rows` (one sequence per row at worst), so
   the packed rows split into micro-batches of `micro_rows` rows of every group."""
   groups = batch_groups(tokens.shape[0])
   per_group = tokens.shape[0] // groups
   rows = -(-per_group // micro_rows) * micro_rows
-  pack_one = lambda t, s, r: _pack_group(t, s, r, completion_length, rows, row_length)  # noqa: E731
-  packed_tokens, packed_segments, packed_routes, row, start, rows_used = jax.vmap(pack_one)(
-      grouped(tokens, groups), grouped(segment_ids, groups), None if routes is None else grouped(routes, groups))
+  positions = placement = None
+  if vision is not None:
+    local = vision.images.placement
+    sequence = jnp.broadcast_to(jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None], local.shape)
+    placement = jnp.stack([jnp.where(local >= 0, sequence, -1), local], axis=-1)
+    positions = vision.positions
+  maybe = lambda x: None if x is None else grouped(x, groups)  # noqa: E731
+  pack_one = lambda t, s, r, p, q: _pack_group(t, s, r, p, q, completion_length, rows, row_length)  # noqa: E731
+  packed_tokens, packed_segments, packed_routes, packed_positions, packed_placement, row, start, rows_used = jax.vmap(
+      pack_one)(grouped(tokens, groups), grouped(segment_ids, groups), maybe(routes), maybe(positions), maybe(placement))
   # each group's rows stay on its devices
   on_groups = lambda x: None if x is None else constrain(x, ('batch',) + (None,) * (x.ndim - 1))  # noqa: E731
   return Packed(tokens=on_groups(packed_tokens), segment_ids=on_groups(packed_segments), row=row,
                 start=start, rows_used=rows_used, real_tokens=jnp.sum(segment_ids != 0, dtype=jnp.int32),
-                routes=on_groups(packed_routes))
+                routes=on_groups(packed_routes), positions=on_groups(packed_positions),
+                placement=on_groups(packed_placement))
+
 
 
 def micro_batch_count(packed: Packed, micro_rows: int) -> jax.Array:
@@ -128,8 +150,9 @@ def micro_batch(packed: Packed, index: jax.Array, micro_rows: int) -> Packed:
   first = index * micro_rows
   take = lambda x: jax.lax.dynamic_slice_in_dim(x, first, micro_rows, axis=1)  # noqa: E731
   inside = (packed.row >= first) & (packed.row < first + micro_rows)
-  return packed.replace(tokens=take(packed.tokens), segment_ids=take(packed.segment_ids),
-                        routes=None if packed.routes is None else take(packed.routes),
+  maybe = lambda x: None if x is None else take(x)  # noqa: E731
+  return packed.replace(tokens=take(packed.tokens), segment_ids=take(packed.segment_ids), routes=maybe(packed.routes),
+                        positions=maybe(packed.positions), placement=maybe(packed.placement),
                         row=jnp.where(inside, packed.row - first, -1))
 
 

@@ -117,14 +117,15 @@ class MicroBatches:
 
   @classmethod
   def of(cls, settings: UpdateSettings, tokens: jax.Array, segment_ids: jax.Array, completion_length: int,
-         micro_rows: int, routes: jax.Array | None = None) -> 'MicroBatches':
+         micro_rows: int, routes: jax.Array | None = None, vision: Vision | None = None) -> 'MicroBatches':
     """The micro-batches of padded rows tokens, segment_ids [B, Tp + N] (and their routes
-    [B, Tp + N, Ls, k]) as `settings` lay them out; `micro_rows`: padded rows per micro-batch."""
+    [B, Tp + N, Ls, k], their images' positions and placements) as `settings` lay them out;
+    `micro_rows`: padded rows per micro-batch."""
     if not settings.algo.packing:
       return cls(count=tokens.shape[0] // micro_rows, rows=micro_rows)
     length = settings.row_length(tokens.shape[1])
     rows = settings.packed_micro_rows(tokens.shape[0], length)
-    packed = packing.pack(tokens, segment_ids, completion_length, length, rows, routes)
+    packed = packing.pack(tokens, segment_ids, completion_length, length, rows, routes, vision)
     return cls(count=packing.micro_batch_count(packed, rows), rows=rows, packed=packed)
 
   def take(self, index, inputs: LossInputs) -> tuple[LossInputs, packing.Packed | None]:
@@ -214,15 +215,13 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
   replay = config.routing_replay == 'rollout'
   require(not replay or batch.routes is not None, 'algo.routing_replay',
           "is 'rollout', but this rollout recorded no routes (a dense model, or a rollout mode that records none)")
-  require(not config.packing or batch.vision is None, 'algo.packing',
-          'must be false for prompts with images: packed rows do not carry them yet')
   rows = LossInputs(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask, advantages=batch.advantages,
                     sampler_log_probs=batch.sampler_log_probs, lags=batch.lags, routes=batch.routes if replay else None,
                     vision=batch.vision)
   # pi_old and pi_ref score the whole batch, laid out (packed) once for both.
   if not settings.on_policy or config.kl_beta > 0:
     scoring = MicroBatches.of(settings, batch.tokens, batch.segment_ids, completion_length, settings.micro_rows,
-                              rows.routes)
+                              rows.routes, rows.vision)
     rows = rows.replace(
         old_log_probs=None if settings.on_policy else _score(graphdef, lora.join(state.params, frozen), rows, scoring,
                                                              settings, replay),
@@ -247,7 +246,7 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
         weights=algo.aggregation_weights(minibatch.mask, config.loss_aggregation, completion_length),
         token_weights=algo.aggregation_weights(minibatch.mask, 'token-mean'))
     micro = MicroBatches.of(settings, minibatch.tokens, minibatch.segment_ids, completion_length, settings.micro_rows,
-                            minibatch.routes)
+                            minibatch.routes, minibatch.vision)
 
     def gradients(index):
       inputs, packed = micro.take(index, minibatch)
