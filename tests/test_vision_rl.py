@@ -191,3 +191,62 @@ def test_packed_update_with_images_equals_padded(seed):
   packed = run_update(settings, params, batch, seed, packed=True, ref_params=ref_params, architecture=architecture)
   assert_packed_equals_padded(padded, packed, batch)
   assert sum(len(own) for own in images) > 0 and float(packed[1]['packed_rows']) < ROWS
+
+
+def test_partial_rollouts_carry_image_prompts_as_one_call_samples_them(seed, make_hf_checkpoint):
+  """The pool of partial rollouts (algo.max_lag 1, fewer slots than requests) with image prompts:
+  groups cut off mid-answer and resumed at the next step (their answers prefilled again over the
+  image prompt, at its M-RoPE offset) end with the tokens and log-probs the group sampler gives
+  them in one call with the same keys."""
+  import functools
+
+  from grpo_jax.sampler import pool as sampler_pool
+  from grpo_jax.sampler.rollout import sample_groups
+  from test_partial import decode_settings
+
+  directory, _ = make_hf_checkpoint(seed, model_type='qwen2_5_vl')
+  model = from_pretrained(directory)
+  graphdef, params = nnx.split(model)
+  settings = decode_settings(seed, steps=12)
+  count, group, width = 2, 4, 40
+  rng = np.random.default_rng(seed)
+
+  def batch(index):
+    grids = [[(1, 4, 4)], [(1, 2, 6), (1, 4, 2)]] if index % 2 else [[], [(1, 6, 4)]]
+    tokens, mask, images = image_batch(rng, model.config, grids, rng.integers(1, 5, count))
+    pad = width - tokens.shape[1]
+    tokens, mask = np.pad(tokens, ((0, 0), (pad, 0))), np.pad(mask, ((0, 0), (pad, 0)))
+    return tokens, mask, vision.vision_of(images, tokens, mask, model.config, max_images=2, max_patches=24)
+
+  batches = [batch(index) for index in range(6)]
+  pool = sampler_pool.empty_pool(2 * count, group, width, settings, vision=batches[0][2])
+  fill = jax.jit(functools.partial(sampler_pool.fill, answers=None, group_size=group, pad_id=0))
+  advance = jax.jit(lambda pool, version: sampler_pool.advance(
+      nnx.merge(graphdef, params), pool, version=version, take=count, group_size=group, settings=settings, slots=4,
+      max_lag=1, regenerate=False))
+  one_call = jax.jit(lambda t, m, k, v: sample_groups(nnx.merge(graphdef, params), t, m, k, group_size=group,
+                                                       settings=settings, vision=v))
+  keys = [jax.random.key(1000 + index) for index in range(len(batches))]
+
+  def join(pool, index, version):
+    tokens, mask, prompt_vision = batches[index]
+    return fill(pool, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, jnp.int32), version=version, key=keys[index],
+                position=index * count, prompt_key=jax.random.key_data(keys[index]), vision=prompt_vision)
+
+  pool, carried, checked = join(pool, 0, 0), 0, 0
+  for step in range(5):
+    pool = join(pool, step + 1, step)
+    pool, taken = advance(pool, step)
+    carried += int(taken.metrics['carried_requests'])
+    for index, source in enumerate(np.asarray(taken.source)):
+      which, row = divmod(int(source), count)
+      tokens, mask, prompt_vision = batches[which]
+      want = one_call(jnp.asarray(tokens[row:row + 1], jnp.int32), jnp.asarray(mask[row:row + 1], jnp.int32),
+                      jax.random.fold_in(keys[which], row), jax.tree.map(lambda x: x[row:row + 1], prompt_vision))
+      rows = slice(index * group, (index + 1) * group)
+      np.testing.assert_array_equal(np.asarray(taken.rollout.tokens[rows]), np.asarray(want.tokens))
+      np.testing.assert_allclose(np.asarray(taken.rollout.log_probs[rows]), np.asarray(want.log_probs), rtol=1e-5,
+                                 atol=1e-5)
+      np.testing.assert_array_equal(np.asarray(taken.vision.offsets[index]), np.asarray(prompt_vision.offsets[row]))
+      checked += 1
+  assert carried > 0 and checked == 10, (carried, checked)

@@ -144,9 +144,9 @@ class PoolSampling:
     self.prompts = sampling.task_stage(sampling.task.prompts, host)
     self.split = sampling.layout is not None and sampling.layout.split
 
-    def fill_pool(pool, prompt_tokens, prompt_mask, answers, sample_key, prompt_key, position, version):
+    def fill_pool(pool, prompt_tokens, prompt_mask, answers, sample_key, prompt_key, position, version, vision):
       return fill(pool, prompt_tokens, prompt_mask, answers, version=version, key=sample_key, position=position,
-                  prompt_key=prompt_key, group_size=sampling.group_size, pad_id=sampling.decode.pad_id)
+                  prompt_key=prompt_key, group_size=sampling.group_size, pad_id=sampling.decode.pad_id, vision=vision)
 
     def advance_pool(params, pool, version):
       return advance_resident(sampling.graphdef, params, pool, layout=sampling.layout, **settings.advance(version))
@@ -177,7 +177,8 @@ class PoolSampling:
     if self.answers is not None:
       self.answers.record(prompts.position, prompts.answers)
     answers = prompts.answers if self.jittable else None
-    pool = self.fill(state.pool, prompts.tokens, prompts.mask, answers, key, prompts.key, prompts.position, state.step)
+    pool = self.fill(state.pool, prompts.tokens, prompts.mask, answers, key, prompts.key, prompts.position, state.step,
+                     prompts.vision)
     return state.replace(pool=pool)
 
   def __call__(self, state: TrainState, prompts: Prompts, key, observe=no_observer) -> tuple[TrainState, Round]:
@@ -186,7 +187,7 @@ class PoolSampling:
     state = state.replace(pool=pool)
     observe('rollout', taken.rollout)
     answers = taken.answers if self.answers is None else self.answers.take(taken)
-    prompts = Prompts(tokens=taken.prompt_tokens, mask=taken.prompt_mask, answers=answers)
+    prompts = Prompts(tokens=taken.prompt_tokens, mask=taken.prompt_mask, answers=answers, vision=taken.vision)
     scores = self.reward(taken.rollout, prompts, self.group_size)
     observe('reward', scores)
     return state, Round(prompts, taken.rollout, scores, taken.metrics)

@@ -105,6 +105,9 @@ class Pool:
   routes:         [R, N, Ls, k] the experts each sampled token was routed to, recorded when it was
                   sampled (with its log-prob: a resumed answer keeps its older routes); `unrecorded`
                   after them. None: not recorded (a dense model, or no routing replay).
+  vision:         the entry's images and M-RoPE positions (model/vision.py Vision, [Q, ...]), or None
+                  (text prompts). Its images run through the vision tower again at every step's
+                  prefill of the entries, as the prompts' tokens do: the features are not kept.
   """
 
   prompt_tokens: jax.Array
@@ -122,8 +125,10 @@ class Pool:
   stopped: jax.Array
   done: jax.Array
   routes: jax.Array | None = None
+  vision: object = None
 
-  ENTRIES = ('prompt_tokens', 'prompt_mask', 'answers', 'entered', 'source', 'batch_position', 'batch_key', 'keys')
+  ENTRIES = ('prompt_tokens', 'prompt_mask', 'answers', 'entered', 'source', 'batch_position', 'batch_key', 'keys',
+             'vision')
   REQUESTS = ('tokens', 'log_probs', 'versions', 'lengths', 'stopped', 'done', 'routes')
 
   @property
@@ -132,10 +137,11 @@ class Pool:
 
 
 def empty_pool(entries: int, group_size: int, prompt_length: int, settings: DecodeSettings, answers=None,
-               architecture: Qwen2Config | None = None) -> Pool:
+               architecture: Qwen2Config | None = None, vision=None) -> Pool:
   """A pool of `entries` free entries. answers: one batch's answers (arrays or ShapeDtypeStructs
   [P, ...]) of a jittable task, whose per-entry arrays the pool then holds; None for a host task.
-  architecture: the model's, which sizes the routes when settings.record_routes."""
+  architecture: the model's, which sizes the routes when settings.record_routes. vision: one
+  batch's Vision (arrays or shapes) when the prompts carry images."""
   requests, steps = entries * group_size, settings.max_new_tokens
   routes = None
   if settings.record_routes:
@@ -152,7 +158,8 @@ def empty_pool(entries: int, group_size: int, prompt_length: int, settings: Deco
               tokens=jnp.full((requests, steps), settings.pad_id, jnp.int32),
               log_probs=zeros((requests, steps), jnp.float32), versions=jnp.full((requests, steps), -1, jnp.int32),
               lengths=zeros((requests,)), stopped=zeros((requests,), bool), done=zeros((requests,), bool),
-              routes=routes)
+              routes=routes, vision=None if vision is None else jax.tree.map(
+                  lambda x: jnp.zeros((entries,) + tuple(x.shape[1:]), x.dtype), vision))
 
 
 @jax.tree_util.register_dataclass
@@ -163,6 +170,7 @@ class Taken:
   rollout:        Rollout [P*G, N] with `versions` set (and `decode_steps`: this step's loop).
   prompt_tokens:  [P, Tp]; prompt_mask [P, Tp]; answers [P, ...] (None for a host task).
   source, batch_position: [P] int32; batch_key [P, 2] uint32: where each prompt came from.
+  vision:         the prompts' images and positions [P, ...], or None.
   metrics:        groups_regenerated, carried_requests (started, unfinished), carried_groups
                   (entries left in the pool), decoded_tokens and slot_occupancy (this step's loop);
                   the update reports the lags (rl/loss.lag_means).
@@ -176,8 +184,10 @@ class Taken:
   batch_position: jax.Array
   batch_key: jax.Array
   metrics: dict
+  vision: object = None
 
-  PROMPTS = ('prompt_tokens', 'prompt_mask', 'answers', 'source', 'batch_position', 'batch_key')  # per group taken
+  PROMPTS = ('prompt_tokens', 'prompt_mask', 'answers', 'source', 'batch_position', 'batch_key',
+             'vision')  # per group taken
 
 
 def _group_view(pool: Pool, groups: int) -> Pool:
@@ -201,10 +211,11 @@ def _reset_requests(pool: Pool, reset: jax.Array, pad_id: int) -> Pool:
 
 
 def fill(pool: Pool, prompt_tokens: jax.Array, prompt_mask: jax.Array, answers, *, version, key: jax.Array,
-         position, prompt_key: jax.Array, group_size: int, pad_id: int) -> Pool:
+         position, prompt_key: jax.Array, group_size: int, pad_id: int, vision=None) -> Pool:
   """The P prompts [P, Tp] into the pool's first free entries (in each group of the mesh, its own
   P / n prompts). Entry q filled by new prompt p samples from fold_in(key, p); `position`: the
-  batch's data position, `prompt_key`: the key it was drawn with. Traceable."""
+  batch's data position, `prompt_key`: the key it was drawn with; vision: the prompts' images.
+  Traceable."""
   count = prompt_tokens.shape[0]
   groups = batch_groups(count, pool.entries)
   per = count // groups
@@ -217,7 +228,8 @@ def fill(pool: Pool, prompt_tokens: jax.Array, prompt_mask: jax.Array, answers, 
   new = dict(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask.astype(jnp.int32), answers=answers,
              entered=jnp.full((count,), version, jnp.int32), source=position + jnp.arange(count, dtype=jnp.int32),
              batch_position=jnp.full((count,), position, jnp.int32),
-             batch_key=jnp.broadcast_to(jax.random.key_data(typed_key(prompt_key)), (count, 2)), keys=keys)
+             batch_key=jnp.broadcast_to(jax.random.key_data(typed_key(prompt_key)), (count, 2)), keys=keys,
+             vision=vision)
 
   def place(old, incoming):
     incoming = gather(grouped(incoming, groups), src)
@@ -248,9 +260,10 @@ def _chunk(steps: int, widest: int = 32) -> int:
 ANSWER_BLOCKS = 4  # row blocks of the answers' prefill, each run only up to its own longest answer
 
 
-def _prefill_answers(model: Qwen2, tokens: jax.Array, lengths: jax.Array, shared: SharedPrefix, groups: int):
+def _prefill_answers(model: Qwen2, tokens: jax.Array, lengths: jax.Array, shared: SharedPrefix, groups: int,
+                     offsets: jax.Array | None = None):
   """Each slot's answer so far, tokens [B, N] (the first `lengths` [B] real), run over its prompt
-  in `shared` into a fresh slot cache [L, B, N, K, H]. The slots of each mesh group are taken in
+  in `shared` into a fresh slot cache [L, B, N, K, H]; offsets [B]: its prompt's M-RoPE offset. The slots of each mesh group are taken in
   ANSWER_BLOCKS blocks, and each block runs in chunks only up to its own longest answer: the caller
   puts the longest answers in the first slots, so the many short ones cost little. Returns (cache,
   [B, D] hidden state of each answer's last token); rows of length 0 hold nothing."""
@@ -259,17 +272,20 @@ def _prefill_answers(model: Qwen2, tokens: jax.Array, lengths: jax.Array, shared
   blocks = ANSWER_BLOCKS if per_slots % ANSWER_BLOCKS == 0 else 1
   width, chunk = per_slots // blocks, _chunk(steps)
   grouped_tokens, grouped_lengths = tokens.reshape(groups, per_slots, steps), lengths.reshape(groups, per_slots)
+  grouped_offsets = None if offsets is None else offsets.reshape(groups, per_slots)
 
   def block(rows: slice):
     block_tokens = grouped_tokens[:, rows].reshape(groups * width, steps)
     block_lengths = grouped_lengths[:, rows].reshape(groups * width)
+    block_offsets = None if grouped_offsets is None else grouped_offsets[:, rows].reshape(groups * width)
     prefix = dataclasses.replace(shared, index=shared.index[:, rows])
 
     def one(carry):
       offset, cache, hidden = carry
       piece = jax.lax.dynamic_slice_in_dim(block_tokens, offset, chunk, axis=1)
       real = ((offset + jnp.arange(chunk))[None, :] < block_lengths[:, None]).astype(jnp.int32)
-      out, cache = model.extend(piece, cache, segment_ids=real, return_hidden=True, prefix=prefix)
+      out, cache = model.extend(piece, cache, segment_ids=real, return_hidden=True, prefix=prefix,
+                                position_offsets=block_offsets)
       last = block_lengths - 1 - offset
       here = (last >= 0) & (last < chunk)
       picked = jnp.take_along_axis(out, jnp.clip(last, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
@@ -312,7 +328,7 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
 
   # The shared prompt cache of every entry, prefilled with the current weights.
   prompts = prefill_prompts(model, pool.prompt_tokens, pool.prompt_mask, groups, slots,
-                            record_routes=settings.record_routes)
+                            record_routes=settings.record_routes, vision=pool.vision)
 
   view = _group_view(pool, groups)
   occupied = view.entered >= 0  # [n, Qg]
@@ -348,10 +364,11 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   state = idle_slots(model, prompts, slots, steps)
   if max_lag:
     reading = dataclasses.replace(prompts.shared, index=entry_of[held_rows])
-    cache, resumed = _prefill_answers(model, flat(tokens), flat(lengths), reading, groups)
+    offsets = None if prompts.offsets is None else flat(gather(prompts.offsets, entry_of[held_rows]))
+    cache, resumed = _prefill_answers(model, flat(tokens), flat(lengths), reading, groups, offsets)
     state = admit(state, Slots(mask=flat(held)),
                   Entry(hidden=resumed, keys=flat(gather(request_keys, held_rows)), empty=jnp.zeros((slots,), bool),
-                        generated=flat(lengths), cache=cache, prompt=flat(entry_of[held_rows])))
+                        generated=flat(lengths), cache=cache, prompt=flat(entry_of[held_rows]), offsets=offsets))
   # else every group entered is taken each step (split devices at L = 1): nothing is ever cut off
 
   unstarted = occupied_requests & (view.lengths == 0) & ~view.done
