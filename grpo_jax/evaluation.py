@@ -10,7 +10,8 @@ every `eval.every` steps on the live parameters). Reports, overall and per data 
            the answer that appeared first; samples without an answer do not vote)
   greedy   accuracy of the greedy answer
 
-for k' = 1, 2, 4, ... up to k.
+for k' = 1, 2, 4, ... up to k. Problems with images (a vision-language model) are sampled with
+their images, padded to the held-out set's own bucket (data/math_task.py).
 """
 
 import dataclasses

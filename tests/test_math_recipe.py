@@ -63,9 +63,9 @@ def dynamic_run(tmp_path, informative, rounds, prompts=4, group=4):
   learned, sampled = [], []
   learn, sample = run.rl_step.learn, run.rl_step.host_mode.sample
 
-  def spy_learn(state, ref_params, prompt_tokens, prompt_mask, rollout, scores):
+  def spy_learn(state, ref_params, prompt_tokens, prompt_mask, rollout, scores, vision=None):
     learned.append((np.asarray(prompt_tokens), np.asarray(scores.rewards)))
-    return learn(state, ref_params, prompt_tokens, prompt_mask, rollout, scores)
+    return learn(state, ref_params, prompt_tokens, prompt_mask, rollout, scores, vision)
 
   def spy_sample(*args):
     rollout = sample(*args)

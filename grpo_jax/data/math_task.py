@@ -42,7 +42,7 @@ from grpo_jax.data.reward_terms import RewardComposer, RewardTerm
 from grpo_jax.data.sources import DatasetSource, load_records
 from grpo_jax.data.task import Prompts, Scores, TaskSection, TaskShape
 from grpo_jax.errors import UserError, require
-from grpo_jax.model.config import Qwen2Config, load_hf_config
+from grpo_jax.model.config import Qwen2Config, VisionConfig, load_hf_config
 from grpo_jax.model.loading import load_tokenizer
 from grpo_jax.model.vision import Vision, image_tokens, vision_of
 from grpo_jax.sampler.rollout import Rollout
@@ -84,8 +84,8 @@ class ProblemFields(TaskSection):
 class ImageInputs:
   """How a run's images reach its model: the model's architecture (its vision tower's token ids,
   patch and merge sizes), the image processor's settings, the task's image keys, and the dtype the
-  patches are held in: the model's compute dtype, which the tower casts them to first (bfloat16:
-  the same numbers in half the host and device memory)."""
+  problems' patches are kept in on the host: the model's compute dtype, which the tower casts them
+  to first (bfloat16: the same numbers in half the memory; a step's Vision holds them as float32)."""
 
   architecture: Qwen2Config
   settings: ImageSettings
@@ -109,8 +109,17 @@ def image_inputs(config) -> ImageInputs | None:
   if vision is None:
     raise UserError(f'format {data.format} of {data.source} has images, but {where} has no vision tower '
                     '(a vision-language model such as Qwen2.5-VL reads them)')
-  if model.path:
-    settings = ImageSettings.from_checkpoint(model.path, task.min_pixels, task.max_pixels)
+  return ImageInputs(architecture=architecture, settings=_image_settings(config, vision), max_images=task.max_images,
+                     skip_bad_images=task.skip_bad_images, dtype=model.options.dtype)
+
+
+def _image_settings(config, vision: VisionConfig) -> ImageSettings:
+  """The image processor's settings of a run whose model has the tower `vision`: model.path's
+  preprocessor_config.json when model.path is a directory here (else the tower's patch sizes with
+  Qwen2.5-VL's pixel bounds), task.min_pixels / task.max_pixels over either."""
+  task, path = config.task, config.model.path
+  if path and os.path.isdir(path):
+    settings = ImageSettings.from_checkpoint(path, task.min_pixels, task.max_pixels)
   else:
     bounds = {name: getattr(task, name) for name in ('min_pixels', 'max_pixels') if getattr(task, name) is not None}
     with section('task'):
@@ -119,9 +128,9 @@ def image_inputs(config) -> ImageInputs | None:
   for name, value in (('patch_size', vision.patch_size), ('temporal_patch_size', vision.temporal_patch_size),
                       ('merge_size', vision.spatial_merge_size)):
     if getattr(settings, name) != value:
-      raise UserError(f'the image processor of {where} has {name} {getattr(settings, name)}, its vision tower {value}')
-  return ImageInputs(architecture=architecture, settings=settings, max_images=task.max_images,
-                     skip_bad_images=task.skip_bad_images, dtype=model.options.dtype)
+      raise UserError(f'the image processor of model.path {path} has {name} {getattr(settings, name)}, its vision '
+                      f'tower {value}')
+  return settings
 
 
 def _image_dataset(datasets) -> DatasetSource | None:
@@ -214,7 +223,8 @@ class ProblemSet:
                         f'{vision.image_token_id} (the model\'s vision.image_token_id) for its {expected} image '
                         f'tokens: it must encode {IMAGE_PAD} as that id')
     skipped = f'{len(bad)} for their images' + (f' (the first: {bad[0]})' if bad else '')
-    return texts, ids, [(problem.answer, data.source) for problem in problems], images, len(problems) + len(bad), skipped
+    answers = [(problem.answer, data.source) for problem in problems]
+    return texts, ids, answers, images, len(problems) + len(bad), skipped
 
   def _render_with_images(self, question: str, counts: list[int], where: str) -> tuple[str, str]:
     """The prompt of a question whose i-th image marker stands for counts[i] image tokens: its text
@@ -237,16 +247,15 @@ class ProblemSet:
 
   def vision(self, indices, tokens: np.ndarray, mask: np.ndarray) -> Vision | None:
     """The Vision of the problems at `indices`, whose prompts are tokens / mask [len(indices), Tp]
-    (left_padded): their images padded to the set's bucket, made on the host's CPU (the caller
-    places them, as it places the tokens); None for a set without images."""
+    (left_padded): their images padded to the set's bucket, made on the host's CPU, not on the
+    first accelerator (the caller places them, as it places the tokens); None for a set without
+    images."""
     if self.bucket is None:
       return None
-    inputs, (count, length) = self.image_inputs, self.bucket
+    count, length = self.bucket
     with jax.default_device(jax.local_devices(backend='cpu')[0]):
-      vision = vision_of([self.images[index] for index in indices], tokens, mask, inputs.architecture,
-                         max_patches=length, max_images=count)
-      images = dataclasses.replace(vision.images, patches=vision.images.patches.astype(inputs.dtype))
-    return dataclasses.replace(vision, images=images)
+      return vision_of([self.images[index] for index in indices], tokens, mask, self.image_inputs.architecture,
+                       max_patches=length, max_images=count)
 
   def left_padded(self, indices, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, mask) [len(indices), length] int32 of the problems at `indices`, left-padded."""
@@ -331,6 +340,11 @@ class MathTask:
   def num_prompts(self) -> int:
     return len(self.problems)
 
+  @property
+  def vision_bucket(self) -> tuple[int, int] | None:
+    """(images per prompt, patches per image) every step's images are padded to; None: text."""
+    return None if self.problems is None else self.problems.bucket
+
   def order(self, position: int, count: int) -> np.ndarray:
     """Dataset indices of prompts position .. position + count - 1 of the run's stream: epoch e
     (= position // dataset size) is a permutation seeded by (run.seed, e)."""
@@ -408,14 +422,14 @@ class MathSection(ProblemFields):
       require(bool(self.dataset.source), 'source', 'must name the problems for task.name=math (a .jsonl/.json/.parquet '
               'file, hf:<name>[:<config>] or tfds:<name>)')
       require(self.max_images >= 1, 'max_images', f'must be >= 1, got {self.max_images}')
-      for name in ('min_pixels', 'max_pixels'):
-        require(getattr(self, name) is None or getattr(self, name) >= 1, name, f'must be >= 1, got {getattr(self, name)}')
+      for name, value in (('min_pixels', self.min_pixels), ('max_pixels', self.max_pixels)):
+        require(value is None or value >= 1, name, f'must be >= 1, got {value}')
       require(None in (self.min_pixels, self.max_pixels) or self.min_pixels <= self.max_pixels, 'min_pixels',
               f'({self.min_pixels}) must not exceed task.max_pixels ({self.max_pixels})')
 
   def check_run(self, config) -> None:
-    """A math task reads its tokenizer from model.path or task.tokenizer; problems with images go
-    to a vision-language model through padded rows on-policy."""
+    """A math task reads its tokenizer from model.path or task.tokenizer; problems with images need
+    a vision-language model, and are not yet proven on split devices."""
     require(bool(config.model.path or self.tokenizer), 'model.path',
             'or task.tokenizer must be set for task.name=math: the tokenizer is read from that directory')
     data = _image_dataset((self.dataset, *self.mix, config.eval.dataset))
@@ -427,10 +441,9 @@ class MathSection(ProblemFields):
     data = _image_dataset((self.dataset, *self.mix))  # what trains
     if data is None:
       return
-    why = f'format {data.format} of {data.source} has images'
-    require(not config.algo.packing, 'algo.packing', f'must be false: packed rows do not carry images yet ({why})')
-    require(not config.algo.max_lag, 'algo.max_lag',
-            f'must be 0: the pool of partial rollouts does not carry images yet ({why})')
+    require(not config.rollout.devices, 'rollout.devices',
+            f'must be 0: split devices are not proven with images yet (format {data.format} of {data.source} '
+            'has images)')
 
 
 def build(config) -> MathTask:
@@ -440,13 +453,30 @@ def build(config) -> MathTask:
                   images=image_inputs(config))
 
 
-def shape(config, architecture) -> TaskShape:
+@dataclasses.dataclass(frozen=True)
+class MathShape(TaskShape):
+  """A math task's shape for the plan: a TaskShape and, for problems with images, the bucket its
+  prompts' images are padded to at most (images per prompt, patches per image), or None."""
+
+  vision_bucket: tuple[int, int] | None = None
+
+
+def shape(config, architecture) -> MathShape:
   """The task's shape for the plan, without reading its problems: the prompt width, and the special
   ids of its tokenizer when there is one here (else the last id stops and 0 pads: the ids change
-  neither the programs' shapes nor their memory)."""
-  directory = config.task.tokenizer or config.model.path
+  neither the programs' shapes nor their memory). Problems with images get the largest bucket the
+  settings allow: task.max_images images of the patches of max_pixels, or of max_prompt_tokens
+  image tokens when fewer (a run pads to its data's largest, at most this)."""
+  task = config.task
+  bucket = None
+  if _image_dataset((task.dataset, *task.mix)) is not None and architecture.vision is not None:
+    vision = architecture.vision
+    settings = _image_settings(config, vision)
+    tokens = min(settings.max_pixels // settings.factor ** 2, task.max_prompt_tokens)
+    bucket = (task.max_images, tokens * vision.merge_unit)
+  directory = task.tokenizer or config.model.path
   tokenizer = load_tokenizer(directory) if directory and os.path.isdir(directory) else None
   if tokenizer is None:
-    return TaskShape(config.task.max_prompt_tokens, architecture.vocab_size, (architecture.vocab_size - 1,), 0)
+    return MathShape(task.max_prompt_tokens, architecture.vocab_size, (architecture.vocab_size - 1,), 0, bucket)
   special = special_tokens(tokenizer)
-  return TaskShape(config.task.max_prompt_tokens, architecture.vocab_size, tuple(special.stop_ids), special.pad_id)
+  return MathShape(task.max_prompt_tokens, architecture.vocab_size, tuple(special.stop_ids), special.pad_id, bucket)
