@@ -99,10 +99,13 @@ class SpotTask:
     self.prompt = np.asarray([SYMBOLS.index(s) for s in row], np.int32)
     self.prompt_length = len(row)
     positions, offsets = mrope_positions(self.prompt[None], None, [[self.grid]], architecture)
-    coords, windows, frames = patch_layout(self.grid, v)
+    # The tower takes patches in window order (model/vision.py patch_layout); each image token its own block's feature.
+    self.order, coords, windows, frames, merged = patch_layout(self.grid, v)
+    image = self.prompt == SYMBOLS.index(IMAGE)
+    placement = np.full(self.prompt.shape, -1, np.int32)
+    placement[image] = merged
     self._layout = dict(positions=positions[0], offset=offsets[0], coords=coords, windows=windows, frames=frames,
-                        placement=np.where(self.prompt == SYMBOLS.index(IMAGE),
-                                           np.cumsum(self.prompt == SYMBOLS.index(IMAGE)) - 1, -1).astype(np.int32))
+                        placement=placement)
 
   def images(self, key: jax.Array, quadrant: jax.Array) -> jax.Array:
     """[P, side, side, 3] in [0, 1]: noise around 0.3 with a square of 1.0 inside the quadrant."""
@@ -120,7 +123,8 @@ class SpotTask:
     return jnp.clip(jnp.where(inside[..., None], image + 1.0, image), 0.0, 1.0)
 
   def patches(self, images: jax.Array) -> jax.Array:
-    """Images [P, S, S, 3] in [0, 1] -> the processor's patch rows [P, h * w, C * T * p * p]:
+    """Images [P, S, S, 3] in [0, 1] -> the processor's patch rows [P, h * w, C * T * p * p] (in its
+    order; the tower's window order is taken from them by `order`):
     normalised with CLIP's statistics, ordered by merged block, each patch repeated over T frames."""
     v = self.vision_config
     count, (_, h, w), p, m = images.shape[0], self.grid, v.patch_size, v.spatial_merge_size
@@ -137,7 +141,7 @@ class SpotTask:
     quadrant = jax.random.randint(quadrant_key, (count,), 0, QUADRANTS)
     layout = {name: jnp.asarray(value) for name, value in self._layout.items()}
     rows = lambda x: jnp.broadcast_to(x, (count,) + x.shape)  # noqa: E731
-    images = Images(patches=self.patches(self.images(image_key, quadrant))[:, None],
+    images = Images(patches=self.patches(self.images(image_key, quadrant))[:, self.order][:, None],
                     coords=rows(layout['coords'])[:, None], windows=rows(layout['windows'])[:, None],
                     frames=rows(layout['frames'])[:, None], placement=rows(layout['placement']))
     vision = Vision(images=images, positions=rows(layout['positions']), offsets=rows(layout['offset']))

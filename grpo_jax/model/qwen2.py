@@ -13,6 +13,7 @@ logits as the unpadded sequence.
 """
 
 import dataclasses
+import functools
 import typing
 from collections.abc import Callable
 from typing import Literal
@@ -263,7 +264,10 @@ class Qwen2(nnx.Module):
     `freeze_vision`)."""
     if self.config.vision is None:
       raise ValueError('images given to a model without a vision tower')
-    features = self.visual(images, self.dtype)
+    checkpoint = None
+    if self.options.remat != 'none':  # the tower's blocks rematerialised as the decoder's are
+      checkpoint = functools.partial(jax.checkpoint, policy=_REMAT_POLICIES[self.options.remat])
+    features = self.visual(images, self.dtype, checkpoint)
     return jax.lax.stop_gradient(features) if self.options.freeze_vision else features
 
   # ---- incremental decoding with a KV cache (prefill, then one token at a time) ----

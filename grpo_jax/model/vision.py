@@ -11,9 +11,11 @@ Lv blocks (letters as in model/config.py's VisionConfig):
   merger_norm    [C]             merger_in_weight [W, W] (+ bias)  merger_out_weight [W, D] (+ bias)
 
 Attention is bidirectional within a segment: the blocks `fullatt_block_indexes` names attend over
-their whole image (each frame of it), the others within windows of `window_size` pixels. The
-reference implementation reorders patches window by window and back; attention restricted by a
-window id per patch computes the same thing in the processor's order, so nothing is permuted here.
+their whole image (each frame of it, `FULL_ATTENTION_CHUNK` queries at a time), the others within
+windows of `window_size` pixels. As in the reference implementation the patches are in window
+order (each window a contiguous run; the host lays them out so, patch_layout), so a windowed
+block attends chunk by chunk over neighbouring chunks only; the merged features come out in window
+order too, and each image token's placement points at its own.
 
 Images are batched per token row as [B, I, Np, ...]: up to I images per row, each padded to Np
 patches (a bucket, so the compiled programs see a bounded set of shapes), padding marked by segment
@@ -28,12 +30,37 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import UserError
-from grpo_jax.model.attention import grouped_attention
+from grpo_jax.model.attention import chunked_attention, grouped_attention
 from grpo_jax.model.config import Qwen2Config, VisionConfig
 from grpo_jax.model.layers import rms_norm, rotate
 from grpo_jax.model.linear import matmul
+from grpo_jax.sharding import constrain
 
 VISION_NORM_EPS = 1e-6  # fixed in the reference implementation, not a config field
+FULL_ATTENTION_CHUNK = 1024  # queries at a time in the full-attention blocks: scores O(chunk x Np) an image
+
+
+def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, span: int) -> jax.Array:
+  """Bidirectional attention within segments that are contiguous runs of at most `span` tokens
+  (the windows, in window order): q, k, v [N, T, h, d], segments [N, T] (0: padding), T a multiple
+  of span. Each chunk of `span` queries attends to the keys of its own chunk and the chunks on
+  either side (a run of <= span tokens lies within those), under the segment mask: scores
+  O(T x 3 span), not O(T^2)."""
+  count, length, heads, dim = q.shape
+  chunks = length // span
+
+  def split(x):
+    return x.reshape((count, chunks, span) + x.shape[2:])
+
+  def around(x):  # [N, C, span, ...] -> [N, C, 3 span, ...]: the chunks before, at and after
+    padded = jnp.pad(x, [(0, 0), (1, 1)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.concatenate([padded[:, :-2], padded[:, 1:-1], padded[:, 2:]], axis=2)
+
+  query_segments, key_segments = split(segments), around(split(segments))
+  mask = (query_segments[..., :, None] == key_segments[..., None, :]) & (key_segments != 0)[..., None, :]
+  flat = lambda x: x.reshape((count * chunks,) + x.shape[2:])  # noqa: E731
+  out = grouped_attention(flat(split(q)), [(flat(around(split(k))), flat(around(split(v))), flat(mask))])
+  return out.reshape(count, length, heads, dim)
 
 
 @jax.tree_util.register_dataclass
@@ -104,7 +131,7 @@ def abstract_vision(rows: int, length: int, max_images: int, max_patches: int, c
   images of up to `max_patches` patches (a run's bucket): what the plan compiles with."""
   def shaped(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-  images = (rows, max_images, max_patches)
+  images = (rows, max_images, patch_bucket(max_patches, config))
   return Vision(images=Images(patches=shaped(images + (config.patch_dim,), jnp.float32),
                               coords=shaped(images + (2,), jnp.int32), windows=shaped(images, jnp.int32),
                               frames=shaped(images, jnp.int32), placement=shaped((rows, length), jnp.int32)),
@@ -146,7 +173,9 @@ class VisionTower(nnx.Module):
     self.merger_out_weight = weight((W, D), ('mlp', 'embed'))
     self.merger_out_bias = constant(0.0, (D,), (None,))
 
-  def __call__(self, images: Images, dtype) -> jax.Array:
+  def __call__(self, images: Images, dtype, checkpoint=None) -> jax.Array:
+    """checkpoint: how each block is rematerialised under autodiff (jax.checkpoint with the model's
+    policy), or None."""
     c = self.config
     rows, per_row, length, _ = images.patches.shape
     count = rows * per_row
@@ -159,11 +188,14 @@ class VisionTower(nnx.Module):
     coords = flat(images.coords).astype(jnp.float32)
     angles = jnp.concatenate([coords[..., 0:1] * inverse_frequency, coords[..., 1:2] * inverse_frequency], axis=-1)
 
-    def segment_mask(segments):
-      return (segments[:, :, None] == segments[:, None, :]) & (segments != 0)[:, None, :]
-
-    masks = (segment_mask(flat(images.windows)), segment_mask(flat(images.frames)))
+    windows, frames = flat(images.windows), flat(images.frames)
     full = jnp.asarray([i in c.fullatt_block_indexes for i in range(c.depth)])
+
+    def attend(full_attention, q, k, v):
+      return jax.lax.cond(full_attention,
+                          lambda q, k, v: chunked_attention(q, k, v, slots=jnp.zeros_like(frames), segments=frames,
+                                                            chunk=FULL_ATTENTION_CHUNK),
+                          lambda q, k, v: local_attention(q, k, v, windows, window_span(c)), q, k, v)
     stacked = {name: getattr(self, name)[...].astype(dtype) for name in (
         'norm1', 'norm2', 'qkv_weight', 'qkv_bias', 'proj_weight', 'proj_bias', 'gate_weight', 'gate_bias',
         'up_weight', 'up_bias', 'down_weight', 'down_bias')}
@@ -173,14 +205,16 @@ class VisionTower(nnx.Module):
       h = rms_norm(x, p['norm1'], VISION_NORM_EPS)
       qkv = (matmul(h, p['qkv_weight']) + p['qkv_bias']).reshape(count, length, 3, heads, head_dim)
       q, k, v = (rotate(qkv[:, :, 0], angles), rotate(qkv[:, :, 1], angles), qkv[:, :, 2])
-      mask = jnp.where(full_attention, masks[1], masks[0])
-      out = grouped_attention(q, [(k, v, mask)]).reshape(count, length, c.hidden_size)
+      out = attend(full_attention, q, k, v).reshape(count, length, c.hidden_size)
       x = x + matmul(out, p['proj_weight']) + p['proj_bias']
       h = rms_norm(x, p['norm2'], VISION_NORM_EPS)
       gate = jax.nn.silu(matmul(h, p['gate_weight']) + p['gate_bias'])
       x = x + matmul(gate * (matmul(h, p['up_weight']) + p['up_bias']), p['down_weight']) + p['down_bias']
       return x, None
 
+    if checkpoint is not None:
+      block = checkpoint(block)
+    x = constrain(x, ('batch', None, None))  # the images lie with their rows
     x, _ = jax.lax.scan(block, x, (stacked, full))
     x = rms_norm(x, self.merger_norm[...].astype(dtype), VISION_NORM_EPS)
     x = x.reshape(count, length // c.merge_unit, c.hidden_size * c.merge_unit)
@@ -225,32 +259,50 @@ def check_processor(settings, config: VisionConfig, where: str) -> None:
                       f'{theirs} is {getattr(config, theirs)}')
 
 
-def patch_layout(grid: tuple[int, int, int], config: VisionConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """For an image of patch grid (t, h, w), its patches in the processor's order (frame, then block
-  of m x m patches in row-major block order, then row-major within the block): each patch's
-  (row, column), its window (1-based) and its frame (1-based)."""
+def window_span(config: VisionConfig) -> int:
+  """Patches in one attention window (window_size / patch_size squared): the windowed blocks
+  attend in chunks of this many patches."""
+  return (config.window_size // config.patch_size) ** 2
+
+
+def patch_bucket(patches: int, config: VisionConfig) -> int:
+  """The patches an image is padded to for a bucket of at least `patches`: a multiple of the
+  window span (and so of m^2)."""
+  span = max(window_span(config), config.merge_unit)
+  return -(-patches // span) * span
+
+
+def patch_layout(grid: tuple[int, int, int], config: VisionConfig):
+  """How an image of patch grid (t, h, w) enters the tower, its patches in window order: frame by
+  frame, window by window (row-major), and within a window in the processor's order (block of m x m
+  patches by block, row-major within). -> (order [n]: the processor's patch at each position,
+  coords [n, 2] each patch's (row, column), windows [n] its window (1-based), frames [n] its frame
+  (1-based), merged [n / m^2]: where each merged block of the processor's order lands). A window
+  is a contiguous run of at most window_span patches, and each m x m block stays whole, so the
+  merger's blocks are the processor's, in window order."""
   t, h, w = grid
   m = config.spatial_merge_size
   if h % m or w % m:
     raise UserError(f'an image of {h} x {w} patches does not split into {m} x {m} blocks (vision.spatial_merge_size)')
   rows, columns = np.meshgrid(np.arange(h), np.arange(w), indexing='ij')
   blocked = lambda a: a.reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3).reshape(-1)  # noqa: E731
-  rows, columns = blocked(rows), blocked(columns)
-  span = config.window_size // config.spatial_merge_size // config.patch_size  # blocks per window side
-  windows_across = -(-(w // m) // span)
-  window = (rows // m // span) * windows_across + (columns // m // span)
-  windows_per_frame = -(-(h // m) // span) * windows_across
+  rows, columns = np.tile(blocked(rows), t), np.tile(blocked(columns), t)
+  side = config.window_size // config.spatial_merge_size // config.patch_size  # blocks per window side
+  across = -(-(w // m) // side)
   frame = np.repeat(np.arange(t), h * w)
-  coords = np.tile(np.stack([rows, columns], axis=-1), (t, 1))
-  return coords, np.tile(window, t) + frame * windows_per_frame + 1, frame + 1
+  window = frame * (-(-(h // m) // side) * across) + (rows // m // side) * across + (columns // m // side)
+  order = np.lexsort((np.arange(len(window)), window))  # stable: the processor's order within a window
+  merged = np.argsort(order[::config.merge_unit] // config.merge_unit)
+  return (order, np.stack([rows, columns], axis=-1)[order], window[order] + 1, frame[order] + 1, merged)
 
 
 def layout_images(images: list[list[tuple[np.ndarray, tuple[int, int, int]]]], tokens: np.ndarray,
                   segment_ids: np.ndarray | None, config: VisionConfig, max_patches: int | None = None,
                   max_images: int | None = None) -> Images:
   """The Images of a token batch [B, T] whose row b's image tokens hold, in order, the features of
-  images[b]: (patches [n, P], patch grid (t, h, w)) pairs. Each image is padded to `max_patches`
-  (default: the largest), each row's images to `max_images` (default: the most a row has): a
+  images[b]: (patches [n, P] in the processor's order, patch grid (t, h, w)) pairs, each laid out
+  in window order (patch_layout). Each image is padded to `max_patches` (default: the largest;
+  rounded up by patch_bucket), each row's images to `max_images` (default: the most a row has): a
   bucket, so a compiled program sees one shape. A row whose count of image tokens differs from its
   images' features is an error naming the row and both counts."""
   if len(images) != len(tokens):
@@ -262,12 +314,10 @@ def layout_images(images: list[list[tuple[np.ndarray, tuple[int, int, int]]]], t
                         f'[{int(np.prod(grid))}, {config.patch_dim}]')
   longest = max((len(rows) for row in images for rows, _ in row), default=config.merge_unit)
   most = max((len(row) for row in images), default=0)
-  length, count = max_patches or longest, max_images or max(most, 1)
+  length, count = patch_bucket(max_patches or longest, config), max_images or max(most, 1)
   if longest > length or most > count:
     raise UserError(f'a row of {most} images of up to {longest} patches exceeds the bucket of {count} images of '
                     f'{length} patches per row')
-  if length % config.merge_unit:
-    raise ValueError(f'max_patches {length} is not a multiple of {config.merge_unit}')
   real = np.ones(tokens.shape, bool) if segment_ids is None else np.asarray(segment_ids) != 0
   shape = (len(tokens), count, length)
   out = dict(patches=np.zeros(shape + (config.patch_dim,), np.float32), coords=np.zeros(shape + (2,), np.int32),
@@ -281,13 +331,15 @@ def layout_images(images: list[list[tuple[np.ndarray, tuple[int, int, int]]]], t
       raise UserError(f'row {b}: the prompt holds {len(where)} image tokens but its {len(row)} images have '
                       f'{sum(counts)} features ({counts}): each image needs exactly its t*h*w/{config.merge_unit} '
                       'image tokens')
+    features = []
     for j, (rows, grid) in enumerate(row):
-      coords, windows, frames = patch_layout(tuple(grid), config)
+      order, coords, windows, frames, position = patch_layout(tuple(grid), config)
       n = len(rows)
       out['patches'][b, j, :n], out['coords'][b, j, :n], out['windows'][b, j, :n], out['frames'][b, j, :n] = (
-          rows, coords, windows, frames)
+          rows[order], coords, windows, frames)
+      features.append(j * merged + position)
     if row:
-      placement[b, where] = np.concatenate([j * merged + np.arange(k) for j, k in enumerate(counts)])
+      placement[b, where] = np.concatenate(features)
   return Images(**{name: jnp.asarray(value) for name, value in out.items()}, placement=jnp.asarray(placement))
 
 
