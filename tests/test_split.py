@@ -47,9 +47,9 @@ def split_run():
   learned, weights, metrics = [], [], []
   learn = rl_step.learn
 
-  def recording(state, ref_params, prompt_tokens, prompt_mask, rollout, scores):
+  def recording(state, ref_params, prompt_tokens, prompt_mask, rollout, scores, vision=None):
     learned.append(jax.device_get((prompt_tokens, prompt_mask, rollout)))
-    return learn(state, ref_params, prompt_tokens, prompt_mask, rollout, scores)
+    return learn(state, ref_params, prompt_tokens, prompt_mask, rollout, scores, vision)
 
   rl_step.learn = recording
   with jax.set_mesh(mesh):

@@ -17,7 +17,7 @@ from grpo_jax import evaluation
 from grpo_jax.data import math_task
 from grpo_jax.data.images import ImageSettings, load_image, process_image
 from grpo_jax.errors import UserError
-from grpo_jax.model.vision import image_tokens
+from grpo_jax.model.vision import image_tokens, patch_bucket
 from grpo_jax.testing import TINY_VL_TOKENS, save_random_hf_checkpoint
 from runs import read_metrics, train_here
 from test_multimodal_data import png, write
@@ -113,15 +113,17 @@ def test_prompts_hold_each_images_tokens_in_one_bucket(tmp_path, checkpoint, see
       assert text == '<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Find x.<|im_end|>\n' \
                      '<|im_start|>assistant\n'
       largest = max(largest, len(patches))
-    assert task.vision_bucket == (1, largest) and largest <= 16
-    # The plan's bucket, without the data: 9 image tokens (7056 pixels) of 4 patches each.
-    assert math_task.shape(config, inputs.architecture).vision_bucket == (1, 36)
+    # The largest image's patches, rounded up to whole attention windows (16 patches here).
+    bucket = patch_bucket(largest, vision)
+    assert task.vision_bucket == (1, bucket) and largest <= bucket and bucket % 16 == 0
+    # The plan's bucket, without the data: 9 image tokens (7056 pixels) of 4 patches each, in windows.
+    assert math_task.shape(config, inputs.architecture).vision_bucket == (1, patch_bucket(36, vision)) == (1, 48)
     shapes = set()
     for position in (0, 2, 4, 6, 8):  # across an epoch's end: one shape for every batch
       prompts = task.prompts(jax.random.key(0), position, 2)
       images = prompts.vision.images
       shapes.add(jax.tree.map(lambda x: x.shape, prompts.vision))
-      assert images.patches.shape == (2, 1, largest, vision.patch_dim) and images.patches.dtype == np.float32
+      assert images.patches.shape == (2, 1, bucket, vision.patch_dim) and images.patches.dtype == np.float32
       tokens = np.asarray(prompts.tokens)
       placement = np.asarray(images.placement)
       for row, index in enumerate(task.order(position, 2)):

@@ -44,7 +44,7 @@ from grpo_jax.data.task import Prompts, Scores, TaskSection, TaskShape
 from grpo_jax.errors import UserError, require
 from grpo_jax.model.config import Qwen2Config, VisionConfig, load_hf_config
 from grpo_jax.model.loading import load_tokenizer
-from grpo_jax.model.vision import Vision, image_tokens, vision_of
+from grpo_jax.model.vision import Vision, image_tokens, patch_bucket, vision_of
 from grpo_jax.sampler.rollout import Rollout
 from grpo_jax.sampler.special_tokens import special_tokens
 from grpo_jax.sections import inline, section
@@ -162,7 +162,8 @@ class ProblemSet:
       raise UserError(f'{section}: every prompt is longer than task.max_prompt_tokens={task.max_prompt_tokens} tokens')
     self.bucket = None
     if any(self.images):
-      self.bucket = (max(map(len, self.images)), max(len(patches) for row in self.images for patches, _ in row))
+      longest = max(len(patches) for row in self.images for patches, _ in row)
+      self.bucket = (max(map(len, self.images)), patch_bucket(longest, self.image_inputs.architecture.vision))
 
   def _add(self, data, section: str) -> None:
     task = self.task_config
@@ -473,7 +474,7 @@ def shape(config, architecture) -> MathShape:
     vision = architecture.vision
     settings = _image_settings(config, vision)
     tokens = min(settings.max_pixels // settings.factor ** 2, task.max_prompt_tokens)
-    bucket = (task.max_images, tokens * vision.merge_unit)
+    bucket = (task.max_images, patch_bucket(tokens * vision.merge_unit, vision))
   directory = task.tokenizer or config.model.path
   tokenizer = load_tokenizer(directory) if directory and os.path.isdir(directory) else None
   if tokenizer is None:

@@ -218,7 +218,7 @@ class GroupSampler:
     graphdef, _ = nnx.split(model)
 
     @jax.jit
-    def run(state, prompts, prompt_mask, key, vision):
+    def run(state, prompts, prompt_mask, key, vision=None):
       return sample_resident(graphdef, state, prompts, prompt_mask, key, layout=layout, group_size=group_size,
                              settings=settings, slots=slots, vision=vision)
 
