@@ -64,6 +64,7 @@ class LongTailTask:
   the share of even tokens in the answer (a JAX function, so whole steps can run in one jit)."""
 
   jittable = True
+  vision_bucket = None  # text prompts
   pad_id = 0
 
   def __init__(self, vocab_size: int, prompt_length: int, stops: tuple[int, ...]):

@@ -9,7 +9,6 @@ from flax import nnx
 from grpo_jax.data.task import Task
 from grpo_jax.errors import require
 from grpo_jax.model import lora
-from grpo_jax.model.vision import abstract_vision
 from grpo_jax.rl.host_task import HostTask
 from grpo_jax.rl.modes import Acting, GroupSampling, PoolSampling, Sampling
 from grpo_jax.rl.state import pool_shardings, train_state_shardings
@@ -59,12 +58,10 @@ def empty_pool(settings: PoolSettings | None, task: Task, prompt_count: int, arc
   shaped like one batch's; `architecture` (the model's) sizes recorded routes."""
   if settings is None:
     return None
-  shapes = jax.eval_shape(lambda key: task.prompts(key, 0, prompt_count), jax.random.PRNGKey(0)) if task.jittable else None
-  answers = None if shapes is None else shapes.answers
-  # A vision-language task's images: a jittable task's prompts say their shapes, a host task its bucket.
-  bucket = getattr(task, 'vision_bucket', None)
-  vision = (shapes.vision if shapes is not None else
-            abstract_vision(prompt_count, task.prompt_length, *bucket, architecture.vision) if bucket else None)
+  answers = (jax.eval_shape(lambda key: task.prompts(key, 0, prompt_count), jax.random.PRNGKey(0)).answers
+             if task.jittable else None)
+  bucket = task.vision_bucket
+  vision = None if bucket is None else bucket.shapes(prompt_count, task.prompt_length, architecture.vision)
   return sampler_pool.empty_pool(settings.entries, settings.group_size, task.prompt_length, settings.decode, answers,
                                  architecture, vision)
 

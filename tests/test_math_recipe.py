@@ -28,6 +28,7 @@ class ScriptedTask:
   whose group is informative (rewards 1, 0, 0, ...) exactly when q is in `informative`."""
 
   jittable = False
+  vision_bucket = None  # text prompts
   prompt_length = 3
   vocab_size = 17
   stop_token_ids = (1,)

@@ -47,6 +47,7 @@ class AgentTask:
   close: Callable[[], None] = lambda: None
   eval_problems: Callable[[], list[Problem]] | None = None  # held-out problems (agents/evaluation.py)
   jittable = False
+  vision_bucket = None  # text prompts
 
   def prompts(self, key, position: int, count: int) -> Prompts:
     """The step's problems, their prompts left-padded [count, Tp]; answers: the Problems."""

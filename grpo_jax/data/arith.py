@@ -73,6 +73,7 @@ class ArithmeticTask:
   """`a op b =` with operands in [0, max_operand] and operators from `operators` (a Task)."""
 
   jittable = True
+  vision_bucket = None  # text prompts
 
   def __init__(self, max_operand: int = 9, operators: str = '+'):
     check_arguments(max_operand, operators)

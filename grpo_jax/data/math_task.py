@@ -44,7 +44,7 @@ from grpo_jax.data.task import Prompts, Scores, TaskSection, TaskShape
 from grpo_jax.errors import UserError, require
 from grpo_jax.model.config import Qwen2Config, VisionConfig, load_hf_config
 from grpo_jax.model.loading import load_tokenizer
-from grpo_jax.model.vision import Vision, image_tokens, patch_bucket, vision_of
+from grpo_jax.model.vision import ImageBucket, Vision, image_tokens, patch_bucket, vision_of
 from grpo_jax.sampler.rollout import Rollout
 from grpo_jax.sampler.special_tokens import special_tokens
 from grpo_jax.sections import inline, section
@@ -163,7 +163,7 @@ class ProblemSet:
     self.bucket = None
     if any(self.images):
       longest = max(len(patches) for row in self.images for patches, _ in row)
-      self.bucket = (max(map(len, self.images)), patch_bucket(longest, self.image_inputs.architecture.vision))
+      self.bucket = ImageBucket(max(map(len, self.images)), patch_bucket(longest, self.image_inputs.architecture.vision))
 
   def _add(self, data, section: str) -> None:
     task = self.task_config
@@ -342,7 +342,7 @@ class MathTask:
     return len(self.problems)
 
   @property
-  def vision_bucket(self) -> tuple[int, int] | None:
+  def vision_bucket(self) -> ImageBucket | None:
     """(images per prompt, patches per image) every step's images are padded to; None: text."""
     return None if self.problems is None else self.problems.bucket
 
@@ -459,7 +459,7 @@ class MathShape(TaskShape):
   """A math task's shape for the plan: a TaskShape and, for problems with images, the bucket its
   prompts' images are padded to at most (images per prompt, patches per image), or None."""
 
-  vision_bucket: tuple[int, int] | None = None
+  vision_bucket: ImageBucket | None = None
 
 
 def shape(config, architecture) -> MathShape:
@@ -474,7 +474,7 @@ def shape(config, architecture) -> MathShape:
     vision = architecture.vision
     settings = _image_settings(config, vision)
     tokens = min(settings.max_pixels // settings.factor ** 2, task.max_prompt_tokens)
-    bucket = (task.max_images, patch_bucket(tokens * vision.merge_unit, vision))
+    bucket = ImageBucket(task.max_images, patch_bucket(tokens * vision.merge_unit, vision))
   directory = task.tokenizer or config.model.path
   tokenizer = load_tokenizer(directory) if directory and os.path.isdir(directory) else None
   if tokenizer is None:

@@ -25,7 +25,7 @@ from grpo_jax.data.images import CLIP_MEAN, CLIP_STD
 from grpo_jax.data.task import Prompts, Scores, TaskSection
 from grpo_jax.errors import require
 from grpo_jax.model.config import VisionConfig
-from grpo_jax.model.vision import Images, Vision, mrope_positions, patch_layout
+from grpo_jax.model.vision import ImageBucket, Images, Vision, mrope_positions, patch_layout
 from grpo_jax.sampler.rollout import Rollout
 from grpo_jax.sections import section
 
@@ -98,6 +98,7 @@ class SpotTask:
     row = [BOS, VISION_START] + [IMAGE] * QUADRANTS + [VISION_END, '?']
     self.prompt = np.asarray([SYMBOLS.index(s) for s in row], np.int32)
     self.prompt_length = len(row)
+    self.vision_bucket = ImageBucket(images=1, patches=int(np.prod(self.grid)))
     positions, offsets = mrope_positions(self.prompt[None], None, [[self.grid]], architecture)
     # The tower takes patches in window order (model/vision.py patch_layout); each image token its own block's feature.
     self.order, coords, windows, frames, merged = patch_layout(self.grid, v)

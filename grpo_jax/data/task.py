@@ -93,6 +93,9 @@ class Task(Protocol):
   vocab_size: int  # ids the task's tokenizer can produce (<= the model's vocabulary)
   stop_token_ids: tuple[int, ...]  # a completion ends after emitting one of these
   pad_id: int  # fills prompts and finished completions
+  # The images every prompt's are padded to (model.vision.ImageBucket), None for text prompts: the
+  # shapes a pool of partial rollouts holds and the plan compiles with.
+  vision_bucket: Any
 
   def prompts(self, key: jax.Array, position: int, count: int) -> Prompts:
     """The `count` prompts of a step. `position`: prompts consumed by the run so far (a dataset
@@ -117,6 +120,7 @@ class TaskShape:
   stop_token_ids: tuple[int, ...]
   pad_id: int
   jittable = False
+  vision_bucket = None
 
   def prompts(self, key, position: int, count: int) -> Prompts:
     raise UserError('a task shape has no prompts: build the task from its data')

@@ -23,6 +23,7 @@ patches (a bucket, so the compiled programs see a bounded set of shapes), paddin
 """
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -125,17 +126,24 @@ def vision_of(images: list[list[tuple[np.ndarray, tuple[int, int, int]]]], token
                 positions=jnp.asarray(positions), offsets=jnp.asarray(offsets))
 
 
-def abstract_vision(rows: int, length: int, max_images: int, max_patches: int, config: VisionConfig,
-                    sharding=None) -> Vision:
-  """The shapes of a Vision for `rows` prompts of `length` tokens, each with up to `max_images`
-  images of up to `max_patches` patches (a run's bucket): what the plan compiles with."""
-  def shaped(shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-  images = (rows, max_images, patch_bucket(max_patches, config))
-  return Vision(images=Images(patches=shaped(images + (config.patch_dim,), jnp.float32),
-                              coords=shaped(images + (2,), jnp.int32), windows=shaped(images, jnp.int32),
-                              frames=shaped(images, jnp.int32), placement=shaped((rows, length), jnp.int32)),
-                positions=shaped((rows, length, 3), jnp.int32), offsets=shaped((rows,), jnp.int32))
+class ImageBucket(typing.NamedTuple):
+  """What every prompt's images are padded to for a whole run, so its compiled programs see one
+  shape: up to `images` images a prompt, each up to `patches` patches (a patch_bucket). A task
+  says its own (Task.vision_bucket; None: text prompts)."""
+
+  images: int
+  patches: int
+
+  def shapes(self, rows: int, length: int, config: VisionConfig, sharding=None) -> Vision:
+    """The shapes of a Vision for `rows` prompts of `length` tokens in this bucket: what the plan
+    compiles with and a pool of partial rollouts holds."""
+    def shaped(shape, dtype):
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    images = (rows, self.images, patch_bucket(self.patches, config))
+    return Vision(images=Images(patches=shaped(images + (config.patch_dim,), jnp.float32),
+                                coords=shaped(images + (2,), jnp.int32), windows=shaped(images, jnp.int32),
+                                frames=shaped(images, jnp.int32), placement=shaped((rows, length), jnp.int32)),
+                  positions=shaped((rows, length, 3), jnp.int32), offsets=shaped((rows,), jnp.int32))
 
 
 class VisionTower(nnx.Module):

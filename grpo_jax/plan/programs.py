@@ -21,7 +21,6 @@ from grpo_jax.errors import UserError
 from grpo_jax.model import lora
 from grpo_jax.model.config import load_hf_config
 from grpo_jax.model.loading import abstract_model
-from grpo_jax.model.vision import abstract_vision
 from grpo_jax.plan import targets, traffic
 from grpo_jax.rl.state import init_train_state
 from grpo_jax.sampler.layout import place_program
@@ -176,10 +175,9 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
   else:
     prompts = jax.ShapeDtypeStruct((config.rollout.prompts_per_step, task.prompt_length), jnp.int32, sharding=replicated)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
-    # A vision-language task's images, in its bucket (task.vision_bucket: images per prompt, patches each).
-    bucket = getattr(task, 'vision_bucket', None)
-    vision = None if not bucket else abstract_vision(config.rollout.prompts_per_step, task.prompt_length, *bucket,
-                                                     architecture.vision, replicated)
+    bucket = task.vision_bucket  # a vision-language task's images, padded to its bucket
+    vision = None if bucket is None else bucket.shapes(config.rollout.prompts_per_step, task.prompt_length,
+                                                       architecture.vision, replicated)
     with jax.set_mesh(mesh):
       rollout = jax.eval_shape(step.sampling.sample, state.policy, prompts, prompts, key, vision)
     scores = _abstract_scores(config, replicated)

@@ -26,7 +26,7 @@ class HostTask:
   def __init__(self, task: Task, mesh: jax.sharding.Mesh):
     self.task, self.mesh = task, mesh
     self.prompt_length, self.vocab_size = task.prompt_length, task.vocab_size
-    self.stop_token_ids, self.pad_id = task.stop_token_ids, task.pad_id
+    self.stop_token_ids, self.pad_id, self.vision_bucket = task.stop_token_ids, task.pad_id, task.vision_bucket
 
   def prompts(self, key, position: int, count: int) -> Prompts:
     """The task's prompts as global arrays (every process computes the same ones)."""
