@@ -59,6 +59,19 @@ def read_text(path: str, what: str) -> str:
     raise UserError(f'{what} {path} cannot be read: {error.strerror or error}') from None
 
 
+def read_json_object(path: str, what: str, fields: str) -> dict:
+  """The JSON object in the file at `path` (read_text's errors, `what` naming it); a UserError when
+  it is not JSON or not an object (of `fields`, e.g. 'config fields')."""
+  import json
+  try:
+    value = json.loads(read_text(path, what))
+  except json.JSONDecodeError as error:
+    raise UserError(f'{path} is not valid JSON ({error.msg} at line {error.lineno})') from None
+  if not isinstance(value, dict):
+    raise UserError(f'{path} must hold a JSON object of {fields}, got a {type(value).__name__}')
+  return value
+
+
 def root_cause(error: BaseException) -> str:
   """The first line of the innermost exception `error` was raised from (TensorStore and orbax wrap
   the message that names the damaged file in several layers of bare exceptions)."""

@@ -17,7 +17,6 @@ repeated temporal_patch_size times, as a still image is a video of identical fra
 
 import dataclasses
 import io
-import json
 import math
 import os
 import struct
@@ -25,7 +24,7 @@ import struct
 import numpy as np
 from PIL import Image, ImageOps
 
-from grpo_jax.errors import FieldError, UserError, read_text, require, root_cause
+from grpo_jax.errors import FieldError, UserError, read_json_object, require, root_cause
 
 # OpenAI CLIP's per-channel statistics, which Qwen2-VL and Qwen2.5-VL normalise with.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -97,12 +96,7 @@ class ImageSettings:
     if not os.path.isfile(path):
       raise UserError(f'checkpoint {directory} has no preprocessor_config.json (a vision-language '
                       f'checkpoint comes with one)')
-    try:
-      config = json.loads(read_text(path, 'preprocessor config'))
-    except json.JSONDecodeError as error:
-      raise UserError(f'preprocessor config {path} is not valid JSON ({error})') from None
-    if not isinstance(config, dict):
-      raise UserError(f'preprocessor config {path} is not a JSON object')
+    config = read_json_object(path, 'preprocessor config', 'image processor settings')
     for key, value in _FIXED_STEPS.items():
       if key in config and config[key] != value:
         raise UserError(f'preprocessor config {path} sets {key} to {config[key]!r}; only {value!r} '

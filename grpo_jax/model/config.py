@@ -17,10 +17,9 @@ moe_intermediate_size (an expert's SwiGLU width), k = num_experts_per_tok.
 """
 
 import dataclasses
-import json
 import os
 
-from grpo_jax.errors import UserError, read_text
+from grpo_jax.errors import UserError, read_json_object
 
 # model_type -> (architecture class, its defaults for the fields that tell the family members apart)
 MODEL_TYPES = {'qwen2': ('Qwen2ForCausalLM', dict(attention_bias=True, qk_norm=False)),
@@ -431,10 +430,4 @@ def load_hf_config(directory: str) -> Qwen2Config:
   path = os.path.join(directory, 'config.json')
   if not os.path.isfile(path):
     raise UserError(f'{path} not found: a model directory needs a config.json')
-  try:
-    raw = json.loads(read_text(path, 'model config'))
-  except json.JSONDecodeError as error:
-    raise UserError(f'{path} is not valid JSON ({error.msg} at line {error.lineno})') from None
-  if not isinstance(raw, dict):
-    raise UserError(f'{path} must hold a JSON object of config fields, got a {type(raw).__name__}')
-  return from_hf_dict(raw, source=path)
+  return from_hf_dict(read_json_object(path, 'model config', 'config fields'), source=path)
