@@ -190,24 +190,29 @@ def test_nothing_it_starts_outlives_the_call_or_reaches_the_next(box):
   assert after.output.strip() == '[] False'
 
 
+# A fork flood: children that sleep `hold` s, until fork fails; prints "uid forks N Error", then
+# lingers `linger` s holding them.
+FLOOD = '''
+    import os, time
+    children = 0
+    try:
+      while True:
+        if os.fork() == 0:
+          time.sleep(hold)
+          os._exit(0)
+        children += 1
+    except OSError as error:
+      print(os.getuid(), 'forks', children, type(error).__name__)
+    time.sleep(linger)
+    '''
+
+
 def test_floods_are_bounded_and_the_host_is_unaffected(box):
   start = time.monotonic()
-  forks = run(box, '''
-      import os
-      children = 0
-      try:
-        while True:
-          if os.fork() == 0:
-            import time
-            time.sleep(30)
-            os._exit(0)
-          children += 1
-      except OSError as error:
-        print('forks', children, type(error).__name__)
-      ''')
+  forks = run(box, FLOOD, hold=30, linger=0)
   assert time.monotonic() - start < LIMITS.timeout_s + 3
   assert 'forks' in forks.output and 'BlockingIOError' in forks.output, forks.output
-  assert int(forks.output.split()[1]) < LIMITS.processes
+  assert int(forks.output.split()[2]) < LIMITS.processes
   if os.geteuid() == 0:  # the call's uid holds no process once the call is over
     time.sleep(0.2)
     assert processes_of(sandbox_lib.UID_BASE + os.getpid() * sandbox_lib.CALLS_PER_PROCESS) == []
@@ -236,26 +241,13 @@ def test_a_flood_in_one_call_leaves_a_call_beside_it_its_processes(box):
   """Two calls at once (an environment's threads): the first holds every process its limit allows,
   the second still starts its own, as a uid of its own."""
   import concurrent.futures
-  flood = '''
-      import os, time
-      children = 0
-      try:
-        while True:
-          if os.fork() == 0:
-            time.sleep(4)
-            os._exit(0)
-          children += 1
-      except OSError as error:
-        print(os.getuid(), 'forks', children, type(error).__name__)
-      time.sleep(3)
-      '''
   beside = '''
       import os, subprocess
       children = [subprocess.Popen(['/bin/true']) for _ in range(8)]
       print(os.getuid(), 'started', sum(child.wait() == 0 for child in children))
       '''
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    first = pool.submit(run, box, flood)
+    first = pool.submit(run, box, FLOOD, hold=4, linger=3)
     time.sleep(1.5)
     second = pool.submit(run, box, beside)
     first, second = first.result().output.split(), second.result().output.split()
