@@ -12,6 +12,7 @@ from grpo_jax.data.images import ImageSettings
 from grpo_jax.data.multimodal import (IMAGE_PAD, VISION_END, VISION_START, VisionProblem, expand_image_tokens,
                                       load_vision_problems, render_user_content, vision_problems)
 from grpo_jax.errors import FieldError, UserError
+from test_math_task import one_line_error
 
 INSTRUCTION = 'Put the final answer in \\boxed{}.'  # what verl's geo3k preprocessing appends
 
@@ -134,18 +135,10 @@ def test_hugging_face_image_features(tmp_path, seed, monkeypatch):
     assert_problem(problems[1], 1, 'Compare <image> with <image>.', '2', pixels[1])
 
 
-def one_line(call, *args, **kwargs) -> str:
-  with pytest.raises(UserError) as raised:
-    call(*args, **kwargs)
-  message = str(raised.value)
-  assert '\n' not in message
-  return message
-
-
 def assert_bad_row(path: str, message: str, **kwargs):
   """Row 1 of the file at path is refused with `message`; with skip_bad_images it is left out and
   its line returned."""
-  assert one_line(load_vision_problems, path, **kwargs) == message
+  assert one_line_error(load_vision_problems, path, **kwargs) == message
   problems, skipped = load_vision_problems(path, skip_bad_images=True, **kwargs)
   assert [problem.row for problem in problems] == [0, 2] and skipped == [message]
 
@@ -161,7 +154,7 @@ def test_markers_and_image_counts(tmp_path, seed):
   path = write(tmp_path / 'many.jsonl', [good, {**good, 'images': [name] * 3}, good])
   assert_bad_row(path, f'task.source {path} row 1 has 3 images, over task.max_images (2)', max_images=2)
   assert len(load_vision_problems(path, max_images=3)[0]) == 3
-  assert one_line(load_vision_problems, path, max_images=0).startswith('task.max_images must be a positive')
+  assert one_line_error(load_vision_problems, path, max_images=0).startswith('task.max_images must be a positive')
   with pytest.raises(FieldError):
     load_vision_problems(path, max_images=True)
   path = write(tmp_path / 'none.jsonl', [good, {**good, 'images': []}, good])
@@ -199,7 +192,7 @@ def test_bad_images(tmp_path, seed, case):
     images[1][1] = bad
     path = write(tmp_path / 'data.jsonl', [{'question': 'Q', 'answer': '1', 'images': i} for i in images])
     label = f'images[1]: {bad if len(bad) <= 120 else bad[:120] + "..."}'
-  message = one_line(load_vision_problems, path, settings=settings)
+  message = one_line_error(load_vision_problems, path, settings=settings)
   assert message.startswith(f'task.source {path} row 1 ({label}): {reason}'), message
   problems, skipped = load_vision_problems(path, settings=settings, skip_bad_images=True)
   assert [problem.row for problem in problems] == [0, 2] and skipped == [message]
@@ -227,16 +220,16 @@ def test_missing_fields_are_errors_even_when_skipping(tmp_path, seed):
     fine = {**record(kwargs.get('format', 'vision'), 'Q', '1', good['images']), 'figure': good['images']}
     path = write(tmp_path / f'data{index}.jsonl', [fine, bad, fine])
     for skip in (False, True):
-      assert one_line(load_vision_problems, path, skip_bad_images=skip, **kwargs).startswith(
+      assert one_line_error(load_vision_problems, path, skip_bad_images=skip, **kwargs).startswith(
           f'task.source {path} row 1 {message}')
 
 
 def test_source_level_errors(tmp_path, seed):
   rng = np.random.default_rng(seed)
   path = write(tmp_path / 'data.jsonl', [{'question': 'Q', 'answer': '1', 'images': ['missing.png']}] * 2)
-  assert one_line(load_vision_problems, path, format='gsm8k') == (
+  assert one_line_error(load_vision_problems, path, format='gsm8k') == (
       f"task.format 'gsm8k' of {path} is not one of geo3k, verl, vision")
-  message = one_line(load_vision_problems, path, skip_bad_images=True)
+  message = one_line_error(load_vision_problems, path, skip_bad_images=True)
   assert message.startswith(f'all 2 rows of task.source {path} were skipped for their images; the first: '
                             f'task.source {path} row 0 (images[0]: missing.png): cannot open')
   good = save(tmp_path, 'a.png', random_pixels(rng))
