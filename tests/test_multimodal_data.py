@@ -11,7 +11,7 @@ from PIL import Image
 from grpo_jax.data.images import ImageSettings
 from grpo_jax.data.multimodal import (IMAGE_PAD, VISION_END, VISION_START, VisionProblem, expand_image_tokens,
                                       load_vision_problems, render_user_content, vision_problems)
-from grpo_jax.errors import FieldError, UserError
+from grpo_jax.errors import FieldError
 from test_math_task import one_line_error
 
 INSTRUCTION = 'Put the final answer in \\boxed{}.'  # what verl's geo3k preprocessing appends
