@@ -370,11 +370,14 @@ def mrope_positions(tokens: np.ndarray, segment_ids: np.ndarray | None, grids: l
     columns = np.flatnonzero(real[b])
     row = tokens[b, columns]
     current, i, out = 0, 0, np.zeros((len(columns), 3), np.int32)
+    images = np.flatnonzero(row == v.image_token_id) if v is not None else np.zeros(0, int)
     while i < len(row):
-      if v is None or row[i] != v.image_token_id:
-        out[i] = current
-        current, i = current + 1, i + 1
-        continue
+      # The text up to the next image token (a run at a time: a step's prompts hold ~10^5 tokens).
+      start = int(images[np.searchsorted(images, i)]) if np.searchsorted(images, i) < len(images) else len(row)
+      out[i:start] = (current + np.arange(start - i))[:, None]
+      current, i = current + start - i, start
+      if i == len(row):
+        break
       if not remaining:
         raise UserError(f'row {b} holds more images than its {len(grids[b])} grids')
       t, h, w = remaining.pop(0)
