@@ -8,11 +8,22 @@ JetStream's stubs (`jetstream.core.proto.jetstream_pb2_grpc.OrchestratorStub(cha
   text_content:  text, rendered with the tokenizer's chat template (--chat-template auto: when the
                  tokenizer has one) as one user message, or as a conversation when the text is a
                  JSON list of {"role", "content"} objects; the response carries text and token ids.
+                 A vision-language checkpoint (Qwen2.5-VL) reads images in such a conversation's
+                 content lists, inline as base64 (JetStream's request has no image field):
+                   [{"role": "user", "content": [
+                       {"type": "image", "image": "data:image/png;base64,iVBORw0..."},
+                       {"type": "text", "text": "Which quadrant holds the mark?"}]}]
+                 ({"type": "image_url", "image_url": {"url": "data:..."}} too), bounded by
+                 --max-images, --max-image-bytes and resized into [--min-pixels, --max-pixels]
+                 (default: the checkpoint's preprocessor_config.json) as transformers' processor does.
 
 Every request is checked in its handler before it is queued (sampler/requests.py): ids outside the
-vocabulary, an empty or over-long prompt (--long-prompts), a negative max_tokens and text sent to
-a --token-ids-only server are refused to that client alone with INVALID_ARGUMENT; max_tokens 0
-means --max-new-tokens.
+vocabulary, an empty or over-long prompt (--long-prompts), a negative max_tokens, text sent to
+a --token-ids-only server, and an image that is undecodable, too large, one too many or sent to a
+text model are refused to that client alone with INVALID_ARGUMENT; max_tokens 0 means
+--max-new-tokens. Images are decoded and processed in the handler too; the prefill runs the vision
+tower once per prompt, over a bucket of a power of two of images (and of patches each), so the
+server compiles a bounded set of prefills.
 
 Sampling (--greedy / --temperature / --top-k / --top-p) is fixed for the server: JetStream's
 DecodeRequest has no field for it. Stop tokens end a sample and are not sent, as JetStream does.
@@ -20,6 +31,7 @@ Needs the extras (google-jetstream); nothing else in grpo_jax imports jetstream.
 """
 
 import argparse
+import asyncio
 import dataclasses
 import faulthandler
 import logging
@@ -33,9 +45,9 @@ import jax
 
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.sampler.decode import DecodeSettings
-from grpo_jax.sampler.engine import QwenEngine, ResultTokens
+from grpo_jax.sampler.engine import QwenEngine, ResultTokens, with_images
 from grpo_jax.sampler.engine_tokenizer import CHAT_TEMPLATE_MODES, HFTokenizer
-from grpo_jax.sampler.requests import LONG_PROMPTS, RequestError, RequestRules
+from grpo_jax.sampler.requests import LONG_PROMPTS, ImageRules, RequestError, RequestRules
 from grpo_jax.sampler.sampling import add_sampling_flags, sampling_from_flags
 from grpo_jax.sampler.special_tokens import special_tokens
 
@@ -64,6 +76,29 @@ def _delete_arrays(tree) -> None:
       leaf.delete()
 
 
+class _ImagePrompt(list):
+  """A queued prompt's checked ids, carrying its processed images to the prefill thread."""
+
+  def __init__(self, ids, images):
+    super().__init__(ids)
+    self.images = images
+
+
+def image_driver():
+  """JetStream's Driver whose prefill thread hands a prompt's images to QwenEngine.prefill on its
+  padded tokens (engine.with_images); other prompts go as JetStream pads them. Imports jetstream."""
+  from jetstream.core import orchestrator
+
+  class ImageDriver(orchestrator.Driver):
+
+    def _process_prefill_content(self, request, tokenizer, is_bos, max_prefill_length):
+      tokens, true_length = super()._process_prefill_content(request, tokenizer, is_bos, max_prefill_length)
+      images = getattr(request.prefill_content, 'images', ())
+      return (with_images(tokens, images) if images else tokens), true_length
+
+  return ImageDriver
+
+
 @dataclasses.dataclass(frozen=True)
 class _Queued:
   """What JetStream's Decode reads of a request, once admitted: the checked ids stand in for the
@@ -71,7 +106,7 @@ class _Queued:
 
   max_tokens: int
   session_cache: str
-  prompt: tuple[list[int], bool]  # (ids, the client tokenizes: the answer carries ids only)
+  prompt: tuple[list[int], bool]  # (ids, or an _ImagePrompt; the client tokenizes: the answer carries ids only)
 
 
 def checked_servicer(rules: RequestRules):
@@ -90,8 +125,8 @@ def checked_servicer(rules: RequestRules):
       kind = request.WhichOneof('content')
       content = (request.token_content.token_ids if kind == 'token_content' else
                  request.text_content.text if kind == 'text_content' else None)
-      try:
-        admitted = rules.admit(kind, content, request.max_tokens)
+      try:  # off the event loop: a text request is tokenized here, and its images decoded and resized
+        admitted = await asyncio.to_thread(rules.admit, kind, content, request.max_tokens)
       except RequestError as error:
         if context is None:
           raise
@@ -99,23 +134,25 @@ def checked_servicer(rules: RequestRules):
       if admitted.truncated and context is not None:
         context.set_trailing_metadata((('prompt-tokens', str(admitted.prompt_tokens)),
                                        ('prompt-tokens-kept', str(len(admitted.token_ids)))))
+      ids = _ImagePrompt(admitted.token_ids, admitted.images) if admitted.images else admitted.token_ids
       queued = _Queued(max_tokens=admitted.max_tokens, session_cache=request.session_cache,
-                       prompt=(admitted.token_ids, not admitted.text))
+                       prompt=(ids, not admitted.text))
       async for response in super().Decode(queued, context):
         yield response
 
   return CheckedOrchestrator
 
 
-def request_rules(engine: QwenEngine, long_prompts: str = 'refuse') -> RequestRules:
+def request_rules(engine: QwenEngine, long_prompts: str = 'refuse', images: ImageRules | None = None) -> RequestRules:
   """The limits the served engine sets on a request."""
   tokenizer = engine.build_tokenizer(engine.get_tokenizer()) if engine.tokenizer_path else None
   return RequestRules(vocab_size=engine.vocab_size, max_prompt_tokens=engine.max_prefill_length,
-                      max_new_tokens=engine.max_new_tokens, tokenizer=tokenizer, long_prompts=long_prompts)
+                      max_new_tokens=engine.max_new_tokens, tokenizer=tokenizer, long_prompts=long_prompts,
+                      images=images)
 
 
 def start_server(engine: QwenEngine, port: int, host: str = '127.0.0.1', *, threads: int | None = None,
-                 verbose: bool = False, long_prompts: str = 'refuse'):
+                 verbose: bool = False, long_prompts: str = 'refuse', images: ImageRules | None = None):
   """Starts JetStream's gRPC server over `engine`, its requests checked (checked_servicer);
   returns its JetStreamServer (call .stop())."""
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')  # jetstream imports TensorFlow (via seqio)
@@ -125,7 +162,7 @@ def start_server(engine: QwenEngine, port: int, host: str = '127.0.0.1', *, thre
   # server_lib builds its servicer as orchestrator.LLMOrchestrator(driver=...): it is given a view of
   # the orchestrator module whose servicer is the checked one (JetStream's own module is untouched).
   server_lib.orchestrator = types.SimpleNamespace(
-      Driver=orchestrator.Driver, LLMOrchestrator=checked_servicer(request_rules(engine, long_prompts)))
+      Driver=image_driver(), LLMOrchestrator=checked_servicer(request_rules(engine, long_prompts, images)))
 
   if not verbose:
     logging.getLogger().setLevel(logging.WARNING)  # the orchestrator logs every step at INFO
@@ -170,11 +207,34 @@ def parse_args(argv):
   parser.add_argument('--long-prompts', choices=LONG_PROMPTS, default='refuse',
                       help='a prompt longer than --max-prefill-length: refused (INVALID_ARGUMENT), or cut to its '
                            'last tokens with the cut in the trailing metadata (prompt-tokens, prompt-tokens-kept)')
+  parser.add_argument('--max-images', type=int, default=4,
+                      help='most images one request may hold (vision-language checkpoints)')
+  parser.add_argument('--max-image-bytes', type=int, default=16 << 20, help='largest image a request may send, '
+                      'in encoded bytes')
+  parser.add_argument('--min-pixels', type=int, help='images are resized to at least this area (default: the '
+                      'checkpoint\'s preprocessor_config.json)')
+  parser.add_argument('--max-pixels', type=int, help='images are resized to at most this area, which bounds '
+                      'their patches and image tokens (default: the checkpoint\'s)')
   parser.add_argument('--verbose', action='store_true', help="keep JetStream's per-step logs")
   return parser.parse_args(argv)
 
 
-def build_engine(args) -> QwenEngine:
+def image_rules(args, source: str, config) -> ImageRules | None:
+  """How a vision-language checkpoint's server reads images (None: a text model)."""
+  from grpo_jax.data.images import ImageSettings
+  from grpo_jax.model.vision import check_processor
+  if config.vision is None:
+    return None
+  if args.max_images < 1 or args.max_image_bytes < 1:
+    raise UserError('--max-images and --max-image-bytes must be at least 1')
+  settings = ImageSettings.from_checkpoint(source, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+  check_processor(settings, config.vision, f'{source}/preprocessor_config.json')
+  return ImageRules(settings=settings, vision=config.vision, max_images=args.max_images,
+                    max_image_bytes=args.max_image_bytes)
+
+
+def build_engine(args) -> tuple[QwenEngine, ImageRules | None]:
+  """The engine over --ckpt, and how its requests' images are read (None: a text model, or no tokenizer)."""
   from flax import nnx
 
   from grpo_jax.checkpoint import locate, restore_policy, run_of, run_tokenizer
@@ -205,6 +265,7 @@ def build_engine(args) -> QwenEngine:
   check_port(args.host, args.port)
   # Resident weights in the sampler's layout over this host's devices (sampler/layout.py).
   architecture = run[1] if run is not None else load_hf_config(args.ckpt)
+  images = image_rules(args, source, architecture) if tokenizer is not None else None
   mesh = serving_mesh(args.tensor, architecture.num_key_value_heads)
   if run is None:
     model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
@@ -217,15 +278,16 @@ def build_engine(args) -> QwenEngine:
                             pad_id=special.pad_id)
   return QwenEngine(model, slots=args.slots, max_prefill_length=args.max_prefill_length, settings=settings,
                     seed=args.seed, tokenizer_path=source if tokenizer else None,
-                    chat_template=args.chat_template)
+                    chat_template=args.chat_template), images
 
 
 @cli_main
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  engine = build_engine(args)
+  engine, images = build_engine(args)
   try:
-    server = start_server(engine, args.port, args.host, verbose=args.verbose, long_prompts=args.long_prompts)
+    server = start_server(engine, args.port, args.host, verbose=args.verbose, long_prompts=args.long_prompts,
+                          images=images)
   except ImportError as error:
     raise UserError(f'serving needs google-jetstream (pip install -r requirements-extras.txt): {error}') from None
   except RuntimeError as error:  # grpc could not bind after all

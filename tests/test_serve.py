@@ -238,3 +238,117 @@ def add_chat_template(directory):
     tokenizer_config = json.load(f)
   with open(config_path, 'w') as f:
     json.dump(dict(tokenizer_config, chat_template=CHAT_TEMPLATE), f)
+
+
+VL_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+               "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|>"
+               "<|vision_end|>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.slow
+def test_image_requests_equal_transformers_and_bad_images_are_refused_alone(seed, make_hf_checkpoint, tmp_path):
+  """A Qwen2.5-VL checkpoint served: conversations with one image, two images of different sizes
+  (base64 parts, both part spellings) and none, through two slots at once, decode greedily as
+  transformers' generate does on the processor's pixels; undecodable, too many, fetched and
+  unearned image tokens are refused to their own clients, and the good answers do not change."""
+  pytest.importorskip('jetstream.core.proto.jetstream_pb2_grpc',
+                      reason='google-jetstream (requirements-extras.txt) is not installed')
+  import base64
+  import io
+
+  import grpc
+  import portpicker
+  from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+  from PIL import Image
+
+  from grpo_jax.data.images import ImageSettings, process_image
+  from grpo_jax.model import load_tokenizer
+
+  directory, reference = make_hf_checkpoint(seed, model_type='qwen2_5_vl', image_token_id=2, vision_start_token_id=1,
+                                            vision_end_token_id=3, video_token_id=4)
+  write_tokenizer(directory, special=['<|vision_start|>', '<|image_pad|>', '<|vision_end|>', '<|video_pad|>'])
+  with open(os.path.join(directory, 'tokenizer_config.json')) as f:
+    tokenizer_config = json.load(f)
+  with open(os.path.join(directory, 'tokenizer_config.json'), 'w') as f:
+    json.dump(dict(tokenizer_config, chat_template=VL_TEMPLATE), f)
+  with open(os.path.join(directory, 'preprocessor_config.json'), 'w') as f:
+    json.dump({'min_pixels': 3136, 'max_pixels': 40000, 'patch_size': 14, 'merge_size': 2, 'temporal_patch_size': 2}, f)
+  tokenizer = load_tokenizer(directory)
+  settings = ImageSettings(min_pixels=3136, max_pixels=40000)
+  stop_ids = {tokenizer.eos_token_id} | set(np.atleast_1d(reference.config.text_config.eos_token_id or []).tolist())
+  rng = np.random.default_rng(seed)
+  pictures = [Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)) for shape in ((75, 130, 3), (60, 56, 3))]
+  encoded = []
+  for picture in pictures:
+    buffer = io.BytesIO()
+    picture.save(buffer, format='PNG')
+    encoded.append(base64.b64encode(buffer.getvalue()).decode())
+  image = lambda i: {'type': 'image', 'image': f'data:image/png;base64,{encoded[i]}'}  # noqa: E731
+  image_url = lambda i: {'type': 'image_url', 'image_url': {'url': f'data:image/png;base64,{encoded[i]}'}}  # noqa: E731
+  text = lambda t: {'type': 'text', 'text': t}  # noqa: E731
+  conversations = [
+      [{'role': 'user', 'content': [image(0), text('seven plus two')]}],
+      [{'role': 'system', 'content': 'be brief'},
+       {'role': 'user', 'content': [text('one'), image_url(1), text('plus'), image(0)]}],
+      [{'role': 'user', 'content': 'four plus four'}],
+  ]
+
+  def expected(conversation, budget=6):
+    shown = [dict(m, content=[{'type': 'image'} if p['type'] != 'text' else p for p in m['content']])
+             if isinstance(m['content'], list) else m for m in conversation]
+    ids = tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=True, return_dict=False)
+    order = [0 if p.get('image') == image(0)['image'] else 1 for m in conversation if isinstance(m['content'], list)
+             for p in m['content'] if p['type'] != 'text']
+    processed = [process_image(pictures[i], settings) for i in order]
+    counts = iter(int(np.prod(grid)) // 4 for _, grid in processed)
+    ids = torch.tensor([[t for token in ids for t in ([2] * next(counts) if token == 2 else [token])]])
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    if processed:
+      inputs.update(pixel_values=torch.tensor(np.concatenate([p for p, _ in processed])),
+                    image_grid_thw=torch.tensor([g for _, g in processed]), mm_token_type_ids=(ids == 2).int())
+    with torch.no_grad():
+      out = reference.generate(**inputs, do_sample=False, max_new_tokens=budget, eos_token_id=None,
+                               pad_token_id=0)[0, ids.shape[1]:].tolist()
+    return out[:next((i for i, t in enumerate(out) if t in stop_ids), len(out))]
+
+  answers = [expected(c) for c in conversations]
+  bad = [  # (conversation, what the refusal says)
+      ([{'role': 'user', 'content': [{'type': 'image', 'image': 'data:image/png;base64,@@@@'}]}], 'not valid base64'),
+      ([{'role': 'user', 'content': [{'type': 'image', 'image': base64.b64encode(b'not a png').decode()},
+                                     text('one')]}], 'not an image format Pillow can read'),
+      ([{'role': 'user', 'content': [image(0), image(1), image(0)]}], 'more than the server\'s --max-images 2'),
+      ([{'role': 'user', 'content': [{'type': 'image', 'image': 'https://example.com/a.png'}]}], 'fetches no URL'),
+      ([{'role': 'user', 'content': 'one <|image_pad|> two'}], 'is the image token'),
+  ]
+
+  port = portpicker.pick_unused_port()
+  server = serve('--ckpt', directory, '--port', port, '--slots', 2, '--max-prefill-length', 128,
+                 '--max-new-tokens', 6, '--greedy', '--dtype', 'float32', '--max-images', 2)
+  try:
+    with grpc.insecure_channel(f'127.0.0.1:{port}') as channel:
+      grpc.channel_ready_future(channel).result(timeout=240)
+      stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+
+      def decode(fields):
+        try:
+          return [i for r in stub.Decode(jetstream_pb2.DecodeRequest(**fields), timeout=240)
+                  for sample in r.stream_content.samples for i in sample.token_ids]
+        except grpc.RpcError as error:
+          return error.code(), error.details()
+
+      as_text = lambda c: dict(text_content=jetstream_pb2.DecodeRequest.TextContent(text=json.dumps(c)))  # noqa: E731
+      good = [as_text(c) for c in conversations]
+      every = good + [as_text(c) for c, _ in bad] + [
+          dict(token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5, 2, 6]))]
+      with concurrent.futures.ThreadPoolExecutor(len(every)) as pool:
+        alone = list(pool.map(decode, good))
+        order = rng.permutation(len(every))
+        futures = {int(index): pool.submit(decode, every[index]) for index in order}
+        mixed = [futures[index].result() for index in range(len(every))]
+  finally:
+    code, stderr = stop(server)
+  assert code == 0, stderr[-3000:]
+  assert alone == answers and mixed[:len(good)] == answers and all(answers)
+  for (code, details), message in zip(mixed[len(good):], [m for _, m in bad] + ['is the image token']):
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and message in details, details

@@ -13,6 +13,12 @@ row of S = max_prefill_length + max_new_tokens entries, laid out on the paramete
   insert(prefix, state, slot) copies the prefix into row `slot`; one prefix can go into G slots.
   generate(state)  -> decode.decode_step: one token per slot, the same step the trainer's group
                       sampler runs inside its jit, so the same request key gives the same tokens.
+
+A vision-language model (Qwen2.5-VL) prefills a prompt with its images (prefill's `images`, or
+`padded_tokens` given as `with_images`: JetStream's prefill call has no image argument, so serve's
+prefill thread hands them over on the tokens): the vision tower runs in the prefill, once per
+prompt, over the images padded to a bucket (a power of two of images, of patches each), so the
+compiled prefills are a bounded set; each slot keeps its prompt's M-RoPE offset for decoding.
 """
 
 import dataclasses
@@ -24,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.model.qwen2 import KVCache, Qwen2
+from grpo_jax.model.vision import Vision, patch_bucket, vision_of
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Prefix, decode_step, prefill, request_keys, typed_key
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sampler.engine_tokenizer import NO_TOKEN, HFTokenizer
@@ -33,6 +40,23 @@ from grpo_jax.sharding import named_sharding
 # Column ranges of ResultTokens.data, one int32 row per slot.
 TOKEN_COLUMNS, VALID_COLUMNS, LENGTH_COLUMNS, LOG_PROB_COLUMNS = (0, 1), (1, 2), (2, 3), (3, 4)
 CACHE_AXES = ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim')
+
+
+class ImageTokens(np.ndarray):
+  """Padded prompt ids carrying the prompt's images (`images`: (patches, grid) pairs, in order)."""
+
+  images: tuple = ()
+
+
+def with_images(tokens, images) -> ImageTokens:
+  """`tokens` as an ImageTokens carrying `images` (QwenEngine.prefill reads them)."""
+  out = np.asarray(tokens).view(ImageTokens)
+  out.images = tuple(images)
+  return out
+
+
+def _power_of_two(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
 
 
 def _static():
@@ -171,11 +195,14 @@ class QwenEngine:
       return self._init()
 
   def prefill(self, *, params, existing_prefix: Prefix | None = None, padded_tokens,
-              true_length: int) -> Prefix:
+              true_length: int, images=None) -> Prefix:
     """padded_tokens [T], the true_length real tokens first (right padding); a leading NO_TOKEN
     (-1: JetStream's BOS placeholder, Qwen has no BOS token) is skipped. Every other real id must
     be in [0, vocab_size): a TokenIdError (a ValueError) names the first that is not, before
-    anything runs. existing_prefix: an earlier Prefix to continue."""
+    anything runs. existing_prefix: an earlier Prefix to continue (text models). images: the
+    prompt's images, (patches, grid) pairs whose image tokens the prompt holds in order (default:
+    those `padded_tokens` carries, with_images)."""
+    images = tuple(images if images is not None else getattr(padded_tokens, 'images', ()))
     padded_tokens = np.asarray(padded_tokens).reshape(-1)
     width = len(padded_tokens) + (existing_prefix.cache.max_length if existing_prefix else 0)
     if width > self._max_prefill_length:
@@ -186,9 +213,27 @@ class QwenEngine:
       real[0] = 0  # the placeholder, skipped below
     check_token_ids(real, self.vocab_size, 'prefill padded_tokens')
     padded_tokens = padded_tokens.astype(np.int32)
+    vision = self._vision(padded_tokens, true_length, images, existing_prefix)
     self.prefill_count += 1
     with jax.set_mesh(self._mesh):
-      return self._prefill(params, existing_prefix, padded_tokens, np.int32(true_length))
+      return self._prefill(params, existing_prefix, padded_tokens, np.int32(true_length), vision)
+
+  def _vision(self, tokens: np.ndarray, true_length: int, images: tuple, existing: Prefix | None) -> Vision | None:
+    """The Vision of one prompt's images in their bucket; None for a prompt without images."""
+    config = self._model.config
+    if config.vision is None:
+      if images:
+        raise ValueError(f'images for a text model ({config.model_type})')
+      return None
+    if existing is not None:
+      raise ValueError('existing_prefix: a vision-language engine prefills whole prompts')
+    if not images:
+      return None
+    real = (np.arange(len(tokens)) < true_length) & (tokens != NO_TOKEN)
+    longest = max(len(patches) for patches, _ in images)
+    return vision_of([list(images)], np.where(real, tokens, 0)[None], real[None].astype(np.int32), config,
+                     max_patches=patch_bucket(_power_of_two(longest), config.vision),
+                     max_images=_power_of_two(len(images)))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
              key: jax.Array | None = None) -> DecodeState:
@@ -210,12 +255,13 @@ class QwenEngine:
     c = self._model.config
     width = self._max_prefill_length
     cache_shape = (c.num_hidden_layers, 1, width, c.num_key_value_heads, c.resolved_head_dim)
+    one = named_sharding(self._mesh, (1,), ('batch',))
     return Prefix(cache=KVCache(k=named_sharding(self._mesh, cache_shape, CACHE_AXES),
                                 v=named_sharding(self._mesh, cache_shape, CACHE_AXES),
                                 segment_ids=named_sharding(self._mesh, (1, width), ('batch', 'cache_seq')),
-                                length=named_sharding(self._mesh, (1,), ('batch',))),
+                                length=one),
                   hidden=named_sharding(self._mesh, (1, c.hidden_size), ('batch', 'act_embed')),
-                  empty=named_sharding(self._mesh, (1,), ('batch',)))
+                  empty=one, offsets=one if c.vision is not None else None)
 
   def get_tokenizer(self):
     """TokenizerParameters(path=tokenizer directory); a plain namespace without jetstream."""
@@ -260,17 +306,18 @@ class QwenEngine:
                       v=named_sharding(mesh, cache_shape, CACHE_AXES),
                       segment_ids=named_sharding(mesh, (B, S), ('batch', 'cache_seq')), length=per_slot),
         hidden=named_sharding(mesh, (B, c.hidden_size), ('batch', 'act_embed')),
-        keys=per_slot, generated=per_slot, live=per_slot)
+        keys=per_slot, generated=per_slot, live=per_slot, offsets=per_slot if c.vision is not None else None)
 
   def _init_state(self) -> DecodeState:
     B = self.slots
     return DecodeState(cache=self._model.init_cache(B, self.cache_length),
                        hidden=jnp.zeros((B, self._model.config.hidden_size), self._model.dtype),
                        keys=request_keys(jax.random.key(self.seed), B), generated=jnp.zeros((B,), jnp.int32),
-                       live=jnp.zeros((B,), bool))
+                       live=jnp.zeros((B,), bool),
+                       offsets=jnp.zeros((B,), jnp.int32) if self._model.config.vision is not None else None)
 
-  def _prefill_step(self, params, existing: Prefix | None, tokens: jax.Array,
-                    true_length: jax.Array) -> Prefix:
+  def _prefill_step(self, params, existing: Prefix | None, tokens: jax.Array, true_length: jax.Array,
+                    vision: Vision | None) -> Prefix:
     model = nnx.merge(self._graphdef, params)
     T = tokens.shape[0]
     real = (jnp.arange(T) < true_length) & (tokens != NO_TOKEN)
@@ -281,14 +328,18 @@ class QwenEngine:
       cache = model.init_cache(1, previous + T)
       cache = KVCache(k=cache.k.at[:, :, :previous].set(old.k), v=cache.v.at[:, :, :previous].set(old.v),
                       segment_ids=cache.segment_ids.at[:, :previous].set(old.segment_ids), length=old.length)
-    return prefill(model, jnp.where(real, tokens, 0)[None], real[None].astype(jnp.int32), cache)
+    prefix = prefill(model, jnp.where(real, tokens, 0)[None], real[None].astype(jnp.int32), cache, vision=vision)
+    if model.config.vision is not None and prefix.offsets is None:  # a text prompt: plain positions
+      prefix = dataclasses.replace(prefix, offsets=jnp.zeros((1,), jnp.int32))
+    return prefix
 
   def _insert_step(self, prefix: Prefix, state: DecodeState, slot: jax.Array, key: jax.Array) -> DecodeState:
     width = prefix.cache.max_length
     if width > self.cache_length:
       raise ValueError(f'prefix of {width} tokens does not fit a cache row of {self.cache_length}')
     return admit(state, Slots(index=jnp.reshape(slot, (1,))),
-                 Entry(hidden=prefix.hidden, keys=key[None], empty=prefix.empty, cache=prefix.cache))
+                 Entry(hidden=prefix.hidden, keys=key[None], empty=prefix.empty, cache=prefix.cache,
+                       offsets=prefix.offsets))
 
   def _generate_step(self, params, state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     state, emitted = decode_step(nnx.merge(self._graphdef, params), state, self.settings)

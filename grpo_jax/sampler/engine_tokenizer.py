@@ -64,9 +64,13 @@ class HFTokenizer:
 
   def token_ids(self, text: str) -> list[int]:
     if self.use_chat_template:
-      return list(self.tokenizer.apply_chat_template(chat_messages(text), add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False))
+      return self.conversation_ids(chat_messages(text))
     return list(self.tokenizer(text)['input_ids'])
+
+  def conversation_ids(self, messages: list[dict]) -> list[int]:
+    """The ids of `messages` rendered with the chat template, ready for the assistant's turn."""
+    return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False))
 
   def encode(self, s: str, **kwargs) -> tuple[np.ndarray, int]:
     """Text -> (ids right-padded to a length bucket, true length); ValueError for a prompt longer
