@@ -25,35 +25,28 @@ pytestmark = pytest.mark.xdist_group('test_split')
 MAX_LAG = 2
 
 
-@pytest.fixture(scope='module')
-def split_run():
-  """Six steps of tiny_arith with 4 sampler and 4 trainer devices at max_lag 2, recording the
-  weights of every version and what each step's update was given."""
-  seed = int(np.random.default_rng().integers(1 << 16))
-  print(f'seed={seed}')
-  config = load_config('configs/tiny_arith.yaml', [
-      'rollout.devices=4', f'algo.max_lag={MAX_LAG}', 'algo.tis_cap=2', 'rollout.prompts_per_step=4',
-      'algo.group_size=4', 'rollout.slots=4', 'optim.learning_rate=0.05', 'optim.warmup_steps=0',
-      'algo.entropy_coef=0.5',  # a gradient at every step, rewarded or not: every version's weights differ
-      f'run.seed={seed}'])
-  trainer, sampler = split_devices(jax.devices(), 4)
+def split_steps(config, steps: int, sampler_devices: int = 4) -> dict:
+  """`steps` RL steps of `config` with the last `sampler_devices` devices sampling, recording the
+  weights of every version and what each step's update was given (prompt tokens, mask, rollout and
+  the prompts' images, numpy)."""
+  trainer, sampler = split_devices(jax.devices(), sampler_devices)
   mesh = make_mesh(config.mesh, devices=trainer)
   model = config.model.build(mesh, config.run.seed)
   task = build_task(config)
   rl_step = build_rl_step(config, model, mesh, task)
-  state = create_train_state(nnx.state(model), rl_step.optimizer, seed, pool=rl_step.empty_pool,
+  state = create_train_state(nnx.state(model), rl_step.optimizer, config.run.seed, pool=rl_step.empty_pool,
                              shardings=rl_step.state_shardings)
   copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
   learned, weights, metrics = [], [], []
   learn = rl_step.learn
 
   def recording(state, ref_params, prompt_tokens, prompt_mask, rollout, scores, vision=None):
-    learned.append(jax.device_get((prompt_tokens, prompt_mask, rollout)))
+    learned.append(jax.device_get((prompt_tokens, prompt_mask, rollout, vision)))
     return learn(state, ref_params, prompt_tokens, prompt_mask, rollout, scores, vision)
 
   rl_step.learn = recording
   with jax.set_mesh(mesh):
-    for _ in range(6):  # the first step primes the pool (its groups sampled under these weights)
+    for _ in range(steps):  # the first step primes the pool (its groups sampled under these weights)
       weights.append(copy(state.params))
       state, row = rl_step(state, None)
       metrics.append(jax.device_get(row))
@@ -61,11 +54,24 @@ def split_run():
               metrics=metrics, graphdef=nnx.graphdef(model))
 
 
+@pytest.fixture(scope='module')
+def split_run():
+  """Six steps of tiny_arith with 4 sampler and 4 trainer devices at max_lag 2."""
+  seed = int(np.random.default_rng().integers(1 << 16))
+  print(f'seed={seed}')
+  config = load_config('configs/tiny_arith.yaml', [
+      'rollout.devices=4', f'algo.max_lag={MAX_LAG}', 'algo.tis_cap=2', 'rollout.prompts_per_step=4',
+      'algo.group_size=4', 'rollout.slots=4', 'optim.learning_rate=0.05', 'optim.warmup_steps=0',
+      'algo.entropy_coef=0.5',  # a gradient at every step, rewarded or not: every version's weights differ
+      f'run.seed={seed}'])
+  return split_steps(config, 6)
+
+
 def test_split_steps_train_on_groups_sampled_behind(split_run):
   """Step v trains on tokens of versions v - 2 .. v - 1 (step 0 on version 0's), the metrics say
   so, and some answers span two versions (cut off at one step, finished under the next weights)."""
   spanning = 0
-  for step, ((_, _, rollout), metrics) in enumerate(zip(split_run['learned'], split_run['metrics'])):
+  for step, ((_, _, rollout, _), metrics) in enumerate(zip(split_run['learned'], split_run['metrics'])):
     versions = rollout.versions[rollout.mask]
     newest = max(step - 1, 0)
     assert versions.max() == newest and versions.min() >= step - MAX_LAG, (step, np.unique(versions))
@@ -86,7 +92,7 @@ def test_every_token_is_its_versions_sample(split_run):
     assert max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))) > 1e-3
   checked = 0
   with jax.set_mesh(mesh):
-    for step, (prompt_tokens, prompt_mask, rollout) in enumerate(split_run['learned']):
+    for step, (prompt_tokens, prompt_mask, rollout, _) in enumerate(split_run['learned']):
       group = rollout.tokens.shape[0] // prompt_tokens.shape[0]
       width = prompt_tokens.shape[1] + rollout.tokens.shape[1]
       for version in np.unique(rollout.versions[rollout.mask]):

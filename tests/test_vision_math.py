@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
+from flax import nnx
 
 from grpo_jax import config as config_lib
 from grpo_jax import evaluation
@@ -169,8 +170,6 @@ def test_runs_with_images_are_checked(tmp_path):
   vision = ['model.architecture.vision={}', 'model.architecture.mrope_section=[2, 3, 3]',
             'model.architecture.vocab_size=152064']
   config_lib.load_config(None, base + vision + ['algo.packing=true', 'algo.max_lag=1', 'algo.tis_cap=2'])
-  with pytest.raises(UserError, match='^rollout.devices must be 0: split devices are not proven with images'):
-    config_lib.load_config(None, base + vision + ['algo.max_lag=1', 'algo.tis_cap=2', 'rollout.devices=1'])
   with pytest.raises(UserError, match='^task.min_pixels .* must not exceed task.max_pixels'):
     config_lib.load_config(None, base + vision + ['task.min_pixels=100', 'task.max_pixels=10'])
 
@@ -208,3 +207,45 @@ def test_a_run_with_images_trains_and_evaluates_pass_at_k(tmp_path, checkpoint, 
   assert all('<|image_pad|>' in row['prompt'] for row in rows)
   # Two evaluations (steps 0 and 2) of two batches, each prompt with its image's tokens placed.
   assert len(sampled) == 4 and all(np.all(placed >= 1) for placed in sampled)
+
+
+def test_split_devices_sample_image_prompts_as_their_versions(tmp_path, checkpoint, seed):
+  """A math run with images on split devices (4 sampler, 4 trainer devices, max_lag 1): the prompts'
+  images cross to the sampler's devices and back with their groups, and each token's recorded
+  log-prob is what the weights of its version give with the images (the tower included), after
+  the prompt and the tokens before it."""
+  from test_split import split_steps
+
+  from grpo_jax.model.vision import extended
+  from grpo_jax.rl.loss import completion_log_probs
+
+  rng = np.random.default_rng(seed)
+  source = write(tmp_path / 'train.parquet', geo3k_records(rng, rng.integers(20, 60, (8, 2)).tolist()))
+  path = math_config(tmp_path, checkpoint, source, rollout={'devices': 4, 'max_new_tokens': 6},
+                     algo={'group_size': 2, 'max_lag': 1, 'tis_cap': 2, 'entropy_coef': 0.5},
+                     optim={'learning_rate': 0.05, 'warmup_steps': 0})
+  run = split_steps(config_lib.load_config(path, ['rewards=[{name: "test_vision_math:checksum"}]',
+                                                  f'run.seed={seed}']), 4)
+  graphdef, temperature = run['graphdef'], run['rl_step'].update_settings.temperature
+
+  @jax.jit
+  def log_probs(params, tokens, segments, vision):
+    return completion_log_probs(nnx.merge(graphdef, params), tokens, segments, 6, temperature=temperature,
+                                implementation='auto', vision=vision)[0]
+
+  checked, versions_seen = 0, set()
+  with jax.set_mesh(run['mesh']):
+    for step, (tokens, mask, rollout, vision) in enumerate(run['learned']):
+      rows = np.repeat(np.arange(len(tokens)), rollout.tokens.shape[0] // len(tokens))
+      assert np.all(np.sum(vision.images.placement >= 0, axis=1) >= 1)  # every prompt's image tokens placed
+      full = np.concatenate([tokens[rows], rollout.tokens], axis=1)
+      segments = np.concatenate([mask[rows], rollout.sequence_mask], axis=1).astype(np.int32)
+      rows_vision = extended(jax.tree.map(lambda x: x[rows], vision), mask[rows], rollout.sequence_mask)
+      for version in np.unique(rollout.versions[rollout.mask]):
+        at = (rollout.versions == version) & rollout.mask
+        expected = np.asarray(log_probs(run['weights'][version], full, segments, rows_vision))
+        np.testing.assert_allclose(rollout.log_probs[at], expected[at], atol=2e-5,
+                                   err_msg=f'step {step} version {version}')
+        checked += int(at.sum())
+        versions_seen.add((step, int(version)))
+  assert checked > 0 and any(version < step for step, version in versions_seen)  # trained a version behind

@@ -430,7 +430,7 @@ class MathSection(ProblemFields):
 
   def check_run(self, config) -> None:
     """A math task reads its tokenizer from model.path or task.tokenizer; problems with images need
-    a vision-language model, and are not yet proven on split devices."""
+    a vision-language model."""
     require(bool(config.model.path or self.tokenizer), 'model.path',
             'or task.tokenizer must be set for task.name=math: the tokenizer is read from that directory')
     data = _image_dataset((self.dataset, *self.mix, config.eval.dataset))
@@ -439,12 +439,6 @@ class MathSection(ProblemFields):
     why = f'format {data.format} of {data.source} has images'
     require(bool(config.model.path) or config.model.architecture.vision is not None, 'model.architecture.vision',
             f'must describe a vision tower: {why}')
-    data = _image_dataset((self.dataset, *self.mix))  # what trains
-    if data is None:
-      return
-    require(not config.rollout.devices, 'rollout.devices',
-            f'must be 0: split devices are not proven with images yet (format {data.format} of {data.source} '
-            'has images)')
 
 
 def build(config) -> MathTask:
