@@ -107,6 +107,17 @@ def test_compiler_log_lines_are_summarised_by_kind():
       'other compiler warnings (in --json under compiler_log) (1 log line)']
 
 
+def test_each_mesh_axis_is_attributed_to_the_link_its_groups_use():
+  """2 H100 hosts of 4 GPUs, mesh data=2 x fsdp=2 x tensor=2 in make_mesh's order (host-major): a
+  data group is {i, i + 4}, across the hosts; an fsdp group {i, i + 2} and a tensor group {i, i + 1}
+  stay within one. A 4 MiB fp32 all-reduce over each axis, compiled by XLA:GPU and read back as the
+  plan reads its programs, is 4 MiB per device on the network for data and on NVLink for the others."""
+  result = _run('gpu', ['grpo_jax.plan.targets', 'links', 'h100x2x4', '--mesh', 'data=2,fsdp=2,tensor=2'], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  found = {line['axis']: line['links'] for line in map(json.loads, result.stdout.splitlines())}
+  assert found == {'data': {'network': 4 << 20}, 'fsdp': {'nvlink': 4 << 20}, 'tensor': {'nvlink': 4 << 20}}
+
+
 @pytest.mark.slow
 def test_plan_of_split_devices_and_of_partial_rollouts(tmp_path):
   """rollout.devices: the sampler's program on its own 4 devices, the weights' layout program and

@@ -80,6 +80,9 @@ class Program:
   note: str = ''
   collectives: dict = dataclasses.field(default_factory=dict)  # {'outside' | 'per_decode_step': {kind: bytes}}
   interconnect_s: dict = dataclasses.field(default_factory=dict)  # {'outside' | 'per_decode_step': seconds}
+  # {'outside' | 'per_decode_step': {link class: {'bytes', 'seconds'}}}: the same collectives by the
+  # link their device groups use (targets.Target.link: NVLink or the network between GPU hosts, ICI)
+  links: dict = dataclasses.field(default_factory=dict)
 
   @property
   def peak(self) -> int:
@@ -123,13 +126,15 @@ def compile_program(name: str, target: targets.Target, devices: list, jitted, *a
   cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
   flops = float(cost['flops']) if cost and 'flops' in cost else None
   found = traffic.collectives(compiled.as_text(), len(devices))
-  bandwidth = functools.cache(lambda group: target.group_bandwidth([devices[i] for i in group]))
+  link = functools.cache(lambda group: target.link([devices[i] for i in group]))
+  links = {part: traffic.by_link(found, in_loop, link, target.link_bandwidth_of)
+           for part, in_loop in (('outside', False), ('per_decode_step', True))}
   return Program(name, seconds, memory.argument_size_in_bytes, memory.output_size_in_bytes,
                  memory.alias_size_in_bytes, memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
                  flops, note,
                  collectives=dict(outside=traffic.totals(found, False), per_decode_step=traffic.totals(found, True)),
-                 interconnect_s=dict(outside=traffic.seconds(found, False, bandwidth),
-                                     per_decode_step=traffic.seconds(found, True, bandwidth)))
+                 interconnect_s={part: sum(entry['seconds'] for entry in by.values()) for part, by in links.items()},
+                 links=links)
 
 
 @dataclasses.dataclass

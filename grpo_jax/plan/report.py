@@ -144,18 +144,21 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   decode_s = steps * (per_device['resident_weights'] + per_device['kv_cache'] / 2) / target.hbm_bandwidth
   parts = {}
   for program in report['programs']:
+    rollout = program['name'] not in ('update', 'transfer')
+    links = {link: entry['seconds'] for link, entry in program['links']['outside'].items()}
+    for link, entry in program['links']['per_decode_step'].items() if rollout else ():
+      links[link] = links.get(link, 0.0) + steps * entry['seconds']
     if program['name'] == 'transfer':  # no model FLOPs, no decoding: its collectives only
-      parts['transfer'] = dict(compute_s=0.0, hbm_s=0.0, interconnect_s=program['interconnect_s']['outside'])
+      parts['transfer'] = dict(compute_s=0.0, hbm_s=0.0, interconnect_s=sum(links.values()), links=links)
       continue
-    rollout = program['name'] != 'update'
     update = program['name'] != 'rollout'
     flops = (rollout_flops if rollout else 0.0) + ((step_flops - rollout_flops) if update else 0.0)
-    link = program['interconnect_s']
     devices = report['program_devices'][program['name']]
     parts[program['name']] = dict(compute_s=flops / (devices * target.peak_flops), hbm_s=decode_s if rollout else 0.0,
-                                  interconnect_s=link['outside'] + (steps * link['per_decode_step'] if rollout else 0.0))
+                                  interconnect_s=sum(links.values()), links=links)
   for part in parts.values():
     part['program_s'] = max(part['compute_s'], part['hbm_s'], part['interconnect_s'])
+    part['bound'] = _bound(part)
   result = dict(model_flops=step_flops, programs=parts, step_s=sum(part['program_s'] for part in parts.values()))
   if 'split' in report and {'rollout', 'update', 'transfer'} <= parts.keys():
     rollout_s, update_s = parts['rollout']['program_s'], parts['update']['program_s']
@@ -163,6 +166,16 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
     result.update(serial_s=rollout_s + update_s + crossing_s, crossing_s=crossing_s,
                   step_s=max(rollout_s, update_s, (rollout_s + update_s + crossing_s) / 2))
   return result
+
+
+def _bound(part: dict) -> str:
+  """What bounds a program's estimate: 'compute', 'HBM', or the link class that carries most of
+  its interconnect time (targets.LINK_NAMES) when the interconnect does."""
+  times = dict(compute=part['compute_s'], HBM=part['hbm_s'], interconnect=part['interconnect_s'])
+  bound = max(times, key=times.get)
+  if bound == 'interconnect' and part['links']:
+    return targets.LINK_NAMES.get(link := max(part['links'], key=part['links'].get), link)
+  return bound
 
 
 def parse_bytes(text: str, field: str) -> int:
@@ -210,6 +223,11 @@ def format_report(report: dict) -> str:
     lines.append(f'    collectives per device (compiled program): {_collective_summary(collectives["outside"])} '
                  'per run' + (f'; per decode step {_collective_summary(collectives["per_decode_step"])}'
                               if program['name'] not in ('update', 'transfer') else ''))
+    by_link = [(f'{part}: ' if part != 'outside' else '') + ', '.join(
+        f'{targets.LINK_NAMES.get(link, link)} {format_bytes(entry["bytes"])}' for link, entry in links.items())
+        for part, links in program['links'].items() if links]
+    if by_link:
+      lines.append(f'    by link: {"; ".join(by_link)}'.replace('per_decode_step: ', 'per decode step '))
   if report['routes_bytes']:
     lines.append(f'recorded routes per step: {format_bytes(report["routes_bytes"])} (rows x sequence x '
                  f'{model["sparse_layers"]} sparse layers x top-{model["experts_per_token"]} expert ids)')
@@ -218,8 +236,10 @@ def format_report(report: dict) -> str:
   estimate = report['estimate']
   lines.append(f'estimate (roofline, not measured): {estimate["model_flops"] / 1e15:.1f} PFLOP per step')
   for name, part in estimate['programs'].items():
+    links = ', '.join(f'{targets.LINK_NAMES.get(link, link)} {value:.2f} s' for link, value in part['links'].items())
     lines.append(f'  "{name}": compute >= {part["compute_s"]:.2f} s, HBM >= {part["hbm_s"]:.2f} s, interconnect >= '
-                 f'{part["interconnect_s"]:.2f} s -> {part["program_s"]:.2f} s')
+                 f'{part["interconnect_s"]:.2f} s' + (f' ({links})' if len(part['links']) > 1 else '')
+                 + f' -> {part["program_s"]:.2f} s, bound by {part["bound"]}')
   if 'split' in report:
     split = report['split']
     lines.insert(2, f'split devices: sampler on {split["sampler_devices"]}, trainer on {split["trainer_devices"]} '

@@ -158,12 +158,20 @@ class Target:
     compute capability from); a TPU's kind name."""
     return _GPU[self.kind]['name'] if self.platform == 'gpu' else self.kind
 
+  def link(self, devices) -> str:
+    """The slowest link class a collective over `devices` (the target's device objects) uses:
+    'network' when a GPU group spans hosts, else 'nvlink' (GPU) or 'ici' (a TPU slice)."""
+    if self.platform == 'gpu':
+      return 'network' if len({device.process_index for device in devices}) > 1 else 'nvlink'
+    return 'ici'
+
+  def link_bandwidth_of(self, link: str) -> float:
+    """Bytes/s per device and direction of a link class (Target.link)."""
+    return self.network_bandwidth if link == 'network' else self.link_bandwidth
+
   def group_bandwidth(self, devices) -> float:
-    """Bytes/s per device of the slowest link a collective over `devices` (the target's device
-    objects) uses: the network when a GPU group spans hosts, else NVLink or ICI."""
-    if self.platform == 'gpu' and len({device.process_index for device in devices}) > 1:
-      return self.network_bandwidth
-    return self.link_bandwidth
+    """Bytes/s per device of the slowest link a collective over `devices` uses (Target.link)."""
+    return self.link_bandwidth_of(self.link(devices))
 
   def devices(self):
     """The target's devices, as the compiler describes them (needs its compiler installed)."""
@@ -188,6 +196,9 @@ class Target:
              if self.platform == 'gpu' else f'ICI {self.link_bandwidth / 1e9:.0f} GB/s')
     return (f'{self.name}: {self.chips} x {self.kind} ({self.platform}), {self.hbm_bytes / GiB:.2f} GiB HBM, '
             f'{self.peak_flops / 1e12:.0f} TFLOP/s bf16, {self.hbm_bandwidth / 1e12:.2f} TB/s HBM, {links} per chip')
+
+
+LINK_NAMES = {'nvlink': 'NVLink', 'network': 'network', 'ici': 'ICI'}
 
 
 def parse_target(name: str) -> Target:
@@ -318,23 +329,66 @@ def compile_decode_attention_kernels(target: Target, models=tuple(DECODE_ATTENTI
   return results
 
 
+def probe_links(target: Target, mesh_shape: dict, megabytes: int = 4) -> list[dict]:
+  """Which link each mesh axis's collectives use on `target`: a program over a mesh of `mesh_shape`
+  (make_mesh's order) that all-reduces a `megabytes` MiB fp32 array over each axis of size > 1 in
+  turn, compiled by the target's compiler and read back as the plan reads its programs (traffic.py).
+  -> one dict per axis: its size, the link classes and bytes per device found (what a hand count
+  says: the axis's own bytes, on 'network' when its groups span GPU hosts)."""
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec
+
+  from grpo_jax.plan import traffic
+  from grpo_jax.sharding import MeshConfig, make_mesh
+
+  devices = target.devices()
+  mesh = make_mesh(MeshConfig(**mesh_shape), devices)
+  order = list(mesh.devices.reshape(-1))
+  link = functools.cache(lambda group: target.link([order[i] for i in group]))
+  results = []
+  for axis, size in mesh.shape.items():
+    if size == 1:
+      continue
+    x = jax.ShapeDtypeStruct((size, megabytes << 18), jnp.float32,
+                             sharding=jax.sharding.NamedSharding(mesh, PartitionSpec(axis)))
+    reduce = jax.shard_map(lambda x, axis=axis: jax.lax.psum(x, axis), mesh=mesh, in_specs=PartitionSpec(axis),
+                           out_specs=PartitionSpec(axis))
+    hlo = jax.jit(reduce).trace(x).lower().compile().as_text()
+    found = traffic.by_link(traffic.collectives(hlo, len(order)), False, link, target.link_bandwidth_of)
+    results.append(dict(target=target.name, axis=axis, size=size, links={name: entry['bytes'] for name, entry in found.items()}))
+  return results
+
+
 def main(argv=None) -> int:
   """python -m grpo_jax.plan.targets kernels TARGET [--width D ...]: compiles the Pallas log-prob kernels
   for TARGET and prints one JSON line per compile (exit 1 if any was refused);
   python -m grpo_jax.plan.targets decode-attention TARGET [--block block=SIZE]: the same for the ragged
-  decode-attention kernel."""
+  decode-attention kernel; python -m grpo_jax.plan.targets links TARGET --mesh data=8,fsdp=8: the link
+  each mesh axis's collectives use (probe_links), one JSON line per axis."""
   import argparse
   import json
   parser = argparse.ArgumentParser(prog='python -m grpo_jax.plan.targets')
-  parser.add_argument('what', choices=['kernels', 'decode-attention'])
+  parser.add_argument('what', choices=['kernels', 'decode-attention', 'links'])
   parser.add_argument('target')
   parser.add_argument('--width', type=int, action='append', help='hidden width(s) (default: 896, 3584, 5120)')
   parser.add_argument('--dtype', action='append', choices=['bfloat16', 'float32'])
   parser.add_argument('--block', action='append', default=[], metavar='NAME=SIZE',
                       help='tile size override, e.g. block_tokens=256 (repeatable)')
+  parser.add_argument('--mesh', default='fsdp=-1', help='links: the mesh, e.g. data=8,fsdp=8')
   args = parser.parse_args(argv)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   blocks = {name: int(size) for name, size in (item.split('=', 1) for item in args.block)}
+  if args.what == 'links':
+    try:
+      shape = {name.strip(): int(size) for name, size in (item.split('=', 1) for item in args.mesh.split(','))}
+    except ValueError:
+      raise UserError(f'--mesh {args.mesh!r}: write axis=size pairs, e.g. data=8,fsdp=8') from None
+    for result in probe_links(parse_target(args.target), {'fsdp': 1, **shape}):
+      print(json.dumps(result), flush=True)
+    return 0
   if args.what == 'decode-attention':
     results = compile_decode_attention_kernels(parse_target(args.target), dtypes=tuple(args.dtype or ('bfloat16',)),
                                                **blocks)

@@ -209,17 +209,28 @@ def totals(found: list[Collective], in_loop: bool) -> dict[str, int]:
   return result
 
 
+def by_link(found: list[Collective], in_loop: bool, link: Callable[[tuple[int, ...]], str],
+            bandwidth: Callable[[str], float]) -> dict[str, dict[str, float]]:
+  """The collectives inside (or outside) the marked loop by the link class they run on: each on the
+  slowest class any of its groups uses (`link(group)`: e.g. 'nvlink', 'network', 'ici'), with its
+  bytes per device and interconnect time at `bandwidth(class)` bytes/s per device (the module
+  docstring's estimate). -> {class: {'bytes': ..., 'seconds': ...}}; a collective over one device
+  moves nothing and is left out."""
+  result: dict[str, dict[str, float]] = {}
+  for collective in found:
+    size = collective.group_size
+    if collective.in_loop != in_loop or not collective.bytes or size <= 1:
+      continue
+    classes = {link(group) for group in collective.groups if len(group) > 1}
+    slowest = min(classes, key=bandwidth)
+    factor = {'all-reduce': 2.0 * (size - 1) / size, 'permute': 1.0}.get(collective.kind, (size - 1) / size)
+    entry = result.setdefault(slowest, dict(bytes=0, seconds=0.0))
+    entry['bytes'] += collective.count * collective.bytes
+    entry['seconds'] += collective.count * collective.bytes * factor / bandwidth(slowest)
+  return result
+
+
 def seconds(found: list[Collective], in_loop: bool, bandwidth: Callable[[tuple[int, ...]], float]) -> float:
   """Interconnect time estimate of the collectives inside (or outside) the marked loop;
   `bandwidth(group)` is the bytes/s per device of the slowest link the group spans."""
-  total = 0.0
-  for collective in found:
-    if collective.in_loop != in_loop or not collective.bytes:
-      continue
-    size = collective.group_size
-    if size <= 1:
-      continue
-    slowest = min(bandwidth(group) for group in collective.groups)
-    factor = {'all-reduce': 2.0 * (size - 1) / size, 'permute': 1.0}.get(collective.kind, (size - 1) / size)
-    total += collective.count * collective.bytes * factor / slowest
-  return total
+  return sum(entry['seconds'] for entry in by_link(found, in_loop, lambda group: group, bandwidth).values())
