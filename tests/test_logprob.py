@@ -244,13 +244,14 @@ def test_triton_groups_bound_accumulators():
       assert (groups == 1) == (model <= 1024), (model, groups)
 
 # (mesh, V): tokens and vocabulary both split; tokens only (1002 does not divide by tensor=4, so
-# W's columns stay whole); vocabulary only (every token axis is of size 1).
+# W's columns stay whole); vocabulary only (every token axis is of size 1); hybrid (dW scattered
+# along D over fsdp, then summed over data).
 MESH_CASES = [(dict(data=1, fsdp=2, tensor=4), 1000), (dict(data=2, fsdp=1, tensor=4), 1002),
-              (dict(data=1, fsdp=1, tensor=8), 1000)]
+              (dict(data=1, fsdp=1, tensor=8), 1000), (dict(data=2, fsdp=2, tensor=2), 1000)]
 
 
 @fused
-@pytest.mark.parametrize('mesh_shape,vocab', MESH_CASES, ids=['tokens+vocab', 'tokens', 'vocab'])
+@pytest.mark.parametrize('mesh_shape,vocab', MESH_CASES, ids=['tokens+vocab', 'tokens', 'vocab', 'hybrid'])
 def test_on_a_mesh(implementation, mesh_shape, vocab, seed):
   """Under a device mesh each device runs the op on its tokens and its slice of W's columns, and
   per-token statistics are combined over the vocabulary axis (Megatron's vocab-parallel layout).

@@ -104,3 +104,44 @@ def test_host_scored_task_on_every_mesh_equals_one_device(tmp_path):
       assert_equal_runs(reference, two_steps(tmp_path, config_path, overrides, mesh_shape, task))
   finally:
     task.close()
+
+
+@pytest.mark.slow
+def test_checkpoints_resume_across_the_hybrid_switch(tmp_path):
+  """A checkpoint written under FSDP over 8 devices (1, 8, 1) restores under the hybrid layout (data 2
+  x fsdp 4: parameters and Adam moments sharded within a group of 4, replicated across the 2) and
+  the other way round: every parameter and moment equal to what was saved, resharded as the new
+  mesh's rule table lays it out."""
+  config_path = os.path.join(ROOT, 'configs', 'tiny_arith.yaml')
+  overrides = [*MOVING, 'rollout.prompts_per_step=8', 'algo.group_size=4', 'train.steps_per_call=1']
+
+  def run_on(mesh_shape, workdir):
+    data, fsdp, tensor = mesh_shape
+    config = config_lib.load_config(config_path, [*overrides, f'mesh.data={data}', f'mesh.fsdp={fsdp}',
+                                                  f'mesh.tensor={tensor}'])
+    mesh = sharding.make_mesh(config.mesh, jax.devices()[:8])
+    return train.Run(config, str(workdir), mesh, config.model.build(mesh, config.run.seed), build_task(config)), mesh
+
+  for first, second in (((1, 8, 1), (2, 4, 1)), ((2, 4, 1), (1, 8, 1))):
+    workdir = tmp_path / 'x'.join(map(str, first))
+    run, _ = run_on(first, workdir)
+    try:
+      run.host_step()
+      run.save()
+      run.checkpointer.wait()
+      saved = jax.tree.map(np.asarray, jax.device_get(run.state.checkpointed()))
+    finally:
+      run.close()
+    fresh, mesh = run_on(second, tmp_path / 'fresh')
+    expected_layout = rule_table_layout(fresh.state, mesh)
+    fresh.close()
+    resumed, mesh = run_on(second, workdir)
+    try:
+      assert resumed.step == 1
+      jax.tree.map(np.testing.assert_array_equal, saved, jax.tree.map(np.asarray, jax.device_get(
+          resumed.state.checkpointed())))
+      assert rule_table_layout(resumed.state, mesh) == expected_layout
+      leaves = [leaf for leaf in jax.tree.leaves(resumed.state.checkpointed()) if hasattr(leaf, 'sharding')]
+      assert all(dict(leaf.sharding.mesh.shape) == dict(mesh.shape) for leaf in leaves)
+    finally:
+      resumed.close()

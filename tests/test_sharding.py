@@ -1,6 +1,7 @@
 """The same logits on one device and on meshes of 8 fake CPU devices (set in conftest)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -111,3 +112,27 @@ def test_spec_for_drops_axes_that_do_not_divide():
 def test_bad_mesh_shapes_are_one_line_errors(sizes, message):
   with pytest.raises(UserError, match=message):
     make_mesh(MeshConfig(*sizes))
+
+
+@pytest.mark.parametrize('shape', [dict(data=2, fsdp=2, tensor=2), dict(data=2, fsdp=4), dict(fsdp=8), dict(data=8)],
+                         ids=['hybrid+tensor', 'hybrid', 'fsdp', 'data'])
+def test_embedding_gradient_on_a_mesh_equals_one_device(shape, seed):
+  """The lookup's gradient, formed per D slice over the FSDP axes and summed over the others
+  (model/embedding.py), equals jnp.take's on one device: repeated ids and rows of every device,
+  and the table's rows split over tensor; it comes out laid out as the table is."""
+  from grpo_jax.model.embedding import embedding_lookup
+
+  rng = np.random.default_rng(seed)
+  vocab, model = 1000, 48
+  table = rng.standard_normal((vocab, model)).astype(np.float32)
+  tokens = rng.integers(0, vocab, (8, 12)).astype(np.int32)
+  tokens[:, :3] = rng.integers(0, vocab)  # one id in every row
+  cotangent = rng.standard_normal((8, 12, model)).astype(np.float32)
+  expected = jax.grad(lambda t: jnp.sum(jnp.take(t, tokens, axis=0) * cotangent))(table)
+  mesh = make_mesh(MeshConfig(**shape))
+  with jax.set_mesh(mesh):
+    layouts = (named_sharding(mesh, table.shape, ('vocab', 'embed')), named_sharding(mesh, tokens.shape, ('batch', 'seq')))
+    grad = jax.jit(jax.grad(lambda t, k: jnp.sum(embedding_lookup(t, k) * cotangent)), in_shardings=layouts)(
+        *(jax.device_put(x, s) for x, s in zip((table, tokens), layouts)))
+  np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=0, atol=1e-5)
+  assert grad.sharding.spec == layouts[0].spec

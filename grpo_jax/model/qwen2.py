@@ -29,6 +29,7 @@ from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, DECODE_ATTENTIO
                                       sequence_attention)
 from grpo_jax.model.cache import KVCache, SharedPrefix, write_layers, write_rows
 from grpo_jax.model.config import Qwen2Config
+from grpo_jax.model.embedding import embedding_lookup
 from grpo_jax.model.layers import DENSE_MLP_PARAMS, DecoderLayers, decoder_block, rms_norm, stacked_layers
 from grpo_jax.model.lora import TARGETS, LoraConfig
 from grpo_jax.model.moe import Routing
@@ -254,7 +255,7 @@ class Qwen2(nnx.Module):
       # An eager call checks its ids here; under jit the doors that take ids check them
       # (token_ids.py): a traced lookup cannot raise, and would answer a bad id with a NaN row.
       check_token_ids(np.asarray(tokens), self.config.vocab_size, 'model input')
-    x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+    x = embedding_lookup(self.embedding[...], tokens).astype(self.dtype)
     if images is not None:
       x = place(x, self.image_features(images), images.placement)
     return constrain(x, ('batch', 'seq', 'act_embed'))

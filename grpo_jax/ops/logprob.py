@@ -107,7 +107,7 @@ def token_logprobs(hidden, weight, targets, *, temperature: float = 1.0,
                  platform == 'cpu' if interpret is None else interpret)
     token_axes, vocab_axes = _mesh_axes(h.shape[0], w.shape[1])
     if token_axes or vocab_axes:
-      logp, entropy = _fused_on_mesh(plan, token_axes, vocab_axes, h, w, y)
+      logp, entropy = _fused_on_mesh(plan, (token_axes, _scatter_axes(token_axes, w.shape[0])), vocab_axes, h, w, y)
     else:
       logp, entropy = _fused(plan, h, w, y)
   logp = logp.reshape(targets.shape)
@@ -227,6 +227,16 @@ def _mesh_axes(tokens: int, vocab: int) -> tuple[tuple[str, ...], tuple[str, ...
   return axes(tokens, 'batch'), axes(vocab, 'vocab')
 
 
+def _scatter_axes(token_axes: tuple[str, ...], model: int) -> tuple[str, ...]:
+  """The token axes that also split a weight's D ('embed' rule: FSDP): dW's sum over the tokens is
+  scattered over them (each device keeps its own D slice, as the parameter is laid out) and summed
+  over the others, so no device receives all of dW and only a D slice crosses the other axes."""
+  spec = spec_for((model,), ('embed',), dict(jax.sharding.get_abstract_mesh().shape))
+  first = spec[0] if len(spec) else None
+  embed = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+  return tuple(axis for axis in embed if axis in token_axes)
+
+
 def _local_offset(vocab_axes, local_vocab: int):
   """First vocabulary id of this device's W columns."""
   return lax.axis_index(vocab_axes) * local_vocab if vocab_axes else 0
@@ -269,24 +279,29 @@ def _mesh_forward(plan: _Plan, token_axes, vocab_axes, h, w, y):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fused_on_mesh(plan: _Plan, token_axes, vocab_axes, h, w, y):
+def _fused_on_mesh(plan: _Plan, axes, vocab_axes, h, w, y):
   """The fused op inside shard_map, Megatron's vocabulary-parallel layout: each device runs the
   kernels on its tokens against its slice of W's columns, and per-token statistics are combined
   across the vocabulary axes. No device computes another's tokens or holds all of W's columns;
-  without this a Pallas call, which XLA cannot partition, would run whole on every device."""
-  logp, _, entropy = _mesh_forward(plan, token_axes, vocab_axes, h, w, y)
+  without this a Pallas call, which XLA cannot partition, would run whole on every device.
+  axes: (the token axes, those of them that also split W's D: _scatter_axes)."""
+  logp, _, entropy = _mesh_forward(plan, axes[0], vocab_axes, h, w, y)
   return logp, entropy
 
 
-def _fused_on_mesh_fwd(plan: _Plan, token_axes, vocab_axes, h, w, y):
-  logp, lse, entropy = _mesh_forward(plan, token_axes, vocab_axes, h, w, y)
+def _fused_on_mesh_fwd(plan: _Plan, axes, vocab_axes, h, w, y):
+  logp, lse, entropy = _mesh_forward(plan, axes[0], vocab_axes, h, w, y)
   return (logp, entropy), (h, w, y, lse, entropy)
 
 
-def _fused_on_mesh_bwd(plan: _Plan, token_axes, vocab_axes, residuals, cotangents):
+def _fused_on_mesh_bwd(plan: _Plan, axes, vocab_axes, residuals, cotangents):
   """Each device's d logits need only the whole-vocabulary lse and entropy (residuals), so its
   dh sums over its vocabulary slice (then over the vocabulary axes) and its dW columns over its
-  tokens (then over the token axes). The sums run in fp32."""
+  tokens, then over the token axes: reduce-scattered along D over those that split the weight's D
+  (FSDP, within a host in a hybrid mesh) and summed over the rest (data), a D slice each. The sums
+  run in fp32."""
+  token_axes, scatter_axes = axes
+  summed_axes = tuple(axis for axis in token_axes if axis not in scatter_axes)
   h, w, y, lse, entropy = residuals
   g_logp, g_entropy = cotangents
   with_entropy = entropy is not None
@@ -298,7 +313,12 @@ def _fused_on_mesh_bwd(plan: _Plan, token_axes, vocab_axes, residuals, cotangent
     if vocab_axes:
       dh = lax.psum(dh.astype(F32), vocab_axes).astype(h.dtype)
     if token_axes:
-      dw = lax.psum(dw.astype(F32), token_axes).astype(w.dtype)
+      dw = dw.astype(F32)
+      if scatter_axes:
+        dw = lax.psum_scatter(dw, scatter_axes, scatter_dimension=0, tiled=True)
+      if summed_axes:
+        dw = lax.psum(dw, summed_axes)
+      dw = dw.astype(w.dtype)
     return dh, dw
 
   tokens = P(token_axes or None)
@@ -306,7 +326,8 @@ def _fused_on_mesh_bwd(plan: _Plan, token_axes, vocab_axes, residuals, cotangent
   entropy_terms = (entropy, g_entropy) if with_entropy else ()
   dh, dw = jax.shard_map(
       local, in_specs=(rows, columns, tokens, tokens, tokens) + (tokens,) * len(entropy_terms),
-      out_specs=(rows, columns), check_vma=False)(h, w, y, lse, g_logp, *entropy_terms)
+      out_specs=(rows, P(scatter_axes or None, vocab_axes or None)), check_vma=False)(
+          h, w, y, lse, g_logp, *entropy_terms)
   return dh, dw, None
 
 
