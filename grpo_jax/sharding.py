@@ -19,6 +19,7 @@ import dataclasses
 import math
 import threading
 from collections.abc import Sequence
+from typing import Literal
 
 import jax
 import numpy as np
@@ -51,12 +52,20 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Device mesh shape; one axis may be -1 to take the remaining devices."""
+  """Device mesh shape; one axis may be -1 to take the remaining devices.
+
+  hybrid true lays the mesh out by host (hybrid sharding, HSDP): `data` is the number of hosts
+  (processes) and `fsdp` each host's devices over tensor x expert, so parameters, gradients and
+  optimizer moments are sharded within a host and replicated across hosts; the weights' gathers
+  stay on the host's links (NVLink) and only the gradients' reduction, once per optimizer update,
+  crosses the network. 'auto': true for GPUs on more than one host, false on TPUs (a slice's ICI
+  joins its hosts: FSDP over the whole slice). data and fsdp are then left as they are by default."""
 
   data: int = 1  # pure data parallelism (replicated parameters)
   fsdp: int = -1  # data parallelism with parameters sharded along the embed dimension
   tensor: int = 1  # tensor parallelism over heads, MLP hidden and vocab
   expert: int = 1  # expert parallelism: a mixture's experts split over these devices (rows too)
+  hybrid: bool | Literal['auto'] = False  # true, false or 'auto' (above)
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -67,6 +76,11 @@ class MeshConfig:
     for name, size in zip(MESH_AXES, shape):
       require(size >= 1 or size == -1, f'mesh.{name}', f'must be a positive size or -1, got {size}')
     require(shape.count(-1) <= 1, 'mesh', f'may have at most one axis of -1, got {_sizes(shape)}')
+    require(self.hybrid in (True, False, 'auto'), 'mesh.hybrid', f"must be true, false or 'auto', got {self.hybrid!r}")
+    if self.hybrid is not False:
+      require(self.data == 1 and self.fsdp == -1 and self.tensor >= 1 and self.expert >= 1, 'mesh.hybrid',
+              f'({str(self.hybrid).lower()}) sets data (the hosts) and fsdp (each host\'s devices): leave '
+              f'mesh.data at 1 and mesh.fsdp at -1, and give tensor and expert sizes, got {_sizes(shape)}')
 
 
 def _sizes(shape) -> str:
@@ -76,6 +90,8 @@ def _sizes(shape) -> str:
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """Builds a ('data', 'fsdp', 'tensor', 'expert') mesh over `devices` (default: all devices)."""
   devices = list(devices) if devices is not None else jax.devices()
+  if is_hybrid(config, devices):
+    return _hybrid_mesh(config, devices)
   shape = list(config.shape)  # sizes checked by MeshConfig
   known = math.prod(size for size in shape if size != -1)
   if -1 in shape:
@@ -86,6 +102,30 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     raise UserError(f'mesh: {_sizes(shape).replace(" ", " x ")} = {math.prod(shape)} devices, '
                     f'but {len(devices)} are available')
   return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def is_hybrid(config: MeshConfig, devices: Sequence[jax.Device]) -> bool:
+  """Whether `config.hybrid` lays the mesh out by host on these devices."""
+  if config.hybrid == 'auto':
+    return len({device.process_index for device in devices}) > 1 and devices[0].platform in ('gpu', 'cuda', 'rocm')
+  return config.hybrid is True
+
+
+def _hybrid_mesh(config: MeshConfig, devices: Sequence[jax.Device]) -> Mesh:
+  """data over the hosts (processes, in order), fsdp x tensor x expert over each host's devices."""
+  hosts: dict[int, list] = {}
+  for device in devices:
+    hosts.setdefault(device.process_index, []).append(device)
+  counts = sorted({len(held) for held in hosts.values()})
+  if len(counts) > 1:
+    raise UserError(f'mesh.hybrid: the hosts hold different numbers of devices ({", ".join(map(str, counts))})')
+  inner = config.tensor * config.expert
+  if counts[0] % inner:
+    raise UserError(f'mesh.hybrid: {counts[0]} devices per host do not split into tensor={config.tensor} x '
+                    f'expert={config.expert}')
+  grid = np.array([sorted(hosts[index], key=lambda device: device.id) for index in sorted(hosts)], dtype=object)
+  return Mesh(grid.reshape(len(hosts), counts[0] // inner, config.tensor, config.expert), MESH_AXES,
+              axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def _mesh_axes_for(logical: str | None) -> tuple[str, ...]:

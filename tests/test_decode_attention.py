@@ -124,6 +124,33 @@ def test_ragged_kernel_equals_dense_attention(seed, schedule, length, heads, kv_
 
 
 @schedules
+@pytest.mark.parametrize('mesh_shape, heads, kv_heads', [
+    ((2, 1, 4), 8, 4),  # rows over data, kv heads (and their query heads) over tensor
+    ((4, 1, 2), 14, 2),  # 7 query heads per kv head
+    ((1, 8, 1), 4, 2),  # rows only, over fsdp
+    ((2, 1, 4), 4, 2),  # 2 kv heads on a tensor axis of 4: heads whole on each device, rows split
+], ids=['rows+heads', 'rows+heads-gqa7', 'rows', 'heads-undivided'])
+def test_kernel_on_a_mesh_equals_one_device_and_the_xla_path(seed, schedule, mesh_shape, heads, kv_heads):
+  """Under a mesh (the sampler's layout: rows over the data groups, kv heads over tensor) the kernel
+  runs inside shard_map on each device's rows and heads: the same statistics as on one device, and
+  the same attention as the XLA path (dense grouped attention)."""
+  from grpo_jax.model import MeshConfig, make_mesh
+
+  rng = np.random.default_rng(seed)
+  block = BLOCKS[schedule]
+  case = random_case(rng, fill_levels(rng, 8, block), 2, heads, kv_heads, jnp.float32)
+  alone = kernel_output(case, schedule, block)
+  mesh = make_mesh(MeshConfig(*mesh_shape))
+  on_mesh = jax.jit(kernel_output.__wrapped__, static_argnames=('schedule', 'block'))
+  with jax.set_mesh(mesh):
+    got = on_mesh(case, schedule=schedule, block=block)
+    assert 'shard_map' in str(jax.make_jaxpr(on_mesh.__wrapped__, static_argnums=(1, 2))(case, schedule, block))
+  for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(alone)):
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got[0]), dense_output(case), rtol=1e-5, atol=1e-5)
+
+
+@schedules
 def test_slots_past_each_rows_own_length_are_never_used(seed, schedule):
   """NaN in every slot at or past each row's own length, in both layers: a slot read into the
   softmax there, or a value weighted by an exact 0 (0 x NaN), would poison that row. Rows end
@@ -197,16 +224,27 @@ def test_triton_blocks_are_powers_of_two_that_fit_shared_memory():
 # ---- compiled by the real Mosaic and Triton compilers (deviceless) ----
 
 @pytest.mark.slow
-@pytest.mark.parametrize('platform, target', [('tpu', 'v5e-4'), ('gpu', 'h100x1')])
-def test_decode_attention_kernel_compiles_for_the_hardware(platform, target):
+@pytest.mark.parametrize('platform, target, mesh', [('tpu', 'v5e-4', None), ('gpu', 'h100x1', None),
+                                                   ('tpu', 'v5p-8', 'data=2,tensor=2'), ('gpu', 'h100x8', 'data=2,tensor=4')],
+                         ids=['tpu-v5e-4', 'gpu-h100x1', 'tpu-v5p-8-layout', 'gpu-h100x8-layout'])
+def test_decode_attention_kernel_compiles_for_the_hardware(platform, target, mesh):
   """Qwen2.5 0.5B, 7B and 32B head shapes, bf16, 64 rows of a 4,096-slot cache stacked over two
   layers: one kernel call in each lowered program (not the interpreter), compiled, and no copy of
-  a layer's cache among the program's temporaries (the layer is read in place)."""
-  result = _run(platform, ['grpo_jax.plan.targets', 'decode-attention', target], timeout=600)
+  a layer's cache among the program's temporaries (the layer is read in place). With a mesh, laid
+  out as the sampler's rollout layout lays the cache out (rows over data groups, kv heads over
+  tensor): the kernel inside its shard_map, each device's cache its share only."""
+  result = _run(platform, ['grpo_jax.plan.targets', 'decode-attention', target] + (['--mesh', mesh] if mesh else []),
+                timeout=600)
   lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{')]
   assert [line['model'] for line in lines] == ['0.5B', '7B', '32B'], result.stderr[-3000:]
+  heads = {'0.5B': (2, 64), '7B': (4, 128), '32B': (8, 128)}  # K, H
   for line in lines:
     assert line['error'] is None, line
     assert line['kernel_calls'] == 1, line
     assert line['temp_bytes'] < line['layer_cache_bytes'] // 8, line
+    if mesh:  # rows over data, and the kv heads over tensor where it divides them
+      data, tensor = line['mesh']['data'], line['mesh']['tensor']
+      kv_heads, head_dim = heads[line['model']]
+      share = data * (tensor if kv_heads % tensor == 0 else 1)
+      assert line['layer_cache_bytes'] == 64 * 4096 * kv_heads * head_dim * 2 // share, line
   assert result.returncode == 0

@@ -111,11 +111,17 @@ def test_each_mesh_axis_is_attributed_to_the_link_its_groups_use():
   """2 H100 hosts of 4 GPUs, mesh data=2 x fsdp=2 x tensor=2 in make_mesh's order (host-major): a
   data group is {i, i + 4}, across the hosts; an fsdp group {i, i + 2} and a tensor group {i, i + 1}
   stay within one. A 4 MiB fp32 all-reduce over each axis, compiled by XLA:GPU and read back as the
-  plan reads its programs, is 4 MiB per device on the network for data and on NVLink for the others."""
-  result = _run('gpu', ['grpo_jax.plan.targets', 'links', 'h100x2x4', '--mesh', 'data=2,fsdp=2,tensor=2'], timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
-  found = {line['axis']: line['links'] for line in map(json.loads, result.stdout.splitlines())}
-  assert found == {'data': {'network': 4 << 20}, 'fsdp': {'nvlink': 4 << 20}, 'tensor': {'nvlink': 4 << 20}}
+  plan reads its programs, is 4 MiB per device on the network for data and on NVLink for the others;
+  the hybrid layout puts data over the 2 hosts and fsdp over each one's 4 GPUs."""
+  def links(mesh):
+    result = _run('gpu', ['grpo_jax.plan.targets', 'links', 'h100x2x4', '--mesh', mesh], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {line['axis']: (line['size'], line['links']) for line in map(json.loads, result.stdout.splitlines())}
+
+  assert links('data=2,fsdp=2,tensor=2') == {'data': (2, {'network': 4 << 20}), 'fsdp': (2, {'nvlink': 4 << 20}),
+                                             'tensor': (2, {'nvlink': 4 << 20})}
+  # mesh.hybrid: data over the hosts, fsdp within each (auto: on, for GPUs on more than one host).
+  assert links('hybrid=auto') == {'data': (2, {'network': 4 << 20}), 'fsdp': (4, {'nvlink': 4 << 20})}
 
 
 @pytest.mark.slow

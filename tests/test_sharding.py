@@ -114,6 +114,22 @@ def test_bad_mesh_shapes_are_one_line_errors(sizes, message):
     make_mesh(MeshConfig(*sizes))
 
 
+def test_hybrid_layout_is_set_by_the_hosts():
+  """mesh.hybrid sets data and fsdp itself (a size given beside it is refused, by name); on one
+  process 'auto' is the plain FSDP mesh and true is data=1 over this host's devices (tests/
+  test_plan.py compiles it over two GPU hosts); a config file's `hybrid: auto` reads as such."""
+  from grpo_jax import config as config_lib
+
+  with pytest.raises(UserError, match=r'^mesh.hybrid \(true\) sets data \(the hosts\) and fsdp'):
+    MeshConfig(data=2, hybrid=True)
+  with pytest.raises(UserError, match="^mesh.hybrid must be true, false or 'auto', got 'yes'"):
+    MeshConfig(hybrid='yes')
+  for hybrid in (True, 'auto'):
+    mesh = make_mesh(MeshConfig(tensor=2, hybrid=hybrid))
+    assert dict(mesh.shape) == {'data': 1, 'fsdp': 4, 'tensor': 2, 'expert': 1}
+  assert config_lib.load_config('configs/tiny_arith.yaml', ['mesh.hybrid=auto']).mesh.hybrid == 'auto'
+
+
 @pytest.mark.parametrize('shape', [dict(data=2, fsdp=2, tensor=2), dict(data=2, fsdp=4), dict(fsdp=8), dict(data=8)],
                          ids=['hybrid+tensor', 'hybrid', 'fsdp', 'data'])
 def test_embedding_gradient_on_a_mesh_equals_one_device(shape, seed):
@@ -131,7 +147,8 @@ def test_embedding_gradient_on_a_mesh_equals_one_device(shape, seed):
   expected = jax.grad(lambda t: jnp.sum(jnp.take(t, tokens, axis=0) * cotangent))(table)
   mesh = make_mesh(MeshConfig(**shape))
   with jax.set_mesh(mesh):
-    layouts = (named_sharding(mesh, table.shape, ('vocab', 'embed')), named_sharding(mesh, tokens.shape, ('batch', 'seq')))
+    layouts = (named_sharding(mesh, table.shape, ('vocab', 'embed')),
+               named_sharding(mesh, tokens.shape, ('batch', 'seq')))
     grad = jax.jit(jax.grad(lambda t, k: jnp.sum(embedding_lookup(t, k) * cotangent)), in_shardings=layouts)(
         *(jax.device_put(x, s) for x, s in zip((table, tokens), layouts)))
   np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=0, atol=1e-5)

@@ -18,11 +18,16 @@ Two schedules, each in its own module so that a machine imports only the Pallas 
 Both run under `interpret=True` on CPU, which is how the tests exercise the kernel bodies.
 """
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
 from grpo_jax.ops.logprob import target_platform
+from grpo_jax.sharding import current_mesh, spec_for
 from grpo_jax.ops.tiles import row_blocks  # noqa: F401  (the kernels' block count, shared with them)
 
 SCHEDULES = ('mosaic', 'triton')
@@ -76,12 +81,46 @@ def ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, 
   schedule: 'mosaic' or 'triton'; by default 'triton' on GPU and 'mosaic' elsewhere. interpret
   defaults to True exactly when the target is a CPU. Not differentiable (decoding only).
   -> m, l [B, K, G, T] and acc [B, K, G, T, H], fp32 (G = N / K).
+
+  Under a mesh (the trainer's, or the sampler's layout entered with sharding.use_mesh) the kernel
+  runs inside shard_map, each device on its rows (split as the 'batch' rule splits B) and, where the
+  mesh's tensor axis divides both K and N, on its kv heads and their query heads: a Pallas call,
+  which XLA cannot partition, would otherwise run whole on every device.
   """
   platform = target_platform()
   schedule = schedule or ('triton' if platform == 'gpu' else 'mosaic')
   interpret = platform == 'cpu' if interpret is None else interpret
   if layer is None:
     k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+  layer = jnp.asarray(layer, jnp.int32).reshape(())
+  local = functools.partial(_cache_stats, block=block, schedule=schedule, interpret=interpret)
+  args = (q, k_cache, v_cache, layer, lengths, cache_segments, query_segments, query_slots)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return local(*args)
+  shape = dict(mesh.shape)
+  rows = _axes(spec_for((q.shape[0],), ('batch',), shape))
+  heads = _axes(spec_for((k_cache.shape[3],), ('kv_heads',), shape))
+  if heads and q.shape[2] % math.prod(shape[axis] for axis in heads):
+    heads = ()
+  if not rows and not heads:
+    return local(*args)
+  b, h = rows or None, heads or None
+  per_row = P(b, None)
+  return jax.shard_map(local, mesh=current_mesh(), check_vma=False,
+                       in_specs=(P(b, None, h, None), P(None, b, None, h, None), P(None, b, None, h, None), P(),
+                                 P(b), per_row, per_row, per_row),
+                       out_specs=(P(b, h, None, None), P(b, h, None, None), P(b, h, None, None, None)))(*args)
+
+
+def _axes(spec) -> tuple[str, ...]:
+  first = spec[0] if len(spec) else None
+  return () if first is None else (first,) if isinstance(first, str) else tuple(first)
+
+
+def _cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_segments, query_slots, *, block: int,
+                 schedule: str, interpret: bool):
+  """ragged_cache_attention on one device's rows and heads (k_cache, v_cache stacked, layer a scalar)."""
   batch, length, num_heads, head_dim = q.shape
   slots, kv_heads = k_cache.shape[2], k_cache.shape[3]
   groups = num_heads // kv_heads

@@ -283,40 +283,48 @@ DECODE_ATTENTION_HEADS = {'0.5B': dict(heads=14, kv_heads=2, head_dim=64),
 
 def compile_decode_attention_kernels(target: Target, models=tuple(DECODE_ATTENTION_HEADS), dtypes=('bfloat16',),
                                      batch: int = 64, slots: int = 4096, layers: int = 2, tokens: int = 1,
-                                     block: int = 256) -> list[dict]:
+                                     block: int = 256, mesh_shape: dict | None = None) -> list[dict]:
   """Compiles the ragged decode-attention kernel (ops/decode_attention.py) for one chip of `target`
   at each model's head shapes and dtype, reading a stacked [layers, batch, slots, K, H] cache; one
   dict per compile, as compile_logprob_kernels gives them, plus the compiled program's temporary
-  bytes and one layer's cache bytes: temporaries that large would be a copy of the cache.
+  bytes and one layer's cache bytes per device: temporaries that large would be a copy of the cache.
+  mesh_shape (e.g. {'data': 2, 'tensor': 4}): on that mesh over the target's first devices instead,
+  the inputs laid out as the sampler lays them out (rows over the batch axes, kv heads over tensor),
+  so the kernel runs inside its shard_map.
 
   The caches are pinned to the row-major layout the kernel reads. Left to itself, XLA:TPU lays a
   [L, B, S, 2, 64] bf16 parameter (the 0.5B shape) out with S minor, and then copies both whole
   stacked caches into the kernel's layout on every call."""
+  import math
   import time
 
   import jax
   import jax.numpy as jnp
   from jax.experimental.layout import Format, Layout
-  from jax.sharding import NamedSharding, PartitionSpec
 
   from grpo_jax.ops.decode_attention import ragged_cache_attention
+  from grpo_jax.sharding import MeshConfig, make_mesh, named_sharding
 
-  device = target.devices()[0]
-  mesh = jax.sharding.Mesh([device], ('data',))
-  one = NamedSharding(mesh, PartitionSpec())
+  devices = target.devices()
+  sizes = {'fsdp': 1, **(mesh_shape or {})}
+  mesh = make_mesh(MeshConfig(**sizes), devices[:math.prod(sizes.values())])
   results = []
   for model, dtype in ((model, dtype) for model in models for dtype in dtypes):
     heads = DECODE_ATTENTION_HEADS[model]
     shape = (layers, batch, slots, heads['kv_heads'], heads['head_dim'])
-    cache = jax.ShapeDtypeStruct(shape, dtype, sharding=Format(Layout(tuple(range(len(shape)))), one))
-    rows = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=one)
-    args = (jax.ShapeDtypeStruct((batch, tokens, heads['heads'], heads['head_dim']), dtype, sharding=one),
-            cache, cache, jax.ShapeDtypeStruct((), jnp.int32, sharding=one),
-            jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=one),
-            jax.ShapeDtypeStruct((batch, slots), jnp.int32, sharding=one), rows, rows)
+    layout = named_sharding(mesh, shape, ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim'))
+    cache = jax.ShapeDtypeStruct(shape, dtype, sharding=Format(Layout(tuple(range(len(shape)))), layout))
+    rows = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=named_sharding(mesh, (batch, tokens), ('batch', None)))
+    q_shape = (batch, tokens, heads['heads'], heads['head_dim'])
+    args = (jax.ShapeDtypeStruct(q_shape, dtype, sharding=named_sharding(mesh, q_shape, ('batch', None, 'q_heads', None))),
+            cache, cache, jax.ShapeDtypeStruct((), jnp.int32, sharding=named_sharding(mesh, (), ())),
+            jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=named_sharding(mesh, (batch,), ('batch',))),
+            jax.ShapeDtypeStruct((batch, slots), jnp.int32, sharding=named_sharding(mesh, (batch, slots), ('batch', None))),
+            rows, rows)
     start = time.perf_counter()
     result = dict(target=target.name, model=model, dtype=dtype, block=block, kernel_calls=0, error=None,
-                  temp_bytes=None, layer_cache_bytes=cache.size // layers * jnp.dtype(dtype).itemsize)
+                  mesh=dict(mesh.shape), temp_bytes=None,
+                  layer_cache_bytes=math.prod(layout.shard_shape(shape)) // layers * jnp.dtype(dtype).itemsize)
     try:
       with jax.set_mesh(mesh):
         lowered = jax.jit(lambda *a: ragged_cache_attention(*a, block=block)).trace(*args).lower()
@@ -358,8 +366,23 @@ def probe_links(target: Target, mesh_shape: dict, megabytes: int = 4) -> list[di
                            out_specs=PartitionSpec(axis))
     hlo = jax.jit(reduce).trace(x).lower().compile().as_text()
     found = traffic.by_link(traffic.collectives(hlo, len(order)), False, link, target.link_bandwidth_of)
-    results.append(dict(target=target.name, axis=axis, size=size, links={name: entry['bytes'] for name, entry in found.items()}))
+    results.append(dict(target=target.name, axis=axis, size=size,
+                        links={name: entry['bytes'] for name, entry in found.items()}))
   return results
+
+
+def _mesh_flag(text: str) -> dict:
+  """--mesh data=8,fsdp=8 (or hybrid=true|false|auto) -> MeshConfig fields."""
+  shape = {}
+  for item in text.split(','):
+    name, _, value = (part.strip() for part in item.partition('='))
+    if name == 'hybrid' and value in ('true', 'false', 'auto'):
+      shape[name] = value if value == 'auto' else value == 'true'
+    elif value.lstrip('-').isdigit():
+      shape[name] = int(value)
+    else:
+      raise UserError(f'--mesh {text!r}: write axis=size pairs, e.g. data=8,fsdp=8 (or hybrid=true|auto)')
+  return shape
 
 
 def main(argv=None) -> int:
@@ -377,21 +400,19 @@ def main(argv=None) -> int:
   parser.add_argument('--dtype', action='append', choices=['bfloat16', 'float32'])
   parser.add_argument('--block', action='append', default=[], metavar='NAME=SIZE',
                       help='tile size override, e.g. block_tokens=256 (repeatable)')
-  parser.add_argument('--mesh', default='fsdp=-1', help='links: the mesh, e.g. data=8,fsdp=8')
+  parser.add_argument('--mesh', help='links: the mesh (default fsdp=-1), e.g. data=8,fsdp=8 or hybrid=true; '
+                      'decode-attention: compile under this mesh, e.g. data=2,tensor=4 (default: one chip)')
   args = parser.parse_args(argv)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   blocks = {name: int(size) for name, size in (item.split('=', 1) for item in args.block)}
   if args.what == 'links':
-    try:
-      shape = {name.strip(): int(size) for name, size in (item.split('=', 1) for item in args.mesh.split(','))}
-    except ValueError:
-      raise UserError(f'--mesh {args.mesh!r}: write axis=size pairs, e.g. data=8,fsdp=8') from None
-    for result in probe_links(parse_target(args.target), {'fsdp': 1, **shape}):
+    shape = _mesh_flag(args.mesh or 'fsdp=-1')
+    for result in probe_links(parse_target(args.target), {'fsdp': -1 if 'hybrid' in shape else 1, **shape}):
       print(json.dumps(result), flush=True)
     return 0
   if args.what == 'decode-attention':
     results = compile_decode_attention_kernels(parse_target(args.target), dtypes=tuple(args.dtype or ('bfloat16',)),
-                                               **blocks)
+                                               mesh_shape=_mesh_flag(args.mesh) if args.mesh else None, **blocks)
   else:
     results = compile_logprob_kernels(parse_target(args.target), tuple(args.width or KERNEL_WIDTHS),
                                       tuple(args.dtype or ('bfloat16', 'float32')), **blocks)
