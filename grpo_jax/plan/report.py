@@ -125,7 +125,10 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   compute: model FLOPs at the target's peak (the rollout's 2 N per sampled token, the rest the
   update's; N the active parameters, a mixture's k experts of E). HBM: every decode step reads the resident weights and, on average, half of each row's
   KV cache. Interconnect: the compiled collectives (traffic.py), once per program outside the
-  decode loop and N times inside it (N = max_new_tokens: the longest answer's decode steps).
+  decode loop and N times inside it (N = max_new_tokens: the longest answer's decode steps), each
+  on the link class its device groups use (`links`: NVLink, the network between GPU hosts, ICI);
+  `bound` names the largest of compute, HBM and the links. With dynamic sampling each further
+  round is another rollout: `dynamic_sampling` gives the step at algo.max_sampling_rounds.
 
   Split devices (rollout.devices): each program on its own devices; the weights' crossing X is the
   'transfer' program plus each sampler device's resident shard over the link between the halves.
@@ -165,6 +168,12 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
     crossing_s = parts['transfer']['program_s'] + report['split']['crossing_s']
     result.update(serial_s=rollout_s + update_s + crossing_s, crossing_s=crossing_s,
                   step_s=max(rollout_s, update_s, (rollout_s + update_s + crossing_s) / 2))
+  if config.algo.dynamic_sampling and 'rollout' in parts:
+    # Each further sampling round is another rollout of P prompts; how many a step needs depends on
+    # how many groups the data's prompts leave without spread, which no compile can know.
+    rounds = config.algo.max_sampling_rounds
+    result['dynamic_sampling'] = dict(max_rounds=rounds, round_s=parts['rollout']['program_s'],
+                                      step_max_s=result['step_s'] + (rounds - 1) * parts['rollout']['program_s'])
   return result
 
 
@@ -248,7 +257,11 @@ def format_report(report: dict) -> str:
   if 'serial_s' in estimate:
     lines.append(f'  weights crossing >= {estimate["crossing_s"]:.2f} s; serial (rollout + update + crossing) >= '
                  f'{estimate["serial_s"]:.2f} s; overlapped >= {estimate["step_s"]:.2f} s')
-  lines.append(f'  step >= {estimate["step_s"]:.2f} s')
+  lines.append(f'  step >= {estimate["step_s"]:.2f} s' + (' with one sampling round' if 'dynamic_sampling' in estimate else ''))
+  if 'dynamic_sampling' in estimate:
+    rounds = estimate['dynamic_sampling']
+    lines.append(f'  dynamic sampling: each further round (up to {rounds["max_rounds"]}) another rollout >= '
+                 f'{rounds["round_s"]:.2f} s: step >= {rounds["step_max_s"]:.2f} s at {rounds["max_rounds"]} rounds')
   for note in report.get('compiler_notes', []):
     lines.append(f'compiler: {note}')
   return '\n'.join(lines)
