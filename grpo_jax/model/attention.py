@@ -14,6 +14,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.sharding import constrain
+
 # Full-sequence attention: 'dense' (the [T, T] scores at once), 'chunked' (query chunks one at a
 # time, rematerialised: O(chunk x T) memory), 'cudnn' (cuDNN flash attention through
 # jax.nn.dot_product_attention; NVIDIA GPUs only).
@@ -224,12 +226,14 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array
   batch, length = q.shape[:2]
   chunk = min(chunk, length)
   pad = -length % chunk
-  # Extra query rows (pad of them) copy the last real one (a non-empty mask) and are dropped below.
-  q, query_slots, query_segments = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode='edge')
-                                    for x in (q, slots, segments))
+  query_slots, query_segments = slots, segments
+  if pad:  # extra query rows (pad of them) copy the last real one (a non-empty mask) and are dropped below
+    q, query_slots, query_segments = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode='edge')
+                                      for x in (q, slots, segments))
 
-  def chunks(x):  # [B, T + pad, ...] -> [(T + pad) / chunk, B, chunk, ...]
-    return jnp.moveaxis(x.reshape(batch, -1, chunk, *x.shape[2:]), 1, 0)
+  def chunks(x):  # [B, T + pad, ...] -> [(T + pad) / chunk, B, chunk, ...], the rows as the batch's
+    stacked = jnp.moveaxis(x.reshape(batch, -1, chunk, *x.shape[2:]), 1, 0)
+    return constrain(stacked, (None, 'batch') + (None,) * (stacked.ndim - 2))
 
   @jax.checkpoint
   def one_chunk(inputs):
