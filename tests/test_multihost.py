@@ -1,6 +1,6 @@
 """Many processes on JAX's own runtime: two processes on 127.0.0.1 (gloo collectives between CPU
-devices) run the same RL steps as one process over the same 8 devices, and a checkpoint they wrote
-together resumes in one process on another mesh."""
+devices) run the same RL steps as one process over the same 8 devices (hybrid sharding over the two,
+and FSDP across them), and a checkpoint they wrote together resumes in one process on another mesh."""
 
 import collections
 import os
@@ -94,10 +94,11 @@ def assert_same_run(got, expected, tolerance=1e-5):
 @pytest.mark.slow
 def test_two_processes_equal_one_and_resume_on_one_process_with_another_mesh(tmp_path):
   one_process(tmp_path / 'one', '--set', 'train.steps=6')
-  two = launch(tmp_path / 'two', 2, 4, '--set', 'train.steps=4')
+  # Hybrid sharding over the two processes: data over them, fsdp over each one's 4 devices.
+  two = launch(tmp_path / 'two', 2, 4, '--set', 'train.steps=4', '--set', 'mesh.hybrid=true')
   # Process 0 alone reports; process 1 joins every step and checkpoint and writes no logs.
   assert 'mean reward' in two[0].stdout and 'mean reward' not in two[1].stdout
-  assert 'over 2 process(es)' in two[0].stdout
+  assert 'data=2 x fsdp=4 x tensor=1 x expert=1 (8 devices) over 2 process(es)' in two[0].stdout
   assert sorted(os.listdir(tmp_path / 'two' / 'checkpoints')) == ['2', '4']
   assert_same_run(metrics(tmp_path / 'two'), metrics(tmp_path / 'one')[:4])
   reference = metrics(tmp_path / 'one')
