@@ -44,6 +44,34 @@ def stop(server):
   return server.returncode, stderr
 
 
+def alone_then_mixed(port, good, bad, rng):
+  """Through the server on `port`: each request of `good` (DecodeRequest fields) at once, then every
+  good and bad one at once in a random order -> (the good answers, every answer in the given
+  order), an answer the token ids, or a refused call's (code, details)."""
+  import grpc
+  from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+
+  with grpc.insecure_channel(f'127.0.0.1:{port}') as channel:
+    grpc.channel_ready_future(channel).result(timeout=240)
+    stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+
+    def decode(fields):
+      try:
+        return [i for r in stub.Decode(jetstream_pb2.DecodeRequest(**fields), timeout=240)
+                for sample in r.stream_content.samples for i in sample.token_ids]
+      except grpc.RpcError as error:
+        return error.code(), error.details()
+
+    every = good + bad
+    with concurrent.futures.ThreadPoolExecutor(len(every)) as pool:
+      alone = list(pool.map(decode, good))
+      order = rng.permutation(len(every))  # good and bad requests interleaved at random
+      futures = {int(index): pool.submit(decode, every[index]) for index in order}
+      mixed = [futures[index].result() for index in range(len(every))]
+    assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30).is_live
+  return alone, mixed
+
+
 def greedy_until_stop(reference, prompt, max_new_tokens, stop_ids):
   """transformers' greedy tokens, cut before the first stop token (JetStream does not send it)."""
   with torch.no_grad():
@@ -128,7 +156,7 @@ def test_hostile_clients_never_change_another_clients_answer(seed, make_hf_check
                       reason='google-jetstream (requirements-extras.txt) is not installed')
   import grpc
   import portpicker
-  from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+  from jetstream.core.proto import jetstream_pb2
 
   directory, reference = make_hf_checkpoint(seed)
   stop_ids = set(np.atleast_1d(reference.config.eos_token_id or []).tolist())
@@ -153,25 +181,8 @@ def test_hostile_clients_never_change_another_clients_answer(seed, make_hf_check
   server = serve('--ckpt', directory, '--port', port, '--slots', 2, '--max-prefill-length', 16,
                  '--max-new-tokens', 6, '--greedy', '--dtype', 'float32', '--token-ids-only')
   try:
-    with grpc.insecure_channel(f'127.0.0.1:{port}') as channel:
-      grpc.channel_ready_future(channel).result(timeout=240)
-      stub = jetstream_pb2_grpc.OrchestratorStub(channel)
-
-      def decode(fields):
-        try:
-          return [i for r in stub.Decode(jetstream_pb2.DecodeRequest(**fields), timeout=240)
-                  for sample in r.stream_content.samples for i in sample.token_ids]
-        except grpc.RpcError as error:
-          return error.code(), error.details()
-
-      good_fields = [dict(tokens(prompt), max_tokens=budget) for prompt, budget in good]
-      with concurrent.futures.ThreadPoolExecutor(len(good) + len(bad)) as pool:
-        alone = list(pool.map(decode, good_fields))
-        every = good_fields + [fields for fields, _ in bad]
-        order = rng.permutation(len(every))  # good and bad requests interleaved at random
-        futures = {int(index): pool.submit(decode, every[index]) for index in order}
-        mixed = [futures[index].result() for index in range(len(every))]
-      assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30).is_live
+    alone, mixed = alone_then_mixed(port, [dict(tokens(prompt), max_tokens=budget) for prompt, budget in good],
+                                    [fields for fields, _ in bad], rng)
   finally:
     code, stderr = stop(server)
   assert code == 0, stderr[-3000:]
@@ -259,7 +270,7 @@ def test_image_requests_equal_transformers_and_bad_images_are_refused_alone(seed
 
   import grpc
   import portpicker
-  from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+  from jetstream.core.proto import jetstream_pb2
   from PIL import Image
 
   from grpo_jax.data.images import ImageSettings, process_image
@@ -325,27 +336,11 @@ def test_image_requests_equal_transformers_and_bad_images_are_refused_alone(seed
   port = portpicker.pick_unused_port()
   server = serve('--ckpt', directory, '--port', port, '--slots', 2, '--max-prefill-length', 128,
                  '--max-new-tokens', 6, '--greedy', '--dtype', 'float32', '--max-images', 2)
+  as_text = lambda c: dict(text_content=jetstream_pb2.DecodeRequest.TextContent(text=json.dumps(c)))  # noqa: E731
+  good = [as_text(c) for c in conversations]
   try:
-    with grpc.insecure_channel(f'127.0.0.1:{port}') as channel:
-      grpc.channel_ready_future(channel).result(timeout=240)
-      stub = jetstream_pb2_grpc.OrchestratorStub(channel)
-
-      def decode(fields):
-        try:
-          return [i for r in stub.Decode(jetstream_pb2.DecodeRequest(**fields), timeout=240)
-                  for sample in r.stream_content.samples for i in sample.token_ids]
-        except grpc.RpcError as error:
-          return error.code(), error.details()
-
-      as_text = lambda c: dict(text_content=jetstream_pb2.DecodeRequest.TextContent(text=json.dumps(c)))  # noqa: E731
-      good = [as_text(c) for c in conversations]
-      every = good + [as_text(c) for c, _ in bad] + [
-          dict(token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5, 2, 6]))]
-      with concurrent.futures.ThreadPoolExecutor(len(every)) as pool:
-        alone = list(pool.map(decode, good))
-        order = rng.permutation(len(every))
-        futures = {int(index): pool.submit(decode, every[index]) for index in order}
-        mixed = [futures[index].result() for index in range(len(every))]
+    alone, mixed = alone_then_mixed(port, good, [as_text(c) for c, _ in bad] + [
+        dict(token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5, 2, 6]))], rng)
   finally:
     code, stderr = stop(server)
   assert code == 0, stderr[-3000:]
