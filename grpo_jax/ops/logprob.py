@@ -230,7 +230,14 @@ def _mesh_axes(tokens: int, vocab: int) -> tuple[tuple[str, ...], tuple[str, ...
 def _scatter_axes(token_axes: tuple[str, ...], model: int) -> tuple[str, ...]:
   """The token axes that also split a weight's D ('embed' rule: FSDP): dW's sum over the tokens is
   scattered over them (each device keeps its own D slice, as the parameter is laid out) and summed
-  over the others, so no device receives all of dW and only a D slice crosses the other axes."""
+  over the others, so no device receives all of dW and only a D slice crosses the other axes.
+
+  None on TPUs: XLA:TPU's pass that moves a loop's accumulated reductions out of the micro-batch
+  loop fails a RET_CHECK on this reduce-scatter (while_loop_all_reduce_code_motion.cc:1112,
+  "user->opcode() == kAdd", compiling the 7B recipe's update for a v5e-8); there the all-reduce is
+  kept (a slice's ICI joins all of its chips: no slower link for the whole dW to cross)."""
+  if target_platform() == 'tpu':
+    return ()
   spec = spec_for((model,), ('embed',), dict(jax.sharding.get_abstract_mesh().shape))
   first = spec[0] if len(spec) else None
   embed = () if first is None else (first,) if isinstance(first, str) else tuple(first)
