@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from grpo_jax.plan import targets
 from test_deviceless import _run
 
 
@@ -105,6 +106,41 @@ def test_compiler_log_lines_are_summarised_by_kind():
       "XLA:GPU's scheduler and its memory accounting disagreed (a compiler diagnostic; the figures above are the "
       "compiled program's) (1 log line)",
       'other compiler warnings (in --json under compiler_log) (1 log line)']
+
+
+def test_layout_advice_compiles_the_update_with_hybrid_sharding_on_gpu_hosts_only():
+  """The plan's layout advice, its compiles stood in for: on GPUs of several hosts with the default
+  mesh it compiles the update alone with mesh.hybrid=true and puts that update's estimate beside
+  the planned rollout; it stays out of TPUs, one host, hybrid meshes and hand-set sizes."""
+  from grpo_jax import config as config_lib
+  from grpo_jax.plan import advice
+
+  def report(update_s, update_peak, step_s):
+    return dict(hbm=80 << 30, programs=[dict(name='rollout', peak=50 << 30), dict(name='update', peak=update_peak)],
+                estimate=dict(step_s=step_s, programs=dict(update=dict(program_s=update_s, bound='compute'))))
+
+  asked = []
+
+  def compile_plan(config, only):
+    asked.append((config.mesh.hybrid, only))
+    return report(52.0, 70 << 30, 0.0)
+
+  def load(extra, base=()):
+    return config_lib.load_config('configs/tiny_arith.yaml', [*base, *extra])
+
+  planned = report(60.0, 20 << 30, 150.0)
+  row = advice.layout_advice(load, compile_plan, planned, targets.parse_target('h100x8x8'))
+  assert asked == [(True, {'update'})]
+  assert row['step_s'] == 142.0 and row['faster'] and row['fits'] and row['peak'] == 70 << 30
+  assert 'step >= 142.00 s (now 150.00 s)' in advice.format_layout_advice(row)
+  row = advice.layout_advice(load, lambda config, only: report(52.0, 90 << 30, 0.0), planned,
+                             targets.parse_target('h100x8x8'))
+  assert not row['fits'] and not row['faster']
+  for target, base in (('v5p-128', ()), ('h100x8', ()), ('h100x8x8', ('mesh.hybrid=auto',)),
+                       ('h100x8x8', ('mesh.data=2',))):
+    assert advice.layout_advice(lambda extra: load(extra, base), compile_plan, planned,
+                                targets.parse_target(target)) is None
+  assert len(asked) == 1
 
 
 def test_each_mesh_axis_is_attributed_to_the_link_its_groups_use():

@@ -12,7 +12,8 @@ model.path's config.json, else from model.architecture; no weights are read. --l
 the depth (to see how memory grows with it).
 
 The programs come from programs.py; when the run does not fit, advice.py compiles them again
-with each knob that lowers memory. Needs the target's compiler: `pip install -r requirements-compile.txt` (`make test` puts it in
+with each knob that lowers memory; when it fits on GPUs of several hosts without hybrid sharding,
+it compiles the update again with mesh.hybrid=true and says whether the step is faster. Needs the target's compiler: `pip install -r requirements-compile.txt` (`make test` puts it in
 .venv/compilers: run with PYTHONPATH=.venv/compilers). The host's own devices stay CPUs.
 """
 
@@ -32,7 +33,7 @@ with targets.compiler_log(targets.STARTUP_LOG):  # the compilers' plugins log as
 
 from grpo_jax import config as config_lib  # noqa: E402
 from grpo_jax.errors import cli_main  # noqa: E402
-from grpo_jax.plan.advice import advise, format_advice  # noqa: E402
+from grpo_jax.plan.advice import advise, format_advice, format_layout_advice, layout_advice  # noqa: E402
 from grpo_jax.plan.programs import model_architecture  # noqa: E402
 from grpo_jax.plan.report import format_report, parse_bytes, plan  # noqa: E402
 
@@ -74,6 +75,12 @@ def main(argv=None) -> int:
           'no knob brings it under: more devices, a larger memory, or a smaller recipe (rows, sequence length)',
           flush=True)
     report['advice_fits'] = fitting
+  if report['fits'] and not args.no_advice:
+    row = layout_advice(lambda extra: config_lib.load_config(args.config, [*args.overrides, *extra]),
+                        lambda config, only: plan(config, target, architecture, only=only), report, target)
+    if row is not None:
+      print(format_layout_advice(row), flush=True)
+      report['layout_advice'] = row
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(report, f, indent=1, default=float)

@@ -1,5 +1,7 @@
 """What to change when a run does not fit: the knobs that lower per-device memory without changing
-what is learned, each compiled again for the target (python -m grpo_jax.plan's advice)."""
+what is learned, each compiled again for the target (python -m grpo_jax.plan's advice); and, when it
+fits on GPUs of several hosts without hybrid sharding, the update compiled again with it
+(`layout_advice`), to say whether keeping the weights' gathers within each host is faster."""
 
 import dataclasses
 
@@ -153,3 +155,38 @@ def format_advice(row: dict, peaks: dict) -> str:
   changes = ', '.join(f'{name} {format_bytes(peaks[name])} -> {format_bytes(value)}' for name, value in row['peaks'].items()
                       if value != peaks[name])
   return f'  {row["knob"]} ({row["why"]}): {changes or "no change"}: {"fits" if row["fits"] else "still over"}'
+
+
+def layout_advice(load, compile_plan, report: dict, target) -> dict | None:
+  """For a run that fits on GPUs of more than one host whose mesh is not laid out by host: its
+  update compiled again with mesh.hybrid=true (`load`, `compile_plan` as `advise` takes them), and
+  the step estimated with that update beside the rollout as planned. -> {knob, update_s, bound,
+  step_s, peak, fits, faster}, or None where it does not apply (TPUs, one host, hybrid already, or
+  a mesh whose data and fsdp sizes were chosen by hand)."""
+  config = load(())
+  mesh = config.mesh
+  if target.platform != 'gpu' or target.hosts < 2 or mesh.hybrid is not False or (mesh.data, mesh.fsdp) != (1, -1):
+    return None
+  knob = 'mesh.hybrid=true'
+  try:
+    trial = compile_plan(load((knob,)), {'update'})
+  except UserError as error:
+    return dict(knob=knob, error=str(error), faster=False, fits=False)
+  update = trial['estimate']['programs']['update']
+  before = report['estimate']['programs']['update']['program_s']
+  step = report['estimate']['step_s'] - before + update['program_s']
+  peak = max([program['peak'] for program in trial['programs'] if program['name'] == 'update']
+             + [program['peak'] for program in report['programs'] if program['name'] != 'update'])
+  return dict(knob=knob, update_s=update['program_s'], bound=update['bound'], update_before_s=before,
+              step_s=step, step_before_s=report['estimate']['step_s'], peak=peak, fits=peak <= report['hbm'],
+              faster=step < report['estimate']['step_s'] and peak <= report['hbm'])
+
+
+def format_layout_advice(row: dict) -> str:
+  if 'error' in row:
+    return f'hybrid sharding ({row["knob"]}): not possible here ({row["error"]})'
+  verdict = ('faster: set mesh.hybrid: auto (or true)' if row['faster'] else
+             'does not fit' if not row['fits'] else 'not faster')
+  return (f'hybrid sharding ({row["knob"]}: fsdp within each host, data over the hosts): update >= '
+          f'{row["update_s"]:.2f} s, bound by {row["bound"]} (now {row["update_before_s"]:.2f} s); step >= '
+          f'{row["step_s"]:.2f} s (now {row["step_before_s"]:.2f} s); peak {format_bytes(row["peak"])}: {verdict}')
