@@ -5,7 +5,9 @@ jax/jaxlib and their packages; no jetstream, seqio, tensorflow, clu or math-veri
 It checks what the benchmarks run on those images: a forward pass (the KV-cache path against the
 full sequence), the group sampler (greedy tokens against the full forward's argmax), the fused
 log-prob op (against NumPy's log-softmax), the mixture of experts' grouped matmuls (against every
-expert on every token) and its expert parallelism (two devices against one) and RL steps of the demo configs (dense, and a mixture with routing replay), with any deprecation
+expert on every token) and its expert parallelism (two devices against one), the embedding's and the
+lm_head's gradients on a data x fsdp mesh of two devices (hybrid sharding's collectives) against
+one, and RL steps of the demo configs (dense, and a mixture with routing replay), with any deprecation
 warning JAX or Flax raise on grpo_jax's own calls turned into an error. Not a pytest module (the
 main environment runs the suite); `python tests/core_smoke.py` prints one line per check.
 """
@@ -110,6 +112,30 @@ def main():
   error = float(np.max(np.abs(parallel - alone)))
   check('mixture of experts: expert-parallel logits on 2 devices equal one device', error < 1e-4,
         f'max |difference| {error:.2e}')
+
+  # Hybrid sharding's gradients: the embedding lookup's (an all-to-all within fsdp) and the fused
+  # log-prob op's dW (a reduce-scatter over fsdp, a sum over data) on 2 devices against one.
+  from grpo_jax.model.embedding import embedding_lookup
+  table = jnp.asarray(rng.standard_normal((97, 32)), jnp.float32)
+  ids = jnp.asarray(rng.integers(0, 97, (4, 9)), jnp.int32)
+  cotangent = jnp.asarray(rng.standard_normal((4, 9, 32)), jnp.float32)
+  head = jnp.asarray(0.3 * rng.standard_normal((32, 97)), jnp.float32)
+  hidden = jnp.asarray(rng.standard_normal((4, 9, 32)), jnp.float32)
+
+  def grads(table, head):
+    return jax.grad(lambda table, head: jnp.sum(embedding_lookup(table, ids) * cotangent)
+                    + jnp.sum(token_logprobs(hidden, head, ids, implementation='xla_chunked')), (0, 1))(table, head)
+
+  alone = grads(table, head)
+  for shape in (dict(data=1, fsdp=2), dict(data=2, fsdp=1)):
+    mesh = sharding.make_mesh(sharding.MeshConfig(**shape))
+    with jax.set_mesh(mesh):
+      layouts = (sharding.named_sharding(mesh, table.shape, ('vocab', 'embed')),
+                 sharding.named_sharding(mesh, head.shape, ('embed', 'vocab')))
+      split = jax.jit(grads, in_shardings=layouts)(table, head)
+    error = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(split, alone))
+    check(f'embedding and lm_head gradients on a {shape["data"]} x {shape["fsdp"]} (data x fsdp) mesh equal one '
+          'device', error < 1e-4, f'max |difference| {error:.2e}')
 
   from grpo_jax import train
   for name, config_name in (('demo', 'tiny_arith.yaml'), ('mixture-of-experts demo, routing replay', 'tiny_arith_moe.yaml')):
