@@ -39,6 +39,9 @@ SAMPLINGS = {'greedy': SamplingConfig(greedy=True), 't1': SamplingConfig(tempera
 # Every training mesh meets every sampler tensor size; sampling modes and slot counts rotate over them.
 CASES = [(mesh, tensor, list(SAMPLINGS)[(i + j) % 3], (0, 6)[(i + j) % 2])
          for i, mesh in enumerate(MESHES) for j, tensor in enumerate((1, 2, 4, 8))]
+# Hybrid sharding's mesh (data 2 x fsdp 4) into tensor groups of its fsdp size: laid out through each
+# device's own D slice (RolloutLayout.place), never through another group's replica.
+CASES.append(((2, 4, 1), 4, 't1', 6))
 
 
 @pytest.fixture(scope='module')
