@@ -164,6 +164,13 @@ def spec_for(shape: Sequence[int], logical_axes: Sequence[str | None], mesh_shap
   return PartitionSpec(*spec)
 
 
+def split_axes(size: int, logical: str, mesh_shape: dict) -> tuple[str, ...]:
+  """The mesh axes (spec_for's) that split a dimension of `size` carrying `logical`, in order."""
+  spec = spec_for((size,), (logical,), mesh_shape)
+  first = spec[0] if len(spec) else None
+  return () if first is None else (first,) if isinstance(first, str) else tuple(first)
+
+
 _ENTERED = threading.local()  # the meshes `use_mesh` entered, innermost last
 
 

@@ -19,13 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from grpo_jax.sharding import spec_for
-
-
-def _axes(size: int, logical: str, shape: dict) -> tuple[str, ...]:
-  spec = spec_for((size,), (logical,), shape)
-  first = spec[0] if len(spec) else None
-  return () if first is None else (first,) if isinstance(first, str) else tuple(first)
+from grpo_jax.sharding import split_axes
 
 
 def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -35,11 +29,11 @@ def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   if mesh.empty or tokens.ndim == 0:
     return jnp.take(table, tokens, axis=0)
   shape = dict(mesh.shape)
-  token_axes = _axes(tokens.shape[0], 'batch', shape)
-  scatter_axes = tuple(axis for axis in _axes(table.shape[1], 'embed', shape) if axis in token_axes)
+  token_axes = split_axes(tokens.shape[0], 'batch', shape)
+  scatter_axes = tuple(axis for axis in split_axes(table.shape[1], 'embed', shape) if axis in token_axes)
   if not token_axes:
     return jnp.take(table, tokens, axis=0)
-  vocab_axes = _axes(table.shape[0], 'vocab', shape)
+  vocab_axes = split_axes(table.shape[0], 'vocab', shape)
   rows = table.shape[0] // math.prod(shape[axis] for axis in vocab_axes)
   return _lookup((token_axes, scatter_axes, vocab_axes, rows, jnp.dtype(table.dtype).name), table, tokens)
 

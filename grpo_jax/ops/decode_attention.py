@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from grpo_jax.ops.logprob import target_platform
-from grpo_jax.sharding import current_mesh, spec_for
+from grpo_jax.sharding import current_mesh, split_axes
 from grpo_jax.ops.tiles import row_blocks  # noqa: F401  (the kernels' block count, shared with them)
 
 SCHEDULES = ('mosaic', 'triton')
@@ -99,8 +99,8 @@ def ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, 
   if mesh.empty:
     return local(*args)
   shape = dict(mesh.shape)
-  rows = _axes(spec_for((q.shape[0],), ('batch',), shape))
-  heads = _axes(spec_for((k_cache.shape[3],), ('kv_heads',), shape))
+  rows = split_axes(q.shape[0], 'batch', shape)
+  heads = split_axes(k_cache.shape[3], 'kv_heads', shape)
   if heads and q.shape[2] % math.prod(shape[axis] for axis in heads):
     heads = ()
   if not rows and not heads:
@@ -111,11 +111,6 @@ def ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, 
                        in_specs=(P(b, None, h, None), P(None, b, None, h, None), P(None, b, None, h, None), P(),
                                  P(b), per_row, per_row, per_row),
                        out_specs=(P(b, h, None, None), P(b, h, None, None), P(b, h, None, None, None)))(*args)
-
-
-def _axes(spec) -> tuple[str, ...]:
-  first = spec[0] if len(spec) else None
-  return () if first is None else (first,) if isinstance(first, str) else tuple(first)
 
 
 def _cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_segments, query_slots, *, block: int,

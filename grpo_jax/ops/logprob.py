@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from grpo_jax.ops.tiles import (F32, CONTRACT_TOKENS, CONTRACT_VOCAB, dot_precision, finish_stats,
                                 initial_stats, logit_gradient, update_stats)
-from grpo_jax.sharding import spec_for
+from grpo_jax.sharding import split_axes
 
 LogprobImplementation = Literal['auto', 'pallas', 'pallas_mosaic', 'pallas_triton', 'xla_chunked',
                                 'naive']
@@ -218,13 +218,7 @@ def _mesh_axes(tokens: int, vocab: int) -> tuple[tuple[str, ...], tuple[str, ...
   if mesh.empty:
     return (), ()
   shape = dict(mesh.shape)
-
-  def axes(size, logical):
-    spec = spec_for((size,), (logical,), shape)
-    first = spec[0] if len(spec) else None
-    return () if first is None else (first,) if isinstance(first, str) else tuple(first)
-
-  return axes(tokens, 'batch'), axes(vocab, 'vocab')
+  return split_axes(tokens, 'batch', shape), split_axes(vocab, 'vocab', shape)
 
 
 def _scatter_axes(token_axes: tuple[str, ...], model: int) -> tuple[str, ...]:
@@ -238,9 +232,7 @@ def _scatter_axes(token_axes: tuple[str, ...], model: int) -> tuple[str, ...]:
   kept (a slice's ICI joins all of its chips: no slower link for the whole dW to cross)."""
   if target_platform() == 'tpu':
     return ()
-  spec = spec_for((model,), ('embed',), dict(jax.sharding.get_abstract_mesh().shape))
-  first = spec[0] if len(spec) else None
-  embed = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+  embed = split_axes(model, 'embed', dict(jax.sharding.get_abstract_mesh().shape))
   return tuple(axis for axis in embed if axis in token_axes)
 
 
