@@ -3,20 +3,23 @@
 # failure or overrun leaves the rest. Logs go to $OUT (or ./gpu_logs). Run from the repo root:
 #   bash bench/gpu.sh [names...]
 # names: env forward update sampler logprob decode (measured 2026-11-26 on an H200 but decode,
-# which stopped at its own check, since fixed) lora lora_update (not yet measured).
+# which stopped at its own check, since fixed) lora lora_update (not yet measured); the decode
+# loop's profile and roofline: profile profile_cb sampler7b profile7b blockwise pallas.
+# Full logs and traces go to $LOGS (default: $OUT), only the summary to $OUT; `bench/gpu.sh pack`
+# last tars $LOGS into $OUT/logs.tgz (what comes back from a device call is a few files).
 export PYTHONPATH=.:bench PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # PyTorch shares the GPU in the --torch/--reference runs
-out=${OUT:-gpu_logs}; mkdir -p "$out"
+out=${OUT:-gpu_logs}; logs=${LOGS:-$out}; mkdir -p "$out" "$logs"
 py=${PYTHON:-python3}
-want=${*:-env decode lora lora_update forward update sampler logprob}
+want=${*:-env profile profile_cb sampler7b sampler profile7b blockwise pallas decode lora lora_update forward update logprob}
 run() {  # name limit_s command...
   local name=$1 limit=$2; shift 2
   case " $want " in *" $name "*) ;; *) return;; esac
   echo "=== $name: $* (limit ${limit}s)" | tee -a "$out/summary.txt"
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1; local rc=$?
+  timeout "$limit" "$@" > "$logs/$name.log" 2>&1; local rc=$?
   echo "--- $name rc=$rc in $((SECONDS - t0))s" | tee -a "$out/summary.txt"
-  tail -n 25 "$out/$name.log" | tee -a "$out/summary.txt"
+  tail -n ${TAIL:-25} "$logs/$name.log" | tee -a "$out/summary.txt"
 }
 run env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; \
   $py -c 'import jax, flax, optax, orbax.checkpoint as o, torch, transformers; \
@@ -28,3 +31,13 @@ run logprob 120 $py bench/logprob.py --tokens 16384 --dtype bfloat16 --repeats 3
 run decode 90 $py bench/decode_fill.py --preset qwen2.5-0.5b --dtype bfloat16 --repeats 5
 run lora 150 $py bench/lora.py --presets qwen2.5-0.5b --dtype bfloat16
 run lora_update 150 $py bench/update.py --preset qwen2.5-0.5b --rows 64 --micro-batch-size 8 --attention cudnn --dtype bfloat16 --repeats 3 --lora-rank 64
+# The decode loop (issue: the sampler at the bandwidth limit). Command buffers: XLA's default
+# list plus WHILE and CONDITIONAL, so the token loop's body can run as one CUDA graph.
+cb='--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL'
+TAIL=40 run profile 120 $py bench/decode_profile.py --preset qwen2.5-0.5b --rows 64 --trace "$logs/trace_profile"
+TAIL=40 run profile_cb 120 env XLA_FLAGS="$cb" $py bench/decode_profile.py --preset qwen2.5-0.5b --rows 64 --trace "$logs/trace_cb"
+run sampler7b 240 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --batch-sizes 64,256 --repeats 3
+TAIL=40 run profile7b 150 $py bench/decode_profile.py --preset qwen2.5-7b --rows 64 --top 16 --trace "$logs/trace_7b"
+TAIL=8 run blockwise 90 $py bench/decode_profile.py --preset qwen2.5-0.5b --rows 64 --decode-attention blockwise --top 4
+TAIL=8 run pallas 90 $py bench/decode_profile.py --preset qwen2.5-0.5b --rows 64 --decode-attention pallas --top 4
+case " $want " in *" pack "*) tar czf "$out/logs.tgz" -C "$logs" . ;; esac

@@ -15,7 +15,7 @@ import tempfile
 
 import harness
 
-PRESETS = harness.presets('small', 'qwen2.5-0.5b')
+PRESETS = harness.presets('small', 'qwen2.5-0.5b', 'qwen2.5-7b')
 OVERRIDES = dict(hidden='hidden_size', intermediate='intermediate_size', layers='num_hidden_layers',
                  heads='num_attention_heads', kv_heads='num_key_value_heads', vocab='vocab_size')
 
@@ -68,6 +68,21 @@ def copy_bandwidth() -> float:
   bump = jax.jit(lambda x: x + 1)  # `+ 0` could be simplified away to a plain alias
   seconds = harness.interleaved({'copy': lambda: bump(x).block_until_ready()}, 10)['copy'][1]
   return 2 * x.nbytes / seconds
+
+
+def matmul_peak() -> float:
+  """FLOP/s of a jitted [8192, 8192] x [8192, 8192] bf16 product on random inputs (two input
+  sets taken in turn), the attainable dense bf16 rate."""
+  n = 8192
+  keys = jax.random.split(jax.random.key(1), 4)
+  inputs = [jax.random.normal(k, (n, n), jnp.bfloat16) for k in keys]
+  product = jax.jit(lambda a, b: a @ b)
+  turn = iter(range(10**9))
+
+  def step():
+    i = 2 * (next(turn) % 2)
+    product(inputs[i], inputs[i + 1]).block_until_ready()
+  return 2 * n**3 / harness.interleaved({'matmul': step}, 10)['matmul'][1]
 
 
 def run(model, reference, config: Qwen2Config, rows: int):
@@ -141,13 +156,20 @@ def run(model, reference, config: Qwen2Config, rows: int):
     params_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     # The cache rows hold Tp + N / 2 tokens on average over the decode; the kernel may read more
     # (all Tp + N slots, masked), so this is the useful-bytes roofline.
-    kv_bytes = (2 * config.num_hidden_layers * rows * (Tp + N / 2) * config.num_key_value_heads
+    context = Tp + N / 2
+    kv_bytes = (2 * config.num_hidden_layers * rows * context * config.num_key_value_heads
                 * config.resolved_head_dim * itemsize)
-    rate, bandwidth = (params_bytes + kv_bytes) / ((total - prefill_s) / max(N - 1, 1)), copy_bandwidth()
-    print(f'decode roofline: {params_bytes / 2**20:.0f} MiB params + {kv_bytes / 2**20:.0f} MiB KV '
-          f'per step = {rate / 1e9:.0f} GB/s; copy bandwidth {bandwidth / 1e9:.0f} GB/s; HBM-roofline '
-          f'fraction {rate / bandwidth:.1%}')
-
+    # Every row's token through each matmul (the embedding table's rows are gathered, not
+    # multiplied, unless tied to the lm_head) and its attention over the cache.
+    matmul_params = config.num_params() - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
+    flops = 2 * rows * matmul_params + 4 * rows * context * config.num_attention_heads * config.resolved_head_dim * config.num_hidden_layers
+    step_s = (total - prefill_s) / max(N - 1, 1)
+    bandwidth, peak = copy_bandwidth(), matmul_peak()
+    roofline = max((params_bytes + kv_bytes) / bandwidth, flops / peak)
+    print(f'decode roofline = max(bytes / copy bandwidth, FLOPs / bf16 matmul peak) = max('
+          f'{params_bytes / 2**20:.0f} MiB params + {kv_bytes / 2**20:.0f} MiB KV / {bandwidth / 1e9:.0f} GB/s, '
+          f'{flops / 1e12:.3f} TFLOP / {peak / 1e12:.0f} TFLOP/s) = max({(params_bytes + kv_bytes) / bandwidth * 1e3:.3f}, '
+          f'{flops / peak * 1e3:.3f}) ms; step {step_s * 1e3:.3f} ms: {roofline / step_s:.1%} of the roofline')
 
 def main():
   overrides = {field: getattr(args, flag) for flag, field in OVERRIDES.items()
