@@ -38,6 +38,7 @@ def parse_args():
   parser.add_argument('--new-tokens', type=int, default=64)
   parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default='bfloat16')
   parser.add_argument('--decode-attention', default='dense', help='ModelOptions.decode_attention')
+  parser.add_argument('--decode-layers', default='auto', help='ModelOptions.decode_layers: auto | scan | unrolled')
   parser.add_argument('--repeats', type=int, default=5)
   parser.add_argument('--trace', help='keep the profiler trace in this folder (default: a temporary one)')
   parser.add_argument('--top', type=int, default=24, help='rows of the kernel table')
@@ -138,7 +139,8 @@ def main():
   overrides = {'num_hidden_layers': args.layers} if args.layers else {}
   config = Qwen2Config(**{**PRESETS[args.preset], **overrides})
   model = init_model(config, options=ModelOptions(dtype=args.dtype, param_dtype=args.dtype,
-                                                  decode_attention=args.decode_attention))
+                                                  decode_attention=args.decode_attention,
+                                                  decode_layers=args.decode_layers))
   P, G, Tp, N = args.rows // args.group, args.group, args.prompt_length, args.new_tokens
   sampler = GroupSampler(model, group_size=G, settings=DecodeSettings(
       max_new_tokens=N, stop_token_ids=(), pad_id=0, sampling=SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)))
@@ -148,7 +150,7 @@ def main():
   key = jax.random.key(0)
   flags = os.environ.get('XLA_FLAGS', '')
   print(f'{args.preset} ({config.num_hidden_layers} layers), {args.rows} rows, prompt {Tp} + {N} new tokens, '
-        f'{args.dtype}, decode attention {args.decode_attention}, {jax.devices()[0].device_kind}, jax '
+        f'{args.dtype}, decode attention {args.decode_attention}, layers {args.decode_layers}, {jax.devices()[0].device_kind}, jax '
         f'{jax.__version__}, XLA_FLAGS={flags!r}')
 
   compiled = sampler._run.lower(state, prompts, mask, key).compile()

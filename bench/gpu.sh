@@ -4,7 +4,8 @@
 #   bash bench/gpu.sh [names...]
 # names: env forward update sampler logprob decode (measured 2026-11-26 on an H200 but decode,
 # which stopped at its own check, since fixed) lora lora_update (not yet measured); the decode
-# loop's profile and roofline: profile profile_cb sampler7b profile7b blockwise pallas.
+# loop's profile and roofline: profile profile_cb sampler7b sampler_scan sampler7b_scan profile7b
+# blockwise pallas.
 # Full logs and traces go to $LOGS (default: $OUT), only the summary to $OUT; `bench/gpu.sh pack`
 # last tars $LOGS into $OUT/logs.tgz (what comes back from a device call is a few files).
 export PYTHONPATH=.:bench PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
@@ -37,6 +38,9 @@ cb='--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHI
 TAIL=40 run profile 120 $py bench/decode_profile.py --preset qwen2.5-0.5b --rows 64 --trace "$logs/trace_profile"
 TAIL=40 run profile_cb 120 env XLA_FLAGS="$cb" $py bench/decode_profile.py --preset qwen2.5-0.5b --rows 64 --trace "$logs/trace_cb"
 run sampler7b 240 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --batch-sizes 64,256 --repeats 3
+# The same with the layer loop as a scan (the default before decode_layers: auto unrolls it on GPUs).
+run sampler_scan 150 $py bench/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --batch-sizes 64,256 --repeats 3 --decode-layers scan
+run sampler7b_scan 150 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --batch-sizes 64 --repeats 3 --decode-layers scan
 TAIL=40 run profile7b 150 $py bench/decode_profile.py --preset qwen2.5-7b --rows 64 --top 16 --trace "$logs/trace_7b"
 TAIL=8 run blockwise 90 $py bench/decode_profile.py --preset qwen2.5-0.5b --rows 64 --decode-attention blockwise --top 4
 TAIL=8 run pallas 90 $py bench/decode_profile.py --preset qwen2.5-0.5b --rows 64 --decode-attention pallas --top 4

@@ -34,6 +34,8 @@ def parse_args():
   parser.add_argument('--threads', type=int, default=os.cpu_count(), help='CPU threads for both')
   parser.add_argument('--repeats', type=int, default=5, help='timed runs after warm-up (median)')
   parser.add_argument('--reference', action='store_true', help='run PyTorch also on an accelerator')
+  parser.add_argument('--decode-layers', default='auto', help='ModelOptions.decode_layers: auto | scan | unrolled')
+  parser.add_argument('--decode-attention', default='dense', help='ModelOptions.decode_attention')
   return parser.parse_args()
 
 
@@ -176,12 +178,14 @@ def main():
                if getattr(args, flag) is not None}
   config = Qwen2Config(**{**PRESETS[args.preset], **overrides})
   reference = None
+  options = ModelOptions(dtype=args.dtype, param_dtype=args.dtype, decode_layers=args.decode_layers,
+                         decode_attention=args.decode_attention)
   with tempfile.TemporaryDirectory(prefix='bench_sampler_') as directory:
     if jax.default_backend() == 'cpu' or args.reference:
       reference = torch_reference(config, directory)
-      model = from_pretrained(directory, dtype=args.dtype)
+      model = from_pretrained(directory, options=options)
     else:
-      model = init_model(config, options=ModelOptions(dtype=args.dtype, param_dtype=args.dtype))
+      model = init_model(config, options=options)
   batch_sizes = [int(b) for b in args.batch_sizes.split(',') if b] or [args.prompts * args.group]
   for rows in batch_sizes:
     if rows % args.group:

@@ -35,12 +35,20 @@ from grpo_jax.model.lora import TARGETS, LoraConfig
 from grpo_jax.model.moe import Routing
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.model.vision import Images, VisionTower, place, place_from
+from grpo_jax.ops.logprob import target_platform
 from grpo_jax.sharding import constrain
 
 DType = Literal['float32', 'bfloat16']
 # Storage dtypes: float16 too, so a float16 checkpoint converts without a change of precision.
 ParamDType = Literal['float32', 'bfloat16', 'float16']
 RematPolicy = Literal['none', 'full', 'dots', 'dots_no_batch']
+# How a decode step (`extend` of one token per row) runs the layers: 'scan' (one lax.scan over the
+# stacked parameters), 'unrolled' (one copy of the layer per index: each matmul reads its layer's
+# slice of the stack in place), 'auto' (unrolled when compiling for GPUs, else scan). XLA:GPU
+# copies each layer's weights out of the stack at a scan's dynamic index before its matmuls (a
+# read and a write of every weight each step on top of the matmul's read: half of a 7B decode
+# step on an H200, BENCHMARKS.md "Where a decode step goes"); XLA:TPU reads them in place.
+DecodeLayers = Literal['auto', 'scan', 'unrolled']
 
 _REMAT_POLICIES = {
     'full': None,  # save nothing, recompute the whole block
@@ -60,6 +68,7 @@ class ModelOptions:
   attention: AttentionImplementation = 'dense'  # full-sequence attention (attention.py); decoding: below
   attention_chunk: int = 512  # queries per chunk with attention='chunked'
   decode_attention: DecodeAttention = 'dense'  # attention over the KV cache while decoding (attention.py)
+  decode_layers: DecodeLayers = 'auto'  # the layer loop of a decode step (DecodeLayers above)
   decode_block: int = 256  # cache slots per block of 'blockwise' and 'pallas' decode attention
   # Low-rank adapters (model/lora.py): the base frozen in `dtype`, the adapters in `param_dtype`.
   lora: LoraConfig | None = None
@@ -70,7 +79,7 @@ class ModelOptions:
   def __post_init__(self):
     choices = {'dtype': typing.get_args(DType), 'param_dtype': typing.get_args(ParamDType),
                'remat': typing.get_args(RematPolicy), 'attention': ATTENTION_IMPLEMENTATIONS,
-               'decode_attention': DECODE_ATTENTIONS}
+               'decode_attention': DECODE_ATTENTIONS, 'decode_layers': typing.get_args(DecodeLayers)}
     for name, allowed in choices.items():
       require(getattr(self, name) in allowed, name,
               f'must be one of {" | ".join(map(repr, allowed))}, got {getattr(self, name)!r}')
@@ -149,21 +158,21 @@ class Qwen2(nnx.Module):
   def lora_scale(self) -> float:
     return 0.0 if self.options.lora is None else self.options.lora.scale
 
-  def run_layers(self, x: jax.Array, layer: Callable, xs=None,
-                 replay: jax.Array | None = None) -> tuple[jax.Array, typing.Any, Routing | None]:
+  def run_layers(self, x: jax.Array, layer: Callable, xs=None, replay: jax.Array | None = None,
+                 scan: bool | None = None) -> tuple[jax.Array, typing.Any, Routing | None]:
     """Runs the L layers on x [B, T, D]: `layer(x, params, xs_l, replay_l) -> (x, out_l, routing_l)`,
     where params is one layer's slice of the stacked parameters, xs_l of `xs` (a pytree of [L, ...]
     arrays, or None) and replay_l of `replay` ([Ls, B, T, k] routes of the sparse layers, or None;
     None in a dense layer). -> (x, the out_l stacked along a leading L axis, the sparse layers'
     Routing stacked along a leading Ls axis, or None in a dense model).
 
-    As one lax.scan with `scan_layers` when every layer is of one kind, otherwise unrolled over the
-    same arrays; either way xs is sliced one layer at a time, so a stacked KV cache is read in
-    place, never carried.
+    As one lax.scan with `scan` (default: `scan_layers`) when every layer is of one kind, otherwise
+    unrolled over the same arrays; either way xs is sliced one layer at a time, so a stacked KV
+    cache is read in place, never carried.
     """
     params = self.layers.arrays()
     sparse = self.config.sparse_layers
-    if self.options.scan_layers and len(set(sparse)) == 1:
+    if (self.options.scan_layers if scan is None else scan) and len(set(sparse)) == 1:
       def body(x, inputs):
         x, out, routing = layer(x, *inputs)
         return x, (out, routing)
@@ -181,6 +190,12 @@ class Qwen2(nnx.Module):
         routings.append(routing)
     stack = lambda parts: jax.tree.map(lambda *p: jnp.stack(p), *parts)  # noqa: E731
     return x, stack(outs), (stack(routings) if routings else None)
+
+  def _scan_decode(self) -> bool:
+    """Whether a decode step runs its layers as a scan (`ModelOptions.decode_layers`)."""
+    if self.options.decode_layers == 'auto':
+      return self.options.scan_layers and target_platform() != 'gpu'
+    return self.options.decode_layers == 'scan'
 
   # ---- full-sequence forward (training, scoring) ----
 
@@ -351,7 +366,8 @@ class Qwen2(nnx.Module):
 
     own = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32) if stacked else (cache.k, cache.v)
     layer_caches = (own,) + (() if prefix is None else (prefix.k, prefix.v))
-    x, (k_new, v_new), routing = self.run_layers(self._embed(tokens, images), layer, layer_caches)
+    x, (k_new, v_new), routing = self.run_layers(self._embed(tokens, images), layer, layer_caches,
+                                                 scan=self._scan_decode() if length == 1 else None)
     hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
     if length == cache.max_length:
       # The tokens fill the whole cache (so it was empty: length + T <= S): it is the new keys and
