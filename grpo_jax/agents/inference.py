@@ -425,7 +425,7 @@ class InferenceServer:
   def _decode_chunk(self, params, state: DecodeState):
     """Up to `chunk` decode steps, fewer when every slot goes idle first -> (state, Emitted
     [chunk, B] with valid False past the steps run, steps run)."""
-    model = nnx.merge(self.graphdef, params)
+    pieces, rebuild = nnx.merge(self.graphdef, params).loop_view()
     B, pad = self.slots, self.settings.pad_id
     out = Emitted(tokens=jnp.full((self.chunk, B), pad, jnp.int32), log_probs=jnp.zeros((self.chunk, B), jnp.float32),
                   valid=jnp.zeros((self.chunk, B), bool), lengths=jnp.zeros((self.chunk, B), jnp.int32),
@@ -433,7 +433,7 @@ class InferenceServer:
 
     def body(carry):
       count, state, out = carry
-      state, emitted = decode_step(model, state, self.settings)
+      state, emitted = decode_step(rebuild(pieces), state, self.settings)
       return count + 1, state, jax.tree.map(lambda all_, one: all_.at[count].set(one), out, emitted)
 
     count, state, out = jax.lax.while_loop(lambda carry: (carry[0] < self.chunk) & jnp.any(carry[1].live), body,

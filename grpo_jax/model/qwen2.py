@@ -197,6 +197,27 @@ class Qwen2(nnx.Module):
       return self.options.scan_layers and target_platform() != 'gpu'
     return self.options.decode_layers == 'scan'
 
+  def loop_view(self) -> tuple[typing.Any, Callable[[typing.Any], 'Qwen2']]:
+    """(pieces, rebuild) for a loop whose body runs decode steps: `rebuild(pieces)` inside the body
+    is this model. With unrolled decode layers (`decode_layers`), each stacked layer array is cut
+    into one array per layer before the loop and stacked again inside it, where XLA folds each
+    layer's slice of the stack back to its own piece: the matmuls read the pieces in place. XLA:GPU
+    otherwise copies every layer's weights out of the loop-invariant stack on every iteration (a
+    slice feeding a matmul inside a while body is materialised). The cut costs one copy of the
+    layer weights, made once per loop."""
+    graphdef, state = nnx.split(self)
+    if self._scan_decode():
+      return state, lambda pieces: nnx.merge(graphdef, pieces)
+    stacked = lambda path, x: path[0] == jax.tree_util.DictKey('layers') and x.ndim >= 1  # noqa: E731
+    pieces = jax.tree_util.tree_map_with_path(
+        lambda path, x: tuple(x[i] for i in range(x.shape[0])) if stacked(path, x) else x, state)
+
+    def rebuild(pieces):
+      restacked = jax.tree.map(lambda p: jnp.stack(p) if isinstance(p, tuple) else p, pieces,
+                               is_leaf=lambda p: isinstance(p, tuple))
+      return nnx.merge(graphdef, restacked)
+    return pieces, rebuild
+
   # ---- full-sequence forward (training, scoring) ----
 
   def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,

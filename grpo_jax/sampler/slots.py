@@ -300,11 +300,13 @@ def decode_groups(model: Qwen2, state: DecodeState, settings: DecodeSettings, *,
                                live=rows(state.live), prefix=dataclasses.replace(state.prefix, index=rows(state.prefix.index)),
                                offsets=None if state.offsets is None else rows(state.offsets))
 
+  pieces, rebuild = model.loop_view()  # the weights as the loop's matmuls read them in place
+
   def step(carry):
     count, state, holding, waiting, decoded = carry
     state, holding, waiting, decoded = insert(state, holding, waiting, decoded)
     state, holding = pinned(state), rows(holding)
-    state, emitted = decode_step(model, state, settings)
+    state, emitted = decode_step(rebuild(pieces), state, settings)
     return count + 1, state, holding, waiting, write(decoded, holding, emitted, state.live)
 
   with jax.named_scope('decode_loop'):  # the plan counts this loop's traffic per iteration (plan/traffic.py)
