@@ -6,7 +6,7 @@ import pytest
 import torch
 from flax import nnx
 
-from grpo_jax.model import from_pretrained
+from grpo_jax.model import ModelOptions, from_pretrained
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.sampler.rollout import GroupSampler
 from grpo_jax.testing import left_padded, random_prompts
@@ -18,9 +18,12 @@ GREEDY = SamplingConfig(greedy=True)
                                           dict(model_type='qwen3_moe', head_dim=16, num_experts=8, num_experts_per_tok=2,
                                                moe_intermediate_size=24, norm_topk_prob=True, tie_word_embeddings=True)],
                          ids=['qwen2', 'qwen3', 'qwen3-moe'])
-def test_greedy_matches_transformers_generate(seed, make_hf_checkpoint, architecture):
+# 'unrolled': one copy of the layer per index in the decode loop, each reading its own piece of the
+# cut stack (Qwen2.loop_view), as the GPU default runs it; 'scan' is the CPU's and TPU's.
+@pytest.mark.parametrize('decode_layers', ['scan', 'unrolled'])
+def test_greedy_matches_transformers_generate(seed, make_hf_checkpoint, architecture, decode_layers):
   directory, reference = make_hf_checkpoint(seed, **architecture)
-  model = from_pretrained(directory)
+  model = from_pretrained(directory, options=ModelOptions(decode_layers=decode_layers))
   prompts = random_prompts(seed, [5, 17, 11])
   tokens, mask = left_padded(prompts)
   rollout = GroupSampler(model, group_size=1, settings=DecodeSettings(max_new_tokens=16, sampling=GREEDY))(

@@ -51,7 +51,9 @@ def _abstract(tree, shardings):
 
 def _abstract_variables(variables, shardings):
   """nnx Variables holding ShapeDtypeStructs placed by `shardings` (a State of NamedShardings)."""
-  return jax.tree.map(lambda variable, s: variable.replace(jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=s)),
+  place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+  # A Quantized value (the sampler's 8-bit weights) has a sharding for each of its arrays.
+  return jax.tree.map(lambda variable, s: variable.replace(jax.tree.map(place, variable.get_value(), s)),
                       variables, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
@@ -83,6 +85,9 @@ class Program:
   # {'outside' | 'per_decode_step': {link class: {'bytes', 'seconds'}}}: the same collectives by the
   # link their device groups use (targets.Target.link: NVLink or the network between GPU hosts, ICI)
   links: dict = dataclasses.field(default_factory=dict)
+  # One decode step's kernels (traffic.Kernels: kernels launched, their operand + result bytes, the
+  # bytes written by kernels that only move data); empty for a program without a decode loop.
+  decode_step: dict = dataclasses.field(default_factory=dict)
 
   @property
   def peak(self) -> int:
@@ -125,7 +130,9 @@ def compile_program(name: str, target: targets.Target, devices: list, jitted, *a
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
   flops = float(cost['flops']) if cost and 'flops' in cost else None
-  found = traffic.collectives(compiled.as_text(), len(devices))
+  text = compiled.as_text()
+  found = traffic.collectives(text, len(devices))
+  kernels = traffic.decode_step_kernels(text)
   link = functools.cache(lambda group: target.link([devices[i] for i in group]))
   links = {part: traffic.by_link(found, in_loop, link, target.link_bandwidth_of)
            for part, in_loop in (('outside', False), ('per_decode_step', True))}
@@ -134,7 +141,7 @@ def compile_program(name: str, target: targets.Target, devices: list, jitted, *a
                  flops, note,
                  collectives=dict(outside=traffic.totals(found, False), per_decode_step=traffic.totals(found, True)),
                  interconnect_s={part: sum(entry['seconds'] for entry in by.values()) for part, by in links.items()},
-                 links=links)
+                 links=links, decode_step=dataclasses.asdict(kernels) if kernels.kernels else {})
 
 
 @dataclasses.dataclass

@@ -237,6 +237,10 @@ def format_report(report: dict) -> str:
         for part, links in program['links'].items() if links]
     if by_link:
       lines.append(f'    by link: {"; ".join(by_link)}'.replace('per_decode_step: ', 'per decode step '))
+    step = program.get('decode_step')
+    if step:
+      lines.append(f'    per decode step: {step["kernels"]} kernels, {format_bytes(step["bytes"])} of their operands and '
+                   f'results, {format_bytes(step["copied"])} written by copies and slices')
   if report['routes_bytes']:
     lines.append(f'recorded routes per step: {format_bytes(report["routes_bytes"])} (rows x sequence x '
                  f'{model["sparse_layers"]} sparse layers x top-{model["experts_per_token"]} expert ids)')

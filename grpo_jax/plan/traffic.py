@@ -42,6 +42,13 @@ _CALLS = re.compile(r'\b(?:condition|body|to_apply|calls|true_computation|false_
 _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_FUSING = {'fusion', 'fusion-start', 'reduce', 'reduce-window', 'scatter', 'select-and-scatter', 'sort', 'map',
+           'all-reduce', 'all-reduce-start', 'reduce-scatter'}  # ops whose called computations run inside them
+_NOT_KERNELS = {'parameter', 'get-tuple-element', 'tuple', 'bitcast', 'constant', 'while', 'call', 'conditional',
+                'after-all', 'partition-id', 'replica-id', 'opt-barrier', 'add-dependency', 'async-start',
+                'async-update', 'domain'}
+_MOVES = {'copy', 'copy-start', 'slice', 'dynamic-slice', 'concatenate', 'transpose', 'reshape', 'pad'}
+_FREE = {'parameter', 'bitcast', 'constant', 'tuple', 'get-tuple-element', 'broadcast', 'iota'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +129,12 @@ def _bytes(kind: str, opcode: str, shape: str, group_size: int) -> int:
   return sum(sizes)
 
 
-def collectives(hlo: str, devices: int, marker: str = 'decode_loop') -> list[Collective]:
-  """Every collective of the optimized HLO module `hlo` of a program over `devices` devices."""
+def _walk(hlo: str, marker: str, visit_instruction: Callable) -> None:
+  """Calls visit_instruction(match, count, in_loop, fused) for every instruction of the optimized
+  HLO module `hlo` reachable from its entry: `count` its executions per run (or per iteration of the
+  loop named `marker` when `in_loop`, see the module docstring), `fused` whether it sits inside a
+  fusion (or a reducer) rather than being launched itself. `match` is an _INSTRUCTION match:
+  (name, result shape, opcode, the rest of the line)."""
   computations: dict[str, list[str]] = {}
   entry, current = None, None
   for line in hlo.splitlines():
@@ -140,7 +151,7 @@ def collectives(hlo: str, devices: int, marker: str = 'decode_loop') -> list[Col
       continue
     computations[current].append(line)
   if entry is None:
-    return []
+    return
 
   instructions = {name: [m for m in map(_INSTRUCTION.match, lines) if m] for name, lines in computations.items()}
 
@@ -159,22 +170,12 @@ def collectives(hlo: str, devices: int, marker: str = 'decode_loop') -> list[Col
         return int(number.group(1))
     return None
 
-  found: list[Collective] = []
-
-  def visit(name: str, count: int, in_loop: bool, depth: int = 0):
+  def visit(name: str, count: int, in_loop: bool, fused: bool, depth: int = 0):
     if depth > 64:
       return
     for match in instructions.get(name, []):
       opcode, line = match.group(3), match.group(0)
-      kind = _OPCODES.get(opcode)
-      if kind is not None:
-        where = _OP_NAME.search(line)
-        groups = parse_groups(line, devices)
-        if not groups:  # a permute with no source-target pairs moves nothing
-          continue
-        size = max(len(group) for group in groups)
-        found.append(Collective(kind=kind, bytes=_bytes(kind, opcode, match.group(2), size), groups=groups,
-                                count=count, in_loop=in_loop, where=where.group(1) if where else ''))
+      visit_instruction(match, count, in_loop, fused)
       called = _CALLS.findall(line)
       for branches in _BRANCHES.findall(line):
         called += [b.strip().lstrip('%') for b in branches.split(',') if b.strip()]
@@ -186,18 +187,98 @@ def collectives(hlo: str, devices: int, marker: str = 'decode_loop') -> list[Col
         op_name = _OP_NAME.search(line)
         marked = bool(op_name) and op_name.group(1).endswith(f'{marker}/while')
         if marked and not in_loop:  # per iteration of the marked loop
-          visit(body, 1, True, depth + 1)
-          visit(condition, 1, True, depth + 1)
+          visit(body, 1, True, fused, depth + 1)
+          visit(condition, 1, True, fused, depth + 1)
           continue
         trips = trip_count(line, condition) or 1
-        visit(body, count * trips, in_loop, depth + 1)
-        visit(condition, count * (trips + 1), in_loop, depth + 1)
+        visit(body, count * trips, in_loop, fused, depth + 1)
+        visit(condition, count * (trips + 1), in_loop, fused, depth + 1)
         continue
-      for callee in called:  # fusions, calls, branches, async wrappers (and reducers, which hold none)
-        visit(callee, count, in_loop, depth + 1)
+      # Fusions (and reducers) run inside their caller's kernel; calls, branches and async wrappers
+      # launch what they hold.
+      inside = fused or opcode in _FUSING
+      for callee in called:
+        visit(callee, count, in_loop, inside, depth + 1)
 
-  visit(entry, 1, False)
+  visit(entry, 1, False, False)
+
+
+def collectives(hlo: str, devices: int, marker: str = 'decode_loop') -> list[Collective]:
+  """Every collective of the optimized HLO module `hlo` of a program over `devices` devices."""
+  found: list[Collective] = []
+
+  def visit(match, count, in_loop, fused):
+    kind = _OPCODES.get(match.group(3))
+    if kind is None:
+      return
+    line = match.group(0)
+    where = _OP_NAME.search(line)
+    groups = parse_groups(line, devices)
+    if not groups:  # a permute with no source-target pairs moves nothing
+      return
+    size = max(len(group) for group in groups)
+    found.append(Collective(kind=kind, bytes=_bytes(kind, match.group(3), match.group(2), size), groups=groups,
+                            count=count, in_loop=in_loop, where=where.group(1) if where else ''))
+
+  _walk(hlo, marker, visit)
   return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+  """What one iteration of the marked loop (a decode step) launches, read from the optimized HLO.
+
+  kernels: launched operations (fusions, library calls, copies, collectives), nested loops of
+           known trip count multiplied out; what runs only on the host (tuples, bitcasts,
+           parameters) is left out.
+  bytes:   their operands and results (an upper bound of the memory traffic: an in-place update
+           counts its whole buffer, an operand read by several kernels counts once for each).
+  copied:  the results of the kernels that only move data (copies, slices, concatenations,
+           transposes: no arithmetic), i.e. bytes written that a kernel reading in place would
+           not write. A weight copied out of a stack every step shows up here.
+  """
+
+  kernels: int
+  bytes: int
+  copied: int
+
+
+def _async_result(shape: str) -> str:
+  """The result of an asynchronous `-start` written as ((operands), result, context...)."""
+  if not shape.startswith('(('):
+    return shape
+  depth = 0
+  for index, char in enumerate(shape[1:], 1):
+    depth += {'(': 1, ')': -1}.get(char, 0)
+    if depth == 0:  # the end of the operands' tuple
+      rest = shape[index + 1:].lstrip(', ')
+      return rest.split(', ')[0] if not rest.startswith('(') else rest[:rest.index(')') + 1]
+  return shape
+
+
+def decode_step_kernels(hlo: str, marker: str = 'decode_loop') -> Kernels:
+  """The kernels of one iteration of the loop named `marker` in the optimized HLO module `hlo`."""
+  fused_ops: dict[str, set[str]] = {}  # fused computation -> its opcodes
+  for name, body in re.findall(r'\n%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}', '\n' + hlo, re.S):
+    fused_ops[name] = {m.group(3) for m in map(_INSTRUCTION.match, body.splitlines()) if m}
+  totals = dict(kernels=0, bytes=0, copied=0)
+
+  def visit(match, count, in_loop, fused):
+    opcode = match.group(3)
+    if not in_loop or fused or opcode in _NOT_KERNELS or opcode.endswith('-done'):
+      return
+    line = match.group(0)
+    operands = line[line.index(opcode + '(') + len(opcode) + 1:]
+    operands = operands[:operands.index(')')] if ')' in operands else operands
+    result = sum(_shape_bytes(_async_result(match.group(2)) if opcode.endswith('-start') else match.group(2)))
+    totals['kernels'] += count
+    totals['bytes'] += count * (result + sum(_shape_bytes(operands)))
+    called = _CALLS.findall(line)
+    moves = (opcode in _MOVES or (opcode in _FUSING and called and fused_ops.get(called[0], {'?'}) <= _MOVES | _FREE))
+    if moves:
+      totals['copied'] += count * result
+  _walk(hlo, marker, visit)
+  return Kernels(**totals)
 
 
 def totals(found: list[Collective], in_loop: bool) -> dict[str, int]:
