@@ -91,7 +91,8 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
   optimizer, schedule = config.optim.build(total_updates(config), frozen=freeze)
   if config.rollout.devices and sampler_devices is None:
     sampler_devices = split_devices(jax.devices(), config.rollout.devices)[1]
-  layout = rollout_layout(model, mesh, config.rollout.tensor, sampler_devices) if resident else None
+  layout = (rollout_layout(model, mesh, config.rollout.tensor, sampler_devices, weights=config.rollout.weights)
+            if resident else None)
   mode = rollout_mode(config)
   # A host-scored task is adapted to the mesh; an agent task's acting stage places its own arrays.
   step_task = task if task.jittable or mode is Acting else HostTask(task, mesh)

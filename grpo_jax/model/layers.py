@@ -31,6 +31,7 @@ from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.linear import matmul
 from grpo_jax.model.lora import TARGETS, Adapter, LoraConfig, adapter_names, adapter_shapes, init_a
 from grpo_jax.model.moe import Routing, sparse_mlp
+from grpo_jax.model.quantize import dequantize
 from grpo_jax.sharding import constrain
 
 DENSE_MLP_PARAMS = ('gate_weight', 'up_weight', 'down_weight')
@@ -122,7 +123,9 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
   routing = None
   if 'router_weight' in p:
     real = jnp.ones(h.shape[:2], bool) if real is None else real
-    out, routing = sparse_mlp(p, h, real, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
+    # 8-bit experts (the sampler's, model/quantize.py) enter the grouped matmuls in the compute dtype.
+    experts = {name: dequantize(value, dtype) for name, value in p.items()}
+    out, routing = sparse_mlp(experts, h, real, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
                               replay=replay)
   else:
     out = project(jax.nn.silu(project(h, 'gate')) * project(h, 'up'), 'down')

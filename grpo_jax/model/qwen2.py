@@ -33,6 +33,7 @@ from grpo_jax.model.embedding import embedding_lookup
 from grpo_jax.model.layers import DENSE_MLP_PARAMS, DecoderLayers, decoder_block, rms_norm, stacked_layers
 from grpo_jax.model.lora import TARGETS, LoraConfig
 from grpo_jax.model.moe import Routing
+from grpo_jax.model.quantize import Quantized, output_scale
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.model.vision import Images, VisionTower, place, place_from
 from grpo_jax.ops.logprob import target_platform
@@ -282,8 +283,12 @@ class Qwen2(nnx.Module):
 
   def project(self, hidden: jax.Array) -> jax.Array:
     """hidden [B, T, D] -> logits [B, T, V], accumulated and returned in fp32."""
-    logits = jnp.einsum('BTD,DV->BTV', hidden.astype(self.dtype), self.lm_head_weight(),
-                        preferred_element_type=jnp.float32)
+    weight = self.lm_head_weight()
+    if isinstance(weight, Quantized):  # the sampler's 8-bit copy: the values, each column scaled after
+      logits = jnp.einsum('BTD,DV->BTV', hidden.astype(self.dtype), weight.values.astype(self.dtype),
+                          preferred_element_type=jnp.float32) * output_scale(weight, 1)
+    else:
+      logits = jnp.einsum('BTD,DV->BTV', hidden.astype(self.dtype), weight, preferred_element_type=jnp.float32)
     return constrain(logits, ('batch', 'seq', 'vocab'))
 
   def _embed(self, tokens: jax.Array, images: Images | None = None) -> jax.Array:
@@ -291,7 +296,12 @@ class Qwen2(nnx.Module):
       # An eager call checks its ids here; under jit the doors that take ids check them
       # (token_ids.py): a traced lookup cannot raise, and would answer a bad id with a NaN row.
       check_token_ids(np.asarray(tokens), self.config.vocab_size, 'model input')
-    x = embedding_lookup(self.embedding[...], tokens).astype(self.dtype)
+    table = self.embedding[...]
+    if isinstance(table, Quantized):  # the sampler's 8-bit copy (a tied output projection): rows scaled
+      x = (embedding_lookup(table.values, tokens).astype(self.dtype)
+           * jnp.take(table.scale[:, 0], tokens, axis=0)[..., None].astype(self.dtype))
+    else:
+      x = embedding_lookup(table, tokens).astype(self.dtype)
     if images is not None:
       x = place(x, self.image_features(images), images.placement)
     return constrain(x, ('batch', 'seq', 'act_embed'))

@@ -259,8 +259,11 @@ def _async_result(shape: str) -> str:
 def decode_step_kernels(hlo: str, marker: str = 'decode_loop') -> Kernels:
   """The kernels of one iteration of the loop named `marker` in the optimized HLO module `hlo`."""
   fused_ops: dict[str, set[str]] = {}  # fused computation -> its opcodes
+  shapes: dict[str, str] = {}  # instruction -> its result shape (operands are written by name only)
   for name, body in re.findall(r'\n%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}', '\n' + hlo, re.S):
-    fused_ops[name] = {m.group(3) for m in map(_INSTRUCTION.match, body.splitlines()) if m}
+    parsed = [m for m in map(_INSTRUCTION.match, body.splitlines()) if m]
+    fused_ops[name] = {m.group(3) for m in parsed}
+    shapes.update((m.group(1), m.group(2)) for m in parsed)
   totals = dict(kernels=0, bytes=0, copied=0)
 
   def visit(match, count, in_loop, fused):
@@ -268,11 +271,12 @@ def decode_step_kernels(hlo: str, marker: str = 'decode_loop') -> Kernels:
     if not in_loop or fused or opcode in _NOT_KERNELS or opcode.endswith('-done'):
       return
     line = match.group(0)
-    operands = line[line.index(opcode + '(') + len(opcode) + 1:]
+    operands = match.group(4)
     operands = operands[:operands.index(')')] if ')' in operands else operands
+    read = sum(sum(_shape_bytes(shapes.get(operand, ''))) for operand in re.findall(r'%([\w.\-]+)', operands))
     result = sum(_shape_bytes(_async_result(match.group(2)) if opcode.endswith('-start') else match.group(2)))
     totals['kernels'] += count
-    totals['bytes'] += count * (result + sum(_shape_bytes(operands)))
+    totals['bytes'] += count * (result + read)
     called = _CALLS.findall(line)
     moves = (opcode in _MOVES or (opcode in _FUSING and called and fused_ops.get(called[0], {'?'}) <= _MOVES | _FREE))
     if moves:

@@ -57,6 +57,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.errors import UserError
+from grpo_jax.model.quantize import CONTRACTED, FORMATS, Quantized, quantize
 from grpo_jax.model.qwen2 import Qwen2
 from grpo_jax.sharding import MESH_AXES, spec_for, use_mesh
 
@@ -91,11 +92,23 @@ class RolloutLayout:
   mesh:   the sampler's mesh over the same devices in the same order: (data = n / t, fsdp = 1,
           tensor = t, expert = 1), or for a mixture of experts (1, 1, t, n / t).
   dtype:  the compute dtype the resident weights are cast to.
+  weights: rollout.weights: 'compute' (dtype), 'bf16', or 'int8' / 'fp8' (model/quantize.py: the
+          projections' weights quantized per output channel, once per layout; the rest in dtype).
   """
 
   source: Mesh
   mesh: Mesh
   dtype: str
+  weights: str = 'compute'
+
+  @property
+  def weights_dtype(self) -> str:
+    """The dtype of the resident weights that are not quantized."""
+    return 'bfloat16' if self.weights == 'bf16' else self.dtype
+
+  def quantizes(self, name: str) -> bool:
+    """Whether the resident copy of parameter `name` is 8-bit (model/quantize.py)."""
+    return self.weights in FORMATS and name in CONTRACTED
 
   @property
   def groups_axis(self) -> str:
@@ -140,10 +153,15 @@ class RolloutLayout:
       yield
 
   def shardings(self, params: nnx.State) -> nnx.State:
-    """The resident layout of every parameter: NamedShardings on the sampler mesh."""
+    """The resident layout of every parameter: NamedShardings on the sampler mesh, one per
+    Variable (a Quantized one's: Quantized(values' sharding, scale's))."""
     shape = dict(self.mesh.shape)
-    return jax.tree.map(lambda variable: NamedSharding(self.mesh, resident_spec(variable.shape, _axes(variable), shape)),
-                        params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def of(variable):
+      value = variable.get_value()
+      lay = lambda x: NamedSharding(self.mesh, resident_spec(x.shape, _axes(variable), shape))  # noqa: E731
+      return Quantized(lay(value.values), lay(value.scale)) if isinstance(value, Quantized) else lay(variable)
+    return jax.tree.map(of, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
   def place(self, params: nnx.State) -> nnx.State:
     """The parameters cast to the compute dtype and laid out for decoding. Traceable (the sampler
@@ -169,17 +187,23 @@ class RolloutLayout:
     by_host = (not self.split and source['data'] > 1 and source['fsdp'] == self.tensor
                and source['tensor'] == source['expert'] == 1 and self.groups_axis == 'data')
 
-    def move(variable):
-      value = variable[...].astype(self.dtype)
-      axes = _axes(variable)
+    def lay_out(value, axes):
       final = resident_spec(value.shape, axes, shape)
       staged = (_with_groups_on_embed(value.shape, axes, final, 'tensor', self.tensor) if by_host else
                 _with_groups_on_embed(value.shape, axes, final, self.groups_axis, shape[self.groups_axis]))
       if staged is not None:  # the groups on D first (a mixture's experts: then moved to E)
         value = jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, staged))
-      return variable.replace(jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, final)))
+      return jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, final))
 
-    return jax.tree.map(move, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    def move(path, variable):
+      name = path[-1].key if isinstance(path[-1], jax.tree_util.DictKey) else None
+      if self.quantizes(name):  # quantized from the trainer's own precision, then moved as 8 bits
+        quantized = quantize(variable[...], CONTRACTED[name], self.weights)
+        return variable.replace(Quantized(lay_out(quantized.values, _axes(variable)),
+                                          lay_out(quantized.scale, _axes(variable))))
+      return variable.replace(lay_out(variable[...].astype(self.weights_dtype), _axes(variable)))
+
+    return jax.tree_util.tree_map_with_path(move, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
   def transfer(self, params: nnx.State) -> nnx.State:
     """Split devices: the trainer's parameters as the sampler's resident weights on the sampler's
@@ -187,7 +211,8 @@ class RolloutLayout:
     device's shard is copied to its counterpart (jax.device_put between equal shardings)."""
     mirror = self.mirror
     placed = place_program(mirror)(params)
-    return jax.device_put(placed, self.shardings(placed))
+    # The same PartitionSpecs on the sampler's mesh (the mirror's shape and axis names).
+    return jax.device_put(placed, jax.tree.map(lambda x: NamedSharding(self.mesh, x.sharding.spec), placed))
 
   def enter(self, tree):
     """Small inputs (prompts, keys) replicated on the sampler's mesh: inside `active()` every array
@@ -281,20 +306,27 @@ def serving_mesh(tensor: int, kv_heads: int, devices: Sequence[jax.Device] | Non
   return _grouped_mesh(devices, tensor or choose_tensor(devices, kv_heads), '--tensor')
 
 
-def rollout_layout(model: Qwen2, source: Mesh, tensor: int = 0, devices: Sequence[jax.Device] | None = None) -> RolloutLayout:
+def rollout_layout(model: Qwen2, source: Mesh, tensor: int = 0, devices: Sequence[jax.Device] | None = None,
+                   weights: str = 'compute') -> RolloutLayout:
   """The layout of `source`'s devices (or, split, of the sampler's own `devices`) for decoding
-  `model` (its KV heads and compute dtype) with `tensor` devices per group (0: choose_tensor)."""
+  `model` (its KV heads and compute dtype) with `tensor` devices per group (0: choose_tensor) and
+  its resident weights as `weights` says (rollout.weights)."""
   devices = list(np.asarray(source.devices).reshape(-1)) if devices is None else list(devices)
   tensor = tensor or choose_tensor(devices, model.config.num_key_value_heads)
   mesh = _grouped_mesh(devices, tensor, 'rollout.tensor', experts=model.config.num_sparse_layers > 0)
-  return RolloutLayout(source=source, mesh=mesh, dtype=model.options.dtype)
+  return RolloutLayout(source=source, mesh=mesh, dtype=model.options.dtype, weights=weights)
 
 
 def resident_bytes_per_device(params, layout: RolloutLayout) -> int:
-  """Bytes of the resident compute-dtype weights on the fullest device (params: arrays or
-  ShapeDtypeStructs of the parameters' shapes)."""
+  """Bytes of the resident weights on the fullest device (params: arrays or ShapeDtypeStructs of
+  the parameters' shapes): 8-bit values and fp32 scales where `layout` quantizes, else its dtype."""
   total = 0
-  for variable, target in zip(jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable)),
-                              jax.tree.leaves(layout.shardings(params))):
-    total += math.prod(target.shard_shape(variable.shape)) * np.dtype(layout.dtype).itemsize
+  leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  for (path, variable), target in zip(leaves, jax.tree.leaves(layout.shardings(params))):
+    elements = math.prod(target.shard_shape(variable.shape))
+    if layout.quantizes(path[-1].key if isinstance(path[-1], jax.tree_util.DictKey) else None):
+      contracted = math.prod(variable.shape[axis] for axis in CONTRACTED[path[-1].key])
+      total += elements + 4 * -(-elements // contracted)  # the values, and a scale per output (at least)
+    else:
+      total += elements * np.dtype(layout.weights_dtype).itemsize
   return total

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import require
+from grpo_jax.model.quantize import ROLLOUT_WEIGHTS, RolloutWeights
 from grpo_jax.model.qwen2 import Qwen2
 from grpo_jax.model.vision import Vision
 from grpo_jax.sampler.decode import DecodeSettings, request_keys
@@ -63,6 +64,11 @@ class RolloutConfig:
   # slots than episodes, whether a turn finds its cache depends on timing, and a reused cache can
   # change a token by rounding: false makes such runs replay bit-exactly.
   reuse_turn_caches: bool = True
+  # The sampler's resident copy of the weights, made once per RL step (sampler/layout.py): 'compute'
+  # (the model's compute dtype), 'bf16', or 'int8' / 'fp8': the projections 8-bit with a scale per
+  # output channel (model/quantize.py), about half the bytes each decode step reads. The sampler then
+  # samples from a slightly different policy than the trainer's: set algo.tis_cap to correct for it.
+  weights: RolloutWeights = 'compute'
 
   def __post_init__(self):
     with section('rollout'):
@@ -72,6 +78,8 @@ class RolloutConfig:
       require(self.max_new_tokens >= 1, 'max_new_tokens', f'must be >= 1, got {self.max_new_tokens}')
       require(self.slots >= 0, 'slots', f'must be >= 0 (0: one per completion), got {self.slots}')
       require(self.devices >= 0, 'devices', f'must be >= 0 (0: the trainer\'s devices), got {self.devices}')
+      require(self.weights in ROLLOUT_WEIGHTS, 'weights',
+              f'must be one of {" | ".join(ROLLOUT_WEIGHTS)}, got {self.weights!r}')
 
   def decode_settings(self, stop_token_ids, pad_id: int, record_routes: bool = False) -> DecodeSettings:
     """The sampler's static settings for a task's stop and pad ids (record_routes: routing replay)."""
