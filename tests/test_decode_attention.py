@@ -101,7 +101,9 @@ def dense_output(case, dtype=jnp.float32):
 
 
 @schedules
-@pytest.mark.parametrize('length, heads, kv_heads', [(1, 4, 2), (3, 14, 2)])
+# (10, 14, 2): a prefill chunk of 7 x 10 query rows per kv head, which the Triton schedule takes in
+# two blocks of 64 (decode_attention_triton.query_block).
+@pytest.mark.parametrize('length, heads, kv_heads', [(1, 4, 2), (3, 14, 2), (10, 14, 2)])
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_ragged_kernel_equals_dense_attention(seed, schedule, length, heads, kv_heads, dtype):
   rng = np.random.default_rng(seed)
@@ -248,3 +250,14 @@ def test_decode_attention_kernel_compiles_for_the_hardware(platform, target, mes
       share = data * (tensor if kv_heads % tensor == 0 else 1)
       assert line['layer_cache_bytes'] == 64 * 4096 * kv_heads * head_dim * 2 // share, line
   assert result.returncode == 0
+
+
+@pytest.mark.slow
+def test_triton_kernel_compiles_for_a_prefill_chunk():
+  """512 query tokens per row (a prefill chunk) at the 0.5B, 7B and 32B head shapes on an H100: the
+  query rows go in blocks that fit shared memory (in one program the 0.5B shape asked for 656 KB,
+  the 7B and 32B for 1.3 MB, of the 227 KB there are)."""
+  result = _run('gpu', ['grpo_jax.plan.targets', 'decode-attention', 'h100x1', '--tokens', '512'], timeout=600)
+  lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{')]
+  assert [line['model'] for line in lines] == ['0.5B', '7B', '32B'], result.stderr[-3000:]
+  assert all(line['error'] is None and line['kernel_calls'] == 1 for line in lines), lines

@@ -148,7 +148,7 @@ def _cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_segm
                                    for x in (query_slots, query_segments))
     m, l, acc = decode_attention_triton.cache_stats(
         q, k_cache, v_cache, layer, lengths, cache_segments, query_slots, query_segments,
-        block=block, scale=scale, interpret=interpret)
+        block=block, scale=scale, interpret=interpret, tile_bytes=TRITON_TILE_BYTES)
     m, l, acc = m[:, :, :groups * length], l[:, :, :groups * length], acc[:, :, :groups * length]
   shape = (batch, kv_heads, groups, length)
   return m.reshape(shape), l.reshape(shape), acc.reshape(shape + (head_dim,))

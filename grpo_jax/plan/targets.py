@@ -388,8 +388,8 @@ def _mesh_flag(text: str) -> dict:
 def main(argv=None) -> int:
   """python -m grpo_jax.plan.targets kernels TARGET [--width D ...]: compiles the Pallas log-prob kernels
   for TARGET and prints one JSON line per compile (exit 1 if any was refused);
-  python -m grpo_jax.plan.targets decode-attention TARGET [--block block=SIZE]: the same for the ragged
-  decode-attention kernel; python -m grpo_jax.plan.targets links TARGET --mesh data=8,fsdp=8: the link
+  python -m grpo_jax.plan.targets decode-attention TARGET [--block block=SIZE] [--tokens T]: the same for
+  the ragged decode-attention kernel (T query tokens per row); python -m grpo_jax.plan.targets links TARGET --mesh data=8,fsdp=8: the link
   each mesh axis's collectives use (probe_links), one JSON line per axis."""
   import argparse
   import json
@@ -400,6 +400,8 @@ def main(argv=None) -> int:
   parser.add_argument('--dtype', action='append', choices=['bfloat16', 'float32'])
   parser.add_argument('--block', action='append', default=[], metavar='NAME=SIZE',
                       help='tile size override, e.g. block_tokens=256 (repeatable)')
+  parser.add_argument('--tokens', type=int, default=1,
+                      help='decode-attention: query tokens per row (1: a decode step; more: a prefill chunk)')
   parser.add_argument('--mesh', help='links: the mesh (default fsdp=-1), e.g. data=8,fsdp=8 or hybrid=true; '
                       'decode-attention: compile under this mesh, e.g. data=2,tensor=4 (default: one chip)')
   args = parser.parse_args(argv)
@@ -412,6 +414,7 @@ def main(argv=None) -> int:
     return 0
   if args.what == 'decode-attention':
     results = compile_decode_attention_kernels(parse_target(args.target), dtypes=tuple(args.dtype or ('bfloat16',)),
+                                               tokens=args.tokens,
                                                mesh_shape=_mesh_flag(args.mesh) if args.mesh else None, **blocks)
   else:
     results = compile_logprob_kernels(parse_target(args.target), tuple(args.width or KERNEL_WIDTHS),
