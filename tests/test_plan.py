@@ -23,10 +23,14 @@ KNOB = 'algo.micro_batch_size=16'
 SMALLER_H100 = ['--device-memory', '1.4GiB', '--set', KNOB]
 
 
-# The sampler's resident weights 8-bit (rollout.weights): int8 on the TPU, fp8 on the H100.
+# The sampler's resident weights 8-bit (rollout.weights): int8 on the TPU, fp8 on the H100; and
+# model.attention: auto, which is cuDNN's fused attention on the H100 and the chunked path on the TPU.
+AUTO = ['--set', 'model.attention=auto']
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize('platform, target, extra', [('tpu', 'v5e-8', ['--set', 'rollout.weights=int8']),
-                                                     ('gpu', 'h100x8', SMALLER_H100 + ['--set', 'rollout.weights=fp8'])],
+@pytest.mark.parametrize('platform, target, extra', [('tpu', 'v5e-8', ['--set', 'rollout.weights=int8'] + AUTO),
+                                                     ('gpu', 'h100x8', SMALLER_H100 + ['--set', 'rollout.weights=fp8'] + AUTO)],
                          ids=['tpu-v5e-8-int8', 'gpu-h100x8-of-1.4GiB-fp8'])
 def test_plan_compiles_the_small_recipe_for_the_target(platform, target, extra, tmp_path):
   report_path = tmp_path / 'plan.json'
@@ -48,6 +52,8 @@ def test_plan_compiles_the_small_recipe_for_the_target(platform, target, extra, 
   # prompts x 512 tokens) and the 256 slots' own rows (1,024 tokens each).
   assert per_device['kv_cache'] == 2 * LAYERS * (32 * 512 + 256 * 1024) * 2 * 64 * 2 // 8
   update = report['programs'][1]
+  fused_attention = sum(count for name, count in update['library_calls'].items() if name.startswith('__cudnn$fmha'))
+  assert (fused_attention > 0) == (platform == 'gpu'), update['library_calls']
   assert update['arguments'] >= per_device['parameters'] + per_device['optimizer_state']
   assert update['aliased'] >= per_device['parameters'] + per_device['optimizer_state']  # donated state
   assert 0 < update['temporaries'] and report['peak'] <= report['hbm']

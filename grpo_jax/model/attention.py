@@ -17,10 +17,25 @@ import jax.numpy as jnp
 from grpo_jax.sharding import constrain
 
 # Full-sequence attention: 'dense' (the [T, T] scores at once), 'chunked' (query chunks one at a
-# time, rematerialised: O(chunk x T) memory), 'cudnn' (cuDNN flash attention through
-# jax.nn.dot_product_attention; NVIDIA GPUs only).
-AttentionImplementation = Literal['dense', 'chunked', 'cudnn']
+# time, rematerialised: O(chunk x T) memory), 'cudnn' (cuDNN fused attention through
+# jax.nn.dot_product_attention; NVIDIA GPUs only), 'auto' (resolve_attention: 'cudnn' when compiling
+# for NVIDIA GPUs in bf16 or fp16, else 'chunked').
+AttentionImplementation = Literal['dense', 'chunked', 'cudnn', 'auto']
 ATTENTION_IMPLEMENTATIONS = typing.get_args(AttentionImplementation)
+
+
+def resolve_attention(implementation: AttentionImplementation, dtype) -> AttentionImplementation:
+  """'auto' as the code being traced is compiled: 'cudnn' for NVIDIA GPUs (the mesh's devices, which
+  may be a deviceless target, else the default backend; cuDNN's fused attention takes bf16 and
+  fp16 only), 'chunked' elsewhere. Any other implementation as it is."""
+  if implementation != 'auto':
+    return implementation
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else mesh.abstract_device
+  platform = device.platform if device is not None else jax.default_backend()
+  rocm = platform == 'rocm' or (platform == 'gpu' and 'rocm' in jax.devices()[0].client.platform_version.lower())
+  half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  return 'cudnn' if platform in ('cuda', 'gpu') and not rocm and half else 'chunked'
 
 # attend(q [B, T, N, H], k [B, T, K, H], v [B, T, K, H]) -> [B, T, N, H]: T tokens over themselves.
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]

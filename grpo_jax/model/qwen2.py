@@ -26,7 +26,7 @@ from flax import nnx
 from grpo_jax.errors import require
 from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, DECODE_ATTENTIONS, AttentionImplementation,
                                       DecodeAttention, attention_mask, cache_attention, reads_stacked_cache,
-                                      sequence_attention)
+                                      resolve_attention, sequence_attention)
 from grpo_jax.model.cache import KVCache, SharedPrefix, write_layers, write_rows
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.embedding import embedding_lookup
@@ -245,7 +245,8 @@ class Qwen2(nnx.Module):
     if positions is None:
       positions = segment_positions(segment_ids)
     slots = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    attend = sequence_attention(self.options.attention, slots, segment_ids, self.options.attention_chunk)
+    attend = sequence_attention(resolve_attention(self.options.attention, self.dtype), slots, segment_ids,
+                                self.options.attention_chunk)
     real = segment_ids != 0
 
     def block(params, x, replay):

@@ -4,9 +4,11 @@ compiler's memory figures and the collectives read from its optimized program (t
 python -m grpo_jax.plan reports them (plan.py); its advice compiles them again with knobs (advice.py).
 """
 
+import collections
 import dataclasses
 import functools
 import os
+import re
 import time
 
 import jax
@@ -88,6 +90,9 @@ class Program:
   # One decode step's kernels (traffic.Kernels: kernels launched, their operand + result bytes, the
   # bytes written by kernels that only move data); empty for a program without a decode loop.
   decode_step: dict = dataclasses.field(default_factory=dict)
+  # The library and kernel calls in the compiled program by target (cuDNN's fused attention,
+  # cuBLAS GEMMs, Pallas kernels): {custom_call_target: count}.
+  library_calls: dict = dataclasses.field(default_factory=dict)
 
   @property
   def peak(self) -> int:
@@ -141,7 +146,8 @@ def compile_program(name: str, target: targets.Target, devices: list, jitted, *a
                  flops, note,
                  collectives=dict(outside=traffic.totals(found, False), per_decode_step=traffic.totals(found, True)),
                  interconnect_s={part: sum(entry['seconds'] for entry in by.values()) for part, by in links.items()},
-                 links=links, decode_step=dataclasses.asdict(kernels) if kernels.kernels else {})
+                 links=links, decode_step=dataclasses.asdict(kernels) if kernels.kernels else {},
+                 library_calls=dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))))
 
 
 @dataclasses.dataclass
