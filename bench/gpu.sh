@@ -5,7 +5,8 @@
 # names: env forward update sampler logprob decode (measured 2026-11-26 on an H200 but decode,
 # which stopped at its own check, since fixed) lora lora_update (not yet measured); the decode
 # loop's profile and roofline: profile profile_cb sampler7b sampler_scan sampler7b_scan profile7b
-# blockwise pallas.
+# blockwise pallas (measured 2026-11-27 on an H200: BENCHMARKS.md, "Where a decode step goes").
+# Not yet measured: the 8-bit sampler (add --set-style flags when the bench takes rollout.weights).
 # Full logs and traces go to $LOGS (default: $OUT), only the summary to $OUT; `bench/gpu.sh pack`
 # last tars $LOGS into $OUT/logs.tgz (what comes back from a device call is a few files).
 export PYTHONPATH=.:bench PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
