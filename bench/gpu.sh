@@ -5,8 +5,8 @@
 # names: env forward update sampler logprob decode (measured 2026-11-26 on an H200 but decode,
 # which stopped at its own check, since fixed) lora lora_update (not yet measured); the decode
 # loop's profile and roofline: profile profile_cb sampler7b sampler_scan sampler7b_scan profile7b
-# blockwise pallas (measured 2026-11-27 on an H200: BENCHMARKS.md, "Where a decode step goes").
-# Not yet measured: the 8-bit sampler (add --set-style flags when the bench takes rollout.weights).
+# blockwise pallas (measured 2026-11-27 on an H200: BENCHMARKS.md, "Where a decode step goes");
+# the 8-bit sampler beside the bf16 one (run with sampler7b): sampler7b_fp8 sampler7b_int8 (not yet measured).
 # Full logs and traces go to $LOGS (default: $OUT), only the summary to $OUT; `bench/gpu.sh pack`
 # last tars $LOGS into $OUT/logs.tgz (what comes back from a device call is a few files).
 export PYTHONPATH=.:bench PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
@@ -42,6 +42,8 @@ run sampler7b 240 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --ba
 # The same with the layer loop as a scan (the default before decode_layers: auto unrolls it on GPUs).
 run sampler_scan 150 $py bench/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --batch-sizes 64,256 --repeats 3 --decode-layers scan
 run sampler7b_scan 150 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --batch-sizes 64 --repeats 3 --decode-layers scan
+run sampler7b_fp8 150 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --batch-sizes 64,256 --repeats 3 --weights fp8
+run sampler7b_int8 150 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --batch-sizes 64,256 --repeats 3 --weights int8
 TAIL=40 run profile7b 150 $py bench/decode_profile.py --preset qwen2.5-7b --rows 64 --top 16 --trace "$logs/trace_7b"
 TAIL=8 run blockwise 90 $py bench/decode_profile.py --preset qwen2.5-0.5b --rows 64 --decode-attention blockwise --top 4
 TAIL=8 run pallas 90 $py bench/decode_profile.py --preset qwen2.5-0.5b --rows 64 --decode-attention pallas --top 4

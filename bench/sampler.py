@@ -36,6 +36,8 @@ def parse_args():
   parser.add_argument('--reference', action='store_true', help='run PyTorch also on an accelerator')
   parser.add_argument('--decode-layers', default='auto', help='ModelOptions.decode_layers: auto | scan | unrolled')
   parser.add_argument('--decode-attention', default='dense', help='ModelOptions.decode_attention')
+  parser.add_argument('--weights', default='', help='rollout.weights (compute | bf16 | int8 | fp8): sample from '
+                      'the resident copy the rollout layout makes, on one device; default: the model\'s own')
   return parser.parse_args()
 
 
@@ -92,8 +94,14 @@ def run(model, reference, config: Qwen2Config, rows: int):
   P, G, Tp, N = rows // args.group, args.group, args.prompt_length, args.new_tokens
   prompts = np.random.default_rng(0).integers(1, config.vocab_size, (P, Tp), dtype=np.int32)
   mask = np.ones((P, Tp), np.int32)
+  layout = sampler_layout = None
+  if args.weights:  # the rollout layout's resident copy (8-bit with int8 / fp8), on one device
+    from grpo_jax.sampler.layout import rollout_layout
+    layout = rollout_layout(model, jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1, 1),
+                                                     ('data', 'fsdp', 'tensor', 'expert')), 1, weights=args.weights)
+    sampler_layout = layout
   sampler = GroupSampler(model, group_size=G, settings=DecodeSettings(max_new_tokens=N, stop_token_ids=(), pad_id=0,
-                         sampling=SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)))
+                         sampling=SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)), layout=layout)
   graphdef, state = nnx.split(model)
 
   @jax.jit
@@ -156,6 +164,9 @@ def run(model, reference, config: Qwen2Config, rows: int):
   if jax.default_backend() != 'cpu':
     itemsize = jnp.dtype(args.dtype).itemsize
     params_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    if sampler_layout is not None:  # what the decode loop reads: the resident copy
+      from grpo_jax.sampler.layout import resident_bytes_per_device
+      params_bytes = resident_bytes_per_device(state, sampler_layout)
     # The cache rows hold Tp + N / 2 tokens on average over the decode; the kernel may read more
     # (all Tp + N slots, masked), so this is the useful-bytes roofline.
     context = Tp + N / 2
