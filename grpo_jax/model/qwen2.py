@@ -382,9 +382,17 @@ class Qwen2(nnx.Module):
 
     implementation = self.options.decode_attention
     stacked = reads_stacked_cache(implementation)
+    scan = self._scan_decode() if length == 1 else None
+    # Unrolled decode layers with 'dense' attention take their layer's cache rows when the layer's
+    # input exists: the index passes an optimization barrier with x. Sliced up front, XLA:GPU held
+    # every layer's copy at once (the 32B recipe's rollout: 92 GiB of temporaries per H100, not 48).
+    ordered = scan is False and not stacked
 
     def layer(x, params, layer_cache, _):
-      own, *shared = layer_cache  # this layer's cache rows, or (stacked) its index into the stack
+      own, *shared = layer_cache  # this layer's cache rows, or (stacked, ordered) its index into the stack
+      if ordered:
+        own, x = jax.lax.optimization_barrier((own, x))
+        own = tuple(jax.lax.dynamic_index_in_dim(stack, own, keepdims=False) for stack in (cache.k, cache.v))
       parts = [] if prefix is None else [(prefix.rows(shared[0]), prefix.rows(shared[1]), prefix_mask)]
 
       def attend(q, k, v):
@@ -396,10 +404,9 @@ class Qwen2(nnx.Module):
       return decoder_block(params, x, positions, attend, config=self.config, dtype=self.dtype,
                            lora_scale=self.lora_scale, real=segment_ids != 0)
 
-    own = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32) if stacked else (cache.k, cache.v)
+    own = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32) if stacked or ordered else (cache.k, cache.v)
     layer_caches = (own,) + (() if prefix is None else (prefix.k, prefix.v))
-    x, (k_new, v_new), routing = self.run_layers(self._embed(tokens, images), layer, layer_caches,
-                                                 scan=self._scan_decode() if length == 1 else None)
+    x, (k_new, v_new), routing = self.run_layers(self._embed(tokens, images), layer, layer_caches, scan=scan)
     hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
     if length == cache.max_length:
       # The tokens fill the whole cache (so it was empty: length + T <= S): it is the new keys and
