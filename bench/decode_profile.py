@@ -23,7 +23,7 @@ import tempfile
 import time
 
 import harness
-from decode_step import TRIVIAL, shape_bytes
+from grpo_jax.plan import traffic
 
 PRESETS = harness.presets('small', 'qwen2.5-0.5b', 'qwen2.5-1.5b', 'qwen2.5-7b')
 
@@ -45,61 +45,14 @@ def parse_args():
   return parser.parse_args()
 
 
-def computations(text: str) -> dict:
-  """name -> (is_entry, body) of an optimized HLO module's text."""
-  return {name: (bool(entry), body) for entry, name, body in
-          re.findall(r'\n(ENTRY )?(%\S+) [^\n]*\{\n(.*?)\n\}', text, re.S)}
-
-
-INSTRUCTION = re.compile(r'\n\s*(?:ROOT )?(%\S+) = (\(.*?\)|\S+) ([\w-]+)\((.*?)\)(.*)')
-
-
-def instructions(body: str):
-  """(name, result type, opcode, operands, attributes) of each instruction of a computation."""
-  return INSTRUCTION.findall('\n' + body)
-
-
-def static_kernels(text: str, layers: int) -> dict:
-  """Kernels the compiled sampler launches: {'entry': n, 'decode step': n} where a decode step is
-  one iteration of the outermost while loop whose trip count XLA does not know (the token loop),
-  nested loops of known trip count (the layer scan) multiplied out; calls and conditionals
-  (their largest branch) are followed. Also returns each instruction's operand + result bytes."""
-  comps = computations(text)
-  sizes = {}
-  for _, body in comps.values():
-    for name, result, _, operands, _ in instructions(body):
-      sizes[name.lstrip('%')] = shape_bytes(result) + shape_bytes(operands)
-
-  def count(comp: str, seen=()) -> int:
-    if comp not in comps or comp in seen:
-      return 0
-    total = 0
-    for _, _, op, _, attributes in instructions(comps[comp][1]):
-      if op == 'while':
-        body = re.search(r'body=(%[\w.-]+)', attributes).group(1)
-        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes)
-        total += (int(trips.group(1)) if trips else 1) * count(body, seen + (comp,))
-      elif op in ('call', 'conditional'):
-        called = re.findall(r'(?:to_apply|branch_computations|true_computation|false_computation)=\{?([^}\s,]+(?:, %[^}\s,]+)*)',
-                            attributes)
-        names = [n.strip() for group in called for n in group.split(',')]
-        total += max((count(n, seen + (comp,)) for n in names), default=0)
-      elif op not in TRIVIAL:
-        total += 1
-    return total
-
-  entry = next(name for name, (is_entry, _) in comps.items() if is_entry)
-  loops = []  # the token loop: a while without a known trip count, reached from the entry
-  stack = [entry]
-  while stack:
-    comp = stack.pop()
-    for _, _, op, _, attributes in instructions(comps[comp][1]):
-      if op == 'while' and '"known_trip_count"' not in attributes:
-        loops.append(re.search(r'body=(%[\w.-]+)', attributes).group(1))
-      elif op in ('call', 'conditional', 'while'):
-        stack += [n for n in re.findall(r'(%[\w.-]+)', attributes) if n in comps and n not in stack]
-  step = max((count(body) for body in loops), default=0)
-  return dict(entry=count(entry), step=step, loops=len(loops), sizes=sizes)
+def instruction_bytes(text: str) -> dict:
+  """Each instruction of an optimized HLO module's text -> the bytes of its result and of its
+  operands (written by name; their shapes read from the instructions that define them)."""
+  lines = [m for m in map(traffic._INSTRUCTION.match, text.splitlines()) if m]
+  shapes = {m.group(1): m.group(2) for m in lines}
+  operand_bytes = lambda m: sum(sum(traffic._shape_bytes(shapes.get(name, '')))  # noqa: E731
+                                for name in re.findall(r'%([\w.\-]+)', m.group(4).split(')')[0]))
+  return {m.group(1): sum(traffic._shape_bytes(m.group(2))) + operand_bytes(m) for m in lines}
 
 
 def device_events(trace_dir: str):
@@ -154,9 +107,11 @@ def main():
         f'{jax.__version__}, XLA_FLAGS={flags!r}')
 
   compiled = sampler._run.lower(state, prompts, mask, key).compile()
-  static = static_kernels(compiled.as_text(), config.num_hidden_layers)
-  print(f'compiled: {static["step"]} kernels per decode step (token loops found: {static["loops"]}), '
-        f'{static["entry"]} in the whole program counting each loop once')
+  text = compiled.as_text()
+  static = traffic.decode_step_kernels(text)  # the plan's count of one token-loop iteration
+  sizes = instruction_bytes(text)
+  print(f'compiled: {static.kernels} kernels per decode step, {static.bytes / 2**20:.1f} MiB of their operands '
+        f'and results, {static.copied / 2**20:.1f} MiB written by copies and slices')
 
   def call():
     return jax.block_until_ready(sampler(state, prompts, mask, key))
@@ -199,7 +154,7 @@ def main():
   rows = sorted(groups.items(), key=lambda item: -sum(item[1]))
   for (op, name), durations in rows[:args.top]:
     mean = sum(durations) / len(durations)
-    size = static['sizes'].get(op.lstrip('%'))
+    size = sizes.get(op.lstrip('%'))
     rate = f'{size / mean:>7.0f}' if size else f'{"-":>7}'  # bytes / ns = GB/s
     mib = f'{size / 2**20:>8.2f}' if size else f'{"-":>8}'
     print(f'{op[:40]:<40} {name[:32]:<32} {len(durations) / N:>8.1f} {mean / 1e3:>8.1f} '
