@@ -11,6 +11,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
+from grpo_jax import distributed
 from grpo_jax.errors import UserError, checkpoint_read, quiet_abandoned_reads, root_cause
 
 
@@ -28,7 +29,7 @@ class Checkpointer:
 
   def save(self, step: int, state, meta: dict) -> None:
     """Starts saving (returns before the write finishes when asynchronous)."""
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(distributed.writable(state)),
                                                      meta=ocp.args.JsonSave(meta)))
 
   def restore(self, step: int, abstract_state):
@@ -36,10 +37,11 @@ class Checkpointer:
     missing or cut short is one UserError naming it and the earlier steps to resume from instead."""
     try:
       self._check_shapes(step, abstract_state)
-      target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+      target = distributed.readable(jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state))
       with checkpoint_read():
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+      state = distributed.placed(restored.state, abstract_state)
     except UserError:
       raise
     except Exception as error:  # orbax and TensorStore raise bare Exceptions for missing or cut files
@@ -49,7 +51,7 @@ class Checkpointer:
       quiet_abandoned_reads()
       raise UserError(f'checkpoint {self.directory}/{step} cannot be restored (missing or damaged data?): '
                       f'{root_cause(error)}; {way_out}') from None
-    return restored.state, restored.meta
+    return state, restored.meta
 
   def meta(self, step: int) -> dict:
     """The step's metadata (data position, resolved config) alone."""

@@ -8,13 +8,18 @@
     whenever `distributed.auto` is set, as launch/tpu_pod.sh does), JAX's own cluster detection
     fills all three in;
   - otherwise the run is one process and nothing is started.
-On CPUs the cross-process collectives go through gloo. Every process runs the same program over
-the global mesh (no Pathways, no parameter server, no RPC of ours); only process 0 writes logs,
+On CPUs the cross-process collectives go through gloo, and arrays cross between processes' devices
+(split devices, `rollout.devices`, with the sampler on other hosts than the trainer) through JAX's
+DCN transfer server, which listens on `distributed.transfer_address` (default: this host, as the
+coordinator sees it, on a free port); GPUs and TPUs use their backends' own cross-host transfers.
+Every process runs the same program over the global mesh (no Pathways, no parameter server, no RPC of ours); only process 0 writes logs,
 metrics, plots and the resolved config, while all processes take part in each checkpoint.
 """
 
 import dataclasses
+import ipaddress
 import os
+import socket
 
 import jax
 import numpy as np
@@ -33,6 +38,9 @@ class DistributedConfig:
   process_id: int = -1  # this process's index; -1: from the environment
   auto: bool = False  # join through JAX's cluster detection (a Cloud TPU pod's metadata, SLURM, MPI)
   initialization_timeout_s: int = 300  # how long to wait for every process to join
+  # CPUs: host:port of this process's cross-host transfer server (arrays crossing to another
+  # process's devices); None: the address this host reaches the coordinator from, on a free port
+  transfer_address: str | None = None
 
   def __post_init__(self):
     require(self.num_processes >= 0, 'distributed.num_processes', f'must be >= 0, got {self.num_processes}')
@@ -69,6 +77,9 @@ def initialize(config: DistributedConfig) -> None:
                     f'(got {count} and {index}; set them in the config or JAX_NUM_PROCESSES / JAX_PROCESS_ID)')
   if os.environ.get('JAX_PLATFORMS', '').startswith('cpu'):
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    transfer = config.transfer_address or f'{_local_host(address)}:{_free_port()}'
+    jax.config.update('jax_cross_host_transfer_socket_address', transfer)
+    jax.config.update('jax_cross_host_transport_addresses', f'{transfer.rsplit(":", 1)[0]}:0')
   try:
     if address is None:
       jax.distributed.initialize(initialization_timeout=config.initialization_timeout_s)
@@ -79,6 +90,26 @@ def initialize(config: DistributedConfig) -> None:
     raise UserError(f'distributed: could not join the run (coordinator {address or "from the cluster"}, '
                     f'{count or "?"} processes, this one {index if index >= 0 else "?"}): '
                     f'{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}') from None
+
+
+def _local_host(coordinator: str | None) -> str:
+  """The address other processes reach this one at: loopback when the coordinator is on it, else
+  the interface this host routes to the coordinator (or its name's address) through."""
+  host = (coordinator or '').rsplit(':', 1)[0].strip('[]')
+  try:
+    if host and ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+      return '127.0.0.1'
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
+      probe.connect((host or '8.8.8.8', 9))
+      return probe.getsockname()[0]
+  except OSError:
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _free_port() -> int:
+  with socket.socket() as sock:
+    sock.bind(('', 0))
+    return sock.getsockname()[1]
 
 
 def is_primary() -> bool:
@@ -95,15 +126,99 @@ def is_primary() -> bool:
 def replicated(value, mesh: jax.sharding.Mesh) -> jax.Array:
   """A host value every process holds identically, as a global array replicated over `mesh`."""
   value = np.asarray(value)
-  return jax.make_array_from_callback(value.shape, NamedSharding(mesh, PartitionSpec()), lambda index: value[index])
+  return jax.make_array_from_callback(value.shape, NamedSharding(mesh, PartitionSpec()), lambda index: value[index],
+                                      dtype=value.dtype)
 
 
 def host_value(array) -> np.ndarray:
   """The whole of `array` on this host: a copy from the local devices, or (when its shards span
-  processes) an all-gather every process must join."""
-  if not isinstance(array, jax.Array) or array.is_fully_addressable or array.is_fully_replicated:
-    return np.asarray(array)
-  return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+  processes, or lie on other processes' devices only) collectives every process must join."""
+  return host_values([array])[0]
+
+
+def host_values(tree):
+  """`host_value` of every leaf of `tree`, the leaves that lie on some processes' devices only
+  (split devices across processes: the trainer's state on one host, the sampler's on another) sent
+  to every process in one all-gather from the first process holding each."""
+  leaves, treedef = jax.tree.flatten(tree)
+  out, apart = [], []
+  for index, leaf in enumerate(leaves):
+    if not isinstance(leaf, jax.Array) or jax.process_count() == 1:
+      out.append(np.asarray(leaf))
+      continue
+    # Decided alike on every process (from the devices, not from what this one holds): the
+    # collectives below must be joined by all of them.
+    holders = sorted({device.process_index for device in leaf.sharding.device_set})
+    held = jax.process_index() in holders
+    value = None
+    if leaf.is_fully_addressable or (held and leaf.is_fully_replicated):
+      value = np.asarray(leaf.addressable_data(0) if leaf.is_fully_replicated else leaf)
+    elif held:  # replicated over its own devices, a program its holders join
+      value = np.asarray(_replicate(leaf).addressable_data(0))
+    if len(holders) < jax.process_count():
+      apart.append((index, holders[0]))
+    out.append(value if held else np.zeros(leaf.shape, leaf.dtype))
+  if apart:
+    gathered = multihost_utils.process_allgather([out[index] for index, _ in apart])
+    for (index, holder), values in zip(apart, gathered):
+      out[index] = np.asarray(values[holder])
+  return jax.tree.unflatten(treedef, out)
+
+
+def writable(tree):
+  """`tree` as orbax can write it from every process of a run: orbax refuses an array that lies
+  wholly on one process's devices when there are several (split devices across processes: the
+  trainer on one host, the sampler on another). Such leaves become host arrays, which process 0
+  writes: its own copied from its devices, another process's sent to it (every process joins; the
+  others pass zeros, which orbax does not write). Arrays that span processes stay as they are."""
+  if jax.process_count() == 1:
+    return tree
+  leaves, treedef = jax.tree.flatten(tree)
+  out, elsewhere = list(leaves), []
+  for index, leaf in enumerate(leaves):
+    if not isinstance(leaf, jax.Array) or not _held_by_one(leaf):
+      continue
+    (holder,) = {device.process_index for device in leaf.sharding.device_set}
+    mine = np.asarray(leaf) if holder == jax.process_index() else np.zeros(leaf.shape, leaf.dtype)
+    out[index] = mine
+    if holder != 0:
+      elsewhere.append((index, holder))
+  if elsewhere:
+    gathered = multihost_utils.process_allgather([out[index] for index, _ in elsewhere])
+    for (index, holder), values in zip(elsewhere, gathered):
+      out[index] = np.asarray(values[holder])
+  return jax.tree.unflatten(treedef, out)
+
+
+def _held_by_one(leaf) -> bool:
+  """An array (or abstract one) that lies wholly on one process's devices in a run of several."""
+  sharding = getattr(leaf, 'sharding', None)
+  return (jax.process_count() > 1 and sharding is not None
+          and len({device.process_index for device in sharding.device_set}) == 1)
+
+
+def readable(abstract):
+  """The restore target orbax can read into on every process (the counterpart of `writable`): a
+  leaf that lies wholly on one process's devices is read as a host array by every process, then
+  placed by `placed`."""
+  return jax.tree.map(lambda leaf: np.empty(leaf.shape, leaf.dtype) if _held_by_one(leaf) else leaf, abstract)
+
+
+def placed(restored, abstract):
+  """`restored` (read into `readable(abstract)`) with its host arrays placed as `abstract` says."""
+  return jax.tree.map(
+      lambda value, leaf: jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda where: value[where],
+                                                       dtype=leaf.dtype) if _held_by_one(leaf) else value,
+      restored, abstract)
+
+
+def _replicate(array: jax.Array) -> jax.Array:
+  """`array` replicated over its own devices."""
+  sharding = array.sharding
+  target = (sharding.update(spec=PartitionSpec()) if isinstance(sharding, NamedSharding) else
+            NamedSharding(jax.sharding.Mesh(np.asarray(sorted(sharding.device_set, key=lambda d: d.id)), ('all',)),
+                          PartitionSpec()))
+  return jax.jit(lambda x: x, out_shardings=target)(array)
 
 
 def owned_groups(array: jax.Array, group_size: int) -> np.ndarray:

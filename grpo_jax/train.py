@@ -133,7 +133,7 @@ def check_base(checkpointer: Checkpointer, step: int, base: dict) -> None:
 
 
 def to_host(metrics: dict) -> dict:
-  return {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
+  return distributed.host_values(dict(metrics))
 
 
 class Run:
@@ -197,7 +197,7 @@ class Run:
 
   @property
   def step(self) -> int:
-    return int(self.state.step)
+    return int(distributed.host_value(self.state.step))
 
   @property
   def data_position(self) -> int:
@@ -252,7 +252,7 @@ class Run:
     self.saved_step = self.step
 
   def check_skips(self) -> None:
-    skips = int(self.state.skips)
+    skips = int(distributed.host_value(self.state.skips))
     limit = self.config.train.max_consecutive_skips
     if skips >= limit:
       self.checkpointer.wait()
@@ -321,7 +321,7 @@ def train(config: config_lib.Config, workdir: str, mesh, model) -> list[dict]:
         progress.update(run.step, written['reward_mean'])
         run.check_skips()
         # A step whose update was skipped adds nothing worth keeping: checkpoints stay good ones.
-        if every and run.step % every == 0 and run.step < total and int(run.state.skips) == 0:
+        if every and run.step % every == 0 and run.step < total and int(distributed.host_value(run.state.skips)) == 0:
           run.save()
       if run.saved_step != run.step:
         run.save()

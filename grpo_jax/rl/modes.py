@@ -27,7 +27,7 @@ from grpo_jax.data.task import Prompts, Scores, Task
 from grpo_jax.model import lora
 from grpo_jax.rl.state import TrainState, pool_shardings
 from grpo_jax.sampler.decode import DecodeSettings
-from grpo_jax.sampler.layout import RolloutLayout
+from grpo_jax.sampler.layout import RolloutLayout, cross
 from grpo_jax.sampler.pool import Pipeline, PoolSettings, advance_resident, advance_split, fill
 from grpo_jax.sampler.rollout import Rollout, RolloutConfig, sample_resident
 
@@ -201,7 +201,7 @@ def _pipeline_stages(sampling: Sampling, fill_pool):
   made ready during the last one."""
   layout, settings = sampling.layout, sampling.pool
   sampler_replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
-  onto_sampler = lambda tree: jax.device_put(tree, sampler_replicated)  # noqa: E731
+  onto_sampler = lambda tree: cross(tree, sampler_replicated)  # noqa: E731
   fill_on_sampler = jax.jit(fill_pool, donate_argnums=0)
   sampler_program = jax.jit(
       lambda resident, pool, version: advance_split(sampling.graphdef, resident, pool, layout=layout,
@@ -228,8 +228,7 @@ def _pipeline_stages(sampling: Sampling, fill_pool):
       pool, ready = sampler_program(resident, pipeline.pool, onto_sampler(version))
     # ... while this step trains on the groups sampled during the last one, by rows over the
     # trainer's batch axes.
-    return Pipeline(pool=pool, ready=ready), jax.device_put(pipeline.ready,
-                                                            pool_shardings(pipeline.ready, sampling.mesh))
+    return Pipeline(pool=pool, ready=ready), cross(pipeline.ready, pool_shardings(pipeline.ready, sampling.mesh))
 
   return fill_stage, advance_stage, sampler_program
 

@@ -231,6 +231,54 @@ class RolloutLayout:
     return jax.tree.map(relayout, tree)
 
 
+def cross(tree, shardings):
+  """`tree`'s arrays onto `shardings` (a tree like it, or one sharding for every leaf) on another
+  set of devices (split devices: the trainer's and the sampler's). Each array is first laid out on
+  its own devices as it will lie on the target's, over a mirror mesh (the target mesh's shape and
+  axis names over the source's devices, in order), and then each device's shard is copied to its
+  counterpart: jax.device_put between equal shardings, device to device, and across processes the
+  backend's cross-host transfer, which takes nothing else. Host values are placed on the target
+  directly; with unequal device counts (one process only) device_put copies as it can."""
+  leaves, treedef = jax.tree.flatten(tree)
+  targets = ([shardings] * len(leaves) if isinstance(shardings, jax.sharding.Sharding) else
+             treedef.flatten_up_to(shardings))
+  staged = {}  # mirror mesh -> [(leaf index, its sharding there)]
+  out = list(leaves)
+  for index, (leaf, target) in enumerate(zip(leaves, targets)):
+    if not isinstance(leaf, jax.Array):
+      value = np.asarray(leaf)
+      value = value.astype(jax.dtypes.canonicalize_dtype(value.dtype))  # a Python int: int32 unless x64
+      out[index] = jax.make_array_from_callback(value.shape, target, lambda where, value=value: value[where],
+                                                dtype=value.dtype)
+      continue
+    source = _ordered_devices(leaf.sharding)
+    if set(source) != set(target.device_set) and len(source) == target.mesh.size:
+      mirror = Mesh(np.asarray(source).reshape(target.mesh.devices.shape), target.mesh.axis_names,
+                    axis_types=target.mesh.axis_types)
+      staged.setdefault(mirror, []).append((index, NamedSharding(mirror, target.spec)))
+  for mirror, entries in staged.items():
+    with jax.set_mesh(mirror):  # whatever mesh the caller traces under
+      laid = _identity(tuple(sharding for _, sharding in entries))([out[index] for index, _ in entries])
+    for (index, _), value in zip(entries, laid):
+      out[index] = value
+  moved = [index for index, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+  placed = jax.device_put([out[index] for index in moved], [targets[index] for index in moved])
+  for index, value in zip(moved, placed):
+    out[index] = value
+  return jax.tree.unflatten(treedef, out)
+
+
+def _ordered_devices(sharding) -> list:
+  if isinstance(sharding, NamedSharding):
+    return list(sharding.mesh.devices.flat)
+  return sorted(sharding.device_set, key=lambda device: device.id)
+
+
+@functools.cache
+def _identity(shardings: tuple):
+  return jax.jit(lambda leaves: leaves, out_shardings=list(shardings))
+
+
 @functools.cache
 def place_program(layout: RolloutLayout):
   """`layout.place` jitted on its own (split devices: the trainer's half of the crossing)."""
