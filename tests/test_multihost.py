@@ -185,3 +185,20 @@ def test_each_group_is_scored_by_exactly_one_process_that_holds_it(monkeypatch, 
   assert owned == expected
   with pytest.raises(distributed.UserError, match='rollout.prompts_per_step'):
     distributed.owned_groups(types.SimpleNamespace(shape=(16, 5), sharding=_FakeLayout(16, 2, 4, 8)), 16)
+
+
+@pytest.mark.slow
+def test_split_devices_across_processes_equal_one_process_and_resume(tmp_path):
+  """Split devices across processes: the trainer on process 0's 4 devices, the sampler on process
+  1's (rollout.devices=4, max_lag 2). The weights, each step's prompts and the groups made ready
+  cross between the processes (the CPU's DCN transfer server); the run, checkpointed by the two
+  and resumed by the two, equals one process over the same 8 devices."""
+  split = ('--set', 'rollout.devices=4', '--set', 'algo.max_lag=2', '--set', 'algo.tis_cap=2')
+  one_process(tmp_path / 'one', '--set', 'train.steps=4', *split)
+  first = launch(tmp_path / 'two', 2, 4, '--set', 'train.steps=2', *split)
+  assert 'data=1 x fsdp=4 x tensor=1 x expert=1 (4 devices) over 2 process(es)' in first[0].stdout
+  resumed = launch(tmp_path / 'two', 2, 4, '--set', 'train.steps=4', *split)
+  assert 'resumed from' in resumed[0].stderr
+  reference = metrics(tmp_path / 'one')
+  assert all(row['grad_norm'] > 0 for row in reference) and max(row['lag_max'] for row in reference) == 2
+  assert_same_run(metrics(tmp_path / 'two'), reference)

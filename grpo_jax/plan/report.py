@@ -110,13 +110,31 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
       routes_bytes=routes_bytes(architecture, config.completions_per_step,
                                 task.prompt_length + config.rollout.max_new_tokens),
       compiler_notes=targets.summarise_compiler_log(log), compiler_log=log)
-  if config.rollout.devices:  # each sampler device receives its resident shard once per step
-    report['split'] = dict(trainer_devices=len(trainer_devices), sampler_devices=len(sampler_devices),
-                           transfer_bytes_per_device=resident_bytes,
-                           transfer_bytes=resident_bytes * len(sampler_devices),
-                           crossing_s=resident_bytes / target.group_bandwidth([trainer_devices[0], sampler_devices[0]]))
+  if config.rollout.devices:
+    report['split'] = crossing(config, target, state.pool, resident_bytes, trainer_devices, sampler_devices)
   report['estimate'] = estimate(config, target, architecture, task.prompt_length, report)
   return report
+
+
+def crossing(config: config_lib.Config, target: targets.Target, pipeline, resident_bytes: int, trainer_devices,
+             sampler_devices) -> dict:
+  """What crosses between split devices per step (rl/modes.py), each array to its counterpart device
+  (sampler/layout.cross): to each sampler device its resident weights' shard and the step's P
+  prompts (replicated there: tokens, mask, a jittable task's answers); back to the trainer's, the
+  P groups made ready (`pipeline.ready`: rows over the trainer's batch axes, each device its share).
+  `link`: the link class the crossing uses (the network when the two sides are on other hosts)."""
+  nbytes = lambda tree: sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+  pool = pipeline.pool
+  entries = pool.prompt_tokens.shape[0]
+  prompts = nbytes((pool.prompt_tokens, pool.prompt_mask, pool.answers)) * config.rollout.prompts_per_step // entries
+  groups = nbytes(pipeline.ready)
+  link = target.link([trainer_devices[0], sampler_devices[0]])
+  per_device = resident_bytes + prompts + -(-groups // len(trainer_devices))
+  return dict(trainer_devices=len(trainer_devices), sampler_devices=len(sampler_devices),
+              transfer_bytes_per_device=resident_bytes, transfer_bytes=resident_bytes * len(sampler_devices),
+              prompts_bytes=prompts, groups_bytes=groups, bytes_per_device=per_device,
+              bytes=(resident_bytes + prompts) * len(sampler_devices) + groups, link=link,
+              crossing_s=per_device / target.link_bandwidth_of(link))
 
 
 def estimate(config: config_lib.Config, target: targets.Target, architecture, prompt_length: int, report: dict) -> dict:
@@ -256,10 +274,13 @@ def format_report(report: dict) -> str:
   if 'split' in report:
     split = report['split']
     lines.insert(2, f'split devices: sampler on {split["sampler_devices"]}, trainer on {split["trainer_devices"]} '
-                    f'(rollout.devices); weights crossing per step: {format_bytes(split["transfer_bytes_per_device"])} '
-                    f'per sampler device, {format_bytes(split["transfer_bytes"])} in all')
+                    f'(rollout.devices); crossing per step over {targets.LINK_NAMES.get(split["link"], split["link"])}: '
+                    f'weights {format_bytes(split["transfer_bytes_per_device"])} per sampler device '
+                    f'({format_bytes(split["transfer_bytes"])} in all), prompts {format_bytes(split["prompts_bytes"])} '
+                    f'to each, groups {format_bytes(split["groups_bytes"])} back; '
+                    f'{format_bytes(split["bytes_per_device"])} per device pair')
   if 'serial_s' in estimate:
-    lines.append(f'  weights crossing >= {estimate["crossing_s"]:.2f} s; serial (rollout + update + crossing) >= '
+    lines.append(f'  crossing >= {estimate["crossing_s"]:.2f} s; serial (rollout + update + crossing) >= '
                  f'{estimate["serial_s"]:.2f} s; overlapped >= {estimate["step_s"]:.2f} s')
   lines.append(f'  step >= {estimate["step_s"]:.2f} s' + (' with one sampling round' if 'dynamic_sampling' in estimate else ''))
   if 'dynamic_sampling' in estimate:
