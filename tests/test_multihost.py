@@ -202,3 +202,18 @@ def test_split_devices_across_processes_equal_one_process_and_resume(tmp_path):
   reference = metrics(tmp_path / 'one')
   assert all(row['grad_norm'] > 0 for row in reference) and max(row['lag_max'] for row in reference) == 2
   assert_same_run(metrics(tmp_path / 'two'), reference)
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_with_the_expert_axis_equals_one_process(tmp_path):
+  """Hybrid sharding composed with expert parallelism (a mixture of experts with rollout routing
+  replay): data over the two processes, fsdp x expert over each one's 4 devices, equal to one
+  process over the same 8 devices laid out (2, 2, 1, 2) by the mesh section."""
+  base = ['--config', 'configs/tiny_arith_moe.yaml', *COMMON[2:]]
+  one_process(tmp_path / 'one', '--set', 'train.steps=4', '--set', 'mesh.data=2', '--set', 'mesh.expert=2', base=base)
+  two = launch(tmp_path / 'two', 2, 4, '--set', 'train.steps=4', '--set', 'mesh.hybrid=true', '--set', 'mesh.expert=2',
+               base=base)
+  assert 'data=2 x fsdp=2 x tensor=1 x expert=2 (8 devices) over 2 process(es)' in two[0].stdout
+  reference = metrics(tmp_path / 'one')
+  assert all(row['grad_norm'] > 0 for row in reference)
+  assert_same_run(metrics(tmp_path / 'two'), reference)
