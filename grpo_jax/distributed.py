@@ -124,8 +124,9 @@ def is_primary() -> bool:
 
 
 def replicated(value, mesh: jax.sharding.Mesh) -> jax.Array:
-  """A host value every process holds identically, as a global array replicated over `mesh`."""
-  value = np.asarray(value)
+  """A host value every process holds identically (or an array, read as `host_value`), as a global
+  array replicated over `mesh`."""
+  value = host_value(value)
   return jax.make_array_from_callback(value.shape, NamedSharding(mesh, PartitionSpec()), lambda index: value[index],
                                       dtype=value.dtype)
 
@@ -219,6 +220,13 @@ def _replicate(array: jax.Array) -> jax.Array:
             NamedSharding(jax.sharding.Mesh(np.asarray(sorted(sharding.device_set, key=lambda d: d.id)), ('all',)),
                           PartitionSpec()))
   return jax.jit(lambda x: x, out_shardings=target)(array)
+
+
+def on_this_host():
+  """A context whose arrays (a host task's jnp.asarray) lie on this process's first device, not
+  over the caller's mesh: with split devices across processes, a mesh of another process's
+  devices would leave this one no shard of what it computed."""
+  return jax.set_mesh(jax.sharding.Mesh(np.asarray(jax.local_devices()[:1]), ('host',)))
 
 
 def owned_groups(array: jax.Array, group_size: int) -> np.ndarray:

@@ -190,18 +190,23 @@ def test_each_group_is_scored_by_exactly_one_process_that_holds_it(monkeypatch, 
 @pytest.mark.slow
 def test_split_devices_across_processes_equal_one_process_and_resume(tmp_path):
   """Split devices across processes: the trainer on process 0's 4 devices, the sampler on process
-  1's (rollout.devices=4, max_lag 2). The weights, each step's prompts and the groups made ready
-  cross between the processes (the CPU's DCN transfer server); the run, checkpointed by the two
-  and resumed by the two, equals one process over the same 8 devices."""
-  split = ('--set', 'rollout.devices=4', '--set', 'algo.max_lag=2', '--set', 'algo.tis_cap=2')
-  one_process(tmp_path / 'one', '--set', 'train.steps=4', *split)
-  first = launch(tmp_path / 'two', 2, 4, '--set', 'train.steps=2', *split)
+  1's (rollout.devices=4, max_lag 2), a host-scored task with in-training evaluation. The weights,
+  each step's prompts and the groups made ready cross between the processes (the CPU's DCN
+  transfer server); the step, the metrics and the host task's arrays are read on both; the run,
+  checkpointed by the two and resumed by the two, equals one process over the same 8 devices."""
+  base = ['--config', 'configs/tiny_math.yaml', *COMMON[2:], '--set', 'train.steps_per_call=1',
+          '--set', 'algo.dynamic_sampling=false', '--set', 'eval.every=2', '--set', 'eval.max_problems=16',
+          '--set', 'eval.batch_prompts=8', '--set', 'rollout.devices=4', '--set', 'algo.max_lag=2',
+          '--set', 'algo.tis_cap=2']
+  one_process(tmp_path / 'one', '--set', 'train.steps=4', base=base)
+  first = launch(tmp_path / 'two', 2, 4, '--set', 'train.steps=2', base=base)
   assert 'data=1 x fsdp=4 x tensor=1 x expert=1 (4 devices) over 2 process(es)' in first[0].stdout
-  resumed = launch(tmp_path / 'two', 2, 4, '--set', 'train.steps=4', *split)
-  assert 'resumed from' in resumed[0].stderr
+  resumed = launch(tmp_path / 'two', 2, 4, '--set', 'train.steps=4', base=base)
+  assert 'resumed from' in resumed[0].stderr and 'eval at step 4' in resumed[0].stderr
   reference = metrics(tmp_path / 'one')
   assert all(row['grad_norm'] > 0 for row in reference) and max(row['lag_max'] for row in reference) == 2
   assert_same_run(metrics(tmp_path / 'two'), reference)
+  assert_same_run(metrics(tmp_path / 'two', 'eval.jsonl'), metrics(tmp_path / 'one', 'eval.jsonl'))
 
 
 @pytest.mark.slow

@@ -30,7 +30,9 @@ class HostTask:
 
   def prompts(self, key, position: int, count: int) -> Prompts:
     """The task's prompts as global arrays (every process computes the same ones)."""
-    return self.task.prompts(key, position, count).map_arrays(lambda x: distributed.replicated(x, self.mesh))
+    with distributed.on_this_host():
+      prompts = self.task.prompts(distributed.host_value(key), position, count)
+    return prompts.map_arrays(lambda x: distributed.replicated(x, self.mesh))
 
   def _row_shardings(self, tree):
     return jax.tree.map(lambda x: sharding.named_sharding(self.mesh, x.shape, ('batch',) + (None,) * (x.ndim - 1))
@@ -44,8 +46,9 @@ class HostTask:
     groups = distributed.owned_groups(rollout.tokens, group_size)
     rows = (groups[:, None] * group_size + np.arange(group_size)).reshape(-1)
     mine = rollout.map_rows(lambda x: distributed.local_rows(x, rows))
-    scores = self.task.reward(mine, Prompts(tokens=None, mask=None, answers=[prompts.answers[g] for g in groups]),
-                              group_size)
+    with distributed.on_this_host():
+      scores = self.task.reward(mine, Prompts(tokens=None, mask=None, answers=[prompts.answers[g] for g in groups]),
+                                group_size)
 
     def spread(values):  # this process's rows in place, zeros elsewhere
       values = np.asarray(values, np.float32)
