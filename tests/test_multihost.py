@@ -194,7 +194,12 @@ def test_split_devices_across_processes_equal_one_process_and_resume(tmp_path):
   each step's prompts and the groups made ready cross between the processes (the CPU's DCN
   transfer server); the step, the metrics and the host task's arrays are read on both; the run,
   checkpointed by the two and resumed by the two, equals one process over the same 8 devices."""
+  from grpo_jax.data import word_problems
+
+  files = word_problems.write(str(tmp_path / 'data'))
   base = ['--config', 'configs/tiny_math.yaml', *COMMON[2:], '--set', 'train.steps_per_call=1',
+          '--set', f'task.source={files["train"]}', '--set', f'task.tokenizer={files["tokenizer"]}',
+          '--set', f'eval.source={files["eval"]}',
           '--set', 'algo.dynamic_sampling=false', '--set', 'eval.every=2', '--set', 'eval.max_problems=16',
           '--set', 'eval.batch_prompts=8', '--set', 'rollout.devices=4', '--set', 'algo.max_lag=2',
           '--set', 'algo.tis_cap=2']
