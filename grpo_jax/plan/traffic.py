@@ -48,6 +48,7 @@ _NOT_KERNELS = {'parameter', 'get-tuple-element', 'tuple', 'bitcast', 'constant'
                 'after-all', 'partition-id', 'replica-id', 'opt-barrier', 'add-dependency', 'async-start',
                 'async-update', 'domain'}
 _MOVES = {'copy', 'copy-start', 'slice', 'dynamic-slice', 'concatenate', 'transpose', 'reshape', 'pad'}
+_SCALAR = re.compile(r'^\w+\[\]')  # a scalar result: s32[], pred[] (a dynamic slice's index arithmetic)
 _FREE = {'parameter', 'bitcast', 'constant', 'tuple', 'get-tuple-element', 'broadcast', 'iota'}
 
 
@@ -258,11 +259,11 @@ def _async_result(shape: str) -> str:
 
 def decode_step_kernels(hlo: str, marker: str = 'decode_loop') -> Kernels:
   """The kernels of one iteration of the loop named `marker` in the optimized HLO module `hlo`."""
-  fused_ops: dict[str, set[str]] = {}  # fused computation -> its opcodes
+  fused_ops: dict[str, set[str]] = {}  # fused computation -> its opcodes (scalar index arithmetic left out)
   shapes: dict[str, str] = {}  # instruction -> its result shape (operands are written by name only)
   for name, body in re.findall(r'\n%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}', '\n' + hlo, re.S):
     parsed = [m for m in map(_INSTRUCTION.match, body.splitlines()) if m]
-    fused_ops[name] = {m.group(3) for m in parsed}
+    fused_ops[name] = {m.group(3) for m in parsed if not _SCALAR.match(m.group(2))}
     shapes.update((m.group(1), m.group(2)) for m in parsed)
   totals = dict(kernels=0, bytes=0, copied=0)
 
