@@ -12,8 +12,9 @@ On CPUs the cross-process collectives go through gloo, and arrays cross between 
 (split devices, `rollout.devices`, with the sampler on other hosts than the trainer) through JAX's
 DCN transfer server, which listens on `distributed.transfer_address` (default: this host, as the
 coordinator sees it, on a free port); GPUs and TPUs use their backends' own cross-host transfers.
-Every process runs the same program over the global mesh (no Pathways, no parameter server, no RPC of ours); only process 0 writes logs,
-metrics, plots and the resolved config, while all processes take part in each checkpoint.
+Every process runs the same program over the global mesh (no Pathways, no parameter server, no RPC
+of ours); only process 0 writes logs, metrics, plots and the resolved config, while all processes
+take part in each checkpoint.
 """
 
 import dataclasses
@@ -159,10 +160,7 @@ def host_values(tree):
     if len(holders) < jax.process_count():
       apart.append((index, holders[0]))
     out.append(value if held else np.zeros(leaf.shape, leaf.dtype))
-  if apart:
-    gathered = multihost_utils.process_allgather([out[index] for index, _ in apart])
-    for (index, holder), values in zip(apart, gathered):
-      out[index] = np.asarray(values[holder])
+  _from_holders(out, apart)
   return jax.tree.unflatten(treedef, out)
 
 
@@ -184,11 +182,17 @@ def writable(tree):
     out[index] = mine
     if holder != 0:
       elsewhere.append((index, holder))
-  if elsewhere:
-    gathered = multihost_utils.process_allgather([out[index] for index, _ in elsewhere])
-    for (index, holder), values in zip(elsewhere, gathered):
-      out[index] = np.asarray(values[holder])
+  _from_holders(out, elsewhere)
   return jax.tree.unflatten(treedef, out)
+
+
+def _from_holders(values: list, entries: list[tuple[int, int]]) -> None:
+  """values[index] replaced, on every process, by process `holder`'s, for each (index, holder) of
+  `entries`: one host all-gather that every process joins (the others pass zeros of the shape)."""
+  if entries:
+    gathered = multihost_utils.process_allgather([values[index] for index, _ in entries])
+    for (index, holder), stacked in zip(entries, gathered):
+      values[index] = np.asarray(stacked[holder])
 
 
 def _held_by_one(leaf) -> bool:
