@@ -251,7 +251,8 @@ class Run:
     self.checkpointer.save(self.step, self.state.checkpointed(), meta)
     self.saved_step = self.step
 
-  def check_skips(self) -> None:
+  def check_skips(self) -> int:
+    """The updates skipped in a row (non-finite), after stopping the run when there are too many."""
     skips = int(distributed.host_value(self.state.skips))
     limit = self.config.train.max_consecutive_skips
     if skips >= limit:
@@ -260,6 +261,7 @@ class Run:
       where = f'the last good checkpoint is step {last}' if last is not None else 'no checkpoint was saved'
       raise UserError(f'{skips} updates in a row had a non-finite loss or gradient (train.max_consecutive_skips='
                       f'{limit}); stopped at step {self.step}, {where}. Lower optim.learning_rate or check the data.')
+    return skips
 
   def close(self) -> None:
     self.checkpointer.close()
@@ -311,17 +313,21 @@ def train(config: config_lib.Config, workdir: str, mesh, model) -> list[dict]:
       # Split devices run the sampler's and the trainer's programs side by side: one step per call.
       chunk = config.train.steps_per_call if task.jittable and not run.rl_step.split else 1
       progress = metrics_lib.ProgressBar(total, start=run.step, enabled=config.train.progress and run.primary)
-      while run.step < total:
-        first = run.step
+      # The step is read from the state once (a host read; with split devices across processes,
+      # an all-gather) and then counted here: each call runs len(rows) steps.
+      step = run.step
+      while step < total:
+        first = step
         rows = run.fused_steps(min(chunk, total - first)) if chunk > 1 else [run.host_step()]
-        if evaluation is not None and evaluation.due(run.step):
+        step = first + len(rows)
+        if evaluation is not None and evaluation.due(step):
           rows[-1].update(evaluation())
         for offset, row in enumerate(rows, start=1):
           written = run.record(first + offset, row)
-        progress.update(run.step, written['reward_mean'])
-        run.check_skips()
+        progress.update(step, written['reward_mean'])
+        skips = run.check_skips()
         # A step whose update was skipped adds nothing worth keeping: checkpoints stay good ones.
-        if every and run.step % every == 0 and run.step < total and int(distributed.host_value(run.state.skips)) == 0:
+        if every and step % every == 0 and step < total and skips == 0:
           run.save()
       if run.saved_step != run.step:
         run.save()
