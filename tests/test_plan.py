@@ -186,7 +186,8 @@ def test_each_mesh_axis_is_attributed_to_the_link_its_groups_use():
 def test_plan_of_split_devices_and_of_partial_rollouts(tmp_path):
   """rollout.devices: the sampler's program on its own 4 devices, the weights' layout program and
   the update on the trainer's 4; the bytes crossing per step are the sampler's resident weights and
-  the step's prompts to each sampler device, the groups made ready back, over NVLink; the overlapped step is the pipeline's period. Partial rollouts on shared devices move no more per
+  the step's prompts to each sampler device, the groups made ready back, over NVLink; the
+  overlapped step is the pipeline's period. Partial rollouts on shared devices move no more per
   decode step than activations (the slots pinned by rows: no all-to-all of the prompt caches)."""
   lagged = ['--set', 'algo.max_lag=1', '--set', 'algo.tis_cap=2', '--set', 'algo.dynamic_sampling=false']
   reports = {}
@@ -204,8 +205,8 @@ def test_plan_of_split_devices_and_of_partial_rollouts(tmp_path):
   assert crossing['sampler_devices'] == crossing['trainer_devices'] == 4
   assert crossing['transfer_bytes_per_device'] == split['per_device']['resident_weights'] > 0
   assert crossing['transfer_bytes'] == 4 * crossing['transfer_bytes_per_device']
-  # tiny_math: P = 8 prompts of Tp tokens (int32 tokens and mask; a host task's answers stay on the
-  # host), G = 4 completions of N tokens each (at least int32 tokens and versions, fp32 log-probs).
+  # tiny_math: P prompts of Tp tokens (int32 tokens and mask; a host task's answers stay on the
+  # host), P x G completions of N tokens each (at least int32 tokens and versions, fp32 log-probs).
   config = load_config('configs/tiny_math.yaml', ['algo.max_lag=1', 'algo.tis_cap=2', 'algo.dynamic_sampling=false'])
   prompts, completions = config.rollout.prompts_per_step, config.completions_per_step
   assert crossing['prompts_bytes'] % (prompts * 8) == 0 and crossing['prompts_bytes'] >= prompts * 8 * 4
