@@ -198,12 +198,25 @@ def current_mesh():
   return abstract
 
 
+def auto_shape(mesh) -> dict[str, int]:
+  """The sizes of `mesh`'s axes that a sharding may name where it is traced: all of them, except
+  inside a shard_map, whose manual axes are left out (each device already holds only its own part
+  along them: the update's replicas, rl/update.py)."""
+  manual = set(getattr(mesh, 'manual_axes', ()))
+  return {name: size for name, size in mesh.shape.items() if name not in manual}
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   """Pins an activation's sharding when tracing under a mesh (`jax.set_mesh`); a no-op otherwise."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return x
-  return jax.lax.with_sharding_constraint(x, spec_for(x.shape, logical_axes, dict(mesh.shape)))
+  return jax.lax.with_sharding_constraint(x, spec_for(x.shape, logical_axes, auto_shape(mesh)))
+
+
+def batch_axes() -> tuple[str, ...]:
+  """The mesh axes that split a batch's rows (the 'batch' rule), in order."""
+  return _mesh_axes_for('batch')
 
 
 def batch_groups(rows: int, *others: int) -> int:
@@ -212,7 +225,7 @@ def batch_groups(rows: int, *others: int) -> int:
   devices that hold its rows."""
   mesh = jax.sharding.get_abstract_mesh()
   batch_axes = _mesh_axes_for('batch')
-  shards = 1 if mesh.empty else math.prod(size for name, size in mesh.shape.items() if name in batch_axes)
+  shards = 1 if mesh.empty else math.prod(size for name, size in auto_shape(mesh).items() if name in batch_axes)
   for count in (rows, *others):
     shards = math.gcd(shards, count)
   return shards

@@ -75,9 +75,10 @@ def rule_table_layout(state, mesh):
 @pytest.mark.slow
 def test_jittable_task_on_every_mesh_equals_one_device(tmp_path):
   """Also: on every mesh the parameters and Adam moments keep their rule-table shardings through
-  the donated update, in the K-step jit ((1,8,1), (2,2,2)) and from the host loop ((8,1,1), (2,1,4))."""
+  the donated update, in the K-step jit ((1,8,1), (2,2,2)) and from the host loop ((8,1,1), (2,1,4)).
+  Four micro-batches: the data replicas each accumulate their own rows' (rl/update.py)."""
   config = os.path.join(ROOT, 'configs', 'tiny_arith.yaml')
-  overrides = ['rollout.prompts_per_step=8', 'algo.group_size=4', 'train.steps_per_call=1']
+  overrides = ['rollout.prompts_per_step=8', 'algo.group_size=4', 'train.steps_per_call=1', 'algo.micro_batch_size=8']
   reference = two_steps(tmp_path, config, overrides, (1, 1, 1))
   for mesh_shape in MESHES:
     # Two of the meshes run both steps in one jit: the layout changes inside it, once per step.

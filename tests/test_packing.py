@@ -246,8 +246,8 @@ def test_fused_k_steps_with_packing_equal_padded(tmp_path):
 
 @pytest.mark.slow
 def test_host_reward_steps_with_packing_on_a_mesh_equal_padded(tmp_path):
-  """The math task (rewards on the host, prompts of different lengths), packed on a (2, 2, 2) mesh
-  against padded on one device."""
+  """The math task (rewards on the host, prompts of different lengths), packed on a (2, 4, 1) mesh
+  against padded on one device: each data replica packs and accumulates its own rows (rl/update.py)."""
   files = word_problems.write(str(tmp_path / 'data'))
   config_path = os.path.join(ROOT, 'configs', 'tiny_math.yaml')
   overrides = [f'task.source={files["train"]}', f'task.tokenizer={files["tokenizer"]}', 'eval.every=0',
@@ -258,7 +258,7 @@ def test_host_reward_steps_with_packing_on_a_mesh_equal_padded(tmp_path):
     reference = rl_steps(tmp_path, 'padded', config_path, overrides, task=task)
     length = task.prompt_length + config.rollout.max_new_tokens
     packed = rl_steps(tmp_path, 'packed', config_path, [*overrides, 'algo.packing=true',
-                                                        f'algo.micro_batch_tokens={length}'], (2, 2, 2), task)
+                                                        f'algo.micro_batch_tokens={length}'], (2, 4, 1), task)
   finally:
     task.close()
   assert_packed_run_equals_padded(reference, packed)

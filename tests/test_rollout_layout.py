@@ -218,8 +218,8 @@ def test_traffic_counts_a_known_program():
 
 def test_asynchronous_collectives_count_once():
   """XLA:GPU's asynchronous forms, as its optimized programs write them: the -start carries the
-  bytes (an all-to-all-start's shape, and a newer all-reduce-start's, holds operand and result), the
-  -done none."""
+  bytes (an all-to-all-start's shape, and a newer all-reduce-start's or reduce-scatter-start's, holds
+  operands and results), the -done none."""
   hlo = """HloModule m
 
 ENTRY %main (p0: bf16[2,512,8,1,128], p1: f32[64,256]) -> bf16[2,512,8,1,128] {
@@ -233,13 +233,16 @@ ENTRY %main (p0: bf16[2,512,8,1,128], p1: f32[64,256]) -> bf16[2,512,8,1,128] {
   %all-reduce-done.2 = f32[64,256]{1,0} all-reduce-done(%all-reduce-start.2)
   %all-reduce-start.3 = bf16[8,128]{1,0} all-reduce-start(%p0), channel_id=26, replica_groups=[2,4]<=[8], to_apply=%add
   %all-reduce-done.3 = bf16[8,128]{1,0} all-reduce-done(%all-reduce-start.3)
+  %reduce-scatter-start = ((f32[64,256]{1,0}, bf16[8,128]{1,0}), (f32[16,256]{1,0}, bf16[2,128]{1,0})) reduce-scatter-start(%p1, %p0), channel_id=27, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
+  %reduce-scatter-done = (f32[16,256]{1,0}, bf16[2,128]{1,0}) reduce-scatter-done(%reduce-scatter-start)
   ROOT %copy = bf16[2,512,8,1,128]{4,3,1,0,2} copy(%all-to-all-done.3)
 }
 """
   found = traffic.collectives(hlo, 8)
   # jax 0.12's XLA:GPU writes an all-reduce-start as ((operand), result), jax 0.10's as the result alone.
+  # A reduce-scatter-start, as ((operands), (results)): its operands, as the synchronous form counts.
   assert traffic.totals(found, in_loop=False) == {'all-gather': 512 * 256 * 4, 'all-reduce': 64 * 256 * 4 + 8 * 128 * 2,
-                                                  'reduce-scatter': 0,
+                                                  'reduce-scatter': 64 * 256 * 4 + 8 * 128 * 2,
                                                   'all-to-all': 2 * 512 * 8 * 128 * 2, 'permute': 0}
   assert [c.groups for c in found if c.kind == 'all-to-all'] == [((0, 1, 2, 3), (4, 5, 6, 7))]
 

@@ -232,6 +232,43 @@ def test_micro_batches_accumulate_to_the_whole_batch(aggregation, seed):
   assert float(whole_metrics['grad_norm']) > 1e-3
 
 
+def test_replicas_reduce_their_gradients_once_per_update(seed):
+  """Hybrid sharding's contract, on a data 2 x fsdp 2 mesh (the data axis over hosts): each replica
+  accumulates its own rows' gradients over its micro-batches and the replicas sum them once per
+  optimizer update. The bytes the compiled update sends over the data axis' groups ({i, i + 2})
+  are the same with 2 micro-batches as with 1 (each micro-batch reduced over data sent twice as
+  much), and the update equals one device's."""
+  from grpo_jax import sharding
+  from grpo_jax.plan import traffic
+
+  mesh = jax.make_mesh((2, 2, 1, 1), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4,
+                       devices=jax.devices()[:4])
+  rng = np.random.default_rng(seed)
+  graphdef, params = random_model(rng)
+  batch = random_batch(rng)
+  config = AlgoConfig(group_size=GROUP, micro_batch_size=ROWS // 2, entropy_coef=0.01,
+                      logprob_implementation='xla_chunked')
+  run, optimizer = make_update(config, optimizer=optax.sgd(2.0 ** 13))
+  expected = run(fresh_state(params, optimizer, seed), batch, None)
+  on_mesh = jax.device_put(params, sharding.state_shardings(params, mesh))
+  replicated = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  across = {}
+  with jax.set_mesh(mesh):
+    actual = run(fresh_state(on_mesh, optimizer, seed), replicated, None)
+    for micro_batch_size in (ROWS // 2, 0):
+      jitted, _ = make_update(dataclasses.replace(config, micro_batch_size=micro_batch_size),
+                              optimizer=optax.sgd(2.0 ** 13))
+      hlo = jitted.lower(fresh_state(on_mesh, optimizer, seed), replicated, None).compile().as_text()
+      found = traffic.collectives(hlo, 4)
+      across[micro_batch_size] = sum(c.bytes * c.count for c in found
+                                     if any(len({device // 2 for device in group}) > 1 for group in c.groups))
+  assert_trees_close(delta(actual[0].params, params), delta(expected[0].params, params))
+  assert_close(actual[1]['grad_norm'], expected[1]['grad_norm'], 'grad_norm')
+  # The gradients' sum is over the parameters' fsdp halves; the few bytes more are the metrics' sums.
+  parameter_bytes = sum(leaf.size * 4 for leaf in jax.tree.leaves(params))
+  assert across[ROWS // 2] < 1.1 * across[0] and 0 < across[0] < 1.1 * parameter_bytes / 2, across
+
+
 # ---- on-policy identities ----
 
 def test_on_policy_ratio_is_one_and_equal_rewards_change_nothing(seed):

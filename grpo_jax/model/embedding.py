@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from grpo_jax.sharding import split_axes
+from grpo_jax.sharding import auto_shape, split_axes
 
 
 def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -28,7 +28,7 @@ def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or tokens.ndim == 0:
     return jnp.take(table, tokens, axis=0)
-  shape = dict(mesh.shape)
+  shape = auto_shape(mesh)
   token_axes = split_axes(tokens.shape[0], 'batch', shape)
   scatter_axes = tuple(axis for axis in split_axes(table.shape[1], 'embed', shape) if axis in token_axes)
   if not token_axes:

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from grpo_jax.ops.grouped_matmul import expert_mlp
-from grpo_jax.sharding import LOGICAL_AXIS_RULES, constrain, current_mesh, spec_for
+from grpo_jax.sharding import LOGICAL_AXIS_RULES, auto_shape, constrain, current_mesh, spec_for
 
 AXIS = 'expert'
 BATCH_AXES = dict(LOGICAL_AXIS_RULES)['batch']
@@ -66,7 +66,7 @@ WEIGHT_AXES = ('experts', 'embed', 'mlp')  # gate / up [E, D, M]; down is [E, M,
 def expert_axis_size() -> int:
   """The size of the current mesh's 'expert' axis (1 outside a mesh)."""
   mesh = jax.sharding.get_abstract_mesh()
-  return 1 if mesh.empty else dict(mesh.shape).get(AXIS, 1)
+  return 1 if mesh.empty else auto_shape(mesh).get(AXIS, 1)
 
 
 def applies(num_experts: int) -> bool:
@@ -88,7 +88,7 @@ def experts_forward(x: jax.Array, experts: jax.Array, gates: jax.Array, gate_wei
     raise ValueError(f'expert parallelism needs an expert mesh axis that divides the {num_experts} experts; '
                      f'this mesh has expert={expert_axis_size()}')
   mesh = current_mesh()
-  sizes = dict(mesh.shape)
+  sizes = auto_shape(mesh)
   batch, length, width = x.shape
   top_k = experts.shape[-1]
   # Rows over every batch axis: a token count they do not divide is padded with tokens gated 0 (to

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from grpo_jax.ops.logprob import target_platform
-from grpo_jax.sharding import current_mesh, split_axes
+from grpo_jax.sharding import auto_shape, current_mesh, split_axes
 from grpo_jax.ops.tiles import row_blocks  # noqa: F401  (the kernels' block count, shared with them)
 
 SCHEDULES = ('mosaic', 'triton')
@@ -98,7 +98,7 @@ def ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return local(*args)
-  shape = dict(mesh.shape)
+  shape = auto_shape(mesh)
   rows = split_axes(q.shape[0], 'batch', shape)
   heads = split_axes(k_cache.shape[3], 'kv_heads', shape)
   if heads and q.shape[2] % math.prod(shape[axis] for axis in heads):

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from grpo_jax.ops.tiles import (F32, CONTRACT_TOKENS, CONTRACT_VOCAB, dot_precision, finish_stats,
                                 initial_stats, logit_gradient, update_stats)
-from grpo_jax.sharding import split_axes
+from grpo_jax.sharding import auto_shape, split_axes
 
 LogprobImplementation = Literal['auto', 'pallas', 'pallas_mosaic', 'pallas_triton', 'xla_chunked',
                                 'naive']
@@ -217,7 +217,7 @@ def _mesh_axes(tokens: int, vocab: int) -> tuple[tuple[str, ...], tuple[str, ...
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return (), ()
-  shape = dict(mesh.shape)
+  shape = auto_shape(mesh)
   return split_axes(tokens, 'batch', shape), split_axes(vocab, 'vocab', shape)
 
 
@@ -232,7 +232,7 @@ def _scatter_axes(token_axes: tuple[str, ...], model: int) -> tuple[str, ...]:
   kept (a slice's ICI joins all of its chips: no slower link for the whole dW to cross)."""
   if target_platform() == 'tpu':
     return ()
-  embed = split_axes(model, 'embed', dict(jax.sharding.get_abstract_mesh().shape))
+  embed = split_axes(model, 'embed', auto_shape(jax.sharding.get_abstract_mesh()))
   return tuple(axis for axis in embed if axis in token_axes)
 
 

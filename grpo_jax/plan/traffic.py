@@ -13,9 +13,10 @@ Bytes per device, by kind: all-gather: the gathered result; all-reduce: the redu
 reduce-scatter: the operand before scattering; all-to-all and collective-permute: the operand;
 ragged-all-to-all: its receive buffer (the rows that arrive fill at most that).
 Asynchronous pairs (`-start` / `-done`) count once, a `-start` written as ((operands), results) by
-its results. The interconnect time of a collective over a group of g devices at a link bandwidth
-of W bytes/s per device is estimated as bytes * (g - 1) / g / W, twice that for an all-reduce (a
-reduce-scatter then an all-gather), on the slowest link the group spans.
+its results (a reduce-scatter-start as the synchronous form: g times its results). The interconnect
+time of a collective over a group of g devices at a link bandwidth of W bytes/s per device is
+estimated as bytes * (g - 1) / g / W, twice that for an all-reduce (a reduce-scatter then an
+all-gather), on the slowest link the group spans.
 """
 
 import dataclasses
@@ -27,7 +28,8 @@ import numpy as np
 
 KINDS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'permute')
 _OPCODES = {'all-gather': 'all-gather', 'all-gather-start': 'all-gather', 'all-reduce': 'all-reduce',
-            'all-reduce-start': 'all-reduce', 'reduce-scatter': 'reduce-scatter', 'all-to-all': 'all-to-all',
+            'all-reduce-start': 'all-reduce', 'reduce-scatter': 'reduce-scatter',
+            'reduce-scatter-start': 'reduce-scatter', 'all-to-all': 'all-to-all',
             'all-to-all-start': 'all-to-all', 'ragged-all-to-all': 'all-to-all',
             'ragged-all-to-all-start': 'all-to-all', 'collective-permute': 'permute',
             'collective-permute-start': 'permute'}
@@ -42,8 +44,9 @@ _CALLS = re.compile(r'\b(?:condition|body|to_apply|calls|true_computation|false_
 _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+# ops whose called computations run inside them
 _FUSING = {'fusion', 'fusion-start', 'reduce', 'reduce-window', 'scatter', 'select-and-scatter', 'sort', 'map',
-           'all-reduce', 'all-reduce-start', 'reduce-scatter'}  # ops whose called computations run inside them
+           'all-reduce', 'all-reduce-start', 'reduce-scatter', 'reduce-scatter-start'}
 _NOT_KERNELS = {'parameter', 'get-tuple-element', 'tuple', 'bitcast', 'constant', 'while', 'call', 'conditional',
                 'after-all', 'partition-id', 'replica-id', 'opt-barrier', 'add-dependency', 'async-start',
                 'async-update', 'domain'}
@@ -125,6 +128,8 @@ def _bytes(kind: str, opcode: str, shape: str, group_size: int) -> int:
     return sizes[6]  # ((operand, output, four offset arrays), result, ...): the receive buffer
   if opcode == 'all-to-all-start' or (opcode == 'all-reduce-start' and shape.lstrip().startswith('((')):
     return sum(sizes) // 2  # ((operands), results) of equal sizes (XLA:GPU's asynchronous forms)
+  if opcode == 'reduce-scatter-start' and shape.lstrip().startswith('(('):
+    return sum(_shape_bytes(_async_result(shape))) * group_size  # ((operands), (results)): as the synchronous form
   if kind == 'reduce-scatter':
     return sum(sizes) * group_size  # the operand, of which each device keeps 1 / g
   return sum(sizes)

@@ -20,10 +20,11 @@ packed row, W = Tp + N tokens per padded row, N completion tokens.
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec
 
 from grpo_jax.model.moe import unrecorded_id
 from grpo_jax.model.vision import Vision
-from grpo_jax.sharding import batch_groups, constrain, grouped
+from grpo_jax.sharding import auto_shape, batch_groups, constrain, grouped, split_axes
 
 
 @struct.dataclass
@@ -167,8 +168,21 @@ def unpack(values: jax.Array, packed: Packed, completion_length: int) -> jax.Arr
     inside = (row[:, None] >= 0) & (columns < group_values.shape[1])
     picked = group_values[jnp.maximum(row, 0)[:, None], jnp.clip(columns, 0, group_values.shape[1] - 1)]
     return jnp.where(inside, picked, 0.0)
-  out = jax.vmap(one_group)(values, packed.row, packed.start)
+  out = on_groups(jax.vmap(one_group), values, packed.row, packed.start)
   return out.reshape((-1,) + out.shape[2:])
+
+
+def on_groups(fn, *groups: jax.Array) -> jax.Array:
+  """fn(*groups) of arrays that lead with the n batch groups, run by each device on its own groups
+  (as the batch rule splits n; a shard_map) where a mesh splits them: the work stays local, and
+  XLA's partitioner never has to place the gathers of `fn` (a batched gather over groups that a
+  subset of the axes splits has aborted it)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = () if mesh.empty else split_axes(groups[0].shape[0], 'batch', auto_shape(mesh))
+  if not axes:
+    return fn(*groups)
+  spec = PartitionSpec(axes)
+  return jax.shard_map(fn, in_specs=(spec,) * len(groups), out_specs=spec, check_vma=False)(*groups)
 
 
 def members(packed: Packed) -> jax.Array:

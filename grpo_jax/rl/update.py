@@ -14,11 +14,13 @@ give the same loss, gradients and metrics.
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+from jax.sharding import PartitionSpec
 
 from grpo_jax.errors import require
 from grpo_jax.model import lora
@@ -28,7 +30,7 @@ from grpo_jax.rl.loss import (MISMATCH, LossInputs, lag_means, log_probs_of, mis
                               sampler_mismatch)
 from grpo_jax.model.vision import Vision
 from grpo_jax.rl.state import TrainState
-from grpo_jax.sharding import batch_groups, constrain
+from grpo_jax.sharding import batch_axes, batch_groups, constrain
 
 
 @struct.dataclass
@@ -168,6 +170,66 @@ def _accumulate(gradients, count):
   return jax.lax.fori_loop(0, count, add, (loss, metrics, grads))
 
 
+REPLICAS = 'data'  # the mesh axis whose devices hold whole copies of the parameters (sharding.py)
+
+
+def _replicas_of(micro: 'MicroBatches', rows: int) -> int:
+  """How many replicas (the mesh's 'data' axis) each accumulate the gradients of their own rows: its
+  size where the mesh has no tensor axis and the data axis splits the mini-batch's rows and each
+  replica's micro-batch rows (padded) or packed groups split evenly over its own batch axes
+  (fsdp, expert); else 1: the whole mesh computes each micro-batch, and the data axis reduces its
+  gradients, as any batch axis does. Inside the replicas' shard_map, XLA's partitioner aborted
+  placing the embedding gather of a vocabulary split over 'tensor', and that of a micro-batch of
+  fewer rows than a replica's devices."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  sizes = dict(mesh.shape)
+  replicas = sizes.get(REPLICAS, 1)
+  inner = math.prod(size for name, size in sizes.items() if name in batch_axes() and name != REPLICAS)
+  parts = micro.rows if micro.packed is None else micro.packed.tokens.shape[0]
+  even = rows % replicas == 0 and parts % (replicas * inner) == 0
+  return replicas if replicas > 1 and sizes.get('tensor', 1) == 1 and even else 1
+
+
+def _over_replicas(accumulate, params, rows: LossInputs, micro: 'MicroBatches'):
+  """accumulate(params, rows, micro) -> (loss, metric sums, gradients) over every micro-batch of
+  `rows`, run by each replica of the mesh's 'data' axis on its own rows (a shard_map manual over
+  'data' alone; inside it each replica is a mesh of fsdp x expert), then summed across the
+  replicas once. Hybrid sharding's contract: a micro-batch's gradients are reduce-scattered over
+  the host's fsdp devices, and only the update's sum crosses the hosts, once per optimizer update
+  rather than once per micro-batch; inside the shard_map nothing else can cross 'data'. A
+  replica's rows split into micro-batches of 1/data as many rows (padded) or of its own packed
+  groups, so micro-batches differ from one device's, but their sums are the same. Where
+  `_replicas_of` says 1, accumulate runs on the whole mesh."""
+  replicas = _replicas_of(micro, rows.tokens.shape[0])
+  if replicas == 1:
+    return accumulate(params, rows, micro)
+  local_rows = rows.tokens.shape[0] // replicas
+  by_rows = lambda tree: jax.tree.map(lambda _: PartitionSpec(REPLICAS), tree)  # noqa: E731
+
+  def replica(params, rows, packed, count):
+    if packed is not None and packed.placement is not None:  # a packed token's image: its row among these rows
+      sequence = packed.placement[..., 0]
+      local = jnp.where(sequence >= 0, sequence - jax.lax.axis_index(REPLICAS) * local_rows, -1)
+      packed = packed.replace(placement=packed.placement.at[..., 0].set(local))
+    own = MicroBatches(count=micro.count if isinstance(micro.count, int) else count,
+                       rows=micro.rows if packed is not None else micro.rows // replicas, packed=packed)
+    loss, metrics, grads = accumulate(params, rows, own)
+    metrics = {name: (jax.lax.pmax if name == 'sampler_gap_max' else jax.lax.psum)(value, REPLICAS)
+               for name, value in metrics.items()}
+    return jax.lax.psum(loss, REPLICAS), metrics, jax.lax.psum(grads, REPLICAS)
+
+  packed = micro.packed
+  # Every packed leaf leads with the groups but the batch's token count.
+  packed_specs = None if packed is None else by_rows(packed).replace(real_tokens=PartitionSpec())
+  # check_vma off: the gradients of the replicated parameters stay each replica's own until the psum
+  # (with the varying-type check, the backward would sum them across the replicas in every micro-batch).
+  return jax.shard_map(replica, in_specs=(PartitionSpec(), by_rows(rows), packed_specs, PartitionSpec()),
+                       out_specs=PartitionSpec(), axis_names={REPLICAS}, check_vma=False)(
+                           params, rows, packed, jnp.asarray(micro.count))
+
+
 def _score(graphdef, params, inputs: LossInputs, micro: MicroBatches, settings: UpdateSettings,
            replay: bool) -> jax.Array:
   """Log-probs [B, N] of every row of `inputs` without gradients, one micro-batch at a time (the
@@ -248,11 +310,13 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
     micro = MicroBatches.of(settings, minibatch.tokens, minibatch.segment_ids, completion_length, settings.micro_rows,
                             minibatch.routes, minibatch.vision)
 
-    def gradients(index):
-      inputs, packed = micro.take(index, minibatch)
-      return grad_fn(params, graphdef, inputs, config, settings.temperature, settings.on_policy, packed)
+    def accumulate(params, rows, micro):
+      def gradients(index):
+        inputs, packed = micro.take(index, rows)
+        return grad_fn(params, graphdef, inputs, config, settings.temperature, settings.on_policy, packed)
+      return _accumulate(gradients, micro.count)
 
-    loss, metrics, grads = _accumulate(gradients, micro.count)
+    loss, metrics, grads = _over_replicas(accumulate, params, minibatch, micro)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     step_updates, new_opt_state = optimizer.update(grads, opt_state, params)
