@@ -191,15 +191,16 @@ def test_packed_update_with_images_equals_padded(seed):
   packed = run_update(settings, params, batch, seed, packed=True, ref_params=ref_params, architecture=architecture)
   assert_packed_equals_padded(padded, packed, batch)
   assert sum(len(own) for own in images) > 0 and float(packed[1]['packed_rows']) < ROWS
-  # The same packed update on a data 2 x fsdp 2 mesh: each data replica packs and accumulates its
-  # own rows, its tokens' image features found among its own rows (rl/update.py).
+  # The same packed update on a data 2 x fsdp 2 mesh, a packed row per micro-batch: each data
+  # replica accumulates its own rows, its tokens' image features found among them (rl/update.py).
   from grpo_jax import sharding
   mesh = jax.make_mesh((2, 2, 1, 1), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4,
                        devices=jax.devices()[:4])
   place = lambda tree: jax.device_put(tree, sharding.state_shardings(tree, mesh))  # noqa: E731
   with jax.set_mesh(mesh):
-    on_mesh = run_update(settings, place(params), jax.device_put(batch, jax.NamedSharding(mesh, jax.P())), seed,
-                         packed=True, ref_params=place(ref_params), architecture=architecture)
+    on_mesh = run_update(dict(settings, micro_batch_tokens=settings['pack_length']), place(params),
+                         jax.device_put(batch, jax.NamedSharding(mesh, jax.P())), seed, packed=True,
+                         ref_params=place(ref_params), architecture=architecture)
   for name in ('packed_rows', 'packed_padding_frac', 'micro_batches'):  # each replica packs its own rows
     padded[1].pop(name, None), on_mesh[1].pop(name)
   assert_packed_equals_padded(padded, on_mesh, batch)

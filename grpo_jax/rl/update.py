@@ -189,7 +189,9 @@ def _replicas_of(micro: 'MicroBatches', rows: int) -> int:
   inner = math.prod(size for name, size in sizes.items() if name in batch_axes() and name != REPLICAS)
   parts = micro.rows if micro.packed is None else micro.packed.tokens.shape[0]
   even = rows % replicas == 0 and parts % (replicas * inner) == 0
-  return replicas if replicas > 1 and sizes.get('tensor', 1) == 1 and even else 1
+  # One micro-batch: nothing to save (the whole mesh reduces it once).
+  several = micro.count > 1 if micro.packed is None else micro.packed.tokens.shape[1] > micro.rows
+  return replicas if replicas > 1 and sizes.get('tensor', 1) == 1 and even and several else 1
 
 
 def _over_replicas(accumulate, params, rows: LossInputs, micro: 'MicroBatches'):
@@ -200,8 +202,10 @@ def _over_replicas(accumulate, params, rows: LossInputs, micro: 'MicroBatches'):
   the host's fsdp devices, and only the update's sum crosses the hosts, once per optimizer update
   rather than once per micro-batch; inside the shard_map nothing else can cross 'data'. A
   replica's rows split into micro-batches of 1/data as many rows (padded) or of its own packed
-  groups, so micro-batches differ from one device's, but their sums are the same. Where
-  `_replicas_of` says 1, accumulate runs on the whole mesh."""
+  groups, so micro-batches differ from one device's, but their sums are the same. The sums cross
+  in the gradients' dtype (fp32 parameters: fp32, as the log-prob op's dW sums already ran), in
+  bytes no more than XLA's per-micro-batch bf16 reductions of the weight gradients from 2
+  micro-batches on. Where `_replicas_of` says 1, accumulate runs on the whole mesh."""
   replicas = _replicas_of(micro, rows.tokens.shape[0])
   if replicas == 1:
     return accumulate(params, rows, micro)
