@@ -321,3 +321,8 @@ def test_the_plan_tries_wider_sampler_tensor_axes_as_knobs():
   assert [name for name in found if name.startswith('rollout.tensor')] == ['rollout.tensor=4', 'rollout.tensor=8']
   why = {knob.name: knob.why for knob in knobs(config, preset('7B'), 8, 24, 2)}
   assert 'replicated' in why['rollout.tensor=8'] and 'replicated' not in why['rollout.tensor=4']  # 4 KV heads
+  # A mesh laid out by host (the 32B recipe's trainer split over 4 hosts held its state whole on each
+  # and did not fit): FSDP over every host is tried right after rematerialisation, and only there.
+  hybrid = [knob.name for knob in knobs(config_lib.load_config(None, ['mesh.hybrid=auto']), preset('7B'), 32, 24,
+                                        hybrid=True)]
+  assert hybrid[:2] == ['model.remat=full', 'mesh.hybrid=false'] and 'mesh.hybrid=false' not in found

@@ -24,9 +24,11 @@ class Knob:
 
 
 def knobs(config: config_lib.Config, architecture, devices: int, sequence_length: int,
-          current_rollout_tensor: int = 1) -> list[Knob]:
+          current_rollout_tensor: int = 1, hybrid: bool = False) -> list[Knob]:
   """The changes that lower per-device memory without changing what is learned, cheapest first:
-  rematerialisation, smaller gradient-accumulation micro-batches, chunked attention (the update);
+  rematerialisation; FSDP over every host where the mesh is `hybrid` (laid out by host: the
+  parameters and moments replicated per host); smaller gradient-accumulation micro-batches,
+  chunked attention (the update);
   fewer decode slots (the rollout: the same samples, fewer held at once); more tensor parallelism
   (both programs: the weights, the optimizer state and the KV cache split further over heads);
   a wider sampler tensor axis than `current_rollout_tensor` (the rollout: fewer resident weights);
@@ -41,6 +43,9 @@ def knobs(config: config_lib.Config, architecture, devices: int, sequence_length
   found = []
   if model.remat != 'full':
     found.append(Knob(('model.remat=full',), 'update', 'recompute each layer in the backward pass'))
+  if hybrid:
+    found.append(Knob(('mesh.hybrid=false',), 'update', 'FSDP over every host\'s devices: the parameters and '
+                      'Adam moments sharded across the hosts instead of whole on each (their gathers cross hosts)'))
   minibatch = config.completions_per_step // algo.num_minibatches
   size = algo.micro_batch_size or minibatch
   tensor = mesh.tensor if mesh.tensor > 0 else 1
@@ -111,7 +116,8 @@ def advise(load, compile_plan, architecture, report: dict, on_result=None) -> li
   fused = any(name not in ('rollout', 'update') for name in peaks)
   config = load(())
   candidates = knobs(config, architecture, report['devices'], report['sequence_length'],
-                     report['rollout_layout']['tensor'])
+                     report['rollout_layout']['tensor'],
+                     hybrid=config.mesh.hybrid is not False and report['mesh']['data'] > 1)
   update_knobs = [knob for knob in candidates if knob.programs == 'update']
   micro = [knob for knob in update_knobs if knob.overrides[0].startswith(('algo.micro_batch_size', 'algo.micro_batch_tokens'))]
   chosen = [knob for knob in update_knobs if knob not in micro] + micro[-1:]  # the smallest micro-batch
