@@ -224,8 +224,8 @@ def batch_groups(rows: int, *others: int) -> int:
   (1 outside a mesh). Work split this way (the sampler's slots, the update's packing) stays on the
   devices that hold its rows."""
   mesh = jax.sharding.get_abstract_mesh()
-  batch_axes = _mesh_axes_for('batch')
-  shards = 1 if mesh.empty else math.prod(size for name, size in auto_shape(mesh).items() if name in batch_axes)
+  axes = batch_axes()
+  shards = 1 if mesh.empty else math.prod(size for name, size in auto_shape(mesh).items() if name in axes)
   for count in (rows, *others):
     shards = math.gcd(shards, count)
   return shards
