@@ -128,10 +128,8 @@ def _bytes(kind: str, opcode: str, shape: str, group_size: int) -> int:
     return sizes[6]  # ((operand, output, four offset arrays), result, ...): the receive buffer
   if opcode == 'all-to-all-start' or (opcode == 'all-reduce-start' and shape.lstrip().startswith('((')):
     return sum(sizes) // 2  # ((operands), results) of equal sizes (XLA:GPU's asynchronous forms)
-  if opcode == 'reduce-scatter-start' and shape.lstrip().startswith('(('):
-    return sum(_shape_bytes(_async_result(shape))) * group_size  # ((operands), (results)): as the synchronous form
-  if kind == 'reduce-scatter':
-    return sum(sizes) * group_size  # the operand, of which each device keeps 1 / g
+  if kind == 'reduce-scatter':  # the operand, of which each device keeps 1 / g (a -start: its results')
+    return sum(_shape_bytes(_async_result(shape))) * group_size
   return sum(sizes)
 
 

@@ -212,13 +212,13 @@ def _over_replicas(accumulate, params, rows: LossInputs, micro: 'MicroBatches'):
   local_rows = rows.tokens.shape[0] // replicas
   by_rows = lambda tree: jax.tree.map(lambda _: PartitionSpec(REPLICAS), tree)  # noqa: E731
 
-  def replica(params, rows, packed, count):
+  def replica(params, rows, packed):
     if packed is not None and packed.placement is not None:  # a packed token's image: its row among these rows
       sequence = packed.placement[..., 0]
       local = jnp.where(sequence >= 0, sequence - jax.lax.axis_index(REPLICAS) * local_rows, -1)
       packed = packed.replace(placement=packed.placement.at[..., 0].set(local))
-    own = MicroBatches(count=micro.count if isinstance(micro.count, int) else count,
-                       rows=micro.rows if packed is not None else micro.rows // replicas, packed=packed)
+    own = MicroBatches(count=micro.count, rows=micro.rows if packed is not None else micro.rows // replicas,
+                       packed=packed)
     loss, metrics, grads = accumulate(params, rows, own)
     metrics = {name: (jax.lax.pmax if name == 'sampler_gap_max' else jax.lax.psum)(value, REPLICAS)
                for name, value in metrics.items()}
@@ -229,9 +229,9 @@ def _over_replicas(accumulate, params, rows: LossInputs, micro: 'MicroBatches'):
   packed_specs = None if packed is None else by_rows(packed).replace(real_tokens=PartitionSpec())
   # check_vma off: the gradients of the replicated parameters stay each replica's own until the psum
   # (with the varying-type check, the backward would sum them across the replicas in every micro-batch).
-  return jax.shard_map(replica, in_specs=(PartitionSpec(), by_rows(rows), packed_specs, PartitionSpec()),
-                       out_specs=PartitionSpec(), axis_names={REPLICAS}, check_vma=False)(
-                           params, rows, packed, jnp.asarray(micro.count))
+  # A packed count (traced) enters closed over: the same on every replica.
+  return jax.shard_map(replica, in_specs=(PartitionSpec(), by_rows(rows), packed_specs), out_specs=PartitionSpec(),
+                       axis_names={REPLICAS}, check_vma=False)(params, rows, packed)
 
 
 def _score(graphdef, params, inputs: LossInputs, micro: MicroBatches, settings: UpdateSettings,
