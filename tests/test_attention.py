@@ -103,3 +103,36 @@ def test_attention_settings_are_checked():
     config = config_lib.Config(model=config_lib.ModelConfig(options=ModelOptions(attention='cudnn')))
     with pytest.raises(UserError, match='model.attention: cudnn runs on NVIDIA GPUs only'):
       config.model.build(mesh=None, seed=0)
+
+
+@pytest.mark.parametrize('length', [1, 3])
+def test_shared_part_equals_each_row_reading_a_copy_of_its_prompt(seed, length):
+  """attention.SharedPart (each prompt's keys read once, for the rows that read it) against the
+  rows each holding a copy of their prompt's keys: the queries of 2 groups of 12 rows, each row
+  reading one of its group's 4 prompts (at most 3 rows a prompt), or none, with a cache part."""
+  rng = np.random.default_rng(seed)
+  groups, rows, prompts, readers, width, slots, heads, kv_heads, dim = 2, 12, 4, 3, 5, 6, 4, 2, 8
+  index = np.stack([rng.permutation(np.repeat(np.arange(prompts), readers))[:rows] for _ in range(groups)])
+  reading = rng.random((groups, rows)) < 0.8
+  index = np.where(reading, index, rng.integers(0, prompts, (groups, rows)))  # where a row reads none
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+  q, k, v = normal(groups * rows, length, heads, dim), normal(groups, prompts, width, kv_heads, dim), normal(
+      groups, prompts, width, kv_heads, dim)
+  own_k, own_v = normal(groups * rows, slots, kv_heads, dim), normal(groups * rows, slots, kv_heads, dim)
+  # The prompt's keys a query may see (its last ones padding in some prompts), none in rows not reading.
+  prompt_mask = jnp.asarray(rng.random((groups, prompts, width)) < 0.8).at[..., 0].set(True)
+  flat_reading = reading.reshape(-1)
+  mask = jnp.asarray(np.take_along_axis(np.asarray(prompt_mask), index[..., None], axis=1).reshape(-1, width))
+  mask = jnp.broadcast_to(mask[:, None] & flat_reading[:, None, None], (groups * rows, length, width))
+  own_mask = jnp.asarray(rng.random((groups * rows, length, slots)) < 0.7)
+  table, at = attention.reader_layout(jnp.asarray(index), jnp.asarray(reading), prompts, readers)
+
+  copied = lambda x: jax.vmap(lambda values, i: values[i])(x, jnp.asarray(index)).reshape((-1,) + x.shape[2:])  # noqa: E731
+  want = attention.grouped_attention(q, [(copied(k), copied(v), mask), (own_k, own_v, own_mask)])
+  got = attention.grouped_attention(q, [attention.SharedPart(k, v, mask, table, at), (own_k, own_v, own_mask)])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  # Each prompt's readers are the rows reading it, each once.
+  for group in range(groups):
+    for prompt in range(prompts):
+      listed = sorted(int(r) for r in np.asarray(table[group, prompt]) if r < rows)
+      assert listed == sorted(np.flatnonzero(reading[group] & (index[group] == prompt)).tolist())

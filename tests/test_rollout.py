@@ -19,11 +19,13 @@ GREEDY = SamplingConfig(greedy=True)
                                                moe_intermediate_size=24, norm_topk_prob=True, tie_word_embeddings=True)],
                          ids=['qwen2', 'qwen3', 'qwen3-moe'])
 # 'unrolled': one copy of the layer per index in the decode loop, each reading its own piece of the
-# cut stack (Qwen2.loop_view), as the GPU default runs it; 'scan' is the CPU's and TPU's.
+# cut stack (Qwen2.loop_view) and its own layer of the cache (KVCache.layered), as the GPU default
+# runs it, here with each prompt read once for its rows; 'scan' is the CPU's and TPU's.
 @pytest.mark.parametrize('decode_layers', ['scan', 'unrolled'])
 def test_greedy_matches_transformers_generate(seed, make_hf_checkpoint, architecture, decode_layers):
   directory, reference = make_hf_checkpoint(seed, **architecture)
-  model = from_pretrained(directory, options=ModelOptions(decode_layers=decode_layers))
+  model = from_pretrained(directory, options=ModelOptions(
+      decode_layers=decode_layers, prompt_reads='once' if decode_layers == 'unrolled' else 'copy'))
   prompts = random_prompts(seed, [5, 17, 11])
   tokens, mask = left_padded(prompts)
   rollout = GroupSampler(model, group_size=1, settings=DecodeSettings(max_new_tokens=16, sampling=GREEDY))(
@@ -36,9 +38,10 @@ def test_greedy_matches_transformers_generate(seed, make_hf_checkpoint, architec
 
 
 def test_groups_share_one_prefill_and_equal_separate_prefills(seed, make_hf_checkpoint):
-  """G greedy samples of a prompt equal one another and the result of prefilling it alone."""
+  """G greedy samples of a prompt equal one another and the result of prefilling it alone, the
+  prompt's keys read once for the G rows (ModelOptions.prompt_reads)."""
   directory, _ = make_hf_checkpoint(seed)
-  model = from_pretrained(directory)
+  model = from_pretrained(directory, options=ModelOptions(prompt_reads='once'))
   prompts = random_prompts(seed, [9, 4])
   tokens, mask = left_padded(prompts)
   grouped = GroupSampler(model, group_size=3, settings=DecodeSettings(max_new_tokens=8, sampling=GREEDY))(

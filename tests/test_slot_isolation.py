@@ -1,13 +1,14 @@
 """One request never changes another's answer.
 
 A decode slot's cache keeps whatever its last occupant (or nobody) wrote past the current
-request's entries; masked attention must give those entries exactly no weight, NaN and inf
-included (0 x NaN is NaN). One poisoning test for every path that admits requests into slots:
-the JetStream engine's insert, the group sampler's refills (each decode attention), the pool of
-partial rollouts and the inference server's kept caches. Every KV cache a path allocates starts
-as NaN / +inf / -inf / large garbage instead of zeros, and each request's tokens and log-probs
-must equal a clean run's bit for bit. Bad ids are refused at the doors that take them, before
-they reach a slot.
+request's entries; masked attention must give those entries exactly no weight. The model writes
+only finite keys and values (a request whose activations overflow leaves zeros, not NaN: 0 x NaN
+is NaN), so what an occupant can leave is any finite value, however large. One poisoning test for
+every path that admits requests into slots: the JetStream engine's insert, the group sampler's
+refills (each decode attention), the pool of partial rollouts and the inference server's kept
+caches. Every KV cache a path allocates starts as large garbage (up to the dtype's largest finite
+value) instead of zeros, and each request's tokens and log-probs must equal a clean run's bit for
+bit. Bad ids are refused at the doors that take them, before they reach a slot.
 """
 
 import asyncio
@@ -33,23 +34,21 @@ from grpo_jax.sampler.rollout import sample_groups
 from grpo_jax.testing import left_padded, random_prompts
 
 T1 = SamplingConfig(temperature=1.0)
-GARBAGE = (np.nan, np.inf, -np.inf, 3e4)
 
 
 @contextlib.contextmanager
 def poisoned_caches():
-  """While active, Qwen2.init_cache fills keys and values with GARBAGE (cycling along the cache
-  slots and heads) instead of zeros: what a slot's last occupant might have left there."""
+  """While active, Qwen2.init_cache fills keys and values with large finite garbage (cycling along
+  the cache slots and heads) instead of zeros: what a slot's last occupant might have left there."""
   original = Qwen2.init_cache
 
-  def init_cache(self, batch_size, max_length):
-    cache = original(self, batch_size, max_length)
+  def init_cache(self, batch_size, max_length, layered=False):
+    def garbage(x, _):  # [..., B, S, K, H]
+      big = float(jnp.finfo(x.dtype).max)
+      index = sum(jax.lax.broadcasted_iota(jnp.int32, x.shape, axis) for axis in range(x.ndim - 4, x.ndim - 1))
+      return jnp.asarray((big, -big, 3e4, -3e4), x.dtype)[index % 4]
 
-    def garbage(x):  # [L, B, S, K, H]
-      index = sum(jax.lax.broadcasted_iota(jnp.int32, x.shape, axis) for axis in (1, 2, 3))
-      return jnp.asarray(GARBAGE, x.dtype)[index % len(GARBAGE)]
-
-    return dataclasses.replace(cache, k=garbage(cache.k), v=garbage(cache.v))
+    return original(self, batch_size, max_length, layered).map_layers(garbage)
 
   Qwen2.init_cache = init_cache
   try:
@@ -90,9 +89,14 @@ def test_engine_insert(seed, directory):
   assert_same(*clean_and_poisoned(run))
 
 
-@pytest.mark.parametrize('implementation, block', [('dense', 4), ('blockwise', 4), ('pallas', 128)])
-def test_group_sampler_refills(seed, directory, implementation, block):
-  model = from_pretrained(directory, options=ModelOptions(decode_attention=implementation, decode_block=block))
+# 'unrolled': the GPU's decode loop, whose dense attention reads a cache of one array per layer,
+# here with each prompt read once for its rows (ModelOptions.prompt_reads).
+@pytest.mark.parametrize('implementation, block, layers', [('dense', 4, 'scan'), ('dense', 4, 'unrolled'),
+                                                           ('blockwise', 4, 'scan'), ('pallas', 128, 'scan')])
+def test_group_sampler_refills(seed, directory, implementation, block, layers):
+  model = from_pretrained(directory, options=ModelOptions(decode_attention=implementation, decode_block=block,
+                                                          decode_layers=layers,
+                                                          prompt_reads='once' if layers == 'unrolled' else 'copy'))
   graphdef, params = nnx.split(model)
   tokens, mask = left_padded(random_prompts(seed, [4, 11, 7]))
 
@@ -174,3 +178,24 @@ def test_bad_ids_are_refused_at_the_engine_and_the_model(seed, directory):
   assert check_token_ids([0, 999], 1000).tolist() == [0, 999]
   with pytest.raises(TokenIdError, match='token id 2.5 at position 1'):
     check_token_ids([1.0, 2.5], 1000)
+
+
+def test_non_finite_keys_and_values_are_written_as_zeros(seed, directory):
+  """A request whose activations overflow leaves zeros in its cache row, never NaN or inf, and the
+  other rows' logits do not change; on a stacked cache and on a layered one (KVCache)."""
+  model, poisoned = from_pretrained(directory), from_pretrained(directory)
+  bad = 3 + seed % 900
+  poisoned.embedding.set_value(poisoned.embedding[...].at[bad].set(jnp.inf))  # its RMS norm is NaN in every layer
+  tokens = np.asarray(random_prompts(seed, [7, 7]), np.int32)
+  tokens[tokens == bad] = bad + 1
+  tokens[0, 3] = bad
+  for layered in (False, True):
+    logits, cache = poisoned.extend(tokens, poisoned.init_cache(2, 12, layered=layered))
+    clean_logits, _ = model.extend(tokens, model.init_cache(2, 12, layered=layered))
+    keys = np.stack(cache.k) if layered else np.asarray(cache.k)
+    values = np.stack(cache.v) if layered else np.asarray(cache.v)
+    assert np.isfinite(keys).all() and np.isfinite(values).all()
+    np.testing.assert_array_equal(keys[:, 0, 3], 0)  # the bad token's own entries
+    np.testing.assert_array_equal(values[:, 0, 3], 0)
+    assert not np.isfinite(np.asarray(logits[0, 3:])).all()  # its own row's outputs are what they are
+    np.testing.assert_array_equal(np.asarray(logits[1]), np.asarray(clean_logits[1]))

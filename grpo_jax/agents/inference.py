@@ -45,7 +45,6 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import UserError
-from grpo_jax.model.qwen2 import KVCache
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, decode_step, prefill, typed_key
 from grpo_jax.sampler.sampling import SamplingConfig
@@ -388,7 +387,7 @@ class InferenceServer:
   def _init_state(self) -> DecodeState:
     model = nnx.merge(self.graphdef, self._params)
     B = self.slots
-    return DecodeState(cache=model.init_cache(B, self.max_context),
+    return DecodeState(cache=model.init_cache(B, self.max_context, layered=model.layered_decode_cache),
                        hidden=jnp.zeros((B, model.config.hidden_size), model.dtype),
                        keys=jax.random.split(jax.random.key(0), B), generated=jnp.zeros((B,), jnp.int32),
                        live=jnp.zeros((B,), bool), limit=jnp.zeros((B,), jnp.int32),
@@ -410,14 +409,18 @@ class InferenceServer:
     model = nnx.merge(self.graphdef, params)
     cache, width = state.cache, tokens.shape[1]
     rows_of = lambda values, axis: jnp.take(values, slots, axis=axis, mode='clip')  # noqa: E731
-    kept = KVCache(k=rows_of(cache.k, 1), v=rows_of(cache.v, 1), segment_ids=rows_of(cache.segment_ids, 0),
-                   length=rows_of(cache.length, 0))
+    kept = dataclasses.replace(cache.map_layers(lambda x, _: rows_of(x, x.ndim - 4)),
+                               segment_ids=rows_of(cache.segment_ids, 0), length=rows_of(cache.length, 0))
     done = prefill(model, tokens, real, kept)
     start = kept.length  # [R] where each row's new entries begin
-    new_entries = jax.vmap(lambda row, first: jax.lax.dynamic_slice_in_dim(row, first, width, axis=1), (1, 0), 1)
-    brought = KVCache(k=new_entries(done.cache.k, start), v=new_entries(done.cache.v, start),
-                      segment_ids=jax.vmap(lambda row, first: jax.lax.dynamic_slice_in_dim(row, first, width))(
-                          done.cache.segment_ids, start), length=done.cache.length)
+
+    def new_entries(x, _):  # [..., R, S, K, H] -> [..., R, W, K, H] from each row's start
+      axis = x.ndim - 4
+      return jax.vmap(lambda row, first: jax.lax.dynamic_slice_in_dim(row, first, width, axis=axis), (axis, 0), axis)(
+          x, start)
+
+    brought = dataclasses.replace(done.cache.map_layers(new_entries), segment_ids=jax.vmap(
+        lambda row, first: jax.lax.dynamic_slice_in_dim(row, first, width))(done.cache.segment_ids, start))
     return admit(state, Slots(index=slots), Entry(hidden=done.hidden, keys=jax.random.wrap_key_data(keys),
                                                   empty=done.empty, cache=brought, start=start, limit=limits,
                                                   stops=stops))

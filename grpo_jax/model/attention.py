@@ -56,9 +56,77 @@ def _concatenate(arrays: list[jax.Array]) -> jax.Array:
   return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays, axis=-1)
 
 
-def grouped_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
+class SharedPart(typing.NamedTuple):
+  """Keys that many rows read (one layer of a SharedPrefix: each prompt's, for the rows reading
+  it), attended prompt by prompt: the queries of a prompt's readers are gathered to the prompt
+  and its keys and values read once, instead of copied into a row of their own for each reader
+  (B x W x K x H per layer, G times the prompts' bytes, written and read again every step).
+
+  k, v:     [n, Pn, W, K, H] the prompts of the n groups of rows.
+  mask:     [B, T, W] the keys each query may see (its row's prompt's).
+  readers:  [n, Pn, R] the rows of group n (0 .. Bn - 1) that read each prompt; Bn where none.
+  at:       [n, Bn] each row's place among its prompt's readers (prompt x R + rank), Pn x R
+            for a row that reads none (its mask must then be all False).
+  """
+
+  k: jax.Array
+  v: jax.Array
+  mask: jax.Array
+  readers: jax.Array
+  at: jax.Array
+
+
+def reader_layout(index: jax.Array, reading: jax.Array, prompts: int, readers: int) -> tuple[jax.Array, jax.Array]:
+  """SharedPart's (readers [n, Pn, R], at [n, Bn]) for rows that read prompt index [n, Bn] within
+  their group, those with `reading` [n, Bn] False reading none. At most R = `readers` rows may read
+  one prompt (a prompt's G samples); a further one would read none."""
+  groups, rows = index.shape
+  key = jnp.where(reading, index, prompts)  # rows reading nothing sort last
+  order = jnp.argsort(key, axis=1, stable=True)
+  sorted_key = jnp.take_along_axis(key, order, axis=1)
+  first = jax.vmap(lambda keys: jnp.searchsorted(keys, jnp.arange(prompts), side='left', method='compare_all'))(
+      sorted_key)  # [n, Pn]: no loop
+  rank = jax.vmap(lambda o: jnp.zeros_like(o).at[o].set(jnp.arange(rows, dtype=o.dtype)))(order)  # order's inverse
+  place = rank - jnp.take_along_axis(first, jnp.clip(index, 0, prompts - 1), axis=1)
+  at = jnp.where(reading & (place < readers), index * readers + place, prompts * readers)
+  position = (first[:, :, None] + jnp.arange(readers)).reshape(groups, -1)  # [n, Pn x R] into the sorted rows
+  clipped = jnp.clip(position, 0, rows - 1)
+  owned = (position < rows) & (jnp.take_along_axis(sorted_key, clipped, axis=1)
+                               == jnp.repeat(jnp.arange(prompts), readers)[None])
+  table = jnp.where(owned, jnp.take_along_axis(order, clipped, axis=1), rows)
+  return table.reshape(groups, prompts, readers).astype(jnp.int32), at.astype(jnp.int32)
+
+
+def _within(values: jax.Array, index: jax.Array) -> jax.Array:
+  """values [n, M, ...], index [n, ...] -> values[g, index[g, ...]] per group; 0 out of range."""
+  return jax.vmap(lambda x, i: jnp.take(x, i, axis=0, mode='fill', fill_value=0))(values, index)
+
+
+def _part_scores(q: jax.Array, part) -> jax.Array:
+  """q [B, T, K, G, H] against one part's keys -> fp32 scores [B, K, G, T, S_i]."""
+  if not isinstance(part, SharedPart):
+    return jnp.einsum('BTKGH,BSKH->BKGTS', q, part[0], preferred_element_type=jnp.float32)
+  groups, rows = part.at.shape
+  picked = _within(q.reshape((groups, rows) + q.shape[1:]), part.readers)  # [n, Pn, R, T, K, G, H]
+  scores = jnp.einsum('nPRTKGH,nPWKH->nPRKGTW', picked, part.k, preferred_element_type=jnp.float32)
+  scores = _within(scores.reshape((groups, -1) + scores.shape[3:]), part.at)  # [n, Bn, K, G, T, W]
+  return scores.reshape((groups * rows,) + scores.shape[2:])
+
+
+def _part_values(probs: jax.Array, part) -> jax.Array:
+  """One part's probabilities [B, K, G, T, S_i] over its values -> [B, T, K, G, H]."""
+  if not isinstance(part, SharedPart):
+    return jnp.einsum('BKGTS,BSKH->BTKGH', probs, part[1])
+  groups, rows = part.at.shape
+  picked = _within(probs.reshape((groups, rows) + probs.shape[1:]), part.readers)  # [n, Pn, R, K, G, T, W]
+  out = jnp.einsum('nPRKGTW,nPWKH->nPRTKGH', picked, part.v)
+  out = _within(out.reshape((groups, -1) + out.shape[3:]), part.at)  # [n, Bn, T, K, G, H]
+  return out.reshape((groups * rows,) + out.shape[2:])
+
+
+def grouped_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array] | SharedPart]) -> jax.Array:
   """q attends over the keys of every part with one softmax. q: [B, T, N, H]; parts: (k, v
-  [B, S_i, K, H], mask [B, T, S_i]) with one value dtype -> [B, T, N, H].
+  [B, S_i, K, H], mask [B, T, S_i]), or SharedParts, with one value dtype -> [B, T, N, H].
 
   Query head n uses key/value head n // G. The softmax runs over the concatenated S_1 + S_2 + ...
   scores, so attending over parts is attending over their concatenated keys; only the small score
@@ -66,20 +134,19 @@ def grouped_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, 
   masked row gives a uniform, not NaN, row.
   """
   batch, length, num_heads, head_dim = q.shape
-  num_kv_heads = parts[0][0].shape[2]
+  num_kv_heads = parts[0][0].shape[-2]
   q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
-  scores = _concatenate([jnp.einsum('BTKGH,BSKH->BKGTS', q, k, preferred_element_type=jnp.float32)
-                         for k, _, _ in parts])
+  scores = _concatenate([_part_scores(q, part) for part in parts])
   scores = scores * (head_dim ** -0.5)
-  mask = _concatenate([mask for _, _, mask in parts])
+  mask = _concatenate([part[2] for part in parts])
   scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(parts[0][1].dtype)
   out, start = None, 0
-  for k, v, _ in parts:
-    part_probs = probs if len(parts) == 1 else probs[..., start:start + k.shape[1]]
-    part = jnp.einsum('BKGTS,BSKH->BTKGH', part_probs, v)
-    out = part if out is None else out + part
-    start += k.shape[1]
+  for part in parts:
+    width = part[0].shape[-3]
+    one = _part_values(probs if len(parts) == 1 else probs[..., start:start + width], part)
+    out = one if out is None else out + one
+    start += width
   return out.reshape(batch, length, num_heads, head_dim)
 
 
@@ -92,17 +159,6 @@ def grouped_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, 
 # read the stacked [L, B, S, K, H] cache by layer index instead of taking each layer's rows.
 DecodeAttention = Literal['dense', 'blockwise', 'pallas']
 DECODE_ATTENTIONS = typing.get_args(DecodeAttention)
-
-
-def written_values(v: jax.Array, mask: jax.Array) -> jax.Array:
-  """v [B, S, K, H] with zeros at the slots no query may see (mask [B, T, S]).
-
-  A cache slot outside the row's own request holds whatever its last occupant (or nobody) left
-  there, NaN and inf included. Its probability is exactly 0, but 0 x NaN is NaN, so masking the
-  probabilities is not enough: the values themselves are selected. Elementwise on the values the
-  attention reads anyway, so XLA fuses it into that read (no extra pass over the cache).
-  """
-  return jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
 
 
 def reads_stacked_cache(implementation: DecodeAttention) -> bool:
@@ -169,7 +225,7 @@ def blockwise_cache_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax
       k = jax.lax.dynamic_slice_in_dim(k_cache, start, block, axis=1)
       v = jax.lax.dynamic_slice_in_dim(v_cache, start, block, axis=1)
     mask = jax.lax.dynamic_slice_in_dim(cache_mask, start, block, axis=2)
-    return index + 1, merge(stats, scores(k, mask), written_values(v, mask), mask)
+    return index + 1, merge(stats, scores(k, mask), v, mask)
 
   blocks = (jnp.max(lengths) + block - 1) // block
   _, (_, l, acc) = jax.lax.while_loop(lambda carry: carry[0] < blocks, body, (jnp.int32(0), stats))
@@ -218,7 +274,7 @@ def cache_attention(implementation: DecodeAttention, q: jax.Array, new: tuple, p
                                    query_slots, block)
   if implementation == 'blockwise':
     return blockwise_cache_attention(q, [new] + parts, k_cache, v_cache, cache_mask, lengths, block, layer=own)
-  return grouped_attention(q, parts + [(own[0], written_values(own[1], cache_mask), cache_mask), new])
+  return grouped_attention(q, parts + [(own[0], own[1], cache_mask), new])
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

@@ -1,6 +1,7 @@
 """The KV cache the decoder writes while decoding, and the shared prompt caches that many rows read.
 
-  KVCache        keys and values of every layer for B rows (model.init_cache, model.extend)
+  KVCache        keys and values of every layer for B rows (model.init_cache, model.extend), stacked
+                 or one array per layer
   SharedPrefix   prompt caches read by the rows of their group without a copy (the G samples of a
                  prompt, the slots of continuous batching)
   write_rows / write_layers   T new entries written into each row at its own slot
@@ -17,19 +18,44 @@ import jax.numpy as jnp
 class KVCache:
   """Keys and values of every layer for B rows of up to S tokens.
 
-  k, v:         [L, B, S, K, H] in the compute dtype.
+  k, v:         [L, B, S, K, H] in the compute dtype, or `layered`: a tuple of L [B, S, K, H]
+                arrays, each read and written in place by its own layer of an unrolled decode step
+                (a layer's slice of a stack is copied out of it on XLA:GPU: the whole cache, twice,
+                every step).
   segment_ids:  [B, S] int32, 0 for empty or padding slots.
   length:       [B] int32, slots written so far; the next token goes to slot `length`.
+
+  Every entry is finite (extend writes non-finite keys and values as 0): attention gives the
+  entries it masks exactly no weight without selecting them away.
   """
 
-  k: jax.Array
-  v: jax.Array
+  k: jax.Array | tuple[jax.Array, ...]
+  v: jax.Array | tuple[jax.Array, ...]
   segment_ids: jax.Array
   length: jax.Array
 
   @property
   def max_length(self) -> int:
-    return self.k.shape[2]
+    return self.segment_ids.shape[1]
+
+  @property
+  def layered(self) -> bool:
+    return isinstance(self.k, tuple)
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return (self.k[0] if self.layered else self.k).dtype
+
+  def map_layers(self, fn) -> 'KVCache':
+    """fn(k or v [L, B, ...] or one layer's [B, ...], layer: int | None) applied to keys and values,
+    one layer at a time when layered (layer is None on a stack)."""
+    each = lambda x: (tuple(fn(part, index) for index, part in enumerate(x)) if isinstance(x, tuple)  # noqa: E731
+                      else fn(x, None))
+    return dataclasses.replace(self, k=each(self.k), v=each(self.v))
+
+  def stacked(self) -> 'KVCache':
+    """The same cache with [L, B, S, K, H] keys and values (a copy when layered)."""
+    return dataclasses.replace(self, k=jnp.stack(self.k), v=jnp.stack(self.v)) if self.layered else self
 
 
 @jax.tree_util.register_dataclass
@@ -46,12 +72,16 @@ class SharedPrefix:
   k, v:         [L, n, Pn, W, K, H] in the compute dtype.
   segment_ids:  [n, Pn, W] int32, 0 on padding.
   index:        [n, Bn] int32, the prompt each row reads, within its group.
+  readers:      at most this many rows with a real token read one prompt at a time (a prompt's G
+                samples); dense attention then reads each prompt once for its readers
+                (attention.SharedPart). None: no bound, each row reads a copy of its prompt.
   """
 
   k: jax.Array
   v: jax.Array
   segment_ids: jax.Array
   index: jax.Array
+  readers: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   def rows(self, shared: jax.Array) -> jax.Array:
     """[n, Pn, ...] per-prompt values -> [B, ...] the value each row reads."""
@@ -66,8 +96,19 @@ def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
   return jax.vmap(write_row)(cache, new, start)
 
 
-def write_layers(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-  """Writes new [L, B, T, ...] into cache [L, B, S, ...] at slot start[b] of each row b."""
+def finite(x: jax.Array) -> jax.Array:
+  """x with its NaN and infinite entries as 0: what a cache may hold (KVCache)."""
+  return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+def write_layers(cache: jax.Array | tuple[jax.Array, ...], new: jax.Array, start: jax.Array):
+  """Writes new [L, B, T, ...] into cache [L, B, S, ...] (or L [B, S, ...] layers) at slot
+  start[b] of each row b."""
+  if isinstance(cache, tuple):
+    rows = jnp.arange(new.shape[1])[:, None]
+    slots = start[:, None] + jnp.arange(new.shape[2])[None]
+    return tuple(layer.at[rows, slots].set(part, indices_are_sorted=True, unique_indices=True)
+                 for layer, part in zip(cache, new))
   # One scatter indexed on (layer, row, slot): a vmap over the row axis would move it to the front,
   # transposing the whole cache there and back. The layer is an index too, not part of the written
   # window: with one KV head per device (a tensor-parallel cache) XLA:TPU otherwise laid the cache

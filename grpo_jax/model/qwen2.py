@@ -25,9 +25,9 @@ from flax import nnx
 
 from grpo_jax.errors import require
 from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, DECODE_ATTENTIONS, AttentionImplementation,
-                                      DecodeAttention, attention_mask, cache_attention, reads_stacked_cache,
-                                      resolve_attention, sequence_attention)
-from grpo_jax.model.cache import KVCache, SharedPrefix, write_layers, write_rows
+                                      DecodeAttention, SharedPart, attention_mask, cache_attention, reader_layout,
+                                      reads_stacked_cache, resolve_attention, sequence_attention)
+from grpo_jax.model.cache import KVCache, SharedPrefix, finite, write_layers, write_rows
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.embedding import embedding_lookup
 from grpo_jax.model.layers import DENSE_MLP_PARAMS, DecoderLayers, decoder_block, rms_norm, stacked_layers
@@ -50,6 +50,15 @@ RematPolicy = Literal['none', 'full', 'dots', 'dots_no_batch']
 # read and a write of every weight each step on top of the matmul's read: half of a 7B decode
 # step on an H200, BENCHMARKS.md "Where a decode step goes"); XLA:TPU reads them in place.
 DecodeLayers = Literal['auto', 'scan', 'unrolled']
+# How dense decode attention reads the shared prompt caches (SharedPrefix) of the G samples of a
+# prompt: 'copy' (each row takes a copy of its prompt's keys and values per layer: B x W x K x H,
+# written and read again every step), 'once' (each prompt's keys and values read once, for the
+# rows that read it: attention.SharedPart, a few more kernels per layer), 'auto' ('once' where
+# the copies would be at least READ_ONCE_BYTES per layer and group of rows, else 'copy').
+PromptReads = Literal['auto', 'copy', 'once']
+# An estimate, not yet measured on a GPU: the few extra kernels of 'once' cost a few microseconds
+# each, what an H100 reads of 16 MiB takes.
+READ_ONCE_BYTES = 16 << 20
 
 _REMAT_POLICIES = {
     'full': None,  # save nothing, recompute the whole block
@@ -71,6 +80,7 @@ class ModelOptions:
   decode_attention: DecodeAttention = 'dense'  # attention over the KV cache while decoding (attention.py)
   decode_layers: DecodeLayers = 'auto'  # the layer loop of a decode step (DecodeLayers above)
   decode_block: int = 256  # cache slots per block of 'blockwise' and 'pallas' decode attention
+  prompt_reads: PromptReads = 'auto'  # how dense decode attention reads shared prompts (PromptReads above)
   # Low-rank adapters (model/lora.py): the base frozen in `dtype`, the adapters in `param_dtype`.
   lora: LoraConfig | None = None
   # A vision-language model's tower kept as loaded: no gradient flows into it (its features are
@@ -80,7 +90,8 @@ class ModelOptions:
   def __post_init__(self):
     choices = {'dtype': typing.get_args(DType), 'param_dtype': typing.get_args(ParamDType),
                'remat': typing.get_args(RematPolicy), 'attention': ATTENTION_IMPLEMENTATIONS,
-               'decode_attention': DECODE_ATTENTIONS, 'decode_layers': typing.get_args(DecodeLayers)}
+               'decode_attention': DECODE_ATTENTIONS, 'decode_layers': typing.get_args(DecodeLayers),
+               'prompt_reads': typing.get_args(PromptReads)}
     for name, allowed in choices.items():
       require(getattr(self, name) in allowed, name,
               f'must be one of {" | ".join(map(repr, allowed))}, got {getattr(self, name)!r}')
@@ -173,7 +184,7 @@ class Qwen2(nnx.Module):
     """
     params = self.layers.arrays()
     sparse = self.config.sparse_layers
-    if (self.options.scan_layers if scan is None else scan) and len(set(sparse)) == 1:
+    if self._scans(scan):
       def body(x, inputs):
         x, out, routing = layer(x, *inputs)
         return x, (out, routing)
@@ -191,6 +202,20 @@ class Qwen2(nnx.Module):
         routings.append(routing)
     stack = lambda parts: jax.tree.map(lambda *p: jnp.stack(p), *parts)  # noqa: E731
     return x, stack(outs), (stack(routings) if routings else None)
+
+  def _scans(self, scan: bool | None) -> bool:
+    """Whether run_layers(scan=scan) runs its layers as a scan (every layer of one kind)."""
+    return (self.options.scan_layers if scan is None else scan) and len(set(self.config.sparse_layers)) == 1
+
+  def _reads_prompts_once(self, prefix: SharedPrefix | None) -> bool:
+    """Whether dense decode attention reads each prompt of `prefix` once for its rows
+    (`ModelOptions.prompt_reads`); only where the prefix bounds its readers."""
+    if prefix is None or not prefix.readers or self.options.prompt_reads == 'copy':
+      return False
+    if self.options.prompt_reads == 'once':
+      return True
+    rows, (width, kv_heads, head_dim) = prefix.index.shape[1], prefix.k.shape[-3:]
+    return rows * width * kv_heads * head_dim * prefix.k.dtype.itemsize >= READ_ONCE_BYTES
 
   def _scan_decode(self) -> bool:
     """Whether a decode step runs its layers as a scan (`ModelOptions.decode_layers`)."""
@@ -320,11 +345,23 @@ class Qwen2(nnx.Module):
 
   # ---- incremental decoding with a KV cache (prefill, then one token at a time) ----
 
-  def init_cache(self, batch_size: int, max_length: int) -> KVCache:
+  @property
+  def layered_decode_cache(self) -> bool:
+    """Whether a decode step reads its cache best as one array per layer (KVCache.layered): its
+    layers unrolled (`decode_layers`) with 'dense' decode attention, which would otherwise take
+    each layer's rows out of the stack (a copy on XLA:GPU)."""
+    return not self._scan_decode() and not reads_stacked_cache(self.options.decode_attention)
+
+  def init_cache(self, batch_size: int, max_length: int, layered: bool = False) -> KVCache:
+    """An empty (zeroed) cache of B rows of S slots; layered: one array per layer (KVCache)."""
     c = self.config
-    shape = (c.num_hidden_layers, batch_size, max_length, c.num_key_value_heads, c.resolved_head_dim)
-    axes = ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim')  # rows over the batch axes, KV heads over 'tensor'
-    return KVCache(k=constrain(jnp.zeros(shape, self.dtype), axes), v=constrain(jnp.zeros(shape, self.dtype), axes),
+    shape = (batch_size, max_length, c.num_key_value_heads, c.resolved_head_dim)
+    axes = ('batch', 'cache_seq', 'kv_heads', 'head_dim')  # rows over the batch axes, KV heads over 'tensor'
+    if layered:
+      zeros = lambda: tuple(constrain(jnp.zeros(shape, self.dtype), axes) for _ in range(c.num_hidden_layers))  # noqa: E731
+    else:
+      zeros = lambda: constrain(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), ('layers',) + axes)  # noqa: E731
+    return KVCache(k=zeros(), v=zeros(),
                    segment_ids=constrain(jnp.zeros((batch_size, max_length), jnp.int32), ('batch', 'cache_seq')),
                    length=constrain(jnp.zeros((batch_size,), jnp.int32), ('batch',)))
 
@@ -383,40 +420,62 @@ class Qwen2(nnx.Module):
     implementation = self.options.decode_attention
     stacked = reads_stacked_cache(implementation)
     scan = self._scan_decode() if length == 1 else None
+    layered = cache.layered
+    if layered and (stacked or self._scans(scan)):  # these read a stack: one is made (a copy)
+      cache = cache.stacked()
     # Unrolled decode layers with 'dense' attention take their layer's cache rows when the layer's
     # input exists: the index passes an optimization barrier with x. Sliced up front, XLA:GPU held
     # every layer's copy at once (the 32B recipe's rollout: 92 GiB of temporaries per H100, not 48).
-    ordered = scan is False and not stacked
+    # A layered cache needs neither: each layer reads its own arrays.
+    ordered = scan is False and not stacked and not cache.layered
+    dtype = cache.dtype
+    reading = None
+    if self._reads_prompts_once(prefix) and implementation == 'dense':
+      groups, per_prompts = prefix.segment_ids.shape[:2]
+      reads = jnp.any(segment_ids != 0, axis=1).reshape(groups, -1)
+      reading = reader_layout(prefix.index, reads, per_prompts, prefix.readers)
 
     def layer(x, params, layer_cache, _):
-      own, *shared = layer_cache  # this layer's cache rows, or (stacked, ordered) its index into the stack
-      if ordered:
+      own, *shared = layer_cache  # this layer's cache rows, or its index into the stack or the layers
+      if cache.layered:
+        own = (cache.k[int(own)], cache.v[int(own)])
+      elif ordered:
         own, x = jax.lax.optimization_barrier((own, x))
         own = tuple(jax.lax.dynamic_index_in_dim(stack, own, keepdims=False) for stack in (cache.k, cache.v))
-      parts = [] if prefix is None else [(prefix.rows(shared[0]), prefix.rows(shared[1]), prefix_mask)]
+      if prefix is None:
+        parts = []
+      elif reading is not None:
+        parts = [SharedPart(shared[0], shared[1], prefix_mask, *reading)]
+      else:
+        parts = [(prefix.rows(shared[0]), prefix.rows(shared[1]), prefix_mask)]
 
       def attend(q, k, v):
-        # Round the new keys and values to the cache dtype, as writing them first would.
-        new = (k.astype(cache.k.dtype), v.astype(cache.v.dtype), mask)
+        # The new keys and values as the cache will hold them (rounded to its dtype, finite).
+        new = (finite(k.astype(dtype)), finite(v.astype(dtype)), mask)
         return cache_attention(implementation, q, new, parts, cache.k, cache.v, own, cache_mask, cache.length,
                                cache.segment_ids, segment_ids, query_slots, self.options.decode_block)
 
       return decoder_block(params, x, positions, attend, config=self.config, dtype=self.dtype,
                            lora_scale=self.lora_scale, real=segment_ids != 0)
 
-    own = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32) if stacked or ordered else (cache.k, cache.v)
+    layers = self.config.num_hidden_layers
+    if cache.layered:  # indices the unrolled loop hands each layer as constants
+      own = np.arange(layers)
+    else:
+      own = jnp.arange(layers, dtype=jnp.int32) if stacked or ordered else (cache.k, cache.v)
     layer_caches = (own,) + (() if prefix is None else (prefix.k, prefix.v))
     x, (k_new, v_new), routing = self.run_layers(self._embed(tokens, images), layer, layer_caches, scan=scan)
     hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
+    k_new, v_new = finite(k_new.astype(dtype)), finite(v_new.astype(dtype))
     if length == cache.max_length:
       # The tokens fill the whole cache (so it was empty: length + T <= S): it is the new keys and
       # values themselves. No scatter, which on a mesh would gather every row's keys to every device.
-      new_cache = KVCache(k=k_new.astype(cache.k.dtype), v=v_new.astype(cache.v.dtype), segment_ids=segment_ids,
-                          length=cache.length + length)
+      new_cache = KVCache(k=k_new, v=v_new, segment_ids=segment_ids, length=cache.length + length)
     else:
-      new_cache = KVCache(k=write_layers(cache.k, k_new.astype(cache.k.dtype), cache.length),
-                          v=write_layers(cache.v, v_new.astype(cache.v.dtype), cache.length),
+      new_cache = KVCache(k=write_layers(cache.k, k_new, cache.length), v=write_layers(cache.v, v_new, cache.length),
                           segment_ids=write_rows(cache.segment_ids, segment_ids, cache.length),
                           length=cache.length + length)
+    if layered and not new_cache.layered:
+      new_cache = dataclasses.replace(new_cache, k=tuple(new_cache.k), v=tuple(new_cache.v))
     out = hidden if return_hidden else self.project(hidden)
     return (out, new_cache, _gathered(routing)) if return_routing else (out, new_cache)

@@ -301,16 +301,19 @@ class QwenEngine:
     c, B, S, mesh = self._model.config, self.slots, self.cache_length, self._mesh
     cache_shape = (c.num_hidden_layers, B, S, c.num_key_value_heads, c.resolved_head_dim)
     per_slot = named_sharding(mesh, (B,), ('batch',))
+    if self._model.layered_decode_cache:  # one array per layer (KVCache)
+      layers = lambda: (named_sharding(mesh, cache_shape[1:], CACHE_AXES[1:]),) * c.num_hidden_layers  # noqa: E731
+    else:
+      layers = lambda: named_sharding(mesh, cache_shape, CACHE_AXES)  # noqa: E731
     return DecodeState(
-        cache=KVCache(k=named_sharding(mesh, cache_shape, CACHE_AXES),
-                      v=named_sharding(mesh, cache_shape, CACHE_AXES),
-                      segment_ids=named_sharding(mesh, (B, S), ('batch', 'cache_seq')), length=per_slot),
+        cache=KVCache(k=layers(), v=layers(), segment_ids=named_sharding(mesh, (B, S), ('batch', 'cache_seq')),
+                      length=per_slot),
         hidden=named_sharding(mesh, (B, c.hidden_size), ('batch', 'act_embed')),
         keys=per_slot, generated=per_slot, live=per_slot, offsets=per_slot if c.vision is not None else None)
 
   def _init_state(self) -> DecodeState:
     B = self.slots
-    return DecodeState(cache=self._model.init_cache(B, self.cache_length),
+    return DecodeState(cache=self._model.init_cache(B, self.cache_length, layered=self._model.layered_decode_cache),
                        hidden=jnp.zeros((B, self._model.config.hidden_size), self._model.dtype),
                        keys=request_keys(jax.random.key(self.seed), B), generated=jnp.zeros((B,), jnp.int32),
                        live=jnp.zeros((B,), bool),

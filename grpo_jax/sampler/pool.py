@@ -327,7 +327,7 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   version = jnp.asarray(version, jnp.int32)
 
   # The shared prompt cache of every entry, prefilled with the current weights.
-  prompts = prefill_prompts(model, pool.prompt_tokens, pool.prompt_mask, groups, slots,
+  prompts = prefill_prompts(model, pool.prompt_tokens, pool.prompt_mask, groups, slots, group_size,
                             record_routes=settings.record_routes, vision=pool.vision)
 
   view = _group_view(pool, groups)

@@ -183,8 +183,8 @@ def sample_groups(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, key:
   slots = min(slots or requests, requests)
   groups = batch_groups(num_prompts, slots)
   per_slots, per_requests = slots // groups, requests // groups
-  shared = prefill_prompts(model, prompts, prompt_mask, groups, slots, record_routes=settings.record_routes,
-                           vision=vision)
+  shared = prefill_prompts(model, prompts, prompt_mask, groups, slots, group_size,
+                           record_routes=settings.record_routes, vision=vision)
   order = jnp.broadcast_to(jnp.arange(per_requests, dtype=jnp.int32), (groups, per_requests))
   count, decoded = decode_groups(
       model, idle_slots(model, shared, slots, settings.max_new_tokens), settings, prompts=shared,

@@ -97,16 +97,24 @@ def _row_cache(cache: KVCache, slots: Slots, entry: Entry) -> KVCache:
   width = entry.cache.max_length
   brought = jnp.take_along_axis(entry.cache.segment_ids, jnp.clip(offset, 0, width - 1), axis=1)
   segment_ids = jnp.where((offset >= 0) & (offset < width), brought, kept)
-  if slots.mask is not None:  # rows laid out per slot: whole rows
-    if width != length or entry.start is not None:
-      raise ValueError(f'a masked admission brings whole cache rows ({length} entries from 0), got {width}')
-    k, v = slots.put(cache.k, entry.cache.k, axis=1), slots.put(cache.v, entry.cache.v, axis=1)
-  else:
-    positions = start[:, None] + jnp.arange(width)  # [R, W]
-    at = (slice(None), slots.index[:, None], positions)
-    k = cache.k.at[at].set(entry.cache.k.astype(cache.k.dtype), mode='drop')
-    v = cache.v.at[at].set(entry.cache.v.astype(cache.v.dtype), mode='drop')
-  return KVCache(k=k, v=v, segment_ids=slots.put(cache.segment_ids, segment_ids),
+  if slots.mask is not None and (width != length or entry.start is not None):
+    raise ValueError(f'a masked admission brings whole cache rows ({length} entries from 0), got {width}')
+  positions = start[:, None] + jnp.arange(width)  # [R, W]
+
+  def put(target, values):  # target [..., B, S, K, H]: a stack or one layer's; values [..., R, W, K, H]
+    axis = target.ndim - 4
+    if slots.mask is not None:  # rows laid out per slot: whole rows
+      return slots.put(target, values, axis=axis)
+    return target.at[(slice(None),) * axis + (slots.index[:, None], positions)].set(values.astype(target.dtype),
+                                                                                    mode='drop')
+
+  def layers(target, values):  # each layer of a layered cache takes its own layer of the entry's
+    if isinstance(target, tuple):
+      return tuple(put(part, values[index]) for index, part in enumerate(target))
+    return put(target, values)
+
+  return KVCache(k=layers(cache.k, entry.cache.k), v=layers(cache.v, entry.cache.v),
+                 segment_ids=slots.put(cache.segment_ids, segment_ids),
                  length=slots.put(cache.length, entry.cache.length))
 
 
@@ -196,10 +204,11 @@ class Prompts:
 
 
 def prefill_prompts(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, groups: int, slots: int,
-                    record_routes: bool = False, vision: Vision | None = None) -> Prompts:
+                    group_size: int, record_routes: bool = False, vision: Vision | None = None) -> Prompts:
   """Prompts [P, Tp] (prompt_mask 1 on real tokens) prefilled into their shared cache, for
-  `slots` decode slots split into `groups`; record_routes: keep their tokens' experts; vision:
-  their images (each prompt's run through the vision tower once, here). Traceable."""
+  `slots` decode slots split into `groups`, each prompt read by at most `group_size` requests at
+  a time (SharedPrefix.readers); record_routes: keep their tokens' experts; vision: their images
+  (each prompt's run through the vision tower once, here). Traceable."""
   count, width = prompts.shape
   done = prefill(model, prompts, prompt_mask.astype(jnp.int32), model.init_cache(count, width),
                  record_routes=record_routes, vision=vision)
@@ -207,7 +216,7 @@ def prefill_prompts(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, gr
   split = lambda x: x.reshape((layers, groups, count // groups) + x.shape[2:])  # noqa: E731
   shared = SharedPrefix(k=split(done.cache.k), v=split(done.cache.v),
                         segment_ids=grouped(done.cache.segment_ids, groups),
-                        index=jnp.zeros((groups, slots // groups), jnp.int32))
+                        index=jnp.zeros((groups, slots // groups), jnp.int32), readers=group_size)
   return Prompts(shared=shared, hidden=grouped(done.hidden, groups), empty=grouped(done.empty, groups),
                  routes=None if done.routes is None else grouped(done.routes, groups),
                  offsets=None if done.offsets is None else grouped(done.offsets, groups))
@@ -216,7 +225,7 @@ def prefill_prompts(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, gr
 def idle_slots(model: Qwen2, prompts: Prompts, slots: int, steps: int) -> DecodeState:
   """`slots` decode slots holding no request, each with its own cache row of `steps` entries,
   reading their prompts from `prompts`."""
-  return DecodeState(cache=model.init_cache(slots, steps),
+  return DecodeState(cache=model.init_cache(slots, steps, layered=model.layered_decode_cache),
                      hidden=jnp.zeros((slots, prompts.hidden.shape[-1]), prompts.hidden.dtype),
                      keys=jax.random.split(jax.random.key(0), slots), generated=jnp.zeros((slots,), jnp.int32),
                      live=jnp.zeros((slots,), bool), prefix=prompts.shared,
