@@ -6,7 +6,9 @@
 # which stopped at its own check, since fixed) lora lora_update (not yet measured); the decode
 # loop's profile and roofline: profile profile_cb sampler7b sampler_scan sampler7b_scan profile7b
 # blockwise pallas (measured 2026-11-27 on an H200: BENCHMARKS.md, "Where a decode step goes");
-# the 8-bit sampler beside the bf16 one (run with sampler7b): sampler7b_fp8 sampler7b_int8 (not yet measured).
+# the 8-bit sampler beside the bf16 one (run with sampler7b): sampler7b_fp8 sampler7b_int8 (not yet measured);
+# the cache read in place and each prompt read once, at recipe-like contexts: sampler_long_once
+# sampler_long_copy (not yet measured; sampler and sampler7b again give the short contexts' change).
 # Full logs and traces go to $LOGS (default: $OUT), only the summary to $OUT; `bench/gpu.sh pack`
 # last tars $LOGS into $OUT/logs.tgz (what comes back from a device call is a few files).
 export PYTHONPATH=.:bench PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
@@ -44,6 +46,10 @@ run sampler_scan 150 $py bench/sampler.py --preset qwen2.5-0.5b --dtype bfloat16
 run sampler7b_scan 150 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --batch-sizes 64 --repeats 3 --decode-layers scan
 run sampler7b_fp8 150 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --batch-sizes 64,256 --repeats 3 --weights fp8
 run sampler7b_int8 150 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --batch-sizes 64,256 --repeats 3 --weights int8
+# Recipe-like contexts (prompt 512 + 512 new tokens, 256 rows): each prompt's keys read once for its
+# G rows against a copy per row (model.prompt_reads), the slot cache in one array per layer either way.
+run sampler_long_once 200 $py bench/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --batch-sizes 256 --prompt-length 512 --new-tokens 512 --repeats 3 --prompt-reads once
+run sampler_long_copy 200 $py bench/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --batch-sizes 256 --prompt-length 512 --new-tokens 512 --repeats 3 --prompt-reads copy
 TAIL=40 run profile7b 150 $py bench/decode_profile.py --preset qwen2.5-7b --rows 64 --top 16 --trace "$logs/trace_7b"
 TAIL=8 run blockwise 90 $py bench/decode_profile.py --preset qwen2.5-0.5b --rows 64 --decode-attention blockwise --top 4
 TAIL=8 run pallas 90 $py bench/decode_profile.py --preset qwen2.5-0.5b --rows 64 --decode-attention pallas --top 4

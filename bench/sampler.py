@@ -36,6 +36,7 @@ def parse_args():
   parser.add_argument('--reference', action='store_true', help='run PyTorch also on an accelerator')
   parser.add_argument('--decode-layers', default='auto', help='ModelOptions.decode_layers: auto | scan | unrolled')
   parser.add_argument('--decode-attention', default='dense', help='ModelOptions.decode_attention')
+  parser.add_argument('--prompt-reads', default='auto', help='ModelOptions.prompt_reads: auto | copy | once')
   parser.add_argument('--weights', default='', help='rollout.weights (compute | bf16 | int8 | fp8): sample from '
                       'the resident copy the rollout layout makes, on one device; default: the model\'s own')
   return parser.parse_args()
@@ -190,7 +191,7 @@ def main():
   config = Qwen2Config(**{**PRESETS[args.preset], **overrides})
   reference = None
   options = ModelOptions(dtype=args.dtype, param_dtype=args.dtype, decode_layers=args.decode_layers,
-                         decode_attention=args.decode_attention)
+                         decode_attention=args.decode_attention, prompt_reads=args.prompt_reads)
   with tempfile.TemporaryDirectory(prefix='bench_sampler_') as directory:
     if jax.default_backend() == 'cpu' or args.reference:
       reference = torch_reference(config, directory)
