@@ -77,13 +77,16 @@ def directory(seed, make_hf_checkpoint):
   return make_hf_checkpoint(seed)[0]
 
 
-def test_engine_insert(seed, directory):
+# 'unrolled': the GPU's decode step, its cache one array per layer (KVCache.layered).
+@pytest.mark.parametrize('layers', ['scan', 'unrolled'])
+def test_engine_insert(seed, directory, layers):
   """Two slots, six requests of three prompts: slots are refilled after other requests."""
-  model = from_pretrained(directory)
+  model = from_pretrained(directory, options=ModelOptions(decode_layers=layers))
   prompts = random_prompts(seed, [3, 9, 5])
 
   def run():
     engine = QwenEngine(model, slots=2, max_prefill_length=16, settings=decode_settings(seed, 10, stops=30), seed=seed % 1000)
+    assert engine.init_decode_state().cache.layered == (layers == 'unrolled')
     return generate_groups(engine, engine.load_params(), prompts, group_size=2, check_every=2)
 
   assert_same(*clean_and_poisoned(run))
@@ -127,10 +130,11 @@ def test_pool_of_partial_rollouts(seed, directory):
     assert_same(clean_rollout, poisoned_rollout)
 
 
-def test_inference_server_kept_caches(seed, directory):
+@pytest.mark.parametrize('layers', ['scan', 'unrolled'])
+def test_inference_server_kept_caches(seed, directory, layers):
   """Conversations taking turns on two slots: a turn continues its kept cache or lands in a slot
   another conversation's longer context left behind."""
-  model = from_pretrained(directory)
+  model = from_pretrained(directory, options=ModelOptions(decode_layers=layers))
   graphdef, params = nnx.split(model)
   prompts = random_prompts(seed, [9, 2, 6])
 
