@@ -244,6 +244,14 @@ class Qwen2(nnx.Module):
       return nnx.merge(graphdef, restacked)
     return pieces, rebuild
 
+  def layer_view(self, arrays: tuple[jax.Array, ...]) -> tuple[typing.Any, Callable]:
+    """(pieces, rebuild) for [L, ...] arrays that a decode loop's layers read one layer each (the
+    shared prompts' keys and values): loop_view's cut, when the decode layers are unrolled."""
+    if self._scan_decode():
+      return arrays, lambda pieces: pieces
+    pieces = tuple(tuple(x[index] for index in range(x.shape[0])) for x in arrays)
+    return pieces, lambda pieces: tuple(jnp.stack(parts) for parts in pieces)
+
   # ---- full-sequence forward (training, scoring) ----
 
   def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,

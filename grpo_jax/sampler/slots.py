@@ -310,12 +310,19 @@ def decode_groups(model: Qwen2, state: DecodeState, settings: DecodeSettings, *,
                                offsets=None if state.offsets is None else rows(state.offsets))
 
   pieces, rebuild = model.loop_view()  # the weights as the loop's matmuls read them in place
+  # The prompts' keys and values likewise, cut per layer when the loop's layers are unrolled: a
+  # layer's slice of the carried [L, ...] stack is copied every step on XLA:GPU.
+  prompt_pieces, prompt_rebuild = model.layer_view((state.prefix.k, state.prefix.v))
 
   def step(carry):
     count, state, holding, waiting, decoded = carry
     state, holding, waiting, decoded = insert(state, holding, waiting, decoded)
     state, holding = pinned(state), rows(holding)
+    carried = state.prefix  # its keys and values pass through the loop unchanged
+    k, v = prompt_rebuild(prompt_pieces)
+    state = dataclasses.replace(state, prefix=dataclasses.replace(carried, k=k, v=v))
     state, emitted = decode_step(rebuild(pieces), state, settings)
+    state = dataclasses.replace(state, prefix=dataclasses.replace(state.prefix, k=carried.k, v=carried.v))
     return count + 1, state, holding, waiting, write(decoded, holding, emitted, state.live)
 
   with jax.named_scope('decode_loop'):  # the plan counts this loop's traffic per iteration (plan/traffic.py)
