@@ -15,7 +15,7 @@ export PYTHONPATH=.:bench PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # PyTorch shares the GPU in the --torch/--reference runs
 out=${OUT:-gpu_logs}; logs=${LOGS:-$out}; mkdir -p "$out" "$logs"
 py=${PYTHON:-python3}
-want=${*:-env profile profile_cb sampler7b sampler profile7b blockwise pallas decode lora lora_update forward update logprob}
+want=${*:-env sampler sampler7b sampler_long_once sampler_long_copy sampler7b_fp8 sampler7b_int8 profile7b profile decode lora lora_update forward update logprob}
 run() {  # name limit_s command...
   local name=$1 limit=$2; shift 2
   case " $want " in *" $name "*) ;; *) return;; esac
