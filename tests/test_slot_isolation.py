@@ -43,7 +43,7 @@ def poisoned_caches():
   original = Qwen2.init_cache
 
   def init_cache(self, batch_size, max_length, layered=False):
-    def garbage(x, _):  # [..., B, S, K, H]
+    def garbage(x):  # [..., B, S, K, H]
       big = float(jnp.finfo(x.dtype).max)
       index = sum(jax.lax.broadcasted_iota(jnp.int32, x.shape, axis) for axis in range(x.ndim - 4, x.ndim - 1))
       return jnp.asarray((big, -big, 3e4, -3e4), x.dtype)[index % 4]

@@ -409,12 +409,12 @@ class InferenceServer:
     model = nnx.merge(self.graphdef, params)
     cache, width = state.cache, tokens.shape[1]
     rows_of = lambda values, axis: jnp.take(values, slots, axis=axis, mode='clip')  # noqa: E731
-    kept = dataclasses.replace(cache.map_layers(lambda x, _: rows_of(x, x.ndim - 4)),
+    kept = dataclasses.replace(cache.map_layers(lambda x: rows_of(x, x.ndim - 4)),
                                segment_ids=rows_of(cache.segment_ids, 0), length=rows_of(cache.length, 0))
     done = prefill(model, tokens, real, kept)
     start = kept.length  # [R] where each row's new entries begin
 
-    def new_entries(x, _):  # [..., R, S, K, H] -> [..., R, W, K, H] from each row's start
+    def new_entries(x):  # [..., R, S, K, H] -> [..., R, W, K, H] from each row's start
       axis = x.ndim - 4
       return jax.vmap(lambda row, first: jax.lax.dynamic_slice_in_dim(row, first, width, axis=axis), (axis, 0), axis)(
           x, start)

@@ -47,10 +47,8 @@ class KVCache:
     return (self.k[0] if self.layered else self.k).dtype
 
   def map_layers(self, fn) -> 'KVCache':
-    """fn(k or v [L, B, ...] or one layer's [B, ...], layer: int | None) applied to keys and values,
-    one layer at a time when layered (layer is None on a stack)."""
-    each = lambda x: (tuple(fn(part, index) for index, part in enumerate(x)) if isinstance(x, tuple)  # noqa: E731
-                      else fn(x, None))
+    """fn(k or v [L, B, ...], or one layer's [B, ...] when layered) applied to keys and values."""
+    each = lambda x: tuple(map(fn, x)) if isinstance(x, tuple) else fn(x)  # noqa: E731
     return dataclasses.replace(self, k=each(self.k), v=each(self.v))
 
   def stacked(self) -> 'KVCache':
@@ -105,10 +103,7 @@ def write_layers(cache: jax.Array | tuple[jax.Array, ...], new: jax.Array, start
   """Writes new [L, B, T, ...] into cache [L, B, S, ...] (or L [B, S, ...] layers) at slot
   start[b] of each row b."""
   if isinstance(cache, tuple):
-    rows = jnp.arange(new.shape[1])[:, None]
-    slots = start[:, None] + jnp.arange(new.shape[2])[None]
-    return tuple(layer.at[rows, slots].set(part, indices_are_sorted=True, unique_indices=True)
-                 for layer, part in zip(cache, new))
+    return tuple(write_rows(layer, part, start) for layer, part in zip(cache, new))
   # One scatter indexed on (layer, row, slot): a vmap over the row axis would move it to the front,
   # transposing the whole cache there and back. The layer is an index too, not part of the written
   # window: with one KV head per device (a tensor-parallel cache) XLA:TPU otherwise laid the cache

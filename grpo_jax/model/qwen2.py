@@ -366,7 +366,8 @@ class Qwen2(nnx.Module):
     shape = (batch_size, max_length, c.num_key_value_heads, c.resolved_head_dim)
     axes = ('batch', 'cache_seq', 'kv_heads', 'head_dim')  # rows over the batch axes, KV heads over 'tensor'
     if layered:
-      zeros = lambda: tuple(constrain(jnp.zeros(shape, self.dtype), axes) for _ in range(c.num_hidden_layers))  # noqa: E731
+      zeros = lambda: tuple(constrain(jnp.zeros(shape, self.dtype), axes)  # noqa: E731
+                            for _ in range(c.num_hidden_layers))
     else:
       zeros = lambda: constrain(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), ('layers',) + axes)  # noqa: E731
     return KVCache(k=zeros(), v=zeros(),

@@ -178,9 +178,9 @@ def _replicas_of(micro: 'MicroBatches', rows: int) -> int:
   size where an update has several micro-batches, the mesh has no tensor axis, and the data axis
   splits the mini-batch's rows and each replica's micro-batch rows (padded) or packed groups split
   evenly over its own batch axes (fsdp, expert); else 1: the whole mesh computes each micro-batch,
-  and the data axis reduces its gradients, as any batch axis does. Inside the replicas' shard_map, XLA's partitioner aborted
-  placing the embedding gather of a vocabulary split over 'tensor', and that of a micro-batch of
-  fewer rows than a replica's devices."""
+  and the data axis reduces its gradients, as any batch axis does. Inside the replicas' shard_map,
+  XLA's partitioner aborted placing the embedding gather of a vocabulary split over 'tensor', and
+  that of a micro-batch of fewer rows than a replica's devices."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return 1
