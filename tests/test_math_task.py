@@ -57,6 +57,8 @@ def score_with_failures(completion, answer):
     raise RuntimeError('scorer failed')
   if answer == 'allocate':
     return len(bytearray(8 << 30))
+  if answer == 'stamp':  # a value no other call gives: the process and the time of this call
+    return os.getpid() + time.perf_counter_ns() % 10**9 / 10**9
   return rewards.math_reward(completion, answer)
 
 
@@ -96,6 +98,10 @@ def test_pool_keeps_order_and_gives_zero_for_hangs_and_crashes():
     assert 2.0 <= time.monotonic() - start < 60
     assert pool.failures == 3  # the hang, the crash (both workers replaced) and the raise
     assert pool.map(completions[:4], answers[:4]) == expected[:4]
+    # A pair that occurs several times in one call is scored once (each call stamps its result).
+    stamped = pool.map(['7', '8', '7', '7', '8'], ['stamp'] * 5)
+    assert stamped[0] == stamped[2] == stamped[3] != stamped[1] == stamped[4]
+    assert pool.map(['7'], ['stamp']) != stamped[:1]
 
 
 def test_pool_bounds_each_checks_memory():

@@ -1,6 +1,7 @@
 """Many processes on JAX's own runtime: two processes on 127.0.0.1 (gloo collectives between CPU
 devices) run the same RL steps as one process over the same 8 devices (hybrid sharding over the two,
-and FSDP across them), and a checkpoint they wrote together resumes in one process on another mesh."""
+FSDP across them, split devices), and a checkpoint they wrote together resumes in one process on
+another mesh."""
 
 import collections
 import os
@@ -89,24 +90,6 @@ def assert_same_run(got, expected, tolerance=1e-5):
         assert mine[name] == theirs[name], name
       else:
         np.testing.assert_allclose(mine[name], theirs[name], rtol=tolerance, atol=tolerance, err_msg=name)
-
-
-@pytest.mark.slow
-def test_two_processes_equal_one_and_resume_on_one_process_with_another_mesh(tmp_path):
-  one_process(tmp_path / 'one', '--set', 'train.steps=6')
-  # Hybrid sharding over the two processes: data over them, fsdp over each one's 4 devices.
-  two = launch(tmp_path / 'two', 2, 4, '--set', 'train.steps=4', '--set', 'mesh.hybrid=true')
-  # Process 0 alone reports; process 1 joins every step and checkpoint and writes no logs.
-  assert 'mean reward' in two[0].stdout and 'mean reward' not in two[1].stdout
-  assert 'data=2 x fsdp=4 x tensor=1 x expert=1 (8 devices) over 2 process(es)' in two[0].stdout
-  assert sorted(os.listdir(tmp_path / 'two' / 'checkpoints')) == ['2', '4']
-  assert_same_run(metrics(tmp_path / 'two'), metrics(tmp_path / 'one')[:4])
-  reference = metrics(tmp_path / 'one')
-  assert all(row['grad_norm'] > 0 for row in reference) and reference[-1]['kl'] > 0
-  # The checkpoint the two processes wrote together, restored by one process on a (2, 4, 1) mesh.
-  resumed = launch(tmp_path / 'two', 1, 8, '--set', 'train.steps=6', '--set', 'mesh.data=2')
-  assert 'resumed from' in resumed[0].stderr and 'mesh.data: 1 -> 2' in resumed[0].stderr
-  assert_same_run(metrics(tmp_path / 'two'), metrics(tmp_path / 'one'))
 
 
 @pytest.mark.slow
@@ -215,15 +198,24 @@ def test_split_devices_across_processes_equal_one_process_and_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_hybrid_sharding_with_the_expert_axis_equals_one_process(tmp_path):
+def test_hybrid_sharding_over_two_processes_equals_one_and_resumes_on_one_process_with_another_mesh(tmp_path):
   """Hybrid sharding composed with expert parallelism (a mixture of experts with rollout routing
-  replay): data over the two processes, fsdp x expert over each one's 4 devices, equal to one
-  process over the same 8 devices laid out (2, 2, 1, 2) by the mesh section."""
+  replay; its attention, embeddings and norms are laid out as a dense model's): data over the two
+  processes, fsdp x expert over each one's 4 devices, equal to one process over the same 8 devices
+  laid out (2, 2, 1, 2) by the mesh section. The checkpoint the two wrote together resumes in one
+  process on an expert axis twice as wide (the experts and their Adam moments resharded)."""
   base = ['--config', 'configs/tiny_arith_moe.yaml', *COMMON[2:]]
-  one_process(tmp_path / 'one', '--set', 'train.steps=4', '--set', 'mesh.data=2', '--set', 'mesh.expert=2', base=base)
+  one_process(tmp_path / 'one', '--set', 'train.steps=6', '--set', 'mesh.data=2', '--set', 'mesh.expert=2', base=base)
   two = launch(tmp_path / 'two', 2, 4, '--set', 'train.steps=4', '--set', 'mesh.hybrid=true', '--set', 'mesh.expert=2',
                base=base)
+  # Process 0 alone reports; process 1 joins every step and checkpoint and writes no logs.
+  assert 'mean reward' in two[0].stdout and 'mean reward' not in two[1].stdout
   assert 'data=2 x fsdp=2 x tensor=1 x expert=2 (8 devices) over 2 process(es)' in two[0].stdout
+  assert sorted(os.listdir(tmp_path / 'two' / 'checkpoints')) == ['2', '4']
   reference = metrics(tmp_path / 'one')
-  assert all(row['grad_norm'] > 0 for row in reference)
+  assert all(row['grad_norm'] > 0 for row in reference) and reference[-1]['kl'] > 0
+  assert_same_run(metrics(tmp_path / 'two'), reference[:4])
+  resumed = launch(tmp_path / 'two', 1, 8, '--set', 'train.steps=6', '--set', 'mesh.expert=4', base=base)
+  assert 'resumed from' in resumed[0].stderr and 'mesh.expert: 2 -> 4' in resumed[0].stderr, resumed[0].stderr[-2000:]
+  assert 'data=1 x fsdp=2 x tensor=1 x expert=4 (8 devices) over 1 process(es)' in resumed[0].stdout
   assert_same_run(metrics(tmp_path / 'two'), reference)

@@ -111,17 +111,20 @@ class RewardPool:
     return self._pool._workers
 
   def map(self, completions: list[str], answers: list[str]) -> list[float]:
-    """Rewards of each (completion, answer) pair, in order."""
+    """Rewards of each (completion, answer) pair, in order. A pair that occurs more than once (a
+    group whose answers agree, as most do once a policy has learned a problem) is scored once."""
     if len(completions) != len(answers):
       raise ValueError(f'{len(completions)} completions but {len(answers)} answers')
+    pairs = list(zip(completions, answers))
+    unique = list(dict.fromkeys(pairs))
     try:
-      results = self._pool.map(list(zip(completions, answers)))
+      scored = dict(zip(unique, self._pool.map(unique)))
     except UserError as error:
       if 'could not start' in str(error):
         raise UserError(f'{error} (math-verify==0.9.0 is in requirements.txt)') from None
       raise
     rewards = []
-    for result in results:
+    for result in (scored[pair] for pair in pairs):
       try:
         reward = float(result)
       except (TypeError, ValueError):  # Failed, or a scorer that returned no number

@@ -251,7 +251,8 @@ def compile_layer(target_name: str, mesh_shape: dict, tokens_per_device: int = 5
   from grpo_jax.plan import targets
   from grpo_jax.sharding import MeshConfig, make_mesh, named_sharding
   config = MeshConfig(**{'fsdp': 1, **mesh_shape})
-  mesh = make_mesh(config, targets.parse_target(target_name).devices()[:math.prod(config.shape)])
+  target = targets.parse_target(target_name)
+  mesh = make_mesh(config, target.devices()[:math.prod(config.shape)])
   rows = math.prod(dict(mesh.shape)[axis] for axis in BATCH_AXES)
   shapes = [((rows, tokens_per_device, model), dtype, ('batch', 'seq', 'act_embed')),
             ((rows, tokens_per_device, top_k), jnp.int32, ('batch', 'seq', None)),
@@ -266,7 +267,8 @@ def compile_layer(target_name: str, mesh_shape: dict, tokens_per_device: int = 5
   with jax.set_mesh(mesh):
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=named_sharding(mesh, shape, axes))
             for shape, dtype, axes in shapes]
-    return jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4, 5))).trace(*args).lower().compile(), mesh
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4, 5))).trace(*args).lower()
+    return lowered.compile(compiler_options=targets.compiler_options(target.platform)), mesh
 
 
 def main(argv=None) -> int:

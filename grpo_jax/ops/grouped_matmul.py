@@ -212,11 +212,12 @@ def compile_for(target_name: str, function, *shapes):
   from jax.sharding import NamedSharding, PartitionSpec
 
   from grpo_jax.plan import targets
-  mesh = jax.sharding.Mesh(targets.parse_target(target_name).devices()[:1], ('data',))
+  target = targets.parse_target(target_name)
+  mesh = jax.sharding.Mesh(target.devices()[:1], ('data',))
   one = NamedSharding(mesh, PartitionSpec())
   with jax.set_mesh(mesh):
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=one) for shape, dtype in shapes]
-    return jax.jit(function).trace(*args).lower().compile()
+    return jax.jit(function).trace(*args).lower().compile(compiler_options=targets.compiler_options(target.platform))
 
 
 def expert_mlp_function(backward: bool, **options):

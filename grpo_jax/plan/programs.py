@@ -113,12 +113,14 @@ NO_TRITON_GEMM = {'xla_gpu_enable_triton_gemm': False}
 def compile_for_target(jitted, args, platform: str):
   """(compiled, note): `jitted` traced on `args` and compiled by the target's compiler."""
   lowered = jitted.trace(*args).lower()
+  options = targets.compiler_options(platform)
   try:
-    return lowered.compile(), ''
+    return lowered.compile(compiler_options=options), ''
   except Exception as error:
     if platform != 'gpu' or _TRITON_GEMM_TILING not in str(error):
       raise
-  return lowered.compile(compiler_options=NO_TRITON_GEMM), 'GEMMs on cuBLAS (no default Triton GEMM tiling fits)'
+  return (lowered.compile(compiler_options=options | NO_TRITON_GEMM),
+          'GEMMs on cuBLAS (no default Triton GEMM tiling fits)')
 
 
 def compile_program(name: str, target: targets.Target, devices: list, jitted, *args) -> Program:
