@@ -6,17 +6,19 @@ Qwen2.5's 151,936-word vocabulary the fp32 logits of 8 x 4,096 tokens alone take
 and recomputes the tiles in a custom VJP that saves only h, W, y and per-token lse (and entropy).
 
 Implementations (same signature, same results up to rounding):
-  'pallas'       fused kernels (logprob_pallas.py): Mosaic on TPU (logprob_mosaic.py), Triton on
-                 GPU (logprob_triton.py), and the Mosaic schedule in interpret mode elsewhere
-                 ('pallas_mosaic' / 'pallas_triton' force a schedule, e.g. to interpret the GPU
-                 kernels on CPU). Imported only when one of them runs.
+  'pallas'       fused kernels (logprob_pallas.py): Mosaic on TPU (logprob_mosaic.py), and the
+                 Mosaic schedule in interpret mode on CPU. Not on GPUs: the Triton kernels
+                 (logprob_triton.py) ran 10.7x slower than 'xla_chunked' on an H200
+                 (BENCHMARKS.md), so 'pallas' there is refused with that reason rather than
+                 picked. 'pallas_mosaic' / 'pallas_triton' force a schedule (to measure or tune
+                 the Triton kernels, or to interpret them on CPU). Imported only when one runs.
   'xla_chunked'  the same algorithm, with the same tile maths (tiles.py), as a lax.scan over
                  vocabulary chunks in plain XLA.
   'naive'        full logits, log_softmax, take_along_axis; the reference, plain autodiff.
   'auto'         'xla_chunked' on every platform for now: the Pallas kernels are tested in
                  interpret mode and compiled in CI for v5e, v5p, v6e and H100 by Mosaic and
                  Triton (deviceless, tests/test_deviceless.py), but have not yet been measured
-                 on the hardware, so they are opt-in ('pallas').
+                 on the hardware, so they are opt-in ('pallas', TPU and CPU).
 
 Targets must lie in [0, V). Padding tokens may carry any valid id; mask them in the loss, and
 their rows of dh are then exactly zero.
@@ -39,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from grpo_jax.errors import UserError
 from grpo_jax.ops.tiles import (F32, CONTRACT_TOKENS, CONTRACT_VOCAB, dot_precision, finish_stats,
                                 initial_stats, logit_gradient, update_stats)
 from grpo_jax.sharding import auto_shape, split_axes
@@ -152,7 +155,11 @@ def _schedule(implementation: str, platform: str) -> str:
   if implementation == 'xla_chunked':
     return 'xla'
   if implementation == 'pallas':
-    return 'triton' if platform == 'gpu' else 'mosaic'
+    if platform == 'gpu':
+      raise UserError("algo.logprob_implementation 'pallas' on a GPU: its Triton kernels ran 10.7x slower than "
+                      "'xla_chunked' on an H200 (BENCHMARKS.md, fused log-prob), so they are not offered there; "
+                      "use 'auto' (xla_chunked), or 'pallas_triton' to run them anyway")
+    return 'mosaic'
   return implementation.removeprefix('pallas_')
 
 

@@ -129,6 +129,8 @@ def compile_program(name: str, target: targets.Target, devices: list, jitted, *a
   start = time.perf_counter()
   try:
     compiled, note = compile_for_target(jitted, args, target.platform)
+  except UserError:  # the run's settings, refused while tracing: already one line naming the field
+    raise
   except Exception as error:  # the target's compiler refused it: say so, in its own words
     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     raise UserError(f'{name}: the target compiler refused the program: {message}') from error

@@ -267,11 +267,12 @@ def compile_logprob_kernels(target: Target, widths=KERNEL_WIDTHS, dtypes=('bfloa
   device = target.devices()[0]
   mesh = jax.sharding.Mesh([device], ('data',))
   one = NamedSharding(mesh, PartitionSpec())
+  implementation = 'pallas_triton' if target.platform == 'gpu' else 'pallas_mosaic'  # 'pallas' is TPU-only
   results = []
   for width in widths:
     for dtype in dtypes:
       def loss(h, w, y):
-        return token_logprobs(h, w, y, implementation='pallas', return_entropy=True, **blocks)[0].sum()
+        return token_logprobs(h, w, y, implementation=implementation, return_entropy=True, **blocks)[0].sum()
 
       args = (jax.ShapeDtypeStruct((tokens, width), dtype, sharding=one),
               jax.ShapeDtypeStruct((width, vocab), dtype, sharding=one),
