@@ -98,7 +98,10 @@ def _serve(conn, fn, setup, warmup, parent_pid: int, memory_bytes: int) -> None:
   except Exception:
     pass  # a function that rejects the warm-up input can still do real items
   _limit_memory(memory_bytes)
-  conn.send(('ready', None))
+  try:
+    conn.send(('ready', None))
+  except OSError:  # the pool was closed while this worker started (it never needed it)
+    return
   while True:
     try:
       args = conn.recv()

@@ -104,6 +104,49 @@ def test_pool_keeps_order_and_gives_zero_for_hangs_and_crashes():
     assert pool.map(['7'], ['stamp']) != stamped[:1]
 
 
+def test_integer_answers_are_settled_as_math_verify_settles_them(seed, monkeypatch):
+  """integer_verdict, on fresh random integers written the ways completions write them, gives
+  math-verify's verdict (math_reward with the shortcut turned off); anything but one integer on
+  each side it leaves to math-verify."""
+  rng = np.random.default_rng(seed)
+  shapes = ['{}', '\\boxed{{{}}}', 'so it is \\boxed{{{}}}.', ' {} ', '\\boxed{{ {} }}', '\\fbox{{{}}}',
+            '<think>\\boxed{{3}}</think> \\boxed{{{}}}', 'first \\boxed{{1}}, no: \\boxed{{{}}}']
+  pairs = []
+  for _ in range(40):
+    gold = int(rng.integers(-30, 1000))
+    guess = gold if rng.random() < 0.5 else int(rng.integers(-30, 1000))
+    written = rng.choice([str(guess), '+' + str(guess), '0' + str(guess)]) if guess >= 0 else str(guess)
+    pairs.append((str(rng.choice(shapes)).format(written), rng.choice([str(gold), f' {gold}'])))
+  pairs += [('-0', '0'), ('\\boxed{007}', '7'), ('\\boxed{+5}', '5'), ('\\boxed{-5}', '5')]
+  settled = [rewards.integer_verdict(completion, answer) for completion, answer in pairs]
+  # An unboxed '+12' is left to math-verify, which extracts no answer from it.
+  assert [value is None for value in settled] == ['+' in completion and 'box' not in completion
+                                                  for completion, _ in pairs], pairs
+  assert 0.0 in settled and 1.0 in settled
+  monkeypatch.setattr(rewards, 'integer_verdict', lambda completion, answer: None)
+  verified = [rewards.math_reward(completion, answer) for completion, answer in pairs]
+  assert [value for value in settled if value is not None] == [
+      value for value, mine in zip(verified, settled) if mine is not None], pairs
+  monkeypatch.undo()
+  for completion, answer in [('\\boxed{1/2}', '0.5'), ('\\boxed{0.5}', '1'), ('\\boxed{1,234}', '1234'),
+                             ('\\boxed{1\\,234}', '1234'), ('The answer is 12.', '12'), ('\\boxed{x}', '3'),
+                             ('\\boxed{\u0663}', '3'), ('\\boxed{3}', '\\frac{6}{2}'), ('<think>12', '12'),
+                             ('+12', '12')]:
+    assert rewards.integer_verdict(completion, answer) is None, (completion, answer)
+
+
+def test_pool_settles_integer_answers_without_its_workers(seed):
+  """Pairs the integer shortcut settles never reach a worker: with its only worker killed, the pool
+  still scores them, and counts no failure."""
+  rng = np.random.default_rng(seed)
+  golds = [str(value) for value in rng.integers(0, 100, 8)]
+  with rewards.RewardPool(1) as pool:
+    pool._workers[0].process.kill()
+    pool._workers[0].process.join()
+    guesses = [f'\\boxed{{{gold}}}' if i % 2 else str(int(gold) + 1) for i, gold in enumerate(golds)]
+    assert pool.map(guesses, golds) == [float(i % 2) for i in range(8)] and pool.failures == 0
+
+
 def test_pool_bounds_each_checks_memory():
   """A check that would take 8 GiB fails inside its worker's address-space cap: scored 0,
   counted, and the worker goes on scoring."""
