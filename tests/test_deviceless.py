@@ -63,6 +63,16 @@ def test_unknown_targets_are_refused_by_name(name):
     targets.parse_target(name)
 
 
+def test_deviceless_gpu_compiles_skip_autotuning_unless_the_user_sets_it(monkeypatch):
+  """No GPU to time candidates on: XLA:GPU takes its default configs (autotune level 0) instead of
+  building every candidate first; a level in the user's XLA_FLAGS is left to XLA."""
+  monkeypatch.setenv('XLA_FLAGS', '--xla_backend_optimization_level=0')
+  assert targets.compiler_options('gpu') == {'xla_gpu_autotune_level': 0}
+  assert targets.compiler_options('tpu') == targets.compiler_options('cpu') == {}
+  monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_autotune_level=4')
+  assert targets.compiler_options('gpu') == {}
+
+
 # ---- every Pallas kernel, compiled for its hardware ----
 
 @pytest.mark.slow
