@@ -3,7 +3,7 @@
 The math reward's cost per step on integer answers (DAPO-Math-17k's references are all integers):
 the reward pool as it runs (`RewardPool`, pairs whose answers are single integers settled in the
 calling process by `rewards.integer_verdict`), against the same pool with every pair sent to
-math-verify in its workers (the reference: `verify_only`, math_reward with the shortcut off).
+math-verify in its workers (the reference: `rewards.math_verify_reward`).
 Completions are a few dozen words of working ending in a boxed integer, half of them right, all
 distinct (no pair is scored twice). Per call: wall time of one `map` over all completions, median
 of `--repeats`; both paths must give the same rewards (asserted).
@@ -20,12 +20,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo_jax.data import rewards  # noqa: E402
-
-
-def verify_only(completion: str, answer: str) -> float:
-  """math_reward decided by math-verify alone (in a worker process: the shortcut is off there)."""
-  rewards.integer_verdict = lambda completion, answer: None
-  return rewards.math_reward(completion, answer)
 
 
 def workload(count: int, seed: int) -> tuple[list[str], list[str]]:
@@ -60,7 +54,7 @@ def main():
   parser.add_argument('--seed', type=int, default=0)
   args = parser.parse_args()
   completions, answers = workload(args.completions, args.seed)
-  with rewards.RewardPool(args.workers, score_fn=verify_only) as pool:
+  with rewards.RewardPool(args.workers, score_fn=rewards.math_verify_reward) as pool:
     reference, expected = timed(pool, completions, answers, args.repeats)
   with rewards.RewardPool(args.workers) as pool:
     shortcut, got = timed(pool, completions, answers, args.repeats)

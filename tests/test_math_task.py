@@ -104,9 +104,9 @@ def test_pool_keeps_order_and_gives_zero_for_hangs_and_crashes():
     assert pool.map(['7'], ['stamp']) != stamped[:1]
 
 
-def test_integer_answers_are_settled_as_math_verify_settles_them(seed, monkeypatch):
+def test_integer_answers_are_settled_as_math_verify_settles_them(seed):
   """integer_verdict, on fresh random integers written the ways completions write them, gives
-  math-verify's verdict (math_reward with the shortcut turned off); anything but one integer on
+  math-verify's verdict (math_verify_reward); anything but one integer on
   each side it leaves to math-verify."""
   rng = np.random.default_rng(seed)
   shapes = ['{}', '\\boxed{{{}}}', 'so it is \\boxed{{{}}}.', ' {} ', '\\boxed{{ {} }}', '\\fbox{{{}}}',
@@ -123,11 +123,9 @@ def test_integer_answers_are_settled_as_math_verify_settles_them(seed, monkeypat
   assert [value is None for value in settled] == ['+' in completion and 'box' not in completion
                                                   for completion, _ in pairs], pairs
   assert 0.0 in settled and 1.0 in settled
-  monkeypatch.setattr(rewards, 'integer_verdict', lambda completion, answer: None)
-  verified = [rewards.math_reward(completion, answer) for completion, answer in pairs]
+  verified = [rewards.math_verify_reward(completion, answer) for completion, answer in pairs]
   assert [value for value in settled if value is not None] == [
       value for value, mine in zip(verified, settled) if mine is not None], pairs
-  monkeypatch.undo()
   for completion, answer in [('\\boxed{1/2}', '0.5'), ('\\boxed{0.5}', '1'), ('\\boxed{1,234}', '1234'),
                              ('\\boxed{1\\,234}', '1234'), ('The answer is 12.', '12'), ('\\boxed{x}', '3'),
                              ('\\boxed{\u0663}', '3'), ('\\boxed{3}', '\\frac{6}{2}'), ('<think>12', '12'),

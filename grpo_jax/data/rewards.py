@@ -99,10 +99,14 @@ def integer_verdict(completion: str, answer: str) -> float | None:
 
 
 def math_reward(completion: str, answer: str, timeout_s: int = VERIFY_TIMEOUT_S) -> float:
-  """1.0 if the completion's final answer equals the reference `answer` per math-verify, else 0.0."""
+  """1.0 if the completion's final answer equals the reference `answer` per math-verify, else 0.0
+  (integer_verdict's value where it has one, math_verify_reward's otherwise)."""
   settled = integer_verdict(completion, answer)
-  if settled is not None:
-    return settled
+  return math_verify_reward(completion, answer, timeout_s) if settled is None else settled
+
+
+def math_verify_reward(completion: str, answer: str, timeout_s: int = VERIFY_TIMEOUT_S) -> float:
+  """math_reward decided by math-verify alone, integers included."""
   from math_verify import parse, verify
 
   completion = final_text(completion)
@@ -156,12 +160,13 @@ class RewardPool:
     if len(completions) != len(answers):
       raise ValueError(f'{len(completions)} completions but {len(answers)} answers')
     pairs = list(zip(completions, answers))
+    unique = list(dict.fromkeys(pairs))
     scored = {}
     if self._settle is not None:
-      scored = {pair: value for pair in set(pairs) if (value := self._settle(*pair)) is not None}
-    unique = [pair for pair in dict.fromkeys(pairs) if pair not in scored]
+      scored = {pair: value for pair in unique if (value := self._settle(*pair)) is not None}
+    checked = [pair for pair in unique if pair not in scored]
     try:
-      scored.update(zip(unique, self._pool.map(unique)))
+      scored.update(zip(checked, self._pool.map(checked)))
     except UserError as error:
       if 'could not start' in str(error):
         raise UserError(f'{error} (math-verify==0.9.0 is in requirements.txt)') from None
