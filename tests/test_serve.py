@@ -94,21 +94,29 @@ def test_jetstream_grpc_server_matches_greedy_decoding(seed, make_hf_checkpoint)
 
   from grpo_jax.model import load_tokenizer
 
-  directory, reference = make_hf_checkpoint(seed)
-  write_tokenizer(directory)
-  add_chat_template(directory)
-  tokenizer = load_tokenizer(directory)
-  stop_ids = {tokenizer.eos_token_id} | set(np.atleast_1d(reference.config.eos_token_id or []).tolist())
   rng = np.random.default_rng(seed)
   prompts = [rng.integers(3, 1000, n).tolist() for n in (6, 13)]
   question = 'seven plus two is'
-  chat_ids = tokenizer.apply_chat_template([{'role': 'user', 'content': question}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False)
-  expected = [greedy_until_stop(reference, prompt, 7, stop_ids) for prompt in prompts]
-  expected.append(greedy_until_stop(reference, chat_ids, 5, stop_ids))
-  assert len(chat_ids) <= 64  # fits --max-prefill-length untruncated
   long_prompt = rng.integers(3, 1000, 64 + int(rng.integers(1, 30))).tolist()  # cut to its last 64 tokens
-  expected.append(greedy_until_stop(reference, long_prompt[-64:], 8, stop_ids))
+  # A random model whose greedy answers all open with the stop token would compare nothing: draw the
+  # checkpoint again (the next seed) until one answer has tokens.
+  for checkpoint_seed in range(seed, seed + 8):
+    directory, reference = make_hf_checkpoint(checkpoint_seed, name=f'hf{checkpoint_seed}')
+    write_tokenizer(directory)
+    add_chat_template(directory)
+    tokenizer = load_tokenizer(directory)
+    stop_ids = {tokenizer.eos_token_id} | set(np.atleast_1d(reference.config.eos_token_id or []).tolist())
+    chat_ids = tokenizer.apply_chat_template([{'role': 'user', 'content': question}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+    expected = [greedy_until_stop(reference, prompt, 7, stop_ids) for prompt in prompts]
+    expected.append(greedy_until_stop(reference, chat_ids, 5, stop_ids))
+    expected.append(greedy_until_stop(reference, long_prompt[-64:], 8, stop_ids))
+    if any(expected):
+      print(f'checkpoint seed={checkpoint_seed}')
+      break
+  else:
+    pytest.fail(f'checkpoints of seeds {seed}..{checkpoint_seed} all stop at once on every prompt')
+  assert len(chat_ids) <= 64  # fits --max-prefill-length untruncated
 
   port = portpicker.pick_unused_port()
   server = serve('--ckpt', directory, '--port', port, '--slots', 2, '--max-prefill-length', 64,
@@ -276,18 +284,21 @@ def test_image_requests_equal_transformers_and_bad_images_are_refused_alone(seed
   from grpo_jax.data.images import ImageSettings, process_image
   from grpo_jax.model import load_tokenizer
 
-  directory, reference = make_hf_checkpoint(seed, model_type='qwen2_5_vl', image_token_id=2, vision_start_token_id=1,
-                                            vision_end_token_id=3, video_token_id=4)
-  write_tokenizer(directory, special=['<|vision_start|>', '<|image_pad|>', '<|vision_end|>', '<|video_pad|>'])
-  with open(os.path.join(directory, 'tokenizer_config.json')) as f:
-    tokenizer_config = json.load(f)
-  with open(os.path.join(directory, 'tokenizer_config.json'), 'w') as f:
-    json.dump(dict(tokenizer_config, chat_template=VL_TEMPLATE), f)
-  with open(os.path.join(directory, 'preprocessor_config.json'), 'w') as f:
-    json.dump({'min_pixels': 3136, 'max_pixels': 40000, 'patch_size': 14, 'merge_size': 2, 'temporal_patch_size': 2}, f)
-  tokenizer = load_tokenizer(directory)
+  def draw(checkpoint_seed):
+    directory, reference = make_hf_checkpoint(checkpoint_seed, name=f'vl{checkpoint_seed}', model_type='qwen2_5_vl',
+                                              image_token_id=2, vision_start_token_id=1, vision_end_token_id=3,
+                                              video_token_id=4)
+    write_tokenizer(directory, special=['<|vision_start|>', '<|image_pad|>', '<|vision_end|>', '<|video_pad|>'])
+    with open(os.path.join(directory, 'tokenizer_config.json')) as f:
+      tokenizer_config = json.load(f)
+    with open(os.path.join(directory, 'tokenizer_config.json'), 'w') as f:
+      json.dump(dict(tokenizer_config, chat_template=VL_TEMPLATE), f)
+    with open(os.path.join(directory, 'preprocessor_config.json'), 'w') as f:
+      json.dump({'min_pixels': 3136, 'max_pixels': 40000, 'patch_size': 14, 'merge_size': 2, 'temporal_patch_size': 2},
+                f)
+    return directory, reference
+
   settings = ImageSettings(min_pixels=3136, max_pixels=40000)
-  stop_ids = {tokenizer.eos_token_id} | set(np.atleast_1d(reference.config.text_config.eos_token_id or []).tolist())
   rng = np.random.default_rng(seed)
   pictures = [Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)) for shape in ((75, 130, 3), (60, 56, 3))]
   encoded = []
@@ -323,7 +334,18 @@ def test_image_requests_equal_transformers_and_bad_images_are_refused_alone(seed
                                pad_token_id=0)[0, ids.shape[1]:].tolist()
     return out[:next((i for i, t in enumerate(out) if t in stop_ids), len(out))]
 
-  answers = [expected(c) for c in conversations]
+  # A random model whose greedy answer to a conversation opens with the stop token would compare an
+  # empty answer there: draw the checkpoint again (the next seed) until all three answers have tokens.
+  for checkpoint_seed in range(seed, seed + 8):
+    directory, reference = draw(checkpoint_seed)
+    tokenizer = load_tokenizer(directory)
+    stop_ids = {tokenizer.eos_token_id} | set(np.atleast_1d(reference.config.text_config.eos_token_id or []).tolist())
+    answers = [expected(c) for c in conversations]
+    if all(answers):
+      print(f'checkpoint seed={checkpoint_seed}')
+      break
+  else:
+    pytest.fail(f'checkpoints of seeds {seed}..{checkpoint_seed} all stop at once on some conversation')
   bad = [  # (conversation, what the refusal says)
       ([{'role': 'user', 'content': [{'type': 'image', 'image': 'data:image/png;base64,@@@@'}]}], 'not valid base64'),
       ([{'role': 'user', 'content': [{'type': 'image', 'image': base64.b64encode(b'not a png').decode()},
