@@ -5,6 +5,8 @@ are shared through the suite's compilation cache; the environment of a subproces
 
 import json
 import os
+import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = {'rollout_s', 'reward_s', 'update_s', 'step_time_s', 'tokens_per_s', 'rollout_tokens_per_s',
@@ -32,6 +34,30 @@ def device_env(count: int, **extra) -> dict:
   flags = [flag for flag in os.environ.get('XLA_FLAGS', '').split()
            if not flag.startswith('--xla_force_host_platform_device_count=')]
   return dict(os.environ, XLA_FLAGS=' '.join([*flags, f'--xla_force_host_platform_device_count={count}']), **extra)
+
+
+# The suite's XLA:CPU at -O0 (tests/conftest.py) halves compiles, and makes the compiled steps slower:
+# the learning demos run a hundred steps and more, so they run at XLA's default level in a process
+# of their own (the agent demo's 120 steps: 70.5 s at -O0, 55.3 s so).
+O0 = '--xla_backend_optimization_level=0'
+
+
+def learning_env(count: int = 1) -> dict:
+  """device_env(count) compiling at XLA's default optimisation level (see O0)."""
+  env = device_env(count)
+  env['XLA_FLAGS'] = ' '.join(flag for flag in env['XLA_FLAGS'].split() if flag != O0)
+  return env
+
+
+def train_learning(workdir, config: str, *overrides: str, timeout: int = 600) -> list[dict]:
+  """A long learning run from the command line on one CPU device at XLA's default optimisation
+  level (learning_env): `python -m grpo_jax.train --config config --workdir workdir --set ...`;
+  returns its metrics history."""
+  command = [sys.executable, '-m', 'grpo_jax.train', '--config', os.path.join(ROOT, config), '--workdir', str(workdir)]
+  command += [argument for override in overrides for argument in ('--set', override)]
+  result = subprocess.run(command, cwd=ROOT, env=learning_env(1), capture_output=True, text=True, timeout=timeout)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return read_metrics(workdir)
 
 
 def read_metrics(workdir, name: str = 'metrics.jsonl') -> list[dict]:

@@ -32,7 +32,7 @@ from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.sampler.decode import request_keys
 from grpo_jax.sampler.rollout import sample_groups
 from grpo_jax.testing import left_padded, random_prompts
-from runs import read_metrics, train_here
+from runs import read_metrics, train_here, train_learning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T1 = SamplingConfig(temperature=1.0)
@@ -399,8 +399,8 @@ def test_the_agent_demo_learns_from_the_replies(tmp_path):
   """configs/tiny_guess.yaml for 120 steps: the reward passes what any policy deaf to the replies
   can reach (4 guesses of 16 numbers: 0.25), and episodes get shorter (measured: 0.17 over the first
   10 steps, 0.40 over steps 111-120, 0.45 over 141-150; make demo-agent runs its 600)."""
-  train_here(tmp_path, GUESS, 'train.steps=120', 'train.progress=false', 'train.tensorboard=false',
-             'train.checkpoint_every=0')
+  train_learning(tmp_path, GUESS, 'train.steps=120', 'train.progress=false', 'train.tensorboard=false',
+                 'train.checkpoint_every=0')
   rows = read_metrics(tmp_path)
   first, last = rows[:10], rows[-10:]
   mean = lambda rows, name: sum(row[name] for row in rows) / len(rows)  # noqa: E731

@@ -16,7 +16,7 @@ from grpo_jax.rl.loss import completion_log_probs
 from grpo_jax.sampler.decode import DecodeSettings
 from grpo_jax.sampler.rollout import GroupSampler
 from grpo_jax.sampler.sampling import SamplingConfig
-from runs import read_metrics, train_here
+from runs import read_metrics, train_here, train_learning
 from test_vision_model import IMAGE, grids_of, image_batch, transformers_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,8 +59,8 @@ def test_the_vision_demo_learns_and_blank_images_stay_at_chance(tmp_path):
   """make demo-vl's run, shortened (its 300 steps: first 10 0.01, last 10 0.99): the reward passes
   chance (1/4) by far within 250 steps, while the blank-image control stays at chance over its 100."""
   quick = ('train.checkpoint_every=250', 'train.progress=false', 'train.tensorboard=false')
-  train_here(tmp_path / 'seen', CONFIG, 'train.steps=250', *quick)
-  train_here(tmp_path / 'blank', CONFIG, 'train.steps=100', 'task.blank_images=true', *quick)
+  train_learning(tmp_path / 'seen', CONFIG, 'train.steps=250', *quick)
+  train_learning(tmp_path / 'blank', CONFIG, 'train.steps=100', 'task.blank_images=true', *quick)
   seen, blank = ([row['reward_mean'] for row in read_metrics(tmp_path / run)] for run in ('seen', 'blank'))
   assert np.mean(seen[:10]) <= 0.3 and np.mean(seen[-10:]) >= 0.8, (np.mean(seen[:10]), np.mean(seen[-10:]))
   assert np.mean(blank[-10:]) <= 0.25 + 0.1, np.mean(blank[-10:])
