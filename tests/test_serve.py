@@ -72,6 +72,19 @@ def alone_then_mixed(port, good, bad, rng):
   return alone, mixed
 
 
+def answering_checkpoint(seed, draw, answers_of, enough):
+  """draw(seed) -> a checkpoint, answers_of(checkpoint) -> its reference answers. A random model whose
+  greedy answers open with the stop token would compare empty answers: the checkpoint is drawn again
+  (the next seed, 8 seeds at most) until enough(answers). -> (checkpoint, answers)."""
+  for checkpoint_seed in range(seed, seed + 8):
+    checkpoint = draw(checkpoint_seed)
+    answers = answers_of(checkpoint)
+    if enough(answers):
+      print(f'checkpoint seed={checkpoint_seed}')
+      return checkpoint, answers
+  pytest.fail(f'the checkpoints of seeds {seed}..{seed + 7} stop at once where a test needs answers')
+
+
 def greedy_until_stop(reference, prompt, max_new_tokens, stop_ids):
   """transformers' greedy tokens, cut before the first stop token (JetStream does not send it)."""
   with torch.no_grad():
@@ -98,25 +111,24 @@ def test_jetstream_grpc_server_matches_greedy_decoding(seed, make_hf_checkpoint)
   prompts = [rng.integers(3, 1000, n).tolist() for n in (6, 13)]
   question = 'seven plus two is'
   long_prompt = rng.integers(3, 1000, 64 + int(rng.integers(1, 30))).tolist()  # cut to its last 64 tokens
-  # A random model whose greedy answers all open with the stop token would compare nothing: draw the
-  # checkpoint again (the next seed) until one answer has tokens.
-  for checkpoint_seed in range(seed, seed + 8):
+
+  def draw(checkpoint_seed):
     directory, reference = make_hf_checkpoint(checkpoint_seed, name=f'hf{checkpoint_seed}')
     write_tokenizer(directory)
     add_chat_template(directory)
-    tokenizer = load_tokenizer(directory)
+    return directory, reference, load_tokenizer(directory)
+
+  def answers_of(checkpoint):
+    _, reference, tokenizer = checkpoint
     stop_ids = {tokenizer.eos_token_id} | set(np.atleast_1d(reference.config.eos_token_id or []).tolist())
     chat_ids = tokenizer.apply_chat_template([{'role': 'user', 'content': question}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False)
-    expected = [greedy_until_stop(reference, prompt, 7, stop_ids) for prompt in prompts]
-    expected.append(greedy_until_stop(reference, chat_ids, 5, stop_ids))
-    expected.append(greedy_until_stop(reference, long_prompt[-64:], 8, stop_ids))
-    if any(expected):
-      print(f'checkpoint seed={checkpoint_seed}')
-      break
-  else:
-    pytest.fail(f'checkpoints of seeds {seed}..{checkpoint_seed} all stop at once on every prompt')
-  assert len(chat_ids) <= 64  # fits --max-prefill-length untruncated
+    assert len(chat_ids) <= 64  # fits --max-prefill-length untruncated
+    return ([greedy_until_stop(reference, prompt, 7, stop_ids) for prompt in prompts]
+            + [greedy_until_stop(reference, chat_ids, 5, stop_ids),
+               greedy_until_stop(reference, long_prompt[-64:], 8, stop_ids)])
+
+  (directory, _, tokenizer), expected = answering_checkpoint(seed, draw, answers_of, any)
 
   port = portpicker.pick_unused_port()
   server = serve('--ckpt', directory, '--port', port, '--slots', 2, '--max-prefill-length', 64,
@@ -296,7 +308,7 @@ def test_image_requests_equal_transformers_and_bad_images_are_refused_alone(seed
     with open(os.path.join(directory, 'preprocessor_config.json'), 'w') as f:
       json.dump({'min_pixels': 3136, 'max_pixels': 40000, 'patch_size': 14, 'merge_size': 2, 'temporal_patch_size': 2},
                 f)
-    return directory, reference
+    return directory, reference, load_tokenizer(directory)
 
   settings = ImageSettings(min_pixels=3136, max_pixels=40000)
   rng = np.random.default_rng(seed)
@@ -316,7 +328,9 @@ def test_image_requests_equal_transformers_and_bad_images_are_refused_alone(seed
       [{'role': 'user', 'content': 'four plus four'}],
   ]
 
-  def expected(conversation, budget=6):
+  def expected(checkpoint, conversation, budget=6):
+    _, reference, tokenizer = checkpoint
+    stop_ids = {tokenizer.eos_token_id} | set(np.atleast_1d(reference.config.text_config.eos_token_id or []).tolist())
     shown = [dict(m, content=[{'type': 'image'} if p['type'] != 'text' else p for p in m['content']])
              if isinstance(m['content'], list) else m for m in conversation]
     ids = tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -334,18 +348,8 @@ def test_image_requests_equal_transformers_and_bad_images_are_refused_alone(seed
                                pad_token_id=0)[0, ids.shape[1]:].tolist()
     return out[:next((i for i, t in enumerate(out) if t in stop_ids), len(out))]
 
-  # A random model whose greedy answer to a conversation opens with the stop token would compare an
-  # empty answer there: draw the checkpoint again (the next seed) until all three answers have tokens.
-  for checkpoint_seed in range(seed, seed + 8):
-    directory, reference = draw(checkpoint_seed)
-    tokenizer = load_tokenizer(directory)
-    stop_ids = {tokenizer.eos_token_id} | set(np.atleast_1d(reference.config.text_config.eos_token_id or []).tolist())
-    answers = [expected(c) for c in conversations]
-    if all(answers):
-      print(f'checkpoint seed={checkpoint_seed}')
-      break
-  else:
-    pytest.fail(f'checkpoints of seeds {seed}..{checkpoint_seed} all stop at once on some conversation')
+  (directory, _, _), answers = answering_checkpoint(
+      seed, draw, lambda checkpoint: [expected(checkpoint, c) for c in conversations], all)
   bad = [  # (conversation, what the refusal says)
       ([{'role': 'user', 'content': [{'type': 'image', 'image': 'data:image/png;base64,@@@@'}]}], 'not valid base64'),
       ([{'role': 'user', 'content': [{'type': 'image', 'image': base64.b64encode(b'not a png').decode()},
