@@ -84,7 +84,8 @@ endif
 
 # Two workers; a file whose module fixtures are costly runs whole on one (its xdist_group), every
 # other test goes to whichever worker is free, the slow ones first (tests/conftest.py). Every run
-# ends with its 30 slowest tests.
+# ends with its 30 slowest tests; GRPO_JAX_TEST_PROFILE=FILE make test adds each test's CPU, its
+# subprocesses' included, and its compiles (tests/profiling.py).
 PYTEST := $(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=30
 
 test: $(VENV)/.test $(VENV)/.compilers core-smoke sandbox

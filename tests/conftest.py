@@ -74,6 +74,13 @@ FAST_FILES = {'test_adapters', 'test_algo', 'test_api', 'test_attention', 'test_
               'test_rollout', 'test_sampling', 'test_sharding', 'test_tools'}
 
 
+def pytest_configure(config):
+  if os.environ.get('GRPO_JAX_TEST_PROFILE'):  # CPU by test, subprocesses included (tests/profiling.py)
+    import profiling
+    config.pluginmanager.register(profiling)
+    profiling.pytest_configure(config)
+
+
 def pytest_collection_modifyitems(config, items):
   """Marks the fast files' tests `fast`; puts the longest tests (marked slow) first: xdist hands
   tests out in this order, so the two workers do not end with one still running a long test alone."""
