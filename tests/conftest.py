@@ -27,10 +27,7 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   _CACHE = tempfile.mkdtemp(prefix='grpo_jax-compile-cache-')
   os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE
   atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)  # the controller made it: it removes it
-# Every program, however quick to compile: the tests start a hundred processes or so, each of which
-# would compile the small ones again (a warm 8-step CLI run: 4.6 s of CPU, 4.8-5.0 s with only
-# programs of 0.3 s or more cached).
-os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.3')
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
