@@ -77,8 +77,7 @@ FAST_FILES = {'test_adapters', 'test_algo', 'test_api', 'test_attention', 'test_
 def pytest_configure(config):
   if os.environ.get('GRPO_JAX_TEST_PROFILE'):  # CPU by test, subprocesses included (tests/profiling.py)
     import profiling
-    config.pluginmanager.register(profiling)
-    profiling.pytest_configure(config)
+    config.pluginmanager.register(profiling)  # pytest calls its pytest_configure on registering it
 
 
 def pytest_collection_modifyitems(config, items):
