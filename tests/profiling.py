@@ -5,8 +5,8 @@ not. For every test each worker appends one JSON line to FILE: the CPU of the wo
 the subprocesses the test waited for (a CLI run, a compile for an accelerator, the trainers of a
 multi-host run), and what JAX reported in the worker during it (XLA's compile, tracing, lowering
 to MLIR, as wall time: a compile's threads and the other worker's load are in it; persistent-cache
-hits and misses). At the end the controller prints the totals and the
-tests that cost most. Subprocesses' compiles show only as their CPU.
+hits and misses). At the end the controller prints the totals and the tests that cost most.
+Subprocesses' compiles show only as their CPU.
 """
 
 import collections
@@ -26,12 +26,15 @@ JAX_EVENTS = {'/jax/core/compile/backend_compile_duration': 'compile_s',
 _counts = collections.Counter()
 
 
+def _record(event: str, amount: float = 1) -> None:
+  if event in JAX_EVENTS:
+    _counts[JAX_EVENTS[event]] += amount
+
+
 def _listen():
   import jax.monitoring
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, duration, **_: _counts.update({JAX_EVENTS[event]: duration}) if event in JAX_EVENTS else None)
-  jax.monitoring.register_event_listener(
-      lambda event, **_: _counts.update({JAX_EVENTS[event]: 1}) if event in JAX_EVENTS else None)
+  jax.monitoring.register_event_duration_secs_listener(lambda event, duration, **_: _record(event, duration))
+  jax.monitoring.register_event_listener(lambda event, **_: _record(event))
 
 
 def _cpu(who) -> float:
