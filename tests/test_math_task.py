@@ -73,6 +73,48 @@ def test_math_reward_table():
   assert time.monotonic() - start < 10
 
 
+def test_each_reference_is_parsed_once_and_verdicts_stay_math_verifys(seed, monkeypatch):
+  """math_verify_reward keeps each reference's parse: on fresh random pairs (fractions, decimals,
+  tuples, roots, grouped digits, words; right and wrong), every verdict with the references already
+  parsed equals the verdict with them parsed afresh (the cache emptied before each pair), and a
+  second pass parses no reference again. A reference that parses to nothing is not kept."""
+  import math_verify
+
+  rng = np.random.default_rng(seed)
+  pairs = []
+  for _ in range(24):
+    p, q = (int(value) for value in rng.integers(1, 60, 2))
+    kind = int(rng.integers(0, 5))
+    if kind == 0:
+      answer, right = f'\\frac{{{p}}}{{{q}}}', f'{p / q:.12g}'
+    elif kind == 1:
+      answer, right = f'({p}, {q})', f'({p},{q})'
+    elif kind == 2:
+      answer, right = f'\\sqrt{{{p}}}', f'\\sqrt {p}'
+    elif kind == 3:
+      answer, right = f'{p}\\,{q:03d}', f'{p * 1000 + q}'
+    else:
+      answer, right = f'{p}.{q}', f'{p}.{q}0'
+    guess = right if rng.random() < 0.5 else f'{p + q}.5'
+    pairs.append((rng.choice([f'\\boxed{{{guess}}}', f'so it is \\boxed{{{guess}}}.', f'The answer is {guess}.']), answer))
+  pairs.append(('\\boxed{3}', ''))  # a reference that parses to nothing
+  fresh = []
+  for completion, answer in pairs:
+    rewards._reference.cache_clear()
+    fresh.append(rewards.math_verify_reward(completion, answer))
+  assert 0.0 in fresh and 1.0 in fresh, fresh
+  parsed = []
+  real_parse = math_verify.parse
+  monkeypatch.setattr(math_verify, 'parse', lambda text, **kwargs: parsed.append(text) or real_parse(text, **kwargs))
+  rewards._reference.cache_clear()
+  first = [rewards.math_verify_reward(completion, answer) for completion, answer in pairs]
+  first_parses = len(parsed)
+  assert [rewards.math_verify_reward(completion, answer) for completion, answer in pairs] == first == fresh
+  # Again: each completion, and the empty reference (boxed, then bare); no other reference.
+  assert len(parsed) - first_parses == len(pairs) + 2, parsed[first_parses:]
+  assert rewards._reference.cache_info().currsize == len({answer for _, answer in pairs}) - 1
+
+
 def test_last_boxed():
   assert rewards.last_boxed('a \\boxed{1} b \\boxed{\\frac{1}{2}} c') == '\\frac{1}{2}'
   assert rewards.last_boxed('\\boxed{2} then cut off \\boxed{3') == '2'

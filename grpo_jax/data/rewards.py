@@ -23,6 +23,7 @@ capped), so a check that would build a gigantic number fails with MemoryError; a
 scores 0.0 too, and all three count in `failures`.
 """
 
+import functools
 import logging
 import math
 import re
@@ -105,24 +106,26 @@ def math_reward(completion: str, answer: str, timeout_s: int = VERIFY_TIMEOUT_S)
   return math_verify_reward(completion, answer, timeout_s) if settled is None else settled
 
 
-def math_verify_reward(completion: str, answer: str, timeout_s: int = VERIFY_TIMEOUT_S) -> float:
-  """math_reward decided by math-verify alone, integers included."""
-  from math_verify import parse, verify
+def _join_digit_groups(text: str) -> str:
+  """Digits grouped by a thin or plain space joined ('1\\,234' -> '1234'). math-verify reads
+  juxtaposed numbers as a mixed number or a product, so such a grouping became another number
+  ('1\\,234' -> 235, '10\\,000' -> 0): the right answer scored 0 and a wrong one 1. Comma groupings
+  ('1,234', '1{,}234', '1,\\!234') it reads as one number already."""
+  return re.sub(r'(?<![\d.])\d{1,3}(?:(?:\\,|\\ | )\d{3})+(?!\d)',
+                lambda number: re.sub(r'\\,|\\ | ', '', number.group()), text)
 
-  completion = final_text(completion)
 
-  def join_digit_groups(text: str) -> str:
-    # math-verify reads juxtaposed numbers as a mixed number or a product, so digits grouped by a
-    # thin or plain space became another number ('1\,234' -> 235, '10\,000' -> 0): the right
-    # answer scored 0 and a wrong one 1. Comma groupings ('1,234', '1{,}234', '1,\!234') it reads
-    # as one number already.
-    return re.sub(r'(?<![\d.])\d{1,3}(?:(?:\\,|\\ | )\d{3})+(?!\d)',
-                  lambda number: re.sub(r'\\,|\\ | ', '', number.group()), text)
+class _Unparsed(Exception):
+  """The reference parsed to nothing (not cached: a parse cut short by its alarm may do better later)."""
 
-  boxed = last_boxed(completion)
-  prediction = parse(completion if boxed is None else '\\boxed{' + join_digit_groups(boxed) + '}',
-                     parsing_timeout=timeout_s)
-  answer = join_digit_groups(answer)
+
+@functools.lru_cache(maxsize=4096)
+def _reference(answer: str, timeout_s: int) -> tuple:
+  """The reference `answer` as math-verify parses it, once per worker: a group's G completions, and
+  every later sample of the same problem, share it (the parse was a third of each check's time)."""
+  from math_verify import parse
+
+  answer = _join_digit_groups(answer)
   # References are bare expressions ('0.5', '\frac{1}{2}', '(1, 2)'): boxed, math-verify reads them
   # as LaTeX, which keeps intervals, tuples and commands intact. An escaped dollar is a currency sign
   # (MATH's '\$18.90'), not a math delimiter: unboxed, such a reference parsed to nothing.
@@ -130,7 +133,24 @@ def math_verify_reward(completion: str, answer: str, timeout_s: int = VERIFY_TIM
   gold = parse(answer if delimited else '\\boxed{' + answer + '}', parsing_timeout=timeout_s)
   if not gold and not delimited:
     gold = parse(answer, parsing_timeout=timeout_s)
-  if not gold or not prediction:
+  if not gold:
+    raise _Unparsed(answer)
+  return tuple(gold)
+
+
+def math_verify_reward(completion: str, answer: str, timeout_s: int = VERIFY_TIMEOUT_S) -> float:
+  """math_reward decided by math-verify alone, integers included."""
+  from math_verify import parse, verify
+
+  completion = final_text(completion)
+  boxed = last_boxed(completion)
+  prediction = parse(completion if boxed is None else '\\boxed{' + _join_digit_groups(boxed) + '}',
+                     parsing_timeout=timeout_s)
+  try:
+    gold = list(_reference(answer, timeout_s))
+  except _Unparsed:
+    return 0.0
+  if not prediction:
     return 0.0
   return 1.0 if verify(gold, prediction, timeout_seconds=timeout_s) else 0.0
 
