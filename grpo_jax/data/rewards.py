@@ -11,6 +11,9 @@ Integer answers, the common case (DAPO-Math-17k's references are all integers), 
 math-verify: when the reference and the completion's answer (its last box, or its whole final
 text) are each one integer, the reward is whether they are the same number (`integer_verdict`),
 as math-verify would find, in microseconds instead of a parse of each.
+Everything else is math-verify's: the completion's answer parsed, the reference's parse (kept per
+process for the 4,096 most recent references: a group's completions all share one), and a symbolic
+comparison.
 
 `RewardPool(workers)` scores lists of (completion, answer) pairs in `workers` processes, one item
 per process at a time, and returns the rewards in input order; pairs `integer_verdict` settles are
