@@ -75,7 +75,7 @@ def test_math_reward_table():
 
 def test_each_reference_is_parsed_once_and_verdicts_stay_math_verifys(seed, monkeypatch):
   """math_verify_reward keeps each reference's parse: on fresh random pairs (fractions, decimals,
-  tuples, roots, grouped digits, words; right and wrong), every verdict with the references already
+  tuples, roots, grouped digits; boxed or in words; right and wrong), every verdict with the references already
   parsed equals the verdict with them parsed afresh (the cache emptied before each pair), and a
   second pass parses no reference again. A reference that parses to nothing is not kept."""
   import math_verify

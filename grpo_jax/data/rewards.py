@@ -125,7 +125,7 @@ class _Unparsed(Exception):
 @functools.lru_cache(maxsize=4096)
 def _reference(answer: str, timeout_s: int) -> tuple:
   """The reference `answer` as math-verify parses it, once per worker: a group's G completions, and
-  every later sample of the same problem, share it (the parse was a third of each check's time)."""
+  every later sample of the same problem, share it (about a quarter of each check's time)."""
   from math_verify import parse
 
   answer = _join_digit_groups(answer)
