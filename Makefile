@@ -1,5 +1,7 @@
-# make demo: set up .venv and run the default job; make test: set up .venv (and the deviceless TPU/GPU
-# compilers in .venv/compilers), check the core on the GPU images' JAX (core-smoke), run every test.
+# make demo: set up .venv and run the default job. make test: set up .venv (and the deviceless TPU/GPU
+# compilers in .venv/compilers) and prove every feature by its decisive test (at most 9 minutes on 2
+# cores); make test-all (CI's, .ci/run): the core on the GPU images' JAX (core-smoke) and every test.
+# tests/README.md says what each tier holds and how to mark a test for each.
 # jax 0.11+ needs Python 3.12 or newer: PYTHON is the first such interpreter found (python3.13,
 # python3.12, pyenv's 3.12/3.13, python3), or set it: make test PYTHON=/path/to/python3.12.
 NEEDS_PYTHON := import sys, venv; sys.exit(sys.version_info < (3, 12))
@@ -10,7 +12,7 @@ PYTHON ?= $(call first_python,$$(command -v python3.13 python3.12) $(HOME)/.pyen
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-agent demo-math demo-lora demo-vl test test-fast core-smoke sandbox bench clean
+.PHONY: demo demo-agent demo-math demo-lora demo-vl test test-all test-fast core-smoke sandbox bench clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 or newer found (jax 0.12 needs it): make ... PYTHON=/path/to/python3.12"; exit 1; }
@@ -79,17 +81,23 @@ ifeq ($(strip $(PYTHON_GPU_IMAGE)),)
 	@echo "core-smoke: no python3.12 here, so the GPU images' JAX was not checked"
 else
 	$(MAKE) $(GPU_IMAGE_VENV)/.installed
-	$(GPU_IMAGE_VENV)/bin/python tests/core_smoke.py
+	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.cache/jax-core-smoke $(GPU_IMAGE_VENV)/bin/python tests/core_smoke.py
 endif
 
 # Two workers; a file whose module fixtures are costly runs whole on one (its xdist_group), every
-# other test goes to whichever worker is free, the slow ones first (tests/conftest.py). Every run
-# ends with its 30 slowest tests; GRPO_JAX_TEST_PROFILE=FILE make test adds each test's CPU, its
-# subprocesses' included, and its compiles (tests/profiling.py).
+# other test goes to whichever worker is free, the long ones (marked starts_first) first
+# (tests/conftest.py). Every run ends with its 30 slowest tests and the tier's total against its
+# budget; GRPO_JAX_TEST_PROFILE=FILE make test adds each test's CPU, its subprocesses' included, and
+# its compiles (tests/profiling.py). The compiled programs stay in .cache/jax-tests for the next run.
 PYTEST := $(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=30
 
-test: $(VENV)/.test $(VENV)/.compilers core-smoke sandbox
-	$(PYTEST)
+# The fast tier: every test not marked exhaustive.
+test: $(VENV)/.test $(VENV)/.compilers sandbox
+	$(PYTEST) -m 'not exhaustive' --tier=test
+
+# Everything: what CI runs.
+test-all: $(VENV)/.test $(VENV)/.compilers core-smoke sandbox
+	$(PYTEST) --tier=test-all
 
 # The sandbox of model-written code (grpo_jax/sandbox.py) is bubblewrap, a system package, beyond
 # what .venv holds: as root it is installed with apt-get (Debian, Ubuntu) or dnf (Fedora); otherwise
@@ -107,10 +115,10 @@ sandbox:
 
 # The edit loop: the unit tests (no CLI run, no learning run, no deviceless compile), under 3 minutes.
 test-fast: $(VENV)/.test
-	$(PYTEST) -m fast
+	$(PYTEST) -m 'fast and not exhaustive' --tier=test-fast
 
 bench: $(VENV)/.test
 	$(BIN)/python bench/forward.py
 
 clean:
-	rm -rf $(VENV) $(GPU_IMAGE_VENV) runs data/tiny_math
+	rm -rf $(VENV) $(GPU_IMAGE_VENV) .cache runs data/tiny_math

@@ -5,10 +5,8 @@ Eight fake CPU devices are configured before jax is imported so mesh tests can r
 single-device tests simply use the first device.
 """
 
-import atexit
 import os
-import shutil
-import tempfile
+import time
 
 # XLA:CPU's LLVM backend at -O0: the suite's programs are tiny, so compiling them is most of its
 # time, and unoptimised machine code halves it (a 24-step CLI run: 31 s of CPU cold, 16.5 s at -O0);
@@ -18,15 +16,17 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_backend_opt
                            ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
-# JAX's persistent compilation cache, one per run of the suite: the xdist workers and every CLI the
-# tests start inherit it, so a program the suite compiled once (the demo's RL step, the tiny
-# model's forward) is read back instead of compiled again in each process (a 12-step CLI run: 19.6
-# s cold, 10.3 s warm). A run's own folder, so what a fresh clone measures is what CI measures;
-# JAX_COMPILATION_CACHE_DIR set outside keeps a cache across runs.
-if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
-  _CACHE = tempfile.mkdtemp(prefix='grpo_jax-compile-cache-')
-  os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE
-  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)  # the controller made it: it removes it
+# JAX's persistent compilation cache: the xdist workers and every CLI the tests start inherit it, so
+# a program the suite compiled once (the demo's RL step, the tiny model's forward) is read back
+# instead of compiled again in each process (a 12-step CLI run: 19.6 s cold, 10.3 s warm). It lives
+# under the checkout (.cache/jax-tests, which `make clean` removes), so a second `make test` on the
+# same tree reads back what the first compiled; JAX keys every entry by the program, the compile
+# options and JAX's own version, so an edit recompiles only what it changed. JAX keeps it under
+# 2 GiB, dropping the least recently used. JAX_COMPILATION_CACHE_DIR set outside takes its place
+# (a fresh temporary folder measures what a fresh clone costs).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(ROOT, '.cache', 'jax-tests'))
+os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(2 << 30))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.3')
 
 import numpy as np  # noqa: E402
@@ -65,25 +65,51 @@ def torch_logits(model, tokens, attention_mask=None, position_ids=None):
     return model(torch.tensor(np.asarray(tokens)), **kwargs).logits.float().numpy()
 
 
-# `make test-fast` (pytest -m fast): the files of unit tests against their references (the maths,
-# the model against transformers, the kernels against the naive path, the sampler), none of which
-# starts a CLI, trains a run or compiles for an accelerator: under 3 minutes (test_update.py, 2.5
-# minutes of CPU alone, stays with the whole suite).
+# The tiers (tests/README.md). `make test` runs every test not marked `exhaustive`: each feature's
+# decisive check, within TIER_BUDGETS['test']. `make test-all` (CI) runs them all. `make test-fast`
+# (pytest -m fast) runs the files of unit tests against their references (the maths, the model
+# against transformers, the kernels against the naive path, the sampler), none of which starts a CLI,
+# trains a run or compiles for an accelerator: under 3 minutes.
 FAST_FILES = {'test_adapters', 'test_algo', 'test_api', 'test_attention', 'test_decode_attention', 'test_hf_config',
               'test_launch', 'test_logprob', 'test_model_parity', 'test_reward_cases', 'test_reward_terms',
               'test_rollout', 'test_sampling', 'test_sharding', 'test_tools'}
+# Wall time on the 2-core machine the project develops on (seconds); a new feature adds at most 60 s
+# to `test` and 3 minutes to `test-all`.
+TIER_BUDGETS = {'test': 15 * 60, 'test-all': 40 * 60, 'test-fast': 3 * 60}
+
+
+def pytest_addoption(parser):
+  parser.addoption('--tier', choices=sorted(TIER_BUDGETS), help='the Makefile target running the suite: the '
+                   'summary gives its wall time against its budget (tests/README.md)')
 
 
 def pytest_configure(config):
+  config.stash[_STARTED] = time.monotonic()
   if os.environ.get('GRPO_JAX_TEST_PROFILE'):  # CPU by test, subprocesses included (tests/profiling.py)
     import profiling
     config.pluginmanager.register(profiling)  # pytest calls its pytest_configure on registering it
 
 
+_STARTED = pytest.StashKey[float]()
+
+
 def pytest_collection_modifyitems(config, items):
-  """Marks the fast files' tests `fast`; puts the longest tests (marked slow) first: xdist hands
-  tests out in this order, so the two workers do not end with one still running a long test alone."""
+  """Marks the fast files' tests `fast`; puts the long tests (marked starts_first) first: xdist
+  hands tests out in this order, so the two workers do not end with one still running a long test
+  alone."""
   for item in items:
-    if item.path.stem in FAST_FILES and item.get_closest_marker('slow') is None:
+    if item.path.stem in FAST_FILES and not any(item.get_closest_marker(name) for name in ('exhaustive', 'starts_first')):
       item.add_marker(pytest.mark.fast)
-  items.sort(key=lambda item: item.get_closest_marker('slow') is None)
+  items.sort(key=lambda item: item.get_closest_marker('starts_first') is None)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  tier = config.getoption('--tier')
+  if tier is None or hasattr(config, 'workerinput'):
+    return
+  passed = len(terminalreporter.stats.get('passed', []))
+  seconds = time.monotonic() - config.stash[_STARTED]
+  budget = TIER_BUDGETS[tier]
+  verdict = 'within' if seconds <= budget else 'OVER'
+  terminalreporter.write_line(f'make {tier}: {passed} tests passed in {seconds / 60:.1f} minutes of wall time, '
+                              f'{verdict} its budget of {budget // 60} minutes on 2 cores (tests/README.md)')

@@ -84,6 +84,7 @@ def test_server_tokens_equal_the_group_sampler(seed, model):
   assert stats.requests == 7 and stats.tokens == int(np.asarray(reference.lengths).sum())
 
 
+@pytest.mark.exhaustive
 def test_budgets_stops_and_late_requests(seed, model):
   """A request's own budget and stop ids cut its stream where a longer unstopped request with the
   same key is cut by hand; requests sent while others decode (and an episode-like pause between
@@ -124,6 +125,7 @@ def test_bad_requests_are_one_line_errors(model, request_fields, message):
 
 # ---- trajectories: the loss mask ----
 
+@pytest.mark.exhaustive
 def test_episode_budget_truncates_turns_and_observations(model):
   graphdef, params = nnx.split(model)
   server = InferenceServer(graphdef, settings=DecodeSettings(sampling=T1, max_new_tokens=8), slots=2, max_context=32)
@@ -150,7 +152,8 @@ def test_episode_budget_truncates_turns_and_observations(model):
   assert server.stats.requests == 2 and not [array for array in jax.live_arrays() if array.shape == cache_shape]
 
 
-@pytest.mark.parametrize('mode', ['a slot each', 'taking turns on one slot', 'racing for half the slots'])
+@pytest.mark.parametrize('mode', ['a slot each', *(pytest.param(mode, marks=pytest.mark.exhaustive)
+                                                   for mode in ['taking turns on one slot', 'racing for half the slots'])])
 def test_turns_that_reuse_kept_caches_sample_from_the_right_distribution(seed, make_hf_checkpoint, mode):
   """Episodes of 4 turns with observations between them. With a slot per episode every later turn
   continues its kept cache; episodes taking turns on one slot evict each other's, so every turn
@@ -376,7 +379,8 @@ def test_an_environment_answering_an_id_outside_the_vocabulary_stops_with_one_li
 GUESS = os.path.join(ROOT, 'configs', 'tiny_guess.yaml')
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_agent_steps_on_a_mesh_equal_one_device(tmp_path):
   """Two RL steps of the guess-number task on 8 devices, FSDP with the sampler in tensor groups of
   8 and a (2,2,2) cube (groups of 4), equal one device's: the episodes, rewards, losses and
@@ -394,7 +398,8 @@ def test_agent_steps_on_a_mesh_equal_one_device(tmp_path):
       assert other_row['episode/turns'] == row['episode/turns']
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_the_agent_demo_learns_from_the_replies(tmp_path):
   """configs/tiny_guess.yaml for 120 steps: the reward passes what any policy deaf to the replies
   can reach (4 guesses of 16 numbers: 0.25), and episodes get shorter (measured: 0.17 over the first
@@ -441,6 +446,7 @@ def test_an_episode_that_fails_ends_the_rollout_and_the_server_starts_afresh(see
   assert [c.tokens for c in asyncio.run(after())] == [c.tokens for c in again]
 
 
+@pytest.mark.exhaustive
 def test_episode_evaluation_plays_every_secret(tmp_path):
   """eval during training on the guessing game: every secret once, n episodes each and a greedy
   one; an episode counts as solved exactly when its last guess is the secret (read here from its

@@ -138,6 +138,7 @@ def test_workdir_that_is_not_writable(tmp_path):
     locked.chmod(0o755)
 
 
+@pytest.mark.exhaustive
 def test_failed_run_changes_nothing_in_the_workdir(trained_workdir, tmp_path):
   """A bad mesh, a model of another shape (its checkpoint does not match) and a missing dataset
   all fail before anything in the existing workdir is written."""
@@ -151,6 +152,7 @@ def test_failed_run_changes_nothing_in_the_workdir(trained_workdir, tmp_path):
   assert snapshot(trained_workdir) == before
 
 
+@pytest.mark.exhaustive
 def test_resume_names_the_changed_keys(trained_workdir, tmp_path):
   copy = tmp_path / 'copy'
   subprocess.run(['cp', '-r', str(trained_workdir), str(copy)], check=True)
@@ -179,6 +181,7 @@ def _damage(directory, how):
   return victim
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize('how', ['truncated', 'missing'])
 def test_damaged_training_checkpoint_on_resume(trained_workdir, tmp_path, how):
   copy = tmp_path / 'copy'
@@ -191,7 +194,7 @@ def test_damaged_training_checkpoint_on_resume(trained_workdir, tmp_path, how):
   assert snapshot(copy) == before
 
 
-@pytest.mark.parametrize('how', ['truncated', 'missing'])
+@pytest.mark.parametrize('how', ['truncated', pytest.param('missing', marks=pytest.mark.exhaustive)])
 def test_damaged_model_checkpoint_in_conversion_and_generate(seed, make_hf_checkpoint, tmp_path, how):
   hf_dir, _ = make_hf_checkpoint(seed)
   ckpt = tmp_path / 'orbax'

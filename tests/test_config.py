@@ -78,6 +78,7 @@ def test_mistakes_name_the_key(tmp_path, text, overrides, message):
   assert message in str(error.value)
 
 
+@pytest.mark.exhaustive
 def test_train_cli_saves_resolved_config_and_trains(tmp_path):
   workdir = tmp_path / 'run'
   result = subprocess.run(

@@ -28,8 +28,10 @@ def sample(model, tokens, mask, decode, slots, group_size=4, key=None):
   return sampler(nnx.state(model), tokens, mask, key if key is not None else jax.random.key(7))
 
 
-@pytest.mark.parametrize('sampling', [SamplingConfig(greedy=True), SamplingConfig(temperature=1.0),
-                                      SamplingConfig(temperature=0.7, top_p=0.9)], ids=['greedy', 't1', 'top_p'])
+@pytest.mark.parametrize('sampling', [
+    pytest.param(SamplingConfig(greedy=True), id='greedy'),
+    pytest.param(SamplingConfig(temperature=1.0), id='t1', marks=pytest.mark.exhaustive),
+    pytest.param(SamplingConfig(temperature=0.7, top_p=0.9), id='top_p', marks=pytest.mark.exhaustive)])
 def test_every_slot_count_gives_the_same_completions(seed, make_hf_checkpoint, sampling):
   directory, _ = make_hf_checkpoint(seed)
   model = from_pretrained(directory)
@@ -70,6 +72,7 @@ def test_one_slot_serves_requests_one_after_another(seed, make_hf_checkpoint):
   assert int(rollout.decode_steps) == int(np.asarray(rollout.lengths).sum())
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize('architecture', [{}, dict(model_type='qwen3', head_dim=24)], ids=['qwen2', 'qwen3'])
 def test_slots_on_a_mesh_equal_one_device(seed, make_hf_checkpoint, architecture):
   """On 8 devices, prompts, slots and requests split into groups over the batch axes, each group's

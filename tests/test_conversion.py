@@ -36,7 +36,8 @@ def convert_both_ways(hf_dir, tmp_path, *extra):
   return str(orbax_dir), str(back_dir)
 
 
-@pytest.mark.parametrize('tied, model_type', [(True, 'qwen2'), (False, 'qwen2'), (True, 'qwen3')])
+@pytest.mark.parametrize('tied, model_type', [(True, 'qwen2'), *(pytest.param(*case, marks=pytest.mark.exhaustive)
+                                                                  for case in [(False, 'qwen2'), (True, 'qwen3')])])
 def test_round_trip_is_bit_exact_and_loads_in_transformers(tied, model_type, seed, make_hf_checkpoint, tmp_path):
   from transformers import AutoModelForCausalLM
 
@@ -59,6 +60,7 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(tied, model_type, see
                              torch_logits(reference, tokens), rtol=0, atol=1e-4)
 
 
+@pytest.mark.exhaustive
 def test_orbax_restores_straight_onto_a_mesh(seed, make_hf_checkpoint, tmp_path):
   hf_dir, reference = make_hf_checkpoint(seed, num_attention_heads=8, num_key_value_heads=4)
   orbax_dir = tmp_path / 'orbax'
@@ -74,6 +76,7 @@ def test_orbax_restores_straight_onto_a_mesh(seed, make_hf_checkpoint, tmp_path)
   np.testing.assert_allclose(np.asarray(logits), torch_logits(reference, tokens), rtol=0, atol=1e-4)
 
 
+@pytest.mark.exhaustive
 def test_bfloat16_conversion_stores_rounded_weights(seed, make_hf_checkpoint, tmp_path):
   hf_dir, reference = make_hf_checkpoint(seed)
   orbax_dir, back_dir = convert_both_ways(hf_dir, tmp_path, '--dtype', 'bfloat16')
@@ -169,6 +172,7 @@ def test_missing_or_corrupt_files(damage, seed, make_hf_checkpoint, tmp_path):
   _assert_one_line_error(code, stderr, expected)
 
 
+@pytest.mark.exhaustive
 def test_corrupt_orbax_checkpoint_and_existing_output(seed, make_hf_checkpoint, tmp_path):
   hf_dir, _ = make_hf_checkpoint(seed)
   orbax_dir = tmp_path / 'orbax'
@@ -238,7 +242,8 @@ def test_corrupt_safetensors_headers_are_refused_like_the_reference_reader(tmp_p
   assert message in str(error.value) and str(bad) in str(error.value)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_a_training_runs_policy_exports_to_transformers(seed, tmp_path):
   """orbax_to_hf on a training workdir: the policy the run trained (its parameters after the last
   step, as the run held them) loads in transformers with the same logits; --step picks an earlier

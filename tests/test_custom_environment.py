@@ -116,6 +116,7 @@ def test_a_turns_text_and_a_text_reply_follow_the_tokenizer_and_its_template(set
   assert codec.reply('higher <|im_end|>', turn).count(stop) == 1
 
 
+@pytest.mark.exhaustive
 def test_the_readme_environment_trains(setup, tmp_path):
   path, _, _ = setup
   history = train_here(tmp_path, path, 'train.steps=3', 'train.progress=false', 'train.tensorboard=false',

@@ -225,7 +225,8 @@ def test_triton_blocks_are_powers_of_two_that_fit_shared_memory():
 
 # ---- compiled by the real Mosaic and Triton compilers (deviceless) ----
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 @pytest.mark.parametrize('platform, target, mesh', [('tpu', 'v5e-4', None), ('gpu', 'h100x1', None),
                                                    ('tpu', 'v5p-8', 'data=2,tensor=2'), ('gpu', 'h100x8', 'data=2,tensor=4')],
                          ids=['tpu-v5e-4', 'gpu-h100x1', 'tpu-v5p-8-layout', 'gpu-h100x8-layout'])
@@ -252,7 +253,8 @@ def test_decode_attention_kernel_compiles_for_the_hardware(platform, target, mes
   assert result.returncode == 0
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_triton_kernel_compiles_for_a_prefill_chunk():
   """512 query tokens per row (a prefill chunk) at the 0.5B, 7B and 32B head shapes on an H100: the
   query rows go in blocks that fit shared memory (in one program the 0.5B shape asked for 656 KB,

@@ -75,7 +75,8 @@ def test_deviceless_gpu_compiles_skip_autotuning_unless_the_user_sets_it(monkeyp
 
 # ---- every Pallas kernel, compiled for its hardware ----
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 @pytest.mark.parametrize('platform, target', [('tpu', 'v5e-4'), ('tpu', 'v5p-8'), ('tpu', 'v6e-4'),
                                               ('gpu', 'h100x1')])
 def test_logprob_kernels_compile_for_the_hardware(platform, target):
@@ -89,7 +90,8 @@ def test_logprob_kernels_compile_for_the_hardware(platform, target):
   assert code == 0
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_triton_compiler_refuses_blocks_past_shared_memory():
   """The checks are real: tiles too large for an H100's 227 KiB of shared memory per block are
   refused by the Triton compilation, not accepted and interpreted."""

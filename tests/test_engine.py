@@ -6,6 +6,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 import torch
 from flax import nnx
 
@@ -83,6 +84,7 @@ def test_greedy_matches_transformers_and_log_probs_match_full_forward(seed, make
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4)
 
 
+@pytest.mark.exhaustive
 def test_one_prefill_shared_by_group_equals_separate_prefills(seed, make_hf_checkpoint):
   """A prompt prefilled once and inserted into G slots samples exactly what G prefills would."""
   directory, _ = make_hf_checkpoint(seed)
@@ -113,6 +115,7 @@ def test_one_prefill_shared_by_group_equals_separate_prefills(seed, make_hf_chec
     np.testing.assert_allclose(shared_log_probs[row], expected[row], rtol=0, atol=1e-4)
 
 
+@pytest.mark.exhaustive
 def test_refilling_few_slots_equals_one_slot_per_request(seed, make_hf_checkpoint):
   directory, reference = make_hf_checkpoint(seed)
   model = from_pretrained(directory)
@@ -164,6 +167,7 @@ def test_core_modules_do_not_import_jetstream_or_tensorflow():
   assert result.stdout.strip() == '[]'
 
 
+@pytest.mark.exhaustive
 def test_engine_on_a_mesh_shards_the_decode_state_and_matches_transformers(seed, make_hf_checkpoint):
   from grpo_jax.sharding import MeshConfig, make_mesh
   directory, reference = make_hf_checkpoint(seed)
@@ -180,6 +184,7 @@ def test_engine_on_a_mesh_shards_the_decode_state_and_matches_transformers(seed,
     np.testing.assert_array_equal(completions.tokens[row], transformers_greedy(reference, prompt, 6))
 
 
+@pytest.mark.exhaustive
 def test_engine_in_the_sampler_layout_matches_transformers(seed, make_hf_checkpoint):
   """serve's layout on the 8 test devices: 4 groups of 2, weights split over each pair (KV heads
   too) and replicated over the groups, which share the slots."""
@@ -198,6 +203,7 @@ def test_engine_in_the_sampler_layout_matches_transformers(seed, make_hf_checkpo
     np.testing.assert_array_equal(completions.tokens[row], transformers_greedy(reference, prompt, 6))
 
 
+@pytest.mark.exhaustive
 def test_prefill_skips_the_bos_placeholder_and_continues_an_existing_prefix(seed, make_hf_checkpoint):
   """JetStream prepends bos_id (-1 for Qwen) to token requests; a prefix can be extended by a
   second prefill. Both must decode as the plain concatenated prompt."""
@@ -224,6 +230,7 @@ def test_prefill_skips_the_bos_placeholder_and_continues_an_existing_prefix(seed
   np.testing.assert_array_equal(steps[1], transformers_greedy(reference, first + second, 6))
 
 
+@pytest.mark.exhaustive
 def test_group_sampler_and_engine_give_the_same_samples_for_the_same_key(seed, make_hf_checkpoint):
   """One prefill, one decode step, one PRNG policy: the trainer's jitted group sampler (left-padded
   batch, P x G rows in one loop) and the engine's slot refilling (right-padded prompts, 4 slots)

@@ -84,7 +84,8 @@ def test_expert_parallel_equals_dense_experts(seed, mesh_shape, batch, length):
 
 # ---- compiled by the real XLA:TPU and XLA:GPU compilers (deviceless) ----
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 @pytest.mark.parametrize('platform, target', [('tpu', 'v5p-16'), ('gpu', 'h100x8')])
 def test_compiled_layer_dispatches_tokens_not_weights(platform, target):
   """One Qwen3-30B-A3B layer's experts (E = 128, D = 2,048, M = 768, k = 8, bf16), forward and

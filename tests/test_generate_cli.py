@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from test_api import write_tokenizer
@@ -36,6 +37,7 @@ def test_greedy_json_matches_transformers(seed, make_hf_checkpoint):
   assert 'text' not in output
 
 
+@pytest.mark.exhaustive
 def test_text_prompt_with_tokenizer_and_errors(seed, make_hf_checkpoint):
   directory, _ = make_hf_checkpoint(seed)
   code, _, stderr = generate('--ckpt', directory, '--prompt', 'one plus two')

@@ -97,7 +97,8 @@ def test_row_tiles_cover_each_row_once_within_one_group(seed, block_rows):
 
 # ---- compiled by the real XLA:GPU / Triton and XLA:TPU / Mosaic compilers (deviceless) ----
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 @pytest.mark.parametrize('platform, target, kernel', [('gpu', 'h100x1', '__gpu$xla.gpu.triton'),
                                                       ('tpu', 'v5p-8', 'tpu_custom_call')])
 def test_expert_mlp_compiles_without_dense_expansion(platform, target, kernel):

@@ -55,6 +55,7 @@ def test_prefill_then_decode_matches_full_forward(seed, make_hf_checkpoint, scan
                                rtol=0, atol=TOLERANCE)
 
 
+@pytest.mark.exhaustive
 def test_chunked_prefill_matches_single_prefill(seed, make_hf_checkpoint):
   """Extending a cache by several multi-token chunks equals one prefill of the whole prompt."""
   directory, _ = make_hf_checkpoint(seed)

@@ -62,7 +62,8 @@ def test_adapted_model_equals_base_at_init(make_hf_checkpoint, seed):
   np.testing.assert_array_equal(np.asarray(adapted(tokens)), np.asarray(base(tokens)))
 
 
-@pytest.mark.parametrize('targets, rslora', [(TARGETS, False), (('q', 'v', 'down'), True)], ids=['all', 'qv-down-rslora'])
+@pytest.mark.parametrize('targets, rslora', [pytest.param(TARGETS, False, id='all'), pytest.param(
+    ('q', 'v', 'down'), True, id='qv-down-rslora', marks=pytest.mark.exhaustive)])
 def test_adapter_gradients_equal_peft(make_hf_checkpoint, seed, targets, rslora):
   """d loss / d (A, B) of a cross-entropy over random targets, against peft on transformers."""
   import torch
@@ -92,6 +93,7 @@ def test_adapter_gradients_equal_peft(make_hf_checkpoint, seed, targets, rslora)
     assert np.abs(theirs[name]).max() > 1e-4, name  # a gradient that is there to compare
 
 
+@pytest.mark.exhaustive
 def test_peft_export_loads_with_equal_logits(make_hf_checkpoint, seed, tmp_path):
   import peft
   import torch
@@ -110,6 +112,7 @@ def test_peft_export_loads_with_equal_logits(make_hf_checkpoint, seed, tmp_path)
   np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4)
 
 
+@pytest.mark.exhaustive
 def test_merged_weights_and_decoding_equal_unmerged(make_hf_checkpoint, seed):
   directory, _ = make_hf_checkpoint(seed)
   settings = LoraConfig(rank=4, targets=TARGETS)
@@ -174,6 +177,7 @@ def test_bad_lora_settings_are_one_line_errors(override, field):
   assert field in str(error.value) and '\n' not in str(error.value), str(error.value)
 
 
+@pytest.mark.exhaustive
 def test_rollout_layout_carries_the_adapters(make_hf_checkpoint, seed):
   """The sampler's own tensor-parallel layout (sampler/layout.py) lays the adapters out with their
   weights: sampled from an FSDP mesh of 8 into tensor groups of 4, the rollout equals one device's."""

@@ -7,6 +7,7 @@ import dataclasses
 import os
 
 import jax
+import pytest
 
 from grpo_jax import config as config_lib
 from grpo_jax.plan import report as plan, targets
@@ -22,6 +23,7 @@ class _HostTarget(targets.Target):
     return jax.devices()[:1]
 
 
+@pytest.mark.exhaustive
 def test_lora_plan_counts_the_frozen_base_and_keeps_optimizer_state_for_the_adapters_only():
   config = config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny_arith_lora.yaml'),
                                   ['model.dtype=bfloat16', 'algo.kl_beta=0.01', 'train.steps_per_call=1'])

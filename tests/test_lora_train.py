@@ -41,6 +41,7 @@ def _stored_tensors(workdir) -> list[str]:
     checkpointer.close()
 
 
+@pytest.mark.exhaustive
 def test_lora_demo_learns_and_checkpoints_only_adapters(tmp_path):
   """configs/tiny_arith_lora.yaml's first 200 of its 400 steps (measured: mean reward 0.000 over the
   first 10 steps, 0.88 over steps 181-200, 0.95 over the last 20 of the 400)."""
@@ -56,7 +57,8 @@ def test_lora_demo_learns_and_checkpoints_only_adapters(tmp_path):
   assert any(name.startswith('opt_state.') and 'q_lora_b' in name for name in names)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_lora_kill_and_resume_equals_uninterrupted(tmp_path):
   """The base is not in the checkpoint: the resumed run draws it again from run.seed. Run with split
   devices, where the base also crosses to the sampler once per process and the adapters every step
@@ -64,6 +66,7 @@ def test_lora_kill_and_resume_equals_uninterrupted(tmp_path):
   kill_and_resume(tmp_path, 1, ['algo.max_lag=1', 'algo.tis_cap=2.0', 'rollout.devices=1'], config=LORA, devices=2)
 
 
+@pytest.mark.exhaustive
 def test_lora_and_full_checkpoints_refuse_each_other(tmp_path):
   train_here(tmp_path / 'full', FULL, *QUIET[1::2], 'train.steps=2', 'train.steps_per_call=1')  # the refusals: CLI lines
   result = _train(tmp_path / 'full', LORA, 'train.steps=4', check=False)
@@ -77,6 +80,7 @@ def test_lora_and_full_checkpoints_refuse_each_other(tmp_path):
   assert result.returncode != 0 and 'holds adapters of model.lora=' in result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.exhaustive
 def test_lora_exports_as_peft_and_merged(tmp_path, make_hf_checkpoint, seed):
   """A LoRA run on a Hugging Face base: its policy (as grpo_jax.eval restores it), the PEFT directory
   loaded onto transformers' base, and the merged checkpoint all give the same logits."""

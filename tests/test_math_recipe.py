@@ -142,7 +142,8 @@ def read_jsonl(path):
     return [json.loads(line) for line in f if line.strip()]
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_dynamic_sampling_and_eval_resume_exactly(tmp_path, word_problem_files):
   common = ['train.steps=6', 'train.checkpoint_every=3', 'eval.every=3', 'eval.max_problems=8', 'eval.samples=2',
             'eval.k=2', 'eval.batch_prompts=8', 'rollout.prompts_per_step=4', 'algo.group_size=4']
@@ -159,7 +160,8 @@ def test_dynamic_sampling_and_eval_resume_exactly(tmp_path, word_problem_files):
   assert len(samples) == 8 and all(len(row['samples']) == len(row['correct']) == 2 for row in samples)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_eval_cli_on_a_training_checkpoint(tmp_path, word_problem_files):
   tiny_math_here(word_problem_files, tmp_path / 'run', 'train.steps=2', 'eval.every=0', 'rollout.prompts_per_step=4',
                  'algo.group_size=4')
@@ -179,7 +181,8 @@ def test_eval_cli_on_a_training_checkpoint(tmp_path, word_problem_files):
   assert float(reported['eval/pass@4']) == pytest.approx(np.mean([any(row['correct']) for row in rows]), abs=1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_tiny_math_demo_learns_shortened(tmp_path, word_problem_files):
   """configs/tiny_math.yaml cut to 120 steps: the sampled reward and the held-out pass@1 both rise
   by a clear margin (measured: reward 0.02 over the first 10 steps, 0.39 over steps 111-120; pass@1

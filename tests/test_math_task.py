@@ -228,6 +228,7 @@ def test_sources_round_trip(tmp_path):
   assert column(RECORDS, 'meta.level', 'task.answer_field', 'x') == [0, 1, 2, 0, 1]
 
 
+@pytest.mark.exhaustive
 def test_tfds_source_gives_plain_strings():
   tfds = pytest.importorskip('tensorflow_datasets', reason='tfds comes with requirements-extras.txt')
   with tfds.testing.mock_data(num_examples=3):  # random examples with gsm8k's features, no files
@@ -428,7 +429,8 @@ def test_score_decodes_groups_in_order(tmp_path):
 
 # ---- end to end ----
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_training_run_on_a_math_dataset(tmp_path, make_hf_checkpoint, seed):
   model_path, _ = make_hf_checkpoint(seed)
   chat_tokenizer_dir(model_path)

@@ -18,6 +18,8 @@ from grpo_jax.data import word_problems
 from grpo_jax.data.math_task import MathTask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The one-device reference is a module fixture: the file runs on one xdist worker.
+pytestmark = pytest.mark.xdist_group('test_mesh_equivalence')
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (2, 1, 4)]
 ROLLOUT_TENSOR = {(8, 1, 1): 2, (1, 8, 1): 8, (2, 2, 2): 4, (2, 1, 4): 1}
 COMPARED = ('reward_mean', 'reward_std', 'policy_loss', 'kl', 'entropy', 'grad_norm', 'response_len_mean')
@@ -72,25 +74,40 @@ def rule_table_layout(state, mesh):
   return [leaf.sharding.spec for leaf in jax.tree.leaves(state)]
 
 
-@pytest.mark.slow
-def test_jittable_task_on_every_mesh_equals_one_device(tmp_path):
+JITTABLE = os.path.join(ROOT, 'configs', 'tiny_arith.yaml')
+JITTABLE_OVERRIDES = ['rollout.prompts_per_step=8', 'algo.group_size=4', 'train.steps_per_call=1',
+                      'algo.micro_batch_size=8']
+
+
+@pytest.fixture(scope='module')
+def jittable_reference(tmp_path_factory):
+  """The jittable task's two steps on one device, shared by every mesh's test (one worker: the file's
+  xdist_group)."""
+  return two_steps(tmp_path_factory.mktemp('one-device'), JITTABLE, JITTABLE_OVERRIDES, (1, 1, 1))
+
+
+# make test's mesh is the cube: data replicas, FSDP and tensor at once, both steps in one jit; the
+# other three layouts are test-all's.
+@pytest.mark.starts_first
+@pytest.mark.parametrize('mesh_shape', [pytest.param(mesh, id='x'.join(map(str, mesh)),
+                                                     marks=() if mesh == (2, 2, 2) else pytest.mark.exhaustive)
+                                        for mesh in MESHES])
+def test_jittable_task_on_a_mesh_equals_one_device(tmp_path, jittable_reference, mesh_shape):
   """Also: on every mesh the parameters and Adam moments keep their rule-table shardings through
   the donated update, in the K-step jit ((1,8,1), (2,2,2)) and from the host loop ((8,1,1), (2,1,4)).
   Four micro-batches: the data replicas each accumulate their own rows' (rl/update.py)."""
-  config = os.path.join(ROOT, 'configs', 'tiny_arith.yaml')
-  overrides = ['rollout.prompts_per_step=8', 'algo.group_size=4', 'train.steps_per_call=1', 'algo.micro_batch_size=8']
-  reference = two_steps(tmp_path, config, overrides, (1, 1, 1))
-  for mesh_shape in MESHES:
-    # Two of the meshes run both steps in one jit: the layout changes inside it, once per step.
-    fused = mesh_shape in ((1, 8, 1), (2, 2, 2))
-    layouts = []
-    assert_equal_runs(reference, two_steps(tmp_path, config, overrides, mesh_shape, fused=fused,
-                                           inspect=lambda state, mesh: layouts.append(rule_table_layout(state, mesh))))
-    before, after = layouts
-    assert after == before, mesh_shape
+  # Two of the meshes run both steps in one jit: the layout changes inside it, once per step.
+  fused = mesh_shape in ((1, 8, 1), (2, 2, 2))
+  layouts = []
+  assert_equal_runs(jittable_reference, two_steps(
+      tmp_path, JITTABLE, JITTABLE_OVERRIDES, mesh_shape, fused=fused,
+      inspect=lambda state, mesh: layouts.append(rule_table_layout(state, mesh))))
+  before, after = layouts
+  assert after == before, mesh_shape
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_host_scored_task_on_every_mesh_equals_one_device(tmp_path):
   files = word_problems.write(str(tmp_path / 'data'))
   config_path = os.path.join(ROOT, 'configs', 'tiny_math.yaml')
@@ -107,7 +124,8 @@ def test_host_scored_task_on_every_mesh_equals_one_device(tmp_path):
     task.close()
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_checkpoints_resume_across_the_hybrid_switch(tmp_path):
   """A checkpoint written under FSDP over 8 devices (1, 8, 1) restores under the hybrid layout (data 2
   x fsdp 4: parameters and Adam moments sharded within a group of 4, replicated across the 2) and

@@ -199,6 +199,7 @@ def sampler_routes(graphdef, params, batch) -> jax.Array:
   return jnp.asarray(np.where(real, np.asarray(routing.experts), 255).astype(np.uint8))
 
 
+@pytest.mark.exhaustive
 def test_replayed_update_packed_equals_padded_and_starts_at_ratio_one(seed):
   """The sampler's routes (a perturbed router's) travel through packing: the packed update equals the
   padded one with pi_old, pi_theta and pi_ref replaying them, the auxiliary loss weighted in. pi_theta
@@ -269,6 +270,7 @@ def test_sorted_grouped_experts_equal_the_dense_path_with_gradients(seed):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.exhaustive
 def test_remat_and_scan_give_the_same_gradients(seed):
   """The layers scanned and rematerialised (every layer sparse) against unrolled without remat."""
   config = MOE_ARCHITECTURE

@@ -32,7 +32,8 @@ def one_device(tmp_path_factory):
   return two_steps(tmp_path_factory.mktemp('one'), CONFIG, OVERRIDES, (1, 1, 1, 1))
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 @pytest.mark.parametrize('mesh_shape', [(1, 2, 2, 2)], ids=['fsdp-x-tensor-x-expert'])  # wider expert axes: test_expert_parallel.py
 def test_moe_rl_steps_on_an_expert_mesh_equal_one_device(tmp_path, mesh_shape, one_device):
   reference = one_device
@@ -55,7 +56,8 @@ def _run(workdir, mesh_shape, overrides):
   return train.Run(config, str(workdir), mesh, config.model.build(mesh, config.run.seed), build_task(config))
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_moe_partial_rollouts_resume_on_another_expert_size_equal_uninterrupted(tmp_path):
   """Routes recorded by older weights ride in the pool of partial rollouts (max_lag 1) and in its
   checkpoints: a run on an fsdp x expert mesh, saved after its second of 4 steps and resumed from that

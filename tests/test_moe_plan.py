@@ -114,6 +114,7 @@ def test_resident_experts_are_sharded_over_the_sampler_groups():
   assert _collectives_moved(found, False) <= 1.5 * resident_bytes_per_device(params, layout)
 
 
+@pytest.mark.exhaustive
 def test_decode_loop_moves_no_expert_weight_on_cpu():
   """Sampler tensor 1 over 8 devices (8 data groups, 2 experts each): per decode step the
   collectives are activation-sized, every one smaller than a single layer's experts of one

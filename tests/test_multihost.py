@@ -92,7 +92,8 @@ def assert_same_run(got, expected, tolerance=1e-5):
         np.testing.assert_allclose(mine[name], theirs[name], rtol=tolerance, atol=tolerance, err_msg=name)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_host_scored_math_task_on_two_processes_equals_one(tmp_path):
   """The math task's reward runs on the hosts: each process decodes and scores the groups on its
   own devices. With dynamic sampling (groups gathered across rounds) and in-training evaluation,
@@ -170,7 +171,8 @@ def test_each_group_is_scored_by_exactly_one_process_that_holds_it(monkeypatch, 
     distributed.owned_groups(types.SimpleNamespace(shape=(16, 5), sharding=_FakeLayout(16, 2, 4, 8)), 16)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_split_devices_across_processes_equal_one_process_and_resume(tmp_path):
   """Split devices across processes: the trainer on process 0's 4 devices, the sampler on process
   1's (rollout.devices=4, max_lag 2), a host-scored task with in-training evaluation. The weights,
@@ -197,7 +199,8 @@ def test_split_devices_across_processes_equal_one_process_and_resume(tmp_path):
   assert_same_run(metrics(tmp_path / 'two', 'eval.jsonl'), metrics(tmp_path / 'one', 'eval.jsonl'))
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_hybrid_sharding_over_two_processes_equals_one_and_resumes_on_one_process_with_another_mesh(tmp_path):
   """Hybrid sharding composed with expert parallelism (a mixture of experts with rollout routing
   replay; its attention, embeddings and norms are laid out as a dense model's): data over the two

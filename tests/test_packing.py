@@ -159,7 +159,8 @@ def assert_packed_equals_padded(padded, packed, batch):
   assert float(padded_metrics['grad_norm']) > 1e-3
 
 
-@pytest.mark.parametrize('name', sorted(SETTINGS))
+@pytest.mark.parametrize('name', [pytest.param(name, marks=() if name == 'token-mean, all terms' else
+                                                pytest.mark.exhaustive) for name in sorted(SETTINGS)])
 def test_packed_update_equals_padded(seed, name):
   """Every setting on one batch: random lengths for half of them, the exact-fill batch for the rest
   (each setting's compile costs more than its batch, so each runs on one)."""
@@ -195,6 +196,7 @@ def test_exact_fill_packs_into_fewer_rows_and_micro_batches(seed):
 QWEN3 = dataclasses.replace(ARCHITECTURE, head_dim=16, qk_norm=True, attention_bias=False)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize('architecture', [ARCHITECTURE, QWEN3], ids=['qwen2', 'qwen3'])
 def test_packed_update_on_a_mesh_equals_one_device(seed, architecture):
   """8 fake devices as (data, fsdp, tensor) = (2, 2, 2): each of the 4 batch groups packs its own
@@ -233,7 +235,8 @@ def assert_packed_run_equals_padded(reference, packed):
     assert 0 <= packed_row['packed_padding_frac'] < 1 and packed_row['micro_batches'] >= 1
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_fused_k_steps_with_packing_equal_padded(tmp_path):
   """Two arithmetic RL steps in one jit, packed (rows of 32 tokens, 2 per micro-batch) against padded."""
   config = os.path.join(ROOT, 'configs', 'tiny_arith.yaml')
@@ -244,7 +247,8 @@ def test_fused_k_steps_with_packing_equal_padded(tmp_path):
   assert_packed_run_equals_padded(reference, packed)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_host_reward_steps_with_packing_on_a_mesh_equal_padded(tmp_path):
   """The math task (rewards on the host, prompts of different lengths), packed on a (2, 4, 1) mesh
   against padded on one device: each data replica packs and accumulates its own rows (rl/update.py)."""

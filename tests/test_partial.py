@@ -79,8 +79,10 @@ def reference(params, driver, source):
              jax.random.fold_in(driver.keys[batch], index))
 
 
-@pytest.mark.parametrize('max_lag, slots, mesh_shape, steps', [(1, 8, None, 16), (2, 5, None, 80), (1, 8, (2, 2, 2), 16)],
-                         ids=['lag1', 'lag2-odd-slots-chunked', 'lag1-mesh'])
+@pytest.mark.parametrize('max_lag, slots, mesh_shape, steps', [
+    pytest.param(1, 8, None, 16, id='lag1'),
+    pytest.param(2, 5, None, 80, id='lag2-odd-slots-chunked', marks=pytest.mark.exhaustive),
+    pytest.param(1, 8, (2, 2, 2), 16, id='lag1-mesh', marks=pytest.mark.exhaustive)])
 def test_carried_groups_equal_one_call(seed, make_hf_checkpoint, max_lag, slots, mesh_shape, steps):
   """N = 80: answers carried over are prefilled again in chunks of 40 tokens."""
   directory, _ = make_hf_checkpoint(seed)
@@ -115,6 +117,7 @@ def test_carried_groups_equal_one_call(seed, make_hf_checkpoint, max_lag, slots,
       assert np.all((versions >= 0) == (np.arange(settings.max_new_tokens) < lengths[:, None]))
 
 
+@pytest.mark.exhaustive
 def test_a_cut_off_answer_goes_on_under_the_new_weights(seed, make_hf_checkpoint):
   """Each step has its own weights: every token a group holds equals what the weights of the
   version recorded for it sample after the tokens before it (a teacher-forced reference per
@@ -153,6 +156,7 @@ def test_a_cut_off_answer_goes_on_under_the_new_weights(seed, make_hf_checkpoint
   assert mixed > 0, 'no answer spans two versions: the test would not test the in-flight update'
 
 
+@pytest.mark.exhaustive
 def test_regenerate_restarts_groups_past_the_bound(seed, make_hf_checkpoint):
   """stale_groups: regenerate takes the first P complete groups and restarts a group that would
   pass the bound: with long-tailed answers and 4 slots some restart (within 80 steps), and no trained token is
@@ -214,7 +218,8 @@ def test_answer_book_draws_missing_answers_again():
   assert 1 not in book.by_source and 0 in book.by_source  # taken answers leave the book
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_a_resumed_math_run_equals_the_uninterrupted_one(tmp_path, make_hf_checkpoint, seed):
   """A host-scored dataset task with partial rollouts: 3 steps, then a resume to 6, equal 6 steps."""
   from test_math_task import chat_tokenizer_dir, write_problems

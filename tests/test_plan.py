@@ -11,6 +11,38 @@ from grpo_jax.plan import targets
 from test_deviceless import _run
 
 
+# ---- the demo's RL step, compiled by one TPU's and one GPU's XLA (make test's plan) ----
+
+@pytest.mark.starts_first
+@pytest.mark.parametrize('platform, target, devices', [('tpu', 'v5e-4', 4), ('gpu', 'h100x1', 1)])
+def test_plan_compiles_the_demo_for_a_tpu_and_a_gpu(platform, target, devices, tmp_path):
+  """The default config's K-step jit (sample, score, update) compiled by XLA:TPU for 4 v5e chips
+  and by XLA:GPU for one H100, neither attached: the per-device state is the compiled program's
+  own, the donated state is updated in place, and a decode step is a count of the target's
+  kernels. The 0.5B recipe's plans below check the figures against hand counts (test-all)."""
+  report_path = tmp_path / 'plan.json'
+  result = _run(platform, ['grpo_jax.plan', '--config', 'configs/tiny_arith.yaml', '--target', target,
+                           '--no-advice', '--json', str(report_path)], timeout=600)
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  report = json.loads(report_path.read_text())
+  assert report['fits'] and 'fits' in result.stdout and report['devices'] == devices
+  assert report['mesh'] == {'data': 1, 'fsdp': devices, 'tensor': 1, 'expert': 1}
+  (program,) = report['programs']
+  assert program['name'] == '10 RL steps in one jit'  # train.steps_per_call: 10
+  # fp32 parameters split over FSDP, apart from the tensors no mesh axis divides (the 17-token
+  # embedding, the norms); Adam's two moments laid out as the parameters.
+  total = report['model']['parameters'] * 4
+  per_device = report['per_device']
+  assert total / devices <= per_device['parameters'] <= total
+  assert 2 * per_device['parameters'] <= per_device['optimizer_state'] <= 2 * per_device['parameters'] + 64
+  assert program['aliased'] >= per_device['parameters'] + per_device['optimizer_state']  # donated state
+  assert 0 < program['temporaries'] and 0 < report['peak'] <= report['hbm']
+  assert program['decode_step']['kernels'] > 0
+  # Collectives only where there is more than one device, and inside a decode step only activations.
+  moved = sum(program['collectives']['outside'].values())
+  assert (moved > 0) == (devices > 1), program['collectives']
+
+
 # ---- the 0.5B recipe's RL step, compiled by the target's XLA ----
 
 # The layers are one scanned block: two compile as the 24 do, in half the time (the TPU compile of
@@ -29,7 +61,8 @@ SMALLER_H100 = ['--device-memory', '1.4GiB', '--set', KNOB]
 AUTO = ['--set', 'model.attention=auto']
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 @pytest.mark.parametrize('platform, target, extra', [('tpu', 'v5e-8', ['--set', 'rollout.weights=int8'] + AUTO),
                                                      ('gpu', 'h100x8', SMALLER_H100 + ['--set', 'rollout.weights=fp8'] + AUTO)],
                          ids=['tpu-v5e-8-int8', 'gpu-h100x8-of-1.4GiB-fp8'])
@@ -93,7 +126,8 @@ def test_plan_compiles_the_small_recipe_for_the_target(platform, target, extra, 
   assert 'WARNING' not in result.stdout and 'E0000' not in result.stdout  # compiler logs kept out of the report
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_plan_names_the_knob_that_brings_a_run_under_the_device_memory(tmp_path):
   """The 0.5B recipe's shapes at 2 layers on 8 H100s told they have 1.4 GiB each (the update needs
   1.65): the plan says it does not fit, compiles the knobs, and names first the one that the H100
@@ -183,7 +217,8 @@ def test_each_mesh_axis_is_attributed_to_the_link_its_groups_use():
   assert links('hybrid=auto') == {'data': (2, {'network': 4 << 20}), 'fsdp': (4, {'nvlink': 4 << 20})}
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_plan_of_split_devices_and_of_partial_rollouts(tmp_path):
   """rollout.devices: the sampler's program on its own 4 devices, the weights' layout program and
   the update on the trainer's 4; the bytes crossing per step are the sampler's resident weights and

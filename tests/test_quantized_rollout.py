@@ -72,10 +72,11 @@ def _dequantized_reference(directory: str, kind: str):
 
 
 @pytest.mark.parametrize('kind, architecture, mesh_shape, tensor', [
-    ('int8', dict(), (1, 8, 1), 2),
-    ('fp8', dict(tie_word_embeddings=True), (2, 2, 2), 4),
-    ('int8', dict(model_type='qwen3_moe', head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24),
-     (1, 8, 1), 2)], ids=['int8-fsdp8-t2', 'fp8-tied-2x2x2-t4', 'int8-moe-fsdp8-t2'])
+    pytest.param('int8', dict(), (1, 8, 1), 2, id='int8-fsdp8-t2', marks=pytest.mark.exhaustive),
+    pytest.param('fp8', dict(tie_word_embeddings=True), (2, 2, 2), 4, id='fp8-tied-2x2x2-t4'),
+    pytest.param('int8', dict(model_type='qwen3_moe', head_dim=16, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=24), (1, 8, 1), 2, id='int8-moe-fsdp8-t2',
+                 marks=pytest.mark.exhaustive)])
 def test_sampler_on_8bit_weights_equals_the_dequantized_model(seed, make_hf_checkpoint, kind, architecture,
                                                               mesh_shape, tensor):
   directory, _ = make_hf_checkpoint(seed, vocab_size=256, hidden_size=64, intermediate_size=128, **architecture)

@@ -21,7 +21,7 @@ GREEDY = SamplingConfig(greedy=True)
 # 'unrolled': one copy of the layer per index in the decode loop, each reading its own piece of the
 # cut stack (Qwen2.loop_view) and its own layer of the cache (KVCache.layered), as the GPU default
 # runs it, here with each prompt read once for its rows; 'scan' is the CPU's and TPU's.
-@pytest.mark.parametrize('decode_layers', ['scan', 'unrolled'])
+@pytest.mark.parametrize('decode_layers', ['scan', pytest.param('unrolled', marks=pytest.mark.exhaustive)])
 def test_greedy_matches_transformers_generate(seed, make_hf_checkpoint, architecture, decode_layers):
   directory, reference = make_hf_checkpoint(seed, **architecture)
   model = from_pretrained(directory, options=ModelOptions(
@@ -72,6 +72,7 @@ def test_sampler_log_probs_equal_full_forward(seed, make_hf_checkpoint):
     np.testing.assert_allclose(np.asarray(rollout.log_probs[row]), expected, rtol=0, atol=1e-4)
 
 
+@pytest.mark.exhaustive
 def test_stop_tokens_end_rows_and_seeds_reproduce(seed, make_hf_checkpoint):
   directory, _ = make_hf_checkpoint(seed)
   model = from_pretrained(directory)

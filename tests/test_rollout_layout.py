@@ -42,6 +42,8 @@ CASES = [(mesh, tensor, list(SAMPLINGS)[(i + j) % 3], (0, 6)[(i + j) % 2])
 # Hybrid sharding's mesh (data 2 x fsdp 4) into tensor groups of its fsdp size: laid out through each
 # device's own D slice (RolloutLayout.place), never through another group's replica.
 CASES.append(((2, 4, 1), 4, 't1', 6))
+# make test's two: a cube into tensor groups of 4 (from fsdp x tensor), and data replicas of tensor pairs.
+FAST_CASES = {((2, 2, 2), 4), ((2, 1, 4), 2)}
 
 
 @pytest.fixture(scope='module')
@@ -94,8 +96,9 @@ def references(checkpoint, inputs):
           for name, sampling in SAMPLINGS.items()}
 
 
-@pytest.mark.parametrize('mesh_shape, tensor, sampling, slots', CASES,
-                         ids=[f'{"x".join(map(str, m))}-t{t}-{s}-slots{b}' for m, t, s, b in CASES])
+@pytest.mark.parametrize('mesh_shape, tensor, sampling, slots', [
+    pytest.param(m, t, s, b, id=f'{"x".join(map(str, m))}-t{t}-{s}-slots{b}',
+                 marks=() if (m, t) in FAST_CASES else pytest.mark.exhaustive) for m, t, s, b in CASES])
 def test_rollout_in_the_sampler_layout_equals_one_device(checkpoint, inputs, references, mesh_shape, tensor, sampling,
                                                         slots):
   directory, _ = checkpoint
@@ -117,6 +120,7 @@ def test_rollout_in_the_sampler_layout_equals_one_device(checkpoint, inputs, ref
   assert rollout.tokens.sharding.mesh.shape == mesh.shape
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize('mesh_shape, tensor', [((1, 8, 1), 4), ((2, 2, 2), 8)], ids=['fsdp8-t4', '2x2x2-t8'])
 def test_qwen3_rollout_in_the_sampler_layout_equals_one_device(seed, make_hf_checkpoint, mesh_shape, tensor):
   """Qwen3's shape (per-head q/k norms, head_dim 24 where D / N = 16) from FSDP and a cube of 8
@@ -157,6 +161,7 @@ def test_resident_weights_are_cast_split_over_tensor_and_replicated_over_data(ch
       math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(resident))
 
 
+@pytest.mark.exhaustive
 def test_collectives_of_the_reshard_and_the_decode_loop(checkpoint):
   """FSDP over 8 devices, sampler tensor 4: the reshard receives about the resident weights (at
   most twice them), and a decode step moves only activations, bounded by a hand count."""

@@ -96,7 +96,8 @@ def greedy_until_stop(reference, prompt, max_new_tokens, stop_ids):
   return out
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_jetstream_grpc_server_matches_greedy_decoding(seed, make_hf_checkpoint):
   # Only the stubs are imported here: importing JetStream's orchestrator reconfigures the root logger.
   pytest.importorskip('jetstream.core.proto.jetstream_pb2_grpc',
@@ -166,7 +167,7 @@ def test_jetstream_grpc_server_matches_greedy_decoding(seed, make_hf_checkpoint)
   assert 'prompt-tokens' not in answers[0][2]
 
 
-@pytest.mark.slow
+@pytest.mark.starts_first
 def test_hostile_clients_never_change_another_clients_answer(seed, make_hf_checkpoint):
   """Good token requests, first alone, then interleaved with bad ones sent at the same time (ids
   past the vocabulary, negative ids, too long, empty, max_tokens 0 and negative, text to a
@@ -277,7 +278,8 @@ VL_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['con
                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_image_requests_equal_transformers_and_bad_images_are_refused_alone(seed, make_hf_checkpoint, tmp_path):
   """A Qwen2.5-VL checkpoint served: conversations with one image, two images of different sizes
   (base64 parts, both part spellings) and none, through two slots at once, decode greedily as

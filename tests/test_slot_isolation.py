@@ -78,7 +78,7 @@ def directory(seed, make_hf_checkpoint):
 
 
 # 'unrolled': the GPU's decode step, its cache one array per layer (KVCache.layered).
-@pytest.mark.parametrize('layers', ['scan', 'unrolled'])
+@pytest.mark.parametrize('layers', ['scan', pytest.param('unrolled', marks=pytest.mark.exhaustive)])
 def test_engine_insert(seed, directory, layers):
   """Two slots, six requests of three prompts: slots are refilled after other requests."""
   model = from_pretrained(directory, options=ModelOptions(decode_layers=layers))
@@ -94,8 +94,9 @@ def test_engine_insert(seed, directory, layers):
 
 # 'unrolled': the GPU's decode loop, whose dense attention reads a cache of one array per layer,
 # here with each prompt read once for its rows (ModelOptions.prompt_reads).
-@pytest.mark.parametrize('implementation, block, layers', [('dense', 4, 'scan'), ('dense', 4, 'unrolled'),
-                                                           ('blockwise', 4, 'scan'), ('pallas', 128, 'scan')])
+@pytest.mark.parametrize('implementation, block, layers', [
+    ('dense', 4, 'scan'), *(pytest.param(*case, marks=pytest.mark.exhaustive)
+                            for case in [('dense', 4, 'unrolled'), ('blockwise', 4, 'scan'), ('pallas', 128, 'scan')])])
 def test_group_sampler_refills(seed, directory, implementation, block, layers):
   model = from_pretrained(directory, options=ModelOptions(decode_attention=implementation, decode_block=block,
                                                           decode_layers=layers,
@@ -111,6 +112,7 @@ def test_group_sampler_refills(seed, directory, implementation, block, layers):
   assert_same(*clean_and_poisoned(run))
 
 
+@pytest.mark.exhaustive
 def test_pool_of_partial_rollouts(seed, directory):
   """Answers cut off at one step go on at the next, prefilled again into refilled slots."""
   model = from_pretrained(directory)
@@ -130,7 +132,7 @@ def test_pool_of_partial_rollouts(seed, directory):
     assert_same(clean_rollout, poisoned_rollout)
 
 
-@pytest.mark.parametrize('layers', ['scan', 'unrolled'])
+@pytest.mark.parametrize('layers', ['scan', pytest.param('unrolled', marks=pytest.mark.exhaustive)])
 def test_inference_server_kept_caches(seed, directory, layers):
   """Conversations taking turns on two slots: a turn continues its kept cache or lands in a slot
   another conversation's longer context left behind."""

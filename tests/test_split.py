@@ -113,6 +113,7 @@ def test_every_token_is_its_versions_sample(split_run):
   assert checked > 0
 
 
+@pytest.mark.exhaustive
 def test_the_pipeline_lives_on_the_sampler_and_weights_cross_shard_for_shard(split_run):
   """The pool and the groups ready for the next step lie on the sampler's devices only; the
   weights arrive there cast to the compute dtype, equal to the trainer's, laid out on the
@@ -164,7 +165,8 @@ def test_a_sampler_with_every_device_is_refused():
   assert 'rollout.devices' in str(error.value) and '\n' not in str(error.value)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_a_killed_split_run_resumes_exactly(tmp_path):
   """One sampler device beside one trainer device, max_lag 2: the pool and the groups sampled for
   the next step are checkpointed on the sampler's device, and a run killed with SIGKILL resumes

@@ -212,7 +212,8 @@ def test_tool_use_refuses_to_run_model_code_without_its_sandbox(tmp_path, monkey
     assert ('task.sandbox: none: the python tool runs model-written code unsandboxed' in said) == (extra[0][5] == 's')
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_the_tool_recipe_runs_its_first_steps_on_the_cpu(tmp_path, make_hf_checkpoint):
   """configs/qwen2_5_3b_gsm8k_tool.yaml at reduced size (a random 2-layer Qwen2, the test tokenizer
   with a tool template, GSM8K-format records): two RL steps train on multi-turn episodes, and

@@ -35,7 +35,8 @@ def run_cli(workdir, *overrides, check=True, devices=1):
   return result
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_demo_reward_rises(tmp_path):
   """The demo's first 120 steps from the command line (make demo runs its 400: mean reward 0.00 over
   the first 10, 0.60 over steps 101-120, 0.91 over the last 40): the reward rises from nothing to
@@ -56,7 +57,8 @@ def test_demo_reward_rises(tmp_path):
   assert 'reward_mean' in result.stdout and 'step 120/120' in result.stderr  # summary table, progress bar
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_demo_learns_with_fewer_decode_slots_and_a_packed_update(tmp_path):
   """The long-tail settings inside the fused K-step jit: 256 completions through 48 decode slots,
   and the update over packed rows of 36 tokens in micro-batches of 16 rows. A random model's
@@ -76,6 +78,7 @@ def test_demo_learns_with_fewer_decode_slots_and_a_packed_update(tmp_path):
     assert 0.5 < row['slot_occupancy'] <= 1.0
 
 
+@pytest.mark.exhaustive
 def test_tensorboard_events_through_clu(tmp_path):
   pytest.importorskip('clu.metric_writers', reason='clu + TensorFlow come with requirements-extras.txt')
   import tensorflow as tf
@@ -90,6 +93,7 @@ def test_tensorboard_events_through_clu(tmp_path):
   np.testing.assert_allclose(values, [row['reward_mean'] for row in read_metrics(tmp_path)], rtol=1e-6)
 
 
+@pytest.mark.exhaustive
 def test_same_seed_same_curve_and_fused_equals_host_loop(tmp_path):
   common = [*SMALL[1::2], 'train.steps=12', 'train.checkpoint_every=0']
   runs = {'a': ['train.steps_per_call=4'], 'b': ['train.steps_per_call=4'], 'host': ['train.steps_per_call=1'],
@@ -130,12 +134,13 @@ def _wait_for(predicate, process, timeout=240):
   return False
 
 
-@pytest.mark.slow
+@pytest.mark.starts_first
 @pytest.mark.parametrize('steps_per_call, settings, config', [
-    (1, [], CONFIG), (1, [], os.path.join(ROOT, 'configs', 'tiny_guess.yaml')),
-    (4, ['algo.max_lag=2', 'algo.tis_cap=2.0', 'rollout.slots=12', 'algo.packing=true', 'algo.micro_batch_tokens=18'],
-     CONFIG)],
-    ids=['host-loop', 'agent', 'fused-partial-rollouts-packed'])
+    pytest.param(1, [], CONFIG, id='host-loop'),
+    pytest.param(1, [], os.path.join(ROOT, 'configs', 'tiny_guess.yaml'), id='agent', marks=pytest.mark.exhaustive),
+    pytest.param(4, ['algo.max_lag=2', 'algo.tis_cap=2.0', 'rollout.slots=12', 'algo.packing=true',
+                     'algo.micro_batch_tokens=18'], CONFIG, id='fused-partial-rollouts-packed',
+                 marks=pytest.mark.exhaustive)])
 def test_kill_and_resume_equals_uninterrupted(tmp_path, steps_per_call, settings, config):
   """The host loop with the padded update, the agent task (episodes on the inference server,
   multi-turn trajectories), and the K-step jit with partial rollouts (the pool of groups in flight
@@ -165,7 +170,8 @@ def kill_and_resume(tmp_path, steps_per_call, settings, config=CONFIG, devices=1
   assert without_timing(read_metrics(tmp_path / 'killed')) == without_timing(read_metrics(tmp_path / 'whole'))
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_kill_mid_save_leaves_last_complete_checkpoint(tmp_path):
   """Kill -9 while orbax is writing a step: that step never counts, the previous one restores."""
   options = ['--set', 'train.steps_per_call=1', '--set', 'train.checkpoint_every=1', '--set', 'train.max_to_keep=2']
@@ -197,6 +203,7 @@ def test_bad_config_is_one_line_error(tmp_path):
       'error: algo.num_minibatches (3) must divide prompts_per_step * group_size (256)']
 
 
+@pytest.mark.exhaustive
 def test_nonfinite_updates_stop_the_run_with_checkpoint_intact(tmp_path):
   # A learning rate of 1e30 sends the parameters to inf after the first update; every later
   # update is non-finite and skipped, and the run stops after max_consecutive_skips of them.
@@ -210,6 +217,7 @@ def test_nonfinite_updates_stop_the_run_with_checkpoint_intact(tmp_path):
   assert sum(row['nonfinite'] for row in rows) >= 3
 
 
+@pytest.mark.exhaustive
 def test_fsdp_shards_the_optimizer_state_like_the_parameters(tmp_path):
   """fsdp=8 on 8 devices: each device holds 1/8 of the parameters and of each AdamW moment (plus
   the small tensors the rules replicate), before and after fused and host steps."""
@@ -250,6 +258,7 @@ def test_fsdp_shards_the_optimizer_state_like_the_parameters(tmp_path):
     run.close()
 
 
+@pytest.mark.exhaustive
 def test_bf16_compute_keeps_fp32_master_weights(tmp_path, seed):
   from grpo_jax import config as config_lib
   from grpo_jax import sharding
@@ -287,6 +296,7 @@ def _leaves(tree):
   return [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
 
 
+@pytest.mark.exhaustive
 def test_resume_with_a_different_model_is_one_line_error(tmp_path):
   common = [*SMALL, '--set', 'train.steps=2', '--set', 'train.steps_per_call=1']
   run_cli(tmp_path, *common)

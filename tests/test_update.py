@@ -153,7 +153,8 @@ def reference_loss(params, graphdef, batch, old, ref, config: AlgoConfig):
                                            jnp.sum(entropy * mask) / jnp.sum(mask), summand_scale)
 
 
-@pytest.mark.parametrize('case', sorted(GRADIENT_CASES))
+@pytest.mark.parametrize('case', [pytest.param(case, marks=() if case == 'token' else pytest.mark.exhaustive)
+                                  for case in sorted(GRADIENT_CASES)])
 def test_policy_loss_gradient_matches_full_logits(case, seed):
   config = GRADIENT_CASES[case]
   rng = np.random.default_rng(seed)
@@ -204,7 +205,7 @@ def test_policy_loss_gradient_matches_full_logits(case, seed):
 
 # ---- micro-batch accumulation ----
 
-@pytest.mark.parametrize('aggregation', ['token-mean', 'seq-mean-token-mean'])
+@pytest.mark.parametrize('aggregation', ['token-mean', pytest.param('seq-mean-token-mean', marks=pytest.mark.exhaustive)])
 def test_micro_batches_accumulate_to_the_whole_batch(aggregation, seed):
   """micro_batch_size = B / 4 against the whole batch at once. Plain SGD makes the parameter
   change the (negated, scaled) gradient itself, so the comparison is as tight as the gradients'
@@ -232,6 +233,7 @@ def test_micro_batches_accumulate_to_the_whole_batch(aggregation, seed):
   assert float(whole_metrics['grad_norm']) > 1e-3
 
 
+@pytest.mark.exhaustive
 def test_replicas_reduce_their_gradients_once_per_update(seed):
   """Hybrid sharding's contract, on a data 2 x fsdp 2 mesh (the data axis over hosts): each replica
   accumulates its own rows' gradients over its micro-batches and the replicas sum them once per
@@ -325,6 +327,7 @@ def test_nonfinite_batch_is_skipped(seed):
 
 # ---- the reference policy ----
 
+@pytest.mark.exhaustive
 def test_kl_paths(seed):
   rng = np.random.default_rng(seed)
   graphdef, params = random_model(rng)
@@ -348,6 +351,7 @@ def test_kl_paths(seed):
 
 # ---- several epochs and mini-batches ----
 
+@pytest.mark.exhaustive
 def test_epochs_times_minibatches_optimizer_updates(seed):
   """mu = 2 passes of 2 mini-batches: 4 optimizer updates, all against the frozen pi_old, so the
   later ones see ratios away from 1 (pi_old recomputed per mini-batch would keep them at 1)."""
@@ -392,6 +396,7 @@ def test_validate_names_the_field(sections, field):
 
 # ---- the sampler <-> trainer log-prob mismatch ----
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize('epochs, minibatches', [(1, 1), (2, 2)])
 def test_sampler_mismatch_metrics_against_numpy(seed, epochs, minibatches):
   """The sampler's log-probs are the trainer's (full logits, before any update) moved by a known

@@ -179,6 +179,7 @@ def checksum(completions, references, lengths):
   return [float(sum(map(ord, text)) % 97) for text in completions]
 
 
+@pytest.mark.exhaustive
 def test_a_run_with_images_trains_and_evaluates_pass_at_k(tmp_path, checkpoint, seed, monkeypatch):
   sampled = []  # the images each evaluation batch is sampled with
 
@@ -209,6 +210,7 @@ def test_a_run_with_images_trains_and_evaluates_pass_at_k(tmp_path, checkpoint, 
   assert len(sampled) == 4 and all(np.all(placed >= 1) for placed in sampled)
 
 
+@pytest.mark.exhaustive
 def test_split_devices_sample_image_prompts_as_their_versions(tmp_path, checkpoint, seed):
   """A math run with images on split devices (4 sampler, 4 trainer devices, max_lag 1): the prompts'
   images cross to the sampler's devices and back with their groups, and each token's recorded

@@ -64,7 +64,8 @@ def transformers_inputs(tokens, mask, images):
               mm_token_type_ids=torch.tensor((tokens == IMAGE).astype(np.int32)))
 
 
-@pytest.mark.parametrize('case', sorted(CASES))
+@pytest.mark.parametrize('case', [pytest.param(case, marks=pytest.mark.exhaustive if case == 'tied-windows-1' else ())
+                                  for case in sorted(CASES)])
 def test_logits_and_positions_match_transformers(case, seed, make_hf_checkpoint):
   import torch
 
@@ -96,6 +97,7 @@ def test_logits_and_positions_match_transformers(case, seed, make_hf_checkpoint)
   np.testing.assert_allclose(again[real], logits[real], rtol=0, atol=1e-5)
 
 
+@pytest.mark.exhaustive
 def test_greedy_decoding_matches_generate(seed, make_hf_checkpoint):
   import torch
 

@@ -8,6 +8,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from grpo_jax.model import vision
@@ -55,6 +56,7 @@ def test_image_prompts_through_the_slots_equal_generate_and_the_updates_log_prob
   assert (tokens == IMAGE).sum() > 0 and grids_of(images)[1] == []
 
 
+@pytest.mark.exhaustive
 def test_the_vision_demo_learns_and_blank_images_stay_at_chance(tmp_path):
   """make demo-vl's run, shortened and on seed 1: the reward passes chance (1/4) by far within 200
   steps, while the blank-image control stays at chance over its 100.
@@ -73,6 +75,7 @@ def test_the_vision_demo_learns_and_blank_images_stay_at_chance(tmp_path):
   assert np.mean(blank[-10:]) <= 0.25 + 0.1, np.mean(blank[-10:])
 
 
+@pytest.mark.exhaustive
 def test_a_frozen_tower_stays_as_loaded_and_lora_trains_with_images(tmp_path):
   """model.freeze_vision: after RL steps the tower's weights are those it started with while the
   language model's moved; LoRA on the language model (its base, tower included, frozen) trains on
@@ -101,6 +104,7 @@ def test_a_frozen_tower_stays_as_loaded_and_lora_trains_with_images(tmp_path):
   assert changed and all('lora' in name for name in changed), changed
 
 
+@pytest.mark.exhaustive
 def test_vision_rl_steps_on_a_mesh_equal_one_device(tmp_path):
   """Two RL steps of the vision demo in one jit (prompts with images through the sampler's own
   layout, the tower recomputed in the update) on a data x fsdp x tensor mesh give one device's
@@ -112,6 +116,7 @@ def test_vision_rl_steps_on_a_mesh_equal_one_device(tmp_path):
   assert_equal_runs(reference, two_steps(tmp_path, CONFIG, overrides, (2, 2, 2), fused=True))
 
 
+@pytest.mark.exhaustive
 def test_generate_takes_images_as_transformers_does(seed, make_hf_checkpoint, tmp_path):
   """python -m grpo_jax.generate --image: the image processed as the checkpoint's
   preprocessor_config.json says and placed at the prompt's <image>; greedy tokens equal transformers'
@@ -156,6 +161,7 @@ def test_generate_takes_images_as_transformers_does(seed, make_hf_checkpoint, tm
   assert two.returncode == 2 and two.stderr.strip() == 'error: --prompt holds 2 <image> markers for 1 --image files'
 
 
+@pytest.mark.exhaustive
 def test_packed_update_with_images_equals_padded(seed):
   """Sequences with 0, 1 or 2 images of different sizes, packed end to end (their M-RoPE positions
   and image placements travel with their tokens): the same gradients and metrics as the padded
@@ -213,6 +219,7 @@ def test_packed_update_with_images_equals_padded(seed):
   assert_packed_equals_padded(padded, on_mesh, batch)
 
 
+@pytest.mark.exhaustive
 def test_partial_rollouts_carry_image_prompts_as_one_call_samples_them(seed, make_hf_checkpoint):
   """The pool of partial rollouts (algo.max_lag 1, fewer slots than requests) with image prompts:
   groups cut off mid-answer and resumed at the next step (their answers prefilled again over the
