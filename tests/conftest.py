@@ -103,6 +103,20 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: item.get_closest_marker('starts_first') is None)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+  """A file's module fixtures are built once only if its xdist_group keeps its tests on one worker:
+  pytest-xdist marks them by suffixing their node ids, which pytest 9.2 no longer lets it do, and
+  the group is then ignored without a word (each module fixture built again on every worker, every
+  time a worker comes back to the file)."""
+  if getattr(session.config.option, 'loadgroup', False):
+    ungrouped = [item.nodeid for item in session.items
+                 if item.get_closest_marker('xdist_group') is not None and '@' not in item.nodeid]
+    if ungrouped:
+      raise pytest.UsageError(f'pytest-xdist did not apply xdist_group to {ungrouped[0]} (and {len(ungrouped) - 1} '
+                              'more): pin the pytest that requirements-test.txt names')
+
+
 def pytest_terminal_summary(terminalreporter, config):
   tier = config.getoption('--tier')
   if tier is None or hasattr(config, 'workerinput'):

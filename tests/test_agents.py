@@ -152,6 +152,7 @@ def test_episode_budget_truncates_turns_and_observations(model):
   assert server.stats.requests == 2 and not [array for array in jax.live_arrays() if array.shape == cache_shape]
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize('mode', ['a slot each', *(pytest.param(mode, marks=pytest.mark.exhaustive)
                                                    for mode in ['taking turns on one slot', 'racing for half the slots'])])
 def test_turns_that_reuse_kept_caches_sample_from_the_right_distribution(seed, make_hf_checkpoint, mode):

@@ -36,7 +36,8 @@ def loss_and_grads(model, tokens, segments):
   return value, logits, jax.tree.leaves(grads)
 
 
-@pytest.mark.parametrize('chunk', [7, 16, 64])  # not dividing T = 40, dividing a padded T, > T
+# not dividing T = 40 (make test's), dividing a padded T, > T
+@pytest.mark.parametrize('chunk', [7, *(pytest.param(chunk, marks=pytest.mark.exhaustive) for chunk in (16, 64))])
 def test_chunked_attention_matches_transformers_and_dense(seed, make_hf_checkpoint, chunk):
   directory, reference = make_hf_checkpoint(seed, num_hidden_layers=2)
   tokens, segments = random_left_padded(np.random.default_rng(seed), rows=3, width=40, vocab=1000)

@@ -55,6 +55,7 @@ def test_blocks_past_the_fullest_row_are_never_read(seed):
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize('slots, architecture', [
     pytest.param(0, {}, id='qwen2-groups', marks=pytest.mark.exhaustive), pytest.param(3, {}, id='qwen2-slots'),
     pytest.param(3, dict(model_type='qwen3', head_dim=24), id='qwen3-slots', marks=pytest.mark.exhaustive)])

@@ -119,6 +119,7 @@ def test_fp32_params_with_bf16_compute(seed, make_hf_checkpoint):
   assert error.max() <= BF16_TOLERANCE, error.max()
 
 
+@pytest.mark.exhaustive
 def test_unrolled_layers_and_remat_agree_with_scan(seed, make_hf_checkpoint):
   """scan_layers=False and every remat policy compute the same logits and gradients."""
   directory, _ = make_hf_checkpoint(seed, num_hidden_layers=3)
