@@ -78,6 +78,9 @@ FAST_FILES = {'test_adapters', 'test_algo', 'test_api', 'test_attention', 'test_
 TIER_BUDGETS = {'test': 15 * 60, 'test-all': 40 * 60, 'test-fast': 3 * 60}
 
 
+_STARTED = pytest.StashKey[float]()  # when the run began: the tier's wall time
+
+
 def pytest_addoption(parser):
   parser.addoption('--tier', choices=sorted(TIER_BUDGETS), help='the Makefile target running the suite: the '
                    'summary gives its wall time against its budget (tests/README.md)')
@@ -85,12 +88,11 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
   config.stash[_STARTED] = time.monotonic()
+  _check_xdist_groups(config)
   if os.environ.get('GRPO_JAX_TEST_PROFILE'):  # CPU by test, subprocesses included (tests/profiling.py)
     import profiling
     config.pluginmanager.register(profiling)  # pytest calls its pytest_configure on registering it
 
-
-_STARTED = pytest.StashKey[float]()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -103,18 +105,16 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: item.get_closest_marker('starts_first') is None)
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_finish(session):
-  """A file's module fixtures are built once only if its xdist_group keeps its tests on one worker:
-  pytest-xdist marks them by suffixing their node ids, which pytest 9.2 no longer lets it do, and
-  the group is then ignored without a word (each module fixture built again on every worker, every
-  time a worker comes back to the file)."""
-  if getattr(session.config.option, 'loadgroup', False):
-    ungrouped = [item.nodeid for item in session.items
-                 if item.get_closest_marker('xdist_group') is not None and '@' not in item.nodeid]
-    if ungrouped:
-      raise pytest.UsageError(f'pytest-xdist did not apply xdist_group to {ungrouped[0]} (and {len(ungrouped) - 1} '
-                              'more): pin the pytest that requirements-test.txt names')
+def _check_xdist_groups(config):
+  """A file's module fixtures are built once only if its xdist_group keeps its tests on one worker.
+  pytest-xdist 3.8 marks a group by suffixing each test's node id (Node._nodeid), which pytest 9.2
+  no longer keeps: the groups would be ignored without a word, each module fixture built again on
+  every worker and every time a worker comes back to the file."""
+  from _pytest import nodes
+  if config.getoption('dist', 'no') == 'loadgroup' and '_nodeid' not in getattr(nodes.Node, '__slots__', ()):
+    raise pytest.UsageError(f'pytest {pytest.__version__} does not let pytest-xdist apply xdist_group (the tests '
+                            'marked with it would spread over the workers): install the pytest that '
+                            'requirements-test.txt names')
 
 
 def pytest_terminal_summary(terminalreporter, config):

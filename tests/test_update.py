@@ -233,7 +233,6 @@ def test_micro_batches_accumulate_to_the_whole_batch(aggregation, seed):
   assert float(whole_metrics['grad_norm']) > 1e-3
 
 
-@pytest.mark.exhaustive
 def test_replicas_reduce_their_gradients_once_per_update(seed):
   """Hybrid sharding's contract, on a data 2 x fsdp 2 mesh (the data axis over hosts): each replica
   accumulates its own rows' gradients over its micro-batches and the replicas sum them once per
