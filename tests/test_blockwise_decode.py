@@ -56,9 +56,8 @@ def test_blocks_past_the_fullest_row_are_never_read(seed):
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize('slots, architecture', [
-    pytest.param(0, {}, id='qwen2-groups', marks=pytest.mark.exhaustive), pytest.param(3, {}, id='qwen2-slots'),
-    pytest.param(3, dict(model_type='qwen3', head_dim=24), id='qwen3-slots', marks=pytest.mark.exhaustive)])
+@pytest.mark.parametrize('slots, architecture', [(0, {}), (3, {}), (3, dict(model_type='qwen3', head_dim=24))],
+                         ids=['qwen2-groups', 'qwen2-slots', 'qwen3-slots'])
 def test_the_sampler_with_blockwise_and_kernel_decode_attention_equals_dense(seed, make_hf_checkpoint, slots,
                                                                              architecture):
   directory, _ = make_hf_checkpoint(seed, **architecture)
