@@ -20,7 +20,8 @@ import sys
 import time
 
 from conversion.common import atomic_directory, host_mesh
-from grpo_jax.checkpoint import locate, restore_adapters, restore_policy, run_of, run_tokenizer
+from grpo_jax.checkpoint import locate
+from grpo_jax.restore import restore_adapters, restore_policy, run_of, run_tokenizer
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import lora
 from grpo_jax.model.config import load_hf_config

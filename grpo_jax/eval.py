@@ -42,7 +42,8 @@ def parse_args(argv):
 def load_params(config: config_lib.Config, ckpt: str, mesh):
   """(graphdef, params) of --ckpt: a model directory, or the newest / named training checkpoint
   (its policy's parameters alone, in this config's dtypes)."""
-  from grpo_jax.checkpoint import locate, restore_policy
+  from grpo_jax.checkpoint import locate
+  from grpo_jax.restore import restore_policy
   from grpo_jax.model.loading import from_pretrained
 
   ckpt = os.path.abspath(ckpt)

@@ -54,7 +54,7 @@ def parse_args(argv):
 
 def image_prompt(args, tokenizer, config):
   """(token ids, Vision) of --prompt with its --image files, for a vision-language model."""
-  from grpo_jax.data.images import ImageSettings, load_image, process_image
+  from grpo_jax.model.images import ImageSettings, load_image, process_image
   from grpo_jax.data.multimodal import IMAGE_MARKER, expand_image_tokens
   from grpo_jax.model.vision import check_processor, image_tokens, vision_of
   if config.vision is None:

@@ -221,7 +221,7 @@ def parse_args(argv):
 
 def image_rules(args, source: str, config) -> ImageRules | None:
   """How a vision-language checkpoint's server reads images (None: a text model)."""
-  from grpo_jax.data.images import ImageSettings
+  from grpo_jax.model.images import ImageSettings
   from grpo_jax.model.vision import check_processor
   if config.vision is None:
     return None
@@ -237,7 +237,8 @@ def build_engine(args) -> tuple[QwenEngine, ImageRules | None]:
   """The engine over --ckpt, and how its requests' images are read (None: a text model, or no tokenizer)."""
   from flax import nnx
 
-  from grpo_jax.checkpoint import locate, restore_policy, run_of, run_tokenizer
+  from grpo_jax.checkpoint import locate
+  from grpo_jax.restore import restore_policy, run_of, run_tokenizer
   from grpo_jax.model.config import load_hf_config
   from grpo_jax.model.loading import from_pretrained, load_tokenizer
   from grpo_jax.model.qwen2 import ModelOptions

@@ -1,4 +1,4 @@
-"""grpo_jax.data.images against transformers' Qwen2VLImageProcessorPil, the processor Qwen2.5-VL
+"""grpo_jax.model.images against transformers' Qwen2VLImageProcessorPil, the processor Qwen2.5-VL
 uses. Both resize with Pillow's bicubic filter and scale and normalise in the same dtypes, so
 pixel values must be equal exactly (no tolerance); images are fresh random ones each run."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from grpo_jax.data.images import (ImageSettings, image_token_count, load_image, process_image,
+from grpo_jax.model.images import (ImageSettings, image_token_count, load_image, process_image,
                                   process_images, smart_resize)
 from grpo_jax.errors import UserError
 

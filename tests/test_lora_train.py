@@ -88,7 +88,8 @@ def test_lora_exports_as_peft_and_merged(tmp_path, make_hf_checkpoint, seed):
   import torch
   import transformers
 
-  from grpo_jax.checkpoint import locate, restore_policy
+  from grpo_jax.checkpoint import locate
+  from grpo_jax.restore import restore_policy
   from conversion.common import host_mesh
   base, torch_model = make_hf_checkpoint(seed)
   # The entropy bonus moves the adapters even where a random base earns no reward.

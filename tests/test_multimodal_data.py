@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from grpo_jax.data.images import ImageSettings
+from grpo_jax.model.images import ImageSettings
 from grpo_jax.data.multimodal import (IMAGE_PAD, VISION_END, VISION_START, VisionProblem, expand_image_tokens,
                                       load_vision_problems, render_user_content, vision_problems)
 from grpo_jax.errors import FieldError

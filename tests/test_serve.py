@@ -295,7 +295,7 @@ def test_image_requests_equal_transformers_and_bad_images_are_refused_alone(seed
   from jetstream.core.proto import jetstream_pb2
   from PIL import Image
 
-  from grpo_jax.data.images import ImageSettings, process_image
+  from grpo_jax.model.images import ImageSettings, process_image
   from grpo_jax.model import load_tokenizer
 
   def draw(checkpoint_seed):

@@ -16,7 +16,7 @@ from flax import nnx
 from grpo_jax import config as config_lib
 from grpo_jax import evaluation
 from grpo_jax.data import math_task
-from grpo_jax.data.images import ImageSettings, load_image, process_image
+from grpo_jax.model.images import ImageSettings, load_image, process_image
 from grpo_jax.errors import UserError
 from grpo_jax.model.vision import image_tokens, patch_bucket
 from grpo_jax.testing import TINY_VL_TOKENS, save_random_hf_checkpoint

@@ -80,7 +80,7 @@ def test_a_frozen_tower_stays_as_loaded_and_lora_trains_with_images(tmp_path):
   """model.freeze_vision: after RL steps the tower's weights are those it started with while the
   language model's moved; LoRA on the language model (its base, tower included, frozen) trains on
   image prompts: only the adapters change."""
-  from grpo_jax.checkpoint import restore_policy
+  from grpo_jax.restore import restore_policy
   from grpo_jax.sharding import MeshConfig, make_mesh
 
   mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
@@ -128,7 +128,7 @@ def test_generate_takes_images_as_transformers_does(seed, make_hf_checkpoint, tm
   import torch
   from PIL import Image
 
-  from grpo_jax.data.images import ImageSettings, load_image, process_image
+  from grpo_jax.model.images import ImageSettings, load_image, process_image
   from test_api import write_tokenizer
 
   directory, reference = make_hf_checkpoint(seed, model_type='qwen2_5_vl', image_token_id=2, vision_start_token_id=1,

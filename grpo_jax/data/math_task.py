@@ -13,7 +13,7 @@ math-verify check alone, 1.0 / 0.0 against the reference answer, in a pool of
 `Scores.failures`.
 
 Problems with images (task.format geo3k, verl or vision: data/multimodal.py) need a vision-language
-model. Each image is decoded and turned into patches once, at load (data/images.py, with
+model. Each image is decoded and turned into patches once, at load (model/images.py, with
 model.path's preprocessor_config.json and task.min_pixels / task.max_pixels); the question goes
 through the chat template with an image part per image, each image's <|image_pad|> repeated to its
 token count, and task.max_prompt_tokens counts those tokens. A step's prompts carry their images as
@@ -35,7 +35,7 @@ import numpy as np
 
 from grpo_jax import distributed
 from grpo_jax.data.adapters import adapt
-from grpo_jax.data.images import ImageSettings, process_image
+from grpo_jax.model.images import ImageSettings, process_image
 from grpo_jax.data.multimodal import (IMAGE_PAD, VISION_END, VISION_FORMATS, VISION_START, expand_image_tokens,
                                       load_vision_problems, render_user_content)
 from grpo_jax.data.reward_terms import RewardComposer, RewardTerm

@@ -31,7 +31,7 @@ from typing import get_args
 from PIL import Image
 
 from grpo_jax.data.adapters import VisionFormat, lookup, scalar_text
-from grpo_jax.data.images import ImageSettings, load_image
+from grpo_jax.model.images import ImageSettings, load_image
 from grpo_jax.data.sources import load_records
 from grpo_jax.errors import UserError, require
 

@@ -9,7 +9,7 @@ image is the same grey square, the control run that must stay at chance.
 
 The image is 2 x 2 merged blocks of the model's vision tower (2 * spatial_merge_size *
 patch_size pixels a side), so each image token stands for one quadrant. Images, patches (in the
-image processor's order, data/images.py) and the prompt's M-RoPE positions are made in JAX, so
+image processor's order, model/images.py) and the prompt's M-RoPE positions are made in JAX, so
 whole RL steps run inside one jit. The tokenizer is built here, as the arithmetic task's is.
 """
 
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from grpo_jax.data.images import CLIP_MEAN, CLIP_STD
+from grpo_jax.model.images import CLIP_MEAN, CLIP_STD
 from grpo_jax.data.task import Prompts, Scores, TaskSection
 from grpo_jax.errors import require
 from grpo_jax.model.config import VisionConfig

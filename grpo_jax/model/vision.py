@@ -1,6 +1,6 @@
 """Qwen2.5-VL's vision tower in Flax NNX, and the host-side layout of a batch's images.
 
-The tower turns each image's patches (the image processor's rows, data/images.py) into one feature
+The tower turns each image's patches (the image processor's rows, model/images.py) into one feature
 per m x m block of patches, of the language model's width; those features replace the embeddings of
 the prompt's image tokens (`<|image_pad|>`, one per block), in order. Parameters, stacked over the
 Lv blocks (letters as in model/config.py's VisionConfig):
@@ -258,7 +258,7 @@ def image_tokens(grid: tuple[int, int, int], config: VisionConfig) -> int:
 
 
 def check_processor(settings, config: VisionConfig, where: str) -> None:
-  """An image processor's settings (data/images.py ImageSettings) cut patches the tower reads:
+  """An image processor's settings (model/images.py ImageSettings) cut patches the tower reads:
   the same patch side, frames per patch and merge size, else one line naming `where`."""
   for ours, theirs in (('patch_size', 'patch_size'), ('temporal_patch_size', 'temporal_patch_size'),
                        ('merge_size', 'spatial_merge_size')):

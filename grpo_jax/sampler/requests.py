@@ -18,7 +18,7 @@ client's own call, before anything is queued: a bad request is refused to its cl
                  URI a `data:image/...;base64,` one or bare base64 (the server reads no files and
                  fetches nothing); at most --max-images a request, each at most --max-image-bytes
                  encoded and max_source_pixels decoded, resized into [--min-pixels, --max-pixels]
-                 (data/images.py). Each becomes the chat template's image part and its image tokens;
+                 (model/images.py). Each becomes the chat template's image part and its image tokens;
                  an image token the request did not earn by an image is refused (as text or ids), and
                  a prompt with images is never cut (too long: refused).
 """
@@ -30,7 +30,7 @@ import dataclasses
 import typing
 from typing import Literal
 
-from grpo_jax.data.images import ImageSettings, load_image, process_image
+from grpo_jax.model.images import ImageSettings, load_image, process_image
 from grpo_jax.errors import UserError
 from grpo_jax.model.config import VisionConfig
 from grpo_jax.model.token_ids import TokenIdError, check_token_ids
