@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 
 from grpo_jax.model import moe  # noqa: E402
 from grpo_jax.ops import grouped_matmul as gm  # noqa: E402
-from grpo_jax.plan import targets  # noqa: E402
+from grpo_jax.plan import experts, targets  # noqa: E402
 
 SHAPE = gm.QWEN3_30B_A3B
 DTYPE = 'bfloat16'
@@ -121,8 +121,8 @@ def kernel_cost(rows: int, backward: bool) -> dict:
 
 
 def measure(target: str, function, shapes, rows: int) -> dict:
-  compiled = gm.compile_for(target, function, *shapes)
-  summary = gm.program_summary(compiled, SHAPE['experts'], rows)
+  compiled = experts.compile_for(target, function, *shapes)
+  summary = experts.program_summary(compiled, SHAPE['experts'], rows)
   return dict(flops=summary['flops'], bytes=summary['bytes_accessed'], temp=summary['temp_bytes'],
               dense=bool(summary['dense_expansion']), calls=sum(summary['custom_calls'].values()))
 
@@ -130,7 +130,7 @@ def measure(target: str, function, shapes, rows: int) -> dict:
 def row(target: str, phase: str, tokens: int, backward: bool) -> dict:
   rows = tokens * SHAPE['top_k']
   platform = targets.parse_target(target).platform
-  grouped = measure(target, gm.expert_mlp_function(backward), gm.expert_mlp_shapes(rows, DTYPE), rows)
+  grouped = measure(target, experts.expert_mlp_function(backward), experts.expert_mlp_shapes(rows, DTYPE), rows)
   counted = platform == 'gpu'
   if counted:  # XLA's count holds the SwiGLU's elementwise part and the tile map, not the kernels
     kernels = kernel_cost(rows, backward)

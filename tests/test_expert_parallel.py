@@ -92,7 +92,7 @@ def test_compiled_layer_dispatches_tokens_not_weights(platform, target):
   backward, 512 tokens a device, on 8 devices as fsdp 2 x expert 4: the rows travel by
   ragged-all-to-all within the expert groups, and every collective that could carry a weight
   (an all-gather, reduce-scatter or all-reduce past a few KiB) runs within the fsdp pairs."""
-  result = _run(platform, ['grpo_jax.model.expert_parallel', target, '--fsdp', '2', '--expert', '4'], timeout=600)
+  result = _run(platform, ['grpo_jax.plan.experts', 'layer', target, '--fsdp', '2', '--expert', '4'], timeout=600)
   lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{')]
   assert lines and result.returncode == 0, result.stderr[-3000:]
   summary = lines[0]

@@ -106,7 +106,7 @@ def test_expert_mlp_compiles_without_dense_expansion(platform, target, kernel):
   R = 4,096 sorted rows: grouped-matmul kernels in the compiled program (Triton on GPU: three
   forward, three d rows, three d weight), and no array with both an E and an R dimension (what
   XLA:GPU's own expansion of ragged_dot builds: [128, 4096, 2048] and the like)."""
-  result = _run(platform, ['grpo_jax.ops.grouped_matmul', target, '--rows', '4096'], timeout=600)
+  result = _run(platform, ['grpo_jax.plan.experts', 'mlp', target, '--rows', '4096'], timeout=600)
   lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{')]
   assert lines and result.returncode == 0, result.stderr[-3000:]
   summary = lines[0]

@@ -42,7 +42,7 @@ expert group); splitting the pairs over them as well is not done.
 Shapes: x [B, T, D], experts [B, T, k] int, gates [B, T, k], gate / up weights [E, D, M],
 down weight [E, M, D].
 
-`python -m grpo_jax.model.expert_parallel TARGET` compiles one Qwen3-30B-A3B layer's experts,
+`python -m grpo_jax.plan.experts layer TARGET` compiles one Qwen3-30B-A3B layer's experts,
 forward and backward, under an fsdp x expert mesh of TARGET (deviceless, grpo_jax/plan/targets.py)
 and prints its collectives as one JSON line.
 """
@@ -238,70 +238,3 @@ def _exchange_backward(transport, rows, residuals, cotangent):
 
 
 _exchange.defvjp(_exchange_forward, _exchange_backward)
-
-
-# ---- deviceless compiles (tests/test_expert_parallel.py) ----
-
-def compile_layer(target_name: str, mesh_shape: dict, tokens_per_device: int = 512, dtype='bfloat16', *,
-                  experts: int = 128, model: int = 2048, hidden: int = 768, top_k: int = 8):
-  """One sparse layer's experts, forward and the gradients of sum(out^2) / 2 with respect to x,
-  gates and the three weights, compiled for `target_name` under a mesh of `mesh_shape` (sizes by
-  axis name, the rest 1) laid out by the rule table, one row of `tokens_per_device` tokens a
-  device. Defaults: Qwen3-30B-A3B's shapes. -> (compiled, mesh)."""
-  from grpo_jax.plan import targets
-  from grpo_jax.sharding import MeshConfig, make_mesh, named_sharding
-  config = MeshConfig(**{'fsdp': 1, **mesh_shape})
-  target = targets.parse_target(target_name)
-  mesh = make_mesh(config, target.devices()[:math.prod(config.shape)])
-  rows = math.prod(dict(mesh.shape)[axis] for axis in BATCH_AXES)
-  shapes = [((rows, tokens_per_device, model), dtype, ('batch', 'seq', 'act_embed')),
-            ((rows, tokens_per_device, top_k), jnp.int32, ('batch', 'seq', None)),
-            ((rows, tokens_per_device, top_k), dtype, ('batch', 'seq', None)),
-            ((experts, model, hidden), dtype, WEIGHT_AXES), ((experts, model, hidden), dtype, WEIGHT_AXES),
-            ((experts, hidden, model), dtype, ('experts', 'mlp', 'embed'))]
-
-  def loss(x, routes, gates, *weights):
-    out = experts_forward(x, routes, gates, *weights).astype(jnp.float32)
-    return 0.5 * jnp.sum(out * out)
-
-  with jax.set_mesh(mesh):
-    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=named_sharding(mesh, shape, axes))
-            for shape, dtype, axes in shapes]
-    lowered = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4, 5))).trace(*args).lower()
-    return lowered.compile(compiler_options=targets.compiler_options(target.platform)), mesh
-
-
-def main(argv=None) -> int:
-  """python -m grpo_jax.model.expert_parallel TARGET [--fsdp 2 --expert 4 --tensor 1]: one JSON line
-  with the compiled program's collectives (kind, bytes per device, device groups, count) and
-  custom calls. Run it as tests/test_deviceless.py runs the compilers: JAX_PLATFORMS=cpu,
-  .venv/compilers on PYTHONPATH."""
-  import argparse
-  import json
-  import re
-
-  from grpo_jax.plan import traffic
-  parser = argparse.ArgumentParser(prog='python -m grpo_jax.model.expert_parallel')
-  parser.add_argument('target', help='e.g. v5p-16, h100x8 (grpo_jax/plan/targets.py)')
-  parser.add_argument('--fsdp', type=int, default=2)
-  parser.add_argument('--expert', type=int, default=4)
-  parser.add_argument('--tensor', type=int, default=1)
-  parser.add_argument('--tokens', type=int, default=512, help='tokens per device')
-  args = parser.parse_args(argv)
-  compiled, mesh = compile_layer(args.target, dict(fsdp=args.fsdp, expert=args.expert, tensor=args.tensor),
-                                 args.tokens)
-  text = compiled.as_text()
-  found = traffic.collectives(text, mesh.size)
-  calls = re.findall(r'custom_call_target="([^"]+)"', text)
-  print(json.dumps(dict(
-      target=args.target, mesh=dict(mesh.shape),
-      ragged_all_to_all=len(re.findall(r' ragged-all-to-all(?:-start)?\(', text)),
-      custom_calls={name: calls.count(name) for name in sorted(set(calls))},
-      bytes_by_kind=traffic.totals(found, in_loop=False),
-      collectives=[dict(kind=c.kind, bytes=c.bytes, count=c.count, groups=c.groups, where=c.where[-80:])
-                   for c in found])))
-  return 0
-
-
-if __name__ == '__main__':
-  raise SystemExit(main())

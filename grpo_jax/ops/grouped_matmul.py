@@ -31,7 +31,7 @@ interpret mode against ragged_dot; the blocks are untuned.
 Under a device mesh the Pallas call is not partitioned by XLA (as with any custom call): it runs
 inside model/expert_parallel.py's shard_map, on each device's own experts.
 
-`python -m grpo_jax.ops.grouped_matmul TARGET` compiles a Qwen3-30B-A3B expert MLP for TARGET
+`python -m grpo_jax.plan.experts mlp TARGET` compiles a Qwen3-30B-A3B expert MLP for TARGET
 (deviceless, see grpo_jax/plan/targets.py) and prints what is in the program as one JSON line.
 """
 
@@ -203,105 +203,3 @@ def triton_cost(group_sizes, inner: int, outer: int, itemsize: int, *, weight_gr
   weights = sizes.size if weight_gradient else int(np.count_nonzero(sizes))
   return dict(flops=2.0 * padded * inner * outer,
               bytes=float(itemsize * (rows * inner + rows * outer + weights * inner * outer)))
-
-
-def compile_for(target_name: str, function, *shapes):
-  """jit(function) compiled for one chip of a target (grpo_jax/plan/targets.py; its compiler must be
-  importable) on arguments of shapes [(shape, dtype), ...], traced under that chip's mesh so that
-  `target_platform` sees it."""
-  from jax.sharding import NamedSharding, PartitionSpec
-
-  from grpo_jax.plan import targets
-  target = targets.parse_target(target_name)
-  mesh = jax.sharding.Mesh(target.devices()[:1], ('data',))
-  one = NamedSharding(mesh, PartitionSpec())
-  with jax.set_mesh(mesh):
-    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=one) for shape, dtype in shapes]
-    return jax.jit(function).trace(*args).lower().compile(compiler_options=targets.compiler_options(target.platform))
-
-
-def expert_mlp_function(backward: bool, **options):
-  """(rows, group_sizes, gate, up, down) -> the expert MLP's output, or with backward the gradients
-  of sum(out^2) / 2 with respect to the rows and the three weights. options: grouped_matmul's."""
-  forward = functools.partial(expert_mlp, **options)
-  if not backward:
-    return forward
-
-  def loss(rows, group_sizes, *weights):
-    out = forward(rows, group_sizes, *weights).astype(jnp.float32)
-    return 0.5 * jnp.sum(out * out)
-
-  return jax.grad(loss, argnums=(0, 2, 3, 4))
-
-
-def expert_mlp_shapes(rows: int, dtype='bfloat16', experts=QWEN3_30B_A3B['experts'],
-                      model=QWEN3_30B_A3B['model'], hidden=QWEN3_30B_A3B['hidden']):
-  return [((rows, model), dtype), ((experts,), jnp.int32), ((experts, model, hidden), dtype),
-          ((experts, model, hidden), dtype), ((experts, hidden, model), dtype)]
-
-
-# An array type in HLO text, e.g. bf16[128,4096,2048]: its element type and dimensions.
-_ARRAY = r'\b(pred|[suf]\d+|bf16)\[([\d,]*)\]'
-
-
-def xla_cost(compiled) -> dict:
-  """XLA's cost analysis of a compiled program ('flops', 'bytes accessed', ...). XLA:GPU compiled
-  deviceless answers None, so its optimized module goes through the same HloCostAnalysis by way of
-  the host's CPU client (a private jax entry point). Custom calls, Pallas kernels among them,
-  count as nothing in either."""
-  cost = compiled.cost_analysis()
-  if cost is None:
-    from jax._src.lib import _jax
-    module = compiled.runtime_executable().hlo_modules()[0]
-    cost = _jax.hlo_module_cost_analysis(jax.devices('cpu')[0].client, module)
-  return cost[0] if isinstance(cost, (list, tuple)) else cost
-
-
-def program_summary(compiled, groups: int, rows: int) -> dict:
-  """What a compiled program holds: its kernel custom calls by target, the arrays whose shape has
-  both a `groups` and a `rows` dimension (a dense [E, R, *] expansion), its largest array, the
-  compiler's temporary bytes and cost analysis (FLOPs and bytes accessed; XLA counts nothing
-  inside a Triton custom call)."""
-  import math
-  import re
-  text = compiled.as_text()
-  calls = re.findall(r'custom_call_target="([^"]+)"', text)
-  arrays = set()
-  for dtype, dims in re.findall(_ARRAY, text):
-    arrays.add((dtype, tuple(int(d) for d in dims.split(',') if d)))
-
-  def size(array):
-    dtype, dims = array
-    bits = 1 if dtype == 'pred' else int(dtype.lstrip('subf') or 16)
-    return max(1, bits // 8) * math.prod(dims)
-
-  largest = max(arrays, key=size)
-  cost = xla_cost(compiled)
-  return dict(custom_calls={name: calls.count(name) for name in sorted(set(calls))},
-              dense_expansion=sorted(f'{d}[{",".join(map(str, s))}]' for d, s in arrays
-                                     if groups in s and rows in s),
-              largest_array=f'{largest[0]}[{",".join(map(str, largest[1]))}]', largest_bytes=size(largest),
-              temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
-              flops=float(cost.get('flops', 0.0)), bytes_accessed=float(cost.get('bytes accessed', 0.0)))
-
-
-def main(argv=None) -> int:
-  """python -m grpo_jax.ops.grouped_matmul TARGET [--rows R] [--forward-only]: one JSON line. Run
-  it as tests/test_deviceless.py runs the compilers: JAX_PLATFORMS=cpu, .venv/compilers on PYTHONPATH."""
-  import argparse
-  import json
-  parser = argparse.ArgumentParser(prog='python -m grpo_jax.ops.grouped_matmul')
-  parser.add_argument('target', help='e.g. h100x1, v5p-8 (grpo_jax/plan/targets.py)')
-  parser.add_argument('--rows', type=int, default=4096, help='R, (token, expert) rows')
-  parser.add_argument('--forward-only', action='store_true')
-  parser.add_argument('--implementation', default='auto', choices=IMPLEMENTATIONS)
-  args = parser.parse_args(argv)
-  function = expert_mlp_function(not args.forward_only, implementation=args.implementation)
-  compiled = compile_for(args.target, function, *expert_mlp_shapes(args.rows))
-  print(json.dumps(dict(target=args.target, rows=args.rows, backward=not args.forward_only,
-                        **program_summary(compiled, QWEN3_30B_A3B['experts'], args.rows))))
-  return 0
-
-
-if __name__ == '__main__':
-  raise SystemExit(main())
