@@ -6,6 +6,7 @@
   left_padded(sequences)            those prompts as one left-padded batch and its mask
   random_batch(rng, ...)            a scored batch for the update (rl/update.Batch) of random sequences
   splitting_token(answers)          a stop id that ends some greedy answers early and not others
+  seed_with_split_answers(seed, f)  the first seed drawn from `seed` whose model's greedy answers split
 
 Only the standard library is imported at module level; numpy, torch, transformers and grpo_jax's
 model are imported where used. The model sizes (Qwen2.5, Qwen3) are grpo_jax.model.presets'.
@@ -134,6 +135,25 @@ def splitting_token(answers) -> int | None:
   answers = np.asarray(answers)
   held = [set(row.tolist()) for row in answers]
   return next((int(t) for t in answers[:, :-1].T.ravel() if not all(int(t) in h for h in held)), None)
+
+
+def seed_with_split_answers(seed: int, greedy_answers, attempts: int = 8):
+  """-> (seed, stop id, extra): the first of `seed` and seeds drawn from it for which
+  greedy_answers(seed) -> (answers [R, N], extra) holds a splitting_token. Now and then a random
+  model gives one token the largest logit after every context, so that every greedy answer is
+  that token repeated and no stop id ends some answers before others; such a draw is passed over
+  and the seed taken is printed (TEST_SEED=that seed replays it at once). AssertionError if none
+  of `attempts` seeds splits."""
+  import numpy as np
+  seeds = [seed, *(int(s) for s in np.random.default_rng(seed).integers(0, 2**32, attempts - 1))]
+  for candidate in seeds:
+    answers, extra = greedy_answers(candidate)
+    stop = splitting_token(answers)
+    if stop is not None:
+      if candidate != seed:
+        print(f'seed={candidate} (seed {seed}: every greedy answer held the same tokens)')
+      return candidate, stop, extra
+  raise AssertionError(f'seeds {seeds}: every greedy answer holds the same tokens, for each model')
 
 
 def random_batch(rng, rows: int, prompt_length: int, completion_length: int, vocab_size: int, shapes=None,

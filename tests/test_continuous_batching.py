@@ -12,7 +12,7 @@ from flax import nnx
 from grpo_jax.model import MeshConfig, from_pretrained, make_mesh
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.sampler.rollout import GroupSampler
-from grpo_jax.testing import left_padded, random_prompts, splitting_token
+from grpo_jax.testing import left_padded, random_prompts, seed_with_split_answers
 
 FIELDS = ('tokens', 'log_probs', 'mask', 'lengths', 'stopped')
 
@@ -33,15 +33,21 @@ def sample(model, tokens, mask, decode, slots, group_size=4, key=None):
     pytest.param(SamplingConfig(temperature=1.0), id='t1', marks=pytest.mark.exhaustive),
     pytest.param(SamplingConfig(temperature=0.7, top_p=0.9), id='top_p', marks=pytest.mark.exhaustive)])
 def test_every_slot_count_gives_the_same_completions(seed, make_hf_checkpoint, sampling):
-  directory, _ = make_hf_checkpoint(seed)
-  model = from_pretrained(directory)
-  tokens, mask = left_padded(random_prompts(seed, [5, 17, 11, 3]))
-  decode = settings(seed, sampling)
+  def load(seed):
+    model = from_pretrained(make_hf_checkpoint(seed)[0])
+    return model, left_padded(random_prompts(seed, [5, 17, 11, 3]))
+
   if sampling.greedy:  # the G samples of a prompt are one answer: stop on a token only some answers hold
-    free = np.asarray(sample(model, tokens, mask, DecodeSettings(max_new_tokens=20, sampling=sampling), 0).tokens)
-    stop = splitting_token(free)
-    assert stop is not None, f'seed {seed}: every greedy answer holds the same tokens'
-    decode = dataclasses.replace(decode, stop_token_ids=(stop,))
+    def greedy_answers(seed):
+      model, (tokens, mask) = load(seed)
+      free = sample(model, tokens, mask, DecodeSettings(max_new_tokens=20, sampling=sampling), 0)
+      return np.asarray(free.tokens), (model, (tokens, mask))
+
+    seed, stop, (model, (tokens, mask)) = seed_with_split_answers(seed, greedy_answers)
+    decode = dataclasses.replace(settings(seed, sampling), stop_token_ids=(stop,))
+  else:
+    model, (tokens, mask) = load(seed)
+    decode = settings(seed, sampling)
   fixed = sample(model, tokens, mask, decode, slots=0)  # one slot per request: 16
   lengths = np.asarray(fixed.lengths)
   assert lengths.min() < lengths.max()  # a long tail to refill around

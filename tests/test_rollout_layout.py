@@ -26,7 +26,7 @@ from grpo_jax.model import MeshConfig, ModelOptions, from_pretrained, make_mesh
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.sampler.layout import choose_tensor, resident_bytes_per_device, rollout_layout, rollout_mesh
 from grpo_jax.sampler.rollout import GroupSampler
-from grpo_jax.testing import left_padded, random_prompts, splitting_token
+from grpo_jax.testing import left_padded, random_prompts, seed_with_split_answers
 
 # Its module-scoped fixtures are built once: the whole file runs on one xdist worker.
 pytestmark = pytest.mark.xdist_group('test_rollout_layout')
@@ -48,12 +48,28 @@ FAST_CASES = {((2, 2, 2), 4), ((2, 1, 4), 2)}
 
 @pytest.fixture(scope='module')
 def checkpoint(tmp_path_factory):
+  """(directory, seed, stop ids): a random checkpoint and the stop ids for _inputs(seed)'s prompts.
+
+  The stop ids are an eighth of the vocabulary less every token of the model's unstopped greedy
+  answers, and one taken from those answers (testing.splitting_token). The greedy answers then
+  stop at that token alone: rows holding it end early, the others run to the budget, so greedy
+  lengths differ whatever the seed (a random eighth that held a token every row starts with ended
+  them all at one token). A model whose greedy answers all hold the same tokens is passed over
+  (testing.seed_with_split_answers)."""
   from grpo_jax.testing import save_random_hf_checkpoint
   seed = int(os.environ.get('TEST_SEED') or int.from_bytes(os.urandom(4), 'little'))
   print(f'checkpoint seed={seed}')
   directory = str(tmp_path_factory.mktemp('layout') / 'hf')
-  save_random_hf_checkpoint(directory, seed, vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP)
-  return directory, seed
+  greedy = DecodeSettings(max_new_tokens=12, sampling=SAMPLINGS['greedy'])
+
+  def greedy_answers(candidate):
+    save_random_hf_checkpoint(directory, candidate, vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP)
+    tokens, mask, _ = _inputs(candidate)
+    answers = np.asarray(_sample(from_pretrained(directory), tokens, mask, greedy, 0)[1].tokens)
+    return answers, set(answers.ravel().tolist())
+
+  seed, split, held = seed_with_split_answers(seed, greedy_answers)
+  return directory, seed, tuple(t for t in _inputs(seed)[2] if t not in held) + (split,)
 
 
 def _inputs(seed):
@@ -70,25 +86,15 @@ def _sample(model, tokens, mask, decode, slots, layout=None):
 
 @pytest.fixture(scope='module')
 def inputs(checkpoint):
-  """Prompts and stop ids: an eighth of the vocabulary less every token of the model's unstopped
-  greedy answers, and one taken from those answers (testing.splitting_token). The greedy answers
-  then stop at that token alone: rows holding it end early, the others run to the budget, so greedy
-  lengths differ whatever the seed (a random eighth that held a token every row starts with ended
-  them all at one token)."""
-  directory, seed = checkpoint
-  tokens, mask, stops = _inputs(seed)
-  greedy = DecodeSettings(max_new_tokens=12, sampling=SAMPLINGS['greedy'])
-  answers = np.asarray(_sample(from_pretrained(directory), tokens, mask, greedy, 0)[1].tokens)
-  split = splitting_token(answers)
-  assert split is not None, f'seed {seed}: every greedy answer holds the same tokens'
-  held = set(answers.ravel().tolist())
-  return tokens, mask, tuple(t for t in stops if t not in held) + (split,)
+  """Prompts (_inputs) and the checkpoint's stop ids for them."""
+  _, seed, stops = checkpoint
+  return *_inputs(seed)[:2], stops
 
 
 @pytest.fixture(scope='module')
 def references(checkpoint, inputs):
   """One device, today's sampler (the training layout), per sampling mode."""
-  directory, _ = checkpoint
+  directory, _, _ = checkpoint
   tokens, mask, stops = inputs
   model = from_pretrained(directory)
   return {name: jax.device_get(_sample(model, tokens, mask, DecodeSettings(max_new_tokens=12, sampling=sampling,
@@ -101,7 +107,7 @@ def references(checkpoint, inputs):
                  marks=() if (m, t) in FAST_CASES else pytest.mark.exhaustive) for m, t, s, b in CASES])
 def test_rollout_in_the_sampler_layout_equals_one_device(checkpoint, inputs, references, mesh_shape, tensor, sampling,
                                                         slots):
-  directory, _ = checkpoint
+  directory, _, _ = checkpoint
   tokens, mask, stops = inputs
   decode = DecodeSettings(max_new_tokens=12, sampling=SAMPLINGS[sampling], stop_token_ids=stops)
   mesh = make_mesh(MeshConfig(*mesh_shape))
@@ -140,7 +146,7 @@ def test_qwen3_rollout_in_the_sampler_layout_equals_one_device(seed, make_hf_che
   np.testing.assert_allclose(np.asarray(rollout.log_probs), np.asarray(reference.log_probs), rtol=1e-5, atol=1e-5)
 
 def test_resident_weights_are_cast_split_over_tensor_and_replicated_over_data(checkpoint):
-  directory, _ = checkpoint
+  directory, _, _ = checkpoint
   mesh = make_mesh(MeshConfig(1, 8, 1))
   with jax.set_mesh(mesh):
     model = from_pretrained(directory, mesh=mesh, options=ModelOptions(dtype='bfloat16', param_dtype='float32'))
@@ -165,7 +171,7 @@ def test_resident_weights_are_cast_split_over_tensor_and_replicated_over_data(ch
 def test_collectives_of_the_reshard_and_the_decode_loop(checkpoint):
   """FSDP over 8 devices, sampler tensor 4: the reshard receives about the resident weights (at
   most twice them), and a decode step moves only activations, bounded by a hand count."""
-  directory, seed = checkpoint
+  directory, seed, _ = checkpoint
   tokens, mask, stops = _inputs(seed)
   decode = DecodeSettings(max_new_tokens=12, sampling=SamplingConfig(temperature=1.0), stop_token_ids=stops)
   mesh = make_mesh(MeshConfig(1, 8, 1))
