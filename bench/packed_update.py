@@ -49,6 +49,7 @@ from flax import nnx  # noqa: E402
 from grpo_jax import config as config_lib  # noqa: E402
 from grpo_jax.model import MeshConfig, ModelOptions, Qwen2Config, init_model, make_mesh  # noqa: E402
 from grpo_jax.rl import update as update_lib  # noqa: E402
+from grpo_jax.rl.batch import Batch  # noqa: E402
 from grpo_jax.rl.state import create_train_state  # noqa: E402
 
 GiB = 2 ** 30
@@ -63,7 +64,7 @@ def answer_lengths(rng, full: bool) -> np.ndarray:
   return np.clip(np.round(rng.lognormal(mu, sigma, args.rows)), 1, N).astype(int)
 
 
-def long_tail_batch(vocab_size: int, full: bool, seed: int = 0) -> update_lib.Batch:
+def long_tail_batch(vocab_size: int, full: bool, seed: int = 0) -> Batch:
   rng = np.random.default_rng(seed)
   B, Tp, N = args.rows, args.prompt_length, args.new_tokens
   prompt_real = rng.integers(Tp // 2, Tp + 1, B)
@@ -73,12 +74,12 @@ def long_tail_batch(vocab_size: int, full: bool, seed: int = 0) -> update_lib.Ba
   tokens = rng.integers(1, vocab_size, (B, Tp + N), dtype=np.int32)
   segments = np.concatenate([prompt_segments, mask], axis=1)
   tokens[~segments] = 0
-  return update_lib.Batch(tokens=jnp.asarray(tokens), segment_ids=jnp.asarray(segments, jnp.int32),
-                        mask=jnp.asarray(mask), advantages=jnp.asarray(rng.standard_normal(B), jnp.float32),
-                        sampler_log_probs=jnp.asarray(-rng.uniform(0.01, 5.0, (B, N)), jnp.float32))
+  return Batch.of_sequences(tokens=jnp.asarray(tokens), segment_ids=jnp.asarray(segments, jnp.int32),
+                            mask=jnp.asarray(mask), advantages=jnp.asarray(rng.standard_normal(B), jnp.float32),
+                            sampler_log_probs=jnp.asarray(-rng.uniform(0.01, 5.0, (B, N)), jnp.float32))
 
 
-def make_update(architecture: Qwen2Config, packing: bool, batch: update_lib.Batch):
+def make_update(architecture: Qwen2Config, packing: bool, batch: Batch):
   """(step, compiled, live): step() runs one donated update of `batch` and waits for it."""
   width = args.prompt_length + args.new_tokens
   algo = config_lib.AlgoConfig(group_size=args.rows, num_minibatches=2, packing=packing,

@@ -116,6 +116,7 @@ from grpo_jax.errors import UserError  # noqa: E402
 from grpo_jax.model import MeshConfig, ModelOptions, Qwen2Config, make_mesh, to_hf_dict  # noqa: E402
 from grpo_jax.metrics import matmul_peak_flops  # noqa: E402
 from grpo_jax.rl import update as update_lib  # noqa: E402
+from grpo_jax.rl.batch import Batch  # noqa: E402
 from grpo_jax.model import lora  # noqa: E402
 from grpo_jax.model.lora import LoraConfig  # noqa: E402
 from grpo_jax.rl.state import create_train_state  # noqa: E402
@@ -194,7 +195,7 @@ def jax_update(architecture: Qwen2Config, config: config_lib.Config, arrays: dic
   update = jax.jit(functools.partial(update_lib.update, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
                                      settings=settings),
                    donate_argnums=0, out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated))
-  batch = update_lib.Batch(**jax.device_put(arrays))
+  batch = Batch.of_sequences(**jax.device_put(arrays))
   start = time.perf_counter()
   with jax.set_mesh(mesh):
     compiled = update.lower(state, batch, ref_params).compile()

@@ -4,7 +4,7 @@
   save_random_hf_checkpoint(...)    the same, saved as a Hugging Face checkpoint directory
   random_prompts(seed, lengths)     prompts of given lengths as lists of token ids
   left_padded(sequences)            those prompts as one left-padded batch and its mask
-  random_batch(rng, ...)            a scored batch for the update (rl/update.Batch) of random sequences
+  random_batch(rng, ...)            a scored batch for the update (rl/batch.Batch) of random sequences
   splitting_token(answers)          a stop id that ends some greedy answers early and not others
   seed_with_split_answers(seed, f)  the first seed drawn from `seed` whose model's greedy answers split
 
@@ -158,13 +158,13 @@ def seed_with_split_answers(seed: int, greedy_answers, attempts: int = 8):
 
 def random_batch(rng, rows: int, prompt_length: int, completion_length: int, vocab_size: int, shapes=None,
                  advantages=None):
-  """A scored batch (rl/update.Batch) of left-padded prompts and right-padded completions of the
+  """A scored batch (rl/batch.Batch) of left-padded prompts and right-padded completions of the
   given (prompt, completion) real lengths; random where not given, with one one-token and one
   full-length completion among them. Random tokens everywhere (padding included), random
   advantages and sampler log-probs."""
   import jax.numpy as jnp
   import numpy as np
-  from grpo_jax.rl.update import Batch
+  from grpo_jax.rl.batch import Batch
   if shapes is None:
     lengths = rng.integers(1, completion_length + 1, rows)
     lengths[:2] = [1, completion_length]
@@ -176,7 +176,7 @@ def random_batch(rng, rows: int, prompt_length: int, completion_length: int, voc
   mask = np.arange(completion_length)[None, :] < completion_real[:, None]
   if advantages is None:
     advantages = rng.standard_normal(rows)
-  return Batch(tokens=jnp.asarray(tokens, jnp.int32),
-               segment_ids=jnp.asarray(np.concatenate([prompt_segments, mask], axis=1), jnp.int32),
-               mask=jnp.asarray(mask), advantages=jnp.asarray(advantages, jnp.float32),
-               sampler_log_probs=jnp.asarray(rng.uniform(-8.0, -0.5, mask.shape), jnp.float32))
+  return Batch.of_sequences(tokens=jnp.asarray(tokens, jnp.int32),
+                            segment_ids=jnp.asarray(np.concatenate([prompt_segments, mask], axis=1), jnp.int32),
+                            mask=jnp.asarray(mask), advantages=jnp.asarray(advantages, jnp.float32),
+                            sampler_log_probs=jnp.asarray(rng.uniform(-8.0, -0.5, mask.shape), jnp.float32))

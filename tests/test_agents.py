@@ -27,7 +27,8 @@ from grpo_jax.model import from_pretrained
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.state import init_train_state
 from grpo_jax.rl.step import make_batch
-from grpo_jax.rl.update import Batch, UpdateSettings, update
+from grpo_jax.rl.batch import Batch
+from grpo_jax.rl.update import UpdateSettings, update
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.sampler.decode import request_keys
 from grpo_jax.sampler.rollout import sample_groups
@@ -278,10 +279,11 @@ def test_trajectory_loss_and_gradient_equal_turns_given_their_history_as_prompt(
   sampler = np.zeros((len(rows), turn_length), np.float32)
   for row, (_, turn, log_probs, _) in enumerate(rows):
     completion[row, :len(turn)], completion_mask[row, :len(turn)], sampler[row, :len(turn)] = turn, True, log_probs
-  turns = Batch(tokens=jnp.asarray(np.concatenate([history, completion], 1)),
-                segment_ids=jnp.asarray(np.concatenate([history_mask, completion_mask], 1).astype(np.int32)),
-                mask=jnp.asarray(completion_mask), advantages=jnp.asarray([r[3] for r in rows], jnp.float32),
-                sampler_log_probs=jnp.asarray(sampler))
+  turns = Batch.of_sequences(
+      tokens=jnp.asarray(np.concatenate([history, completion], 1)),
+      segment_ids=jnp.asarray(np.concatenate([history_mask, completion_mask], 1).astype(np.int32)),
+      mask=jnp.asarray(completion_mask), advantages=jnp.asarray([r[3] for r in rows], jnp.float32),
+      sampler_log_probs=jnp.asarray(sampler))
   whole_gradients, whole_metrics = recorded_update(graphdef, params, ref_params, whole, algo_config)
   turn_gradients, turn_metrics = recorded_update(graphdef, params, ref_params, turns, algo_config)
   for name in ('policy_loss', 'kl', 'entropy', 'sampler_gap_mean'):

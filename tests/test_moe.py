@@ -214,7 +214,7 @@ def test_replayed_update_packed_equals_padded_and_starts_at_ratio_one(seed):
   router.set_value(router[...] + jnp.asarray(0.3 * rng.standard_normal(router.shape), router.dtype))
   _, ref_params = random_model(rng, MOE_ARCHITECTURE)
   batch = random_batch(rng)
-  batch = batch.replace(routes=sampler_routes(graphdef, sampler, batch))
+  batch = batch.with_rollout(routes=sampler_routes(graphdef, sampler, batch))
   settings = dict(routing_replay='rollout', replay_reference=True, router_aux_loss_coef=0.05,
                   kl_beta=0.05, ppo_epochs=2, tis_cap=2.0)
   padded = run_update(settings, params, batch, seed, packed=False, ref_params=ref_params,
@@ -227,8 +227,7 @@ def test_replayed_update_packed_equals_padded_and_starts_at_ratio_one(seed):
   assert float(metrics['router_aux_loss']) >= 1.0 and float(metrics['expert_load_max_over_mean']) >= 1.0
   # pi_old scored with replay, then the loss's pi_theta on the same weights: every ratio is exactly 1
   # (exp(0)), while the trainer's own routes would give other log-probs.
-  inputs = LossInputs(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask,
-                      advantages=batch.advantages, sampler_log_probs=batch.sampler_log_probs, routes=batch.routes)
+  inputs = LossInputs(batch=batch)
   model = nnx.merge(graphdef, params)
   old = log_probs_of(model, inputs, None, temperature=1.0, implementation='xla_chunked', replay=True)
   own = log_probs_of(model, inputs, None, temperature=1.0, implementation='xla_chunked')

@@ -20,7 +20,8 @@ from grpo_jax.errors import UserError
 from grpo_jax.model.qwen2 import segment_positions
 from grpo_jax.rl import packing
 from grpo_jax.rl.algo import AlgoConfig
-from grpo_jax.rl.update import Batch, UpdateSettings
+from grpo_jax.rl.batch import Batch
+from grpo_jax.rl.update import UpdateSettings
 from grpo_jax.testing import random_batch
 from test_mesh_equivalence import assert_equal_runs, two_steps
 from test_update import (ARCHITECTURE, COMPLETION_LENGTH, GROUP, PROMPT_LENGTH, ROWS, assert_close, assert_trees_close,

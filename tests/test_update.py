@@ -21,7 +21,8 @@ from grpo_jax.model.loading import init_model
 from grpo_jax.rl import algo
 from grpo_jax.rl.loss import LossInputs, policy_loss
 from grpo_jax.rl.state import init_train_state
-from grpo_jax.rl.update import Batch, UpdateSettings, update
+from grpo_jax.rl.batch import Batch
+from grpo_jax.rl.update import UpdateSettings, update
 from grpo_jax.testing import random_batch as random_sequences
 
 # V = 1100 makes the XLA log-prob op walk three vocabulary chunks of 512, the last one shifted.
@@ -175,8 +176,8 @@ def test_policy_loss_gradient_matches_full_logits(case, seed):
   else:
     advantages[1] = abs(advantages[1])
     old[0], old[1] = log_probs[0] - 0.2, log_probs[1] + 1e-3
-  batch = batch.replace(advantages=jnp.asarray(advantages),
-                        sampler_log_probs=jnp.asarray(old + 0.4 * rng.standard_normal(old.shape), jnp.float32))
+  batch = batch.replace(advantages=jnp.asarray(advantages)).with_rollout(
+      log_probs=jnp.asarray(old + 0.4 * rng.standard_normal(old.shape), jnp.float32))
   mask = np.asarray(batch.mask)
   if case == 'token':
     ratio, a = np.exp(log_probs - old), advantages[:, None]
@@ -188,9 +189,7 @@ def test_policy_loss_gradient_matches_full_logits(case, seed):
     assert clipped.any() and not clipped.all()
 
   weights = algo.aggregation_weights(batch.mask, config.loss_aggregation, COMPLETION_LENGTH)
-  micro = LossInputs(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask,
-                     advantages=batch.advantages, sampler_log_probs=batch.sampler_log_probs,
-                     old_log_probs=jnp.asarray(old), ref_log_probs=jnp.asarray(ref), weights=weights,
+  micro = LossInputs(batch=batch, old_log_probs=jnp.asarray(old), ref_log_probs=jnp.asarray(ref), weights=weights,
                      token_weights=algo.aggregation_weights(batch.mask, 'token-mean'))
   ours = jax.jit(jax.value_and_grad(policy_loss, has_aux=True), static_argnums=(1, 3, 4, 5))
   (loss, metrics), grads = ours(params, graphdef, micro, config, TEMPERATURE, False)
@@ -409,7 +408,7 @@ def test_sampler_mismatch_metrics_against_numpy(seed, epochs, minibatches):
   # |gap| in [0, 0.5] or [1, 2]: far from log 2 = 0.69, so fp32 rounding cannot move a token across.
   size = rng.uniform(0.0, 0.5, trainer.shape) + rng.integers(0, 2, trainer.shape) * 1.0
   gap = size * rng.choice([-1.0, 1.0], trainer.shape)
-  batch = dataclasses.replace(batch, sampler_log_probs=jnp.asarray(np.asarray(trainer) + gap, jnp.float32))
+  batch = batch.with_rollout(log_probs=jnp.asarray(np.asarray(trainer) + gap, jnp.float32))
   config = AlgoConfig(group_size=GROUP, ppo_epochs=epochs, num_minibatches=minibatches,
                       logprob_implementation='xla_chunked')
   run, optimizer = make_update(config)

@@ -167,7 +167,7 @@ def test_packed_update_with_images_equals_padded(seed):
   and image placements travel with their tokens): the same gradients and metrics as the padded
   update, with pi_old, pi_ref and two passes."""
   from grpo_jax import config as config_lib
-  from grpo_jax.rl.update import Batch
+  from grpo_jax.rl.batch import Batch
   from test_packing import assert_packed_equals_padded, run_update
   from test_update import ROWS, random_model
 
@@ -193,11 +193,12 @@ def test_packed_update_with_images_equals_padded(seed):
   lengths[:2] = [1, steps]
   mask = np.arange(steps)[None, :] < lengths[:, None]
   prompt_vision = vision.vision_of(images, prompts, prompt_mask, architecture, max_images=2, max_patches=16)
-  batch = Batch(tokens=jnp.asarray(np.concatenate([prompts, rng.integers(6, 11, (ROWS, steps))], axis=1), jnp.int32),
-                segment_ids=jnp.asarray(np.concatenate([prompt_mask, mask], axis=1), jnp.int32), mask=jnp.asarray(mask),
-                advantages=jnp.asarray(rng.standard_normal(ROWS), jnp.float32),
-                sampler_log_probs=jnp.asarray(rng.uniform(-3.0, -0.5, mask.shape), jnp.float32),
-                vision=vision.extended(prompt_vision, jnp.asarray(prompt_mask), jnp.asarray(mask)))
+  batch = Batch.of_sequences(
+      tokens=jnp.asarray(np.concatenate([prompts, rng.integers(6, 11, (ROWS, steps))], axis=1), jnp.int32),
+      segment_ids=jnp.asarray(np.concatenate([prompt_mask, mask], axis=1), jnp.int32), mask=jnp.asarray(mask),
+      advantages=jnp.asarray(rng.standard_normal(ROWS), jnp.float32),
+      sampler_log_probs=jnp.asarray(rng.uniform(-3.0, -0.5, mask.shape), jnp.float32),
+      vision=vision.extended(prompt_vision, jnp.asarray(prompt_mask), jnp.asarray(mask)))
   # Rows of twice a sequence's width: each packed row holds several sequences, and their images.
   settings = dict(ppo_epochs=2, kl_beta=0.05, tis_cap=1.5, entropy_coef=0.01, pack_length=2 * (width + steps))
   padded = run_update(settings, params, batch, seed, packed=False, ref_params=ref_params, architecture=architecture)

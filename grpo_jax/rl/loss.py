@@ -16,37 +16,34 @@ from grpo_jax.model.vision import Vision
 from grpo_jax.ops import token_logprobs
 from grpo_jax.rl import algo, packing
 from grpo_jax.rl.algo import AlgoConfig
+from grpo_jax.rl.batch import Batch
 
 
 @struct.dataclass
 class LossInputs:
-  """The rows the loss reads: a mini-batch, or one micro-batch of it. B rows, N completion tokens.
+  """The rows the loss reads: a mini-batch, or one micro-batch of it, of the update's Batch, and
+  what the update adds to it. B rows, N completion tokens.
 
-  tokens, segment_ids, mask, advantages, sampler_log_probs: as in update.Batch.
-  routes         [B, Tp + N, Ls, k] the sampler's experts of every token, replayed by the passes
-                 (algo.routing_replay 'rollout'); None: the model routes by its own router.
-  lags           [B, N] int32 versions between the token's sampler and the policy trained (partial
-                 rollouts, algo.max_lag > 0); None: every token is the current policy's.
+  batch          rl/batch.Batch of the B rows; its routes (the sampler's experts) only when the
+                 passes replay them (algo.routing_replay 'rollout'), else None: the model routes
+                 by its own router. Its lags [B, N] (partial rollouts): versions between the
+                 token's sampler and the policy trained; None: every token is the current policy's.
   old_log_probs  [B, N] fp32 pi_old(y_t); None on-policy (pi_old is the current policy, no pass).
   ref_log_probs  [B, N] fp32 pi_ref(y_t); None when beta = 0.
   weights        [B, N] fp32 the loss aggregation's weights, normalised over the whole mini-batch,
                  so micro-batch losses (and gradients) add up to the mini-batch loss exactly.
   token_weights  [B, N] fp32 token-mean weights over the mini-batch, for the reported metrics.
-  vision         the rows' images and M-RoPE positions over [B, Tp + N] (model/vision.py), or None.
   """
 
-  tokens: jax.Array
-  segment_ids: jax.Array
-  mask: jax.Array
-  advantages: jax.Array
-  sampler_log_probs: jax.Array
-  lags: jax.Array | None = None
-  routes: jax.Array | None = None
+  batch: Batch
   old_log_probs: jax.Array | None = None
   ref_log_probs: jax.Array | None = None
   weights: jax.Array | None = None
   token_weights: jax.Array | None = None
-  vision: Vision | None = None
+
+  def map_rows(self, fn) -> 'LossInputs':
+    """fn applied to every leaf (each leads with the rows), the batch's included."""
+    return jax.tree.map(fn, self)
 
 
 def completion_log_probs(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array, completion_length: int,
@@ -91,14 +88,15 @@ def log_probs_of(model: Qwen2, micro: LossInputs, packed: packing.Packed | None,
                  implementation: str, with_entropy: bool = False, replay: bool = False, with_routing: bool = False):
   """log pi [B, N] (and entropy) of the micro-batch's completions in the padded layout: from its
   padded rows, or (packed) from its packed rows, 0 outside the sequences packed into them.
-  replay: route to `micro.routes` (the sampler's experts). with_routing: return (values, Routing)."""
+  replay: route to `micro.batch.routes` (the sampler's experts). with_routing: return (values, Routing)."""
   options = dict(temperature=temperature, implementation=implementation, with_entropy=with_entropy)
-  completion_length = micro.mask.shape[1]
+  batch = micro.batch
+  completion_length = batch.completion_length
   if packed is None:
-    values, routing = completion_log_probs(model, micro.tokens, micro.segment_ids, completion_length, **options,
-                                           routes=micro.routes if replay else None, vision=micro.vision)
+    values, routing = completion_log_probs(model, batch.tokens, batch.segment_ids, completion_length, **options,
+                                           routes=batch.routes if replay else None, vision=batch.vision)
   else:
-    values, routing = packed_token_log_probs(model, packed, **options, replay=replay, vision=micro.vision)
+    values, routing = packed_token_log_probs(model, packed, **options, replay=replay, vision=batch.vision)
     values = (tuple(packing.unpack(value, packed, completion_length) for value in values) if with_entropy
               else packing.unpack(values, packed, completion_length))
   return (values, routing) if with_routing else values
@@ -157,7 +155,8 @@ def policy_loss(params, graphdef, micro: LossInputs, config: AlgoConfig, tempera
   the whole mini-batch in the padded layout, its mask and weights zero outside these rows.
   """
   model = nnx.merge(graphdef, params)
-  mask = micro.mask
+  batch = micro.batch
+  mask = batch.mask
   (log_probs, entropy), routing = log_probs_of(model, micro, packed, temperature=temperature,
                                                implementation=config.logprob_implementation, with_entropy=True,
                                                replay=config.routing_replay == 'rollout', with_routing=True)
@@ -168,12 +167,12 @@ def policy_loss(params, graphdef, micro: LossInputs, config: AlgoConfig, tempera
     log_ratio = algo.sequence_log_ratio(log_probs, old, mask)
   else:
     log_ratio = algo.token_log_ratio(log_probs, old)
-  surrogate = algo.clipped_surrogate(log_ratio, micro.advantages[:, None],
+  surrogate = algo.clipped_surrogate(log_ratio, batch.advantages[:, None],
                                      epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
                                      dual_clip=config.dual_clip)
   token_loss = surrogate['loss']
   if config.tis_cap > 0:
-    token_loss = token_loss * algo.truncated_importance_weight(old, micro.sampler_log_probs, config.tis_cap)
+    token_loss = token_loss * algo.truncated_importance_weight(old, batch.sampler_log_probs, config.tis_cap)
   pg_loss = token_loss
   kl = jnp.zeros_like(token_loss)
   if config.kl_beta > 0:
@@ -201,7 +200,7 @@ def policy_loss(params, graphdef, micro: LossInputs, config: AlgoConfig, tempera
                  clip_frac_high=jnp.sum(surrogate['clipped_high'] * per_token),
                  ratio_mean=jnp.sum(surrogate['ratio'] * per_token), **experts)
   if on_policy:
-    metrics.update(sampler_mismatch(log_probs, micro.sampler_log_probs, mask, per_token))
-    if micro.lags is not None:
-      metrics.update(mismatch_by_lag(log_probs, micro.sampler_log_probs, mask, micro.lags, config.max_lag))
+    metrics.update(sampler_mismatch(log_probs, batch.sampler_log_probs, mask, per_token))
+    if batch.lags is not None:
+      metrics.update(mismatch_by_lag(log_probs, batch.sampler_log_probs, mask, batch.lags, config.max_lag))
   return loss, jax.tree.map(jax.lax.stop_gradient, metrics)

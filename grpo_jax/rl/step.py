@@ -22,9 +22,10 @@ from grpo_jax.data.task import Prompts, Scores
 from grpo_jax.model.vision import extended
 from grpo_jax.rl import algo
 from grpo_jax.rl.algo import AlgoConfig
+from grpo_jax.rl.batch import Batch
 from grpo_jax.rl.modes import Acting, Round, Sampling, no_observer
 from grpo_jax.rl.state import TrainState
-from grpo_jax.rl.update import Batch, UpdateSettings, update
+from grpo_jax.rl.update import UpdateSettings, update
 from grpo_jax.sampler.rollout import Rollout
 
 
@@ -36,12 +37,9 @@ def make_batch(prompts: Prompts, rollout: Rollout, scores: Scores, algo_config: 
                                                       algo_config.advantage_epsilon).reshape(-1)
   rows = prompts.repeat(group)
   vision = None if rows.vision is None else extended(rows.vision, rows.mask, rollout.sequence_mask)
-  return Batch(tokens=jnp.concatenate([rows.tokens, rollout.tokens], axis=1),
-               segment_ids=jnp.concatenate([rows.mask.astype(jnp.int32), rollout.sequence_mask.astype(jnp.int32)],
-                                           axis=1),
-               mask=rollout.mask, advantages=advantages, sampler_log_probs=rollout.log_probs,
-               lags=None if rollout.versions is None else jnp.where(rollout.mask, version - rollout.versions, 0),
-               routes=rollout.routes, vision=vision)
+  return Batch(prompt_tokens=rows.tokens, prompt_mask=rows.mask, rollout=dataclasses.replace(rollout, decode_steps=None),
+               advantages=advantages, vision=vision,
+               lags=None if rollout.versions is None else jnp.where(rollout.mask, version - rollout.versions, 0))
 
 
 def rollout_metrics(rollout: Rollout, scores: Scores, group_size: int, slots: int) -> dict:

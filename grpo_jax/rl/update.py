@@ -19,46 +19,18 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, struct
+from flax import nnx
 from jax.sharding import PartitionSpec
 
 from grpo_jax.errors import require
 from grpo_jax.model import lora
 from grpo_jax.rl import algo, packing
 from grpo_jax.rl.algo import AlgoConfig
+from grpo_jax.rl.batch import Batch
 from grpo_jax.rl.loss import (MISMATCH, LossInputs, lag_means, log_probs_of, mismatch_by_lag, policy_loss,
                               sampler_mismatch)
-from grpo_jax.model.vision import Vision
 from grpo_jax.rl.state import TrainState
 from grpo_jax.sharding import batch_axes, batch_groups, constrain
-
-
-@struct.dataclass
-class Batch:
-  """A scored rollout ready for the update; B = P * G rows.
-
-  tokens        [B, Tp + N] int32  left-padded prompt followed by the completion
-  segment_ids   [B, Tp + N] int32  1 on real prompt and completion tokens, 0 on padding
-  mask          [B, N] bool        completion tokens (the stop token included)
-  advantages    [B] fp32
-  sampler_log_probs [B, N] fp32    the sampler's log pi(y_t) (for the TIS correction)
-  lags          [B, N] int32 or None versions between each token's sampler and this policy (partial rollouts)
-  routes        [B, Tp + N, Ls, k] or None the sampler's experts of every token (routing replay, model/moe.py)
-  vision        Vision over [B, Tp + N] or None: the rows' images and M-RoPE positions (model/vision.py)
-  """
-
-  tokens: jax.Array
-  segment_ids: jax.Array
-  mask: jax.Array
-  advantages: jax.Array
-  sampler_log_probs: jax.Array
-  lags: jax.Array | None = None
-  routes: jax.Array | None = None
-  vision: Vision | None = None
-
-  @property
-  def completion_length(self) -> int:
-    return self.mask.shape[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,28 +90,27 @@ class MicroBatches:
   packed: packing.Packed | None = None
 
   @classmethod
-  def of(cls, settings: UpdateSettings, tokens: jax.Array, segment_ids: jax.Array, completion_length: int,
-         micro_rows: int, routes: jax.Array | None = None, vision: Vision | None = None) -> 'MicroBatches':
-    """The micro-batches of padded rows tokens, segment_ids [B, Tp + N] (and their routes
-    [B, Tp + N, Ls, k], their images' positions and placements) as `settings` lay them out;
-    `micro_rows`: padded rows per micro-batch."""
+  def of(cls, settings: UpdateSettings, batch: Batch, micro_rows: int) -> 'MicroBatches':
+    """The micro-batches of the batch's padded rows [B, Tp + N] (and their routes, their images'
+    positions and placements) as `settings` lay them out; `micro_rows`: padded rows per micro-batch."""
     if not settings.algo.packing:
-      return cls(count=tokens.shape[0] // micro_rows, rows=micro_rows)
+      return cls(count=batch.size // micro_rows, rows=micro_rows)
+    tokens = batch.tokens
     length = settings.row_length(tokens.shape[1])
-    rows = settings.packed_micro_rows(tokens.shape[0], length)
-    packed = packing.pack(tokens, segment_ids, completion_length, length, rows, routes, vision)
+    rows = settings.packed_micro_rows(batch.size, length)
+    packed = packing.pack(tokens, batch.segment_ids, batch.completion_length, length, rows, batch.routes, batch.vision)
     return cls(count=packing.micro_batch_count(packed, rows), rows=rows, packed=packed)
 
   def take(self, index, inputs: LossInputs) -> tuple[LossInputs, packing.Packed | None]:
     """Micro-batch `index` of `inputs` (their rows [B, ...]): its own rows, or (packed) its packed
     rows and the whole `inputs` with the mask and weights of the sequences outside them zeroed."""
     if self.packed is None:
-      return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, index * self.rows, self.rows), inputs), None
+      return inputs.map_rows(lambda x: jax.lax.dynamic_slice_in_dim(x, index * self.rows, self.rows)), None
     packed = packing.micro_batch(self.packed, index, self.rows)
     member = packing.members(packed)[:, None]
     if inputs.weights is not None:
       inputs = inputs.replace(weights=inputs.weights * member, token_weights=inputs.token_weights * member)
-    return inputs.replace(mask=inputs.mask & member), packed
+    return inputs.replace(batch=inputs.batch.masked(member)), packed
 
   def metrics(self) -> dict:
     """micro_batches, and with packing the packed rows and their padding fraction."""
@@ -206,10 +177,10 @@ def _over_replicas(accumulate, params, rows: LossInputs, micro: 'MicroBatches'):
   in the gradients' dtype (fp32 parameters: fp32, as the log-prob op's dW sums already ran), in
   bytes no more than XLA's per-micro-batch bf16 reductions of the weight gradients from 2
   micro-batches on. Where `_replicas_of` says 1, accumulate runs on the whole mesh."""
-  replicas = _replicas_of(micro, rows.tokens.shape[0])
+  replicas = _replicas_of(micro, rows.batch.size)
   if replicas == 1:
     return accumulate(params, rows, micro)
-  local_rows = rows.tokens.shape[0] // replicas
+  local_rows = rows.batch.size // replicas
   by_rows = lambda tree: jax.tree.map(lambda _: PartitionSpec(REPLICAS), tree)  # noqa: E731
 
   def replica(params, rows, packed):
@@ -245,9 +216,9 @@ def _score(graphdef, params, inputs: LossInputs, micro: MicroBatches, settings: 
                           implementation=settings.algo.logprob_implementation, replay=replay)
     if packed is None:
       return jax.lax.dynamic_update_slice_in_dim(out, values, index * micro.rows, axis=0)
-    return jnp.where(rows.mask, values, out)
+    return jnp.where(rows.batch.mask, values, out)
 
-  return jax.lax.fori_loop(0, micro.count, one, jnp.zeros(inputs.mask.shape, jnp.float32))
+  return jax.lax.fori_loop(0, micro.count, one, jnp.zeros(inputs.batch.mask.shape, jnp.float32))
 
 
 def _head_for_logprobs(frozen: nnx.State) -> nnx.State:
@@ -281,13 +252,10 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
   replay = config.routing_replay == 'rollout'
   require(not replay or batch.routes is not None, 'algo.routing_replay',
           "is 'rollout', but this rollout recorded no routes (a dense model, or a rollout mode that records none)")
-  rows = LossInputs(tokens=batch.tokens, segment_ids=batch.segment_ids, mask=batch.mask, advantages=batch.advantages,
-                    sampler_log_probs=batch.sampler_log_probs, lags=batch.lags, routes=batch.routes if replay else None,
-                    vision=batch.vision)
+  rows = LossInputs(batch=batch if replay else batch.without_routes())
   # pi_old and pi_ref score the whole batch, laid out (packed) once for both.
   if not settings.on_policy or config.kl_beta > 0:
-    scoring = MicroBatches.of(settings, batch.tokens, batch.segment_ids, completion_length, settings.micro_rows,
-                              rows.routes, rows.vision)
+    scoring = MicroBatches.of(settings, rows.batch, settings.micro_rows)
     rows = rows.replace(
         old_log_probs=None if settings.on_policy else _score(graphdef, lora.join(state.params, frozen), rows, scoring,
                                                              settings, replay),
@@ -307,12 +275,11 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
 
   def minibatch_update(carry, order):
     params, opt_state, updates, skips = carry
-    minibatch = jax.tree.map(lambda x: x[order], rows)
-    minibatch = minibatch.replace(
-        weights=algo.aggregation_weights(minibatch.mask, config.loss_aggregation, completion_length),
-        token_weights=algo.aggregation_weights(minibatch.mask, 'token-mean'))
-    micro = MicroBatches.of(settings, minibatch.tokens, minibatch.segment_ids, completion_length, settings.micro_rows,
-                            minibatch.routes, minibatch.vision)
+    minibatch = rows.map_rows(lambda x: x[order])
+    mask = minibatch.batch.mask
+    minibatch = minibatch.replace(weights=algo.aggregation_weights(mask, config.loss_aggregation, completion_length),
+                                  token_weights=algo.aggregation_weights(mask, 'token-mean'))
+    micro = MicroBatches.of(settings, minibatch.batch, settings.micro_rows)
 
     def accumulate(params, rows, micro):
       def gradients(index):
