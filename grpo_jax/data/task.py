@@ -43,16 +43,32 @@ class Prompts:
   key: Any = None
   vision: Any = None
 
+  def _rows(self) -> tuple:
+    """The per-row arrays: tokens, mask and the vision's (None: none); a host task's answers are
+    strings, and position and key describe the draw, not a row."""
+    return self.tokens, self.mask, self.vision
+
   def map_arrays(self, fn) -> 'Prompts':
     """fn applied to the prompts' arrays (tokens, mask, each leaf of vision); the answers stay as
     they are (a host task's are strings)."""
-    return dataclasses.replace(self, tokens=fn(self.tokens), mask=fn(self.mask),
-                               vision=None if self.vision is None else jax.tree.map(fn, self.vision))
+    tokens, mask, vision = jax.tree.map(fn, self._rows())
+    return dataclasses.replace(self, tokens=tokens, mask=mask, vision=vision)
 
   def repeat(self, group_size: int) -> 'Prompts':
     """Each prompt's arrays G times over, row p * G + g for sample g of prompt p (the rows of its
     completions); answers as they are."""
     return self.map_arrays(lambda x: jnp.repeat(x, group_size, axis=0))
+
+  def take(self, rows) -> 'Prompts':
+    """Rows `rows` (indices) of the prompts' arrays; answers as they are."""
+    return self.map_arrays(lambda x: x[rows])
+
+  @classmethod
+  def concatenate(cls, prompts: 'list[Prompts]') -> 'Prompts':
+    """The arrays of several draws' prompts, in order. Their answers, position and key are each
+    draw's own: None here (the caller gathers the answers of the rows it keeps)."""
+    tokens, mask, vision = jax.tree.map(lambda *rows: jnp.concatenate(rows), *[p._rows() for p in prompts])
+    return cls(tokens=tokens, mask=mask, answers=None, vision=vision)
 
 
 @jax.tree_util.register_dataclass

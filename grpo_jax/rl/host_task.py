@@ -6,6 +6,7 @@ functions (jitted there) or this adapter's host functions; only the run's builde
 knows which one it hands the step.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -56,12 +57,9 @@ class HostTask:
       full[rows] = values
       return full
 
-    total = distributed.sum_over_processes(dict(rewards=spread(scores.rewards),
-                                                failures=np.asarray(scores.failures, np.int32),
-                                                terms={label: spread(values) for label, values in scores.terms.items()}))
-    place = functools.partial(distributed.replicated, mesh=self.mesh)
-    return Scores(rewards=place(total['rewards']), failures=place(total['failures']),
-                  terms={label: place(values) for label, values in total['terms'].items()})
+    spread_out = dataclasses.replace(scores.map_rows(spread), failures=np.asarray(scores.failures, np.int32))
+    total = distributed.sum_over_processes(spread_out)
+    return jax.tree.map(functools.partial(distributed.replicated, mesh=self.mesh), total)
 
   def close(self) -> None:
     self.task.close()

@@ -224,11 +224,8 @@ class RLStep:
 def _take_groups(rounds: list[tuple[Prompts, Rollout, Scores]], prompt_rows: jax.Array, sample_rows: jax.Array):
   """(prompt arrays, rollout, scores) of the rows chosen from the rounds stacked in order, on the
   devices (jitted in RLStep)."""
-  vision = None if rounds[0][0].vision is None else jax.tree.map(
-      lambda *leaves: jnp.concatenate(leaves)[prompt_rows], *[p.vision for p, _, _ in rounds])
-  prompts = Prompts(tokens=jnp.concatenate([p.tokens for p, _, _ in rounds])[prompt_rows],
-                    mask=jnp.concatenate([p.mask for p, _, _ in rounds])[prompt_rows], answers=None, vision=vision)
-  return (prompts, Rollout.concatenate([r for _, r, _ in rounds]).take(sample_rows),
+  return (Prompts.concatenate([p for p, _, _ in rounds]).take(prompt_rows),
+          Rollout.concatenate([r for _, r, _ in rounds]).take(sample_rows),
           Scores.concatenate([s for _, _, s in rounds]).take(sample_rows))
 
 
