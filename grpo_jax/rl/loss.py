@@ -73,12 +73,11 @@ def packed_token_log_probs(model: Qwen2, packed: packing.Packed, *, temperature:
   images, whose features the packed tokens take (packed.placement); the tower runs on all of the
   batch's rows' images for each micro-batch."""
   groups, rows, length = packed.tokens.shape
-  flat = lambda x: None if x is None else x.reshape((groups * rows,) + x.shape[2:])  # noqa: E731
-  tokens = flat(packed.tokens)
-  routes = flat(packed.routes) if replay else None
-  placed = None if vision is None else (model.image_features(vision.images), flat(packed.placement))
-  hidden, routing = model.hidden_states(tokens, segment_ids=flat(packed.segment_ids), routes=routes,
-                                        return_routing=True, positions=flat(packed.positions), placed=placed)
+  flat = packed.map_tokens(lambda x: x.reshape((groups * rows,) + x.shape[2:]))
+  tokens = flat.tokens
+  placed = None if vision is None else (model.image_features(vision.images), flat.placement)
+  hidden, routing = model.hidden_states(tokens, segment_ids=flat.segment_ids, routes=flat.routes if replay else None,
+                                        return_routing=True, positions=flat.positions, placed=placed)
   out = token_logprobs(hidden[:, :-1], model.lm_head_weight(), tokens[:, 1:], temperature=temperature,
                        return_entropy=with_entropy, implementation=implementation)
   return jax.tree.map(lambda x: x.reshape(groups, rows, length - 1), out), routing

@@ -17,6 +17,8 @@ Dimension letters: n batch groups, Bn sequences per group, R packed rows per gro
 packed row, W = Tp + N tokens per padded row, N completion tokens.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -25,6 +27,11 @@ from jax.sharding import PartitionSpec
 from grpo_jax.model.moe import unrecorded_id
 from grpo_jax.model.vision import Vision
 from grpo_jax.sharding import auto_shape, batch_groups, constrain, grouped, split_axes
+
+
+def _per_token(**kwargs):
+  """A field [n, R, L, ...] of the packed tokens: micro-batches cut it by rows (Packed.map_tokens)."""
+  return dataclasses.field(metadata={'per_token': True}, **kwargs)
 
 
 @struct.dataclass
@@ -44,19 +51,25 @@ class Packed:
                                 embedding; None without images
   """
 
-  tokens: jax.Array
-  segment_ids: jax.Array
+  tokens: jax.Array = _per_token()
+  segment_ids: jax.Array = _per_token()
   row: jax.Array
   start: jax.Array
   rows_used: jax.Array
   real_tokens: jax.Array
-  routes: jax.Array | None = None
-  positions: jax.Array | None = None
-  placement: jax.Array | None = None
+  routes: jax.Array | None = _per_token(default=None)
+  positions: jax.Array | None = _per_token(default=None)
+  placement: jax.Array | None = _per_token(default=None)
 
   @property
   def row_length(self) -> int:
     return self.tokens.shape[-1]
+
+  def map_tokens(self, fn) -> 'Packed':
+    """fn applied to every per-token field present ([n, R, L, ...]: a micro-batch's rows, ...)."""
+    fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+              if field.metadata.get('per_token')}
+    return self.replace(**jax.tree.map(fn, fields))
 
 
 def first_fit_decreasing(lengths: jax.Array, rows: int, row_length: int):
@@ -102,9 +115,10 @@ def _pack_group(tokens, segment_ids, routes, positions, placement, completion_le
 
   packed_tokens = scatter(tokens.astype(jnp.int32), 0)
   packed_segments = scatter(jnp.broadcast_to(segment[:, None], columns.shape).astype(jnp.int32), 0)
-  packed_routes = None if routes is None else scatter(routes, unrecorded_id(routes.dtype))
-  packed_positions = None if positions is None else scatter(positions.astype(jnp.int32), 0)
-  packed_placement = None if placement is None else scatter(placement.astype(jnp.int32), -1)
+  # The optional fields (None: absent) travel alike.
+  packed_routes = jax.tree.map(lambda r: scatter(r, unrecorded_id(r.dtype)), routes)
+  packed_positions = jax.tree.map(lambda p: scatter(p.astype(jnp.int32), 0), positions)
+  packed_placement = jax.tree.map(lambda p: scatter(p.astype(jnp.int32), -1), placement)
   fill = jnp.zeros((rows,), jnp.int32).at[row].add(lengths)
   return (packed_tokens, packed_segments, packed_routes, packed_positions, packed_placement, row,
           offset + prompt_tokens, jnp.sum(fill > 0, dtype=jnp.int32))
@@ -127,16 +141,14 @@ def pack(tokens: jax.Array, segment_ids: jax.Array, completion_length: int, row_
     sequence = jnp.broadcast_to(jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None], local.shape)
     placement = jnp.stack([jnp.where(local >= 0, sequence, -1), local], axis=-1)
     positions = vision.positions
-  maybe = lambda x: None if x is None else grouped(x, groups)  # noqa: E731
   pack_one = lambda t, s, r, p, q: _pack_group(t, s, r, p, q, completion_length, rows, row_length)  # noqa: E731
+  by_group = jax.tree.map(lambda x: grouped(x, groups), (tokens, segment_ids, routes, positions, placement))
   packed_tokens, packed_segments, packed_routes, packed_positions, packed_placement, row, start, rows_used = jax.vmap(
-      pack_one)(grouped(tokens, groups), grouped(segment_ids, groups), maybe(routes), maybe(positions), maybe(placement))
-  # each group's rows stay on its devices
-  on_groups = lambda x: None if x is None else constrain(x, ('batch',) + (None,) * (x.ndim - 1))  # noqa: E731
-  return Packed(tokens=on_groups(packed_tokens), segment_ids=on_groups(packed_segments), row=row,
-                start=start, rows_used=rows_used, real_tokens=jnp.sum(segment_ids != 0, dtype=jnp.int32),
-                routes=on_groups(packed_routes), positions=on_groups(packed_positions),
-                placement=on_groups(packed_placement))
+      pack_one)(*by_group)
+  packed = Packed(tokens=packed_tokens, segment_ids=packed_segments, row=row, start=start, rows_used=rows_used,
+                  real_tokens=jnp.sum(segment_ids != 0, dtype=jnp.int32), routes=packed_routes,
+                  positions=packed_positions, placement=packed_placement)
+  return packed.map_tokens(lambda x: constrain(x, ('batch',) + (None,) * (x.ndim - 1)))  # each group's rows on its devices
 
 
 
@@ -151,10 +163,7 @@ def micro_batch(packed: Packed, index: jax.Array, micro_rows: int) -> Packed:
   first = index * micro_rows
   take = lambda x: jax.lax.dynamic_slice_in_dim(x, first, micro_rows, axis=1)  # noqa: E731
   inside = (packed.row >= first) & (packed.row < first + micro_rows)
-  maybe = lambda x: None if x is None else take(x)  # noqa: E731
-  return packed.replace(tokens=take(packed.tokens), segment_ids=take(packed.segment_ids), routes=maybe(packed.routes),
-                        positions=maybe(packed.positions), placement=maybe(packed.placement),
-                        row=jnp.where(inside, packed.row - first, -1))
+  return packed.map_tokens(take).replace(row=jnp.where(inside, packed.row - first, -1))
 
 
 def unpack(values: jax.Array, packed: Packed, completion_length: int) -> jax.Array:
