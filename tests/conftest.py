@@ -71,8 +71,8 @@ def torch_logits(model, tokens, attention_mask=None, position_ids=None):
 # against transformers, the kernels against the naive path, the sampler), none of which starts a CLI,
 # trains a run or compiles for an accelerator: under 3 minutes.
 FAST_FILES = {'test_adapters', 'test_algo', 'test_api', 'test_attention', 'test_decode_attention', 'test_hf_config',
-              'test_launch', 'test_logprob', 'test_model_parity', 'test_reward_cases', 'test_reward_terms',
-              'test_rollout', 'test_sampling', 'test_sharding', 'test_tools'}
+              'test_launch', 'test_layers', 'test_logprob', 'test_model_parity', 'test_reward_cases',
+              'test_reward_terms', 'test_rollout', 'test_sampling', 'test_sharding', 'test_tools'}
 # Wall time on the 2-core machine the project develops on (seconds); a new feature adds at most 60 s
 # to `test` and 3 minutes to `test-all`.
 TIER_BUDGETS = {'test': 15 * 60, 'test-all': 40 * 60, 'test-fast': 3 * 60}

@@ -16,9 +16,9 @@ import jax
 import numpy as np
 
 from grpo_jax.sampler.decode import request_keys
-from grpo_jax.sampler.engine import QwenEngine
-from grpo_jax.sampler.engine_tokenizer import pad_prompt
 from grpo_jax.sampler.rollout import Rollout
+from grpo_jax.serve.engine import QwenEngine
+from grpo_jax.serve.tokenizer import pad_prompt
 
 
 def generate_groups(engine: QwenEngine, params, prompts, *, group_size: int = 1,

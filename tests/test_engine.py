@@ -13,8 +13,8 @@ from flax import nnx
 from engine_driver import generate_groups
 from grpo_jax.model import from_pretrained
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
-from grpo_jax.sampler.engine import QwenEngine
-from grpo_jax.sampler.engine_tokenizer import pad_prompt
+from grpo_jax.serve.engine import QwenEngine
+from grpo_jax.serve.tokenizer import pad_prompt
 from grpo_jax.testing import left_padded, random_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,8 +158,8 @@ def test_refilling_few_slots_equals_one_slot_per_request(seed, make_hf_checkpoin
 
 
 def test_core_modules_do_not_import_jetstream_or_tensorflow():
-  code = ('import sys, grpo_jax, grpo_jax.sampler, grpo_jax.sampler.engine, grpo_jax.build, '
-          'grpo_jax.sampler.engine_tokenizer, grpo_jax.train, grpo_jax.eval, grpo_jax.serve; '
+  code = ('import sys, grpo_jax, grpo_jax.sampler, grpo_jax.serve.engine, grpo_jax.build, '
+          'grpo_jax.serve.tokenizer, grpo_jax.train, grpo_jax.eval, grpo_jax.serve.__main__; '
           'print(sorted({m.split(".")[0] for m in sys.modules} & {"jetstream", "tensorflow", "seqio"}))')
   result = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, JAX_PLATFORMS='cpu'))

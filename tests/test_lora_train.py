@@ -140,7 +140,7 @@ def test_lora_exports_as_peft_and_merged(tmp_path, make_hf_checkpoint, seed):
       'Face model, or --peft for a PEFT adapter directory'], result.stderr
   assert not os.path.exists(out)
   # grpo_jax.serve takes the run's workdir too: its engine decodes with the adapters on the base.
-  from grpo_jax import serve
+  from grpo_jax.serve import __main__ as serve
   engine, _ = serve.build_engine(serve.parse_args(['--ckpt', str(tmp_path / 'run'), '--port', '0',
                                                    '--token-ids-only', '--dtype', 'float32']))
   np.testing.assert_allclose(np.asarray(engine._model(tokens)), ours, rtol=0, atol=1e-5)

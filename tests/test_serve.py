@@ -232,7 +232,7 @@ def test_cli_errors_are_one_line(seed, make_hf_checkpoint, tmp_path):
 
 
 def test_tokenizer_chat_template_padding_and_token_requests(make_hf_checkpoint, seed, tmp_path):
-  from grpo_jax.sampler.engine_tokenizer import HFTokenizer
+  from grpo_jax.serve.tokenizer import HFTokenizer
 
   directory, _ = make_hf_checkpoint(seed)
   write_tokenizer(directory)

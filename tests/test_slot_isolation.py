@@ -28,9 +28,9 @@ from grpo_jax.model import ModelOptions, from_pretrained
 from grpo_jax.model.qwen2 import Qwen2
 from grpo_jax.model.token_ids import TokenIdError, check_token_ids
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
-from grpo_jax.sampler.engine import QwenEngine
-from grpo_jax.sampler.engine_tokenizer import pad_prompt
 from grpo_jax.sampler.rollout import sample_groups
+from grpo_jax.serve.engine import QwenEngine
+from grpo_jax.serve.tokenizer import pad_prompt
 from grpo_jax.testing import left_padded, random_prompts
 
 T1 = SamplingConfig(temperature=1.0)

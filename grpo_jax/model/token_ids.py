@@ -3,9 +3,9 @@
 Valid ids are [0, vocab_size) of the model's config: its whole embedding table, padded-vocabulary
 rows included. Inside a jitted program a bad id cannot raise: `jnp.take` answers it with a NaN
 row, which then spreads through attention. So every door where ids enter (serving requests,
-`generate`, the inference server's requests, environment observations, the engine's prefill and
-an eager model call) calls `check_token_ids`, and an id outside the vocabulary is refused there,
-never clipped or wrapped (that would silently answer another prompt).
+`generate`, the inference server's requests, environment observations, the serving engine's
+prefill in serve/engine.py and an eager model call) calls `check_token_ids`, and an id outside the
+vocabulary is refused there, never clipped or wrapped (that would silently answer another prompt).
 """
 
 import numpy as np

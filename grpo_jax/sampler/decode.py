@@ -1,6 +1,6 @@
 """The one prefill and the one decode step behind every sampling path.
 
-The trainer's group sampler (rollout.py), the JetStream engine (engine.py), `python -m
+The trainer's group sampler (rollout.py), the JetStream engine (serve/engine.py), `python -m
 grpo_jax.generate` and `python -m grpo_jax.serve` all sample through these two functions, so a
 request's tokens depend only on its prompt, its key and the parameters, never on the path:
 

@@ -3,7 +3,7 @@
 `admit(state, slots, entry)` is the only place a request takes a decode slot, on every sampling
 path: GRPO groups and the pool of partial rollouts (inside their decode loop, below), the
 inference server's first and continued turns (agents/inference.py) and the JetStream engine's
-insert (engine.py). It sets what decode_step reads for the row (the hidden state to sample from,
+insert (serve/engine.py). It sets what decode_step reads for the row (the hidden state to sample from,
 the request's key, tokens already emitted, its budget and stop ids, the shared prompt it reads)
 and writes the row's own cache. A slot forgets its last occupant here and nowhere else: every
 cache entry of the row past the ones the entering request brings, or keeps for a continued turn,

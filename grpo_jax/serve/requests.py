@@ -10,7 +10,7 @@ client's own call, before anything is queued: a bad request is refused to its cl
                  the same checks; refused when the server has no tokenizer (--token-ids-only).
   prompt length  at most max_prompt_tokens (--max-prefill-length); longer prompts are refused, or,
                  with long_prompts='truncate', cut to their last max_prompt_tokens tokens and the
-                 cut reported to the client (serve.py: trailing metadata).
+                 cut reported to the client (server.py: trailing metadata).
   max_tokens     0 (the proto's default) means the server's --max-new-tokens; negative is refused;
                  more than --max-new-tokens is capped at it.
   images         (a vision-language checkpoint, `ImageRules`) parts of a text_content conversation:
@@ -25,17 +25,16 @@ client's own call, before anything is queued: a bad request is refused to its cl
 
 import base64
 import binascii
-
 import dataclasses
 import typing
 from typing import Literal
 
-from grpo_jax.model.images import ImageSettings, load_image, process_image
 from grpo_jax.errors import UserError
 from grpo_jax.model.config import VisionConfig
+from grpo_jax.model.images import ImageSettings, load_image, process_image
 from grpo_jax.model.token_ids import TokenIdError, check_token_ids
 from grpo_jax.model.vision import image_tokens
-from grpo_jax.sampler.engine_tokenizer import HFTokenizer, chat_messages
+from grpo_jax.serve.tokenizer import HFTokenizer, chat_messages
 
 LongPrompts = Literal['refuse', 'truncate']
 LONG_PROMPTS = typing.get_args(LongPrompts)

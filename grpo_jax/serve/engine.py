@@ -2,7 +2,7 @@
 
 It implements the Engine API of google-jetstream 0.2.2 (`jetstream/engine/engine_api.py`) without
 importing jetstream, whose engine package pulls in seqio and TensorFlow: the core must run on
-machines that have neither. `grpo_jax.serve.register_with_jetstream()` makes `QwenEngine` and
+machines that have neither. `register_with_jetstream()` (server.py) makes `QwenEngine` and
 `ResultTokens` virtual subclasses of JetStream's classes when serving.
 
 The decode state (decode.DecodeState) holds B = `max_concurrent_decodes` slots, each a KV-cache
@@ -30,11 +30,11 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.model.qwen2 import KVCache, Qwen2
+from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.model.vision import Vision, patch_bucket, vision_of
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Prefix, decode_step, prefill, request_keys, typed_key
-from grpo_jax.model.token_ids import check_token_ids
-from grpo_jax.sampler.engine_tokenizer import NO_TOKEN, HFTokenizer
 from grpo_jax.sampler.slots import Entry, Slots, admit
+from grpo_jax.serve.tokenizer import NO_TOKEN, HFTokenizer
 from grpo_jax.sharding import named_sharding
 
 # Column ranges of ResultTokens.data, one int32 row per slot.

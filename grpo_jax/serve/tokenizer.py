@@ -75,7 +75,7 @@ class HFTokenizer:
   def encode(self, s: str, **kwargs) -> tuple[np.ndarray, int]:
     """Text -> (ids right-padded to a length bucket, true length); ValueError for a prompt longer
     than max_prefill_length or a tokenizer-less checkpoint. `serve` never gets here: its handler
-    tokenizes and checks each request before queueing it (sampler/requests.py)."""
+    tokenizes and checks each request before queueing it (requests.py)."""
     max_length = kwargs.get('max_prefill_length') or 1 << 30
     if self.tokenizer is None:
       raise ValueError('text request: the checkpoint has no tokenizer; send token ids')
