@@ -9,8 +9,7 @@ from flax import nnx
 from grpo_jax.data.task import Task
 from grpo_jax.errors import require
 from grpo_jax.model import lora
-from grpo_jax.rl.host_task import HostTask
-from grpo_jax.rl.modes import Acting, GroupSampling, PoolSampling, Sampling
+from grpo_jax.rl.modes import Acting, GroupSampling, PoolSampling, RolloutMode, Sampling
 from grpo_jax.rl.state import pool_shardings, train_state_shardings
 from grpo_jax.rl.step import RLStep
 from grpo_jax.sampler import pool as sampler_pool
@@ -66,7 +65,7 @@ def empty_pool(settings: PoolSettings | None, task: Task, prompt_count: int, arc
                                  architecture, vision)
 
 
-def rollout_mode(config) -> type:
+def rollout_mode(config) -> type[RolloutMode]:
   """The run's rollout mode (rl/modes.py), chosen here once: agents acting for a task whose kind
   acts, the pool with algo.max_lag > 0, else group sampling."""
   if config.task.kind.acts:
@@ -94,20 +93,18 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
   layout = (rollout_layout(model, mesh, config.rollout.tensor, sampler_devices, weights=config.rollout.weights)
             if resident else None)
   mode = rollout_mode(config)
-  # A host-scored task is adapted to the mesh; an agent task's acting stage places its own arrays.
-  step_task = task if task.jittable or mode is Acting else HostTask(task, mesh)
   settings = pool_settings(config, task)
-  pool = empty_pool(settings, task, config.rollout.prompts_per_step, model.config)
-  trained, frozen = lora.split_trainable(params)  # with LoRA the optimizer sees the adapters only
-  shardings = train_state_shardings(trained, optimizer, pool, frozen)
-  if layout is not None and layout.split and pool is not None:  # the pool and the groups ready on the sampler
-    pool = sampler_pool.empty_pipeline(graphdef, params, pool, layout, settings)
-    shardings = shardings.replace(pool=pool_shardings(pool, layout.mesh))
-  sampling = Sampling(graphdef=graphdef, task=step_task, group_size=config.algo.group_size,
+  sampling = Sampling(graphdef=graphdef, task=mode.step_task(task, mesh), group_size=config.algo.group_size,
                       prompts_per_step=config.rollout.prompts_per_step,
                       decode=decode_settings(config, task),
                       slots=decode_slots(config), layout=layout, mesh=mesh, rollout=config.rollout,
                       pool=settings)
+  pool = empty_pool(settings, task, config.rollout.prompts_per_step, model.config)
+  trained, frozen = lora.split_trainable(params)  # with LoRA the optimizer sees the adapters only
+  shardings = train_state_shardings(trained, optimizer, pool, frozen)
+  if sampling.split and pool is not None:  # the pool and the groups ready on the sampler
+    pool = sampler_pool.empty_pipeline(graphdef, params, pool, layout, settings)
+    shardings = shardings.replace(pool=pool_shardings(pool, layout.mesh))
   return RLStep(graphdef, mode, sampling, config.algo, optimizer, schedule, shardings,
                 sequence_length=task.prompt_length + config.rollout.max_new_tokens, empty_pool=pool)
 

@@ -310,8 +310,8 @@ def train(config: config_lib.Config, workdir: str, mesh, model) -> list[dict]:
         evaluation = InTrainingEval(config, workdir, run, task)
         if run.step == 0:
           evaluation()
-      # Split devices run the sampler's and the trainer's programs side by side: one step per call.
-      chunk = config.train.steps_per_call if task.jittable and not run.rl_step.split else 1
+      # The rollout mode says how many steps one call may run (split devices: one, from the host).
+      chunk = run.rl_step.host_mode.steps_per_call(config.train.steps_per_call)
       progress = metrics_lib.ProgressBar(total, start=run.step, enabled=config.train.progress and run.primary)
       # The step is read from the state once (a host read; with split devices across processes,
       # an all-gather) and then counted here: each call runs len(rows) steps.

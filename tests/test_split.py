@@ -80,6 +80,8 @@ def test_split_steps_train_on_groups_sampled_behind(split_run):
     for row in range(rollout.tokens.shape[0]):
       spanning += len(set(rollout.versions[row, :rollout.lengths[row]].tolist())) > 1
   assert spanning > 0, 'no answer spans two versions: the test would not test carrying across the split'
+  mode = split_run['rl_step'].host_mode  # the sampler apart: one step a call (train.steps_per_call 10)
+  assert mode.split and mode.steps_per_call(10) == 1
 
 
 def test_every_token_is_its_versions_sample(split_run):

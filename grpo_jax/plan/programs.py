@@ -189,7 +189,7 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
   # pi_ref: a copy of the policy; with LoRA the state's own base (adapters off), no copy.
   ref_params = params if config.algo.kl_beta > 0 and frozen is None else None
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  if step.layout is not None and step.layout.split:
+  if step.host_mode.split:
     return _split_programs(config, task, step, state, ref_params, replicated)
   if task.jittable:
     programs = [(f'{config.train.steps_per_call} RL steps in one jit', step.fused,

@@ -12,8 +12,13 @@ task's prompts and reward run as they are).
                  advance for the next step runs while the trainer updates on this one.
   Acting         agents act on the inference server (agents/stage.py) and score their own episodes.
 
-`prime(state, draw)` readies a fresh run's state before its first step: the pool takes its first
-L * P prompts; the other modes have nothing to ready.
+A mode says what it needs through its own properties, declared with their defaults on RolloutMode
+and overridden by the modes that differ: whether it traces inside the K-steps jit (`traceable`),
+the task it samples for (`step_task`: a host task adapted to the mesh), whether its sampler has
+devices of its own (`split`), how many RL steps one call may run (`steps_per_call`), the facts it
+adds to a step's metrics (`facts`), and `prime(state, draw)`, which readies a fresh run's state
+before its first step (the pool takes its first L * P prompts; the other modes have nothing to
+ready).
 """
 
 import dataclasses
@@ -25,6 +30,7 @@ import jax.numpy as jnp
 from grpo_jax import distributed
 from grpo_jax.data.task import Prompts, Scores, Task
 from grpo_jax.model import lora
+from grpo_jax.rl.host_task import HostTask
 from grpo_jax.rl.state import TrainState, pool_shardings
 from grpo_jax.sampler.decode import DecodeSettings
 from grpo_jax.sampler.layout import RolloutLayout, cross
@@ -67,6 +73,11 @@ class Sampling:
   rollout: RolloutConfig
   pool: PoolSettings | None = None
 
+  @property
+  def split(self) -> bool:
+    """The sampler decodes on devices of its own (rollout.devices), apart from the trainer's."""
+    return self.layout is not None and self.layout.split
+
   def sample(self, params, prompt_tokens, prompt_mask, key, vision=None) -> Rollout:
     """G completions of each prompt from `params` (sampler/rollout.py); vision: the prompts'
     images. Traceable."""
@@ -79,19 +90,47 @@ class Sampling:
     return jax.jit(fn, static_argnums=2) if host and self.task.jittable else fn
 
 
-class GroupSampling:
-  """On-policy groups: the P prompts' G samples each, scored by the task's reward."""
+class RolloutMode:
+  """What every mode says about itself, with the defaults that the modes which differ override.
+  A mode is built from the step's Sampling; `host` False: traced inside run_steps' jit."""
+
+  traceable = True  # its stages trace inside the K-steps jit (else the host calls them, one step a call)
 
   def __init__(self, sampling: Sampling, host: bool):
+    del host
     self.group_size = sampling.group_size
-    # (params, prompt tokens, prompt mask, key, vision) -> Rollout
-    self.sample = jax.jit(sampling.sample) if host else sampling.sample
-    self.reward = sampling.task_stage(sampling.task.reward, host)  # (rollout, prompts, G) -> Scores
-    self.prompts = sampling.task_stage(sampling.task.prompts, host)  # (key, position, P) -> Prompts
+    self.jittable = sampling.task.jittable
+    self.split = sampling.split
+
+  @classmethod
+  def step_task(cls, task: Task, mesh: jax.sharding.Mesh):
+    """The task as the step calls it: a host-scored one adapted to the mesh (rl/host_task.py)."""
+    return task if task.jittable else HostTask(task, mesh)
+
+  def steps_per_call(self, requested: int) -> int:
+    """The RL steps one call may run, given train.steps_per_call: all of them in one jit when the
+    mode traces and the task is jittable; one from the host otherwise, and with split devices,
+    whose sampler's and trainer's programs run side by side."""
+    return requested if self.traceable and self.jittable and not self.split else 1
+
+  def facts(self) -> dict:
+    """What the mode adds to the step's metrics beyond the round's (none by default)."""
+    return {}
 
   def prime(self, state: TrainState, draw) -> TrainState:
     del draw
     return state
+
+
+class GroupSampling(RolloutMode):
+  """On-policy groups: the P prompts' G samples each, scored by the task's reward."""
+
+  def __init__(self, sampling: Sampling, host: bool):
+    super().__init__(sampling, host)
+    # (params, prompt tokens, prompt mask, key, vision) -> Rollout
+    self.sample = jax.jit(sampling.sample) if host else sampling.sample
+    self.reward = sampling.task_stage(sampling.task.reward, host)  # (rollout, prompts, G) -> Scores
+    self.prompts = sampling.task_stage(sampling.task.prompts, host)  # (key, position, P) -> Prompts
 
   def __call__(self, state: TrainState, prompts: Prompts, key, observe=no_observer) -> tuple[TrainState, Round]:
     rollout = self.sample(state.policy, prompts.tokens, prompts.mask, key, prompts.vision)
@@ -101,21 +140,24 @@ class GroupSampling:
     return state, Round(prompts, rollout, scores)
 
 
-class Acting:
+class Acting(RolloutMode):
   """Agents act: the problems' episodes, G each, on the inference server over the live parameters
   (agents/stage.py); the episodes score themselves. Host only (the episodes run in Python)."""
 
+  traceable = False
+
   def __init__(self, sampling: Sampling, host: bool):
     from grpo_jax.agents.stage import AgentStage  # the agents package only for an acting run
-    del host
-    self.group_size = sampling.group_size
+    super().__init__(sampling, host)
     self.stage = AgentStage(sampling.graphdef, sampling.task, sampling.decode, sampling.slots, sampling.mesh,
                             sampling.layout, sampling.rollout.decode_chunk, sampling.rollout.reuse_turn_caches)
     self.prompts = self.stage.prompts
 
-  def prime(self, state: TrainState, draw) -> TrainState:
-    del draw
-    return state
+  @classmethod
+  def step_task(cls, task: Task, mesh: jax.sharding.Mesh):
+    """The agent task as it is: the acting stage places its own arrays."""
+    del mesh
+    return task
 
   def facts(self) -> dict:
     """The episodes' turns, tool calls and truncation since the last call (the step's metrics)."""
@@ -128,7 +170,7 @@ class Acting:
     return state, Round(prompts, rollout, scores)
 
 
-class PoolSampling:
+class PoolSampling(RolloutMode):
   """Partial rollouts (algo.max_lag > 0): the step's prompts join the pool of groups in flight
   (`fill`), the sampler decodes until the P oldest complete groups may leave (`advance`), and those
   are scored by the task's reward. A host task's answers wait in an answer book by data position:
@@ -136,13 +178,12 @@ class PoolSampling:
   sampler's devices (its shape from pool.empty_pipeline, built with the run)."""
 
   def __init__(self, sampling: Sampling, host: bool):
+    super().__init__(sampling, host)
     settings = sampling.pool
-    self.group_size, self.priming = sampling.group_size, settings.priming
-    self.jittable = sampling.task.jittable
+    self.priming = settings.priming
     self.answers = None if self.jittable else AnswerBook(sampling.task, sampling.prompts_per_step)
     self.reward = sampling.task_stage(sampling.task.reward, host)
     self.prompts = sampling.task_stage(sampling.task.prompts, host)
-    self.split = sampling.layout is not None and sampling.layout.split
 
     def fill_pool(pool, prompt_tokens, prompt_mask, answers, sample_key, prompt_key, position, version, vision):
       return fill(pool, prompt_tokens, prompt_mask, answers, version=version, key=sample_key, position=position,

@@ -23,7 +23,7 @@ from grpo_jax.model.vision import extended
 from grpo_jax.rl import algo
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.batch import Batch
-from grpo_jax.rl.modes import Acting, Round, Sampling, no_observer
+from grpo_jax.rl.modes import Round, Sampling, no_observer
 from grpo_jax.rl.state import TrainState
 from grpo_jax.rl.update import UpdateSettings, update
 from grpo_jax.sampler.rollout import Rollout
@@ -102,7 +102,6 @@ class RLStep:
     self.graphdef, self.algo, self.empty_pool = graphdef, algo_config, empty_pool
     self.optimizer, self.schedule, self.state_shardings = optimizer, schedule, state_shardings
     self.sampling, self.layout = sampling, sampling.layout
-    self.split = sampling.layout is not None and sampling.layout.split  # rollout.devices: the sampler apart
     self.prompts_per_step, self.slots = sampling.prompts_per_step, sampling.slots
     self.update_settings = UpdateSettings(algo=algo_config, temperature=sampling.rollout.sampling.temperature,
                                           rows=sampling.prompts_per_step * algo_config.group_size,
@@ -110,7 +109,7 @@ class RLStep:
     self.mesh = sampling.mesh
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     # The mode traced inside run_steps' jit, and the mode whose stages are jitted one by one.
-    self.traced_mode = None if mode is Acting else mode(sampling, host=False)
+    self.traced_mode = mode(sampling, host=False) if mode.traceable else None
     self.host_mode = mode(sampling, host=True)
     # The update's program, on the state without its pool (which it never changes; with split
     # devices the pool lies on the sampler's devices): the plan compiles it, `learn` calls it.
@@ -135,9 +134,7 @@ class RLStep:
     else:
       state, metrics = self._step(self.host_mode, host_draw, self.learn, state, ref_params, observe)
       metrics = dict(metrics, sampling_rounds=1)
-    if isinstance(self.host_mode, Acting):  # the episodes' turns, tool calls and truncation
-      metrics = dict(metrics, **self.host_mode.facts())
-    return state, metrics
+    return state, dict(metrics, **self.host_mode.facts())  # e.g. the agents' turns, tool calls, truncation
 
   def _drawn(self, mode, draw, state: TrainState) -> tuple[TrainState, Prompts, jax.Array]:
     """P prompts from the state's data position, marked with where they were drawn, and the
