@@ -33,7 +33,7 @@ from grpo_jax.data.image_problems import (ImageInputs, batch_vision, image_datas
                                           problems_bucket, read_image_problems)
 from grpo_jax.data.multimodal import (IMAGE_PAD, VISION_END, VISION_FORMATS, VISION_START, expand_image_tokens,
                                       render_user_content)
-from grpo_jax.data.reward_terms import RewardComposer, RewardTerm
+from grpo_jax.data.reward_terms import MathTerm, RewardComposer, RewardTerm
 from grpo_jax.data.sources import DatasetSource, load_records
 from grpo_jax.data.task import Prompts, Scores, TaskSection, TaskShape
 from grpo_jax.errors import UserError, require
@@ -222,7 +222,7 @@ class MathTask:
     # problems=False: only the tokenizer, rendering and stop ids (evaluation brings its own problems).
     self.problems = (ProblemSet(self.tokenizer, self.use_chat_template, task, (task.dataset, *task.mix), 'task',
                                 tools, images) if problems else None)
-    self.composer = RewardComposer(rewards or (RewardTerm('math'),), max_new_tokens, task.reward_workers)
+    self.composer = RewardComposer(rewards or (MathTerm(),), max_new_tokens, task.reward_workers)
     weakref.finalize(self, self.composer.close)  # the workers end with the task, not only at exit
     self._permutations = {}
 
