@@ -6,11 +6,11 @@ loading.py, mesh: grpo_jax/sharding.py, rollout: sampler/rollout.py, algo: rl/al
 rl/optimizer.py, eval: evaluation.py, rewards: data/reward_terms.py, distributed: distributed.py);
 this module defines the run's own sections (run, train), checks the fields that span sections, and
 reads and writes the YAML form. A field marked `inline` (sections.py) is a smaller section whose
-keys are written in its parent (`rollout.temperature`). The task section is a tagged union (a class
-with `variants()`, data/task.py): `task.name` picks the class, defined beside its task's code, whose
-fields it holds. Every field has a default and a one-line comment. Loading checks every key and type
-and reports the first mistake in one sentence naming the key, e.g. `config key 'mesh.tensor' expects
-int, got 'two'`.
+keys are written in its parent (`rollout.temperature`). The task section and each reward term are
+tagged unions (a class with `variants()` and `variant(name)`, data/task.py, data/reward_terms.py):
+`name` picks the class, defined beside its kind's code, whose fields it holds. Every field has a
+default and a one-line comment. Loading checks every key and type and reports the first mistake in
+one sentence naming the key, e.g. `config key 'mesh.tensor' expects int, got 'two'`.
 """
 
 import copy
@@ -117,8 +117,8 @@ class Config:
     require(not self.rewards or self.task.kind.answers, 'rewards',
             f'apply to dataset tasks (task.name=math); task {self.task.name!r} has its own reward')
     for index, term in enumerate(self.rewards):
-      require(term.buffer_tokens <= self.rollout.max_new_tokens, f'rewards[{index}].buffer_tokens',
-              f'({term.buffer_tokens}) must be <= rollout.max_new_tokens ({self.rollout.max_new_tokens})')
+      with section(f'rewards[{index}]'):
+        term.check_run(self)
     require(self.eval.dataset.source is None or self.task.kind.answers or self.task.kind.acts, 'eval.source',
             f'needs a dataset or agent task (task.name=math or agent); task {self.task.name!r} has no answers to check')
     require(self.rollout.devices == 0 or algo.max_lag >= 1, 'rollout.devices',
@@ -228,14 +228,15 @@ def _default(cls, key: str):
 
 
 def _variant(tagged, data: dict, key: str, stored: bool = False):
-  """The class of tagged section `tagged` that `data`'s `name` picks, and `data` without the keys
-  that belong to another of its classes. Those keys are accepted at their defaults: configs written
-  before the section became a tagged union hold every kind's keys; any other value is an error
-  naming the kind it applies to (`stored`: a checkpoint's config, whose other kinds' keys are
-  dropped whatever they hold)."""
+  """The class of tagged section `tagged` that `data`'s `name` picks (`tagged.variant`, which names
+  the known kinds for an unknown name), and `data` without the keys that belong to another of its
+  classes. Those keys are accepted at their defaults: configs written before the section became a
+  tagged union hold every kind's keys; any other value is an error naming the kind it applies to
+  (`stored`: a checkpoint's config, whose other kinds' keys are dropped whatever they hold)."""
   variants = tagged.variants()
   tag = _coerce(typing.get_type_hints(tagged)['name'], data.get('name', tagged.name), f'{key}.name')
-  chosen = variants[tag]
+  with section(key):
+    chosen = tagged.variant(tag)
   own = _keys(chosen)
   kept = {}
   for name, value in data.items():
@@ -351,6 +352,10 @@ def _without_other_kinds(data: dict, sections, final: dict) -> dict:
     if hasattr(kind, 'variants') and isinstance(data.get(name), dict) and isinstance(final.get(name), dict):
       tag = final[name].get('name', kind.name)
       data[name] = _variant(kind, dict(data[name], name=tag), name, stored=True)[1]
+    item = typing.get_args(kind)[0] if typing.get_origin(kind) is tuple else None
+    if hasattr(item, 'variants') and isinstance(data.get(name), list):  # a list of tagged sections (rewards)
+      data[name] = [_variant(item, entry, f'{name}[{index}]', stored=True)[1] if isinstance(entry, dict) else entry
+                    for index, entry in enumerate(data[name])]
   return data
 
 

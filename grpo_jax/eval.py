@@ -17,7 +17,8 @@ from flax import nnx
 
 from grpo_jax import config as config_lib
 from grpo_jax.build import build_evaluator, build_task
-from grpo_jax.data.math_task import MathTask, image_inputs
+from grpo_jax.data.image_problems import image_inputs
+from grpo_jax.data.math_task import MathTask
 from grpo_jax.errors import UserError, cli_main
 
 

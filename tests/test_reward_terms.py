@@ -9,8 +9,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from grpo_jax.config import load_config
-from grpo_jax.data.reward_terms import RewardComposer, RewardTerm, format_reward, overlong_penalty
+from grpo_jax.config import from_dict, load_config, to_dict
+from grpo_jax.data.reward_terms import (CustomTerm, FormatTerm, MathTerm, OverlongTerm, RewardComposer, format_reward,
+                                        overlong_penalty)
 from grpo_jax.errors import UserError
 from grpo_jax.evaluation import final_answer, k_values, majority_correct, pass_at_k, summarize
 
@@ -92,8 +93,8 @@ def not_finite(completions, references, lengths):
 
 def test_terms_are_weighted_summed_and_reported(capsys):
   module = sys.modules[__name__].__name__
-  terms = (RewardTerm('format', weight=0.25), RewardTerm('overlong', weight=2.0, buffer_tokens=4),
-           RewardTerm(f'{module}:brevity', weight=-0.5))
+  terms = (FormatTerm(weight=0.25), OverlongTerm(weight=2.0, buffer_tokens=4),
+           CustomTerm(f'{module}:brevity', weight=-0.5))
   composer = RewardComposer(terms, max_new_tokens=8, workers=1)
   texts = ['\\boxed{1}', 'no box', '\\boxed{2}', '<answer>3</answer>']
   lengths, stopped = np.array([3, 6, 8, 8]), np.array([True, True, True, False])
@@ -105,7 +106,7 @@ def test_terms_are_weighted_summed_and_reported(capsys):
                              - 0.5 * composed.terms['brevity'], rtol=1e-6)
   assert composed.failures == 0
   for bad, counted in (('flaky', 4), ('not_finite', 1)):
-    composer = RewardComposer((RewardTerm(f'{module}:{bad}'),), max_new_tokens=8, workers=1)
+    composer = RewardComposer((CustomTerm(f'{module}:{bad}'),), max_new_tokens=8, workers=1)
     composed = composer.score(texts, ['1'] * 4, lengths, stopped)
     assert composed.failures == counted and np.all(np.isfinite(composed.total))
     assert 'reported once per run' in capsys.readouterr().err
@@ -113,7 +114,14 @@ def test_terms_are_weighted_summed_and_reported(capsys):
 
 @pytest.mark.parametrize('yaml, message', [
     ('rewards: [{name: nope}]', "rewards[0].name must be one of math, format, overlong or <module>:<function>"),
-    ('rewards: [{name: math, buffer_tokens: -1}]', 'rewards[0].buffer_tokens must be >= 0'),
+    ('rewards: [{name: overlong, buffer_tokens: -1}]', 'rewards[0].buffer_tokens must be >= 0'),
+    ('rewards: [{name: math, buffer_tokens: 4}]',
+     "config key 'rewards[0].buffer_tokens' applies to rewards[0].name: overlong, not 'math'"),
+    ('rewards: [{name: format}, {name: overlong, style: answer_tag}]',
+     "config key 'rewards[1].style' applies to rewards[1].name: format, not 'overlong'"),
+    ('rewards: [{name: format, buffer: 4}]',
+     "unknown config key 'rewards[0].buffer' (valid keys here: name, weight, style)"),
+    ('rewards: [{name: 3}]', "config key 'rewards[0].name' expects a string, got 3"),
     ('rewards: [{name: overlong, buffer_tokens: 99}]', 'rewards[0].buffer_tokens (99) must be <= rollout.max_new_tokens'),
     ('rewards: [{name: format, style: xml}]', "'rewards[0].style' must be one of"),
     ('task: {name: arith}\nrewards: [{name: math}]', 'rewards apply to dataset tasks'),
@@ -127,13 +135,32 @@ def test_reward_config_errors(tmp_path, yaml, message):
     load_config(str(path), overrides)
 
 
+def test_each_term_is_its_kind_with_its_own_fields():
+  """`name` picks a term's class, which holds only its own fields (and writes only them); a stored
+  config from when every term held every field reads back with the other kinds' keys dropped."""
+  overrides = ['task.name=math', 'task.source=x.jsonl', 'model.path=m', 'rollout.max_new_tokens=16',
+               'rewards=[{name: math, weight: 0.9}, {name: format, style: answer_tag}, {name: overlong, '
+               'buffer_tokens: 4}, {name: "os.path:join", weight: -1}]']
+  config = load_config(None, overrides)
+  assert config.rewards == (MathTerm(weight=0.9), FormatTerm(style='answer_tag'), OverlongTerm(buffer_tokens=4),
+                            CustomTerm('os.path:join', weight=-1.0))
+  assert [term.label for term in config.rewards] == ['math', 'format', 'overlong', 'join']
+  stored = to_dict(config)
+  assert stored['rewards'][0] == {'name': 'math', 'weight': 0.9}
+  for term in stored['rewards']:  # what a term of another kind held, at values it ignored
+    term.setdefault('style', 'answer_line')
+    term.setdefault('buffer_tokens', 8)
+  assert stored['rewards'][0] == {'name': 'math', 'weight': 0.9, 'style': 'answer_line', 'buffer_tokens': 8}
+  assert from_dict(stored).rewards == config.rewards
+
+
 def test_custom_terms_that_cannot_be_loaded():
   with pytest.raises(UserError, match="module no_such_module cannot be imported"):
-    RewardComposer((RewardTerm('no_such_module:f'),), 8, 1)
+    RewardComposer((CustomTerm('no_such_module:f'),), 8, 1)
   with pytest.raises(UserError, match='has no function missing'):
-    RewardComposer((RewardTerm('math:missing'),), 8, 1)
+    RewardComposer((CustomTerm('math:missing'),), 8, 1)
   with pytest.raises(UserError, match="'format' is listed twice"):
-    RewardComposer((RewardTerm('format'), RewardTerm('format', style='answer_tag')), 8, 1)
+    RewardComposer((FormatTerm(), FormatTerm(style='answer_tag')), 8, 1)
 
 
 # ---- evaluation estimators ----

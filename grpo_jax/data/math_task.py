@@ -12,15 +12,9 @@ math-verify check alone, 1.0 / 0.0 against the reference answer, in a pool of
 `task.reward_workers` processes); checks that time out or crash score 0 and are counted in
 `Scores.failures`.
 
-Problems with images (task.format geo3k, verl or vision: data/multimodal.py) need a vision-language
-model. Each image is decoded and turned into patches once, at load (model/images.py, with
-model.path's preprocessor_config.json and task.min_pixels / task.max_pixels); the question goes
-through the chat template with an image part per image, each image's <|image_pad|> repeated to its
-token count, and task.max_prompt_tokens counts those tokens. A step's prompts carry their images as
-a Vision (model/vision.py) padded to one bucket for the whole run: as many images per prompt as
-the most any problem has, each as many patches as the largest image (both at most what
-task.max_images, the pixel bound and task.max_prompt_tokens allow), so the compiled programs see
-one shape.
+Problems with images (task.format geo3k, verl or vision) need a vision-language model: their
+images are made into patches at load and padded to one bucket for the run (data/image_problems.py);
+the prompt shows one image part per image, its <|image_pad|> repeated to the image's token count.
 """
 
 import dataclasses
@@ -35,16 +29,16 @@ import numpy as np
 
 from grpo_jax import distributed
 from grpo_jax.data.adapters import adapt
-from grpo_jax.model.images import ImageSettings, process_image
+from grpo_jax.data.image_problems import (ImageInputs, batch_vision, image_dataset, image_inputs, largest_bucket,
+                                          problems_bucket, read_image_problems)
 from grpo_jax.data.multimodal import (IMAGE_PAD, VISION_END, VISION_FORMATS, VISION_START, expand_image_tokens,
-                                      load_vision_problems, render_user_content)
-from grpo_jax.data.reward_terms import RewardComposer, RewardTerm
+                                      render_user_content)
+from grpo_jax.data.reward_terms import MathTerm, RewardComposer, RewardTerm
 from grpo_jax.data.sources import DatasetSource, load_records
 from grpo_jax.data.task import Prompts, Scores, TaskSection, TaskShape
 from grpo_jax.errors import UserError, require
-from grpo_jax.model.config import Qwen2Config, VisionConfig, load_hf_config
 from grpo_jax.model.loading import load_tokenizer
-from grpo_jax.model.vision import ImageBucket, Vision, image_tokens, patch_bucket, vision_of
+from grpo_jax.model.vision import ImageBucket, Vision
 from grpo_jax.sampler.rollout import Rollout
 from grpo_jax.sampler.special_tokens import special_tokens
 from grpo_jax.sections import inline, section
@@ -80,64 +74,6 @@ class ProblemFields(TaskSection):
     return self.tokenizer
 
 
-@dataclasses.dataclass(frozen=True)
-class ImageInputs:
-  """How a run's images reach its model: the model's architecture (its vision tower's token ids,
-  patch and merge sizes), the image processor's settings, the task's image keys, and the dtype the
-  problems' patches are kept in on the host: the model's compute dtype, which the tower casts them
-  to first (bfloat16: the same numbers in half the memory; a step's Vision holds them as float32)."""
-
-  architecture: Qwen2Config
-  settings: ImageSettings
-  max_images: int
-  skip_bad_images: bool
-  dtype: str
-
-
-def image_inputs(config) -> ImageInputs | None:
-  """The ImageInputs of a run (a Config) one of whose datasets (task.source, task.mix, eval.source)
-  has images, else None. The architecture is model.path's config.json (else model.architecture);
-  the processor's settings are model.path's preprocessor_config.json (else the tower's patch sizes
-  with Qwen2.5-VL's pixel bounds), task.min_pixels / task.max_pixels over either."""
-  task, model = config.task, config.model
-  data = _image_dataset((task.dataset, *task.mix, config.eval.dataset))
-  if data is None:
-    return None
-  architecture = load_hf_config(model.path) if model.path else model.architecture
-  where = f'model.path {model.path}' if model.path else 'model.architecture'
-  vision = architecture.vision
-  if vision is None:
-    raise UserError(f'format {data.format} of {data.source} has images, but {where} has no vision tower '
-                    '(a vision-language model such as Qwen2.5-VL reads them)')
-  return ImageInputs(architecture=architecture, settings=_image_settings(config, vision), max_images=task.max_images,
-                     skip_bad_images=task.skip_bad_images, dtype=model.options.dtype)
-
-
-def _image_settings(config, vision: VisionConfig) -> ImageSettings:
-  """The image processor's settings of a run whose model has the tower `vision`: model.path's
-  preprocessor_config.json when model.path is a directory here (else the tower's patch sizes with
-  Qwen2.5-VL's pixel bounds), task.min_pixels / task.max_pixels over either."""
-  task, path = config.task, config.model.path
-  if path and os.path.isdir(path):
-    settings = ImageSettings.from_checkpoint(path, task.min_pixels, task.max_pixels)
-  else:
-    bounds = {name: getattr(task, name) for name in ('min_pixels', 'max_pixels') if getattr(task, name) is not None}
-    with section('task'):
-      settings = ImageSettings(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-                               merge_size=vision.spatial_merge_size, **bounds)
-  for name, value in (('patch_size', vision.patch_size), ('temporal_patch_size', vision.temporal_patch_size),
-                      ('merge_size', vision.spatial_merge_size)):
-    if getattr(settings, name) != value:
-      raise UserError(f'the image processor of model.path {path} has {name} {getattr(settings, name)}, its vision '
-                      f'tower {value}')
-  return settings
-
-
-def _image_dataset(datasets) -> DatasetSource | None:
-  """The first of `datasets` whose format has images, or None."""
-  return next((data for data in datasets if data.source and data.format in VISION_FORMATS), None)
-
-
 class ProblemSet:
   """The problems of one or more datasets, ready for the policy: `prompt_ids` (token ids of each
   rendered prompt, at most `max_prompt_tokens`), `answers` (reference strings), `data_sources`, `texts`,
@@ -160,15 +96,13 @@ class ProblemSet:
       self._add(data, section)
     if not self.prompt_ids:
       raise UserError(f'{section}: every prompt is longer than task.max_prompt_tokens={task.max_prompt_tokens} tokens')
-    self.bucket = None
-    if any(self.images):
-      longest = max(len(patches) for row in self.images for patches, _ in row)
-      self.bucket = ImageBucket(max(map(len, self.images)), patch_bucket(longest, self.image_inputs.architecture.vision))
+    self.bucket = problems_bucket(self.images, images)
 
   def _add(self, data, section: str) -> None:
     task = self.task_config
     if data.format in VISION_FORMATS:
-      texts, ids, answers, images, total, skipped = self._read_with_images(data, section)
+      texts, ids, answers, images, total, skipped = read_image_problems(data, section, self.image_inputs,
+                                                                        self._render_with_images, self._tokenized)
     else:
       records = load_records(data.source, data.split)
       adapted = adapt(records, data.format, data.source, data.prompt_field, data.answer_field)
@@ -192,40 +126,6 @@ class ProblemSet:
 
   def _tokenized(self, texts: list[str]) -> list[list[int]]:
     return self.tokenizer(texts, add_special_tokens=not self.use_chat_template)['input_ids'] if texts else []
-
-  def _read_with_images(self, data, section: str):
-    """(texts, token ids, (answer, data source), images, records read, what was skipped) of a
-    dataset with images: each image's patches made once, here, and its <|image_pad|> repeated to
-    the image's token count in the ids (the texts show one per image)."""
-    inputs = self.image_inputs
-    if inputs is None:
-      raise UserError(f'{section}.format {data.format} ({data.source}) has images, which only task.name=math '
-                      'gives a vision-language model')
-    problems, bad = load_vision_problems(
-        data.source, data.split, data.format, settings=inputs.settings, skip_bad_images=inputs.skip_bad_images,
-        max_images=inputs.max_images, question_field=data.prompt_field, answer_field=data.answer_field,
-        images_field=data.images_field)
-    vision = inputs.architecture.vision
-    texts, expanded, images, tokens = [], [], [], []
-    for problem in problems:
-      processed = tuple((patches.astype(inputs.dtype), grid)
-                        for patches, grid in (process_image(image, inputs.settings) for image in problem.images))
-      counts = [image_tokens(grid, vision) for _, grid in processed]
-      text, full = self._render_with_images(problem.question, counts, f'{section}: {data.source} row {problem.row}')
-      texts.append(text)
-      expanded.append(full)
-      images.append(processed)
-      tokens.append(sum(counts))
-    ids = self._tokenized(expanded)
-    for problem, row, expected in zip(problems, ids, tokens):
-      found = int(np.sum(np.asarray(row) == vision.image_token_id))
-      if found != expected:
-        raise UserError(f'{section}: {data.source} row {problem.row}: the tokenizer gives {found} tokens of id '
-                        f'{vision.image_token_id} (the model\'s vision.image_token_id) for its {expected} image '
-                        f'tokens: it must encode {IMAGE_PAD} as that id')
-    skipped = f'{len(bad)} for their images' + (f' (the first: {bad[0]})' if bad else '')
-    answers = [(problem.answer, data.source) for problem in problems]
-    return texts, ids, answers, images, len(problems) + len(bad), skipped
 
   def _render_with_images(self, question: str, counts: list[int], where: str) -> tuple[str, str]:
     """The prompt of a question whose i-th image marker stands for counts[i] image tokens: its text
@@ -253,10 +153,7 @@ class ProblemSet:
     images."""
     if self.bucket is None:
       return None
-    count, length = self.bucket
-    with jax.default_device(jax.local_devices(backend='cpu')[0]):
-      return vision_of([self.images[index] for index in indices], tokens, mask, self.image_inputs.architecture,
-                       max_patches=length, max_images=count)
+    return batch_vision([self.images[index] for index in indices], tokens, mask, self.image_inputs, self.bucket)
 
   def left_padded(self, indices, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, mask) [len(indices), length] int32 of the problems at `indices`, left-padded."""
@@ -325,7 +222,7 @@ class MathTask:
     # problems=False: only the tokenizer, rendering and stop ids (evaluation brings its own problems).
     self.problems = (ProblemSet(self.tokenizer, self.use_chat_template, task, (task.dataset, *task.mix), 'task',
                                 tools, images) if problems else None)
-    self.composer = RewardComposer(rewards or (RewardTerm('math'),), max_new_tokens, task.reward_workers)
+    self.composer = RewardComposer(rewards or (MathTerm(),), max_new_tokens, task.reward_workers)
     weakref.finalize(self, self.composer.close)  # the workers end with the task, not only at exit
     self._permutations = {}
 
@@ -433,7 +330,7 @@ class MathSection(ProblemFields):
     a vision-language model."""
     require(bool(config.model.path or self.tokenizer), 'model.path',
             'or task.tokenizer must be set for task.name=math: the tokenizer is read from that directory')
-    data = _image_dataset((self.dataset, *self.mix, config.eval.dataset))
+    data = image_dataset((self.dataset, *self.mix, config.eval.dataset))
     if data is None:
       return
     why = f'format {data.format} of {data.source} has images'
@@ -464,11 +361,8 @@ def shape(config, architecture) -> MathShape:
   image tokens when fewer (a run pads to its data's largest, at most this)."""
   task = config.task
   bucket = None
-  if _image_dataset((task.dataset, *task.mix)) is not None and architecture.vision is not None:
-    vision = architecture.vision
-    settings = _image_settings(config, vision)
-    tokens = min(settings.max_pixels // settings.factor ** 2, task.max_prompt_tokens)
-    bucket = ImageBucket(task.max_images, patch_bucket(tokens * vision.merge_unit, vision))
+  if image_dataset((task.dataset, *task.mix)) is not None and architecture.vision is not None:
+    bucket = largest_bucket(config, architecture.vision)
   directory = task.tokenizer or config.model.path
   tokenizer = load_tokenizer(directory) if directory and os.path.isdir(directory) else None
   if tokenizer is None:

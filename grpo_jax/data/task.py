@@ -198,6 +198,11 @@ class TaskSection:
     """The section's class for each value of its tag, `name` (config.py reads a section by it)."""
     return {name: kind.section for name, kind in TASKS.items()}
 
+  @staticmethod
+  def variant(name: 'TaskName') -> type['TaskSection']:
+    """The section's class for the task named `name` (one of TASKS: config.py checks the name first)."""
+    return TASKS[name].section
+
   @property
   def kind(self) -> TaskKind:
     return TASKS[self.name]
