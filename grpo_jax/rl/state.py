@@ -88,7 +88,7 @@ def train_state_shardings(params: nnx.State, optimizer: optax.GradientTransforma
                                         transform_non_params=lambda _: replicated)
   return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, key=replicated,
                     updates=replicated, skips=replicated, position=replicated, pool=pool_shardings(pool, replicated.mesh),
-                    frozen=None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen))
+                    frozen=jax.tree.map(lambda x: x.sharding, frozen))
 
 
 def pool_shardings(pool, mesh):

@@ -39,7 +39,7 @@ def make_batch(prompts: Prompts, rollout: Rollout, scores: Scores, algo_config: 
   vision = None if rows.vision is None else extended(rows.vision, rows.mask, rollout.sequence_mask)
   return Batch(prompt_tokens=rows.tokens, prompt_mask=rows.mask, rollout=dataclasses.replace(rollout, decode_steps=None),
                advantages=advantages, vision=vision,
-               lags=None if rollout.versions is None else jnp.where(rollout.mask, version - rollout.versions, 0))
+               lags=jax.tree.map(lambda versions: jnp.where(rollout.mask, version - versions, 0), rollout.versions))
 
 
 def rollout_metrics(rollout: Rollout, scores: Scores, group_size: int, slots: int) -> dict:
