@@ -385,13 +385,8 @@ class InferenceServer:
   # ---- traced bodies ----
 
   def _init_state(self) -> DecodeState:
-    model = nnx.merge(self.graphdef, self._params)
-    B = self.slots
-    return DecodeState(cache=model.init_cache(B, self.max_context, layered=model.layered_decode_cache),
-                       hidden=jnp.zeros((B, model.config.hidden_size), model.dtype),
-                       keys=jax.random.split(jax.random.key(0), B), generated=jnp.zeros((B,), jnp.int32),
-                       live=jnp.zeros((B,), bool), limit=jnp.zeros((B,), jnp.int32),
-                       stops=jnp.full((B, self.max_stops), -1, jnp.int32))
+    return DecodeState.idle(nnx.merge(self.graphdef, self._params), self.slots, self.max_context,
+                            stops=self.max_stops)
 
   def _prefill_into(self, params, state: DecodeState, tokens, real, slots, keys, limits, stops) -> DecodeState:
     """Prefills R right-padded contexts of width W into a W-entry cache (attention over W keys,

@@ -89,6 +89,28 @@ class DecodeState:
   stops: jax.Array | None = None
   offsets: jax.Array | None = None
 
+  @classmethod
+  def idle(cls, model: Qwen2, slots: int, length: int, *, dtype=None, keys: jax.Array | None = None,
+           prefix: SharedPrefix | None = None, offsets: bool = False, stops: int | None = None) -> 'DecodeState':
+    """B = `slots` rows holding no request, each with its own empty cache row of `length` entries:
+    what every sampling path starts from before `slots.admit` lets requests in.
+
+    dtype:    the hidden states' (default: the model's compute dtype).
+    keys:     [B] the rows' keys until their requests bring their own (default: split from key 0).
+    prefix:   the shared prompts the rows read (group sampling, the pool).
+    offsets:  the rows carry M-RoPE offsets (a vision-language model), 0 until admitted.
+    stops:    M: the rows carry their requests' own budgets (0 until admitted) and M stop ids each
+              (-1); None: the settings' (the inference server's requests bring their own).
+    """
+    own = stops is not None
+    return cls(cache=model.init_cache(slots, length, layered=model.layered_decode_cache),
+               hidden=jnp.zeros((slots, model.config.hidden_size), model.dtype if dtype is None else dtype),
+               keys=jax.random.split(jax.random.key(0), slots) if keys is None else keys,
+               generated=jnp.zeros((slots,), jnp.int32), live=jnp.zeros((slots,), bool), prefix=prefix,
+               limit=jnp.zeros((slots,), jnp.int32) if own else None,
+               stops=jnp.full((slots, stops), -1, jnp.int32) if own else None,
+               offsets=jnp.zeros((slots,), jnp.int32) if offsets else None)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

@@ -49,7 +49,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -229,6 +229,21 @@ class RolloutLayout:
       return jax.lax.with_sharding_constraint(x, NamedSharding(self.source, spec))
 
     return jax.tree.map(relayout, tree)
+
+
+def run_resident(graphdef, params: nnx.State, inputs, sample: Callable, *, layout: RolloutLayout | None):
+  """sample(model, inputs) on the model of `params` (of `graphdef`) in the sampler's own layout: the
+  weights cast and laid out once (`place`), the inputs entered replicated on the sampler's mesh,
+  the sampling traced under that mesh, and what it returns laid out by rows over the source mesh's
+  batch axes, as the update expects it. The one wrapper of rollout.sample_resident and
+  pool.advance_resident. layout None: the model of `params` in their own layout. Traceable."""
+  if layout is None:
+    return sample(nnx.merge(graphdef, params), inputs)
+  resident = layout.place(params)
+  inputs = layout.enter(inputs)
+  with layout.active():
+    out = sample(nnx.merge(graphdef, resident), inputs)
+  return layout.rows_to_source(out)
 
 
 def cross(tree, shardings):

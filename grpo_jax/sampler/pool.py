@@ -9,7 +9,7 @@ of the TrainState, so checkpoints hold it). Each RL step at policy version v (th
      prefilled again with its tokens so far: it goes on under the new weights (the in-flight
      update). Only tokens carry over, never a KV cache, so the pool stays small and a resumed run
      continues exactly as an uninterrupted one.
-  3. The slot loop (slots.decode_groups) decodes through B slots, a freed slot taking the oldest waiting request,
+  3. The slot loop (slots.GroupLoop) decodes through B slots, a freed slot taking the oldest waiting request,
      until at least P groups are complete and every group that entered at version v - L or
      earlier is complete. The newer groups' requests keep the slots busy meanwhile.
   4. The P oldest complete groups leave the pool for the update; everything else carries over.
@@ -39,9 +39,9 @@ from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.moe import unrecorded, unrecorded_id
 from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
 from grpo_jax.sampler.decode import DecodeSettings, typed_key
-from grpo_jax.sampler.layout import RolloutLayout
+from grpo_jax.sampler.layout import RolloutLayout, run_resident
 from grpo_jax.sampler.rollout import Rollout
-from grpo_jax.sampler.slots import Decoded, Entry, Slots, admit, decode_groups, gather, idle_slots, prefill_prompts
+from grpo_jax.sampler.slots import Decoded, Entry, GroupLoop, Slots, admit, gather, prefill_prompts
 from grpo_jax.sharding import batch_groups, constrain, grouped
 
 _LAST = jnp.iinfo(jnp.int32).max  # sorts after every real rank
@@ -320,7 +320,7 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   """Steps 2-4 of the module docstring on a filled pool: decodes until `take` (P) groups may
   leave, and returns the pool that carries over and the P groups taken. Traceable."""
   entries, prompt_length = pool.prompt_tokens.shape
-  requests, steps = entries * group_size, settings.max_new_tokens
+  requests = entries * group_size
   slots = min(slots or take * group_size, requests)
   groups = batch_groups(take, entries, slots)
   per_entries, per_requests, per_slots, per_take = entries // groups, requests // groups, slots // groups, take // groups
@@ -355,25 +355,31 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   by_length = jnp.argsort(-jnp.where(held, gather(view.lengths, jnp.maximum(holding, 0)), 0), axis=1, stable=True)
   holding, held = gather(holding, by_length), gather(held, by_length)
 
+  # The requests not yet started wait for a slot, oldest entry first; the loop starts with the
+  # cut-off ones in their slots.
+  unstarted = occupied_requests & (view.lengths == 0) & ~view.done
+  queue = jnp.argsort(jnp.where(unstarted, priority, _LAST), axis=1, stable=True).astype(jnp.int32)
+  loop = GroupLoop(model, settings, prompts, keys=request_keys, queue=queue,
+                   queued=jnp.sum(unstarted, axis=1, dtype=jnp.int32), group_size=group_size, version=version)
+  start = dataclasses.replace(loop.idle(Decoded(**{name: getattr(view, name) for name in Pool.REQUESTS})),
+                              holding=holding)
+
   # Their tokens so far are prefilled again over their prompts, with the current weights, and
   # they enter their slots with that cache.
   held_rows = jnp.maximum(holding, 0)
   lengths = jnp.where(held, gather(view.lengths, held_rows), 0)
   tokens = jnp.where(held[..., None], gather(view.tokens, held_rows), settings.pad_id)
   flat = lambda x: x.reshape((slots,) + x.shape[2:])  # noqa: E731
-  state = idle_slots(model, prompts, slots, steps)
   if max_lag:
     reading = dataclasses.replace(prompts.shared, index=entry_of[held_rows])
     offsets = None if prompts.offsets is None else flat(gather(prompts.offsets, entry_of[held_rows]))
     cache, resumed = _prefill_answers(model, flat(tokens), flat(lengths), reading, groups, offsets)
-    state = admit(state, Slots(mask=flat(held)),
-                  Entry(hidden=resumed, keys=flat(gather(request_keys, held_rows)), empty=jnp.zeros((slots,), bool),
-                        generated=flat(lengths), cache=cache, prompt=flat(entry_of[held_rows]), offsets=offsets))
+    start = dataclasses.replace(start, slots=admit(
+        start.slots, Slots(mask=flat(held)),
+        Entry(hidden=resumed, keys=flat(gather(request_keys, held_rows)), empty=jnp.zeros((slots,), bool),
+              generated=flat(lengths), cache=cache, prompt=flat(entry_of[held_rows]), offsets=offsets)))
   # else every group entered is taken each step (split devices at L = 1): nothing is ever cut off
 
-  unstarted = occupied_requests & (view.lengths == 0) & ~view.done
-  queue = jnp.argsort(jnp.where(unstarted, priority, _LAST), axis=1, stable=True).astype(jnp.int32)
-  queued = jnp.sum(unstarted, axis=1, dtype=jnp.int32)
   forced = occupied & (view.entered <= version - max_lag) if not regenerate else jnp.zeros_like(occupied)
   started_tokens = jnp.sum(view.lengths)
 
@@ -384,11 +390,9 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
     finished = complete(decoded.done)
     return (jnp.sum(finished, axis=1) >= per_take) & jnp.all(finished | ~forced, axis=1)
 
-  count, decoded = decode_groups(
-      model, state, settings, prompts=prompts, keys=request_keys, queue=queue, queued=queued, holding=holding,
-      decoded=Decoded(**{name: getattr(view, name) for name in Pool.REQUESTS}), group_size=group_size,
-      version=version, enough=enough)
-  view = dataclasses.replace(view, **{name: getattr(decoded, name) for name in Pool.REQUESTS})
+  done = loop.run(start, enough)
+  count = done.count
+  view = dataclasses.replace(view, **{name: getattr(done.decoded, name) for name in Pool.REQUESTS})
   decoded_tokens = jnp.sum(view.lengths) - started_tokens
 
   # The P / n oldest complete entries of each group leave the pool.
@@ -430,13 +434,7 @@ def advance_resident(graphdef, params, pool: Pool, *, layout: RolloutLayout | No
   `layout` is given (as rollout.sample_resident): the pool enters it replicated (by rows over the
   sampler's data groups, XLA:TPU needed 41 GiB more per device for the 32B recipe) and comes back
   laid out by rows over the trainer mesh's batch axes. Traceable."""
-  if layout is None:
-    return advance(nnx.merge(graphdef, params), pool, **settings)
-  resident = layout.place(params)
-  pool = layout.enter(pool)
-  with layout.active():
-    pool, taken = advance(nnx.merge(graphdef, resident), pool, **settings)
-  return layout.rows_to_source((pool, taken))
+  return run_resident(graphdef, params, pool, lambda model, pool: advance(model, pool, **settings), layout=layout)
 
 
 def advance_split(graphdef, resident, pool: Pool, *, layout: RolloutLayout, **settings) -> tuple[Pool, Taken]:

@@ -29,9 +29,9 @@ from grpo_jax.model.quantize import ROLLOUT_WEIGHTS, RolloutWeights
 from grpo_jax.model.qwen2 import Qwen2
 from grpo_jax.model.vision import Vision
 from grpo_jax.sampler.decode import DecodeSettings, request_keys
-from grpo_jax.sampler.layout import RolloutLayout
+from grpo_jax.sampler.layout import RolloutLayout, run_resident
 from grpo_jax.sampler.sampling import SamplingConfig
-from grpo_jax.sampler.slots import Decoded, decode_groups, idle_slots, prefill_prompts
+from grpo_jax.sampler.slots import Decoded, GroupLoop, prefill_prompts
 from grpo_jax.sections import inline, section
 from grpo_jax.sharding import batch_groups, grouped
 
@@ -171,7 +171,7 @@ class Rollout:
 def sample_groups(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
                   group_size: int, settings: DecodeSettings, slots: int = 0, vision: Vision | None = None) -> Rollout:
   """Samples G completions for each of P prompts through `slots` decode rows (0: one per request),
-  in the one slot loop (slots.decode_groups) with every request queued in order. Traceable: run
+  in the one slot loop (slots.GroupLoop) with every request queued in order. Traceable: run
   it under jit (see GroupSampler).
 
   prompts [P, Tp] int32, left- or right-padded; prompt_mask [P, Tp], 1 on real tokens; vision:
@@ -182,17 +182,15 @@ def sample_groups(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, key:
   requests = num_prompts * group_size
   slots = min(slots or requests, requests)
   groups = batch_groups(num_prompts, slots)
-  per_slots, per_requests = slots // groups, requests // groups
+  per_requests = requests // groups
   shared = prefill_prompts(model, prompts, prompt_mask, groups, slots, group_size,
                            record_routes=settings.record_routes, vision=vision)
   order = jnp.broadcast_to(jnp.arange(per_requests, dtype=jnp.int32), (groups, per_requests))
-  count, decoded = decode_groups(
-      model, idle_slots(model, shared, slots, settings.max_new_tokens), settings, prompts=shared,
-      keys=grouped(request_keys(key, requests), groups), queue=order,
-      queued=jnp.full((groups,), per_requests, jnp.int32), holding=jnp.full((groups, per_slots), -1, jnp.int32),
-      decoded=Decoded.empty(groups, per_requests, settings, versions=False, model=model), group_size=group_size)
+  loop = GroupLoop(model, settings, shared, keys=grouped(request_keys(key, requests), groups), queue=order,
+                   queued=jnp.full((groups,), per_requests, jnp.int32), group_size=group_size)
+  done = loop.run(loop.idle(Decoded.empty(groups, per_requests, settings, versions=False, model=model)))
   prompt_routes = shared.request_routes(per_requests, group_size) if settings.record_routes else None
-  return Rollout.of(decoded, count, prompt_routes)
+  return Rollout.of(done.decoded, done.count, prompt_routes)
 
 
 def sample_resident(graphdef, params, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
@@ -202,15 +200,12 @@ def sample_resident(graphdef, params, prompts: jax.Array, prompt_mask: jax.Array
   layout (sampler/layout.py): the weights are cast and laid out once, the whole rollout is traced
   under the sampler's mesh, and the rows come back laid out over the source mesh's batch axes.
   layout None: in the parameters' own layout. Traceable."""
-  if layout is None:
-    return sample_groups(nnx.merge(graphdef, params), prompts, prompt_mask, key, group_size=group_size,
-                         settings=settings, slots=slots, vision=vision)
-  resident = layout.place(params)
-  prompts, prompt_mask, key, vision = layout.enter((prompts, prompt_mask, key, vision))
-  with layout.active():
-    rollout = sample_groups(nnx.merge(graphdef, resident), prompts, prompt_mask, key, group_size=group_size,
-                            settings=settings, slots=slots, vision=vision)
-  return layout.rows_to_source(rollout)
+  def sample(model: Qwen2, inputs) -> Rollout:
+    prompts, prompt_mask, key, vision = inputs
+    return sample_groups(model, prompts, prompt_mask, key, group_size=group_size, settings=settings, slots=slots,
+                         vision=vision)
+
+  return run_resident(graphdef, params, (prompts, prompt_mask, key, vision), sample, layout=layout)
 
 
 class GroupSampler:

@@ -9,13 +9,23 @@ and writes the row's own cache. A slot forgets its last occupant here and nowher
 cache entry of the row past the ones the entering request brings, or keeps for a continued turn,
 is marked empty (segment 0), so attention never reads what an earlier request left there.
 
-`decode_groups` is the slot loop of group sampling, written once for the on-policy group sampler
+`GroupLoop` is the slot loop of group sampling, written once for the on-policy group sampler
 (rollout.sample_groups) and the pool (pool.advance): R requests in n groups of the mesh, each
 group's B / n slots serving only its own requests, a freed slot taking the group's next waiting
-request at the top of each iteration, each emitted token written to its request's row.
+request at the top of each iteration, each emitted token written to its request's row. The object
+holds what stays fixed through one loop (the model, the decode settings, the prompts, the
+requests' keys and queue); the loop's state is a typed record, LoopState (iterations run, the slots'
+DecodeState, the request each slot holds, the requests each group has let in, the decoded rows),
+and each part of the loop is a method from state to state:
+
+  loop.idle(decoded)          the state before the loop: no slot holding a request
+  loop.insert(state)          every free slot takes its group's next waiting request (via `admit`)
+  loop.step(state, view)      insert, one decode_step over every slot, each token to its request's row
+  loop.run(state, enough)     step until nothing is live or waiting, or every group has `enough`
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -24,7 +34,7 @@ import jax.numpy as jnp
 from grpo_jax.model.moe import unrecorded
 from grpo_jax.model.qwen2 import KVCache, Qwen2, SharedPrefix
 from grpo_jax.model.vision import Vision
-from grpo_jax.sampler.decode import DecodeSettings, DecodeState, decode_step, prefill
+from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, decode_step, prefill
 from grpo_jax.sharding import constrain, grouped
 
 
@@ -222,110 +232,177 @@ def prefill_prompts(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, gr
                  offsets=None if done.offsets is None else grouped(done.offsets, groups))
 
 
-def idle_slots(model: Qwen2, prompts: Prompts, slots: int, steps: int) -> DecodeState:
-  """`slots` decode slots holding no request, each with its own cache row of `steps` entries,
-  reading their prompts from `prompts`."""
-  return DecodeState(cache=model.init_cache(slots, steps, layered=model.layered_decode_cache),
-                     hidden=jnp.zeros((slots, prompts.hidden.shape[-1]), prompts.hidden.dtype),
-                     keys=jax.random.split(jax.random.key(0), slots), generated=jnp.zeros((slots,), jnp.int32),
-                     live=jnp.zeros((slots,), bool), prefix=prompts.shared,
-                     offsets=None if prompts.offsets is None else jnp.zeros((slots,), jnp.int32))
+def _rows(x: jax.Array) -> jax.Array:
+  """x [B, ...] laid out by rows over the batch axes only (GroupLoop.step says why)."""
+  return constrain(x, ('batch',) + (None,) * (x.ndim - 1))
 
 
-def decode_groups(model: Qwen2, state: DecodeState, settings: DecodeSettings, *, prompts: Prompts,
-                  keys: jax.Array, queue: jax.Array, queued: jax.Array, holding: jax.Array, decoded: Decoded,
-                  group_size: int, version=None,
-                  enough: Callable[[Decoded], jax.Array] | None = None) -> tuple[jax.Array, Decoded]:
-  """Decodes requests through the slots of `state` until none is live or waiting, or `enough`.
+def _pinned(state: DecodeState) -> DecodeState:
+  """The slots' per-row fields (not their caches) laid out by rows (`_rows`)."""
+  return dataclasses.replace(state, hidden=_rows(state.hidden), keys=_rows(state.keys),
+                             generated=_rows(state.generated), live=_rows(state.live),
+                             prefix=dataclasses.replace(state.prefix, index=_rows(state.prefix.index)),
+                             offsets=None if state.offsets is None else _rows(state.offsets))
 
-  keys [n, Rg]: each request's key; request r reads prompt r // group_size of its group.
-  queue [n, Rg] int32: each group's waiting requests in the order they take slots, the first
-      `queued` [n] of them real.
-  holding [n, Bg] int32: the request each slot holds (-1: none), as `state` has them.
-  decoded: the requests' rows to write to (their earlier tokens, for resumed answers).
-  version: written to `decoded.versions` for every token (when it records them).
-  enough: decoded -> [n] bool, each group has what it needs; the loop stops when all have.
-  Returns (iterations run, decoded). Traceable.
+
+def _at_requests(target: jax.Array, request: jax.Array, values: jax.Array, position: jax.Array | None = None,
+                 trailing: int = 0) -> jax.Array:
+  """target [n, Rg, ...] with values [B] or [n, Bg] (and `trailing` dims after) written at each
+  group's `request` [n, Bg] rows (at their token `position` [n, Bg] when given); rows of Rg or
+  more are dropped."""
+  values = values.reshape(request.shape + values.shape[values.ndim - trailing:])
+  if position is None:
+    return jax.vmap(lambda t, r, v: t.at[r].set(v, mode='drop'))(target, request, values)
+  return jax.vmap(lambda t, r, p, v: t.at[r, p].set(v, mode='drop'))(target, request, position, values)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+  """The group loop's carry: R requests in n groups of the mesh (Rg = R / n each) through B decode
+  slots (Bg = B / n each; slot g * Bg + b is slot b of group g).
+
+  count:    int32 scalar, the iterations run.
+  slots:    DecodeState of the B slots ([B, ...] rows, reading their prompts from the shared cache).
+  holding:  [n, Bg] int32 the request each slot holds (-1: none).
+  waiting:  [n] int32 the requests each group has let into a slot from its queue: queue[g, waiting[g]]
+            is the next to enter.
+  decoded:  Decoded [n, Rg, ...] the requests' rows, each token written as it comes.
   """
-  groups, per_slots = holding.shape
-  per_requests = decoded.lengths.shape[1]
-  slots = groups * per_slots
-  flat = lambda x: x.reshape((slots,) + x.shape[2:])  # noqa: E731
-  # Each iteration the slots stay by rows over the batch axes only: left to propagation they can
-  # also split over 'tensor', and every prompt cache the slots gather would then cross devices at
-  # each token (an all-to-all per layer per decoded token).
-  rows = lambda x: constrain(x, ('batch',) + (None,) * (x.ndim - 1))  # noqa: E731
 
-  def per_group(target, request, values, position=None, trailing=0):
-    """values [B] or [n, Bg] (and `trailing` dims after) written at each group's `request` rows."""
-    values = values.reshape((groups, per_slots) + values.shape[values.ndim - trailing:])
-    if position is None:
-      return jax.vmap(lambda t, r, v: t.at[r].set(v, mode='drop'))(target, request, values)
-    return jax.vmap(lambda t, r, p, v: t.at[r, p].set(v, mode='drop'))(target, request, position, values)
+  count: jax.Array
+  slots: DecodeState
+  holding: jax.Array
+  waiting: jax.Array
+  decoded: Decoded
 
-  def keep_going(carry):
-    _, state, _, waiting, decoded = carry
-    going = jnp.any(state.live) | jnp.any(waiting < queued)
-    return going if enough is None else going & jnp.any(~enough(decoded))
 
-  def insert(state: DecodeState, holding, waiting, decoded: Decoded):
-    """Every free slot takes the next waiting request of its group, in queue order."""
-    free = ~state.live.reshape(groups, per_slots)
-    position = waiting[:, None] + jnp.cumsum(free, axis=1, dtype=jnp.int32) - 1
-    taken = free & (position < queued[:, None])
-    holding = jnp.where(taken, gather(queue, jnp.clip(position, 0, per_requests - 1)), holding)
+@dataclasses.dataclass(frozen=True)
+class GroupLoop:
+  """The slot loop of group sampling (module docstring): what stays fixed through one loop; the
+  loop's state is a LoopState, which its methods take and return. Rg and Bg as in LoopState.
+
+  model:       the decoding model (`run` reads its weights in place, Qwen2.loop_view).
+  settings:    DecodeSettings.
+  prompts:     Prompts the requests read; its shared cache's index [n, Bg] sizes the slots.
+  keys:        [n, Rg] each request's key.
+  queue:       [n, Rg] int32 each group's waiting requests in the order they take slots, the first
+               `queued` [n] of them real.
+  group_size:  G: request r of a group reads its prompt r // G.
+  version:     int32, written to `decoded.versions` for every token (when it records them).
+  """
+
+  model: Qwen2
+  settings: DecodeSettings
+  prompts: Prompts
+  keys: jax.Array
+  queue: jax.Array
+  queued: jax.Array
+  group_size: int
+  version: jax.Array | None = None
+
+  @property
+  def groups(self) -> int:
+    """n, the groups of the mesh."""
+    return self.queue.shape[0]
+
+  @property
+  def group_requests(self) -> int:
+    """Rg, the requests of each group."""
+    return self.queue.shape[1]
+
+  @property
+  def group_slots(self) -> int:
+    """Bg, the slots of each group."""
+    return self.prompts.shared.index.shape[1]
+
+  def _flat(self, x: jax.Array) -> jax.Array:
+    """[n, Bg, ...] -> [B, ...]."""
+    return x.reshape((self.groups * self.group_slots,) + x.shape[2:])
+
+  def idle(self, decoded: Decoded) -> LoopState:
+    """No slot holding a request, none let in yet; `decoded` the requests' rows to write to
+    (Decoded.empty, or the pool's requests with their earlier tokens)."""
+    prompts = self.prompts
+    slots = DecodeState.idle(self.model, self.groups * self.group_slots, self.settings.max_new_tokens,
+                             dtype=prompts.hidden.dtype, prefix=prompts.shared, offsets=prompts.offsets is not None)
+    return LoopState(count=jnp.int32(0), slots=slots, holding=jnp.full((self.groups, self.group_slots), -1, jnp.int32),
+                     waiting=jnp.zeros((self.groups,), jnp.int32), decoded=decoded)
+
+  def insert(self, state: LoopState) -> LoopState:
+    """Every free slot takes the next waiting request of its group, in queue order (through `admit`)."""
+    prompts, flat = self.prompts, self._flat
+    free = ~state.slots.live.reshape(self.groups, self.group_slots)
+    position = state.waiting[:, None] + jnp.cumsum(free, axis=1, dtype=jnp.int32) - 1
+    taken = free & (position < self.queued[:, None])
+    holding = jnp.where(taken, gather(self.queue, jnp.clip(position, 0, self.group_requests - 1)), state.holding)
     request = jnp.maximum(holding, 0)
-    prompt = request // group_size
+    prompt = request // self.group_size
     empty = gather(prompts.empty, prompt)
-    state = admit(state, Slots(mask=flat(taken)),
-                  Entry(hidden=flat(gather(prompts.hidden, prompt)), keys=flat(gather(keys, request)),
+    slots = admit(state.slots, Slots(mask=flat(taken)),
+                  Entry(hidden=flat(gather(prompts.hidden, prompt)), keys=flat(gather(self.keys, request)),
                         empty=flat(empty), prompt=flat(prompt),
                         offsets=None if prompts.offsets is None else flat(gather(prompts.offsets, prompt))))
     # A request of an empty prompt finishes at once, with no tokens.
-    done = per_group(decoded.done, jnp.where(taken & empty, holding, per_requests), jnp.ones_like(taken))
-    return state, holding, waiting + jnp.sum(taken, axis=1, dtype=jnp.int32), dataclasses.replace(decoded, done=done)
+    done = _at_requests(state.decoded.done, jnp.where(taken & empty, holding, self.group_requests),
+                        jnp.ones_like(taken))
+    return dataclasses.replace(state, slots=slots, holding=holding,
+                               waiting=state.waiting + jnp.sum(taken, axis=1, dtype=jnp.int32),
+                               decoded=dataclasses.replace(state.decoded, done=done))
 
-  def write(decoded: Decoded, holding, emitted, live_after) -> Decoded:
-    """Each emitted token into its request's row, at the request's token index."""
-    valid = emitted.valid.reshape(groups, per_slots)
-    request = jnp.where(valid, holding, per_requests)  # out of range: dropped
-    position = emitted.lengths.reshape(groups, per_slots) - 1
-    ended = valid & ~live_after.reshape(groups, per_slots)
+  def write(self, decoded: Decoded, holding: jax.Array, emitted: Emitted, live: jax.Array) -> Decoded:
+    """Each token the slots `emitted` into its request's row (holding [n, Bg]), at the request's token
+    index; live [B]: the slots still live after it (a request whose slot is not is done)."""
+    valid = emitted.valid.reshape(holding.shape)
+    request = jnp.where(valid, holding, self.group_requests)  # out of range: dropped
+    position = emitted.lengths.reshape(holding.shape) - 1
+    ended = valid & ~live.reshape(holding.shape)
     versions = decoded.versions
     if versions is not None:
-      versions = per_group(versions, request, jnp.broadcast_to(jnp.asarray(version, jnp.int32), valid.shape), position)
+      version = jnp.broadcast_to(jnp.asarray(self.version, jnp.int32), valid.shape)
+      versions = _at_requests(versions, request, version, position)
     routes = decoded.routes
     if routes is not None:
-      routes = per_group(routes, request, emitted.routes, position, trailing=2)
-    return Decoded(tokens=per_group(decoded.tokens, request, emitted.tokens, position),
-                   log_probs=per_group(decoded.log_probs, request, emitted.log_probs, position), versions=versions,
-                   lengths=per_group(decoded.lengths, request, emitted.lengths),
-                   stopped=per_group(decoded.stopped, request, emitted.stopped),
-                   done=per_group(decoded.done, jnp.where(ended, holding, per_requests), jnp.ones_like(ended)),
+      routes = _at_requests(routes, request, emitted.routes, position, trailing=2)
+    return Decoded(tokens=_at_requests(decoded.tokens, request, emitted.tokens, position),
+                   log_probs=_at_requests(decoded.log_probs, request, emitted.log_probs, position), versions=versions,
+                   lengths=_at_requests(decoded.lengths, request, emitted.lengths),
+                   stopped=_at_requests(decoded.stopped, request, emitted.stopped),
+                   done=_at_requests(decoded.done, jnp.where(ended, holding, self.group_requests),
+                                     jnp.ones_like(ended)),
                    routes=routes)
 
-  def pinned(state: DecodeState) -> DecodeState:
-    return dataclasses.replace(state, hidden=rows(state.hidden), keys=rows(state.keys), generated=rows(state.generated),
-                               live=rows(state.live), prefix=dataclasses.replace(state.prefix, index=rows(state.prefix.index)),
-                               offsets=None if state.offsets is None else rows(state.offsets))
-
-  pieces, rebuild = model.loop_view()  # the weights as the loop's matmuls read them in place
-  # The prompts' keys and values likewise, cut per layer when the loop's layers are unrolled: a
-  # layer's slice of the carried [L, ...] stack is copied every step on XLA:GPU.
-  prompt_pieces, prompt_rebuild = model.layer_view((state.prefix.k, state.prefix.v))
-
-  def step(carry):
-    count, state, holding, waiting, decoded = carry
-    state, holding, waiting, decoded = insert(state, holding, waiting, decoded)
-    state, holding = pinned(state), rows(holding)
-    carried = state.prefix  # its keys and values pass through the loop unchanged
+  def step(self, state: LoopState, view: tuple) -> LoopState:
+    """One iteration: free slots take waiting requests (`insert`), every slot decodes one token
+    (decode_step) and each token is written to its request's row (`write`). view: `run`'s
+    (pieces, rebuild) of the weights and of the prompts' keys and values, rebuilt here in the body."""
+    pieces, rebuild, prompt_pieces, prompt_rebuild = view
+    state = self.insert(state)
+    # The slots stay by rows over the batch axes only: left to propagation they can also split
+    # over 'tensor', and every prompt cache the slots gather would then cross devices at each token
+    # (an all-to-all per layer per decoded token).
+    slots, holding = _pinned(state.slots), _rows(state.holding)
+    carried = slots.prefix  # its keys and values pass through the loop unchanged
     k, v = prompt_rebuild(prompt_pieces)
-    state = dataclasses.replace(state, prefix=dataclasses.replace(carried, k=k, v=v))
-    state, emitted = decode_step(rebuild(pieces), state, settings)
-    state = dataclasses.replace(state, prefix=dataclasses.replace(state.prefix, k=carried.k, v=carried.v))
-    return count + 1, state, holding, waiting, write(decoded, holding, emitted, state.live)
+    slots = dataclasses.replace(slots, prefix=dataclasses.replace(carried, k=k, v=v))
+    slots, emitted = decode_step(rebuild(pieces), slots, self.settings)
+    slots = dataclasses.replace(slots, prefix=dataclasses.replace(slots.prefix, k=carried.k, v=carried.v))
+    return LoopState(count=state.count + 1, slots=slots, holding=holding, waiting=state.waiting,
+                     decoded=self.write(state.decoded, holding, emitted, slots.live))
 
-  with jax.named_scope('decode_loop'):  # the plan counts this loop's traffic per iteration (plan/traffic.py)
-    count, _, _, _, decoded = jax.lax.while_loop(
-        keep_going, step, (jnp.int32(0), state, holding, jnp.zeros((groups,), jnp.int32), decoded))
-  return count, decoded
+  def going(self, state: LoopState, enough: Callable[[Decoded], jax.Array] | None = None) -> jax.Array:
+    """Whether a slot is live or a request waits, and (with `enough`) a group still needs more."""
+    going = jnp.any(state.slots.live) | jnp.any(state.waiting < self.queued)
+    return going if enough is None else going & jnp.any(~enough(state.decoded))
+
+  def run(self, state: LoopState, enough: Callable[[Decoded], jax.Array] | None = None) -> LoopState:
+    """`step` from `state` until no slot is live and no request waits, or `enough`: decoded -> [n]
+    bool, each group has what it needs (the loop stops when all have). Traceable."""
+    pieces, rebuild = self.model.loop_view()  # the weights as the loop's matmuls read them in place
+    # The prompts' keys and values likewise, cut per layer when the loop's layers are unrolled: a
+    # layer's slice of the carried [L, ...] stack is copied every step on XLA:GPU.
+    prompt_pieces, prompt_rebuild = self.model.layer_view((state.slots.prefix.k, state.slots.prefix.v))
+    view = (pieces, rebuild, prompt_pieces, prompt_rebuild)
+    with jax.named_scope('decode_loop'):  # the plan counts this loop's traffic per iteration (plan/traffic.py)
+      return jax.lax.while_loop(functools.partial(self.going, enough=enough), functools.partial(self.step, view=view),
+                                state)

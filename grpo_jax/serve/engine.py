@@ -312,12 +312,9 @@ class QwenEngine:
         keys=per_slot, generated=per_slot, live=per_slot, offsets=per_slot if c.vision is not None else None)
 
   def _init_state(self) -> DecodeState:
-    B = self.slots
-    return DecodeState(cache=self._model.init_cache(B, self.cache_length, layered=self._model.layered_decode_cache),
-                       hidden=jnp.zeros((B, self._model.config.hidden_size), self._model.dtype),
-                       keys=request_keys(jax.random.key(self.seed), B), generated=jnp.zeros((B,), jnp.int32),
-                       live=jnp.zeros((B,), bool),
-                       offsets=jnp.zeros((B,), jnp.int32) if self._model.config.vision is not None else None)
+    return DecodeState.idle(self._model, self.slots, self.cache_length,
+                            keys=request_keys(jax.random.key(self.seed), self.slots),
+                            offsets=self._model.config.vision is not None)
 
   def _prefill_step(self, params, existing: Prefix | None, tokens: jax.Array, true_length: jax.Array,
                     vision: Vision | None) -> Prefix:
