@@ -18,7 +18,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'grpo_jax'
 # The rungs, ground first: a room imports only rooms on lower rungs (and itself).
 LAYERS = (
     ('errors',),  # the one-sentence errors a user can cause: every room raises them
-    ('sections', 'sharding', 'workers', 'metrics', 'distributed', 'sandbox'),  # the rest of the ground floor
+    ('sections', 'sharding', 'workers', 'metrics', 'distributed', 'sandbox', 'records'),  # the rest of the ground floor
     ('ops',),  # kernels: fused log-probs, decode attention, grouped matmul
     ('model',),  # the one decoder, its weights, vision tower, images and token-id check
     ('sampler',),  # decode, slots, rollouts, the pool, the rollout layout

@@ -17,8 +17,6 @@ Dimension letters: n batch groups, Bn sequences per group, R packed rows per gro
 packed row, W = Tp + N tokens per padded row, N completion tokens.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -26,12 +24,8 @@ from jax.sharding import PartitionSpec
 
 from grpo_jax.model.moe import unrecorded_id
 from grpo_jax.model.vision import Vision
+from grpo_jax.records import along, map_along
 from grpo_jax.sharding import auto_shape, batch_groups, constrain, grouped, split_axes
-
-
-def _per_token(**kwargs):
-  """A field [n, R, L, ...] of the packed tokens: micro-batches cut it by rows (Packed.map_tokens)."""
-  return dataclasses.field(metadata={'per_token': True}, **kwargs)
 
 
 @struct.dataclass
@@ -51,15 +45,15 @@ class Packed:
                                 embedding; None without images
   """
 
-  tokens: jax.Array = _per_token()
-  segment_ids: jax.Array = _per_token()
+  tokens: jax.Array = along('token')
+  segment_ids: jax.Array = along('token')
   row: jax.Array
   start: jax.Array
   rows_used: jax.Array
   real_tokens: jax.Array
-  routes: jax.Array | None = _per_token(default=None)
-  positions: jax.Array | None = _per_token(default=None)
-  placement: jax.Array | None = _per_token(default=None)
+  routes: jax.Array | None = along('token', default=None)
+  positions: jax.Array | None = along('token', default=None)
+  placement: jax.Array | None = along('token', default=None)
 
   @property
   def row_length(self) -> int:
@@ -67,9 +61,7 @@ class Packed:
 
   def map_tokens(self, fn) -> 'Packed':
     """fn applied to every per-token field present ([n, R, L, ...]: a micro-batch's rows, ...)."""
-    fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
-              if field.metadata.get('per_token')}
-    return self.replace(**jax.tree.map(fn, fields))
+    return map_along(self, 'token', fn)
 
 
 def first_fit_decreasing(lengths: jax.Array, rows: int, row_length: int):

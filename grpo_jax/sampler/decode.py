@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from grpo_jax.model.moe import unrecorded
 from grpo_jax.model.qwen2 import KVCache, Qwen2, SharedPrefix
 from grpo_jax.model.vision import Vision
+from grpo_jax.records import along
 from grpo_jax.sampler.sampling import SamplingConfig, select
 
 
@@ -54,10 +55,10 @@ class Prefix:
   """
 
   cache: KVCache
-  hidden: jax.Array
-  empty: jax.Array
-  routes: jax.Array | None = None
-  offsets: jax.Array | None = None
+  hidden: jax.Array = along('prompt')
+  empty: jax.Array = along('prompt')
+  routes: jax.Array | None = along('prompt', default=None)
+  offsets: jax.Array | None = along('prompt', default=None)
 
 
 @jax.tree_util.register_dataclass
@@ -77,17 +78,18 @@ class DecodeState:
   stops:      [B, M] int32 stop ids of each row's own (padded with -1), besides the settings' ones;
               None: only the settings' (the inference server's requests carry their own).
   offsets:    [B] int32 M-RoPE position offset of each row's prompt (prompts with images); None: 0.
+  The fields along 'slot' lead with the B rows (the caches and the shared prompts do not).
   """
 
   cache: KVCache
-  hidden: jax.Array
-  keys: jax.Array
-  generated: jax.Array
-  live: jax.Array
+  hidden: jax.Array = along('slot')
+  keys: jax.Array = along('slot')
+  generated: jax.Array = along('slot')
+  live: jax.Array = along('slot')
   prefix: SharedPrefix | None = None
-  limit: jax.Array | None = None
-  stops: jax.Array | None = None
-  offsets: jax.Array | None = None
+  limit: jax.Array | None = along('slot', default=None)
+  stops: jax.Array | None = along('slot', default=None)
+  offsets: jax.Array | None = along('slot', default=None)
 
   @classmethod
   def idle(cls, model: Qwen2, slots: int, length: int, *, dtype=None, keys: jax.Array | None = None,

@@ -38,6 +38,7 @@ from flax import nnx
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.moe import unrecorded, unrecorded_id
 from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
+from grpo_jax.records import along, fields_along, map_along, names_along
 from grpo_jax.sampler.decode import DecodeSettings, typed_key
 from grpo_jax.sampler.layout import RolloutLayout, run_resident
 from grpo_jax.sampler.rollout import Rollout
@@ -108,28 +109,36 @@ class Pool:
   vision:         the entry's images and M-RoPE positions (model/vision.py Vision, [Q, ...]), or None
                   (text prompts). Its images run through the vision tower again at every step's
                   prefill of the entries, as the prompts' tokens do: the features are not kept.
+
+  Fields along 'entry' lead with the Q entries; along 'token' and 'request' with the R requests,
+  the decoded requests' (slots.Decoded) of the same names.
   """
 
-  prompt_tokens: jax.Array
-  prompt_mask: jax.Array
-  answers: object
-  entered: jax.Array
-  source: jax.Array
-  batch_position: jax.Array
-  batch_key: jax.Array
-  keys: jax.Array
-  tokens: jax.Array
-  log_probs: jax.Array
-  versions: jax.Array
-  lengths: jax.Array
-  stopped: jax.Array
-  done: jax.Array
-  routes: jax.Array | None = None
-  vision: object = None
+  prompt_tokens: jax.Array = along('entry')
+  prompt_mask: jax.Array = along('entry')
+  answers: object = along('entry')
+  entered: jax.Array = along('entry')
+  source: jax.Array = along('entry')
+  batch_position: jax.Array = along('entry')
+  batch_key: jax.Array = along('entry')
+  keys: jax.Array = along('entry')
+  tokens: jax.Array = along('token')
+  log_probs: jax.Array = along('token')
+  versions: jax.Array = along('token')
+  lengths: jax.Array = along('request')
+  stopped: jax.Array = along('request')
+  done: jax.Array = along('request')
+  routes: jax.Array | None = along('token', default=None)
+  vision: object = along('entry', default=None)
 
-  ENTRIES = ('prompt_tokens', 'prompt_mask', 'answers', 'entered', 'source', 'batch_position', 'batch_key', 'keys',
-             'vision')
-  REQUESTS = ('tokens', 'log_probs', 'versions', 'lengths', 'stopped', 'done', 'routes')
+  @property
+  def requests(self) -> Decoded:
+    """The requests' rows as the slot loop decodes them."""
+    return Decoded(**fields_along(self, 'token'), **fields_along(self, 'request'))
+
+  def with_requests(self, decoded: Decoded) -> 'Pool':
+    """The pool with the requests' rows `decoded`."""
+    return dataclasses.replace(self, **fields_along(decoded, 'token'), **fields_along(decoded, 'request'))
 
   @property
   def entries(self) -> int:
@@ -177,17 +186,14 @@ class Taken:
   """
 
   rollout: Rollout
-  prompt_tokens: jax.Array
-  prompt_mask: jax.Array
-  answers: object
-  source: jax.Array
-  batch_position: jax.Array
-  batch_key: jax.Array
-  metrics: dict
-  vision: object = None
-
-  PROMPTS = ('prompt_tokens', 'prompt_mask', 'answers', 'source', 'batch_position', 'batch_key',
-             'vision')  # per group taken
+  prompt_tokens: jax.Array = along('entry')  # the fields along 'entry': the taken entries' Pool fields
+  prompt_mask: jax.Array = along('entry')
+  answers: object = along('entry')
+  source: jax.Array = along('entry')
+  batch_position: jax.Array = along('entry')
+  batch_key: jax.Array = along('entry')
+  metrics: dict = dataclasses.field(default_factory=dict)
+  vision: object = along('entry', default=None)
 
 
 def _group_view(pool: Pool, groups: int) -> Pool:
@@ -235,9 +241,7 @@ def fill(pool: Pool, prompt_tokens: jax.Array, prompt_mask: jax.Array, answers, 
     incoming = gather(grouped(incoming, groups), src)
     return jnp.where(take.reshape(take.shape + (1,) * (old.ndim - 2)), incoming.astype(old.dtype), old)
 
-  entries = {name: jax.tree.map(place, getattr(view, name), new[name]) for name in Pool.ENTRIES
-             if getattr(view, name) is not None}
-  view = dataclasses.replace(view, **entries)
+  view = map_along(view, 'entry', place, new)
   view = _reset_requests(view, jnp.repeat(take, group_size, axis=1), pad_id)
   return _flat_view(view)
 
@@ -361,8 +365,7 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   queue = jnp.argsort(jnp.where(unstarted, priority, _LAST), axis=1, stable=True).astype(jnp.int32)
   loop = GroupLoop(model, settings, prompts, keys=request_keys, queue=queue,
                    queued=jnp.sum(unstarted, axis=1, dtype=jnp.int32), group_size=group_size, version=version)
-  start = dataclasses.replace(loop.idle(Decoded(**{name: getattr(view, name) for name in Pool.REQUESTS})),
-                              holding=holding)
+  start = dataclasses.replace(loop.idle(view.requests), holding=holding)
 
   # Their tokens so far are prefilled again over their prompts, with the current weights, and
   # they enter their slots with that cache.
@@ -372,7 +375,7 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   flat = lambda x: x.reshape((slots,) + x.shape[2:])  # noqa: E731
   if max_lag:
     reading = dataclasses.replace(prompts.shared, index=entry_of[held_rows])
-    offsets = None if prompts.offsets is None else flat(gather(prompts.offsets, entry_of[held_rows]))
+    offsets = jax.tree.map(lambda x: flat(gather(x, entry_of[held_rows])), prompts.offsets)
     cache, resumed = _prefill_answers(model, flat(tokens), flat(lengths), reading, groups, offsets)
     start = dataclasses.replace(start, slots=admit(
         start.slots, Slots(mask=flat(held)),
@@ -392,7 +395,7 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
 
   done = loop.run(start, enough)
   count = done.count
-  view = dataclasses.replace(view, **{name: getattr(done.decoded, name) for name in Pool.REQUESTS})
+  view = view.with_requests(done.decoded)
   decoded_tokens = jnp.sum(view.lengths) - started_tokens
 
   # The P / n oldest complete entries of each group leave the pool.
@@ -405,10 +408,9 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
   if settings.record_routes:
     picked = gather(prompts.routes, jnp.repeat(chosen, group_size, axis=1))
     prompt_routes = picked.reshape((-1,) + picked.shape[2:])
-  rollout = Rollout.of(Decoded(**{name: None if getattr(view, name) is None else gather(getattr(view, name), rows)
-                                  for name in Pool.REQUESTS}), count, prompt_routes)
-  entry = lambda x: None if x is None else gather(x, chosen).reshape((take,) + x.shape[2:])  # noqa: E731
-  prompts = {name: jax.tree.map(entry, getattr(view, name)) for name in Taken.PROMPTS}
+  rollout = Rollout.of(jax.tree.map(lambda x: gather(x, rows), view.requests), count, prompt_routes)
+  entry = lambda x: gather(x, chosen).reshape((take,) + x.shape[2:])  # noqa: E731
+  prompts = jax.tree.map(entry, {name: getattr(view, name) for name in names_along(Taken, 'entry')})
 
   # The taken entries are freed; with `regenerate`, a group whose oldest token would be more than
   # L versions old at the next step starts again.

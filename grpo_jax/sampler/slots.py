@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from grpo_jax.model.moe import unrecorded
 from grpo_jax.model.qwen2 import KVCache, Qwen2, SharedPrefix
 from grpo_jax.model.vision import Vision
+from grpo_jax.records import along, fields_along, map_along
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, decode_step, prefill
 from grpo_jax.sharding import constrain, grouped
 
@@ -156,15 +157,17 @@ class Decoded:
   lengths:    [n, Rg] int32; stopped: [n, Rg] bool, ended with a stop id; done: [n, Rg] bool.
   routes:     [n, Rg, N, Ls, k] the experts each token was routed to (settings.record_routes; MoE),
               `unrecorded` where none; None: not recorded.
+  A field along 'token' holds one entry per token, one along 'request' one per request: the
+  loop writes each emitted token's fields (decode.Emitted's of the same name) into them.
   """
 
-  tokens: jax.Array
-  log_probs: jax.Array
-  versions: jax.Array | None
-  lengths: jax.Array
-  stopped: jax.Array
-  done: jax.Array
-  routes: jax.Array | None = None
+  tokens: jax.Array = along('token')
+  log_probs: jax.Array = along('token')
+  versions: jax.Array | None = along('token')
+  lengths: jax.Array = along('request')
+  stopped: jax.Array = along('request')
+  done: jax.Array = along('request')
+  routes: jax.Array | None = along('token', default=None)
 
   @classmethod
   def empty(cls, groups: int, requests: int, settings: DecodeSettings, versions: bool,
@@ -199,10 +202,10 @@ class Prompts:
   """
 
   shared: SharedPrefix
-  hidden: jax.Array
-  empty: jax.Array
-  routes: jax.Array | None = None
-  offsets: jax.Array | None = None
+  hidden: jax.Array = along('prompt')
+  empty: jax.Array = along('prompt')
+  routes: jax.Array | None = along('prompt', default=None)
+  offsets: jax.Array | None = along('prompt', default=None)
 
   def request_routes(self, requests: int, group_size: int) -> jax.Array:
     """[n * requests, W, Ls, k]: each of a group's `requests` requests' prompt routes (request r
@@ -227,9 +230,7 @@ def prefill_prompts(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, gr
   shared = SharedPrefix(k=split(done.cache.k), v=split(done.cache.v),
                         segment_ids=grouped(done.cache.segment_ids, groups),
                         index=jnp.zeros((groups, slots // groups), jnp.int32), readers=group_size)
-  return Prompts(shared=shared, hidden=grouped(done.hidden, groups), empty=grouped(done.empty, groups),
-                 routes=None if done.routes is None else grouped(done.routes, groups),
-                 offsets=None if done.offsets is None else grouped(done.offsets, groups))
+  return Prompts(shared=shared, **jax.tree.map(lambda x: grouped(x, groups), fields_along(done, 'prompt')))
 
 
 def _rows(x: jax.Array) -> jax.Array:
@@ -239,10 +240,8 @@ def _rows(x: jax.Array) -> jax.Array:
 
 def _pinned(state: DecodeState) -> DecodeState:
   """The slots' per-row fields (not their caches) laid out by rows (`_rows`)."""
-  return dataclasses.replace(state, hidden=_rows(state.hidden), keys=_rows(state.keys),
-                             generated=_rows(state.generated), live=_rows(state.live),
-                             prefix=dataclasses.replace(state.prefix, index=_rows(state.prefix.index)),
-                             offsets=None if state.offsets is None else _rows(state.offsets))
+  return dataclasses.replace(map_along(state, 'slot', _rows),
+                             prefix=dataclasses.replace(state.prefix, index=_rows(state.prefix.index)))
 
 
 def _at_requests(target: jax.Array, request: jax.Array, values: jax.Array, position: jax.Array | None = None,
@@ -342,7 +341,7 @@ class GroupLoop:
     slots = admit(state.slots, Slots(mask=flat(taken)),
                   Entry(hidden=flat(gather(prompts.hidden, prompt)), keys=flat(gather(self.keys, request)),
                         empty=flat(empty), prompt=flat(prompt),
-                        offsets=None if prompts.offsets is None else flat(gather(prompts.offsets, prompt))))
+                        offsets=jax.tree.map(lambda x: flat(gather(x, prompt)), prompts.offsets)))
     # A request of an empty prompt finishes at once, with no tokens.
     done = _at_requests(state.decoded.done, jnp.where(taken & empty, holding, self.group_requests),
                         jnp.ones_like(taken))
@@ -357,20 +356,16 @@ class GroupLoop:
     request = jnp.where(valid, holding, self.group_requests)  # out of range: dropped
     position = emitted.lengths.reshape(holding.shape) - 1
     ended = valid & ~live.reshape(holding.shape)
-    versions = decoded.versions
-    if versions is not None:
-      version = jnp.broadcast_to(jnp.asarray(self.version, jnp.int32), valid.shape)
-      versions = _at_requests(versions, request, version, position)
-    routes = decoded.routes
-    if routes is not None:
-      routes = _at_requests(routes, request, emitted.routes, position, trailing=2)
-    return Decoded(tokens=_at_requests(decoded.tokens, request, emitted.tokens, position),
-                   log_probs=_at_requests(decoded.log_probs, request, emitted.log_probs, position), versions=versions,
-                   lengths=_at_requests(decoded.lengths, request, emitted.lengths),
-                   stopped=_at_requests(decoded.stopped, request, emitted.stopped),
-                   done=_at_requests(decoded.done, jnp.where(ended, holding, self.group_requests),
-                                     jnp.ones_like(ended)),
-                   routes=routes)
+    # What each slot's token brings, by the name of the field it goes to: the decode step's, the
+    # version that sampled it (when the requests record versions), and whether it was the request's
+    # last (`done`: a slot emits only while its request is not done).
+    values = {field.name: getattr(emitted, field.name) for field in dataclasses.fields(emitted)}
+    values['done'] = ended.reshape(-1)
+    if decoded.versions is not None:
+      values['versions'] = jnp.broadcast_to(jnp.asarray(self.version, jnp.int32), emitted.valid.shape)
+    decoded = map_along(decoded, 'token', lambda target, value: _at_requests(target, request, value, position,
+                                                                              trailing=value.ndim - 1), values)
+    return map_along(decoded, 'request', lambda target, value: _at_requests(target, request, value), values)
 
   def step(self, state: LoopState, view: tuple) -> LoopState:
     """One iteration: free slots take waiting requests (`insert`), every slot decodes one token
