@@ -157,18 +157,18 @@ def empty_pool(entries: int, group_size: int, prompt_length: int, settings: Deco
     c = architecture
     routes = unrecorded((requests, steps, c.num_sparse_layers, c.num_experts_per_tok), c.num_experts)
   zeros = lambda shape, dtype=jnp.int32: jnp.zeros(shape, dtype)  # noqa: E731
+  # One batch's arrays (or shapes) -> zeros for every entry.
+  per_entry = lambda x: jnp.zeros((entries,) + tuple(x.shape[1:]), x.dtype)  # noqa: E731
   return Pool(prompt_tokens=jnp.full((entries, prompt_length), settings.pad_id, jnp.int32),
               prompt_mask=zeros((entries, prompt_length)),
-              answers=None if answers is None else jax.tree.map(
-                  lambda x: jnp.zeros((entries,) + tuple(x.shape[1:]), x.dtype), answers),
+              answers=jax.tree.map(per_entry, answers),
               entered=jnp.full((entries,), -1, jnp.int32), source=zeros((entries,)),
               batch_position=zeros((entries,)), batch_key=zeros((entries, 2), jnp.uint32),
               keys=zeros((entries, 2), jnp.uint32),
               tokens=jnp.full((requests, steps), settings.pad_id, jnp.int32),
               log_probs=zeros((requests, steps), jnp.float32), versions=jnp.full((requests, steps), -1, jnp.int32),
               lengths=zeros((requests,)), stopped=zeros((requests,), bool), done=zeros((requests,), bool),
-              routes=routes, vision=None if vision is None else jax.tree.map(
-                  lambda x: jnp.zeros((entries,) + tuple(x.shape[1:]), x.dtype), vision))
+              routes=routes, vision=jax.tree.map(per_entry, vision))
 
 
 @jax.tree_util.register_dataclass
@@ -276,12 +276,12 @@ def _prefill_answers(model: Qwen2, tokens: jax.Array, lengths: jax.Array, shared
   blocks = ANSWER_BLOCKS if per_slots % ANSWER_BLOCKS == 0 else 1
   width, chunk = per_slots // blocks, _chunk(steps)
   grouped_tokens, grouped_lengths = tokens.reshape(groups, per_slots, steps), lengths.reshape(groups, per_slots)
-  grouped_offsets = None if offsets is None else offsets.reshape(groups, per_slots)
+  grouped_offsets = jax.tree.map(lambda x: x.reshape(groups, per_slots), offsets)
 
   def block(rows: slice):
     block_tokens = grouped_tokens[:, rows].reshape(groups * width, steps)
     block_lengths = grouped_lengths[:, rows].reshape(groups * width)
-    block_offsets = None if grouped_offsets is None else grouped_offsets[:, rows].reshape(groups * width)
+    block_offsets = jax.tree.map(lambda x: x[:, rows].reshape(groups * width), grouped_offsets)
     prefix = dataclasses.replace(shared, index=shared.index[:, rows])
 
     def one(carry):
