@@ -103,6 +103,12 @@ class Vision:
     return jax.tree.map(fn, self)
 
 
+def model_inputs(vision: 'Vision | None') -> dict:
+  """The keywords of the model's forwards (Qwen2.hidden_states, extend) for rows with `vision`'s
+  images and M-RoPE positions; none for text rows."""
+  return {} if vision is None else dict(images=vision.images, positions=vision.positions)
+
+
 def extended(vision: Vision, prompt_mask: jax.Array, completion_mask: jax.Array) -> Vision:
   """The prompts' Vision [B, Tp] over the rows [B, Tp + N] of prompt and completion (the update's):
   no completion token takes a feature, and completion token j (of those completion_mask marks)

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx, struct
 
 from grpo_jax.model.qwen2 import Qwen2
-from grpo_jax.model.vision import Vision
+from grpo_jax.model.vision import Vision, model_inputs
 from grpo_jax.ops import token_logprobs
 from grpo_jax.rl import algo, packing
 from grpo_jax.rl.algo import AlgoConfig
@@ -57,8 +57,7 @@ def completion_log_probs(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array
   states of positions Tp - 1 .. Tp + N - 2; prompts must be left-padded.
   """
   hidden, routing = model.hidden_states(tokens, segment_ids=segment_ids, routes=routes, return_routing=True,
-                                        positions=None if vision is None else vision.positions,
-                                        images=None if vision is None else vision.images)
+                                        **model_inputs(vision))
   hidden = hidden[:, -completion_length - 1:-1]
   return token_logprobs(hidden, model.lm_head_weight(), tokens[:, -completion_length:],
                         temperature=temperature, return_entropy=with_entropy,

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from grpo_jax.model.moe import unrecorded
 from grpo_jax.model.qwen2 import KVCache, Qwen2, SharedPrefix
-from grpo_jax.model.vision import Vision
+from grpo_jax.model.vision import Vision, model_inputs
 from grpo_jax.records import along
 from grpo_jax.sampler.sampling import SamplingConfig, select
 
@@ -158,8 +158,7 @@ def prefill(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array, cache: KVCa
   vision: the prompts' images and M-RoPE positions (a vision-language model; prompts on an empty cache)."""
   start = cache.length
   hidden, cache, routing = model.extend(tokens, cache, segment_ids=segment_ids, return_hidden=True, prefix=prefix,
-                                        return_routing=True, images=None if vision is None else vision.images,
-                                        positions=None if vision is None else vision.positions)
+                                        return_routing=True, **model_inputs(vision))
   last = jnp.max(jnp.where(segment_ids != 0, jnp.arange(tokens.shape[1]), -1), axis=1)  # [P]
   cache = dataclasses.replace(cache, length=start + last + 1)
   hidden = jnp.take_along_axis(hidden, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]

@@ -148,7 +148,7 @@ class Rollout:
     `decode_steps` their sum (the rounds' loops ran one after another over the same slots)."""
     first = rollouts[0]
     rows = {name: jnp.concatenate([getattr(r, name) for r in rollouts]) for name in first._row_fields()}
-    steps = None if first.decode_steps is None else sum(r.decode_steps for r in rollouts)
+    steps = jax.tree.map(lambda *counts: sum(counts), *[r.decode_steps for r in rollouts])
     return dataclasses.replace(first, decode_steps=steps, **rows)
 
   @classmethod
@@ -158,7 +158,7 @@ class Rollout:
     [P*G, Tp, Ls, k]: the recorded routes of each row's prompt (with decoded.routes)."""
     flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), decoded)
     mask = jnp.arange(flat.tokens.shape[1])[None, :] < flat.lengths[:, None]
-    routes = None if flat.routes is None else jnp.concatenate([prompt_routes, flat.routes], axis=1)
+    routes = jax.tree.map(lambda answer: jnp.concatenate([prompt_routes, answer], axis=1), flat.routes)
     return cls(tokens=flat.tokens, log_probs=flat.log_probs, mask=mask, lengths=flat.lengths, stopped=flat.stopped,
                decode_steps=decode_steps, versions=flat.versions, routes=routes)
 
