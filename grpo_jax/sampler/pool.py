@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.model.config import Qwen2Config
-from grpo_jax.model.moe import unrecorded, unrecorded_id
+from grpo_jax.model.moe import unrecorded
 from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
 from grpo_jax.records import along, fields_along, map_along, names_along
 from grpo_jax.sampler.decode import DecodeSettings, typed_key
@@ -205,15 +205,8 @@ def _flat_view(pool: Pool) -> Pool:
 
 
 def _reset_requests(pool: Pool, reset: jax.Array, pad_id: int) -> Pool:
-  """Requests where `reset` [n, Rg] start again: no tokens, not done."""
-  row = reset[..., None]
-  routes = pool.routes
-  if routes is not None:
-    routes = jnp.where(row[..., None, None], unrecorded_id(routes.dtype), routes)
-  return dataclasses.replace(
-      pool, tokens=jnp.where(row, pad_id, pool.tokens), log_probs=jnp.where(row, 0.0, pool.log_probs),
-      versions=jnp.where(row, -1, pool.versions), lengths=jnp.where(reset, 0, pool.lengths),
-      stopped=pool.stopped & ~reset, done=pool.done & ~reset, routes=routes)
+  """Requests where `reset` [n, Rg] start again: no tokens, not done (Decoded.restarted)."""
+  return pool.with_requests(pool.requests.restarted(reset, pad_id))
 
 
 def fill(pool: Pool, prompt_tokens: jax.Array, prompt_mask: jax.Array, answers, *, version, key: jax.Array,

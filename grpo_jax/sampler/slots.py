@@ -31,7 +31,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.model.moe import unrecorded
+from grpo_jax.model.moe import unrecorded, unrecorded_id
 from grpo_jax.model.qwen2 import KVCache, Qwen2, SharedPrefix
 from grpo_jax.model.vision import Vision
 from grpo_jax.records import along, fields_along, map_along
@@ -158,16 +158,18 @@ class Decoded:
   routes:     [n, Rg, N, Ls, k] the experts each token was routed to (settings.record_routes; MoE),
               `unrecorded` where none; None: not recorded.
   A field along 'token' holds one entry per token, one along 'request' one per request: the
-  loop writes each emitted token's fields (decode.Emitted's of the same name) into them.
+  loop writes each emitted token's fields (decode.Emitted's of the same name) into them. Each
+  field's `start` is what a request holds there before its first token ('pad': the pad id,
+  'unrecorded': no expert).
   """
 
-  tokens: jax.Array = along('token')
-  log_probs: jax.Array = along('token')
-  versions: jax.Array | None = along('token')
-  lengths: jax.Array = along('request')
-  stopped: jax.Array = along('request')
-  done: jax.Array = along('request')
-  routes: jax.Array | None = along('token', default=None)
+  tokens: jax.Array = along('token', metadata={'start': 'pad'})
+  log_probs: jax.Array = along('token', metadata={'start': 0.0})
+  versions: jax.Array | None = along('token', metadata={'start': -1})
+  lengths: jax.Array = along('request', metadata={'start': 0})
+  stopped: jax.Array = along('request', metadata={'start': False})
+  done: jax.Array = along('request', metadata={'start': False})
+  routes: jax.Array | None = along('token', default=None, metadata={'start': 'unrecorded'})
 
   @classmethod
   def empty(cls, groups: int, requests: int, settings: DecodeSettings, versions: bool,
@@ -182,6 +184,19 @@ class Decoded:
                versions=jnp.full(shape, -1, jnp.int32) if versions else None,
                lengths=jnp.zeros(shape[:2], jnp.int32), stopped=jnp.zeros(shape[:2], bool),
                done=jnp.zeros(shape[:2], bool), routes=routes)
+
+  def restarted(self, reset: jax.Array, pad_id: int) -> 'Decoded':
+    """The requests where `reset` (the requests' shape, e.g. [n, Rg]) start again, each field back
+    to its `start`: no tokens, not done. The others as they are."""
+    changes = {}
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if value is not None:
+        start = field.metadata['start']
+        start = pad_id if start == 'pad' else unrecorded_id(value.dtype) if start == 'unrecorded' else start
+        where = reset.reshape(reset.shape + (1,) * (value.ndim - reset.ndim))
+        changes[field.name] = jnp.where(where, jnp.asarray(start, value.dtype), value)
+    return dataclasses.replace(self, **changes)
 
 
 def gather(values: jax.Array, index: jax.Array) -> jax.Array:
