@@ -114,6 +114,20 @@ def test_numeric_ranges_outside_the_optimizer(assignment, message):
     load_config(None, [assignment])
 
 
+@pytest.mark.parametrize('expert', [3, 6])
+def test_an_expert_axis_that_does_not_divide_the_experts(expert):
+  """The MoE demo's 8 experts over an expert axis of 3 (or 6) devices: the rule table would leave
+  every expert whole on every device, silently; the run is refused before anything is built, as
+  the plan's compile is (plan/programs.py calls the same check)."""
+  import jax
+
+  from grpo_jax.sharding import make_mesh
+  config = load_config(os.path.join(ROOT, 'configs/tiny_arith_moe.yaml'), [f'mesh.expert={expert}', 'mesh.fsdp=1'])
+  mesh = make_mesh(config.mesh, devices=jax.devices()[:expert])
+  with pytest.raises(FieldError, match=rf"mesh.expert \({expert}\) must divide the model's 8 experts .*one of \[1, 2, 4, 8\]"):
+    config.model.build(mesh, config.run.seed)
+
+
 # ---- workdirs ----
 
 def test_workdir_that_is_a_file_or_lies_under_one(tmp_path):

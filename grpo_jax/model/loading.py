@@ -46,7 +46,20 @@ def abstract_model(config: Qwen2Config, options: ModelOptions = ModelOptions()) 
   return nnx.eval_shape(lambda: Qwen2(config, options, rngs=nnx.Rngs(0)))
 
 
+def check_mesh(config: Qwen2Config, mesh: Mesh) -> None:
+  """A mixture's experts split evenly over the mesh's 'expert' axis: one that does not divide them
+  would leave every expert whole on every device (the rule table skips an axis that does not
+  divide its dimension), which is not what a user asking for expert parallelism wants."""
+  expert = dict(mesh.shape).get('expert', 1)
+  if config.num_experts and expert > 1:
+    divisors = [size for size in range(1, config.num_experts + 1) if config.num_experts % size == 0]
+    require(config.num_experts % expert == 0, 'mesh.expert',
+            f"({expert}) must divide the model's {config.num_experts} experts (num_experts) to split them over "
+            f'its devices; choose one of {divisors}')
+
+
 def _sharded_abstract(config: Qwen2Config, mesh: Mesh, options: ModelOptions):
+  check_mesh(config, mesh)
   graphdef, abstract_state = nnx.split(abstract_model(config, options))
   return graphdef, abstract_state, state_shardings(abstract_state, mesh)
 

@@ -22,7 +22,7 @@ from grpo_jax.data.task import Scores
 from grpo_jax.errors import UserError
 from grpo_jax.model import lora
 from grpo_jax.model.config import load_hf_config
-from grpo_jax.model.loading import abstract_model
+from grpo_jax.model.loading import abstract_model, check_mesh
 from grpo_jax.plan import targets, traffic
 from grpo_jax.rl.state import init_train_state
 from grpo_jax.sampler.layout import place_program
@@ -178,6 +178,7 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
   task = config.task.kind.shape(config, architecture)
   if task.vocab_size > architecture.vocab_size:
     raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but the model has {architecture.vocab_size}')
+  check_mesh(architecture, mesh)
   model = abstract_model(architecture, config.model.options)
   abstract_params = nnx.state(model)
   shardings = sharding.state_shardings(abstract_params, mesh)
