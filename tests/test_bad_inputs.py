@@ -227,3 +227,20 @@ def test_damaged_model_checkpoint_in_conversion_and_generate(seed, make_hf_check
 def test_orbax_to_hf_shard_size_must_be_positive(tmp_path):
   one_error_line(run_cli('conversion.orbax_to_hf', '--ckpt', str(tmp_path), '--out', str(tmp_path / 'o'),
                          '--max-shard-gb', '0'), '--max-shard-gb must be > 0')
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize('flags, message', [
+    (['--peft'], 'is from a full-parameter run (no model.lora): it holds no adapters'),
+    (['--merge-lora'], 'is from a full-parameter run (no model.lora): it holds no adapters'),
+    (['--step', '7'], 'holds no complete checkpoint of step 7'),
+    (['--like', 'WORKDIR'], 'config.json not found'),
+], ids=['peft', 'merge-lora', 'step', 'like'])
+def test_exporting_a_run_the_flags_do_not_fit(trained_workdir, tmp_path, flags, message):
+  """The export of a training run (full-parameter, steps 1 and 2) asked for adapters it does not
+  hold, a step it never saved, or the extra keys of a directory that is no model: one line, and
+  nothing written."""
+  out = tmp_path / 'out'
+  flags = [str(trained_workdir) if flag == 'WORKDIR' else flag for flag in flags]
+  one_error_line(run_cli('conversion.orbax_to_hf', '--ckpt', str(trained_workdir), '--out', str(out), *flags), message)
+  assert not out.exists() or not any(out.iterdir())
