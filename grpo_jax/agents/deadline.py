@@ -136,6 +136,12 @@ class InThreads(OnLoop):
     self._idle: list[_Worker] = []
     self._abandoned = 0  # calls abandoned past their deadline whose threads are still in them
 
+  @property
+  def abandoned(self) -> int:
+    """Calls abandoned past their deadline whose threads are still in them."""
+    with self._lock:
+      return self._abandoned
+
   @contextlib.asynccontextmanager
   async def open(self, environment, timeout_s: float | None):
     worker = self._take()
