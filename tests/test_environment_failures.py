@@ -20,7 +20,8 @@ from grpo_jax.agents.deadline import EnvironmentFailed, InThreads, OnLoop
 from grpo_jax.agents.agent import Step
 from grpo_jax.agents.inference import Completion, InferenceServer
 from grpo_jax.errors import UserError
-from grpo_jax.model import from_pretrained
+from grpo_jax.model.config import Qwen2Config
+from grpo_jax.model.loading import init_model
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from runs import ROOT, train_here
 
@@ -63,14 +64,13 @@ def make(config, raising: tuple = (), sleeping: tuple = (), sleep_s: float = 30.
   return task
 
 
-def test_a_failed_episode_trains_nothing_and_the_others_play_as_if_nothing_happened(seed, make_hf_checkpoint):
+def test_a_failed_episode_trains_nothing_and_the_others_play_as_if_nothing_happened(seed):
   """Episode 0 raises on its second step and episode 1 sleeps past its deadline there: their
   tokens up to then are the clean run's, masked, scored 0 and counted; the other episodes equal
-  the clean run's (a slot per episode: the runs replay exactly)."""
-  directory, _ = make_hf_checkpoint(seed)
-  graphdef, params = nnx.split(from_pretrained(directory))
+  the clean run's (a slot per episode: the runs replay exactly; test_agents.py's shapes)."""
+  graphdef, params = nnx.split(init_model(Qwen2Config(vocab_size=1000), seed=seed % 1000))
   server = InferenceServer(graphdef, settings=DecodeSettings(sampling=SamplingConfig(temperature=1.0),
-                                                             max_new_tokens=1), slots=6, max_context=16)
+                                                             max_new_tokens=1), slots=4, max_context=16)
   secret = 999  # out of the random policy's likely first guesses: episodes reach their second step
 
   def episodes(make_environment, calls):
@@ -79,7 +79,7 @@ def test_a_failed_episode_trains_nothing_and_the_others_play_as_if_nothing_happe
 
     async def run():
       async with server:
-        return await agent.episodes(server, Problem(prompt=(2,), data=secret), 6, jax.random.key(seed % 1000), 5)
+        return await agent.episodes(server, Problem(prompt=(2,), data=secret), 4, jax.random.key(seed % 1000), 5)
     return asyncio.run(run())
 
   clean = episodes(lambda problem, episode: guess.GuessNumber(1000, secret), OnLoop())
