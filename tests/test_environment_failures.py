@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from grpo_jax import config as config_lib
 from grpo_jax.agents import deadline, guess
 from grpo_jax.agents.agent import EnvironmentAgent, Problem
 from grpo_jax.agents.deadline import EnvironmentFailed, InThreads, OnLoop
@@ -152,3 +153,13 @@ def test_a_run_goes_on_past_failing_episodes_and_stops_when_most_fail(tmp_path, 
   assert str(error.value) == (f'environment {__name__}:make: 32 of the step\'s 32 episodes failed (a call raised or ran '
                               'past task.env_timeout_s; the first of each is printed above), more than '
                               'task.max_env_failure_frac (0.25) allows')
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('env_timeout_s', '0', 'task.env_timeout_s must be > 0, got 0.0'),
+    ('max_env_failure_frac', '1.5', 'task.max_env_failure_frac must be in [0, 1], got 1.5'),
+])
+def test_bad_failure_settings_are_one_line_errors(field, value, message):
+  with pytest.raises(UserError) as error:
+    config_lib.load_config(GUESS, [f'task.{field}={value}'])
+  assert str(error.value) == message
