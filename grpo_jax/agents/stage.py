@@ -30,7 +30,8 @@ from grpo_jax.sampler.rollout import Rollout
 class AgentStage:
   """`prompts(key, position, count)` and `act(params, prompts, key, group_size) -> (Rollout,
   Scores)` for an agents.task.AgentTask; the facts of the episodes acted since the last `take_facts`
-  (turns, tool calls, tool errors, truncation) are kept for the step's metrics."""
+  (turns, tool calls, tool errors, truncation, environment failures and timeouts) are kept for the
+  step's metrics."""
 
   def __init__(self, graphdef, task, settings: DecodeSettings, slots: int, mesh: jax.sharding.Mesh, layout=None,
                chunk: int = 4, reuse: bool = True):
