@@ -118,9 +118,8 @@ def test_a_blocking_call_is_abandoned_and_stuck_threads_are_bounded(capfd):
 
   assert asyncio.run(outcomes('', 'sleep', 'raise', 'raise')) == [lower, True, False, False]
   assert calls.abandoned == 0  # the sleeping call was cancelled within the grace
-  started = time.monotonic()
   assert asyncio.run(outcomes(*['block'] * deadline.MAX_ABANDONED)) == [True] * deadline.MAX_ABANDONED
-  assert time.monotonic() - started < 1.5  # the deadline and the grace, not the 2 s sleeps
+  assert calls.abandoned == deadline.MAX_ABANDONED  # their threads still sleep; the episodes went on
   with pytest.raises(UserError) as error:
     asyncio.run(outcomes('block'))
   assert str(error.value) == (f'environment {__name__}.Misbehaving: {deadline.MAX_ABANDONED + 1} calls ran past '
