@@ -149,8 +149,8 @@ def test_a_run_goes_on_past_failing_episodes_and_stops_when_most_fail(tmp_path, 
   assert printed.count('Traceback') == 1 and 'the service behind this environment is down' in printed
   with pytest.raises(UserError) as error:
     train_here(tmp_path / 'broken', GUESS, *RUN, 'train.steps=2', environment, 'task.environment_args.raising=all')
-  assert str(error.value) == (f'environment {__name__}:make: 32 of the step\'s 32 episodes failed (a call raised or ran '
-                              'past task.env_timeout_s; the first of each is printed above), more than '
+  assert str(error.value) == (f'environment {__name__}:make: 32 of the step\'s 32 episodes failed (a call raised or '
+                              'ran past task.env_timeout_s; the first of each is printed above), more than '
                               'task.max_env_failure_frac (0.25) allows')
 
 

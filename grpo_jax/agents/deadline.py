@@ -107,11 +107,12 @@ class OnLoop:
 
 
 class _Worker:
-  """A daemon thread running an event loop of its own; `busy` while a call runs on it."""
+  """A daemon thread running an event loop of its own; `busy` while a call runs on it; `leaving`:
+  it stops when that call ends (abandoned, or its episode was cancelled while it ran)."""
 
   def __init__(self):
     self.loop = asyncio.new_event_loop()
-    self.busy = self.abandoned = False
+    self.busy = self.abandoned = self.leaving = False
     self.takes = 0  # how often an episode took it: an idle timer set before the last take is stale
     threading.Thread(target=self._serve, name='environment', daemon=True).start()
 
@@ -158,7 +159,8 @@ class InThreads(OnLoop):
 
   def _give_back(self, worker: _Worker) -> None:
     with self._lock:
-      if worker.abandoned:  # it stops when its call ends (_ended)
+      if worker.busy:  # abandoned, or its episode was cancelled mid-call: it stops when the call ends
+        worker.leaving = True
         return
       self._idle.append(worker)
       takes = worker.takes
@@ -173,11 +175,12 @@ class InThreads(OnLoop):
     worker.loop.stop()
 
   def _ended(self, worker: _Worker, loop: asyncio.AbstractEventLoop, ended: asyncio.Future) -> None:
-    """In the worker's thread, as a call ends: an abandoned one frees its thread, which stops."""
+    """In the worker's thread, as a call ends: a worker leaving stops, an abandoned call frees its count."""
     with self._lock:
       worker.busy = False
       if worker.abandoned:
-        self._abandoned -= 1
+        self._abandoned, worker.abandoned = self._abandoned - 1, False
+      if worker.leaving:
         worker.loop.stop()
     with contextlib.suppress(RuntimeError):  # the episodes' loop is gone: nobody waits on the call
       loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(None))
@@ -212,6 +215,6 @@ class InThreads(OnLoop):
       self._abandoned += 1
       abandoned = self._abandoned
     if abandoned > MAX_ABANDONED:
-      raise UserError(f'environment {name(environment)}: {abandoned} calls ran past task.env_timeout_s ({timeout_s:g} s) '
-                      f'and still block their threads (blocking code in async def reset/step, which no deadline '
-                      f'interrupts); the run stops rather than leave more threads stuck')
+      raise UserError(f'environment {name(environment)}: {abandoned} calls ran past task.env_timeout_s '
+                      f'({timeout_s:g} s) and still block their threads (blocking code in async def reset/step, which '
+                      'no deadline interrupts); the run stops rather than leave more threads stuck')

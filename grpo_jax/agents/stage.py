@@ -71,8 +71,8 @@ class AgentStage:
     """failures [P*G]: 1 where the episode's environment failed."""
     failed, episodes, limit = int(failures.sum()), len(failures), self.task.max_failure_frac
     if failed > limit * episodes:
-      raise UserError(f'environment {self.task.environment}: {failed} of the step\'s {episodes} episodes failed (a call '
-                      f'raised or ran past task.env_timeout_s; the first of each is printed above), more than '
+      raise UserError(f'environment {self.task.environment}: {failed} of the step\'s {episodes} episodes failed '
+                      '(a call raised or ran past task.env_timeout_s; the first of each is printed above), more than '
                       f'task.max_env_failure_frac ({limit:g}) allows')
 
   def take_facts(self) -> dict:
