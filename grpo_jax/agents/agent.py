@@ -14,7 +14,8 @@ Most agents are an `EnvironmentAgent`: the policy and an `Environment` take turn
 answers with an observation (ids or text, appended to the conversation, outside the loss), a reward
 and whether the episode is over. Environments are
 straight-line async code; one that waits (a tool in a worker process, a sleeping service) holds
-no decode slot while it waits.
+no decode slot while it waits. Each call of an environment has a deadline (`task.env_timeout_s`);
+one that raises or runs past it ends its episode only (agents/deadline.py).
 """
 
 import asyncio
@@ -24,6 +25,7 @@ from typing import Any, Callable, Protocol
 import jax
 import numpy as np
 
+from grpo_jax.agents.deadline import EnvironmentFailed, InThreads, OnLoop, name
 from grpo_jax.agents.inference import TURN_BLOCK, InferenceServer, folded_keys
 from grpo_jax.agents.text import TextCodec, Turn
 from grpo_jax.agents.trajectory import Episode, Trajectory
@@ -90,12 +92,20 @@ class EnvironmentAgent:
   `max_turns` and `turn_tokens` are the run's (`task.max_turns`, `task.turn_tokens`): the task's
   build (agents/task.py) sets them, and `text` (the task tokenizer's TextCodec, for Turn.text and
   text observations). An environment may give tighter bounds of its own here (the guessing game's
-  turns are one token): the smaller of its value and the run's applies."""
+  turns are one token): the smaller of its value and the run's applies.
+
+  `calls` runs the environment's reset and step (agents/deadline.py): in worker threads (the
+  default, for environments of your own, whose async code may block) or on the episodes' loop
+  (OnLoop: the built-ins, which only await); `timeout_s` is each call's deadline (the run's
+  `task.env_timeout_s`, which the task's build sets; None: none). A call that raises or runs past
+  it ends its episode: masked from the loss, scored 0, counted (Trajectory.fail)."""
 
   make_environment: Callable[[Problem, int], Environment]
   max_turns: int | None = None
   turn_tokens: int | None = None
   text: TextCodec | None = None
+  calls: OnLoop = dataclasses.field(default_factory=InThreads)
+  timeout_s: float | None = None
 
   async def episodes(self, llm: InferenceServer, problem: Problem, count: int, key: jax.Array,
                      budget: int) -> list[Trajectory]:
@@ -110,22 +120,26 @@ class EnvironmentAgent:
                        'run\'s task section)')
     environment = self.make_environment(problem, index)
     episode = Episode(llm, problem.prompt, budget, key)
-    episode.observe(self.observation(environment, 'reset()', await environment.reset(), None, llm.vocab_size))
     trajectory = episode.trajectory
-    for index in range(self.max_turns):
-      completion = await episode.act(self.turn_tokens)
-      if completion is None:
-        break
-      turn = self.text.turn(completion) if self.text is not None else Turn(**vars(completion))
-      step = await environment.step(turn)
-      trajectory.reward += step.reward
-      trajectory.tool_calls += int(step.tool_call)
-      trajectory.tool_errors += int(step.tool_error)
-      if step.answer is not None:
-        trajectory.answer = step.answer
-      if step.done or index == self.max_turns - 1:  # no turn reads an answer to the last one
-        break
-      episode.observe(self.observation(environment, 'step()', step.observation, turn, llm.vocab_size))
+    async with self.calls.open(environment, self.timeout_s) as call:
+      try:
+        episode.observe(self.observation(environment, 'reset()', await call('reset'), None, llm.vocab_size))
+        for index in range(self.max_turns):
+          completion = await episode.act(self.turn_tokens)
+          if completion is None:
+            break
+          turn = self.text.turn(completion) if self.text is not None else Turn(**vars(completion))
+          step = await call('step', turn)
+          trajectory.reward += step.reward
+          trajectory.tool_calls += int(step.tool_call)
+          trajectory.tool_errors += int(step.tool_error)
+          if step.answer is not None:
+            trajectory.answer = step.answer
+          if step.done or index == self.max_turns - 1:  # no turn reads an answer to the last one
+            break
+          episode.observe(self.observation(environment, 'step()', step.observation, turn, llm.vocab_size))
+      except EnvironmentFailed as failure:  # an id outside the vocabulary is a UserError: it stops the run
+        trajectory.fail(failure.timed_out)
     return trajectory
 
   def observation(self, environment: Environment, method: str, answer, turn: Turn | None,
@@ -134,14 +148,10 @@ class EnvironmentAgent:
     as written after the prompt), ids checked against the model's vocabulary."""
     if isinstance(answer, str):
       if self.text is None:
-        raise UserError(f'environment {_name(environment)}: {method} returned text, but the task has no tokenizer '
+        raise UserError(f'environment {name(environment)}: {method} returned text, but the task has no tokenizer '
                         '(AgentTask.tokenizer) to encode it')
       answer = self.text.encode(answer) if turn is None else self.text.reply(answer, turn)
     return observation(environment, method, answer, vocab_size)
-
-
-def _name(environment) -> str:
-  return f'{type(environment).__module__}.{type(environment).__qualname__}'
 
 
 def observation(environment: Environment, method: str, tokens, vocab_size: int) -> tuple[int, ...]:
@@ -151,5 +161,5 @@ def observation(environment: Environment, method: str, tokens, vocab_size: int) 
   try:
     return tuple(check_token_ids(tokens, vocab_size, 'observation').tolist())
   except TokenIdError as error:
-    raise UserError(f'environment {_name(environment)}: {method} returned an {error} (a bug in the environment)') \
+    raise UserError(f'environment {name(environment)}: {method} returned an {error} (a bug in the environment)') \
         from None

@@ -7,8 +7,9 @@ game plays every secret once); each runs `eval.samples` episodes at `eval.temper
 inference server of its own over the parameters being evaluated (and one greedy episode with
 `eval.greedy`), with the same turn and token budgets as training (`eval.max_new_tokens`, else the
 rollout's). The summary has the estimators of grpo_jax.evaluation, plus eval/episode/<fact>
-(turns, tool calls, tool errors, truncation: means over the sampled episodes); each problem's
-episodes go to the samples file as their text (when the task has a tokenizer) or tokens.
+(turns, tool calls, tool errors, truncation, environment failures and timeouts: means over the
+sampled episodes; an episode whose environment failed scores 0 and evaluation goes on); each
+problem's episodes go to the samples file as their text (when the task has a tokenizer) or tokens.
 """
 
 import asyncio

@@ -14,6 +14,7 @@ import numpy as np
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from grpo_jax.agents.agent import EnvironmentAgent, Problem, Step
+from grpo_jax.agents.deadline import OnLoop
 from grpo_jax.agents.inference import Completion
 from grpo_jax.agents.task import AgentTask
 from grpo_jax.errors import require
@@ -70,7 +71,9 @@ def build(config) -> AgentTask:
             for index in range(count)]
 
   # One token per turn is the game's own bound; task.max_turns bounds the guesses (agents/task.py).
-  agent = EnvironmentAgent(make_environment=lambda problem, episode: GuessNumber(n, problem.data), turn_tokens=1)
+  # Its steps never block: they run on the episodes' loop (agents/deadline.py).
+  agent = EnvironmentAgent(make_environment=lambda problem, episode: GuessNumber(n, problem.data), turn_tokens=1,
+                           calls=OnLoop())
 
   def every_secret() -> list[Problem]:  # evaluation plays each secret once
     return [Problem(prompt=(WORDS.index(BOS),), data=secret) for secret in range(n)]

@@ -5,6 +5,10 @@ arrays the update trains on (agents/trajectory.collate), replicated over the mes
 Everything here runs on the host of a single process: the episodes' turns decide, as they finish,
 which requests the server decodes next, so processes would not issue the same programs in the
 same order. A run over several processes with an agent task is refused.
+
+An episode whose environment failed (a call raised or ran past task.env_timeout_s) trains nothing
+and scores 0 (agents/deadline.py); past task.max_env_failure_frac of a step's episodes the run
+stops: an environment failing that often is broken, not unlucky.
 """
 
 import asyncio
@@ -26,7 +30,8 @@ from grpo_jax.sampler.rollout import Rollout
 class AgentStage:
   """`prompts(key, position, count)` and `act(params, prompts, key, group_size) -> (Rollout,
   Scores)` for an agents.task.AgentTask; the facts of the episodes acted since the last `take_facts`
-  (turns, tool calls, tool errors, truncation) are kept for the step's metrics."""
+  (turns, tool calls, tool errors, truncation, environment failures and timeouts) are kept for the
+  step's metrics."""
 
   def __init__(self, graphdef, task, settings: DecodeSettings, slots: int, mesh: jax.sharding.Mesh, layout=None,
                chunk: int = 4, reuse: bool = True):
@@ -55,11 +60,20 @@ class AgentStage:
       return [trajectory for group in groups for trajectory in group]
 
     rollout, scores, facts = collate(asyncio.run(run()), self.budget, self.pad_id)
+    self._check_failures(facts['failures'])
     self._facts.append(facts)
     place = lambda value: distributed.replicated(value, self.mesh)  # noqa: E731
     rollout = dataclasses.replace(rollout.map_rows(place),
                                   decode_steps=place(np.int32(self.server.stats.decode_steps - before)))
     return rollout, dataclasses.replace(scores.map_rows(place), failures=place(scores.failures))
+
+  def _check_failures(self, failures: np.ndarray) -> None:
+    """failures [P*G]: 1 where the episode's environment failed."""
+    failed, episodes, limit = int(failures.sum()), len(failures), self.task.max_failure_frac
+    if failed > limit * episodes:
+      raise UserError(f'environment {self.task.environment}: {failed} of the step\'s {episodes} episodes failed '
+                      '(a call raised or ran past task.env_timeout_s; the first of each is printed above), more than '
+                      f'task.max_env_failure_frac ({limit:g}) allows')
 
   def take_facts(self) -> dict:
     """episode/<fact>: the means over the episodes acted since the last call."""

@@ -35,7 +35,10 @@ class AgentTask:
   prompt_length: Tp, prompts are left-padded to it with `pad_id`. vocab_size: the ids the task's
   tokenizer has. stop_token_ids: the ids that end every policy turn (the one place they are set).
   tokenizer: decodes turns for the environment (Turn.text) and encodes its text answers.
-  eval_problems() -> the held-out problems evaluation runs episodes of (None: the task has none)."""
+  eval_problems() -> the held-out problems evaluation runs episodes of (None: the task has none).
+  environment: what errors call it (task.environment); max_failure_frac: the share of a step's
+  episodes whose environment may fail (Trajectory.failures) before the run stops (both set by
+  `bound` from the run's task section)."""
 
   agent: Agent
   problems: Callable[[int, int], list[Problem]]
@@ -46,6 +49,8 @@ class AgentTask:
   tokenizer: Any = None
   close: Callable[[], None] = lambda: None
   eval_problems: Callable[[], list[Problem]] | None = None  # held-out problems (agents/evaluation.py)
+  environment: str = 'agent'
+  max_failure_frac: float = 1.0
   jittable = False
   vision_bucket = None  # text prompts
 
@@ -92,6 +97,11 @@ class AgentSection(ProblemFields):
   # tool worker, unsandboxed, as the trainer's user (said on every start)
   sandbox: Literal['bwrap', 'none'] = 'bwrap'
   guess_range: int = 16  # guess_number: the secret is in [0, guess_range)
+  # The deadline of each call of an environment (reset, step); one that raises or runs past it ends
+  # its episode only: masked from the loss, scored 0, counted in episode/failures and episode/timeouts
+  env_timeout_s: float = 300.0
+  # The share of a step's episodes whose environment may fail before the run stops (1: never stops)
+  max_env_failure_frac: float = 0.25
 
   def __post_init__(self):
     super().__post_init__()
@@ -101,6 +111,9 @@ class AgentSection(ProblemFields):
               f'must be one of {", ".join(BUILT_IN)} or module:function, got {environment!r}')
       require(self.max_turns >= 1, 'max_turns', f'must be >= 1, got {self.max_turns}')
       require(self.turn_tokens >= 0, 'turn_tokens', f'must be >= 0, got {self.turn_tokens}')
+      require(self.env_timeout_s > 0, 'env_timeout_s', f'must be > 0, got {self.env_timeout_s}')
+      require(0 <= self.max_env_failure_frac <= 1, 'max_env_failure_frac',
+              f'must be in [0, 1], got {self.max_env_failure_frac}')
       module = _module(environment)
       require(module is None or not self.environment_args, 'environment_args',
               f'are the arguments of an environment of your own (module:function); the built-in {environment} '
@@ -167,10 +180,13 @@ def _naming_arguments():
 
 
 def bound(task: AgentTask, config) -> AgentTask:
-  """The task with the run's bounds on its EnvironmentAgent: task.max_turns, task.turn_tokens (0:
-  rollout.max_new_tokens), each the smaller of the run's and the environment's own where it set
-  one; and the TextCodec of the task's tokenizer (replies as `user` messages of its chat template
-  when task.chat_template holds). Any other Agent reads the config itself."""
+  """The task with the run's bounds: its name (task.environment) and task.max_env_failure_frac;
+  on its EnvironmentAgent, task.max_turns, task.turn_tokens (0: rollout.max_new_tokens), each the
+  smaller of the run's and the environment's own where it set one, the calls' deadline
+  (task.env_timeout_s), and the TextCodec of the task's tokenizer (replies as `user` messages of its
+  chat template when task.chat_template holds). Any other Agent reads the config itself."""
+  task = dataclasses.replace(task, environment=config.task.environment,
+                             max_failure_frac=config.task.max_env_failure_frac)
   agent = task.agent
   if not isinstance(agent, EnvironmentAgent):
     return task
@@ -180,7 +196,8 @@ def bound(task: AgentTask, config) -> AgentTask:
   text = agent.text
   if text is None and task.tokenizer is not None:
     text = TextCodec(task.tokenizer, task.stop_token_ids, config.task.chat_template, role='user')
-  return dataclasses.replace(task, agent=dataclasses.replace(agent, max_turns=turns, turn_tokens=tokens, text=text))
+  return dataclasses.replace(task, agent=dataclasses.replace(agent, max_turns=turns, turn_tokens=tokens, text=text,
+                                                             timeout_s=config.task.env_timeout_s))
 
 
 def text_task(config, problem: Callable[[int], tuple[Any, Any]],

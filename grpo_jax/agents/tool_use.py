@@ -27,6 +27,7 @@ import sys
 
 from grpo_jax import sandbox
 from grpo_jax.agents.agent import EnvironmentAgent, Problem, Step
+from grpo_jax.agents.deadline import OnLoop
 from grpo_jax.agents.inference import Completion
 from grpo_jax.agents.task import AgentTask
 from grpo_jax.agents.text import TextCodec
@@ -146,7 +147,9 @@ def build(config) -> AgentTask:
             for ids, answer, source in zip(held_out.prompt_ids, held_out.answers, held_out.data_sources)]
 
   # task.max_turns and task.turn_tokens bound its turns (agents/task.py); the task's stop ids end them.
-  agent = EnvironmentAgent(make_environment=lambda problem, episode: ToolEnvironment(world, problem.data))
+  # Its steps only await the worker pool: they run on the episodes' loop (agents/deadline.py).
+  agent = EnvironmentAgent(make_environment=lambda problem, episode: ToolEnvironment(world, problem.data),
+                           calls=OnLoop())
 
   def close():
     pool.close()

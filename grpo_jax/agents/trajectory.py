@@ -18,7 +18,8 @@ from grpo_jax.agents.inference import Completion, InferenceServer, Request, fold
 from grpo_jax.data.task import Scores
 from grpo_jax.sampler.rollout import Rollout
 
-FACTS = ('turns', 'tool_calls', 'tool_errors', 'truncated')  # per-episode facts, logged as episode/<fact>
+# Per-episode facts, logged as episode/<fact> (their means over a step's episodes)
+FACTS = ('turns', 'tool_calls', 'tool_errors', 'truncated', 'failures', 'timeouts')
 
 
 @dataclasses.dataclass
@@ -31,6 +32,8 @@ class Trajectory:
   reward:     the episode's reward.
   turns, tool_calls, tool_errors: counts; truncated: the budget cut the episode short.
   answer:     the answer it gave (normalised text, for evaluation's vote), if any.
+  failures:   1 when its environment failed (a call raised or ran past its deadline), else 0;
+  timeouts:   1 when that call ran past its deadline.
   """
 
   tokens: list = dataclasses.field(default_factory=list)
@@ -42,6 +45,17 @@ class Trajectory:
   tool_errors: int = 0
   truncated: bool = False
   answer: str | None = None
+  failures: int = 0
+  timeouts: int = 0
+
+  def fail(self, timed_out: bool) -> None:
+    """Ends the episode as its environment failed: no token of it trains (the loss mask all 0;
+    its tokens stay as context), its reward is 0 and it gives no answer. Its group's other episodes
+    train as usual: the 0 is one more sample of the group's rewards."""
+    self.loss_mask = [0] * len(self.tokens)
+    self.log_probs = [0.0] * len(self.tokens)
+    self.reward, self.answer = 0.0, None
+    self.failures, self.timeouts = 1, int(timed_out)
 
 
 class Episode:
