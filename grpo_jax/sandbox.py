@@ -267,9 +267,12 @@ class Sandbox:
     return Result(output, process.returncode, timed_out, cut)
 
   def python(self, code: str) -> tuple[str, bool]:
-    """What the Python tool answers: the code's output (and its exception's last line), a note of
-    the characters cut, or why it was stopped; and whether it failed."""
-    result = self.run(code)
+    """What the Python tool answers for `code`: `answer` of its Result."""
+    return self.answer(self.run(code))
+
+  def answer(self, result: Result) -> tuple[str, bool]:
+    """What the Python tool answers for a call's Result: the code's output (and its exception's
+    last line), a note of the characters cut, or why it was stopped; and whether it failed."""
     text = result.output.strip()
     if result.cut:
       text += f'\n... ({result.cut} more characters cut)'

@@ -236,6 +236,125 @@ def test_floods_are_bounded_and_the_host_is_unaffected(box):
   assert spin[1] and 'stopped' in spin[0] and time.monotonic() - start < 10
 
 
+def test_a_flood_stops_at_its_process_limit_whatever_else_its_user_runs(box):
+  """The process-limit arithmetic: the call's code and its children are `processes` at most (its
+  cgroup's, or the rlimit's without one), however many processes the trainer's uid holds besides
+  (a trainer that is not root shares its uid with the sandbox)."""
+  if os.geteuid() != 0 and not sandbox_lib.USER_NAMESPACE_COUNTS:
+    pytest.skip('before Linux 5.14 an unprivileged sandbox shares its process count with its uid')
+  expected = LIMITS.processes if box.hierarchy is not None else sandbox_lib.split(LIMITS.memory_bytes,
+                                                                                  LIMITS.processes)[1]
+  sleepers = [subprocess.Popen(['/bin/sleep', '30']) for _ in range(6)]
+  try:
+    forks = run(box, FLOOD, hold=5, linger=0)
+  finally:
+    for sleeper in sleepers:
+      sleeper.kill()
+      sleeper.wait()
+  assert forks.output.split()[1:] == ['forks', str(expected - 1), 'BlockingIOError'], forks.output
+
+
+# One call's tree asking for more than its budget together: six children each holding 200 MB, which
+# one process's limit allows (each process names itself `marker`: the host's sampler finds them).
+SIX_CHILDREN = '''
+    import ctypes, os, time
+    ctypes.CDLL(None).prctl(15, marker.encode())  # PR_SET_NAME
+    children = []
+    for _ in range(6):
+      pid = os.fork()
+      if pid == 0:
+        held = b'x' * (200 << 20)
+        time.sleep(hold)
+        os._exit(0)
+      children.append(pid)
+    print(sorted(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children))
+    '''
+BUDGET = 512 << 20
+
+
+class TreeMemory:
+  """The most memory a call's processes (those named `marker`) held at once, sampled from the host
+  every 10 ms: the sum of their proportional set sizes (a page shared after fork counted once)."""
+
+  def __init__(self, marker: str):
+    import threading
+    self.marker, self.peak, self._done = marker, 0, threading.Event()
+    self._thread = threading.Thread(target=self._sample, daemon=True)
+    self._thread.start()
+
+  def _sample(self):
+    while not self._done.wait(0.01):
+      total = 0
+      for name in os.listdir('/proc'):
+        try:
+          with open(f'/proc/{name}/comm') as f:
+            if f.read().strip() != self.marker:
+              continue
+          with open(f'/proc/{name}/smaps_rollup') as f:
+            total += next(int(line.split()[1]) << 10 for line in f if line.startswith('Pss:'))
+        except (OSError, StopIteration, ValueError):
+          pass
+      self.peak = max(self.peak, total)
+
+  def stop(self) -> int:
+    self._done.set()
+    self._thread.join()
+    return self.peak
+
+
+@pytest.fixture(params=['cgroup', 'rlimits'])
+def bounded_box(request, monkeypatch):
+  """A sandbox of BUDGET bytes for a call's processes together, held by a cgroup per call or, with
+  making one refused (as a trainer neither root nor delegated a subtree is), by the rlimits."""
+  if request.param == 'rlimits':
+    mkdir = os.mkdir
+
+    def refuse(path, *args, **kwargs):
+      if str(path).startswith(sandbox_lib.cgroups.ROOT):
+        raise PermissionError(13, 'Permission denied', str(path))
+      return mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, 'mkdir', refuse)
+  bounded = Sandbox(Limits(timeout_s=15.0, cpu_s=15, processes=16, memory_bytes=BUDGET))
+  if request.param == 'cgroup' and bounded.hierarchy is None:
+    pytest.skip(f'no cgroup can be made here: {bounded.memory_bound}')
+  assert (bounded.hierarchy is None) == (request.param == 'rlimits')
+  return bounded
+
+
+def test_a_calls_processes_hold_its_memory_budget_together(bounded_box):
+  """Six children each taking 200 MB (1.2 GB at once unbounded) are stopped within the budget, the
+  answer says so, and the next call runs as usual; so does a single process asking for more."""
+  marker = f'six{os.getpid() % 1_000_000}'
+  sampler = TreeMemory(marker)
+  result = run(bounded_box, SIX_CHILDREN, marker=marker, hold=1.5)
+  peak = sampler.stop()
+  text, failed = bounded_box.answer(result)
+  assert failed, text
+  assert 0 < peak <= BUDGET, (peak, text)
+  if bounded_box.hierarchy is not None:  # the kernel killed some at the cgroup's bound
+    assert 0 < result.peak_bytes <= BUDGET and result.memory_killed >= 1, result
+    assert text.endswith(f'error: the python call\'s processes passed its 512 MiB memory limit together '
+                         f'({result.memory_killed} killed)'), text
+  else:  # two processes of 256 MiB each: the second child cannot start
+    assert (result.peak_bytes, result.memory_killed) == (0, 0)
+    assert 'BlockingIOError: [Errno 11] Resource temporarily unavailable' in text, text
+  assert bounded_box.python('x = b"x" * (600 << 20)') == ('MemoryError:', True)
+  assert bounded_box.python('print(6 * 7)') == ('42', False)
+
+
+def test_check_says_what_bounds_a_calls_memory(bounded_box):
+  said = sandbox_lib.check(bounded_box.limits)
+  assert '\n' not in said and said.startswith("a call's processes hold 512 MiB together: ")
+  if bounded_box.hierarchy is not None:
+    assert f'a cgroup v{bounded_box.hierarchy.version} per call' in said
+  else:
+    assert 'no cgroup can be made here (Permission denied' in said
+    assert said.endswith('so each of its at most 2 processes gets 256 MiB of address space')
+  assert sandbox_lib.split(BUDGET, 16) == (256 << 20, 2) and sandbox_lib.split(100 << 20, 16) == (100 << 20, 1)
+  assert sandbox_lib.split(8 << 30, 16) == (512 << 20, 16)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason='calls get uids of their own only where the trainer is root')
 def test_a_flood_in_one_call_leaves_a_call_beside_it_its_processes(box):
   """Two calls at once (an environment's threads): the first holds every process its limit allows,
