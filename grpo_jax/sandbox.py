@@ -179,7 +179,9 @@ class Sandbox:
                   '--setenv', 'PATH', '/usr/local/bin:/usr/bin:/bin', '--setenv', 'HOME', '/tmp',
                   '--setenv', 'LANG', 'C.UTF-8', '--setenv', 'PYTHONDONTWRITEBYTECODE', '1',
                   '--hostname', 'sandbox', *_filesystem([*prefixes, *self.paths]),
-                  '--size', str(limits.tmp_bytes), '--perms', '01777', '--tmpfs', '/tmp', '--chdir', '/tmp']
+                  '--size', str(limits.tmp_bytes), '--perms', '01777', '--tmpfs', '/tmp', '--chdir', '/tmp',
+                  # bwrap's root is a tmpfs of no size limit, the user's own where the trainer is not root
+                  '--remount-ro', '/']
     if self.root:  # no user namespace (its uid map would hold only root): bwrap keeps what switching uid
       # needs, then setpriv drops it and every other capability
       self._args += ['--cap-drop', 'ALL', '--cap-add', 'CAP_SETUID', '--cap-add', 'CAP_SETGID']
