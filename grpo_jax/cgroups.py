@@ -111,13 +111,31 @@ def _locate() -> Hierarchy:
 
 
 def find() -> tuple[Hierarchy | None, str]:
-  """Where this process may make trees' cgroups, tried by making one; else None and why not."""
+  """Where this process may make trees' cgroups, tried by making one; else None and why not.
+  The cgroups a process that died mid-call left behind (a tool worker killed at its deadline, a
+  trainer killed) go first."""
   try:
     hierarchy = _locate()
+    _remove_orphans(hierarchy)
     Tree(hierarchy, 1 << 20, 1).remove()
   except OSError as error:
     return None, f'{error.strerror or error}' + (f' ({error.filename})' if error.filename else '')
   return hierarchy, hierarchy.describe()
+
+
+def _remove_orphans(hierarchy: Hierarchy) -> None:
+  """Removes the trees' cgroups whose process (the pid in their name) is gone; their trees died
+  with it (bwrap's --die-with-parent), so they are empty or about to be."""
+  for parent in dict.fromkeys(filter(None, (hierarchy.memory, hierarchy.pids))):
+    for entry in os.listdir(parent):
+      if not entry.startswith(NAME + '-'):
+        continue
+      try:
+        os.kill(int(entry.split('-')[-2]), 0)
+      except ProcessLookupError:
+        _remove(os.path.join(parent, entry))
+      except (ValueError, OSError):  # not a name of ours, or a live process of another user
+        pass
 
 
 _counter = itertools.count()
