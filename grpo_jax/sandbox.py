@@ -34,8 +34,8 @@ The policy's Python tool calls (agents/tool_use.py), and any custom environment'
 
 `check()` starts one sandbox and says in one line why it cannot (bwrap missing, user namespaces
 off, AppArmor's restriction on them), or returns the line saying what bounds a call's memory; tool
-use refuses to run without one unless the config says `task.sandbox: none`. The math reward's answer checks (math-verify, which runs no model code) stay in
-their bounded worker pool.
+use refuses to run without one unless the config says `task.sandbox: none`. The math reward's
+answer checks (math-verify, which runs no model code) stay in their bounded worker pool.
 """
 
 import contextlib
