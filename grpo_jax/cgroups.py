@@ -17,6 +17,7 @@ everything the command forks starts inside.
 
 import contextlib
 import dataclasses
+import errno
 import itertools
 import os
 import signal
@@ -133,7 +134,8 @@ def _remove_orphans(hierarchy: Hierarchy) -> None:
       try:
         os.kill(int(entry.split('-')[-2]), 0)
       except ProcessLookupError:
-        _remove(os.path.join(parent, entry))
+        with contextlib.suppress(OSError):  # once: still busy, or another user's, it waits for the next
+          os.rmdir(os.path.join(parent, entry))
       except (ValueError, OSError):  # not a name of ours, or a live process of another user
         pass
 
@@ -213,7 +215,9 @@ def _remove(directory: str) -> None:
       return
     except FileNotFoundError:
       return
-    except OSError:  # EBUSY: processes still inside
+    except OSError as error:
+      if error.errno != errno.EBUSY:  # not this process's to remove: left as it is
+        return
       waited = time.monotonic() - start
       if waited > 2 * REMOVE_TIMEOUT_S:
         return
