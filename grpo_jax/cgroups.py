@@ -94,9 +94,10 @@ def _locate() -> Hierarchy:
   for point, root, kind, _ in mounts:
     if kind == 'cgroup2' and '' in own:
       directory = _directory(point, root, own[''])
-      if directory and 'memory' in _read(os.path.join(directory, 'cgroup.controllers')).split():
+      available = _read(os.path.join(directory, 'cgroup.controllers')).split() if directory else []
+      if 'memory' in available:
         enabled = _read(os.path.join(directory, 'cgroup.subtree_control')).split()
-        wanted = [name for name in ('memory', 'pids') if name not in enabled]
+        wanted = [name for name in ('memory', 'pids') if name in available and name not in enabled]
         if wanted:  # refused where this cgroup holds processes itself (v2's rule for inner cgroups)
           _write(os.path.join(directory, 'cgroup.subtree_control'), ' '.join('+' + name for name in wanted))
         pids = 'pids' in _read(os.path.join(directory, 'cgroup.subtree_control')).split()
