@@ -17,21 +17,31 @@ The policy's Python tool calls (agents/tool_use.py), and any custom environment'
   so no two calls running at once on the host share one, and a fork flood in one call cannot
   starve another's processes: the process limit counts per uid), with no capabilities and
   no_new_privs; any other trainer runs it as its own uid in a new user namespace that cannot
-  create further ones (`--disable-userns`), where the process limit is the uid's count at the
-  start plus `Limits.processes`, shared with whatever else that user starts meanwhile.
+  create further ones (`--disable-userns`). There the process limit counts the namespace's own
+  processes (Linux 5.14 and newer; bwrap's init among them); an older kernel counts the uid's on
+  the whole host, so the limit is the uid's count at the start plus `Limits.processes`, shared with
+  whatever else that user starts meanwhile.
+- memory: `Limits.memory_bytes` bounds the call's whole tree. Where this process may make a
+  cgroup (grpo_jax/cgroups.py: v2 or v1, as root or in a subtree delegated to its user) each call
+  runs in one of its own, which holds the tree's memory and its processes (pids.max); a single
+  process also stops at that much address space (a MemoryError rather than the kernel's kill).
+  Where none can be made, each process's address space is capped so that the cap times the
+  processes the tree may hold is at most the budget: as many processes as get MIN_PROCESS_BYTES
+  each, up to `Limits.processes`. `check()` says which bound is in force.
 - limits: CPU seconds, address space, processes, file size, open files and core dumps (rlimits set
   before the model's code starts, hard and soft), the tmpfs size, and a wall-clock deadline after
   which the whole tree is killed. Output is read up to `Limits.output_chars`.
 
 `check()` starts one sandbox and says in one line why it cannot (bwrap missing, user namespaces
-off, AppArmor's restriction on them); tool use refuses to run without one unless the config says
-`task.sandbox: none`. The math reward's answer checks (math-verify, which runs no model code) stay in
-their bounded worker pool.
+off, AppArmor's restriction on them), or returns the line saying what bounds a call's memory; tool
+use refuses to run without one unless the config says `task.sandbox: none`. The math reward's
+answer checks (math-verify, which runs no model code) stay in their bounded worker pool.
 """
 
 import contextlib
 import dataclasses
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -41,20 +51,28 @@ import sysconfig
 import threading
 import time
 
+from grpo_jax import cgroups
 from grpo_jax.errors import UserError
 
 SANDBOXES = ('bwrap', 'none')
 UID_BASE = 0x5A000  # 368640 and up: no login or system account's uid
+# Linux 5.14 and newer count RLIMIT_NPROC per user namespace: the sandbox's namespace holds only its call's.
+USER_NAMESPACE_COUNTS = tuple(map(int, re.match(r'(\d+)\.(\d+)', os.uname().release).groups())) >= (5, 14)
 CALLS_PER_PROCESS = 256  # a process's calls at once, each its own uid: UID_BASE + pid * 256 + index
+# Without a cgroup, the least address space a process of the tree gets (Python importing NumPy
+# reaches 130 MB): a budget buys fewer processes rather than processes that cannot start.
+MIN_PROCESS_BYTES = 256 << 20
+BWRAP_PROCESSES = 2  # in a call's cgroup beside the model's: bwrap and the init of its PID namespace
 INSTALL = ('install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap), '
            'or set task.sandbox: none to run model-written code unsandboxed as the trainer\'s user')
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-  """What one call may use: `timeout_s` of wall-clock time and `cpu_s` of CPU, `memory_bytes` of
-  address space per process, `processes` at once, files up to `file_bytes` in a `tmp_bytes` tmpfs,
-  `open_files` descriptors; `output_chars` of its output are kept."""
+  """What one call may use: `timeout_s` of wall-clock time and `cpu_s` of CPU, `memory_bytes` for
+  its processes together (the module's docstring says how it is held), `processes` at once, files
+  up to `file_bytes` in a `tmp_bytes` tmpfs, `open_files` descriptors; `output_chars` of its output
+  are kept."""
 
   timeout_s: float = 10.0
   cpu_s: int = 10
@@ -69,16 +87,19 @@ class Limits:
 @dataclasses.dataclass(frozen=True)
 class Result:
   """A call's output (stdout and stderr as one stream, cut to the limit), its exit status (negative:
-  the signal that ended it) and whether the deadline killed it."""
+  the signal that ended it), whether the deadline killed it, and, where a cgroup held it, how many
+  of its processes the memory bound killed and the most memory the tree held at once."""
 
   output: str
   returncode: int
   timed_out: bool = False
   cut: int = 0  # characters of output past the limit
+  memory_killed: int = 0
+  peak_bytes: int = 0  # 0: no cgroup measured it
 
   @property
   def failed(self) -> bool:
-    return self.timed_out or self.returncode != 0
+    return self.timed_out or self.returncode != 0 or self.memory_killed > 0
 
 
 # The first code the sandboxed interpreter runs: the limits (hard and soft, so the model's code cannot
@@ -158,18 +179,28 @@ class Sandbox:
                   '--setenv', 'PATH', '/usr/local/bin:/usr/bin:/bin', '--setenv', 'HOME', '/tmp',
                   '--setenv', 'LANG', 'C.UTF-8', '--setenv', 'PYTHONDONTWRITEBYTECODE', '1',
                   '--hostname', 'sandbox', *_filesystem([*prefixes, *self.paths]),
-                  '--size', str(limits.tmp_bytes), '--perms', '01777', '--tmpfs', '/tmp', '--chdir', '/tmp']
+                  '--size', str(limits.tmp_bytes), '--perms', '01777', '--tmpfs', '/tmp', '--chdir', '/tmp',
+                  # bwrap's root is a tmpfs of no size limit, the user's own where the trainer is not root
+                  '--remount-ro', '/']
     if self.root:  # no user namespace (its uid map would hold only root): bwrap keeps what switching uid
       # needs, then setpriv drops it and every other capability
       self._args += ['--cap-drop', 'ALL', '--cap-add', 'CAP_SETUID', '--cap-add', 'CAP_SETGID']
     else:
       self._args += ['--unshare-user', '--disable-userns']
+    self.hierarchy, said = cgroups.find()
+    budget = _size(limits.memory_bytes)
+    if self.hierarchy is not None:
+      self.memory_bound = f'a call\'s processes hold {budget} together: {said}'
+    else:
+      each, processes = split(limits.memory_bytes, limits.processes)
+      self.memory_bound = (f'a call\'s processes hold {budget} together: no cgroup can be made here ({said}), so '
+                           f'each of its at most {processes} processes gets {_size(each)} of address space')
 
-  def command(self, uid: int, processes: int) -> list[str]:
-    """The command line of one call as `uid` (switched to where the trainer is root), its process
-    limit `processes` (the uid's count at the start included where the uid is the trainer's)."""
+  def command(self, uid: int, processes: int, memory_bytes: int) -> list[str]:
+    """The command line of one call as `uid` (switched to where the trainer is root), each process
+    capped at `memory_bytes` of address space, the rlimit on processes `processes`."""
     limits = self.limits
-    rlimits = [('RLIMIT_CPU', limits.cpu_s), ('RLIMIT_AS', limits.memory_bytes), ('RLIMIT_NPROC', processes),
+    rlimits = [('RLIMIT_CPU', limits.cpu_s), ('RLIMIT_AS', memory_bytes), ('RLIMIT_NPROC', processes),
                ('RLIMIT_FSIZE', limits.file_bytes), ('RLIMIT_NOFILE', limits.open_files), ('RLIMIT_CORE', 0)]
     runner = RUNNER.replace('LIMITS', repr(rlimits)).replace('PATHS', repr(self.paths))
     python = [self.executable, '-I', '-S', '-B', '-u', '-c', runner]  # -u: output in the order written
@@ -182,14 +213,43 @@ class Sandbox:
     """Runs `code` in a new sandbox; blocking (an async environment awaits asyncio.to_thread)."""
     limits = self.limits
     with _call_uid() if self.root else _trainer_uid() as uid:
-      processes = limits.processes if self.root else _tasks_of(uid) + limits.processes
-      deadline = time.monotonic() + limits.timeout_s
+      tree = self._tree()
       try:
-        process = subprocess.Popen(self.command(uid, processes), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, env={}, start_new_session=True, close_fds=True)
-      except OSError as error:
-        raise SandboxUnavailable(f'the sandbox cannot start: {error.strerror or error}; {INSTALL}') from None
-      return self._finish(process, code, deadline)
+        if tree is not None:  # the cgroup holds the tree; a process alone may take the whole budget
+          command = tree.enter(self.command(uid, self._process_limit(uid, limits.processes), limits.memory_bytes))
+        else:
+          each, processes = split(limits.memory_bytes, limits.processes)
+          command = self.command(uid, self._process_limit(uid, processes), each)
+        deadline = time.monotonic() + limits.timeout_s
+        try:
+          process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env={}, start_new_session=True, close_fds=True)
+        except OSError as error:
+          raise SandboxUnavailable(f'the sandbox cannot start: {error.strerror or error}; {INSTALL}') from None
+        result = self._finish(process, code, deadline)
+        if tree is not None:
+          result = dataclasses.replace(result, memory_killed=tree.memory_kills(), peak_bytes=tree.peak_bytes())
+        return result
+      finally:
+        if tree is not None:
+          tree.remove()
+
+  def _tree(self) -> cgroups.Tree | None:
+    """This call's cgroup; None where none can be made now (the rlimits alone bound the tree)."""
+    if self.hierarchy is None:
+      return None
+    try:
+      return cgroups.Tree(self.hierarchy, self.limits.memory_bytes, self.limits.processes + BWRAP_PROCESSES)
+    except OSError:
+      return None
+
+  def _process_limit(self, uid: int, processes: int) -> int:
+    """RLIMIT_NPROC for a tree of `processes`: the call's own uid counts them alone where the
+    trainer is root; in bwrap's user namespace the kernel counts that namespace's (bwrap's init
+    too) from Linux 5.14, and before it the uid's on the whole host."""
+    if self.root:
+      return processes
+    return processes + 1 if USER_NAMESPACE_COUNTS else _tasks_of(uid) + processes
 
   def _finish(self, process, code: str, deadline: float) -> Result:
     """`code` given to the started `process`; its Result once its output closes or the deadline
@@ -209,20 +269,37 @@ class Sandbox:
     return Result(output, process.returncode, timed_out, cut)
 
   def python(self, code: str) -> tuple[str, bool]:
-    """What the Python tool answers: the code's output (and its exception's last line), a note of
-    the characters cut, or why it was stopped; and whether it failed."""
-    result = self.run(code)
+    """What the Python tool answers for `code`: `answer` of its Result."""
+    return self.answer(self.run(code))
+
+  def answer(self, result: Result) -> tuple[str, bool]:
+    """What the Python tool answers for a call's Result: the code's output (and its exception's
+    last line), a note of the characters cut, or why it was stopped; and whether it failed."""
     text = result.output.strip()
     if result.cut:
       text += f'\n... ({result.cut} more characters cut)'
     if result.timed_out:
       return f'error: the python call ran past its {self.limits.timeout_s:g} s limit', True
+    if result.memory_killed:
+      return (text + ('\n' if text else '') + f'error: the python call\'s processes passed its '
+              f'{_size(self.limits.memory_bytes)} memory limit together ({result.memory_killed} killed)'), True
     number = -result.returncode if result.returncode < 0 else result.returncode - 128  # bwrap: 128 + the signal
     if number > 0 and number in signal.valid_signals():
       name = signal.Signals(number).name
       reason = {'SIGXCPU': f'past its {self.limits.cpu_s} s of CPU time', 'SIGKILL': 'killed'}.get(name, name)
       return (text + ('\n' if text else '') + f'error: the python process was stopped ({reason})').strip(), True
     return text, result.returncode != 0
+
+
+def split(memory_bytes: int, processes: int) -> tuple[int, int]:
+  """(each process's address space, the processes) of a tree bounded without a cgroup: their
+  product at most `memory_bytes`, as many processes as get MIN_PROCESS_BYTES, up to `processes`."""
+  count = max(1, min(processes, memory_bytes // MIN_PROCESS_BYTES))
+  return memory_bytes // count, count
+
+
+def _size(count: int) -> str:
+  return f'{count / (1 << 30):g} GiB' if count >= 1 << 30 else f'{count / (1 << 20):g} MiB'
 
 
 def _read(process, deadline: float, limit: int) -> tuple[str, int, bool]:
@@ -304,16 +381,18 @@ class SandboxUnavailable(UserError):
   """The sandbox cannot start here: one line saying why and what to do."""
 
 
-def check(limits: Limits = Limits()) -> None:
-  """Starts one sandbox; SandboxUnavailable saying why when it cannot."""
+def check(limits: Limits = Limits()) -> str:
+  """Starts one sandbox; SandboxUnavailable saying why when it cannot, else the line saying what
+  bounds a call's memory here (a cgroup per call, or the rlimits without one)."""
   if bwrap() is None:
     raise SandboxUnavailable(f'task.sandbox: bwrap, but bubblewrap (bwrap) is not installed; {INSTALL}')
   if not os.path.isfile('/usr/bin/setpriv') and os.geteuid() == 0:
     raise SandboxUnavailable('task.sandbox: bwrap needs /usr/bin/setpriv (util-linux) to drop root in the sandbox; '
                              'install util-linux')
-  result = Sandbox(limits).run('print("ok")')
+  box = Sandbox(limits)
+  result = box.run('print("ok")')
   if result.returncode == 0 and result.output.strip() == 'ok':
-    return
+    return box.memory_bound
   said = result.output.strip().splitlines()[-1] if result.output.strip() else f'exit status {result.returncode}'
   hint = ''
   if 'Unknown option' in said:

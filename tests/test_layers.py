@@ -18,7 +18,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'grpo_jax'
 # The rungs, ground first: a room imports only rooms on lower rungs (and itself).
 LAYERS = (
     ('errors',),  # the one-sentence errors a user can cause: every room raises them
-    ('sections', 'sharding', 'workers', 'metrics', 'distributed', 'sandbox', 'records'),  # the rest of the ground floor
+    ('sections', 'sharding', 'workers', 'metrics', 'distributed', 'sandbox', 'cgroups', 'records'),  # the rest of the ground floor
     ('ops',),  # kernels: fused log-probs, decode attention, grouped matmul
     ('model',),  # the one decoder, its weights, vision tower, images and token-id check
     ('sampler',),  # decode, slots, rollouts, the pool, the rollout layout
@@ -34,6 +34,8 @@ LAYERS = (
 SAME_RUNG = {
     ('agents', 'evaluation'): "an episode's evaluation and the tool environment use evaluation.py's "
                               'estimators (summarize, final_answer), one set for every evaluator',
+    ('sandbox', 'cgroups'): "the sandbox holds each call's process tree in a cgroup of its own, where one can be "
+                            'made (cgroups.py: both cgroup versions, nothing of the sandbox)',
     ('plan', 'build'): "the plan compiles the run's own RL step, which build.py is the one place to build",
 }
 RUNG = {room: rung for rung, rooms in enumerate(LAYERS) for room in rooms}

@@ -73,12 +73,14 @@ def test_no_variable_and_no_process_of_the_trainer_is_visible(box, monkeypatch):
       ''', trainer=os.getpid())
   assert result.returncode == 0, result.output
   # Only the sandbox's own variables; never root (its own uid when the trainer is root); a PID
-  # namespace holding bwrap's init and the call; the trainer's environment not there to read.
+  # namespace holding bwrap's init and the call; the trainer's environment not there to read
+  # (bwrap's init: root's where the trainer is root, else the user's own, started with nothing in it).
   uid = sandbox_lib.UID_BASE + os.getpid() * sandbox_lib.CALLS_PER_PROCESS if os.geteuid() == 0 else os.getuid()
   gid = uid if os.geteuid() == 0 else os.getgid()
   assert result.output.splitlines() == [
       "['HOME', 'LANG', 'PATH', 'PWD', 'PYTHONDONTWRITEBYTECODE']", f'{uid} {uid} {gid} {gid} []', '[1, 2]',
-      f'/proc/{os.getpid()}/environ FileNotFoundError', '/proc/1/environ PermissionError']
+      f'/proc/{os.getpid()}/environ FileNotFoundError',
+      '/proc/1/environ PermissionError' if os.geteuid() == 0 else "/proc/1/environ b''"]
   assert uid != 0
   assert secret not in result.output
 
@@ -236,6 +238,132 @@ def test_floods_are_bounded_and_the_host_is_unaffected(box):
   assert spin[1] and 'stopped' in spin[0] and time.monotonic() - start < 10
 
 
+def test_a_flood_stops_at_its_process_limit_whatever_else_its_user_runs(box):
+  """The process-limit arithmetic: the call's code and its children are `processes` at most (its
+  cgroup's, or the rlimit's without one), however many processes the trainer's uid holds besides
+  (a trainer that is not root shares its uid with the sandbox)."""
+  if os.geteuid() != 0 and not sandbox_lib.USER_NAMESPACE_COUNTS:
+    pytest.skip('before Linux 5.14 an unprivileged sandbox shares its process count with its uid')
+  expected = LIMITS.processes if box.hierarchy is not None else sandbox_lib.split(LIMITS.memory_bytes,
+                                                                                  LIMITS.processes)[1]
+  sleepers = [subprocess.Popen(['/bin/sleep', '30']) for _ in range(6)]
+  try:
+    forks = run(box, FLOOD, hold=5, linger=0)
+  finally:
+    for sleeper in sleepers:
+      sleeper.kill()
+      sleeper.wait()
+  assert forks.output.split()[1:] == ['forks', str(expected - 1), 'BlockingIOError'], forks.output
+
+
+# One call's tree asking for more than its budget together: six children each holding 200 MB, which
+# one process's limit allows (each process names itself `marker`: the host's sampler finds them).
+SIX_CHILDREN = '''
+    import ctypes, os, time
+    ctypes.CDLL(None).prctl(15, marker.encode())  # PR_SET_NAME
+    children, refused = [], None
+    for _ in range(6):
+      try:
+        pid = os.fork()
+      except OSError as error:  # the children started so far still take their memory
+        refused = error
+        break
+      if pid == 0:
+        held = b'x' * (200 << 20)
+        time.sleep(hold)
+        os._exit(0)
+      children.append(pid)
+    print(sorted(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children))
+    if refused:
+      raise refused
+    '''
+BUDGET = 512 << 20
+
+
+class TreeMemory:
+  """The most memory a call's processes (those named `marker`) held at once, sampled from the host
+  every 10 ms: the sum of their proportional set sizes (a page shared after fork counted once) where
+  no cgroup measures the tree."""
+
+  def __init__(self, marker: str):
+    import threading
+    self.marker, self.peak, self._done = marker, 0, threading.Event()
+    self._thread = threading.Thread(target=self._sample, daemon=True)
+    self._thread.start()
+
+  def _sample(self):
+    while not self._done.wait(0.01):
+      total = 0
+      for name in os.listdir('/proc'):
+        try:
+          with open(f'/proc/{name}/comm') as f:
+            if f.read().strip() != self.marker:
+              continue
+          with open(f'/proc/{name}/smaps_rollup') as f:
+            total += next(int(line.split()[1]) << 10 for line in f if line.startswith('Pss:'))
+        except (OSError, StopIteration, ValueError):
+          pass
+      self.peak = max(self.peak, total)
+
+  def stop(self) -> int:
+    self._done.set()
+    self._thread.join()
+    return self.peak
+
+
+@pytest.fixture(params=['cgroup', 'rlimits'])
+def bounded_box(request, monkeypatch):
+  """A sandbox of BUDGET bytes for a call's processes together, held by a cgroup per call or, with
+  making one refused (as a trainer neither root nor delegated a subtree is), by the rlimits."""
+  if request.param == 'rlimits':
+    mkdir = os.mkdir
+
+    def refuse(path, *args, **kwargs):
+      if str(path).startswith(sandbox_lib.cgroups.ROOT):
+        raise PermissionError(13, 'Permission denied', str(path))
+      return mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, 'mkdir', refuse)
+  bounded = Sandbox(Limits(timeout_s=15.0, cpu_s=15, processes=16, memory_bytes=BUDGET))
+  if request.param == 'cgroup' and bounded.hierarchy is None:
+    pytest.skip(bounded.memory_bound)
+  assert (bounded.hierarchy is None) == (request.param == 'rlimits')
+  return bounded
+
+
+def test_a_calls_processes_hold_its_memory_budget_together(bounded_box):
+  """Six children each taking 200 MB (1.2 GB at once unbounded) are stopped within the budget, the
+  answer says so, and the next call runs as usual; so does a single process asking for more."""
+  marker = f'six{os.getpid() % 1_000_000}'
+  sampler = TreeMemory(marker)
+  result = run(bounded_box, SIX_CHILDREN, marker=marker, hold=1.5)
+  sampled = sampler.stop()
+  text, failed = bounded_box.answer(result)
+  assert failed and sampled > 200 << 20, (sampled, text)  # the sampler saw at least one child's 200 MB
+  if bounded_box.hierarchy is not None:  # the kernel killed some at the cgroup's bound, its peak the tree's
+    # (the host's sampler reads one process after another, so it may add a child killed meanwhile to the next)
+    assert 0 < result.peak_bytes <= BUDGET and result.memory_killed >= 1, result
+    assert text.endswith(f'error: the python call\'s processes passed its 512 MiB memory limit together '
+                         f'({result.memory_killed} killed)'), text
+  else:  # two processes of 256 MiB each: the second child cannot start
+    assert sampled <= BUDGET and (result.peak_bytes, result.memory_killed) == (0, 0), (sampled, result)
+    assert text == '[0]\nBlockingIOError: [Errno 11] Resource temporarily unavailable', text
+  assert bounded_box.python('x = b"x" * (600 << 20)') == ('MemoryError:', True)
+  assert bounded_box.python('print(6 * 7)') == ('42', False)
+
+
+def test_check_says_what_bounds_a_calls_memory(bounded_box):
+  said = sandbox_lib.check(bounded_box.limits)
+  assert '\n' not in said and said.startswith("a call's processes hold 512 MiB together: ")
+  if bounded_box.hierarchy is not None:
+    assert f'a cgroup v{bounded_box.hierarchy.version} per call' in said
+  else:
+    assert 'no cgroup can be made here (Permission denied' in said
+    assert said.endswith('so each of its at most 2 processes gets 256 MiB of address space')
+  assert sandbox_lib.split(BUDGET, 16) == (256 << 20, 2) and sandbox_lib.split(100 << 20, 16) == (100 << 20, 1)
+  assert sandbox_lib.split(8 << 30, 16) == (512 << 20, 16)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason='calls get uids of their own only where the trainer is root')
 def test_a_flood_in_one_call_leaves_a_call_beside_it_its_processes(box):
   """Two calls at once (an environment's threads): the first holds every process its limit allows,
@@ -294,6 +422,15 @@ def test_the_sandbox_dies_with_its_caller(tmp_path):
   while processes_matching(f'sleep {marker}') and time.monotonic() < deadline:
     time.sleep(0.05)
   assert processes_matching(f'sleep {marker}') == []
+  # The call's cgroup, left behind by its killed caller, goes when a sandbox is next made (once its
+  # last processes are reaped).
+  hierarchy, deadline = Sandbox(LIMITS).hierarchy, time.monotonic() + 5
+  name = f'{sandbox_lib.cgroups.NAME}-{caller.pid}-'
+  while hierarchy is not None and [entry for directory in {hierarchy.memory, hierarchy.pids} - {None}
+                                   for entry in os.listdir(directory) if entry.startswith(name)]:
+    assert time.monotonic() < deadline, f'the cgroup of a call whose caller died is still there: {name}*'
+    time.sleep(0.1)
+    Sandbox(LIMITS)
 
 
 @pytest.mark.parametrize('code', ['print(6 * 7)', 'import sys\nprint("a"); print("b", file=sys.stderr)',
@@ -302,3 +439,52 @@ def test_the_sandbox_dies_with_its_caller(tmp_path):
 def test_a_benign_call_answers_as_it_does_unsandboxed(box, code):
   from grpo_jax.agents import tools
   assert box.python(code) == tools._python(code)
+
+
+# The tests of this file run again as an unprivileged user (the path a trainer that is not root
+# takes: its own uid in a user namespace, no cgroup of its own); where the suite runs as root.
+NOBODY = 65534
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def readable_view() -> list[str]:
+  """bwrap's arguments (run as root) for the host as it is, but with what the run needs within the
+  unprivileged user's reach: each directory above the checkout or the interpreter it may not pass
+  (a clone in /root, an interpreter under ~/.pyenv) becomes an empty tmpfs it may, with those
+  bound back in. The run writes only to /tmp."""
+  import sysconfig
+  needed = {os.path.realpath(path) for path in (ROOT, sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                                 *sysconfig.get_paths().values()) if os.path.isdir(path)}
+  closed = sorted({parent for path in needed for parent in sandbox_lib._parents(path + '/')
+                   if not os.stat(parent).st_mode & 0o001})  # o+x: what a user of no group may pass
+  closed = [path for path in closed if not any(path.startswith(other + '/') for other in closed)]
+  args = ['--dev-bind', '/', '/']
+  for path in closed:
+    args += ['--perms', '0755', '--tmpfs', path]
+  made = set(closed)
+  for path in sorted(needed):
+    if any(path.startswith(other + '/') for other in closed) and not any(path.startswith(other + '/') for other in needed):
+      for parent in sandbox_lib._parents(path):  # bwrap would make them 0700
+        if parent not in made and any(parent.startswith(other + '/') for other in closed):
+          args += ['--perms', '0755', '--dir', parent]
+          made.add(parent)
+      args += ['--ro-bind', path, path]
+  return args
+
+
+def as_nobody(*pytest_args: str) -> subprocess.CompletedProcess:
+  """This file's tests selected by `pytest_args`, run as nobody (no conftest: the sandbox needs none)."""
+  command = [sandbox_lib.bwrap(), *readable_view(), '--', '/usr/bin/setpriv', f'--reuid={NOBODY}',
+             f'--regid={NOBODY}', '--clear-groups', sys.executable, '-m', 'pytest', os.path.abspath(__file__),
+             '--noconftest', '-p', 'no:cacheprovider', '-p', 'no:randomly', '-q', '-rs', *pytest_args]
+  env = {'PATH': os.environ.get('PATH', '/usr/bin:/bin'), 'HOME': '/tmp', 'LANG': 'C.UTF-8', 'PYTHONPATH': ROOT,
+         'PYTHONDONTWRITEBYTECODE': '1'}
+  return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd='/tmp')
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason='switching to an unprivileged user needs root')
+def test_every_sandbox_test_passes_as_an_unprivileged_user():
+  """The path of a trainer that is not root, proven beside root's: the process limit's arithmetic
+  in a user namespace, the memory budget without a cgroup, every escape held."""
+  done = as_nobody()
+  assert done.returncode == 0 and ' passed' in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]

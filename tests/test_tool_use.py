@@ -98,6 +98,21 @@ def test_hostile_python_is_bounded_in_the_workers(pool):
       [('error: exponent 10000 is past 1000', True), 1.0]
 
 
+def test_the_pools_calls_hold_their_memory_together(capsys):
+  """Each Python call's processes hold their worker's share of the pool's budget (its cgroup's or
+  the rlimits' bound, sandbox.py), so the calls running at once stay within it; the run says which
+  bound holds on this machine."""
+  import types
+  for workers in (1, 3, 4, 8, 64):
+    assert workers * tool_use.call_memory_bytes(workers) <= tool_use.TOOL_MEMORY_BYTES
+  assert [tool_use.call_memory_bytes(workers) for workers in (1, 4, 8)] == [1 << 30, 1 << 30, 512 << 20]
+  task = types.SimpleNamespace(sandbox='bwrap', tool_timeout_s=3.0, reward_workers=8)
+  setup = tool_use._worker_setup(task, ('python',))
+  assert setup.args[1].memory_bytes == 512 << 20
+  said = capsys.readouterr().err
+  assert said.startswith("task.sandbox: bwrap: a call's processes hold 512 MiB together: ") and said.count('\n') == 1
+
+
 def test_a_pool_serves_async_callers_while_one_item_hangs(pool):
   """An event loop awaits several calls; one that hangs holds one worker until its deadline while
   the other worker answers the rest."""

@@ -16,7 +16,9 @@ is tokenized with its special tokens split, so output that spells `<|im_end|>` c
 
 Tools and answer checks run in `task.reward_workers` bounded worker processes (grpo_jax.workers:
 a deadline, a memory cap, dying with the trainer); each Python call runs from there in a sandbox of
-its own (grpo_jax.sandbox, `task.sandbox: bwrap`), `task.tool_timeout_s` at most. A call that
+its own (grpo_jax.sandbox, `task.sandbox: bwrap`), `task.tool_timeout_s` at most, its processes
+holding their worker's share of TOOL_MEMORY_BYTES together (the pool's calls at once stay within
+it); the line the sandbox's check gives says what holds that bound on this machine. A call that
 cannot be read, fails, hangs, crashes or floods its output becomes a short error observation and
 counts as a tool error, never a crash of the run.
 """
@@ -39,6 +41,9 @@ from grpo_jax.workers import Failed, WorkerPool
 
 MAX_OBSERVATION_CHARS = 1200
 SANDBOX_MARGIN_S = 5.0  # the worker's deadline past the sandbox's: starting and ending one takes a moment
+# The memory of the Python calls running at once (one per tool worker), together: each call's
+# processes hold their worker's share, at most a call's default (sandbox.Limits.memory_bytes).
+TOOL_MEMORY_BYTES = 4 << 30
 
 
 class ToolWorld:
@@ -118,9 +123,15 @@ def _worker_setup(task, tools):
     print(f'task.sandbox: none: the python tool runs model-written code unsandboxed, as the trainer\'s user (uid '
           f'{os.getuid()}), with its files, environment and network in reach', file=sys.stderr, flush=True)
     return functools.partial(worker_setup, 'none')
-  limits = sandbox.Limits(timeout_s=task.tool_timeout_s, cpu_s=int(task.tool_timeout_s) + 1)
-  sandbox.check(limits)
+  limits = sandbox.Limits(timeout_s=task.tool_timeout_s, cpu_s=int(task.tool_timeout_s) + 1,
+                          memory_bytes=call_memory_bytes(task.reward_workers))
+  print(f'task.sandbox: bwrap: {sandbox.check(limits)}', file=sys.stderr, flush=True)
   return functools.partial(worker_setup, 'bwrap', limits)
+
+
+def call_memory_bytes(workers: int) -> int:
+  """A Python call's budget for its processes together: its worker's share of TOOL_MEMORY_BYTES."""
+  return min(sandbox.Limits.memory_bytes, TOOL_MEMORY_BYTES // workers)
 
 
 def build(config) -> AgentTask:
