@@ -86,7 +86,10 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
   require(config.algo.routing_replay == 'none' or model.config.num_sparse_layers, 'algo.routing_replay',
           f"'{config.algo.routing_replay}' replays the experts of a mixture of experts; this model "
           f'({model.config.model_type}) is dense: set algo.routing_replay=none')
-  freeze = ('visual',) if model.config.vision is not None and config.model.options.freeze_vision else ()
+  require(not config.model.options.freeze_vision or model.config.vision is not None, 'model.freeze_vision',
+          f'freezes a vision-language model\'s vision tower; this model ({model.config.model_type}) has none: '
+          'leave it false')
+  freeze = ('visual',) if config.model.options.freeze_vision else ()
   optimizer, schedule = config.optim.build(total_updates(config), frozen=freeze)
   if config.rollout.devices and sampler_devices is None:
     sampler_devices = split_devices(jax.devices(), config.rollout.devices)[1]

@@ -128,6 +128,21 @@ def test_an_expert_axis_that_does_not_divide_the_experts(expert):
     config.model.build(mesh, config.run.seed)
 
 
+def test_freezing_the_vision_tower_of_a_text_model():
+  """model.freeze_vision on the text demo (no vision tower) was silently ignored: refused when the
+  run's step is built, where the model's own config says whether it has a tower."""
+  import jax
+
+  from grpo_jax.build import build_rl_step, build_task
+  from grpo_jax.sharding import make_mesh
+  config = load_config(os.path.join(ROOT, 'configs/tiny_arith.yaml'), ['model.freeze_vision=true'])
+  mesh = make_mesh(config.mesh, devices=jax.devices()[:1])
+  model = config.model.build(mesh, config.run.seed)
+  with pytest.raises(FieldError, match=r"model.freeze_vision freezes a vision-language model's vision tower; this "
+                                       r'model \(qwen2\) has none'):
+    build_rl_step(config, model, mesh, build_task(config))
+
+
 # ---- workdirs ----
 
 def test_workdir_that_is_a_file_or_lies_under_one(tmp_path):
