@@ -86,16 +86,26 @@ def _alive(pid: int) -> bool:
 def _start(workdir, config, overrides, devices):
   command = [sys.executable, '-m', 'grpo_jax.train', '--config', config, '--workdir', str(workdir)]
   command += [argument for setting in overrides for argument in ('--set', setting)]
-  log = open(os.path.join(os.path.dirname(str(workdir)), f'{os.path.basename(str(workdir))}.log'), 'a')
+  stem = os.path.join(os.path.dirname(str(workdir)), os.path.basename(str(workdir)))
+  log = open(next(f'{stem}.{n}.log' for n in range(100) if not os.path.exists(f'{stem}.{n}.log')), 'w')
   process = subprocess.Popen(command, cwd=ROOT, env=device_env(devices), stdout=subprocess.DEVNULL, stderr=log)
   process.log = log
   return process
 
 
 def _log(process) -> str:
-  process.log.flush()
+  if not process.log.closed:
+    process.log.flush()
   with open(process.log.name) as f:
     return f.read()[-4000:]
+
+
+def assert_resumed_from_newest(process, workdir, newest: int | None):
+  """The run said it resumed from `newest` (the newest whole checkpoint when it started), or, with
+  none, that it did not resume: restarting from nothing would equal the uninterrupted run too."""
+  said = [line for line in _log(process).splitlines() if line.startswith('resumed from ')]
+  expected = [f'resumed from {os.path.join(os.path.abspath(workdir), "checkpoints", str(newest))}'] if newest else []
+  assert [line.split(' with a changed config')[0] for line in said] == expected, (said, expected)
 
 
 def _moment_reached(moment, finished, saving, finished_before) -> int | None:
@@ -159,14 +169,20 @@ def kill_twice_and_resume(tmp_path, config, overrides, moments, devices=1, seed=
   start = functools.partial(_start, config=config, overrides=[*SMALL, *overrides], devices=devices)
   reference = start(tmp_path / 'whole')
   assert reference.wait(timeout=TIMEOUT_S) == 0, _log(reference)
-  hits = []
+  hits, killed = [], tmp_path / 'killed'
+  newest = lambda: max(_checkpoints(killed)[0], default=None)  # noqa: E731
   for moment in moments:
-    hits.append(kill_at(start(tmp_path / 'killed'), tmp_path / 'killed', moment, rng))
-    assert_complete_checkpoints(tmp_path / 'killed')
-  resumed = start(tmp_path / 'killed')
+    before = newest()
+    victim = start(killed)
+    hits.append(kill_at(victim, killed, moment, rng))
+    assert_resumed_from_newest(victim, killed, before)
+    assert_complete_checkpoints(killed)
+  before = newest()
+  resumed = start(killed)
   assert resumed.wait(timeout=TIMEOUT_S) == 0, f'{hits} (seed {seed}):\n{_log(resumed)}'
-  assert_complete_checkpoints(tmp_path / 'killed')
-  assert without_timing(read_metrics(tmp_path / 'killed')) == without_timing(read_metrics(tmp_path / 'whole')), \
+  assert_resumed_from_newest(resumed, killed, before)
+  assert_complete_checkpoints(killed)
+  assert without_timing(read_metrics(killed)) == without_timing(read_metrics(tmp_path / 'whole')), \
       f'{hits} (seed {seed})'
   return hits
 
