@@ -160,10 +160,28 @@ def assert_complete_checkpoints(workdir):
       assert os.path.isfile(os.path.join(workdir, 'checkpoints', str(step), part, 'commit_success.txt')), (step, part)
 
 
+def assert_same_final_state(workdir, reference):
+  """The last checkpoint's state (parameters, optimizer moments, step, PRNG key, pools in flight)
+  equals the reference run's bit for bit: the metrics cannot show the last update's effect."""
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  def state(run):
+    with ocp.StandardCheckpointer() as checkpointer:
+      return jax.tree.flatten_with_path(checkpointer.restore(os.path.join(run, 'checkpoints', str(STEPS), 'state')))[0]
+
+  ours, theirs = state(workdir), state(reference)
+  assert ours and [path for path, _ in ours] == [path for path, _ in theirs]
+  differ = [jax.tree_util.keystr(path) for (path, a), (_, b) in zip(ours, theirs)
+            if not np.array_equal(np.asarray(a), np.asarray(b))]
+  assert not differ, differ[:5]
+
+
 def kill_twice_and_resume(tmp_path, config, overrides, moments, devices=1, seed=None):
   """An uninterrupted run; the same run killed at moments[0], resumed and killed at moments[1],
-  resumed to its end: the metrics of every step equal the uninterrupted run's, and the checkpoints
-  left are whole. The random delay's seed is drawn fresh and named on failure."""
+  resumed to its end: the metrics of every step and the last checkpoint's state equal the
+  uninterrupted run's, and the checkpoints left are whole. The random delay's seed is drawn fresh and named on failure."""
   seed = random.randrange(2**32) if seed is None else seed
   rng = random.Random(seed)
   start = functools.partial(_start, config=config, overrides=[*SMALL, *overrides], devices=devices)
@@ -184,6 +202,7 @@ def kill_twice_and_resume(tmp_path, config, overrides, moments, devices=1, seed=
   assert_complete_checkpoints(killed)
   assert without_timing(read_metrics(killed)) == without_timing(read_metrics(tmp_path / 'whole')), \
       f'{hits} (seed {seed})'
+  assert_same_final_state(killed, tmp_path / 'whole')
   return hits
 
 
