@@ -125,14 +125,22 @@ def test_generate_serving_and_the_sampler_stop_on_every_listed_eos(seed, make_hf
   from grpo_jax.model.loading import from_pretrained, load_tokenizer
   directory, reference = make_hf_checkpoint(seed)
   family = write_family(directory, 'llama3')
-  prompt = hand_ids(family, ['<|begin_of_text|>', 'one plus two'])
-  with torch.no_grad():
-    greedy = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=None,
-                                pad_token_id=0)[0, len(prompt):].tolist()
-  # The first position from 2 on whose token the answer has not shown before becomes a listed stop.
-  at = next((k for k in range(2, 10) if greedy[k] not in greedy[:k]), None)
-  if at is None:
-    pytest.skip(f'seed {seed}: the greedy answer {greedy} repeats one token')
+  listed = {vocabulary(family)[token] for token in family.stops}
+
+  def answer(text):
+    """(prompt, greedy answer, the first position from 1 on whose token the answer has not shown
+    before) for a prompt whose answer holds none of the family's own stops, else None."""
+    prompt = hand_ids(family, ['<|begin_of_text|>', text])
+    with torch.no_grad():
+      greedy = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=None,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+    at = next((k for k in range(1, 10) if greedy[k] not in greedy[:k]), None)
+    return None if at is None or listed & set(greedy[:at + 1]) else (prompt, greedy, at)
+
+  # The first new token of a greedy answer becomes a stop that generation_config.json alone lists.
+  found = next(filter(None, map(answer, [f'{a} plus {b}' for a in ('one', 'two', 'six') for b in ('two', 'ten')])), None)
+  assert found is not None, f'seed {seed}: every greedy answer repeats one token or holds a stop'
+  prompt, greedy, at = found
   stop = greedy[at]
   with open(f'{directory}/generation_config.json', 'w') as f:
     json.dump({'eos_token_id': [vocabulary(family)['<|end_of_text|>'], stop]}, f)
@@ -146,10 +154,10 @@ def test_generate_serving_and_the_sampler_stop_on_every_listed_eos(seed, make_hf
   assert stop in engine.stop_token_ids and engine.pad_id not in engine.stop_token_ids
 
   special = special_tokens(load_tokenizer(directory), checkpoint_eos_ids(directory))
-  assert stop in special.stop_ids and greedy[1] not in special.stop_ids
+  assert stop in special.stop_ids and greedy[at - 1] not in special.stop_ids
   model = from_pretrained(directory)
   settings = DecodeSettings(sampling=SamplingConfig(greedy=True), max_new_tokens=10,
-                            stop_token_ids=special.stop_ids, pad_id=greedy[1])
+                            stop_token_ids=special.stop_ids, pad_id=greedy[at - 1])
   rollout = jax.device_get(GroupSampler(model, group_size=1, settings=settings)(
       nnx.state(model), np.array([prompt], np.int32), np.ones((1, len(prompt)), np.int32), jax.random.key(0)))
   assert rollout.tokens[0, :at + 1].tolist() == greedy[:at + 1] and int(rollout.lengths[0]) == at + 1
