@@ -1,6 +1,6 @@
 """Tokenizers, chat templates, stop ids and pads as each family ships them (Llama 3, Mistral, GLM-4,
-Gemma 3, DeepSeek-LLM), on tokenizers built here (tests/family_tokenizers.py): the math task's
-prompts, the agents' text turns, and the stops of generate, serving and the sampler."""
+Gemma 3, DeepSeek-LLM), on tokenizers built here (tests/family_tokenizers.py): the math task's and
+serving's prompts, the agents' text turns, and the stops of generate, serving and the sampler."""
 
 import json
 
@@ -15,6 +15,7 @@ from grpo_jax.agents.inference import Completion
 from grpo_jax.agents.text import TextCodec
 from grpo_jax.errors import UserError
 from grpo_jax.sampler.special_tokens import checkpoint_eos_ids, special_tokens
+from grpo_jax.serve.tokenizer import HFTokenizer
 from test_math_task import make_task, write_problems
 
 QUESTION = 'Q: What is 3 plus one?'  # prompt_template 'Q: {prompt}' on write_problems' record 3
@@ -42,7 +43,7 @@ def test_math_prompts_stops_and_pad_follow_the_family(tmp_path, name):
   prefix) once, whether the template (in tokenizer_config.json or chat_template.jinja) writes it
   or the tokenizer adds it to a prompt without a template; its stops are the tokenizer's eos and
   every eos id config.json and generation_config.json list; its pad is never a stop unless the
-  tokenizer names it so (GLM-4)."""
+  tokenizer names it so (GLM-4). Serving's text requests are tokenized alike."""
   family = write_family(str(tmp_path / name), name)
   vocab = vocabulary(family)
   problems = write_problems(tmp_path / 'p.jsonl', 4)
@@ -56,6 +57,9 @@ def test_math_prompts_stops_and_pad_follow_the_family(tmp_path, name):
                                                              add_generation_prompt=True, return_dict=False)
   assert plain.problems.prompt_ids[index].tolist() == hand_ids(family, [*family.prefix, QUESTION])
   assert plain.problems.prompt_ids[index].tolist() == plain.tokenizer(QUESTION)['input_ids']
+  # Serving renders a text request the same way, and leaves a request without the template as sent.
+  served, raw = (HFTokenizer(str(tmp_path / name), chat_template=mode) for mode in ('auto', 'never'))
+  assert served.token_ids(QUESTION) == expected and raw.token_ids(QUESTION) == hand_ids(family, [*family.prefix, QUESTION])
   first = vocab[family.prefix[0]]
   assert [row.tolist().count(first) for row in (templated.problems.prompt_ids[index], plain.problems.prompt_ids[index])] == [1, 1]
 
