@@ -66,8 +66,9 @@ def checkpoint_eos_ids(*directories) -> tuple[int, ...]:
 def special_tokens(tokenizer, eos_token_ids=()) -> SpecialTokens:
   """eos: the tokenizer's, else the first of STOP_TOKENS it has, else the first of `eos_token_ids`
   (checkpoint_eos_ids); stops: eos, the STOP_TOKENS the tokenizer has, and `eos_token_ids`, in that
-  order without repeats; pad: the tokenizer's, else its unk, else the smallest id that is neither a
-  stop nor its BOS (never eos: see the module's docstring), else 0 without a tokenizer."""
+  order without repeats; pad: the tokenizer's (GLM-4's and Qwen's name a stop: harmless, see the
+  module's docstring), else its unk, else the smallest id that is neither a stop nor its BOS (a
+  family without a pad never gets its eos), else 0 without a tokenizer."""
   stops = []
   eos_id = None
   if tokenizer is not None:
