@@ -28,6 +28,7 @@ from grpo_jax.errors import require
 from grpo_jax.model.quantize import ROLLOUT_WEIGHTS, RolloutWeights
 from grpo_jax.model.qwen2 import Qwen2
 from grpo_jax.model.vision import Vision
+from grpo_jax.records import along, fields_along, map_along
 from grpo_jax.sampler.decode import DecodeSettings, request_keys
 from grpo_jax.sampler.layout import RolloutLayout, run_resident
 from grpo_jax.sampler.sampling import SamplingConfig
@@ -113,30 +114,25 @@ class Rollout:
               None: not recorded.
   """
 
-  tokens: jax.Array
-  log_probs: jax.Array
-  mask: jax.Array
-  lengths: jax.Array
-  stopped: jax.Array
-  decode_steps: jax.Array | None = None
-  context: jax.Array | None = None
-  versions: jax.Array | None = None
-  routes: jax.Array | None = None
+  tokens: jax.Array = along('row')
+  log_probs: jax.Array = along('row')
+  mask: jax.Array = along('row')
+  lengths: jax.Array = along('row')
+  stopped: jax.Array = along('row')
+  decode_steps: jax.Array | None = None  # the loop's, not a row's
+  context: jax.Array | None = along('row', default=None)
+  versions: jax.Array | None = along('row', default=None)
+  routes: jax.Array | None = along('row', default=None)
 
   @property
   def sequence_mask(self) -> jax.Array:
     """[P*G, N] the tokens of each row's sequence after its prompt (what the model attends to)."""
     return self.mask if self.context is None else self.context
 
-  def _row_fields(self) -> list[str]:
-    """The per-row fields ([P*G, ...]: every field but `decode_steps`) this rollout has."""
-    return [field.name for field in dataclasses.fields(self)
-            if field.name != 'decode_steps' and getattr(self, field.name) is not None]
-
   def map_rows(self, fn) -> 'Rollout':
-    """fn applied to every per-row field, `context` and `versions` included: a field added later
-    travels with the rows on every path."""
-    return dataclasses.replace(self, **{name: fn(getattr(self, name)) for name in self._row_fields()})
+    """fn applied to every per-row field (along('row')), the optional ones present included: a
+    field added later with its kind travels with the rows on every path."""
+    return map_along(self, 'row', fn)
 
   def take(self, rows) -> 'Rollout':
     """Rows `rows` (indices) of every per-row field."""
@@ -147,7 +143,8 @@ class Rollout:
     """The rows of rollouts sampled one after another (dynamic sampling's rounds), in order;
     `decode_steps` their sum (the rounds' loops ran one after another over the same slots)."""
     first = rollouts[0]
-    rows = {name: jnp.concatenate([getattr(r, name) for r in rollouts]) for name in first._row_fields()}
+    rows = {name: jnp.concatenate([getattr(r, name) for r in rollouts])
+            for name, value in fields_along(first, 'row').items() if value is not None}
     steps = jax.tree.map(lambda *counts: sum(counts), *[r.decode_steps for r in rollouts])
     return dataclasses.replace(first, decode_steps=steps, **rows)
 
