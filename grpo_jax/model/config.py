@@ -427,7 +427,7 @@ def _one_rope(params: dict, theta: float, partial: float, where: str, source: st
   if rope_type == 'mrope' and params.get('mrope_section'):  # the hub's Qwen2.5-VL spelling of default RoPE
     rope_type = 'default'
   if rope_type not in _ROPE_KEYS:
-    raise UserError(f'{source}: {where}.rope_type {rope_type!r} is not supported; the decoder has '
+    raise UserError(f'{source}: {where}: rope type {rope_type!r} is not supported; the decoder has '
                     f'{", ".join(ROPE_TYPES)}')
   unknown = [key for key in params if key not in _ROPE_KEYS[rope_type]]
   if unknown and not (rope_type == 'default' and unknown == ['factor'] and params['factor'] == 1.0):
