@@ -25,24 +25,31 @@ ACTIVATIONS = ('silu', 'gelu_pytorch_tanh')
 ROPE_TYPES = ('default', 'linear', 'llama3')
 LAYER_TYPES = ('full_attention', 'sliding_attention')
 
-# model_type -> (architecture class, its defaults for the fields that tell the families apart). A
-# field a config.json sets itself (attention_bias, partial_rotary_factor, ...) overrides its default.
+# model_type -> (architecture class, its defaults for the fields that tell the families apart, the
+# values transformers gives the config.json keys a file leaves out). A field a config.json sets
+# itself (attention_bias, partial_rotary_factor, ...) overrides its default.
 _GEMMA3 = dict(family='gemma3_text', attention_bias=False, qk_norm=True, norm_offset=True, sandwich_norms=True,
                embedding_scale=True, hidden_act='gelu_pytorch_tanh')
-MODEL_TYPES = {'qwen2': ('Qwen2ForCausalLM', dict(attention_bias=True, qk_norm=False)),
-               'qwen3': ('Qwen3ForCausalLM', dict(attention_bias=False, qk_norm=True)),
-               'qwen3_moe': ('Qwen3MoeForCausalLM', dict(attention_bias=False, qk_norm=True)),
-               'qwen2_5_vl': ('Qwen2_5_VLForConditionalGeneration', dict(attention_bias=True, qk_norm=False)),
+_GEMMA3_FILE = dict(vocab_size=262208, head_dim=256, max_position_embeddings=131072, tie_word_embeddings=True,
+                    bos_token_id=2, eos_token_id=1, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                    rope_local_base_freq=10000.0, query_pre_attn_scalar=256, sliding_window=4096)
+MODEL_TYPES = {'qwen2': ('Qwen2ForCausalLM', dict(attention_bias=True, qk_norm=False), {}),
+               'qwen3': ('Qwen3ForCausalLM', dict(attention_bias=False, qk_norm=True), {}),
+               'qwen3_moe': ('Qwen3MoeForCausalLM', dict(attention_bias=False, qk_norm=True), {}),
+               'qwen2_5_vl': ('Qwen2_5_VLForConditionalGeneration', dict(attention_bias=True, qk_norm=False), {}),
                # Llama 3.x and DeepSeek-LLM (its own vocabulary, plain RoPE)
-               'llama': ('LlamaForCausalLM', dict(family='llama', attention_bias=False, qk_norm=False)),
-               'mistral': ('MistralForCausalLM', dict(family='mistral', attention_bias=False, qk_norm=False)),
+               'llama': ('LlamaForCausalLM', dict(family='llama', attention_bias=False, qk_norm=False),
+                         dict(max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)),
+               'mistral': ('MistralForCausalLM', dict(family='mistral', attention_bias=False, qk_norm=False),
+                           dict(max_position_embeddings=131072, bos_token_id=1, eos_token_id=2, sliding_window=4096)),
                'glm4': ('Glm4ForCausalLM', dict(family='glm4', attention_bias=True, qk_norm=False, sandwich_norms=True,
-                                                fused_gate_up=True, rope_interleaved=True, partial_rotary_factor=0.5)),
-               'gemma3_text': ('Gemma3ForCausalLM', _GEMMA3),
+                                                fused_gate_up=True, rope_interleaved=True, partial_rotary_factor=0.5),
+                        dict(head_dim=128, max_position_embeddings=131072, rms_norm_eps=1.5625e-07)),
+               'gemma3_text': ('Gemma3ForCausalLM', _GEMMA3, _GEMMA3_FILE),
                # the 4B-27B checkpoints: their language model, read by its prefix (text-only; the
                # vision tower and projector are not loaded), is a gemma3_text decoder
-               'gemma3': ('Gemma3ForConditionalGeneration', _GEMMA3)}
-SUPPORTED_ARCHITECTURES = tuple(architecture for architecture, _ in MODEL_TYPES.values())
+               'gemma3': ('Gemma3ForConditionalGeneration', _GEMMA3, _GEMMA3_FILE)}
+SUPPORTED_ARCHITECTURES = tuple(architecture for architecture, _, _ in MODEL_TYPES.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +198,7 @@ class Qwen2Config:
     if not (self.attention_bias or self.qk_norm or self.family):
       raise UserError('model architecture field attention_bias=false needs qk_norm=true (Qwen3): '
                       'Qwen2 checkpoints always carry q/k/v biases')
-    families = sorted({defaults.get('family', '') for _, defaults in MODEL_TYPES.values()})
+    families = sorted({defaults.get('family', '') for _, defaults, _ in MODEL_TYPES.values()})
     if self.family not in families:
       raise UserError(f'model architecture field family must be one of {families}, got {self.family!r}')
     if self.hidden_act not in ACTIVATIONS:
@@ -328,12 +335,16 @@ def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
     raw = {**{k: v for k, v in raw.items() if k not in ('text_config', 'vision_config')},
            **(raw.get('text_config') or {})}
     raw['model_type'] = model_type
+    if model_type == 'gemma3':  # the wrapper's stop list and stored dtype are the checkpoint's
+      raw.update({key: multimodal[key] for key in ('eos_token_id', 'dtype', 'torch_dtype')
+                  if multimodal.get(key) is not None})
   if model_type not in MODEL_TYPES or any(a != MODEL_TYPES[model_type][0] for a in architectures):
     found = ', '.join(architectures) or f'model_type={model_type!r}'
     raise UserError(
         f'{source}: unsupported architecture {found} (model_type {model_type!r}); grpo_jax supports '
-        + ', '.join(f'{architecture} ({name})' for name, (architecture, _) in MODEL_TYPES.items()))
-  family = MODEL_TYPES[model_type][1]
+        + ', '.join(f'{architecture} ({name})' for name, (architecture, _, _) in MODEL_TYPES.items()))
+  _, family, file_defaults = MODEL_TYPES[model_type]
+  raw = {**file_defaults, **raw}
   if model_type in ('qwen3', 'qwen3_moe') and raw.get('attention_bias'):
     raise UserError(f'{source}: attention_bias=true is not supported for qwen3 (its o_proj would carry a bias '
                     'too; no Qwen3 checkpoint has one)')
@@ -579,7 +590,8 @@ def _family_hf_dict(config: Qwen2Config) -> dict:
     keys['sliding_window'] = config.sliding_window
   if config.family == 'gemma3_text':
     local = {'rope_type': 'default', 'rope_theta': config.local_rope_theta}
-    keys.update(hidden_activation=config.hidden_act, query_pre_attn_scalar=config.query_pre_attn_scalar,
+    scalar = config.query_pre_attn_scalar
+    keys.update(hidden_activation=config.hidden_act, query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
                 sliding_window=config.sliding_window, layer_types=list(config.layer_types),
                 rope_local_base_freq=config.local_rope_theta,
                 rope_parameters={'full_attention': rope, 'sliding_attention': local},
