@@ -252,6 +252,7 @@ def test_packed_update_of_a_sliding_window_model_equals_padded(seed):
   assert_packed_equals_padded(padded, packed, batch)
 
 
+@pytest.mark.exhaustive
 def test_sliding_window_paths_agree(seed):
   """For a model whose layers slide, the chunked and dense full-sequence attention and the
   blockwise and dense decode attention give the same logits and answers (each path's own mask)."""
