@@ -98,6 +98,28 @@ def test_logits_and_greedy_decoding_match_transformers(family, seed, make_hf_che
   np.testing.assert_array_equal(np.asarray(rollout.tokens), expected[:, tokens.shape[1]:].numpy())
 
 
+@pytest.mark.exhaustive
+@pytest.mark.parametrize('family', ['mistral', 'glm4', 'gemma3_text'])
+def test_greedy_decoding_in_the_rollout_layout_matches_transformers(family, seed, make_hf_checkpoint):
+  """The sampler's own layout (a 2 x 2 x 2 training mesh into tensor pairs; Mistral's and Gemma's
+  one key/value head replicated over each pair) decodes greedily as transformers' generate does."""
+  from grpo_jax.model import MeshConfig, make_mesh
+  from grpo_jax.sampler.layout import rollout_layout
+  directory, reference = make_hf_checkpoint(seed, **FAMILIES[family][0])
+  tokens, mask = left_padded(random_prompts(seed, [21, 4, 13]))
+  steps = 10
+  settings = DecodeSettings(max_new_tokens=steps, sampling=SamplingConfig(greedy=True))
+  mesh = make_mesh(MeshConfig(2, 2, 2))
+  with jax.set_mesh(mesh):
+    model = from_pretrained(directory, mesh=mesh)
+    sampler = GroupSampler(model, group_size=1, settings=settings, slots=2, layout=rollout_layout(model, mesh, 2))
+    rollout = jax.device_get(sampler(nnx.state(model), tokens, mask, jax.random.key(0)))
+  with torch.no_grad():
+    expected = reference.generate(torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask),
+                                  do_sample=False, max_new_tokens=steps, pad_token_id=0, eos_token_id=None)
+  np.testing.assert_array_equal(np.asarray(rollout.tokens), expected[:, tokens.shape[1]:].numpy())
+
+
 @pytest.mark.parametrize('family', cases('conversion'))
 def test_conversion_both_ways_is_bit_exact_under_the_hub_names(family, seed, make_hf_checkpoint, tmp_path):
   """hf -> orbax -> hf gives back every tensor bit for bit under the hub's names (GLM-4's fused
