@@ -205,7 +205,8 @@ HUB_EXPECTED = {
     'Mistral-Nemo-Base-2407': dict(sliding_window=None, head_dim=128, hidden_size=5120),
     'GLM-4-9B-0414': dict(partial_rotary_factor=0.5, rotary_dim=64, eos_token_ids=(151329, 151336, 151338)),
     'gemma-3-1b-pt': dict(local_rope_theta=10000.0, rope_theta=1e6, sliding_window=512,
-                          layer_types=(('sliding_attention',) * 5 + ('full_attention',)) * 4 + ('sliding_attention',) * 2),
+                          layer_types=((('sliding_attention',) * 5 + ('full_attention',)) * 4
+                                       + ('sliding_attention',) * 2)),
     'gemma-3-4b-pt': dict(rope_type='linear', rope_factor=8.0, vocab_size=262208, family='gemma3_text'),
 }
 

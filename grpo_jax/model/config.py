@@ -202,7 +202,8 @@ class Qwen2Config:
     if self.family not in families:
       raise UserError(f'model architecture field family must be one of {families}, got {self.family!r}')
     if self.hidden_act not in ACTIVATIONS:
-      raise UserError(f'model architecture field hidden_act must be one of {list(ACTIVATIONS)}, got {self.hidden_act!r}')
+      raise UserError(f'model architecture field hidden_act must be one of {list(ACTIVATIONS)}, '
+                      f'got {self.hidden_act!r}')
     if self.rope_type not in ROPE_TYPES:
       raise UserError(f'model architecture field rope_type must be one of {list(ROPE_TYPES)}, got {self.rope_type!r}')
     if not self.rope_factor > 0 or not self.local_rope_theta > 0:
@@ -210,7 +211,8 @@ class Qwen2Config:
     if self.rope_type == 'llama3' and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
       raise UserError('model architecture field rope_low_freq_factor must be positive and below rope_high_freq_factor')
     if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
-      raise UserError(f'model architecture field query_pre_attn_scalar must be positive, got {self.query_pre_attn_scalar}')
+      raise UserError('model architecture field query_pre_attn_scalar must be positive, '
+                      f'got {self.query_pre_attn_scalar}')
     if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or not self.rotary_dim:
       raise UserError(f'model architecture field partial_rotary_factor ({self.partial_rotary_factor}) must rotate an '
                       f'even, non-zero part of head_dim ({self.resolved_head_dim})')
@@ -221,7 +223,8 @@ class Qwen2Config:
         raise UserError(f'model architecture field layer_types must name {self.num_hidden_layers} layers, each one of '
                         f'{list(LAYER_TYPES)}')
       if 'sliding_attention' in self.layer_types and self.sliding_window is None:
-        raise UserError('model architecture field layer_types names sliding_attention layers, but sliding_window is unset')
+        raise UserError('model architecture field layer_types names sliding_attention layers, but sliding_window '
+                        'is unset')
     if (self.family or self.sliding_window) and (self.num_experts or self.vision is not None or self.mrope_section):
       raise UserError('model architecture: experts, a vision tower and M-RoPE go with the Qwen models only')
     if self.resolved_head_dim % 2:
@@ -582,7 +585,9 @@ def _family_hf_dict(config: Qwen2Config) -> dict:
   if config.rope_type == 'llama3':
     rope.update(low_freq_factor=config.rope_low_freq_factor, high_freq_factor=config.rope_high_freq_factor,
                 original_max_position_embeddings=config.rope_original_max_position_embeddings)
-  scaling = {key: value for key, value in rope.items() if key != 'rope_theta'} if config.rope_type != 'default' else None
+  scaling = None
+  if config.rope_type != 'default':
+    scaling = {key: value for key, value in rope.items() if key != 'rope_theta'}
   keys = {'rope_scaling': scaling}
   if config.partial_rotary_factor != 1.0:
     rope['partial_rotary_factor'] = keys['partial_rotary_factor'] = config.partial_rotary_factor
@@ -591,7 +596,8 @@ def _family_hf_dict(config: Qwen2Config) -> dict:
   if config.family == 'gemma3_text':
     local = {'rope_type': 'default', 'rope_theta': config.local_rope_theta}
     scalar = config.query_pre_attn_scalar
-    keys.update(hidden_activation=config.hidden_act, query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
+    keys.update(hidden_activation=config.hidden_act,
+                query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,  # transformers: an int
                 sliding_window=config.sliding_window, layer_types=list(config.layer_types),
                 rope_local_base_freq=config.local_rope_theta,
                 rope_parameters={'full_attention': rope, 'sliding_attention': local},

@@ -135,7 +135,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inverse_frequency: jax.Array,
 
 def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Attend, *,
                   config: Qwen2Config, dtype, inverse_frequency: jax.Array, lora_scale: float = 0.0,
-                  real: jax.Array | None = None, replay: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Routing | None]:
+                  real: jax.Array | None = None,
+                  replay: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Routing | None]:
   """One pre-norm decoder layer. params: one layer's slice of `LAYER_PARAMS` (and of the LoRA
   factors, added to their projection's output scaled by `lora_scale`, unmerged); x: [B, T, D];
   positions: [B, T] (or [B, T, 3] with M-RoPE); inverse_frequency [R/2]: this layer's RoPE

@@ -305,17 +305,18 @@ class Qwen2(nnx.Module):
     several of the B rows (packed rows; vision.place_from).
     """
     segment_ids = _segments(tokens, segment_ids)
+    ordinals = segment_positions(segment_ids)  # the default positions; what a sliding window counts
     if positions is None:
-      positions = segment_positions(segment_ids)
+      positions = ordinals
     slots = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     attend = sequence_attention(resolve_attention(self.options.attention, self.dtype), slots, segment_ids,
-                                self.options.attention_chunk, ordinals=segment_positions(segment_ids))
+                                self.options.attention_chunk, ordinals=ordinals)
     real = segment_ids != 0
 
     def block(params, x, replay, frequency, window):
       return decoder_block(params, x, positions, functools.partial(attend, window=window), config=self.config,
-                           dtype=self.dtype, inverse_frequency=self.frequency(frequency), lora_scale=self.lora_scale, real=real,
-                           replay=replay)
+                           dtype=self.dtype, inverse_frequency=self.frequency(frequency),
+                           lora_scale=self.lora_scale, real=real, replay=replay)
     if self.options.remat != 'none':
       block = jax.checkpoint(block, policy=_REMAT_POLICIES[self.options.remat])
 

@@ -35,8 +35,9 @@ SINGLE_FILE = 'model.safetensors'
 
 
 def dim_sizes(config: Qwen2Config) -> dict[str, int]:
-  """Sizes of the dimension letters (D, F, V, N, K, H, E, M, U = 2F fused gate and up; the vision tower's C, I, P, W and J = 3C,
-  X, Y, Z its patch's channels, frames and side; see model/config.py) for this architecture."""
+  """Sizes of the dimension letters (D, F, V, N, K, H, E, M, U = 2F fused gate and up; the vision
+  tower's C, I, P, W and J = 3C, X, Y, Z its patch's channels, frames and side; see
+  model/config.py) for this architecture."""
   v = config.vision
   vision = {} if v is None else {'C': v.hidden_size, 'I': v.intermediate_size, 'P': v.patch_dim,
                                  'W': v.hidden_size * v.merge_unit, 'J': 3 * v.hidden_size, 'X': v.in_channels,
@@ -128,8 +129,8 @@ RULES = (
          'family=gemma3_text'),
     Rule(_LAYER + 'mlp.gate_proj.weight', ('layers', 'gate_weight'), True, 'F D', 'D F', '!fused_gate_up', 'dense'),
     Rule(_LAYER + 'mlp.up_proj.weight', ('layers', 'up_weight'), True, 'F D', 'D F', '!fused_gate_up', 'dense'),
-    Rule(_LAYER + 'mlp.gate_up_proj.weight', ('layers', 'gate_weight'), True, 'U D', 'D F', 'fused_gate_up', 'dense', 0),
-    Rule(_LAYER + 'mlp.gate_up_proj.weight', ('layers', 'up_weight'), True, 'U D', 'D F', 'fused_gate_up', 'dense', 1),
+    *(Rule(_LAYER + 'mlp.gate_up_proj.weight', ('layers', path), True, 'U D', 'D F', 'fused_gate_up', 'dense', half)
+      for half, path in enumerate(('gate_weight', 'up_weight'))),
     Rule(_LAYER + 'mlp.down_proj.weight', ('layers', 'down_weight'), True, 'D F', 'F D', layers='dense'),
     Rule(_LAYER + 'mlp.gate.weight', ('layers', 'router_weight'), True, 'E D', 'D E', layers='sparse'),
     Rule(_LAYER + 'mlp.experts.{e}.gate_proj.weight', ('layers', 'expert_gate_weight'), True, 'M D', 'D M',
