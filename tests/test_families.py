@@ -277,21 +277,29 @@ def test_packed_update_of_a_sliding_window_model_equals_padded(seed):
 
 @pytest.mark.exhaustive
 def test_sliding_window_paths_agree(seed):
-  """For a model whose layers slide, the chunked and dense full-sequence attention and the
-  blockwise and dense decode attention give the same logits and answers (each path's own mask)."""
+  """For a model whose layers slide (Gemma 3's mix: local and global layers, each with its RoPE),
+  the chunked and dense full-sequence attention, unrolled and rematerialised layers, and the
+  blockwise and dense decode attention with scanned or unrolled decode layers give the same logits
+  and answers (each path's own mask, each layer's own frequencies)."""
   from grpo_jax.model import Qwen2Config, init_model
-  config = Qwen2Config(family='mistral', attention_bias=False, sliding_window=5, vocab_size=256)
+  config = Qwen2Config(family='gemma3_text', attention_bias=False, qk_norm=True, norm_offset=True,
+                       sandwich_norms=True, embedding_scale=True, hidden_act='gelu_pytorch_tanh', sliding_window=5,
+                       layer_types=('sliding_attention', 'full_attention'), query_pre_attn_scalar=24.0,
+                       local_rope_theta=100.0, vocab_size=256)
   tokens, mask = left_padded(random_prompts(seed, [19, 7], vocab=256))
-  dense = init_model(config, seed=seed % 1000)
-  chunked = init_model(config, options=ModelOptions(attention='chunked', attention_chunk=4), seed=seed % 1000)
-  np.testing.assert_allclose(jitted(chunked)(tokens, mask), jitted(dense)(tokens, mask), rtol=0, atol=1e-5)
+  expected = jitted(init_model(config, seed=seed % 1000))(tokens, mask)
+  for options in (ModelOptions(attention='chunked', attention_chunk=4), ModelOptions(scan_layers=False, remat='full')):
+    np.testing.assert_allclose(jitted(init_model(config, options=options, seed=seed % 1000))(tokens, mask), expected,
+                               rtol=0, atol=1e-5, err_msg=str(options))
   answers = {}
-  for attention in ('dense', 'blockwise'):
-    model = init_model(config, options=ModelOptions(decode_attention=attention, decode_block=4), seed=seed % 1000)
+  for options in (ModelOptions(), ModelOptions(decode_attention='blockwise', decode_block=4),
+                  ModelOptions(decode_layers='unrolled', prompt_reads='once')):
+    model = init_model(config, options=options, seed=seed % 1000)
     settings = DecodeSettings(max_new_tokens=8, sampling=SamplingConfig(greedy=True))
-    answers[attention] = np.asarray(GroupSampler(model, group_size=2, settings=settings)(
+    answers[options] = np.asarray(GroupSampler(model, group_size=2, settings=settings)(
         nnx.state(model), tokens, mask, jax.random.key(0)).tokens)
-  np.testing.assert_array_equal(answers['blockwise'], answers['dense'])
+  for options, tokens_out in answers.items():
+    np.testing.assert_array_equal(tokens_out, answers[ModelOptions()], err_msg=str(options))
 
 
 # Each preset's total: the sum of its hub checkpoint's tensor shapes as its config.json implies
