@@ -196,6 +196,9 @@ HUB_CONFIGS = {
                                              patch_size=14, num_hidden_layers=27),
                           mm_tokens_per_image=256, eos_token_id=[1, 106], torch_dtype='bfloat16'),
 }
+# Gemma 3's sliding layers on a base of their own, read from the hub's key (every published file
+# has 10000, the default, which would hide a reader that ignores it).
+HUB_CONFIGS['gemma-3-1b-pt, local base 5000'] = dict(HUB_CONFIGS['gemma-3-1b-pt'], rope_local_base_freq=5000.0)
 # What each hub file must give, beyond what transformers' own reading of it is compared with.
 HUB_EXPECTED = {
     'Llama-3.2-1B': dict(rope_type='llama3', rope_factor=32.0, rope_original_max_position_embeddings=8192,
@@ -208,6 +211,7 @@ HUB_EXPECTED = {
                           layer_types=((('sliding_attention',) * 5 + ('full_attention',)) * 4
                                        + ('sliding_attention',) * 2)),
     'gemma-3-4b-pt': dict(rope_type='linear', rope_factor=8.0, vocab_size=262208, family='gemma3_text'),
+    'gemma-3-1b-pt, local base 5000': dict(local_rope_theta=5000.0, rope_theta=1e6),
 }
 
 
