@@ -17,7 +17,7 @@ from conftest import torch_logits
 from conversion import hf_to_orbax, orbax_to_hf
 from grpo_jax.errors import UserError
 from grpo_jax.model import ModelOptions, from_hf_dict, from_pretrained, to_hf_dict
-from grpo_jax.model.weights import HFCheckpoint
+from grpo_jax.model.weights import HFCheckpoint, TensorEntry, write_safetensors
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.sampler.rollout import GroupSampler
 from grpo_jax.testing import left_padded, random_prompts
@@ -139,6 +139,17 @@ def test_conversion_both_ways_is_bit_exact_under_the_hub_names(family, seed, mak
   if family == 'gemma3':  # the original holds them under the hub's prefix, beside a vision tower
     assert original.unread and any(name.startswith('language_model.model.') for name in original._stored.values())
     assert not restored.unread and not restored._stored
+    # The names transformers 5.x gives them in memory read the same.
+    in_memory = tmp_path / 'in_memory'
+    in_memory.mkdir()
+    stored = {original._stored.get(name, name): original.tensor(name) for name in original.names()}
+    stored.update({name: np.zeros(1, np.float32) for name in original.unread})
+    write_safetensors(str(in_memory / 'model.safetensors'), [
+        TensorEntry.of(name.replace('language_model.model.', 'model.language_model.'), tensor)
+        for name, tensor in stored.items()])
+    renamed = HFCheckpoint(str(in_memory))
+    assert sorted(renamed.names()) == sorted(original.names())
+    assert all(np.array_equal(renamed.tensor(name), original.tensor(name)) for name in original.names())
 
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(back_dir).eval()
   tokens = np.random.default_rng(seed).integers(0, reference.config.get_text_config().vocab_size, (2, 24))
