@@ -129,11 +129,16 @@ def lora_export(model, args, staging: str):
 
 
 def _merge_config(original_path: str, written_path: str) -> None:
-  """Keeps the original's extra keys (generation defaults, versions); grpo_jax's fields win."""
+  """Keeps the original's extra keys (generation defaults, versions); grpo_jax's fields win. A
+  vision-language original whose language model alone was written (Gemma 3's) gives the keys of its
+  `text_config`."""
   with open(original_path) as f:
     merged = json.load(f)
   with open(written_path) as f:
-    merged.update(json.load(f))
+    written = json.load(f)
+  if merged.get('model_type') != written.get('model_type') and isinstance(merged.get('text_config'), dict):
+    merged = dict(merged['text_config'])
+  merged.update(written)
   with open(written_path, 'w') as f:
     json.dump(merged, f, indent=2)
 

@@ -30,10 +30,22 @@ TINY_VL_TOKENS = dict(image_token_id=990, video_token_id=991, vision_start_token
 VL_TOP_LEVEL = ('vision_config', *TINY_VL_TOKENS)
 
 
+# model_type -> (transformers config class, model class) of the checkpoints the tests build.
+HF_CLASSES = {'qwen2': ('Qwen2Config', 'Qwen2ForCausalLM'), 'qwen3': ('Qwen3Config', 'Qwen3ForCausalLM'),
+              'qwen3_moe': ('Qwen3MoeConfig', 'Qwen3MoeForCausalLM'),
+              'qwen2_5_vl': ('Qwen2_5_VLConfig', 'Qwen2_5_VLForConditionalGeneration'),
+              'llama': ('LlamaConfig', 'LlamaForCausalLM'), 'mistral': ('MistralConfig', 'MistralForCausalLM'),
+              'glm4': ('Glm4Config', 'Glm4ForCausalLM'), 'gemma3_text': ('Gemma3TextConfig', 'Gemma3ForCausalLM'),
+              'gemma3': ('Gemma3Config', 'Gemma3ForConditionalGeneration')}
+# A Gemma 3 vision-language checkpoint's tower, as small as its config allows (not loaded by grpo_jax).
+TINY_GEMMA3_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                          image_size=28, patch_size=14)
+
+
 def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None, model_type: str = 'qwen2',
                     **overrides):
-  """A transformers Qwen2ForCausalLM (model_type 'qwen3': Qwen3ForCausalLM, 'qwen3_moe':
-  Qwen3MoeForCausalLM, 'qwen2_5_vl': Qwen2_5_VLForConditionalGeneration) in eval mode:
+  """A transformers Qwen2ForCausalLM (or of another model_type, HF_CLASSES' class: 'gemma3' a
+  Gemma3ForConditionalGeneration whose text config the overrides are) in eval mode:
   TINY_HF_FIELDS updated by `overrides` (any keyword of the transformers config, e.g.
   **to_hf_dict(config) or attn_implementation='sdpa'). For 'qwen2_5_vl' they are the text
   config's, but for VL_TOP_LEVEL keys (vision_config: TINY_VISION_FIELDS updated by it).
@@ -51,11 +63,14 @@ def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None
 
   if init not in ('random', 'default'):
     raise ValueError(f"init must be 'random' or 'default', got {init!r}")
-  family = {'qwen2': 'Qwen2', 'qwen3': 'Qwen3', 'qwen3_moe': 'Qwen3Moe', 'qwen2_5_vl': 'Qwen2_5_VL'}[model_type]
-  head = 'ForConditionalGeneration' if model_type == 'qwen2_5_vl' else 'ForCausalLM'
-  config_class, model_class = (getattr(transformers, family + suffix) for suffix in ('Config', head))
+  config_name, model_name = HF_CLASSES[model_type]
+  config_class, model_class = getattr(transformers, config_name), getattr(transformers, model_name)
   overrides = {key: value for key, value in overrides.items() if key not in ('architectures', 'model_type')}
-  if model_type == 'qwen2_5_vl':
+  if model_type == 'gemma3':  # the language model of a vision-language checkpoint, with a tiny tower
+    text = {**TINY_HF_FIELDS, 'pad_token_id': 0, **overrides}
+    config = config_class(text_config=text, vision_config=TINY_GEMMA3_VISION, mm_tokens_per_image=1,
+                          tie_word_embeddings=text['tie_word_embeddings'])
+  elif model_type == 'qwen2_5_vl':
     top = {key: overrides.pop(key) for key in VL_TOP_LEVEL if key in overrides}
     text = {**TINY_HF_FIELDS, **TINY_VL_TEXT_FIELDS, **overrides}
     text['rope_parameters'] = {'rope_type': 'default', 'rope_theta': text.pop('rope_theta'),
@@ -65,7 +80,9 @@ def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None
                                                                  **top.get('vision_config', {})},
                                                'tie_word_embeddings': text['tie_word_embeddings']})
   else:
-    config = config_class(**{**TINY_HF_FIELDS, **overrides})
+    # GLM-4's default pad id (151329) lies outside the tiny vocabulary.
+    pad = {'pad_token_id': 0} if model_type == 'glm4' else {}
+    config = config_class(**{**TINY_HF_FIELDS, **pad, **overrides})
   torch.manual_seed(seed)
   with torch.device(device) if device is not None else contextlib.nullcontext():
     model = model_class(config).eval()

@@ -138,11 +138,11 @@ def test_unsupported_architecture(seed, make_hf_checkpoint, tmp_path):
   path = os.path.join(hf_dir, 'config.json')
   with open(path) as f:
     config = json.load(f)
-  config.update(architectures=['LlamaForCausalLM'], model_type='llama')
+  config.update(architectures=['Gemma2ForCausalLM'], model_type='gemma2')
   with open(path, 'w') as f:
     json.dump(config, f)
   code, _, stderr = run_cli('conversion.hf_to_orbax', '--hf', hf_dir, '--out', tmp_path / 'out')
-  _assert_one_line_error(code, stderr, 'unsupported architecture LlamaForCausalLM')
+  _assert_one_line_error(code, stderr, 'unsupported architecture Gemma2ForCausalLM')
 
 
 @pytest.mark.parametrize('damage', ['no-config', 'no-weights', 'missing-shard', 'truncated', 'garbage'])

@@ -51,6 +51,18 @@ def attention_mask(query_slots, query_segments, key_slots, key_segments) -> jax.
   return causal & same_segment
 
 
+def window_mask(query_ordinals: jax.Array, key_ordinals: jax.Array, window: jax.Array) -> jax.Array:
+  """[B, T, S] bool: the keys at most window - 1 tokens before the query (sliding-window attention).
+
+  Ordinals [B, T] and [B, S] count the real tokens of a sequence before each token (a token's
+  position when positions are the default), so the distance between two tokens of one sequence is
+  the same whether its row is left-padded, packed with others or split between a prompt cache and
+  the row's own; only pairs attention_mask allows (same segment, causal) are meaningful. window:
+  a scalar int32, per layer.
+  """
+  return (query_ordinals[:, :, None] - key_ordinals[:, None, :]) < window
+
+
 def _concatenate(arrays: list[jax.Array]) -> jax.Array:
   # One part needs no concatenate op: the dense path's program stays as it was.
   return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays, axis=-1)
@@ -283,7 +295,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 
 
 def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, segments: jax.Array,
-                      chunk: int) -> jax.Array:
+                      chunk: int, ordinals: jax.Array | None = None, window: jax.Array | None = None) -> jax.Array:
   """`attention` of T tokens over themselves, `chunk` queries at a time. q: [B, T, N, H];
   k, v: [B, T, K, H]; slots, segments: [B, T] (the causal order and segment of each token).
 
@@ -292,15 +304,20 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array
   chunk's [chunk, T] scores exist at a time, forward or backward: peak score memory is
   O(chunk x T) per layer instead of O(T^2) (measured: T = 1024, chunk 64: 11 MiB of compiled
   temporaries for forward + backward against 129 MiB dense). FLOPs are the dense path's plus
-  one recomputation of the attention; the masked upper triangle is still computed.
+  one recomputation of the attention; the masked upper triangle is still computed. With a
+  `window`, keys further back than it from the query are masked too (window_mask over `ordinals`
+  [B, T]).
   """
   batch, length = q.shape[:2]
   chunk = min(chunk, length)
   pad = -length % chunk
+  windowed = window is not None
+  query_ordinals = ordinals if windowed else segments
   query_slots, query_segments = slots, segments
   if pad:  # extra query rows (pad of them) copy the last real one (a non-empty mask) and are dropped below
-    q, query_slots, query_segments = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode='edge')
-                                      for x in (q, slots, segments))
+    q, query_slots, query_segments, query_ordinals = (
+        jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode='edge')
+        for x in (q, slots, segments, query_ordinals))
 
   def chunks(x):  # [B, T + pad, ...] -> [(T + pad) / chunk, B, chunk, ...], the rows as the batch's
     stacked = jnp.moveaxis(x.reshape(batch, -1, chunk, *x.shape[2:]), 1, 0)
@@ -308,10 +325,13 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array
 
   @jax.checkpoint
   def one_chunk(inputs):
-    q_chunk, chunk_slots, chunk_segments = inputs
-    return attention(q_chunk, k, v, attention_mask(chunk_slots, chunk_segments, slots, segments))
+    q_chunk, chunk_slots, chunk_segments, chunk_ordinals = inputs
+    mask = attention_mask(chunk_slots, chunk_segments, slots, segments)
+    if windowed:
+      mask = mask & window_mask(chunk_ordinals, ordinals, window)
+    return attention(q_chunk, k, v, mask)
 
-  out = jax.lax.map(one_chunk, (chunks(q), chunks(query_slots), chunks(query_segments)))
+  out = jax.lax.map(one_chunk, (chunks(q), chunks(query_slots), chunks(query_segments), chunks(query_ordinals)))
   return jnp.moveaxis(out, 0, 1).reshape(batch, length + pad, *out.shape[3:])[:, :length]
 
 
@@ -328,14 +348,20 @@ def library_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
 
 def sequence_attention(implementation: AttentionImplementation, slots: jax.Array, segments: jax.Array,
-                       chunk: int) -> Attend:
-  """The `attend(q, k, v)` of T tokens over themselves that `implementation` names. slots,
-  segments: [B, T] (the causal order and segment of each token); chunk: queries per chunk for
-  'chunked'."""
+                       chunk: int, ordinals: jax.Array | None = None) -> Callable:
+  """The `attend(q, k, v, window=None)` of T tokens over themselves that `implementation` names.
+  slots, segments: [B, T] (the causal order and segment of each token); chunk: queries per chunk
+  for 'chunked'; ordinals [B, T]: each token's count of earlier real tokens in its sequence, what a
+  sliding `window` (a scalar, per layer) measures distance in (window_mask). Every implementation
+  takes a window, as part of its mask."""
   if implementation == 'chunked':
     # No [B, T, T] mask: each chunk builds its own [B, chunk, T] block, keeping memory O(chunk x T).
-    return functools.partial(chunked_attention, slots=slots, segments=segments, chunk=chunk)
+    return functools.partial(chunked_attention, slots=slots, segments=segments, chunk=chunk, ordinals=ordinals)
   mask = attention_mask(slots, segments, slots, segments)
-  if implementation == 'cudnn':
-    return functools.partial(library_attention, mask=mask, implementation='cudnn')
-  return functools.partial(attention, mask=mask)
+
+  def attend(q, k, v, window=None):
+    full = mask if window is None else mask & window_mask(ordinals, ordinals, window)
+    if implementation == 'cudnn':
+      return library_attention(q, k, v, full, implementation='cudnn')
+    return attention(q, k, v, full)
+  return attend

@@ -21,12 +21,35 @@ import os
 
 from grpo_jax.errors import UserError, read_json_object
 
-# model_type -> (architecture class, its defaults for the fields that tell the family members apart)
-MODEL_TYPES = {'qwen2': ('Qwen2ForCausalLM', dict(attention_bias=True, qk_norm=False)),
-               'qwen3': ('Qwen3ForCausalLM', dict(attention_bias=False, qk_norm=True)),
-               'qwen3_moe': ('Qwen3MoeForCausalLM', dict(attention_bias=False, qk_norm=True)),
-               'qwen2_5_vl': ('Qwen2_5_VLForConditionalGeneration', dict(attention_bias=True, qk_norm=False))}
-SUPPORTED_ARCHITECTURES = tuple(architecture for architecture, _ in MODEL_TYPES.values())
+ACTIVATIONS = ('silu', 'gelu_pytorch_tanh')
+ROPE_TYPES = ('default', 'linear', 'llama3')
+LAYER_TYPES = ('full_attention', 'sliding_attention')
+
+# model_type -> (architecture class, its defaults for the fields that tell the families apart, the
+# values transformers gives the config.json keys a file leaves out). A field a config.json sets
+# itself (attention_bias, partial_rotary_factor, ...) overrides its default.
+_GEMMA3 = dict(family='gemma3_text', attention_bias=False, qk_norm=True, norm_offset=True, sandwich_norms=True,
+               embedding_scale=True, hidden_act='gelu_pytorch_tanh')
+_GEMMA3_FILE = dict(vocab_size=262208, head_dim=256, max_position_embeddings=131072, tie_word_embeddings=True,
+                    bos_token_id=2, eos_token_id=1, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                    rope_local_base_freq=10000.0, query_pre_attn_scalar=256, sliding_window=4096)
+MODEL_TYPES = {'qwen2': ('Qwen2ForCausalLM', dict(attention_bias=True, qk_norm=False), {}),
+               'qwen3': ('Qwen3ForCausalLM', dict(attention_bias=False, qk_norm=True), {}),
+               'qwen3_moe': ('Qwen3MoeForCausalLM', dict(attention_bias=False, qk_norm=True), {}),
+               'qwen2_5_vl': ('Qwen2_5_VLForConditionalGeneration', dict(attention_bias=True, qk_norm=False), {}),
+               # Llama 3.x and DeepSeek-LLM (its own vocabulary, plain RoPE)
+               'llama': ('LlamaForCausalLM', dict(family='llama', attention_bias=False, qk_norm=False),
+                         dict(max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)),
+               'mistral': ('MistralForCausalLM', dict(family='mistral', attention_bias=False, qk_norm=False),
+                           dict(max_position_embeddings=131072, bos_token_id=1, eos_token_id=2, sliding_window=4096)),
+               'glm4': ('Glm4ForCausalLM', dict(family='glm4', attention_bias=True, qk_norm=False, sandwich_norms=True,
+                                                fused_gate_up=True, rope_interleaved=True, partial_rotary_factor=0.5),
+                        dict(head_dim=128, max_position_embeddings=131072, rms_norm_eps=1.5625e-07)),
+               'gemma3_text': ('Gemma3ForCausalLM', _GEMMA3, _GEMMA3_FILE),
+               # the 4B-27B checkpoints: their language model, read by its prefix (text-only; the
+               # vision tower and projector are not loaded), is a gemma3_text decoder
+               'gemma3': ('Gemma3ForConditionalGeneration', _GEMMA3, _GEMMA3_FILE)}
+SUPPORTED_ARCHITECTURES = tuple(architecture for architecture, _, _ in MODEL_TYPES.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +135,29 @@ class Qwen2Config:
   initializer_range: float = 0.02  # std of the normal init used for random weights
   checkpoint_dtype: str = 'float32'  # dtype the checkpoint stores its weights in
   attention_bias: bool = True  # q/k/v projections carry a bias (Qwen2: yes, Qwen3: no)
-  qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
+  qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3, Gemma 3)
+  # The families beyond Qwen (MODEL_TYPES holds each one's defaults); '' is a Qwen model, its
+  # model_type read from the fields above and below.
+  family: str = ''  # 'llama' (and DeepSeek-LLM), 'mistral', 'glm4', 'gemma3_text'
+  hidden_act: str = 'silu'  # the gated MLP's activation: 'silu' or 'gelu_pytorch_tanh' (Gemma 3)
+  norm_offset: bool = False  # RMSNorm scales by (1 + w), in fp32 before the cast (Gemma 3)
+  sandwich_norms: bool = False  # a norm on the attention's and on the MLP's output too (GLM-4, Gemma 3)
+  fused_gate_up: bool = False  # the checkpoint stores gate and up as one [2F, D] tensor (GLM-4)
+  embedding_scale: bool = False  # embeddings times sqrt(hidden_size), in the table's dtype (Gemma 3)
+  query_pre_attn_scalar: float | None = None  # attention scores scaled by its -1/2 power; None: head_dim's
+  # RoPE beyond the plain one: frequency scaling, a rotated fraction of the head, the pairing.
+  rope_type: str = 'default'  # 'default', 'linear' (positions / rope_factor) or 'llama3' (Llama 3.1+)
+  rope_factor: float = 1.0  # 'linear' and 'llama3': how far the context was stretched
+  rope_low_freq_factor: float = 1.0  # 'llama3': wavelengths above original / this are divided by rope_factor
+  rope_high_freq_factor: float = 4.0  # 'llama3': those below original / this are kept; between, blended
+  rope_original_max_position_embeddings: int = 8192  # 'llama3': the context before the stretch
+  partial_rotary_factor: float = 1.0  # the fraction of each head that rotates (the rest passes; GLM-4: 0.5)
+  rope_interleaved: bool = False  # rotate pairs (2i, 2i + 1) instead of (i, i + H/2) (GLM-4)
+  # Sliding-window attention: a query sees the keys at most sliding_window - 1 tokens before it.
+  sliding_window: int | None = None  # None: every layer attends over the whole sequence
+  # Per layer, 'sliding_attention' or 'full_attention' (Gemma 3); () with sliding_window: every layer slides.
+  layer_types: tuple[str, ...] = ()
+  local_rope_theta: float = 10000.0  # the sliding layers' own RoPE base when layer_types mixes them (Gemma 3)
   # Mixture of experts (Qwen3-MoE); num_experts 0 is a dense model.
   num_experts: int = 0  # E, experts in each sparse layer
   num_experts_per_tok: int = 1  # k, experts each token is sent to
@@ -150,9 +195,38 @@ class Qwen2Config:
       raise UserError(
           f'hidden_size ({self.hidden_size}) is not divisible by num_attention_heads '
           f'({self.num_attention_heads}); set head_dim explicitly')
-    if not (self.attention_bias or self.qk_norm):
+    if not (self.attention_bias or self.qk_norm or self.family):
       raise UserError('model architecture field attention_bias=false needs qk_norm=true (Qwen3): '
                       'Qwen2 checkpoints always carry q/k/v biases')
+    families = sorted({defaults.get('family', '') for _, defaults, _ in MODEL_TYPES.values()})
+    if self.family not in families:
+      raise UserError(f'model architecture field family must be one of {families}, got {self.family!r}')
+    if self.hidden_act not in ACTIVATIONS:
+      raise UserError(f'model architecture field hidden_act must be one of {list(ACTIVATIONS)}, '
+                      f'got {self.hidden_act!r}')
+    if self.rope_type not in ROPE_TYPES:
+      raise UserError(f'model architecture field rope_type must be one of {list(ROPE_TYPES)}, got {self.rope_type!r}')
+    if not self.rope_factor > 0 or not self.local_rope_theta > 0:
+      raise UserError('model architecture fields rope_factor and local_rope_theta must be positive')
+    if self.rope_type == 'llama3' and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+      raise UserError('model architecture field rope_low_freq_factor must be positive and below rope_high_freq_factor')
+    if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
+      raise UserError('model architecture field query_pre_attn_scalar must be positive, '
+                      f'got {self.query_pre_attn_scalar}')
+    if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or not self.rotary_dim:
+      raise UserError(f'model architecture field partial_rotary_factor ({self.partial_rotary_factor}) must rotate an '
+                      f'even, non-zero part of head_dim ({self.resolved_head_dim})')
+    if self.sliding_window is not None and self.sliding_window <= 0:
+      raise UserError(f'model architecture field sliding_window must be positive, got {self.sliding_window}')
+    if self.layer_types:
+      if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+        raise UserError(f'model architecture field layer_types must name {self.num_hidden_layers} layers, each one of '
+                        f'{list(LAYER_TYPES)}')
+      if 'sliding_attention' in self.layer_types and self.sliding_window is None:
+        raise UserError('model architecture field layer_types names sliding_attention layers, but sliding_window '
+                        'is unset')
+    if (self.family or self.sliding_window) and (self.num_experts or self.vision is not None or self.mrope_section):
+      raise UserError('model architecture: experts, a vision tower and M-RoPE go with the Qwen models only')
     if self.resolved_head_dim % 2:
       raise UserError(f'head_dim must be even for rotary embeddings, got {self.resolved_head_dim}')
     if self.num_experts < 0:
@@ -194,6 +268,8 @@ class Qwen2Config:
   @property
   def model_type(self) -> str:
     """The Hugging Face model_type this architecture is written as."""
+    if self.family:
+      return self.family
     if self.vision is not None:
       return 'qwen2_5_vl'
     return 'qwen3_moe' if self.num_experts else 'qwen3' if self.qk_norm else 'qwen2'
@@ -217,6 +293,18 @@ class Qwen2Config:
     return sum(self.sparse_layers)
 
   @property
+  def sliding_layers(self) -> tuple[bool, ...]:
+    """[L] whether each layer attends over a sliding window of sliding_window tokens."""
+    if self.layer_types:
+      return tuple(kind == 'sliding_attention' for kind in self.layer_types)
+    return (self.sliding_window is not None,) * self.num_hidden_layers
+
+  @property
+  def rotary_dim(self) -> int:
+    """The leading part of each head that RoPE rotates (all of it but with partial_rotary_factor)."""
+    return int(self.resolved_head_dim * self.partial_rotary_factor)
+
+  @property
   def resolved_head_dim(self) -> int:
     return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
@@ -232,52 +320,54 @@ class Qwen2Config:
     experts = self.num_experts_per_tok if active else self.num_experts
     mlps = (self.num_hidden_layers - sparse) * 3 * d * f + sparse * (experts * 3 * d * self.moe_intermediate_size
                                                                      + d * self.num_experts)
-    layers = self.num_hidden_layers * (attention + 2 * d) + mlps
+    layers = self.num_hidden_layers * (attention + (4 if self.sandwich_norms else 2) * d) + mlps
     head = 0 if self.tie_word_embeddings else d * v
     return v * d + layers + d + head + (self.vision.num_params() if self.vision is not None else 0)
 
 
 def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
-  """Reads a Hugging Face Qwen2, Qwen3, Qwen3-MoE or Qwen2.5-VL config in either the transformers-4.x
-  or 5.x spelling (a VL config's text fields at the top, as the hub writes them, or nested in
-  `text_config`, as transformers 5.x does)."""
+  """Reads a Hugging Face config of a model_type in MODEL_TYPES in either the transformers-4.x (the
+  hub's) or 5.x spelling: a VL config's text fields at the top, as the hub writes them, or nested in
+  `text_config`, as transformers 5.x does; a gemma3 config's language model from its `text_config`.
+  A field that would change what the model computes and that the decoder does not implement is
+  refused in one line naming it."""
   architectures = raw.get('architectures') or []
   model_type = raw.get('model_type')
-  if model_type == 'qwen2_5_vl':
+  if model_type in ('qwen2_5_vl', 'gemma3'):
     multimodal = raw
     raw = {**{k: v for k, v in raw.items() if k not in ('text_config', 'vision_config')},
            **(raw.get('text_config') or {})}
     raw['model_type'] = model_type
+    if model_type == 'gemma3':  # the wrapper's stop list and stored dtype are the checkpoint's
+      raw.update({key: multimodal[key] for key in ('eos_token_id', 'dtype', 'torch_dtype')
+                  if multimodal.get(key) is not None})
   if model_type not in MODEL_TYPES or any(a != MODEL_TYPES[model_type][0] for a in architectures):
     found = ', '.join(architectures) or f'model_type={model_type!r}'
     raise UserError(
         f'{source}: unsupported architecture {found} (model_type {model_type!r}); grpo_jax supports '
-        f'{", ".join(SUPPORTED_ARCHITECTURES)} (model_type qwen2: Qwen2 and Qwen2.5; qwen3: Qwen3 dense; '
-        'qwen3_moe: Qwen3 mixtures of experts)')
-  family = MODEL_TYPES[model_type][1]
+        + ', '.join(f'{architecture} ({name})' for name, (architecture, _, _) in MODEL_TYPES.items()))
+  _, family, file_defaults = MODEL_TYPES[model_type]
+  raw = {**file_defaults, **raw}
   if model_type in ('qwen3', 'qwen3_moe') and raw.get('attention_bias'):
     raise UserError(f'{source}: attention_bias=true is not supported for qwen3 (its o_proj would carry a bias '
                     'too; no Qwen3 checkpoint has one)')
+  if model_type in ('llama', 'mistral', 'gemma3_text', 'gemma3') and raw.get('attention_bias'):
+    raise UserError(f'{source}: attention_bias=true is not supported for {model_type} (its o_proj would carry a bias '
+                    'too; no published checkpoint has one)')
   if raw.get('use_sliding_window'):
     raise UserError(
         f'{source}: use_sliding_window=true is not supported (Qwen2.5 checkpoints ship with it off); '
         'set it to false only if the model was trained with full attention')
-  activation = raw.get('hidden_act', 'silu')
-  if activation != 'silu':
-    raise UserError(f'{source}: hidden_act={activation!r} is not supported; Qwen2 and Qwen3 use silu')
-
-  # transformers 5.x nests rope settings in `rope_parameters`; 4.x has `rope_theta` and `rope_scaling`.
-  rope = raw.get('rope_parameters') or {}
-  rope_theta = rope.get('rope_theta', raw.get('rope_theta', 10000.0))
-  scaling = raw.get('rope_scaling') or {}
-  rope_type = rope.get('rope_type') or scaling.get('rope_type') or scaling.get('type') or 'default'
-  mrope_section = tuple(int(n) for n in rope.get('mrope_section') or scaling.get('mrope_section') or ())
-  if rope_type == 'mrope' and mrope_section:  # the hub's Qwen2.5-VL spelling of default RoPE with sections
-    rope_type = 'default'
-  if rope_type != 'default':
-    raise UserError(f'{source}: rope type {rope_type!r} is not supported; only the default RoPE is')
+  _refuse_unimplemented(raw, source)
+  activation = raw.get('hidden_activation') or raw.get('hidden_act') or family.get('hidden_act', 'silu')
+  if activation not in ACTIVATIONS:
+    raise UserError(f'{source}: hidden_act={activation!r} is not supported; the decoder has {", ".join(ACTIVATIONS)}')
+  gemma = family.get('family') == 'gemma3_text'
+  rope = _rope_from_hf(raw, gemma, family.get('partial_rotary_factor', 1.0), source)
+  mrope_section = rope.pop('mrope_section')
   if model_type == 'qwen2_5_vl' and not mrope_section:
     raise UserError(f'{source}: a qwen2_5_vl config needs rope_parameters.mrope_section (or rope_scaling.mrope_section)')
+  attention = _attention_from_hf(raw, model_type, gemma, source)
 
   eos = raw.get('eos_token_id')
   eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
@@ -313,7 +403,6 @@ def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
   return Qwen2Config(
       **fields,
       head_dim=raw.get('head_dim'),
-      rope_theta=float(rope_theta),
       rms_norm_eps=float(raw.get('rms_norm_eps', 1e-6)),
       tie_word_embeddings=bool(raw.get('tie_word_embeddings', False)),
       max_position_embeddings=int(raw.get('max_position_embeddings', 32768)),
@@ -321,12 +410,102 @@ def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
       eos_token_ids=eos_ids,
       initializer_range=float(raw.get('initializer_range', 0.02)),
       checkpoint_dtype=str(checkpoint_dtype),
-      attention_bias=bool(raw.get('attention_bias', family['attention_bias'])),
-      qk_norm=family['qk_norm'],
+      **{**family, **rope, **attention, 'attention_bias': bool(raw.get('attention_bias', family['attention_bias'])),
+         'hidden_act': activation},
       **experts,
       **(dict(mrope_section=mrope_section, vision=_vision_from_hf(multimodal, source))
          if model_type == 'qwen2_5_vl' else {}),
   )
+
+
+# Fields whose set values would change what the model computes and which the decoder does not
+# implement; unset (None) or false they are what it computes.
+_UNIMPLEMENTED = ('attn_logit_softcapping', 'final_logit_softcapping', 'mlp_bias', 'use_bidirectional_attention')
+# The keys of a rope_parameters (or rope_scaling) dict the decoder reads, by rope_type.
+_ROPE_KEYS = {'default': ('rope_type', 'type', 'rope_theta', 'partial_rotary_factor', 'mrope_section'),
+              'linear': ('rope_type', 'type', 'rope_theta', 'partial_rotary_factor', 'factor'),
+              'llama3': ('rope_type', 'type', 'rope_theta', 'partial_rotary_factor', 'factor', 'low_freq_factor',
+                         'high_freq_factor', 'original_max_position_embeddings')}
+_LAYER_KEYED = ('full_attention', 'sliding_attention')
+
+
+def _refuse_unimplemented(raw: dict, source: str) -> None:
+  for name in _UNIMPLEMENTED:
+    if raw.get(name) not in (None, False):
+      raise UserError(f'{source}: {name}={raw[name]!r} is not implemented by the decoder (only unset or false is)')
+
+
+def _one_rope(params: dict, theta: float, partial: float, where: str, source: str) -> dict:
+  """The RoPE fields of one rope_parameters (5.x) or rope_scaling-with-rope_theta (4.x) dict."""
+  rope_type = params.get('rope_type') or params.get('type') or 'default'
+  if rope_type == 'mrope' and params.get('mrope_section'):  # the hub's Qwen2.5-VL spelling of default RoPE
+    rope_type = 'default'
+  if rope_type not in _ROPE_KEYS:
+    raise UserError(f'{source}: {where}: rope type {rope_type!r} is not supported; the decoder has '
+                    f'{", ".join(ROPE_TYPES)}')
+  unknown = [key for key in params if key not in _ROPE_KEYS[rope_type]]
+  if unknown and not (rope_type == 'default' and unknown == ['factor'] and params['factor'] == 1.0):
+    raise UserError(f'{source}: {where}.{unknown[0]} is not implemented for rope_type {rope_type!r}')
+  fields = dict(rope_theta=float(params.get('rope_theta', theta)), rope_type=rope_type,
+                partial_rotary_factor=float(params.get('partial_rotary_factor', partial)),
+                mrope_section=tuple(int(n) for n in params.get('mrope_section') or ()))
+  if rope_type != 'default':
+    if 'factor' not in params:
+      raise UserError(f'{source}: {where}.factor is missing (rope_type {rope_type!r})')
+    fields['rope_factor'] = float(params['factor'])
+  if rope_type == 'llama3':
+    for key in ('low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'):
+      if key not in params:
+        raise UserError(f'{source}: {where}.{key} is missing (rope_type llama3)')
+    fields.update(rope_low_freq_factor=float(params['low_freq_factor']),
+                  rope_high_freq_factor=float(params['high_freq_factor']),
+                  rope_original_max_position_embeddings=int(params['original_max_position_embeddings']))
+  return fields
+
+
+def _rope_from_hf(raw: dict, layer_keyed: bool, partial: float, source: str) -> dict:
+  """The RoPE fields in either spelling. transformers 5.x: `rope_parameters` (for Gemma 3 one per
+  layer type); the hub (4.x): `rope_theta` and `rope_scaling` at the top (Gemma 3: those of the
+  global layers, `rope_local_base_freq` the sliding layers' base), GLM-4's `partial_rotary_factor`
+  at the top."""
+  partial = float(raw.get('partial_rotary_factor', partial))
+  parameters = raw.get('rope_parameters') or {}
+  if not layer_keyed:
+    if any(key in parameters for key in _LAYER_KEYED):
+      raise UserError(f'{source}: rope_parameters keyed by layer type are read for gemma3 only')
+    params = {**(raw.get('rope_scaling') or {}), **parameters}
+    return _one_rope(params, float(raw.get('rope_theta', 10000.0)), partial, 'rope_parameters', source)
+  if parameters:
+    unknown = [key for key in parameters if key not in _LAYER_KEYED]
+    if unknown:
+      raise UserError(f'{source}: rope_parameters.{unknown[0]}: a gemma3 config keys rope_parameters by layer type')
+    full, local = parameters.get('full_attention') or {}, parameters.get('sliding_attention') or {}
+  else:
+    full = {**(raw.get('rope_scaling') or {}), 'rope_theta': raw.get('rope_theta', 1_000_000.0)}
+    local = {'rope_theta': raw.get('rope_local_base_freq', 10000.0)}
+  fields = _one_rope(full, 1_000_000.0, partial, 'rope_parameters.full_attention', source)
+  local = _one_rope(local, 10000.0, partial, 'rope_parameters.sliding_attention', source)
+  if local['rope_type'] != 'default' or local['partial_rotary_factor'] != fields['partial_rotary_factor']:
+    raise UserError(f'{source}: rope_parameters.sliding_attention must be default RoPE over the same part of the head '
+                    'as the full-attention layers')
+  return dict(fields, local_rope_theta=local['rope_theta'])
+
+
+def _attention_from_hf(raw: dict, model_type: str, layer_keyed: bool, source: str) -> dict:
+  """sliding_window, layer_types and query_pre_attn_scalar, with transformers' defaults for a key a
+  config leaves out (Mistral and Gemma 3 slide over 4096 tokens unless told otherwise)."""
+  if model_type == 'mistral':
+    return dict(sliding_window=raw.get('sliding_window', 4096))
+  if not layer_keyed:
+    return {}
+  window = raw.get('sliding_window', 4096)
+  layer_types = raw.get('layer_types')
+  if not layer_types:
+    pattern = int(raw.get('sliding_window_pattern', raw.get('_sliding_window_pattern', 6)))
+    layer_types = ['sliding_attention' if (i + 1) % pattern else 'full_attention'
+                   for i in range(int(raw.get('num_hidden_layers') or 0))]
+  return dict(sliding_window=window, layer_types=tuple(layer_types),
+              query_pre_attn_scalar=float(raw.get('query_pre_attn_scalar', 256)))
 
 
 def _vision_from_hf(raw: dict, source: str) -> VisionConfig:
@@ -376,7 +555,7 @@ def to_hf_dict(config: Qwen2Config, dtype: str | None = None) -> dict:
       'num_attention_heads': config.num_attention_heads,
       'num_key_value_heads': config.num_key_value_heads,
       **({'head_dim': config.head_dim} if config.head_dim is not None else {}),
-      'hidden_act': 'silu',
+      'hidden_act': config.hidden_act,
       'rms_norm_eps': config.rms_norm_eps,
       'rope_theta': config.rope_theta,
       'rope_parameters': {'rope_type': 'default', 'rope_theta': config.rope_theta},
@@ -391,7 +570,41 @@ def to_hf_dict(config: Qwen2Config, dtype: str | None = None) -> dict:
       'torch_dtype': dtype,
       **(_experts_hf_dict(config) if config.num_experts else {}),
   }
+  if config.family:
+    text.update(_family_hf_dict(config))
   return _multimodal_hf_dict(config, text) if config.vision is not None else text
+
+
+def _family_hf_dict(config: Qwen2Config) -> dict:
+  """The keys a family beyond Qwen adds, in both spellings: 5.x's rope_parameters (for Gemma 3
+  keyed by layer type) and the hub's top-level rope_theta, rope_scaling, partial_rotary_factor,
+  rope_local_base_freq."""
+  rope = {'rope_type': config.rope_type, 'rope_theta': config.rope_theta}
+  if config.rope_type != 'default':
+    rope['factor'] = config.rope_factor
+  if config.rope_type == 'llama3':
+    rope.update(low_freq_factor=config.rope_low_freq_factor, high_freq_factor=config.rope_high_freq_factor,
+                original_max_position_embeddings=config.rope_original_max_position_embeddings)
+  scaling = None
+  if config.rope_type != 'default':
+    scaling = {key: value for key, value in rope.items() if key != 'rope_theta'}
+  keys = {'rope_scaling': scaling}
+  if config.partial_rotary_factor != 1.0:
+    rope['partial_rotary_factor'] = keys['partial_rotary_factor'] = config.partial_rotary_factor
+  if config.family == 'mistral':
+    keys['sliding_window'] = config.sliding_window
+  if config.family == 'gemma3_text':
+    local = {'rope_type': 'default', 'rope_theta': config.local_rope_theta}
+    scalar = config.query_pre_attn_scalar
+    keys.update(hidden_activation=config.hidden_act,
+                query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,  # transformers: an int
+                sliding_window=config.sliding_window, layer_types=list(config.layer_types),
+                rope_local_base_freq=config.local_rope_theta,
+                rope_parameters={'full_attention': rope, 'sliding_attention': local},
+                attn_logit_softcapping=None, final_logit_softcapping=None, use_bidirectional_attention=False)
+  else:
+    keys['rope_parameters'] = rope
+  return keys
 
 
 def _multimodal_hf_dict(config: Qwen2Config, text: dict) -> dict:

@@ -5,6 +5,7 @@ Layer parameters are stored stacked along a leading layer axis L, so the decoder
 over the same arrays (qwen2.Qwen2.run_layers). Parameter names carry their dimension letters:
 
   attn_norm      [L, D]            mlp_norm    [L, D]
+  attn_post_norm [L, D]            mlp_post_norm [L, D]             (sandwich_norms: GLM-4, Gemma 3)
   q_weight       [L, D, N, H]      q_bias      [L, N, H]        (attention_bias)
   k_weight       [L, D, K, H]      k_bias      [L, K, H]        (v_* likewise)
   q_norm         [L, H]            k_norm      [L, H]           (qk_norm)
@@ -17,6 +18,12 @@ A mixture of experts stores the dense MLP of its Ld dense layers and the experts
 layers (config.sparse_layers) in stacks of their own, so no layer carries both. When every layer is
 of one kind (every Qwen3-MoE checkpoint published: decoder_sparse_step 1, no mlp_only_layers) the
 layers scan; a mixed model runs them unrolled, each layer reading its slice of its kind's stack.
+
+The families beyond Qwen act here and nowhere else in the layer: the norm ((1 + w) with
+`norm_offset`), the extra norms on the attention's and the MLP's outputs (`sandwich_norms`), the
+MLP's activation (`hidden_act`), the rotary embedding (frequencies per layer from
+`inverse_frequencies`: scaled, partial, interleaved, local or global) and the query's scale
+(`query_pre_attn_scalar`). The sliding window is the attention's mask (model/qwen2.py).
 """
 
 import math
@@ -37,7 +44,8 @@ from grpo_jax.sharding import constrain
 DENSE_MLP_PARAMS = ('gate_weight', 'up_weight', 'down_weight')
 EXPERT_PARAMS = ('router_weight', 'expert_gate_weight', 'expert_up_weight', 'expert_down_weight')
 LAYER_PARAMS = ('attn_norm', 'q_weight', 'q_bias', 'q_norm', 'k_weight', 'k_bias', 'k_norm', 'v_weight', 'v_bias',
-                'o_weight', 'mlp_norm') + DENSE_MLP_PARAMS + EXPERT_PARAMS
+                'o_weight', 'attn_post_norm', 'mlp_norm', 'mlp_post_norm') + DENSE_MLP_PARAMS + EXPERT_PARAMS
+ACTIVATION_FUNCTIONS = {'silu': jax.nn.silu, 'gelu_pytorch_tanh': lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 def layer_params(config: Qwen2Config) -> tuple[str, ...]:
@@ -45,6 +53,7 @@ def layer_params(config: Qwen2Config) -> tuple[str, ...]:
   absent = (() if config.attention_bias else ('q_bias', 'k_bias', 'v_bias')) + (() if config.qk_norm else
                                                                                   ('q_norm', 'k_norm'))
   absent += (() if config.num_sparse_layers else EXPERT_PARAMS)
+  absent += (() if config.sandwich_norms else ('attn_post_norm', 'mlp_post_norm'))
   absent += (() if config.num_sparse_layers < config.num_hidden_layers else DENSE_MLP_PARAMS)
   return tuple(name for name in LAYER_PARAMS if name not in absent)
 
@@ -54,42 +63,84 @@ def stacked_layers(config: Qwen2Config, name: str) -> tuple[int, ...]:
   return config.layers_of('sparse' if name in EXPERT_PARAMS else 'dense' if name in DENSE_MLP_PARAMS else 'all')
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm computed in fp32, cast back to x's dtype before scaling (as Qwen2 does)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool = False) -> jax.Array:
+  """RMSNorm computed in fp32. Scaled by w after the cast back to x's dtype (Qwen2, Llama), or with
+  `offset` by (1 + w) in fp32 before it (Gemma 3)."""
   x32 = x.astype(jnp.float32)
   normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if offset:
+    return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
   return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def rotate(x: jax.Array, angles: jax.Array) -> jax.Array:
-  """Rotary embedding, half-split convention: x [..., T, n, H] rotated by angles [..., T, H/2]
-  (fp32), pair (i, i + H/2) by angles[i]."""
+def rotate(x: jax.Array, angles: jax.Array, interleaved: bool = False) -> jax.Array:
+  """Rotary embedding of x [..., T, n, R] by angles [..., T, R/2] (fp32): pair (i, i + R/2) by
+  angles[i] (the half-split convention), or with `interleaved` pair (2i, 2i + 1) (GLM-4's)."""
   cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  x32 = x.astype(jnp.float32)
+  if interleaved:
+    x1, x2 = x32[..., 0::2], x32[..., 1::2]
+    return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape).astype(x.dtype)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float, mrope_section: tuple[int, ...] = ()) -> jax.Array:
-  """RoPE of x [B, T, n, H] at positions [B, T]; with `mrope_section` (M-RoPE) positions may be
+def _frequencies(config: Qwen2Config, theta: float, scaled: bool) -> np.ndarray:
+  """[R/2] fp32 inverse frequencies of base `theta` over the rotated part R; `scaled`: stretched as
+  rope_type says ('linear': all divided by rope_factor; 'llama3': long wavelengths divided, short
+  ones kept, the band between blended)."""
+  dim = config.rotary_dim
+  frequency = 1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+  if not scaled or config.rope_type == 'default':
+    return frequency
+  factor = np.float32(config.rope_factor)
+  if config.rope_type == 'linear':
+    return frequency / factor
+  original = np.float32(config.rope_original_max_position_embeddings)
+  low, high = np.float32(config.rope_low_freq_factor), np.float32(config.rope_high_freq_factor)
+  wavelength = np.float32(2 * np.pi) / frequency
+  long_waves = np.where(wavelength > original / low, frequency / factor, frequency)
+  weight = (original / wavelength - low) / (high - low)  # 0 at the long edge of the band, 1 at the short
+  blended = (1 - weight) * long_waves / factor + weight * long_waves
+  band = (wavelength >= original / high) & (wavelength <= original / low)
+  return np.where(band, blended, long_waves).astype(np.float32)
+
+
+def inverse_frequencies(config: Qwen2Config) -> np.ndarray:
+  """[L, R/2] fp32: each layer's RoPE frequencies. With layer_types the sliding layers rotate by
+  their own base (local_rope_theta, unscaled; Gemma 3), the others by rope_theta as rope_type
+  scales it."""
+  local = config.sliding_layers if config.layer_types else (False,) * config.num_hidden_layers
+  return np.stack([_frequencies(config, config.local_rope_theta, False) if sliding
+                   else _frequencies(config, config.rope_theta, True) for sliding in local])
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inverse_frequency: jax.Array, mrope_section: tuple[int, ...] = (),
+               interleaved: bool = False) -> jax.Array:
+  """RoPE of x [B, T, n, H] at positions [B, T] by inverse_frequency [R/2]: the first R of H
+  rotate (pairs as `rotate` says), the rest pass. With `mrope_section` (M-RoPE) positions may be
   [B, T, 3] (temporal, row, column), frequency i rotating by the component its section names
   (sections cycle 0, 1, 2); [B, T] positions are the same on all three, i.e. plain RoPE."""
-  head_dim = x.shape[-1]
-  inverse_frequency = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  rotary = 2 * inverse_frequency.shape[-1]
   positions = positions.astype(jnp.float32)
   if positions.ndim == 3:
     component = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)  # [H/2]
     angles = positions[..., component] * inverse_frequency
   else:
-    angles = positions[..., None] * inverse_frequency  # [B, T, H/2]
-  return rotate(x, angles)
+    angles = positions[..., None] * inverse_frequency  # [B, T, R/2]
+  if rotary == x.shape[-1]:
+    return rotate(x, angles, interleaved)
+  return jnp.concatenate([rotate(x[..., :rotary], angles, interleaved), x[..., rotary:]], axis=-1)
 
 
 def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Attend, *,
-                  config: Qwen2Config, dtype, lora_scale: float = 0.0, real: jax.Array | None = None,
+                  config: Qwen2Config, dtype, inverse_frequency: jax.Array, lora_scale: float = 0.0,
+                  real: jax.Array | None = None,
                   replay: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Routing | None]:
   """One pre-norm decoder layer. params: one layer's slice of `LAYER_PARAMS` (and of the LoRA
   factors, added to their projection's output scaled by `lora_scale`, unmerged); x: [B, T, D];
-  positions: [B, T] (or [B, T, 3] with M-RoPE); attend(q [B, T, N, H], k, v [B, T, K, H]) -> [B, T, N, H] is the attention
+  positions: [B, T] (or [B, T, 3] with M-RoPE); inverse_frequency [R/2]: this layer's RoPE
+  (inverse_frequencies); attend(q [B, T, N, H], k, v [B, T, K, H]) -> [B, T, N, H] is the attention
   (over the T tokens, and for `extend` over the cache too). A sparse layer (its slice holds
   `router_weight`) routes as model/moe.py says: real [B, T] marks the tokens its load statistics
   count, replay [B, T, k] the experts to route to (None: the router's top k). -> (x [B, T, D], this
@@ -109,17 +160,25 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
     xa = jnp.einsum('ir,ni->rn', p[a].reshape(-1, rank), flat).T.reshape(*rows, rank)
     return y + (matmul(xa, p[b]) * jnp.asarray(lora_scale, dtype)).astype(y.dtype)
 
-  h = rms_norm(x, p['attn_norm'], config.rms_norm_eps)
+  def norm(x, name):
+    return rms_norm(x, p[name], config.rms_norm_eps, config.norm_offset)
+
+  h = norm(x, 'attn_norm')
   q, k, v = project(h, 'q'), project(h, 'k'), project(h, 'v')
   if config.attention_bias:
     q, k, v = q + p['q_bias'], k + p['k_bias'], v + p['v_bias']
   if config.qk_norm:  # each head's query and key normalised over H, before the rotation
-    q, k = rms_norm(q, p['q_norm'], config.rms_norm_eps), rms_norm(k, p['k_norm'], config.rms_norm_eps)
-  q = apply_rope(q, positions, config.rope_theta, config.mrope_section)
-  k = apply_rope(k, positions, config.rope_theta, config.mrope_section)
-  x = x + project(attend(q, k, v), 'o', contract=2)
+    q, k = norm(q, 'q_norm'), norm(k, 'k_norm')
+  q = apply_rope(q, positions, inverse_frequency, config.mrope_section, config.rope_interleaved)
+  k = apply_rope(k, positions, inverse_frequency, config.mrope_section, config.rope_interleaved)
+  if config.query_pre_attn_scalar is not None:
+    # Every attention path scales scores by H^-1/2; Gemma 3 scales them by query_pre_attn_scalar^-1/2,
+    # folded into the query (the cached keys stay as they are).
+    q = q * jnp.asarray((q.shape[-1] / config.query_pre_attn_scalar) ** 0.5, q.dtype)
+  out = project(attend(q, k, v), 'o', contract=2)
+  x = x + (norm(out, 'attn_post_norm') if config.sandwich_norms else out)
   x = constrain(x, ('batch', 'seq', 'act_embed'))
-  h = rms_norm(x, p['mlp_norm'], config.rms_norm_eps)
+  h = norm(x, 'mlp_norm')
   routing = None
   if 'router_weight' in p:
     real = jnp.ones(h.shape[:2], bool) if real is None else real
@@ -128,7 +187,9 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
     out, routing = sparse_mlp(experts, h, real, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
                               replay=replay)
   else:
-    out = project(jax.nn.silu(project(h, 'gate')) * project(h, 'up'), 'down')
+    out = project(ACTIVATION_FUNCTIONS[config.hidden_act](project(h, 'gate')) * project(h, 'up'), 'down')
+  if config.sandwich_norms:
+    out = norm(out, 'mlp_post_norm')
   return constrain(x + out, ('batch', 'seq', 'act_embed')), (k, v), routing
 
 
@@ -150,7 +211,8 @@ class DecoderLayers(nnx.Module):
       return nnx.Param(jnp.full(shape, value, param_dtype), logical_axes=axes)
 
     self.names = layer_params(c)
-    self.attn_norm = constant(1.0, (L, D), ('layers', 'act_embed'))
+    one = 0.0 if c.norm_offset else 1.0  # a norm's identity weight: (1 + w) with norm_offset
+    self.attn_norm = constant(one, (L, D), ('layers', 'act_embed'))
     self.q_weight = weight((L, D, N, H), ('layers', 'embed', 'q_heads', 'head_dim'))
     self.k_weight = weight((L, D, K, H), ('layers', 'embed', 'kv_heads', 'head_dim'))
     self.v_weight = weight((L, D, K, H), ('layers', 'embed', 'kv_heads', 'head_dim'))
@@ -159,10 +221,13 @@ class DecoderLayers(nnx.Module):
       self.k_bias = constant(0.0, (L, K, H), ('layers', 'kv_heads', 'head_dim'))
       self.v_bias = constant(0.0, (L, K, H), ('layers', 'kv_heads', 'head_dim'))
     if c.qk_norm:
-      self.q_norm = constant(1.0, (L, H), ('layers', 'head_dim'))
-      self.k_norm = constant(1.0, (L, H), ('layers', 'head_dim'))
+      self.q_norm = constant(one, (L, H), ('layers', 'head_dim'))
+      self.k_norm = constant(one, (L, H), ('layers', 'head_dim'))
     self.o_weight = weight((L, N, H, D), ('layers', 'q_heads', 'head_dim', 'embed'))
-    self.mlp_norm = constant(1.0, (L, D), ('layers', 'act_embed'))
+    self.mlp_norm = constant(one, (L, D), ('layers', 'act_embed'))
+    if c.sandwich_norms:
+      self.attn_post_norm = constant(one, (L, D), ('layers', 'act_embed'))
+      self.mlp_post_norm = constant(one, (L, D), ('layers', 'act_embed'))
     if Ld:
       self.gate_weight = weight((Ld, D, F), ('layers', 'embed', 'mlp'))
       self.up_weight = weight((Ld, D, F), ('layers', 'embed', 'mlp'))

@@ -6,6 +6,10 @@ model/layers.py's, its KV cache model/cache.py's, its vision tower model/vision.
 
   embedding      [V, D]            lm_head     [D, V] (absent when tied)       final_norm [D]
 
+Sliding-window layers (config.sliding_layers) also mask the keys sliding_window or more tokens back,
+counted in real tokens of the sequence (attention.window_mask), in every path: the full-sequence
+forward (padded or packed), prefill and decode over the cache and a shared prompt.
+
 Masking uses segment ids [B, T]: 0 marks padding, and a token attends to earlier tokens of its own
 segment only. A Hugging Face 0/1 attention mask is a valid segment-id array, and packed sequences
 use 1, 2, 3, ... per row. Left- and right-padded batches therefore give each real token the same
@@ -26,11 +30,12 @@ from flax import nnx
 from grpo_jax.errors import require
 from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, DECODE_ATTENTIONS, AttentionImplementation,
                                       DecodeAttention, SharedPart, attention_mask, cache_attention, reader_layout,
-                                      reads_stacked_cache, resolve_attention, sequence_attention)
+                                      reads_stacked_cache, resolve_attention, sequence_attention, window_mask)
 from grpo_jax.model.cache import KVCache, SharedPrefix, finite, write_layers, write_rows
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.embedding import embedding_lookup
-from grpo_jax.model.layers import DENSE_MLP_PARAMS, DecoderLayers, decoder_block, rms_norm, stacked_layers
+from grpo_jax.model.layers import (DENSE_MLP_PARAMS, DecoderLayers, decoder_block, inverse_frequencies, rms_norm,
+                                   stacked_layers)
 from grpo_jax.model.lora import TARGETS, LoraConfig
 from grpo_jax.model.moe import Routing
 from grpo_jax.model.quantize import Quantized, output_scale
@@ -59,6 +64,8 @@ PromptReads = Literal['auto', 'copy', 'once']
 # An estimate, not yet measured on a GPU: the few extra kernels of 'once' cost a few microseconds
 # each, what an H100 reads of 16 MiB takes.
 READ_ONCE_BYTES = 16 << 20
+# The window of a layer that attends over the whole sequence, in a model where others slide.
+FULL_WINDOW = 1 << 30
 
 _REMAT_POLICIES = {
     'full': None,  # save nothing, recompute the whole block
@@ -141,7 +148,11 @@ class Qwen2(nnx.Module):
     self.embedding = nnx.Param(normal(rngs.params(), (V, D), self.param_dtype),
                                logical_axes=('vocab', 'embed'))
     self.layers = DecoderLayers(config, self.param_dtype, rngs)
-    self.final_norm = nnx.Param(jnp.ones((D,), self.param_dtype), logical_axes=('act_embed',))
+    require(not (any(config.sliding_layers) and options.decode_attention == 'pallas'), 'model.decode_attention',
+            "'pallas': the ragged decode kernel has no sliding window, which this model's layers use; "
+            "choose 'dense' or 'blockwise'")
+    self.final_norm = nnx.Param(jnp.full((D,), 0.0 if config.norm_offset else 1.0, self.param_dtype),
+                                logical_axes=('act_embed',))
     if not config.tie_word_embeddings:
       self.lm_head = nnx.Param(normal(rngs.params(), (D, V), self.param_dtype),
                                logical_axes=('embed', 'vocab'))
@@ -169,6 +180,25 @@ class Qwen2(nnx.Module):
   @property
   def lora_scale(self) -> float:
     return 0.0 if self.options.lora is None else self.options.lora.scale
+
+  def layer_settings(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Per layer, what run_layers hands each layer: its RoPE inverse frequencies [L, R/2] (None
+    when every layer's are the same: `frequency(None)`, one constant, keeps a scanned program's
+    size independent of depth) and its attention window [L] (FULL_WINDOW for a full-attention
+    layer; None when no layer slides)."""
+    c = self.config
+    windows = None
+    if any(c.sliding_layers):
+      windows = np.asarray([c.sliding_window if sliding else FULL_WINDOW for sliding in c.sliding_layers], np.int32)
+    frequencies = inverse_frequencies(c)
+    return (None if (frequencies == frequencies[0]).all() else frequencies), windows
+
+  def frequency(self, per_layer: jax.Array | None) -> jax.Array:
+    """A layer's inverse frequencies [R/2]: its slice of layer_settings', or every layer's."""
+    return inverse_frequencies(self.config)[0] if per_layer is None else per_layer
+
+  def final_norm_of(self, x: jax.Array) -> jax.Array:
+    return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps, self.config.norm_offset)
 
   def run_layers(self, x: jax.Array, layer: Callable, xs=None, replay: jax.Array | None = None,
                  scan: bool | None = None) -> tuple[jax.Array, typing.Any, Routing | None]:
@@ -275,28 +305,30 @@ class Qwen2(nnx.Module):
     several of the B rows (packed rows; vision.place_from).
     """
     segment_ids = _segments(tokens, segment_ids)
+    ordinals = segment_positions(segment_ids)  # the default positions; what a sliding window counts
     if positions is None:
-      positions = segment_positions(segment_ids)
+      positions = ordinals
     slots = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     attend = sequence_attention(resolve_attention(self.options.attention, self.dtype), slots, segment_ids,
-                                self.options.attention_chunk)
+                                self.options.attention_chunk, ordinals=ordinals)
     real = segment_ids != 0
 
-    def block(params, x, replay):
-      return decoder_block(params, x, positions, attend, config=self.config, dtype=self.dtype,
+    def block(params, x, replay, frequency, window):
+      return decoder_block(params, x, positions, functools.partial(attend, window=window), config=self.config,
+                           dtype=self.dtype, inverse_frequency=self.frequency(frequency),
                            lora_scale=self.lora_scale, real=real, replay=replay)
     if self.options.remat != 'none':
       block = jax.checkpoint(block, policy=_REMAT_POLICIES[self.options.remat])
 
-    def layer(x, params, _, replay):
-      x, _, routing = block(params, x, replay)
+    def layer(x, params, settings, replay):
+      x, _, routing = block(params, x, replay, *settings)
       return x, None, routing
 
     x = self._embed(tokens, images)
     if placed is not None:
       x = place_from(x, *placed)
-    x, _, routing = self.run_layers(x, layer, replay=self._replay(routes))
-    hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
+    x, _, routing = self.run_layers(x, layer, self.layer_settings(), replay=self._replay(routes))
+    hidden = self.final_norm_of(x)
     return (hidden, _gathered(routing)) if return_routing else hidden
 
   def _replay(self, routes: jax.Array | None) -> jax.Array | None:
@@ -335,7 +367,12 @@ class Qwen2(nnx.Module):
       x = (embedding_lookup(table.values, tokens).astype(self.dtype)
            * jnp.take(table.scale[:, 0], tokens, axis=0)[..., None].astype(self.dtype))
     else:
-      x = embedding_lookup(table, tokens).astype(self.dtype)
+      x = embedding_lookup(table, tokens)
+      if self.config.embedding_scale:  # sqrt(D) rounded to the table's dtype, as the checkpoint's model does
+        x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+      x = x.astype(self.dtype)
+    if isinstance(table, Quantized) and self.config.embedding_scale:
+      x = x * jnp.asarray(self.config.hidden_size ** 0.5, self.dtype)
     if images is not None:
       x = place(x, self.image_features(images), images.placement)
     return constrain(x, ('batch', 'seq', 'act_embed'))
@@ -401,14 +438,15 @@ class Qwen2(nnx.Module):
     """
     segment_ids = _segments(tokens, segment_ids)
     prefix_segments = None if prefix is None else prefix.rows(prefix.segment_ids)  # [B, W]
+    # Each token's count of real tokens before it in its row (the prompt's included): its default
+    # position, and what a sliding window measures distance in.
+    previous = jnp.sum(cache.segment_ids != 0, axis=1, dtype=jnp.int32)
+    if prefix is not None:
+      previous = previous + jnp.sum(prefix_segments != 0, axis=1, dtype=jnp.int32)
+    running = jnp.cumsum(segment_ids != 0, axis=1, dtype=jnp.int32) - 1
+    ordinals = previous[:, None] + jnp.maximum(running, 0)
     if positions is None:
-      previous = jnp.sum(cache.segment_ids != 0, axis=1, dtype=jnp.int32)
-      if prefix is not None:
-        previous = previous + jnp.sum(prefix_segments != 0, axis=1, dtype=jnp.int32)
-      running = jnp.cumsum(segment_ids != 0, axis=1, dtype=jnp.int32) - 1
-      positions = previous[:, None] + jnp.maximum(running, 0)
-      if position_offsets is not None:
-        positions = positions + position_offsets[:, None]
+      positions = ordinals if position_offsets is None else ordinals + position_offsets[:, None]
     length = tokens.shape[1]
     query_slots = cache.length[:, None] + jnp.arange(length, dtype=jnp.int32)
     key_slots = jnp.broadcast_to(jnp.arange(cache.max_length, dtype=jnp.int32),
@@ -425,6 +463,11 @@ class Qwen2(nnx.Module):
     # The prompt's keys come before all of the row's own: only the segment rule applies.
     prefix_mask = (None if prefix is None else
                    (prefix_segments[:, None, :] == segment_ids[:, :, None]) & (prefix_segments != 0)[:, None, :])
+    settings = self.layer_settings()
+    if settings[1] is not None:  # the keys' counts of real tokens before them (attention.window_mask)
+      prompt_count = 0 if prefix is None else jnp.sum(prefix_segments != 0, axis=1, dtype=jnp.int32)[:, None]
+      cache_ordinals = jnp.cumsum(cache.segment_ids != 0, axis=1, dtype=jnp.int32) - 1 + prompt_count
+      prefix_ordinals = None if prefix is None else jnp.cumsum(prefix_segments != 0, axis=1, dtype=jnp.int32) - 1
 
     implementation = self.options.decode_attention
     stacked = reads_stacked_cache(implementation)
@@ -444,8 +487,15 @@ class Qwen2(nnx.Module):
       reads = jnp.any(segment_ids != 0, axis=1).reshape(groups, -1)
       reading = reader_layout(prefix.index, reads, per_prompts, prefix.readers)
 
-    def layer(x, params, layer_cache, _):
-      own, *shared = layer_cache  # this layer's cache rows, or its index into the stack or the layers
+    def layer(x, params, inputs, _):
+      (frequency, window), (own, *shared) = inputs  # own: this layer's cache rows, or its index into them
+      windowed = {}  # each mask with this layer's sliding window, if it has one
+      if window is not None:
+        windowed = {'new': mask & window_mask(ordinals, ordinals, window),
+                    'cache': cache_mask & window_mask(ordinals, cache_ordinals, window),
+                    'prefix': None if prefix is None else prefix_mask & window_mask(ordinals, prefix_ordinals, window)}
+      own_mask, new_mask = windowed.get('cache', cache_mask), windowed.get('new', mask)
+      shared_mask = windowed.get('prefix', prefix_mask)
       if cache.layered:
         own = (cache.k[int(own)], cache.v[int(own)])
       elif ordered:
@@ -454,18 +504,19 @@ class Qwen2(nnx.Module):
       if prefix is None:
         parts = []
       elif reading is not None:
-        parts = [SharedPart(shared[0], shared[1], prefix_mask, *reading)]
+        parts = [SharedPart(shared[0], shared[1], shared_mask, *reading)]
       else:
-        parts = [(prefix.rows(shared[0]), prefix.rows(shared[1]), prefix_mask)]
+        parts = [(prefix.rows(shared[0]), prefix.rows(shared[1]), shared_mask)]
 
       def attend(q, k, v):
         # The new keys and values as the cache will hold them (rounded to its dtype, finite).
-        new = (finite(k.astype(dtype)), finite(v.astype(dtype)), mask)
-        return cache_attention(implementation, q, new, parts, cache.k, cache.v, own, cache_mask, cache.length,
+        new = (finite(k.astype(dtype)), finite(v.astype(dtype)), new_mask)
+        return cache_attention(implementation, q, new, parts, cache.k, cache.v, own, own_mask, cache.length,
                                cache.segment_ids, segment_ids, query_slots, self.options.decode_block)
 
       return decoder_block(params, x, positions, attend, config=self.config, dtype=self.dtype,
-                           lora_scale=self.lora_scale, real=segment_ids != 0)
+                           inverse_frequency=self.frequency(frequency), lora_scale=self.lora_scale,
+                           real=segment_ids != 0)
 
     layers = self.config.num_hidden_layers
     if cache.layered:  # indices the unrolled loop hands each layer as constants
@@ -473,8 +524,9 @@ class Qwen2(nnx.Module):
     else:
       own = jnp.arange(layers, dtype=jnp.int32) if stacked or ordered else (cache.k, cache.v)
     layer_caches = (own,) + (() if prefix is None else (prefix.k, prefix.v))
-    x, (k_new, v_new), routing = self.run_layers(self._embed(tokens, images), layer, layer_caches, scan=scan)
-    hidden = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
+    x, (k_new, v_new), routing = self.run_layers(self._embed(tokens, images), layer, (settings, layer_caches),
+                                                 scan=scan)
+    hidden = self.final_norm_of(x)
     k_new, v_new = finite(k_new.astype(dtype)), finite(v_new.astype(dtype))
     if length == cache.max_length:
       # The tokens fill the whole cache (so it was empty: length + T <= S): it is the new keys and

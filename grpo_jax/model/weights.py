@@ -1,10 +1,17 @@
-"""Hugging Face Qwen2 / Qwen3 / Qwen3-MoE tensors <-> grpo_jax parameters, as one declarative table.
+"""Hugging Face tensors (Qwen2 / Qwen3 / Qwen3-MoE / Qwen2.5-VL, Llama, Mistral, GLM-4, Gemma 3) <->
+grpo_jax parameters, as one declarative table.
 
 Each rule maps a Hugging Face tensor name (per layer, `{i}`; per expert, `{e}`) to a grpo_jax
 parameter path and says how the layout changes: PyTorch Linear weights are [out, in] and are
 transposed to [in, out], then split into heads. Both directions are read from the same table. A
 mixture of experts is stored on the hub (and by transformers' save_pretrained) one tensor per
 expert, `mlp.experts.{e}.gate_proj.weight`; grpo_jax stacks a layer's E experts into one array.
+GLM-4 stores a layer's gate and up projections as one tensor, `mlp.gate_up_proj.weight` [2F, D]
+(gate first): two rules read its halves, and writing joins them again. Gemma 3 calls the norm
+before the MLP `pre_feedforward_layernorm` and the one after attention `post_attention_layernorm`
+(Qwen's name for the norm before the MLP). A Gemma 3 vision-language checkpoint (the 4B-27B ones)
+holds its language model under `language_model.` (the hub's; `model.language_model.` inside
+transformers 5.x): read by that prefix, its vision tower and projector left unread.
 
 Reading goes one tensor at a time, with positioned reads of the safetensors files, so converting or
 loading a checkpoint never holds more than the destination arrays plus one source tensor.
@@ -28,15 +35,17 @@ SINGLE_FILE = 'model.safetensors'
 
 
 def dim_sizes(config: Qwen2Config) -> dict[str, int]:
-  """Sizes of the dimension letters (D, F, V, N, K, H, E, M; the vision tower's C, I, P, W and J = 3C,
-  X, Y, Z its patch's channels, frames and side; see model/config.py) for this architecture."""
+  """Sizes of the dimension letters (D, F, V, N, K, H, E, M, U = 2F fused gate and up; the vision
+  tower's C, I, P, W and J = 3C, X, Y, Z its patch's channels, frames and side; see
+  model/config.py) for this architecture."""
   v = config.vision
   vision = {} if v is None else {'C': v.hidden_size, 'I': v.intermediate_size, 'P': v.patch_dim,
                                  'W': v.hidden_size * v.merge_unit, 'J': 3 * v.hidden_size, 'X': v.in_channels,
                                  'Y': v.temporal_patch_size, 'Z': v.patch_size}
   return {'D': config.hidden_size, 'F': config.intermediate_size, 'V': config.vocab_size,
           'N': config.num_attention_heads, 'K': config.num_key_value_heads,
-          'H': config.resolved_head_dim, 'E': config.num_experts, 'M': config.moe_intermediate_size, **vision}
+          'H': config.resolved_head_dim, 'E': config.num_experts, 'M': config.moe_intermediate_size,
+          'U': 2 * config.intermediate_size, **vision}
 
 
 def _evaluate(spec: str, config: Qwen2Config) -> tuple[int, ...]:
@@ -52,14 +61,20 @@ class Rule:
   transpose: bool  # PyTorch Linear [out, in] -> [in, out], before the reshape
   hf_spec: str  # Hugging Face shape in dim letters, e.g. 'N*H D'
   spec: str  # grpo_jax shape of one layer's slice (of one expert's, stacked over E), e.g. 'D N H'
-  when: str = ''  # the architecture field that must hold for the tensor to exist ('!' negates); '': always
+  # The architecture field that must hold for the tensor to exist ('!' negates; 'family=glm4' and
+  # 'family!=glm4' compare it with a value); '': always.
+  when: str = ''
   layers: str = 'all'  # the layers that have it: 'all', 'dense' (a dense MLP), 'sparse' (experts), 'vision'
+  half: int | None = None  # the half of the tensor's leading axis this parameter is (a fused gate_up_proj)
 
   def present(self, config: Qwen2Config) -> bool:
     if self.per_layer and not config.layers_of(self.layers):
       return False
     if not self.when:
       return True
+    if '=' in self.when:
+      field, value = self.when.split('=')
+      return (str(getattr(config, field.rstrip('!'))) == value) != field.endswith('!')
     negated = self.when.startswith('!')
     return bool(getattr(config, self.when.lstrip('!'))) != negated
 
@@ -104,9 +119,18 @@ RULES = (
     Rule(_LAYER + 'self_attn.v_proj.weight', ('layers', 'v_weight'), True, 'K*H D', 'D K H'),
     Rule(_LAYER + 'self_attn.v_proj.bias', ('layers', 'v_bias'), False, 'K*H', 'K H', 'attention_bias'),
     Rule(_LAYER + 'self_attn.o_proj.weight', ('layers', 'o_weight'), True, 'D N*H', 'N H D'),
-    Rule(_LAYER + 'post_attention_layernorm.weight', ('layers', 'mlp_norm'), False, 'D', 'D'),
-    Rule(_LAYER + 'mlp.gate_proj.weight', ('layers', 'gate_weight'), True, 'F D', 'D F', layers='dense'),
-    Rule(_LAYER + 'mlp.up_proj.weight', ('layers', 'up_weight'), True, 'F D', 'D F', layers='dense'),
+    Rule(_LAYER + 'post_attention_layernorm.weight', ('layers', 'mlp_norm'), False, 'D', 'D', 'family!=gemma3_text'),
+    Rule(_LAYER + 'post_self_attn_layernorm.weight', ('layers', 'attn_post_norm'), False, 'D', 'D', 'family=glm4'),
+    Rule(_LAYER + 'post_mlp_layernorm.weight', ('layers', 'mlp_post_norm'), False, 'D', 'D', 'family=glm4'),
+    Rule(_LAYER + 'post_attention_layernorm.weight', ('layers', 'attn_post_norm'), False, 'D', 'D',
+         'family=gemma3_text'),
+    Rule(_LAYER + 'pre_feedforward_layernorm.weight', ('layers', 'mlp_norm'), False, 'D', 'D', 'family=gemma3_text'),
+    Rule(_LAYER + 'post_feedforward_layernorm.weight', ('layers', 'mlp_post_norm'), False, 'D', 'D',
+         'family=gemma3_text'),
+    Rule(_LAYER + 'mlp.gate_proj.weight', ('layers', 'gate_weight'), True, 'F D', 'D F', '!fused_gate_up', 'dense'),
+    Rule(_LAYER + 'mlp.up_proj.weight', ('layers', 'up_weight'), True, 'F D', 'D F', '!fused_gate_up', 'dense'),
+    *(Rule(_LAYER + 'mlp.gate_up_proj.weight', ('layers', path), True, 'U D', 'D F', 'fused_gate_up', 'dense', half)
+      for half, path in enumerate(('gate_weight', 'up_weight'))),
     Rule(_LAYER + 'mlp.down_proj.weight', ('layers', 'down_weight'), True, 'D F', 'F D', layers='dense'),
     Rule(_LAYER + 'mlp.gate.weight', ('layers', 'router_weight'), True, 'E D', 'D E', layers='sparse'),
     Rule(_LAYER + 'mlp.experts.{e}.gate_proj.weight', ('layers', 'expert_gate_weight'), True, 'M D', 'D M',
@@ -140,6 +164,10 @@ RULES = (
 
 # Tensors some exporters add that carry no information (recomputed from the config).
 IGNORED = re.compile(r'model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq')
+# A vision-language checkpoint's language model under a prefix (Gemma 3's: the hub's, 5.x's), read
+# as a text model's names; the rest of such a checkpoint (its vision tower, its projector) unread.
+LANGUAGE_MODEL_PREFIXES = (('language_model.', ''), ('model.language_model.', 'model.'))
+UNREAD_PARTS = re.compile(r'(model\.)?(vision_tower|multi_modal_projector)\..*')
 
 
 def rules_for(config: Qwen2Config) -> tuple[Rule, ...]:
@@ -149,14 +177,19 @@ def rules_for(config: Qwen2Config) -> tuple[Rule, ...]:
 
 def to_internal(rule: Rule, tensor: np.ndarray, config: Qwen2Config) -> np.ndarray:
   """Hugging Face layout -> grpo_jax layout of one layer's slice."""
+  if rule.half is not None:
+    tensor = np.split(tensor, 2, axis=0)[rule.half]
   if rule.transpose:
     tensor = tensor.T
   return tensor.reshape(rule.shape(config))
 
 
 def to_hf(rule: Rule, array: np.ndarray, config: Qwen2Config) -> np.ndarray:
-  """grpo_jax layout of one layer's slice -> Hugging Face layout (contiguous)."""
+  """grpo_jax layout of one layer's slice -> Hugging Face layout (contiguous); of a `half` rule, its
+  half of the Hugging Face tensor."""
   shape = rule.hf_shape(config)
+  if rule.half is not None:
+    shape = (shape[0] // 2,) + shape[1:]
   if rule.transpose:
     return np.ascontiguousarray(array.reshape(shape[::-1]).T)
   return np.ascontiguousarray(array.reshape(shape))
@@ -298,14 +331,27 @@ class HFCheckpoint:
     else:
       raise UserError(f'{directory} has neither {INDEX_FILE} nor {SINGLE_FILE}')
     self.directory = directory
+    # A vision-language checkpoint's language model: its tensors by their text model's names (the
+    # stored name kept for the read); its vision tower and projector left aside, never read.
+    self.unread = sorted(name for name in self._where if UNREAD_PARTS.fullmatch(name))
+    self._stored: dict[str, str] = {}
+    for prefix, replacement in LANGUAGE_MODEL_PREFIXES:
+      if self.unread and any(name.startswith(prefix) for name in self._where):
+        self._stored = {replacement + name[len(prefix):]: name for name in self._where if name.startswith(prefix)}
+        break
+    kept = {name: name for name in self._where if name not in self.unread and name not in self._stored.values()}
+    self._where = {name: self._where[stored] for name, stored in {**kept, **self._stored}.items()}
 
   def names(self) -> list[str]:
     return list(self._where)
 
+  def _shape(self, name: str) -> tuple[int, ...]:
+    return self._where[name].shape(self._stored.get(name, name))
+
   def tensor(self, name: str) -> np.ndarray:
     if name not in self._where:
       raise UserError(f'{self.directory}: missing tensor {name}')
-    return self._where[name].tensor(name)
+    return self._where[name].tensor(self._stored.get(name, name))
 
   def check(self, config: Qwen2Config) -> None:
     """Every expected tensor present with the expected shape, nothing unexpected."""
@@ -316,7 +362,7 @@ class HFCheckpoint:
     for name, shape in expected.items():
       if name not in self._where:
         raise UserError(f'{self.directory}: missing tensor {name}')
-      found = self._where[name].shape(name)
+      found = self._shape(name)
       if found != shape:
         raise UserError(
             f'{self.directory}: tensor {name} has shape {list(found)}, expected {list(shape)} '
@@ -325,6 +371,8 @@ class HFCheckpoint:
       tied_head = name == 'lm_head.weight' and config.tie_word_embeddings
       if name not in expected and not tied_head and not IGNORED.fullmatch(name):
         raise UserError(f'{self.directory}: unexpected tensor {name} for a {config.model_type} model')
+    if self.unread and config.model_type != 'gemma3_text':
+      raise UserError(f'{self.directory}: unexpected tensor {self.unread[0]} for a {config.model_type} model')
 
   def layer_slice(self, rule: Rule, config: Qwen2Config, index: int | None) -> np.ndarray:
     """The `index`-th slice of a layer-stacked parameter (the whole parameter if not per layer),
@@ -380,7 +428,11 @@ def write_safetensors(path: str, entries: list[TensorEntry], metadata: dict | No
 def hf_tensors(params: dict, config: Qwen2Config) -> Iterator[TensorEntry]:
   """Every Hugging Face tensor of `params` (grpo_jax path -> host-readable array), produced lazily
   one layer slice at a time."""
-  for rule in rules_for(config):
+  rules = rules_for(config)
+  for rule in rules:
+    if rule.half == 1:  # written with its first half
+      continue
+    halves = [rule] + [other for other in rules if other.half == 1 and other.hf_name == rule.hf_name]
     array = params[rule.path]
     dtype = np.dtype(array.dtype)
     shape = rule.hf_shape(config)
@@ -388,8 +440,11 @@ def hf_tensors(params: dict, config: Qwen2Config) -> Iterator[TensorEntry]:
       for index in range(array.shape[0]):
         for expert, name in enumerate(rule.hf_names(config, index)):
           at = (index, expert) if rule.per_expert else (index,)
-          yield TensorEntry(name, shape, dtype,
-                            lambda rule=rule, array=array, at=at: to_hf(rule, np.asarray(array[at]), config))
+
+          def produce(halves=halves, at=at):
+            parts = [to_hf(half, np.asarray(params[half.path][at]), config) for half in halves]
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)
+          yield TensorEntry(name, shape, dtype, produce)
     else:
       yield TensorEntry(rule.hf_name, shape, dtype,
                         lambda rule=rule, array=array: to_hf(rule, np.asarray(array), config))
