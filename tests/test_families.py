@@ -5,6 +5,7 @@ hf -> orbax -> hf conversion under the hub's names, both config.json spellings, 
 of a sliding-window model against the padded one, and the fields the decoder refuses."""
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -21,6 +22,7 @@ from grpo_jax.model.weights import HFCheckpoint, TensorEntry, write_safetensors
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.sampler.rollout import GroupSampler
 from grpo_jax.testing import left_padded, random_prompts
+from runs import ROOT
 
 FP32_TOLERANCE = 1e-4
 _GEMMA3_TEXT = dict(num_hidden_layers=3, head_dim=16, num_key_value_heads=1, sliding_window=6,
@@ -356,3 +358,69 @@ def test_presets_equal_transformers_counts(name):
   with torch.device('meta'):
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**written))
   assert sum(parameter.numel() for parameter in model.parameters()) == PRESET_PARAMETERS[name]
+
+
+# The tokenizer each family's checkpoint gets (tests/family_tokenizers.py).
+TOKENIZERS = {'llama3': 'llama3', 'deepseek-llm': 'deepseek', 'mistral': 'mistral', 'glm4': 'glm4',
+              'gemma3_text': 'gemma3', 'gemma3': 'gemma3'}
+
+
+@pytest.mark.parametrize('family', [pytest.param(name, marks=() if name == 'gemma3_text' else pytest.mark.exhaustive)
+                                    for name in FAMILIES])
+def test_one_rl_step_on_the_math_task_with_the_familys_tokenizer_and_template(family, seed, make_hf_checkpoint,
+                                                                              tmp_path):
+  """configs/tiny_math.yaml from a random checkpoint of the family, with the family's tokenizer, chat
+  template and stop lists (family_tokenizers.py): the prompts the step trains on are what
+  transformers' apply_chat_template gives (the family's BOS or prefix once), every answer ends at one
+  of the family's stops or at the token cap, and the step's update is finite and moves the weights (an
+  entropy bonus gives it a gradient whatever the random model scores)."""
+  import json
+
+  from family_tokenizers import write_family
+  from grpo_jax import config as config_lib
+  from grpo_jax import train
+  from grpo_jax.data.math_task import open_tokenizer
+  directory, _ = make_hf_checkpoint(seed % 1000, **FAMILIES[family][0])
+  tokens = write_family(directory, TOKENIZERS[family])
+  source = tmp_path / 'problems.jsonl'
+  questions = [f'What is {a} + {b}?' for a, b in ((2, 3), (4, 1), (3, 3), (1, 5))]
+  with open(source, 'w') as f:
+    for question in questions:
+      f.write(json.dumps({'question': question, 'answer': str(sum(map(int, question[8:-1].split(' + '))))}) + '\n')
+  overrides = [f'model.path={directory}', 'task.tokenizer=null', f'task.source={source}', 'task.max_prompt_tokens=96',
+               'task.reward_workers=1', 'rollout.prompts_per_step=2', 'algo.group_size=4', 'rollout.max_new_tokens=6',
+               'algo.dynamic_sampling=false', 'train.steps=1', 'train.checkpoint_every=0', 'train.progress=false',
+               'train.tensorboard=false', 'eval.source=null', 'optim.warmup_steps=0',
+               'algo.entropy_coef=0.01']  # a gradient whatever the random model's rewards
+  config = config_lib.load_config(os.path.join(ROOT, 'configs/tiny_math.yaml'), overrides)
+  tokenizer, special, use_template = open_tokenizer(config.task, directory)
+  assert use_template
+  stops = set(special.stop_ids)
+  assert {tokenizer.convert_tokens_to_ids(stop) for stop in tokens.stops} <= stops
+  task = train.build_task(config)
+  assert len(task.problems.prompt_ids) == len(questions)
+  for index, question in enumerate(questions):  # the reference: transformers' own rendering
+    expected = tokenizer.apply_chat_template([{'role': 'user', 'content': question}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)['input_ids']
+    assert list(task.problems.prompt_ids[index]) == list(expected), index
+  workdir, mesh, model = train.setup(config, os.path.join(ROOT, 'configs/tiny_math.yaml'), str(tmp_path / 'run'),
+                                     devices=jax.devices()[:1])
+  run = train.Run(config, workdir, mesh, model, task)
+  before = [np.asarray(leaf) for leaf in jax.tree.leaves(run.state.params)]
+  rollouts = []
+  try:
+    with jax.set_mesh(run.mesh):
+      run.state, metrics = run.rl_step(run.state, run.ref_params,
+                                       lambda stage, value: stage == 'rollout' and rollouts.append(value))
+    after = [np.asarray(leaf) for leaf in jax.tree.leaves(run.state.params)]
+  finally:
+    run.close()
+  (rollout,) = rollouts
+  for tokens_row, length, stopped in zip(np.asarray(rollout.tokens), np.asarray(rollout.lengths),
+                                         np.asarray(rollout.stopped)):
+    answer = list(tokens_row[:length])
+    ended = [i for i, token in enumerate(answer) if token in stops]
+    assert ended == ([length - 1] if stopped else []), (answer, stops)
+    assert stopped or length == 6
+  assert np.isfinite(float(metrics['policy_loss'])) and float(metrics['grad_norm']) > 0
+  assert any(not np.array_equal(b, a) for b, a in zip(before, after))
