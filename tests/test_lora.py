@@ -93,16 +93,22 @@ def test_adapter_gradients_equal_peft(make_hf_checkpoint, seed, targets, rslora)
     assert np.abs(theirs[name]).max() > 1e-4, name  # a gradient that is there to compare
 
 
-@pytest.mark.exhaustive
-def test_peft_export_loads_with_equal_logits(make_hf_checkpoint, seed, tmp_path):
+@pytest.mark.parametrize('family, targets, rslora', [
+    pytest.param('qwen2', ('q', 'k', 'o', 'up'), False, id='qwen2', marks=pytest.mark.exhaustive),
+    pytest.param('glm4', ('q', 'gate', 'up', 'down'), True, id='glm4-gate-up-rslora'),
+    pytest.param('glm4', ('v', 'up'), False, id='glm4-up', marks=pytest.mark.exhaustive)])
+def test_peft_export_loads_with_equal_logits(make_hf_checkpoint, seed, tmp_path, family, targets, rslora):
+  """PEFT loads the exported adapters onto transformers' model with our logits. GLM-4's checkpoint
+  holds gate and up as one module (mlp.gate_up_proj): their adapters export as one of rank k r."""
   import peft
   import torch
-  directory, torch_model = make_hf_checkpoint(seed)
-  settings = LoraConfig(rank=4, alpha=8.0, targets=('q', 'k', 'o', 'up'))
+  from test_families import FAMILIES
+  directory, torch_model = make_hf_checkpoint(seed, **(FAMILIES[family][0] if family != 'qwen2' else {}))
+  settings = LoraConfig(rank=4, alpha=8.0, targets=targets, rslora=rslora)
   model = _adapted(directory, settings, seed)
   out = tmp_path / 'adapter'
   out.mkdir()
-  lora.save_peft(nnx.state(model), settings, str(out), directory)
+  lora.save_peft(nnx.state(model), settings, str(out), directory, fused_gate_up=model.config.fused_gate_up)
   loaded = peft.PeftModel.from_pretrained(torch_model.float(), str(out)).eval()
   tokens = _tokens(seed, model.config.vocab_size)
   with torch.no_grad():

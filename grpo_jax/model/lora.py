@@ -35,6 +35,8 @@ TARGETS = {
     'up': ('up_weight', 'mlp.up_proj'),
     'down': ('down_weight', 'mlp.down_proj'),
 }
+# GLM-4's one module for gate and up (model.config.fused_gate_up): PEFT adapts it as one.
+FUSED_GATE_UP = 'gate_up_proj'
 # Leading input dimensions each weight contracts (o_weight [L, N, H, D] contracts N and H).
 CONTRACT = {'o': 2}
 
@@ -144,35 +146,67 @@ def base_fingerprint(architecture: dict) -> str:
 
 # ---- PEFT's adapter format ----
 
-def peft_tensors(state: nnx.State, lora: LoraConfig) -> dict:
-  """The adapters of a LoRA model's state as PEFT names them for transformers' Qwen2 (numpy, their
-  own dtype): lora_A.weight [r, in] and lora_B.weight [out, r] per layer and target."""
+def peft_tensors(state: nnx.State, lora: LoraConfig, fused_gate_up: bool = False) -> dict:
+  """The adapters of a LoRA model's state as PEFT names them for transformers' model (numpy, their
+  own dtype): lora_A.weight [r, in] and lora_B.weight [out, r] per layer and target.
+
+  fused_gate_up (GLM-4, whose checkpoints hold gate and up as one `mlp.gate_up_proj` [2F, D], gate
+  first): the gate and up adapters become one adapter of that module, exactly: A stacks their A's
+  [k r, D], B places their B's block-diagonally [2F, k r] (k: how many of the two are targets, the
+  other's rows zero), so B A is gate's B A over up's. Its rank k r and alpha keep their scale
+  (save_peft's rank_pattern and alpha_pattern)."""
   import numpy as np
 
   layers, tensors = state['layers'], {}
+  factors = {}
   for target in lora.targets:
     a_name, b_name = adapter_names(target)
     a, b = np.asarray(layers[a_name][...]), np.asarray(layers[b_name][...])
-    module = TARGETS[target][1]
-    for index in range(a.shape[0]):
-      prefix = f'base_model.model.model.layers.{index}.{module}'
-      tensors[f'{prefix}.lora_A.weight'] = np.ascontiguousarray(a[index].reshape(-1, lora.rank).T)
-      tensors[f'{prefix}.lora_B.weight'] = np.ascontiguousarray(b[index].reshape(lora.rank, -1).T)
+    factors[target] = ([a[index].reshape(-1, lora.rank).T for index in range(a.shape[0])],
+                       [b[index].reshape(lora.rank, -1).T for index in range(b.shape[0])])
+  fused = [target for target in ('gate', 'up') if target in factors] if fused_gate_up else []
+  for target, (a_layers, b_layers) in factors.items():
+    if target in fused:
+      continue
+    for index, (a, b) in enumerate(zip(a_layers, b_layers)):
+      prefix = f'base_model.model.model.layers.{index}.{TARGETS[target][1]}'
+      tensors[f'{prefix}.lora_A.weight'] = np.ascontiguousarray(a)
+      tensors[f'{prefix}.lora_B.weight'] = np.ascontiguousarray(b)
+  if fused:
+    width = factors[fused[0]][1][0].shape[0]  # F, each half's rows
+    for index in range(len(factors[fused[0]][0])):
+      a = np.concatenate([factors[target][0][index] for target in fused])
+      b = np.zeros((2 * width, len(fused) * lora.rank), a.dtype)
+      for block, target in enumerate(fused):
+        half = ('gate', 'up').index(target)
+        b[half * width:(half + 1) * width, block * lora.rank:(block + 1) * lora.rank] = factors[target][1][index]
+      prefix = f'base_model.model.model.layers.{index}.mlp.{FUSED_GATE_UP}'
+      tensors[f'{prefix}.lora_A.weight'] = np.ascontiguousarray(a)
+      tensors[f'{prefix}.lora_B.weight'] = b
   return tensors
 
 
-def save_peft(state: nnx.State, lora: LoraConfig, directory: str, base_model: str | None) -> None:
+def save_peft(state: nnx.State, lora: LoraConfig, directory: str, base_model: str | None,
+              fused_gate_up: bool = False) -> None:
   """Writes a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) that
-  `peft.PeftModel.from_pretrained` loads onto the base model."""
+  `peft.PeftModel.from_pretrained` loads onto the base model; fused_gate_up: see peft_tensors."""
   import os
 
   from safetensors.numpy import save_file
 
+  modules = {TARGETS[target][1].split('.')[-1] for target in lora.targets}
+  fused = [target for target in ('gate', 'up') if target in lora.targets] if fused_gate_up else []
+  patterns = {}
+  if fused:
+    modules = (modules - {'gate_proj', 'up_proj'}) | {FUSED_GATE_UP}
+    k = len(fused)  # the fused adapter's rank is k r: its alpha keeps alpha / r (or / sqrt(r))
+    patterns = dict(rank_pattern={FUSED_GATE_UP: k * lora.rank},
+                    alpha_pattern={FUSED_GATE_UP: lora.alpha * (math.sqrt(k) if lora.rslora else k)})
   config = dict(peft_type='LORA', task_type='CAUSAL_LM', r=lora.rank, lora_alpha=lora.alpha,
-                target_modules=sorted(TARGETS[target][1].split('.')[-1] for target in lora.targets),
+                target_modules=sorted(modules), **patterns,
                 lora_dropout=lora.dropout, bias='none', use_rslora=lora.rslora, fan_in_fan_out=False,
                 inference_mode=True, base_model_name_or_path=base_model)
   with open(os.path.join(directory, 'adapter_config.json'), 'w') as f:
     json.dump(config, f, indent=2)
-  save_file(peft_tensors(state, lora), os.path.join(directory, 'adapter_model.safetensors'),
+  save_file(peft_tensors(state, lora, fused_gate_up), os.path.join(directory, 'adapter_model.safetensors'),
             metadata=dict(format='pt'))
