@@ -56,8 +56,13 @@ def decode(engine, params, state, steps):
   return state, results
 
 
-def test_greedy_matches_transformers_and_log_probs_match_full_forward(seed, make_hf_checkpoint):
-  directory, reference = make_hf_checkpoint(seed)
+@pytest.mark.parametrize('family', [pytest.param('qwen2'), *[pytest.param(family, marks=pytest.mark.exhaustive)
+                                                              for family in ('llama3', 'mistral', 'glm4', 'gemma3_text')]])
+def test_greedy_matches_transformers_and_log_probs_match_full_forward(seed, make_hf_checkpoint, family):
+  """The serving engine (JetStream's Engine API) on each family: greedy answers equal transformers',
+  its log-probs the full forward's; prompts up to 17 tokens, past the test families' windows of 6-7."""
+  from test_families import FAMILIES
+  directory, reference = make_hf_checkpoint(seed, **(FAMILIES[family][0] if family != 'qwen2' else {}))
   model = from_pretrained(directory)
   engine = QwenEngine(model, slots=4, max_prefill_length=32,
                       settings=DecodeSettings(max_new_tokens=8, sampling=GREEDY))

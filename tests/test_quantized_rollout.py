@@ -76,10 +76,16 @@ def _dequantized_reference(directory: str, kind: str):
     pytest.param('fp8', dict(tie_word_embeddings=True), (2, 2, 2), 4, id='fp8-tied-2x2x2-t4'),
     pytest.param('int8', dict(model_type='qwen3_moe', head_dim=16, num_experts=8, num_experts_per_tok=2,
                               moe_intermediate_size=24), (1, 8, 1), 2, id='int8-moe-fsdp8-t2',
-                 marks=pytest.mark.exhaustive)])
+                 marks=pytest.mark.exhaustive),
+    *[pytest.param(kind, family, (2, 2, 2), 2, id=f'{kind}-{family}-2x2x2-t2', marks=pytest.mark.exhaustive)
+      for kind, family in (('int8', 'gemma3_text'), ('fp8', 'glm4'), ('int8', 'mistral'))]])
 def test_sampler_on_8bit_weights_equals_the_dequantized_model(seed, make_hf_checkpoint, kind, architecture,
                                                               mesh_shape, tensor):
-  directory, _ = make_hf_checkpoint(seed, vocab_size=256, hidden_size=64, intermediate_size=128, **architecture)
+  if isinstance(architecture, str):  # a family of test_families.py, at this test's sizes
+    from test_families import FAMILIES
+    architecture = {key: value for key, value in FAMILIES[architecture][0].items() if key != 'vocab_size'}
+  directory, _ = make_hf_checkpoint(seed, **{**dict(vocab_size=256, hidden_size=64, intermediate_size=128),
+                                             **architecture})
   tokens, mask = left_padded(random_prompts(seed, [5, 17, 11, 3], vocab=256))
   decode = DecodeSettings(max_new_tokens=10, sampling=SamplingConfig(temperature=1.0))
   key = jax.random.key(seed % 1000)
