@@ -27,7 +27,7 @@ from grpo_jax.sampler.decode import DecodeSettings
 from grpo_jax.sampler.layout import serving_mesh
 from grpo_jax.sampler.rollout import GroupSampler
 from grpo_jax.sampler.sampling import add_sampling_flags, sampling_from_flags
-from grpo_jax.sampler.special_tokens import special_tokens
+from grpo_jax.sampler.special_tokens import checkpoint_eos_ids, special_tokens
 
 
 def parse_args(argv):
@@ -107,7 +107,7 @@ def main(argv=None):
     ids, vision = image_prompt(args, tokenizer, model.config)
   else:
     ids = prompt_ids(args, tokenizer, model.config.vocab_size)
-  special = special_tokens(tokenizer, model.config.eos_token_ids)
+  special = special_tokens(tokenizer, (*model.config.eos_token_ids, *checkpoint_eos_ids(args.ckpt)))
   settings = DecodeSettings(sampling=sampling, max_new_tokens=args.max_new_tokens, stop_token_ids=special.stop_ids,
                             pad_id=special.pad_id)
   sampler = GroupSampler(model, group_size=args.num_samples, settings=settings)

@@ -62,9 +62,16 @@ def setup(config: config_lib.Config, config_path: str | None, workdir: str | Non
   and the model."""
   workdir = config_lib.resolve_workdir(config, config_path, workdir)
   check_workdir(workdir)
+  split = devices is None and config.rollout.devices
   if devices is None:
     devices = split_devices(jax.devices(), config.rollout.devices)[0]
-  mesh = sharding.make_mesh(config.mesh, devices=devices)
+  try:
+    mesh = sharding.make_mesh(config.mesh, devices=devices)
+  except UserError as error:
+    if not split:
+      raise
+    raise UserError(f"{error} to the trainer ({config.rollout.devices} of the {len(jax.devices())} devices are the "
+                    "sampler's, rollout.devices)") from None
   model = config.model.build(mesh, config.run.seed)
   return workdir, mesh, model
 

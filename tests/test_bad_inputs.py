@@ -143,6 +143,52 @@ def test_freezing_the_vision_tower_of_a_text_model():
     build_rl_step(config, model, mesh, build_task(config))
 
 
+@pytest.mark.parametrize('assignment, message', [
+    ('vision.out_hidden_size=32', r'vision.out_hidden_size \(32\) must equal hidden_size \(64\)'),
+    ('vision.image_token_id=40', r'vision.image_token_id \(40\) is outside the vocabulary \[0, 11\)'),
+    ('vision.fullatt_block_indexes=[5]', r'vision.fullatt_block_indexes names block 5, outside \[0, 2\)'),
+    ('mrope_section=[2,2,2]', r'mrope_section \[2, 2, 2\] must be three sizes summing to head_dim / 2 = 8'),
+    ('vision.window_size=6', r'vision.window_size \(6\) must be a multiple of patch_size x spatial_merge_size \(8\)'),
+    ('vision.num_heads=3', r'vision.hidden_size \(32\) must split into vision.num_heads \(3\) heads'),
+])
+def test_vision_language_architecture_fields(assignment, message):
+  """The vision demo's architecture with one field that cannot hold: refused at load, naming it."""
+  with pytest.raises(UserError, match=message):
+    load_config(os.path.join(ROOT, 'configs/tiny_spot.yaml'), [f'model.architecture.{assignment}'])
+
+
+def test_routing_replay_on_a_dense_model():
+  """algo.routing_replay: rollout on the dense demo (no router to replay) is refused when the step
+  is built, where the model's config says whether it has sparse layers."""
+  import jax
+
+  from grpo_jax.build import build_rl_step, build_task
+  from grpo_jax.sharding import make_mesh
+  config = load_config(os.path.join(ROOT, 'configs/tiny_arith.yaml'), ['algo.routing_replay=rollout'])
+  mesh = make_mesh(config.mesh, devices=jax.devices()[:1])
+  model = config.model.build(mesh, config.run.seed)
+  with pytest.raises(FieldError, match=r'algo.routing_replay'):
+    build_rl_step(config, model, mesh, build_task(config))
+
+
+def test_split_devices_an_agent_task_cannot_take():
+  """rollout.devices needs partial rollouts (max_lag >= 1), which agent episodes do not have."""
+  with pytest.raises(FieldError, match=r'algo.max_lag applies to single-turn tasks .*inference server'):
+    load_config(os.path.join(ROOT, 'configs/tiny_guess.yaml'),
+                ['rollout.devices=4', 'algo.max_lag=1', 'algo.tis_cap=2.0'])
+
+
+def test_a_trainer_mesh_the_split_leaves_too_few_devices_for(tmp_path):
+  """mesh.fsdp=2 with rollout.devices=7 of the suite's 8: one device is the trainer's, and the
+  message says why there is only one."""
+  from grpo_jax import train
+  config = load_config(os.path.join(ROOT, 'configs/tiny_arith.yaml'),
+                       ['rollout.devices=7', 'algo.max_lag=1', 'algo.tis_cap=2.0', 'mesh.fsdp=2'])
+  with pytest.raises(UserError, match=r"= 2 devices, but 1 are available to the trainer \(7 of the 8 devices are "
+                                      r"the sampler's, rollout.devices\)$"):
+    train.setup(config, None, str(tmp_path / 'work'))
+
+
 # ---- workdirs ----
 
 def test_workdir_that_is_a_file_or_lies_under_one(tmp_path):

@@ -67,8 +67,10 @@ def make(config, raising: tuple = (), sleeping: tuple = (), sleep_s: float = 30.
 
 def test_a_failed_episode_trains_nothing_and_the_others_play_as_if_nothing_happened(seed):
   """Episode 0 raises on its second step and episode 1 sleeps past its deadline there: their
-  tokens up to then are the clean run's, masked, scored 0 and counted; the other episodes equal
-  the clean run's (a slot per episode: the runs replay exactly; test_agents.py's shapes)."""
+  tokens up to then are the clean run's, masked, scored 0 and counted. Episode 2's environment
+  cannot be made (its constructor raises) and episode 3's constructor blocks past the deadline:
+  they play nothing and are counted. The other episodes equal the clean run's (a slot per episode:
+  the runs replay exactly; test_agents.py's shapes)."""
   graphdef, params = nnx.split(init_model(Qwen2Config(vocab_size=1000), seed=seed % 1000))
   server = InferenceServer(graphdef, settings=DecodeSettings(sampling=SamplingConfig(temperature=1.0),
                                                              max_new_tokens=1), slots=4, max_context=16)
@@ -83,11 +85,25 @@ def test_a_failed_episode_trains_nothing_and_the_others_play_as_if_nothing_happe
         return await agent.episodes(server, Problem(prompt=(2,), data=secret), 4, jax.random.key(seed % 1000), 5)
     return asyncio.run(run())
 
+  def making(how):
+    def make_environment(problem, episode):
+      if how.get(episode) == 'make':
+        raise ConnectionError('the service this environment opens is down')
+      if how.get(episode) == 'make-block':
+        time.sleep(3.0)  # past the deadline and its grace: abandoned, its thread left to finish
+      return Misbehaving(1000, secret, how.get(episode, ''), 30.0, at=2)
+    return make_environment
+
   clean = episodes(lambda problem, episode: guess.GuessNumber(1000, secret), OnLoop())
-  how = {0: 'raise', 1: 'sleep'}
-  for calls in (InThreads(), OnLoop()):
-    failed = episodes(lambda problem, episode: Misbehaving(1000, secret, how.get(episode, ''), 30.0, at=2), calls)
+  # A constructor that blocks would stall every episode on the loop (OnLoop is for the built-ins).
+  for calls, how in ((InThreads(), {0: 'raise', 1: 'sleep', 2: 'make', 3: 'make-block'}),
+                     (OnLoop(), {0: 'raise', 1: 'sleep', 2: 'make'})):
+    failed = episodes(making(how), calls)
     for index, (ours, theirs) in enumerate(zip(failed, clean)):
+      if how.get(index, '').startswith('make'):  # nothing played: no token, counted
+        assert (ours.tokens, ours.reward, ours.answer) == ([], 0.0, None)
+        assert (ours.failures, ours.timeouts) == (1, int(how[index] == 'make-block'))
+        continue
       if index not in how or theirs.turns < 2:
         assert (ours.tokens, ours.loss_mask, ours.reward, ours.failures) == (theirs.tokens, theirs.loss_mask,
                                                                              theirs.reward, 0)
@@ -124,8 +140,8 @@ def test_a_blocking_call_is_abandoned_and_stuck_threads_are_bounded(capfd):
     asyncio.run(outcomes('block'))
   assert str(error.value) == (f'environment {__name__}.Misbehaving: {deadline.MAX_ABANDONED + 1} calls ran past '
                               'task.env_timeout_s (0.1 s) and still block their threads (blocking code in async def '
-                              'reset/step, which no deadline interrupts); the run stops rather than leave more '
-                              'threads stuck')
+                              'reset/step or in making the environment, which no deadline interrupts); the run stops '
+                              'rather than leave more threads stuck')
   ends = time.monotonic() + 5.0
   while calls.abandoned and time.monotonic() < ends:  # the sleeps end: their threads are free again
     time.sleep(0.05)

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from runs import train_here
-from test_train import ROOT, kill_and_resume, read_metrics, device_env
+from test_train import ROOT, read_metrics, device_env
 
 LORA = os.path.join(ROOT, 'configs', 'tiny_arith_lora.yaml')
 FULL = os.path.join(ROOT, 'configs', 'tiny_arith.yaml')
@@ -55,15 +55,6 @@ def test_lora_demo_learns_and_checkpoints_only_adapters(tmp_path):
   assert params and all('_lora_' in name for name in params), params
   assert not [name for name in names if 'embedding' in name or 'q_weight' in name]
   assert any(name.startswith('opt_state.') and 'q_lora_b' in name for name in names)
-
-
-@pytest.mark.exhaustive
-@pytest.mark.starts_first
-def test_lora_kill_and_resume_equals_uninterrupted(tmp_path):
-  """The base is not in the checkpoint: the resumed run draws it again from run.seed. Run with split
-  devices, where the base also crosses to the sampler once per process and the adapters every step
-  (the fused loop restores the same state: one case keeps the suite's time)."""
-  kill_and_resume(tmp_path, 1, ['algo.max_lag=1', 'algo.tis_cap=2.0', 'rollout.devices=1'], config=LORA, devices=2)
 
 
 @pytest.mark.exhaustive

@@ -165,14 +165,3 @@ def test_a_sampler_with_every_device_is_refused():
   with pytest.raises(UserError) as error:
     split_devices(jax.devices(), len(jax.devices()))
   assert 'rollout.devices' in str(error.value) and '\n' not in str(error.value)
-
-
-@pytest.mark.exhaustive
-@pytest.mark.starts_first
-def test_a_killed_split_run_resumes_exactly(tmp_path):
-  """One sampler device beside one trainer device, max_lag 2: the pool and the groups sampled for
-  the next step are checkpointed on the sampler's device, and a run killed with SIGKILL resumes
-  as the uninterrupted one (test_train's kill/resume test)."""
-  from test_train import kill_and_resume
-  kill_and_resume(tmp_path, 1, ['algo.max_lag=2', 'algo.tis_cap=2.0', 'rollout.slots=12', 'rollout.devices=1'],
-                  devices=2)

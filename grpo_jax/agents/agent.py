@@ -94,9 +94,9 @@ class EnvironmentAgent:
   text observations). An environment may give tighter bounds of its own here (the guessing game's
   turns are one token): the smaller of its value and the run's applies.
 
-  `calls` runs the environment's reset and step (agents/deadline.py): in worker threads (the
-  default, for environments of your own, whose async code may block) or on the episodes' loop
-  (OnLoop: the built-ins, which only await); `timeout_s` is each call's deadline (the run's
+  `calls` runs the making of the environment, its reset and its step (agents/deadline.py): in
+  worker threads (the default, for environments of your own, whose code may block) or on the
+  episodes' loop (OnLoop: the built-ins, which only await); `timeout_s` is each call's deadline (the run's
   `task.env_timeout_s`, which the task's build sets; None: none). A call that raises or runs past
   it ends its episode: masked from the loss, scored 0, counted (Trajectory.fail)."""
 
@@ -118,11 +118,11 @@ class EnvironmentAgent:
     if self.max_turns is None or self.turn_tokens is None:
       raise ValueError('EnvironmentAgent: max_turns and turn_tokens are unset (agents.task.build sets them from the '
                        'run\'s task section)')
-    environment = self.make_environment(problem, index)
     episode = Episode(llm, problem.prompt, budget, key)
     trajectory = episode.trajectory
-    async with self.calls.open(environment, self.timeout_s) as call:
+    async with self.calls.open(None, self.timeout_s) as call:
       try:
+        environment = await call.make(self.make_environment, problem, index)
         episode.observe(self.observation(environment, 'reset()', await call('reset'), None, llm.vocab_size))
         for index in range(self.max_turns):
           completion = await episode.act(self.turn_tokens)

@@ -1,5 +1,5 @@
-"""An environment's calls (`reset`, `step`) under a deadline: a call that raises or hangs costs its
-episode, not the run.
+"""An environment's calls (its making, `reset`, `step`) under a deadline: a call that raises or hangs
+costs its episode, not the run.
 
 A call that raises or runs past its deadline (`task.env_timeout_s`) raises EnvironmentFailed; the
 agent then ends the episode, its turns masked from the loss and its reward 0 (Trajectory.fail), and
@@ -51,8 +51,37 @@ class EnvironmentFailed(Exception):
 
 
 def name(environment) -> str:
-  """The environment's class, as errors name it."""
+  """The environment's class (or the function making it), as errors name it."""
+  if isinstance(environment, _Making):
+    made = environment.make_environment
+    return f'{getattr(made, "__module__", "?")}.{getattr(made, "__qualname__", type(made).__qualname__)}'
   return f'{type(environment).__module__}.{type(environment).__qualname__}'
+
+
+class _Making:
+  """make_environment(problem, episode) as a call of its own (`make`), so that a constructor that
+  raises or blocks (opening a connection, starting a service) costs its episode like a step would."""
+
+  def __init__(self, make_environment):
+    self.make_environment = make_environment
+
+  async def make(self, *args):
+    return self.make_environment(*args)
+
+
+class Session:
+  """One episode's calls: `await session.make(make_environment, *args)` makes its environment,
+  then `await session('step', turn)` calls it; each is the call's value or EnvironmentFailed."""
+
+  def __init__(self, calls: 'OnLoop', environment, timeout_s: float | None, worker):
+    self.calls, self.environment, self.timeout_s, self.worker = calls, environment, timeout_s, worker
+
+  async def make(self, make_environment, *args):
+    self.environment = await self.calls._call(_Making(make_environment), 'make', args, self.timeout_s, self.worker)
+    return self.environment
+
+  async def __call__(self, method: str, *args):
+    return await self.calls._call(self.environment, method, args, self.timeout_s, self.worker)
 
 
 async def _awaited(function, args, ended):
@@ -67,15 +96,16 @@ async def _awaited(function, args, ended):
 class OnLoop:
   """An environment's calls on the episodes' event loop, each within `timeout_s` (None: no deadline).
 
-  `async with calls.open(environment, timeout_s) as call:` then `await call('step', turn)`: the
-  call's value, or EnvironmentFailed."""
+  `async with calls.open(environment, timeout_s) as call:` (or `open(None, timeout_s)`, then
+  `environment = await call.make(make_environment, problem, episode)`), then
+  `await call('step', turn)`: the call's value, or EnvironmentFailed."""
 
   def __init__(self):
     self._reported: set[bool] = set()  # the kinds of failure printed (timed out or not)
 
   @contextlib.asynccontextmanager
   async def open(self, environment, timeout_s: float | None):
-    yield lambda method, *args: self._call(environment, method, args, timeout_s, None)
+    yield Session(self, environment, timeout_s, None)
 
   async def _run(self, environment, method: str, args: tuple, timeout_s, worker) -> tuple:
     """(the call's value, None), or (None, what it raised), or (None, LATE) when its deadline
@@ -149,7 +179,7 @@ class InThreads(OnLoop):
   async def open(self, environment, timeout_s: float | None):
     worker = self._take()
     try:
-      yield lambda method, *args: self._call(environment, method, args, timeout_s, worker)
+      yield Session(self, environment, timeout_s, worker)
     finally:
       self._give_back(worker)
 
@@ -219,5 +249,6 @@ class InThreads(OnLoop):
       abandoned = self._abandoned
     if abandoned > MAX_ABANDONED:
       raise UserError(f'environment {name(environment)}: {abandoned} calls ran past task.env_timeout_s '
-                      f'({timeout_s:g} s) and still block their threads (blocking code in async def reset/step, which '
-                      'no deadline interrupts); the run stops rather than leave more threads stuck')
+                      f'({timeout_s:g} s) and still block their threads (blocking code in async def reset/step or '
+                      'in making the environment, which no deadline interrupts); the run stops rather than leave '
+                      'more threads stuck')

@@ -20,7 +20,7 @@ import numpy as np
 
 from grpo_jax.agents.agent import Agent, EnvironmentAgent, Environment, Problem
 from grpo_jax.agents.text import TextCodec
-from grpo_jax.data.math_task import ProblemFields, open_tokenizer, render_prompt
+from grpo_jax.data.math_task import ProblemFields, open_tokenizer, render_prompt, tokenize_prompts
 from grpo_jax.data.task import Prompts
 from grpo_jax.errors import FieldError, UserError, require
 from grpo_jax.sections import section
@@ -223,7 +223,7 @@ def text_task(config, problem: Callable[[int], tuple[Any, Any]],
 
   def posed(question, data, index: int, where: str) -> Problem:
     text = render_prompt(tokenizer, use_chat_template, config.task, question, index, where)
-    ids = tuple(tokenizer(text, add_special_tokens=not use_chat_template)['input_ids'])
+    ids = tuple(tokenize_prompts(tokenizer, use_chat_template, [text])[0])
     if not 1 <= len(ids) <= limit:
       raise UserError(f'{config.task.environment}: {where} problem {index} has a prompt of {len(ids)} tokens; '
                       f'task.max_prompt_tokens is {limit}')

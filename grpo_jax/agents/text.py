@@ -12,6 +12,11 @@ template writes a message of `role` after the assistant's turn (`user` for an en
 `tool` for a tool's result): the end of the policy's message, the new message, the next assistant
 header. Without a chat template it is appended as written. The message's own text is tokenized
 with special tokens split, so an answer that spells `<|im_end|>` cannot end a turn or open one.
+A policy turn that ended on a stop id whose text the template writes next (<|im_end|>, Llama 3's
+<|eot_id|>, Gemma's <end_of_turn>, GLM-4's <|user|> or <|observation|>, which open the next
+message) already holds that text: the reply starts after it, so the conversation reads as the
+template renders it, the end of the turn written once. The template's own BOS is never repeated:
+everything after the prompt is tokenized without special tokens added.
 """
 
 import dataclasses
@@ -71,19 +76,19 @@ def encode(tokenizer, text: str, split_special_tokens: bool = True) -> tuple[int
 class MessageFormat:
   """The text around a message after a policy turn: `before` (what follows the turn's last token:
   the end of its message, the new message's opening) and `after` (its end, the next assistant
-  header). `turn_end`: the text of the turn's stop token when the template writes it (a turn that
-  stopped on it already holds it)."""
+  header). `turn_end`: the text of a stop token that `before` starts with (a turn that stopped on
+  it already holds it), '' when none does."""
 
   before: str
   after: str
   turn_end: str = ''
 
 
-def message_format(tokenizer, use_chat_template: bool, tools=None, role: str = 'tool') -> MessageFormat:
+def message_format(tokenizer, use_chat_template: bool, tools=None, role: str = 'tool', stops=()) -> MessageFormat:
   """The chat template's rendering of a `role` message after an assistant turn (read off the
   template by rendering a conversation with and without it); without a chat template, a tool's
   result in `<output>` tags and anything else as written. `tools`: the function schemas the
-  template lists."""
+  template lists; `stops`: the texts of the task's stop tokens (the tokenizer's eos is one too)."""
   if not use_chat_template:
     return MessageFormat('\n<output>\n', '\n</output>\n') if role == 'tool' else MessageFormat('', '')
   conversation = [{'role': 'user', 'content': 'q'}, {'role': 'assistant', 'content': _SLOT}]
@@ -100,8 +105,9 @@ def message_format(tokenizer, use_chat_template: bool, tools=None, role: str = '
                     'set task.chat_template: false to send it as written')
   end_of_turn = turn.split(_SLOT)[1]
   before, after = (end_of_turn + answered[len(turn):]).split(_SLOT)
-  stop = getattr(tokenizer, 'eos_token', None) or ''
-  return MessageFormat(before, after, stop if stop and end_of_turn.startswith(stop) else '')
+  eos = getattr(tokenizer, 'eos_token', None)
+  written = [stop for stop in (*stops, *([eos] if eos else [])) if stop and before.startswith(stop)]
+  return MessageFormat(before, after, max(written, key=len, default=''))
 
 
 class TextCodec:
@@ -117,7 +123,8 @@ class TextCodec:
 
   @functools.cached_property
   def format(self) -> MessageFormat:
-    return message_format(self.tokenizer, self.use_chat_template, self.tools, self.role)
+    stops = [decode(self.tokenizer, [token]) for token in sorted(self.stop_token_ids) if 0 <= token < self.size]
+    return message_format(self.tokenizer, self.use_chat_template, self.tools, self.role, stops)
 
   @functools.cached_property
   def _around(self) -> dict:

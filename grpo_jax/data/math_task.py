@@ -40,7 +40,7 @@ from grpo_jax.errors import UserError, require
 from grpo_jax.model.loading import load_tokenizer
 from grpo_jax.model.vision import ImageBucket, Vision
 from grpo_jax.sampler.rollout import Rollout
-from grpo_jax.sampler.special_tokens import special_tokens
+from grpo_jax.sampler.special_tokens import checkpoint_eos_ids, special_tokens
 from grpo_jax.sections import inline, section
 
 
@@ -125,7 +125,7 @@ class ProblemSet:
     self.images += [images[index] for index in keep]
 
   def _tokenized(self, texts: list[str]) -> list[list[int]]:
-    return self.tokenizer(texts, add_special_tokens=not self.use_chat_template)['input_ids'] if texts else []
+    return tokenize_prompts(self.tokenizer, self.use_chat_template, texts)
 
   def _render_with_images(self, question: str, counts: list[int], where: str) -> tuple[str, str]:
     """The prompt of a question whose i-th image marker stands for counts[i] image tokens: its text
@@ -187,14 +187,24 @@ def render_prompt(tokenizer, use_chat_template: bool, task: 'ProblemFields', que
   return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **options)
 
 
+def tokenize_prompts(tokenizer, use_chat_template: bool, texts: list[str]) -> list[list[int]]:
+  """The ids of rendered prompts. A chat template writes the family's BOS or prefix itself (Llama 3's
+  <|begin_of_text|>, Gemma's <bos>, Mistral's <s>, GLM-4's [gMASK]<sop>), so its text is tokenized
+  with no special tokens added, as transformers' apply_chat_template does; a prompt without a
+  template gets them from the tokenizer, as the model saw text in pretraining."""
+  return tokenizer(list(texts), add_special_tokens=not use_chat_template)['input_ids'] if texts else []
+
+
 def open_tokenizer(task: 'ProblemFields', model_path: str | None):
   """(tokenizer, its special ids, whether prompts go through its chat template) of a task that
-  reads `task.tokenizer`, else `model_path`; one-line errors for a missing tokenizer or eos token."""
+  reads `task.tokenizer`, else `model_path`; one-line errors for a missing tokenizer or eos token.
+  Its stops join the tokenizer's eos with the eos ids of config.json and generation_config.json in
+  both directories (a Llama 3 instruct model ends turns on <|eot_id|> and <|eom_id|> too)."""
   where = f'task.tokenizer {task.tokenizer}' if task.tokenizer else f'model.path {model_path}'
   tokenizer = load_tokenizer(task.tokenizer or model_path)
   if tokenizer is None:
     raise UserError(f'{where} has no tokenizer (tokenizer.json or vocab.json)')
-  special = special_tokens(tokenizer)
+  special = special_tokens(tokenizer, checkpoint_eos_ids(model_path, task.tokenizer))
   if special.eos_id is None:
     raise UserError(f'the tokenizer in {where} has no eos token (set eos_token in tokenizer_config.json)')
   if '\0' not in _format(task.prompt_template, '\0'):
@@ -367,5 +377,5 @@ def shape(config, architecture) -> MathShape:
   tokenizer = load_tokenizer(directory) if directory and os.path.isdir(directory) else None
   if tokenizer is None:
     return MathShape(task.max_prompt_tokens, architecture.vocab_size, (architecture.vocab_size - 1,), 0, bucket)
-  special = special_tokens(tokenizer)
+  special = special_tokens(tokenizer, checkpoint_eos_ids(config.model.path, task.tokenizer))
   return MathShape(task.max_prompt_tokens, architecture.vocab_size, tuple(special.stop_ids), special.pad_id, bucket)

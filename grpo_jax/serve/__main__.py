@@ -41,7 +41,7 @@ import sys
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.sampler.decode import DecodeSettings
 from grpo_jax.sampler.sampling import add_sampling_flags, sampling_from_flags
-from grpo_jax.sampler.special_tokens import special_tokens
+from grpo_jax.sampler.special_tokens import checkpoint_eos_ids, special_tokens
 from grpo_jax.serve.engine import QwenEngine
 from grpo_jax.serve.requests import LONG_PROMPTS, ImageRules
 from grpo_jax.serve.server import PREFILL_BUCKETS, start_server
@@ -148,7 +148,10 @@ def build_engine(args) -> tuple[QwenEngine, ImageRules | None]:
     graphdef, params, _, _ = restore_policy(training[0], run[2], mesh,
                                             options=ModelOptions(dtype=args.dtype, param_dtype=args.dtype))
     model = nnx.merge(graphdef, params)
-  special = special_tokens(tokenizer, model.config.eos_token_ids)
+  # config.json's and generation_config.json's eos ids (a list for Llama 3 instruct) end answers too:
+  # a run's, where its training read them (model.path, then its tokenizer's directory).
+  directories = (run[0].model.path, source) if run is not None else (args.ckpt,)
+  special = special_tokens(tokenizer, (*model.config.eos_token_ids, *checkpoint_eos_ids(*directories)))
   settings = DecodeSettings(sampling=sampling, max_new_tokens=args.max_new_tokens, stop_token_ids=special.stop_ids,
                             pad_id=special.pad_id)
   return QwenEngine(model, slots=args.slots, max_prefill_length=args.max_prefill_length, settings=settings,
