@@ -56,3 +56,46 @@ def test_family_presets_count_their_checkpoints_parameters(name):
   assert type(reference).__name__ == to_hf_dict(config)['architectures'][0]
   assert sum(p.numel() for p in reference.parameters()) == TOTALS[name]
   assert from_hf_dict(to_hf_dict(config)) == config  # as a config.json writes and reads it
+
+
+# One recipe per family (DeepSeek-LLM is the llama family), planned at 2 layers for 8 H100s by
+# XLA:GPU: the full-depth figures are BENCHMARKS.md's, minutes each on 2 cores.
+FAMILY_RECIPES = {'llama': ('llama3_1_8b_math.yaml', 'Llama-3.1-8B'),
+                  'mistral': ('mistral_nemo_12b_math.yaml', 'Mistral-Nemo-12B'),
+                  'glm4': ('glm4_9b_math.yaml', 'GLM-4-9B-0414'),
+                  'gemma3_text': ('gemma3_12b_math.yaml', 'Gemma-3-12B')}
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize('family', sorted(FAMILY_RECIPES))
+def test_family_recipe_plans_for_eight_h100s(family, tmp_path):
+  """The family's recipe compiled for h100x8: it fits, the parameters are the preset's at 2 layers,
+  FSDP splits them and Adam's moments 8 ways, the sampler's tensor groups span the KV heads, and
+  the KV cache is the hand count of the recipe's lengths (every layer holds the whole sequence:
+  a sliding layer's cache is not yet cut to its window)."""
+  import dataclasses
+  import json
+
+  from grpo_jax.config import load_config
+  from test_deviceless import _run
+  recipe, size = FAMILY_RECIPES[family]
+  report_path = tmp_path / 'plan.json'
+  result = _run('gpu', ['grpo_jax.plan', '--config', f'configs/{recipe}', '--model-size', size, '--layers', '2',
+                        '--target', 'h100x8', '--no-advice', '--json', str(report_path)], timeout=900)
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  report = json.loads(report_path.read_text())
+  config, architecture = load_config(f'configs/{recipe}'), preset(size)
+  layers = 2
+  small = dataclasses.replace(architecture, num_hidden_layers=layers, layer_types=architecture.layer_types[:layers])
+  assert report['fits'] and report['devices'] == 8 and report['model']['parameters'] == small.num_params()
+  total = small.num_params() * 4  # fp32
+  per_device = report['per_device']
+  assert total / 8 <= per_device['parameters'] <= total / 8 * 1.01
+  assert 2 * total / 8 <= per_device['optimizer_state'] <= 2 * total / 8 * 1.01
+  tensor = min(8, architecture.num_key_value_heads)
+  assert report['rollout_layout']['tensor'] == tensor and report['rollout_layout']['data_groups'] == 8 // tensor
+  rollout = config.rollout
+  slots = rollout.slots or rollout.prompts_per_step * config.algo.group_size
+  tokens = rollout.prompts_per_step * config.task.max_prompt_tokens + slots * rollout.max_new_tokens
+  kv_bytes = 2 * layers * tokens * architecture.num_key_value_heads * architecture.resolved_head_dim * 2  # K, V bf16
+  assert per_device['kv_cache'] == kv_bytes // 8
