@@ -3,7 +3,9 @@ checkpoints they stand for: each preset's parameter count equals, to the paramet
 the hub checkpoint's tensors (written beside it, from the model card or the sum of the shapes its
 config.json implies; Gemma 3 4B-27B: the language model's tensors only), counted three ways that
 must agree: the config's formula, the abstract model (nnx.eval_shape, no weights) and
-transformers' own model class built on the meta device from the config.json we write."""
+transformers' own model class built on the meta device from the config.json we write. The
+presets whose hub config.json tests/test_families.py writes out by hand read back from that file,
+and each family's recipe is planned for 8 H100s (make test-all)."""
 
 import math
 
@@ -56,6 +58,24 @@ def test_family_presets_count_their_checkpoints_parameters(name):
   assert type(reference).__name__ == to_hf_dict(config)['architectures'][0]
   assert sum(p.numel() for p in reference.parameters()) == TOTALS[name]
   assert from_hf_dict(to_hf_dict(config)) == config  # as a config.json writes and reads it
+
+
+# The presets whose hub config.json tests/test_families.py writes out by hand (a base checkpoint's
+# file where the preset names the family's instruct one: the architecture is the same).
+HUB_FILES = {'Llama-3.2-1B': 'Llama-3.2-1B', 'DeepSeek-LLM-7B': 'deepseek-llm-7b-base',
+             'Mistral-Nemo-12B': 'Mistral-Nemo-Base-2407', 'GLM-4-9B-0414': 'GLM-4-9B-0414',
+             'Gemma-3-1B': 'gemma-3-1b-pt', 'Gemma-3-4B': 'gemma-3-4b-pt'}
+
+
+@pytest.mark.parametrize('name', sorted(HUB_FILES))
+def test_presets_are_their_hub_config_files(name):
+  """The preset is the architecture the checkpoint's own config.json reads as, to every field but
+  the token ids and the stored dtype (which the plan does not use)."""
+  import dataclasses
+
+  from test_families import HUB_CONFIGS
+  read = from_hf_dict(HUB_CONFIGS[HUB_FILES[name]])
+  assert dataclasses.replace(read, bos_token_id=None, eos_token_ids=(), checkpoint_dtype='float32') == preset(name)
 
 
 # One recipe per family (DeepSeek-LLM is the llama family), planned at 2 layers for 8 H100s by

@@ -98,8 +98,9 @@ LLAMA_PRESETS = {name: dict(zip(_FAMILY_FIELDS, shape), family='llama', rope_the
                             rope_original_max_position_embeddings=8192)
                  for name, (shape, factor) in _LLAMA3_SHAPES.items()}
 # DeepSeek-LLM-7B (base and chat): a LlamaForCausalLM with multi-head attention (K = N), its own
-# 102,400-token vocabulary, plain RoPE (theta 10,000) over 4,096 positions.
-LLAMA_PRESETS['DeepSeek-LLM-7B'] = dict(zip(_FAMILY_FIELDS, (4096, 11008, 30, 32, 32, 128, 102400, False)),
+# 102,400-token vocabulary, plain RoPE (theta 10,000) over 4,096 positions; its file leaves head_dim
+# to hidden / heads (128).
+LLAMA_PRESETS['DeepSeek-LLM-7B'] = dict(zip(_FAMILY_FIELDS, (4096, 11008, 30, 32, 32, None, 102400, False)),
                                         family='llama', rope_theta=10000.0, rms_norm_eps=1e-6,
                                         max_position_embeddings=4096)
 # Mistral: rope_theta 1e6 (Small-24B-2501: 1e8), RMSNorm eps 1e-5, no sliding window in any of these
