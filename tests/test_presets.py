@@ -19,29 +19,36 @@ from grpo_jax.model.config import from_hf_dict, to_hf_dict
 from grpo_jax.model.loading import abstract_model
 from grpo_jax.model.presets import FAMILY_PRESETS, preset
 
-# Every tensor of the checkpoint, a tied embedding once. Where the model card gives only a rounded
-# figure, that figure is in the comment and the exact total is the sum of the config.json's shapes
-# (the same sum transformers builds below).
+# Every tensor of the checkpoint, a tied embedding once. "exact": the published safetensors total.
+# "rounded": only a rounded figure was at hand (the hub page's parameter count, recalled without
+# network access: ROUNDED, which the total must round to); the exact figure is then the sum of the
+# config.json's shapes, which transformers' count below confirms for that config. Gemma 3 4B-27B's
+# rounded figures count the SigLIP tower and projector too, so they are not checked.
 TOTALS = {
-    'Llama-3.2-1B': 1_235_814_400,  # the card's safetensors total
-    'Llama-3.2-3B': 3_212_749_824,  # the card's safetensors total
-    'Llama-3.1-8B': 8_030_261_248,  # the card's safetensors total
-    'Llama-3.1-70B': 70_553_706_496,  # card: 70.6B
-    'DeepSeek-LLM-7B': 6_910_365_696,  # card: 6.91B (the hub page's 7B)
-    'Mistral-7B-v0.3': 7_248_023_552,  # the card's safetensors total
-    'Mistral-Nemo-12B': 12_247_782_400,  # card: 12.2B
-    'Mistral-Small-24B': 23_572_403_200,  # card: 23.6B
-    'GLM-4-9B-0414': 9_400_279_040,  # card: 9.4B
-    'GLM-4-32B-0414': 32_566_487_552,  # card: 32.6B
-    'Gemma-3-1B': 999_885_952,  # the card's safetensors total
-    'Gemma-3-4B': 3_880_263_168,  # text only; card 4.3B with the ~0.42B SigLIP tower and projector
-    'Gemma-3-12B': 11_766_034_176,  # text only; card 12.2B with them
-    'Gemma-3-27B': 27_009_346_304,  # text only; card 27.4B with them
+    'Llama-3.2-1B': 1_235_814_400,  # exact
+    'Llama-3.2-3B': 3_212_749_824,  # exact
+    'Llama-3.1-8B': 8_030_261_248,  # exact
+    'Llama-3.1-70B': 70_553_706_496,  # rounded: 70.6B
+    'DeepSeek-LLM-7B': 6_910_365_696,  # rounded: 6.91B
+    'Mistral-7B-v0.3': 7_248_023_552,  # exact
+    'Mistral-Nemo-12B': 12_247_782_400,  # rounded: 12.2B
+    'Mistral-Small-24B': 23_572_403_200,  # rounded: 23.6B
+    'GLM-4-9B-0414': 9_400_279_040,  # rounded: 9.4B
+    'GLM-4-32B-0414': 32_566_487_552,  # rounded: 32.6B
+    'Gemma-3-1B': 999_885_952,  # exact
+    'Gemma-3-4B': 3_880_263_168,  # rounded: 4.3B with the ~0.42B SigLIP tower and projector not counted here
+    'Gemma-3-12B': 11_766_034_176,  # rounded: 12.2B with them
+    'Gemma-3-27B': 27_009_346_304,  # rounded: 27.4B with them
 }
+ROUNDED = {'Llama-3.1-70B': '70.6', 'DeepSeek-LLM-7B': '6.91', 'Mistral-Nemo-12B': '12.2',
+           'Mistral-Small-24B': '23.6', 'GLM-4-9B-0414': '9.4', 'GLM-4-32B-0414': '32.6'}
 
 
 def test_every_family_preset_has_its_total():
   assert sorted(TOTALS) == sorted(FAMILY_PRESETS)
+  for name, billions in ROUNDED.items():
+    decimals = len(billions.split('.')[1])
+    assert f'{TOTALS[name] / 1e9:.{decimals}f}' == billions, name
 
 
 @pytest.mark.parametrize('name', sorted(FAMILY_PRESETS))
