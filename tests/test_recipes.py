@@ -33,6 +33,11 @@ RECIPES = {
     'qwen3_32b_dapo_aime.yaml': ('Qwen3-32B', 8),
     'qwen3_30b_a3b_dapo.yaml': ('Qwen3-30B-A3B', 8),
     'qwen3_235b_a22b_dapo.yaml': ('Qwen3-235B-A22B', 8),
+    'deepseek_llm_7b_math.yaml': ('DeepSeek-LLM-7B', 8),
+    'llama3_1_8b_math.yaml': ('Llama-3.1-8B', 8),
+    'mistral_nemo_12b_math.yaml': ('Mistral-Nemo-12B', 8),
+    'glm4_9b_math.yaml': ('GLM-4-9B-0414', 8),
+    'gemma3_12b_math.yaml': ('Gemma-3-12B', 8),
 }
 
 

@@ -1,12 +1,15 @@
-"""The public model sizes: Qwen2.5, Qwen3 dense and Qwen3-MoE shapes as grpo_jax.model.Qwen2Config
-keyword dicts (the plan's --model-size, the benchmarks' architectures, the tests' config checks).
+"""The public model sizes: Qwen2.5, Qwen3 dense, Qwen3-MoE, Qwen2.5-VL, Llama 3, DeepSeek-LLM, Mistral,
+GLM-4 and Gemma 3 shapes as grpo_jax.model.Qwen2Config keyword dicts (the plan's --model-size, the
+benchmarks' architectures, the tests' config checks).
 
   QWEN2_5_PRESETS, QWEN3_PRESETS   size ('0.5B', '7B', ...) -> Qwen2Config keywords
   QWEN3_MOE_PRESETS                size ('30B-A3B', '235B-A22B') -> Qwen2Config keywords
   QWEN2_5_VL_PRESETS               size ('3B', '7B', '32B', '72B') -> Qwen2Config keywords (vision as a dict)
-  FAMILY_PRESETS                   'Llama-3.1-8B', 'Mistral-Nemo-12B', 'Gemma-3-27B', ... -> keywords
+  LLAMA_PRESETS, MISTRAL_PRESETS,  checkpoint ('Llama-3.1-8B', 'DeepSeek-LLM-7B', 'Mistral-Nemo-12B',
+  GLM4_PRESETS, GEMMA3_PRESETS     'GLM-4-9B-0414', 'Gemma-3-12B', ...) -> Qwen2Config keywords less the
+                                   family's defaults (FAMILY_PRESETS: all four)
   MODEL_PRESETS                    every --model-size name ('7B', 'Qwen2.5-7B', 'Qwen3-8B',
-                                   'Qwen3-30B-A3B') -> keywords
+                                   'Qwen3-30B-A3B', 'Llama-3.1-8B') -> keywords
   preset(name, **overrides)        the Qwen2Config of one
 
 Imports only the standard library (preset() imports the config when called): bench/harness.py
@@ -74,56 +77,73 @@ _VISION_TOWER = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_hea
 QWEN2_5_VL_PRESETS = {size: dict(QWEN2_5_PRESETS[size], max_position_embeddings=128000, mrope_section=(16, 24, 24),
                                  vision=dict(_VISION_TOWER, out_hidden_size=QWEN2_5_PRESETS[size]['hidden_size']))
                       for size in ('3B', '7B', '32B', '72B')}
-# The other families' config.json files on the hub (Gemma 3 4B-27B: their text_config, the language
-# model that grpo_jax trains), as Qwen2Config keywords over each model_type's defaults.
+# The model families beyond Qwen (grpo_jax.model.config.MODEL_TYPES; preset() fills in the family's
+# defaults there: Llama's missing biases, GLM-4's fused gate/up and extra norms, Gemma 3's q/k
+# norms, (1 + w) norms, scaled embedding and GeLU). Each is the hub's config.json of the
+# instruct/base checkpoint; the parameter totals, to the parameter, sit beside each preset in
+# tests/test_presets.py with the transformers count they are checked against.
 _FAMILY_FIELDS = ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads',
                   'num_key_value_heads', 'head_dim', 'vocab_size', 'tie_word_embeddings')
-_LLAMA = dict(family='llama', attention_bias=False, qk_norm=False, rms_norm_eps=1e-5)
-_LLAMA3 = dict(_LLAMA, rope_theta=500000.0, rope_type='llama3', rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-               rope_original_max_position_embeddings=8192, max_position_embeddings=131072)
-_MISTRAL = dict(family='mistral', attention_bias=False, qk_norm=False, rms_norm_eps=1e-5, sliding_window=None)
-_GLM4 = dict(family='glm4', attention_bias=True, qk_norm=False, sandwich_norms=True, fused_gate_up=True,
-             rope_interleaved=True, partial_rotary_factor=0.5, rope_theta=10000.0, rms_norm_eps=1e-5,
-             max_position_embeddings=32768)
-_GEMMA3 = dict(family='gemma3_text', attention_bias=False, qk_norm=True, norm_offset=True, sandwich_norms=True,
-               embedding_scale=True, hidden_act='gelu_pytorch_tanh', rope_theta=1_000_000.0, local_rope_theta=10000.0,
-               rms_norm_eps=1e-6)
-
-
-def _gemma3_layers(layers: int) -> tuple[str, ...]:
-  """Five sliding-window layers, then one global, repeated (sliding_window_pattern 6)."""
-  return tuple('sliding_attention' if (i + 1) % 6 else 'full_attention' for i in range(layers))
-
-
-_FAMILY_SHAPES = {  # D, F, L, N, K, H, V, tied; the family's fields
-    'Llama-3.2-1B': ((2048, 8192, 16, 32, 8, 64, 128256, True), dict(_LLAMA3, rope_factor=32.0)),
-    'Llama-3.2-3B': ((3072, 8192, 28, 24, 8, 128, 128256, True), dict(_LLAMA3, rope_factor=32.0)),
-    'Llama-3.1-8B': ((4096, 14336, 32, 32, 8, 128, 128256, False), dict(_LLAMA3, rope_factor=8.0)),
-    'Llama-3.1-70B': ((8192, 28672, 80, 64, 8, 128, 128256, False), dict(_LLAMA3, rope_factor=8.0)),
-    'DeepSeek-LLM-7B': ((4096, 11008, 30, 32, 32, 128, 102400, False),
-                        dict(_LLAMA, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=4096)),
-    'Mistral-7B-v0.3': ((4096, 14336, 32, 32, 8, 128, 32768, False),
-                        dict(_MISTRAL, rope_theta=1_000_000.0, max_position_embeddings=32768)),
-    'Mistral-Nemo-12B': ((5120, 14336, 40, 32, 8, 128, 131072, False),
-                         dict(_MISTRAL, rope_theta=1_000_000.0, max_position_embeddings=1024000)),
-    'Mistral-Small-24B': ((5120, 32768, 40, 32, 8, 128, 131072, False),
-                          dict(_MISTRAL, rope_theta=100_000_000.0, max_position_embeddings=32768)),
-    'GLM-4-9B-0414': ((4096, 13696, 40, 32, 2, 128, 151552, False), _GLM4),
-    'GLM-4-32B-0414': ((6144, 23040, 61, 48, 2, 128, 151552, False), _GLM4),
-    'Gemma-3-1B': ((1152, 6912, 26, 4, 1, 256, 262144, True),
-                   dict(_GEMMA3, sliding_window=512, layer_types=_gemma3_layers(26), query_pre_attn_scalar=256.0,
-                        max_position_embeddings=32768)),
-    **{name: ((hidden, mlp, layers, heads, kv_heads, head_dim, 262208, True),
-              dict(_GEMMA3, sliding_window=1024, layer_types=_gemma3_layers(layers), query_pre_attn_scalar=scalar,
-                   rope_type='linear', rope_factor=8.0, max_position_embeddings=131072))
-       for name, (hidden, mlp, layers, heads, kv_heads, head_dim, scalar) in {
-           'Gemma-3-4B': (2560, 10240, 34, 8, 4, 256, 256.0),
-           'Gemma-3-12B': (3840, 15360, 48, 16, 8, 256, 256.0),
-           'Gemma-3-27B': (5376, 21504, 62, 32, 16, 128, 168.0)}.items()},
+# Llama 3.1 and 3.2: rope_theta 500,000 stretched by the llama3 rule from 8,192 to 131,072 positions
+# (3.1: factor 8; 3.2: factor 32), RMSNorm eps 1e-5; 3.2-1B and 3B tie their embeddings.
+_LLAMA3_SHAPES = {  # D, F, L, N, K, H, V, tied; rope factor
+    'Llama-3.2-1B': ((2048, 8192, 16, 32, 8, 64, 128256, True), 32.0),
+    'Llama-3.2-3B': ((3072, 8192, 28, 24, 8, 128, 128256, True), 32.0),
+    'Llama-3.1-8B': ((4096, 14336, 32, 32, 8, 128, 128256, False), 8.0),
+    'Llama-3.1-70B': ((8192, 28672, 80, 64, 8, 128, 128256, False), 8.0),
 }
-FAMILY_PRESETS = {name: dict(zip(_FAMILY_FIELDS, shape), **fields) for name, (shape, fields) in _FAMILY_SHAPES.items()}
+LLAMA_PRESETS = {name: dict(zip(_FAMILY_FIELDS, shape), family='llama', rope_theta=500_000.0, rms_norm_eps=1e-5,
+                            max_position_embeddings=131072, rope_type='llama3', rope_factor=factor,
+                            rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                            rope_original_max_position_embeddings=8192)
+                 for name, (shape, factor) in _LLAMA3_SHAPES.items()}
+# DeepSeek-LLM-7B (base and chat): a LlamaForCausalLM with multi-head attention (K = N), its own
+# 102,400-token vocabulary, plain RoPE (theta 10,000) over 4,096 positions; its file leaves head_dim
+# to hidden / heads (128).
+LLAMA_PRESETS['DeepSeek-LLM-7B'] = dict(zip(_FAMILY_FIELDS, (4096, 11008, 30, 32, 32, None, 102400, False)),
+                                        family='llama', rope_theta=10000.0, rms_norm_eps=1e-6,
+                                        max_position_embeddings=4096)
+# Mistral: rope_theta 1e6 (Small-24B-2501: 1e8), RMSNorm eps 1e-5, no sliding window in any of these
+# three files (sliding_window null); Nemo and Small have heads of 128 narrower than D / N.
+_MISTRAL_SHAPES = {  # D, F, L, N, K, H, V, tied; rope_theta, positions
+    'Mistral-7B-v0.3': ((4096, 14336, 32, 32, 8, 128, 32768, False), 1_000_000.0, 32768),
+    'Mistral-Nemo-12B': ((5120, 14336, 40, 32, 8, 128, 131072, False), 1_000_000.0, 1024000),
+    'Mistral-Small-24B': ((5120, 32768, 40, 32, 8, 128, 131072, False), 100_000_000.0, 32768),
+}
+MISTRAL_PRESETS = {name: dict(zip(_FAMILY_FIELDS, shape), family='mistral', rope_theta=theta, rms_norm_eps=1e-5,
+                              max_position_embeddings=positions)
+                   for name, (shape, theta, positions) in _MISTRAL_SHAPES.items()}
+# GLM-4-0414: 2 KV heads of 128, half of each head rotated (interleaved), q/k/v biases, rope_theta
+# 10,000 over 32,768 positions, RMSNorm eps 1e-5.
+_GLM4_SHAPES = {  # D, F, L, N, K, H, V, tied
+    'GLM-4-9B-0414': (4096, 13696, 40, 32, 2, 128, 151552, False),
+    'GLM-4-32B-0414': (6144, 23040, 61, 48, 2, 128, 151552, False),
+}
+GLM4_PRESETS = {name: dict(zip(_FAMILY_FIELDS, shape), family='glm4', rope_theta=10000.0, rms_norm_eps=1e-5,
+                           max_position_embeddings=32768, partial_rotary_factor=0.5)
+                for name, shape in _GLM4_SHAPES.items()}
+# Gemma 3 (the 4B-27B: their text_config, the language model alone): five sliding layers (local
+# RoPE base 10,000) then one global (base 1e6; 4B-27B stretch it linearly by 8), tied embeddings,
+# RMSNorm eps 1e-6. 1B: a 512-token window over 32,768 positions and 262,144 tokens; the others:
+# 1,024 over 131,072 and 262,208 tokens. Queries are scaled by 256^-1/2 (27B: 168 = D / N).
+_GEMMA3_SHAPES = {  # D, F, L, N, K, H, V, tied; window, query_pre_attn_scalar
+    'Gemma-3-1B': ((1152, 6912, 26, 4, 1, 256, 262144, True), 512, 256),
+    'Gemma-3-4B': ((2560, 10240, 34, 8, 4, 256, 262208, True), 1024, 256),
+    'Gemma-3-12B': ((3840, 15360, 48, 16, 8, 256, 262208, True), 1024, 256),
+    'Gemma-3-27B': ((5376, 21504, 62, 32, 16, 128, 262208, True), 1024, 168),
+}
+GEMMA3_PRESETS = {
+    name: dict(zip(_FAMILY_FIELDS, shape), family='gemma3_text', rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+               local_rope_theta=10000.0, sliding_window=window, query_pre_attn_scalar=float(scalar),
+               layer_types=tuple('full_attention' if (i + 1) % 6 == 0 else 'sliding_attention'
+                                 for i in range(shape[2])),
+               **(dict(max_position_embeddings=32768) if name == 'Gemma-3-1B' else
+                  dict(max_position_embeddings=131072, rope_type='linear', rope_factor=8.0)))
+    for name, (shape, window, scalar) in _GEMMA3_SHAPES.items()}
+FAMILY_PRESETS = {**LLAMA_PRESETS, **MISTRAL_PRESETS, **GLM4_PRESETS, **GEMMA3_PRESETS}
 # --model-size names: the Qwen2.5 sizes as they are ('7B') or prefixed, the Qwen3 sizes prefixed
-# ('Qwen3-8B', 'Qwen3-30B-A3B'), the Qwen2.5-VL sizes prefixed ('Qwen2.5-VL-7B').
+# ('Qwen3-8B', 'Qwen3-30B-A3B'), the Qwen2.5-VL sizes prefixed ('Qwen2.5-VL-7B'), the other
+# families by their checkpoints' names ('Llama-3.1-8B', 'Gemma-3-12B').
 MODEL_PRESETS = {**QWEN2_5_PRESETS, **{f'Qwen2.5-{size}': shape for size, shape in QWEN2_5_PRESETS.items()},
                  **{f'Qwen3-{size}': shape for size, shape in {**QWEN3_PRESETS, **QWEN3_MOE_PRESETS}.items()},
                  **{f'Qwen2.5-VL-{size}': shape for size, shape in QWEN2_5_VL_PRESETS.items()}, **FAMILY_PRESETS}
@@ -132,11 +152,14 @@ MODEL_PRESETS = {**QWEN2_5_PRESETS, **{f'Qwen2.5-{size}': shape for size, shape 
 def preset(name: str, **overrides):
   """grpo_jax.model.Qwen2Config of the model size `name` (a MODEL_PRESETS key: '0.5B', ..., '72B'
   or 'Qwen2.5-7B' for Qwen2.5, 'Qwen3-0.6B', ..., 'Qwen3-32B', 'Qwen3-30B-A3B', 'Qwen3-235B-A22B',
-  'Qwen2.5-VL-3B', ..., 'Qwen2.5-VL-72B', a FAMILY_PRESETS name), fields overridden."""
+  'Qwen2.5-VL-3B', ..., 'Qwen2.5-VL-72B', 'Llama-3.1-8B', 'Gemma-3-12B', ...), fields overridden; a
+  family beyond Qwen gets its defaults from the config's MODEL_TYPES table, as a config.json would."""
   if name not in MODEL_PRESETS:
     raise KeyError(f'no model preset {name!r}; one of {", ".join(MODEL_PRESETS)}')
-  from grpo_jax.model.config import Qwen2Config, VisionConfig  # here: this module imports no jax (the docstring)
+  from grpo_jax.model.config import MODEL_TYPES, Qwen2Config, VisionConfig  # here: this module imports no jax
   fields = {**MODEL_PRESETS[name], **overrides}
+  if fields.get('family'):
+    fields = {**MODEL_TYPES[fields['family']][1], **fields}
   if isinstance(fields.get('vision'), dict):
     fields['vision'] = VisionConfig(**fields['vision'])
   return Qwen2Config(**fields)

@@ -7,9 +7,10 @@ whether the step fits. Nothing is extrapolated: the program compiled is the run'
 depth and the run's real shapes. With a jittable task that is the K-steps-in-one-jit loop; with a
 host-scored task, the sampler and the update (the reward runs on the host between them).
 
-The model's shape comes from --model-size (a Qwen2.5 size: 0.5B ... 72B), else from
-model.path's config.json, else from model.architecture; no weights are read. --layers overrides
-the depth (to see how memory grows with it).
+The model's shape comes from --model-size (a preset of grpo_jax/model/presets.py: 0.5B ... 72B,
+Qwen3-8B, Llama-3.1-8B, Gemma-3-12B, ...), else from model.path's config.json, else from
+model.architecture; no weights are read. --layers overrides the depth (to see how memory grows
+with it; a per-layer pattern keeps its first layers).
 
 The programs come from programs.py; when the run does not fit, advice.py compiles them again
 with each knob that lowers memory; when it fits on GPUs of several hosts without hybrid sharding,
@@ -42,7 +43,8 @@ def parse_args(argv):
   parser = argparse.ArgumentParser(prog='python -m grpo_jax.plan', description=__doc__.splitlines()[0])
   parser.add_argument('--config', required=True, help='YAML run config (see configs/)')
   parser.add_argument('--target', required=True, help='v4-N, v5p-N, v5e-N, v6e-N, h100xN, h200xN, h100xHOSTSxGPUS')
-  parser.add_argument('--model-size', help='a Qwen2.5 size (0.5B, 1.5B, 3B, 7B, 14B, 32B, 72B) for the model shape')
+  parser.add_argument('--model-size', help='a model preset for the shape: a Qwen2.5 size (0.5B ... 72B), Qwen3-8B, '
+                      'Llama-3.1-8B, Gemma-3-12B, ... (grpo_jax/model/presets.py)')
   parser.add_argument('--layers', type=int, help='override the number of layers')
   parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE', dest='overrides',
                       help='override one config key, e.g. --set rollout.max_new_tokens=12288 (repeatable)')

@@ -43,7 +43,9 @@ def model_architecture(config: config_lib.Config, model_size: str | None, layers
   if layers is not None:
     if layers < 1:
       raise UserError(f'--layers must be >= 1, got {layers}')
-    architecture = dataclasses.replace(architecture, num_hidden_layers=layers)
+    # A per-layer pattern (Gemma 3's local and global layers) keeps its first `layers` entries.
+    layer_types = architecture.layer_types[:layers] if architecture.layer_types else ()
+    architecture = dataclasses.replace(architecture, num_hidden_layers=layers, layer_types=layer_types)
   return architecture
 
 
