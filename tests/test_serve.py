@@ -40,7 +40,8 @@ def stop(server):
     except subprocess.TimeoutExpired:
       server.kill()
       _, stderr = server.communicate()
-    raise AssertionError(f'the server did not shut down within 60 s:\n{stderr[-6000:]}') from None
+    # Not `from None`: when a request failed first, the chained traceback shows that error too.
+    raise AssertionError(f'the server did not shut down within 60 s:\n{stderr[-6000:]}')
   return server.returncode, stderr
 
 

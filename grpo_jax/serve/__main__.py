@@ -161,6 +161,10 @@ def build_engine(args) -> tuple[QwenEngine, ImageRules | None]:
 
 @cli_main
 def main(argv=None):
+  # SIGINT and SIGTERM stop cleanly (a shell may start a background job with SIGINT ignored), from
+  # the start: a client may be answered, and stop the server, before the line below is printed.
+  signal.signal(signal.SIGINT, signal.default_int_handler)
+  signal.signal(signal.SIGTERM, signal.default_int_handler)
   args = parse_args(sys.argv[1:] if argv is None else argv)
   engine, images = build_engine(args)
   try:
@@ -170,15 +174,15 @@ def main(argv=None):
     raise UserError(f'serving needs google-jetstream (pip install -r requirements-extras.txt): {error}') from None
   except RuntimeError as error:  # grpc could not bind after all
     raise UserError(f'cannot listen on {args.host}:{args.port}: {error}') from None
-  print(f'serving {args.ckpt} on {args.host}:{args.port} with {engine.slots} slots', file=sys.stderr, flush=True)
-  # SIGINT and SIGTERM stop cleanly (a shell may start a background job with SIGINT ignored).
-  signal.signal(signal.SIGINT, signal.default_int_handler)
-  signal.signal(signal.SIGTERM, signal.default_int_handler)
-  faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack to stderr
+  waiting = False
   try:
+    print(f'serving {args.ckpt} on {args.host}:{args.port} with {engine.slots} slots', file=sys.stderr, flush=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack to stderr
+    waiting = True
     server.wait_for_termination()  # stops the orchestrator threads and the gRPC server on exit
   except KeyboardInterrupt:
-    pass
+    if not waiting:  # stopped before it waited: its threads would keep the process alive
+      server.stop()
 
 
 if __name__ == '__main__':
