@@ -37,6 +37,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.sampler.decode import DecodeSettings
@@ -174,15 +175,19 @@ def main(argv=None):
     raise UserError(f'serving needs google-jetstream (pip install -r requirements-extras.txt): {error}') from None
   except RuntimeError as error:  # grpc could not bind after all
     raise UserError(f'cannot listen on {args.host}:{args.port}: {error}') from None
-  waiting = False
   try:
     print(f'serving {args.ckpt} on {args.host}:{args.port} with {engine.slots} slots', file=sys.stderr, flush=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack to stderr
-    waiting = True
-    server.wait_for_termination()  # stops the orchestrator threads and the gRPC server on exit
+    # Serves until a signal. Not server.wait_for_termination(): it blocks this thread in one lock wait,
+    # and a signal the kernel hands to one of the server's many other threads never wakes it, so the
+    # handler never ran (a server of CI's test-all ignored SIGINT for 70 s). Sleeping a second at a
+    # time, this thread runs the handler within a second whichever thread took the signal.
+    while True:
+      time.sleep(1.0)
   except KeyboardInterrupt:
-    if not waiting:  # stopped before it waited: its threads would keep the process alive
-      server.stop()
+    pass
+  finally:
+    server.stop()  # the orchestrator's threads and the gRPC server
 
 
 if __name__ == '__main__':
