@@ -14,7 +14,7 @@ import time
 from conversion.common import atomic_directory, host_mesh
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import weights
-from grpo_jax.model.config import load_hf_config
+from grpo_jax.model.hf_config import load_hf_config
 from grpo_jax.model.loading import load_hf, save_orbax
 from grpo_jax.model.qwen2 import ModelOptions
 

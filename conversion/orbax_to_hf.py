@@ -24,7 +24,7 @@ from grpo_jax.checkpoint import locate
 from grpo_jax.restore import restore_adapters, restore_policy, run_of, run_tokenizer
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import lora
-from grpo_jax.model.config import load_hf_config
+from grpo_jax.model.hf_config import load_hf_config
 from grpo_jax.model.loading import copy_tokenizer_files, is_orbax_checkpoint, load_orbax, save_hf
 from grpo_jax.model.qwen2 import ModelOptions
 

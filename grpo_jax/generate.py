@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import UserError, cli_main
-from grpo_jax.model.config import load_hf_config
+from grpo_jax.model.hf_config import load_hf_config
 from grpo_jax.model.loading import from_pretrained, load_tokenizer
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sampler.decode import DecodeSettings

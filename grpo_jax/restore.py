@@ -10,7 +10,7 @@ import jax
 from grpo_jax import config as config_lib
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.errors import UserError
-from grpo_jax.model.config import from_hf_dict, load_hf_config
+from grpo_jax.model.hf_config import from_hf_dict, load_hf_config
 
 
 def run_of(checkpoints: str, step: int | None):
@@ -93,7 +93,7 @@ def _check_base_architecture(where: str, config, architecture, meta: dict) -> No
   were trained on (a base not there is not checked: the stored architecture would only compare with
   itself)."""
   from grpo_jax.model import lora
-  from grpo_jax.model.config import load_hf_config, to_hf_dict
+  from grpo_jax.model.hf_config import load_hf_config, to_hf_dict
 
   path = config.model.path
   stored = meta.get('base') or {}

@@ -28,7 +28,7 @@ from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.data.task import Task
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import lora
-from grpo_jax.model.config import to_hf_dict
+from grpo_jax.model.hf_config import to_hf_dict
 from grpo_jax.rl.state import TrainState, create_train_state
 from grpo_jax.sampler.layout import split_devices
 

@@ -12,7 +12,7 @@ import pytest
 from grpo_jax.config import load_config
 from grpo_jax.data.sources import load_records
 from grpo_jax.errors import FieldError, UserError
-from grpo_jax.model.config import load_hf_config
+from grpo_jax.model.hf_config import load_hf_config
 
 # Its module-scoped fixtures are built once: the whole file runs on one xdist worker.
 pytestmark = pytest.mark.xdist_group('test_bad_inputs')

@@ -16,7 +16,8 @@ from safetensors.numpy import load_file
 
 from grpo_jax.errors import UserError
 from grpo_jax.model import ModelOptions, from_pretrained
-from grpo_jax.model.config import Qwen2Config, from_hf_dict
+from grpo_jax.model.config import Qwen2Config
+from grpo_jax.model.hf_config import from_hf_dict
 from grpo_jax.model.lora import LoraConfig
 from grpo_jax.model.moe import route_dtype
 from grpo_jax.model.qwen2 import Qwen2

@@ -17,7 +17,8 @@ from flax import nnx
 from grpo_jax import config as config_lib
 from grpo_jax.metrics import model_flops_per_step
 from grpo_jax.model import MeshConfig, make_mesh
-from grpo_jax.model.config import Qwen2Config, from_hf_dict, to_hf_dict
+from grpo_jax.model.config import Qwen2Config
+from grpo_jax.model.hf_config import from_hf_dict, to_hf_dict
 from grpo_jax.model.loading import abstract_model, init_model
 from grpo_jax.model.presets import QWEN3_MOE_PRESETS, preset
 from grpo_jax.plan import traffic

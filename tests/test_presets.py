@@ -15,7 +15,7 @@ import torch
 import transformers
 from flax import nnx
 
-from grpo_jax.model.config import from_hf_dict, to_hf_dict
+from grpo_jax.model.hf_config import from_hf_dict, to_hf_dict
 from grpo_jax.model.loading import abstract_model
 from grpo_jax.model.presets import FAMILY_PRESETS, preset
 

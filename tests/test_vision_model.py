@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 
 from grpo_jax.errors import UserError
 from grpo_jax.model import vision
-from grpo_jax.model.config import from_hf_dict
+from grpo_jax.model.hf_config import from_hf_dict
 from grpo_jax.model.loading import from_pretrained
 from grpo_jax.testing import TINY_VL_TOKENS
 

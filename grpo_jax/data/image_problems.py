@@ -23,7 +23,8 @@ import numpy as np
 from grpo_jax.data.multimodal import IMAGE_PAD, VISION_FORMATS, load_vision_problems
 from grpo_jax.data.sources import DatasetSource
 from grpo_jax.errors import UserError
-from grpo_jax.model.config import Qwen2Config, VisionConfig, load_hf_config
+from grpo_jax.model.config import Qwen2Config, VisionConfig
+from grpo_jax.model.hf_config import load_hf_config
 from grpo_jax.model.images import ImageSettings, process_image
 from grpo_jax.model.vision import ImageBucket, Vision, check_processor, image_tokens, patch_bucket, vision_of
 from grpo_jax.sections import section

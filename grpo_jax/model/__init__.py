@@ -7,7 +7,8 @@ The names below load their module when first used, so importing a light submodul
 import importlib
 
 _MODULES = {
-    'grpo_jax.model.config': ('Qwen2Config', 'from_hf_dict', 'load_hf_config', 'to_hf_dict'),
+    'grpo_jax.model.config': ('Qwen2Config',),
+    'grpo_jax.model.hf_config': ('from_hf_dict', 'load_hf_config', 'to_hf_dict'),
     'grpo_jax.model.loading': ('from_pretrained', 'init_model', 'load_tokenizer', 'save_hf', 'save_orbax'),
     'grpo_jax.model.qwen2': ('KVCache', 'ModelOptions', 'Qwen2'),
     'grpo_jax.sharding': ('MeshConfig', 'make_mesh'),

@@ -24,7 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.errors import UserError, checkpoint_read, quiet_abandoned_reads, require, root_cause
 from grpo_jax.model import lora, weights
-from grpo_jax.model.config import Qwen2Config, load_hf_config, to_hf_dict
+from grpo_jax.model.config import Qwen2Config
+from grpo_jax.model.hf_config import load_hf_config, to_hf_dict
 from grpo_jax.model.qwen2 import DType, ModelOptions, Qwen2
 from grpo_jax.sections import inline
 from grpo_jax.sharding import MeshConfig, make_mesh, state_shardings

@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import typing
 from collections.abc import Callable
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -28,41 +27,25 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import require
-from grpo_jax.model.attention import (ATTENTION_IMPLEMENTATIONS, DECODE_ATTENTIONS, AttentionImplementation,
-                                      DecodeAttention, SharedPart, attention_mask, cache_attention, reader_layout,
+from grpo_jax.model.attention import (SharedPart, attention_mask, cache_attention, reader_layout,
                                       reads_stacked_cache, resolve_attention, sequence_attention, window_mask)
 from grpo_jax.model.cache import KVCache, SharedPrefix, finite, write_layers, write_rows
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.embedding import embedding_lookup
 from grpo_jax.model.layers import (DENSE_MLP_PARAMS, DecoderLayers, decoder_block, inverse_frequencies, rms_norm,
                                    stacked_layers)
-from grpo_jax.model.lora import TARGETS, LoraConfig
+from grpo_jax.model.lora import TARGETS
 from grpo_jax.model.moe import Routing
+from grpo_jax.model.options import DType, ModelOptions, ParamDType  # noqa: F401 (names the model's users import)
 from grpo_jax.model.quantize import Quantized, output_scale
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.model.vision import Images, VisionTower, place, place_from
 from grpo_jax.ops.logprob import target_platform
 from grpo_jax.sharding import constrain
 
-DType = Literal['float32', 'bfloat16']
-# Storage dtypes: float16 too, so a float16 checkpoint converts without a change of precision.
-ParamDType = Literal['float32', 'bfloat16', 'float16']
-RematPolicy = Literal['none', 'full', 'dots', 'dots_no_batch']
-# How a decode step (`extend` of one token per row) runs the layers: 'scan' (one lax.scan over the
-# stacked parameters), 'unrolled' (one copy of the layer per index: each matmul reads its layer's
-# slice of the stack in place), 'auto' (unrolled when compiling for GPUs, else scan). XLA:GPU
-# copies each layer's weights out of the stack at a scan's dynamic index before its matmuls (a
-# read and a write of every weight each step on top of the matmul's read: half of a 7B decode
-# step on an H200, BENCHMARKS.md "Where a decode step goes"); XLA:TPU reads them in place.
-DecodeLayers = Literal['auto', 'scan', 'unrolled']
-# How dense decode attention reads the shared prompt caches (SharedPrefix) of the G samples of a
-# prompt: 'copy' (each row takes a copy of its prompt's keys and values per layer: B x W x K x H,
-# written and read again every step), 'once' (each prompt's keys and values read once, for the
-# rows that read it: attention.SharedPart, a few more kernels per layer), 'auto' ('once' where
-# the copies would be at least READ_ONCE_BYTES per layer and group of rows, else 'copy').
-PromptReads = Literal['auto', 'copy', 'once']
-# An estimate, not yet measured on a GPU: the few extra kernels of 'once' cost a few microseconds
-# each, what an H100 reads of 16 MiB takes.
+# prompt_reads 'auto' (model/options.py PromptReads) reads once from this many bytes. An estimate, not
+# yet measured on a GPU: the few extra kernels of 'once' cost a few microseconds each, what an H100
+# reads of 16 MiB takes.
 READ_ONCE_BYTES = 16 << 20
 # The window of a layer that attends over the whole sequence, in a model where others slide.
 FULL_WINDOW = 1 << 30
@@ -72,38 +55,6 @@ _REMAT_POLICIES = {
     'dots': jax.checkpoint_policies.dots_saveable,
     'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelOptions:
-  """How the model computes; what it computes is its `Qwen2Config`. Checked on construction."""
-
-  dtype: DType = 'float32'  # compute dtype of activations, matmul inputs and the KV cache
-  param_dtype: ParamDType = 'float32'  # storage dtype of parameters (fp32 master weights with bf16 compute)
-  remat: RematPolicy = 'none'  # rematerialisation of each layer under autodiff
-  scan_layers: bool = True  # one lax.scan over layers: compile time independent of depth
-  attention: AttentionImplementation = 'dense'  # full-sequence attention (attention.py); decoding: below
-  attention_chunk: int = 512  # queries per chunk with attention='chunked'
-  decode_attention: DecodeAttention = 'dense'  # attention over the KV cache while decoding (attention.py)
-  decode_layers: DecodeLayers = 'auto'  # the layer loop of a decode step (DecodeLayers above)
-  decode_block: int = 256  # cache slots per block of 'blockwise' and 'pallas' decode attention
-  prompt_reads: PromptReads = 'auto'  # how dense decode attention reads shared prompts (PromptReads above)
-  # Low-rank adapters (model/lora.py): the base frozen in `dtype`, the adapters in `param_dtype`.
-  lora: LoraConfig | None = None
-  # A vision-language model's tower kept as loaded: no gradient flows into it (its features are
-  # constants of the loss) and the optimizer leaves its weights alone. LoRA freezes it anyway.
-  freeze_vision: bool = False
-
-  def __post_init__(self):
-    choices = {'dtype': typing.get_args(DType), 'param_dtype': typing.get_args(ParamDType),
-               'remat': typing.get_args(RematPolicy), 'attention': ATTENTION_IMPLEMENTATIONS,
-               'decode_attention': DECODE_ATTENTIONS, 'decode_layers': typing.get_args(DecodeLayers),
-               'prompt_reads': typing.get_args(PromptReads)}
-    for name, allowed in choices.items():
-      require(getattr(self, name) in allowed, name,
-              f'must be one of {" | ".join(map(repr, allowed))}, got {getattr(self, name)!r}')
-    require(self.attention_chunk >= 1, 'attention_chunk', f'must be >= 1, got {self.attention_chunk}')
-    require(self.decode_block >= 1, 'decode_block', f'must be >= 1, got {self.decode_block}')
 
 
 def _gathered(stacked: Routing | None) -> Routing | None:

@@ -21,7 +21,7 @@ from grpo_jax.build import build_rl_step
 from grpo_jax.data.task import Scores
 from grpo_jax.errors import UserError
 from grpo_jax.model import lora
-from grpo_jax.model.config import load_hf_config
+from grpo_jax.model.hf_config import load_hf_config
 from grpo_jax.model.loading import abstract_model, check_mesh
 from grpo_jax.plan import targets, traffic
 from grpo_jax.rl.state import init_train_state

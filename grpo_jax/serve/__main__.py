@@ -114,7 +114,7 @@ def build_engine(args) -> tuple[QwenEngine, ImageRules | None]:
 
   from grpo_jax.checkpoint import locate
   from grpo_jax.restore import restore_policy, run_of, run_tokenizer
-  from grpo_jax.model.config import load_hf_config
+  from grpo_jax.model.hf_config import load_hf_config
   from grpo_jax.model.loading import from_pretrained, load_tokenizer
   from grpo_jax.model.qwen2 import ModelOptions
   from grpo_jax.sampler.layout import serving_mesh
