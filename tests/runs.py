@@ -67,3 +67,13 @@ def read_metrics(workdir, name: str = 'metrics.jsonl') -> list[dict]:
 
 def without_timing(rows):
   return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+
+
+def alive(pid: int) -> bool:
+  """The process runs (a zombie waiting for a reaper counts as gone: a container's init may never
+  reap an orphan's)."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+  except OSError:
+    return False

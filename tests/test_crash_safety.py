@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from runs import ROOT, device_env, read_metrics, without_timing
+from runs import ROOT, alive, device_env, read_metrics, without_timing
 
 STEPS, EVERY = 6, 2  # checkpoints at steps 2 and 4: the first save, a later one, and two steps past it
 SMALL = ['rollout.prompts_per_step=8', 'algo.group_size=4', 'train.progress=false', 'train.tensorboard=false',
@@ -72,15 +72,6 @@ def _descendants(pid: int) -> set[int]:
         found.add(child)
         todo.append(child)
   return found
-
-
-def _alive(pid: int) -> bool:
-  """The process exists and is not a zombie (a container's init may never reap an orphan's zombie)."""
-  try:
-    with open(f'/proc/{pid}/stat') as f:
-      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
-  except OSError:
-    return False
 
 
 def _start(workdir, config, overrides, devices):
@@ -145,9 +136,9 @@ def kill_at(process, workdir, moment: str, rng: random.Random) -> str:
   else:
     assert max(finished) == step, hit
   deadline = time.time() + 30
-  while any(_alive(pid) for pid in workers) and time.time() < deadline:
+  while any(alive(pid) for pid in workers) and time.time() < deadline:
     time.sleep(0.05)
-  orphans = sorted(pid for pid in workers if _alive(pid))
+  orphans = sorted(pid for pid in workers if alive(pid))
   assert not orphans, f'processes of the killed run still alive ({hit}): {orphans}'
   return hit
 

@@ -17,6 +17,7 @@ from grpo_jax.data.sources import DatasetSource, column, load_records
 from grpo_jax.errors import UserError
 from grpo_jax.sampler.rollout import Rollout
 from test_api import write_tokenizer
+from runs import alive
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -476,25 +477,16 @@ def test_workers_die_with_a_killed_trainer(tmp_path):
     pids = [int(pid) for pid in owner.stdout.readline().split()]
     assert len(pids) == 2
     time.sleep(3)  # both workers are now busy (warm-up done, each inside a 600 s check)
-    assert all(_alive(pid) for pid in pids)
+    assert all(alive(pid) for pid in pids)
     os.kill(owner.pid, signal.SIGKILL)
     owner.wait(timeout=30)
     deadline = time.monotonic() + 20
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
       time.sleep(0.2)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
   finally:
     if owner.poll() is None:
       owner.kill()
     for pid in pids:
-      if _alive(pid):  # only when the test failed: leave nothing running
+      if alive(pid):  # only when the test failed: leave nothing running
         os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-  """Running (a zombie waiting for a reaper counts as gone)."""
-  try:
-    with open(f'/proc/{pid}/stat') as f:
-      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
-  except FileNotFoundError:
-    return False

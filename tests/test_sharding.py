@@ -67,9 +67,10 @@ def test_mesh_logits_equal_single_device(name, architecture, seed, make_hf_check
   mesh = make_mesh(config)
   model = from_pretrained(directory, mesh=mesh)
   logits = forward_on(model, mesh, tokens)
-  # fp32 sums in another order over the mesh: a few ulps of the largest logit (at Qwen's ~2.7, under
-  # the 1e-5 this test held before; Gemma 3's scaled embedding and (1 + w) norms give logits twice that)
-  np.testing.assert_allclose(np.asarray(logits), single, rtol=0, atol=3.5e-6 * np.abs(single).max())
+  # fp32 sums in another order over the mesh: 1e-5 at Qwen's logits (largest ~3); the other families'
+  # a few ulps of their largest logit (Gemma 3's scaled embedding and (1 + w) norms: ~6)
+  bound = 3.5e-6 * np.abs(single).max() if model.config.family else 1e-5
+  np.testing.assert_allclose(np.asarray(logits), single, rtol=0, atol=bound)
 
   shape = dict(mesh.shape)
   q_spec = model.layers.q_weight[...].sharding.spec
