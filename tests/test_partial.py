@@ -79,13 +79,20 @@ def reference(params, driver, source):
              jax.random.fold_in(driver.keys[batch], index))
 
 
-@pytest.mark.parametrize('max_lag, slots, mesh_shape, steps', [
-    pytest.param(1, 8, None, 16, id='lag1'),
-    pytest.param(2, 5, None, 80, id='lag2-odd-slots-chunked', marks=pytest.mark.exhaustive),
-    pytest.param(1, 8, (2, 2, 2), 16, id='lag1-mesh', marks=pytest.mark.exhaustive)])
-def test_carried_groups_equal_one_call(seed, make_hf_checkpoint, max_lag, slots, mesh_shape, steps):
-  """N = 80: answers carried over are prefilled again in chunks of 40 tokens."""
-  directory, _ = make_hf_checkpoint(seed)
+@pytest.mark.parametrize('max_lag, slots, mesh_shape, steps, family', [
+    pytest.param(1, 8, None, 16, None, id='lag1'),
+    pytest.param(2, 5, None, 80, None, id='lag2-odd-slots-chunked', marks=pytest.mark.exhaustive),
+    pytest.param(1, 8, (2, 2, 2), 16, None, id='lag1-mesh', marks=pytest.mark.exhaustive),
+    pytest.param(2, 5, None, 80, 'gemma3_text', id='lag2-sliding-window', marks=pytest.mark.exhaustive)])
+def test_carried_groups_equal_one_call(seed, make_hf_checkpoint, max_lag, slots, mesh_shape, steps, family):
+  """N = 80: answers carried over are prefilled again in chunks of 40 tokens; a family: its
+  checkpoint (tests/test_families.py; Gemma 3's local layers keep a ring of 6 entries, which the
+  chunks of 40 run past)."""
+  if family is None:
+    directory, _ = make_hf_checkpoint(seed)
+  else:
+    from test_families import FAMILIES
+    directory, _ = make_hf_checkpoint(seed, **FAMILIES[family][0])
   settings = decode_settings(seed, steps, stops=60 if steps <= 16 else 12)
   count, group = 4, 4
   mesh = make_mesh(MeshConfig(*mesh_shape)) if mesh_shape else None

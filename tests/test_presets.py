@@ -123,6 +123,9 @@ def test_family_recipe_plans_for_eight_h100s(family, tmp_path):
   assert report['rollout_layout']['tensor'] == tensor and report['rollout_layout']['data_groups'] == 8 // tensor
   rollout = config.rollout
   slots = rollout.slots or rollout.prompts_per_step * config.algo.group_size
-  tokens = rollout.prompts_per_step * config.task.max_prompt_tokens + slots * rollout.max_new_tokens
-  kv_bytes = 2 * layers * tokens * architecture.num_key_value_heads * architecture.resolved_head_dim * 2  # K, V bf16
+  # Each layer's rows: the shared prompts', then the slots' (a sliding layer's: its window, where shorter).
+  answer = [min(rollout.max_new_tokens, architecture.sliding_window or rollout.max_new_tokens) if sliding
+            else rollout.max_new_tokens for sliding in small.sliding_layers]
+  tokens = sum(rollout.prompts_per_step * config.task.max_prompt_tokens + slots * width for width in answer)
+  kv_bytes = 2 * tokens * architecture.num_key_value_heads * architecture.resolved_head_dim * 2  # K, V bf16
   assert per_device['kv_cache'] == kv_bytes // 8

@@ -42,13 +42,18 @@ def poisoned_caches():
   the cache slots and heads) instead of zeros: what a slot's last occupant might have left there."""
   original = Qwen2.init_cache
 
-  def init_cache(self, batch_size, max_length, layered=False):
+  def init_cache(self, batch_size, max_length, layered=False, windowed=False):
     def garbage(x):  # [..., B, S, K, H]
       big = float(jnp.finfo(x.dtype).max)
       index = sum(jax.lax.broadcasted_iota(jnp.int32, x.shape, axis) for axis in range(x.ndim - 4, x.ndim - 1))
       return jnp.asarray((big, -big, 3e4, -3e4), x.dtype)[index % 4]
 
-    return original(self, batch_size, max_length, layered).map_layers(garbage)
+    cache = original(self, batch_size, max_length, layered, windowed)
+    window = cache.window  # a sliding layer's ring (model/cache.py WindowCache): poisoned as well
+    if window is not None:
+      each = lambda x: tuple(map(garbage, x)) if isinstance(x, tuple) else garbage(x)  # noqa: E731
+      window = dataclasses.replace(window, k=each(window.k), v=each(window.v))
+    return dataclasses.replace(dataclasses.replace(cache, window=None).map_layers(garbage), window=window)
 
   Qwen2.init_cache = init_cache
   try:
@@ -77,6 +82,14 @@ def directory(seed, make_hf_checkpoint):
   return make_hf_checkpoint(seed)[0]
 
 
+@pytest.fixture
+def windowed_directory(seed, make_hf_checkpoint):
+  """Gemma 3's local and global layers (tests/test_families.py), a window of 6 tokens: the slots'
+  local layers keep rings of 6 entries, cleared between requests."""
+  from test_families import FAMILIES
+  return make_hf_checkpoint(seed, **FAMILIES['gemma3_text'][0])[0]
+
+
 # 'unrolled': the GPU's decode step, its cache one array per layer (KVCache.layered).
 @pytest.mark.parametrize('layers', ['scan', pytest.param('unrolled', marks=pytest.mark.exhaustive)])
 def test_engine_insert(seed, directory, layers):
@@ -94,10 +107,15 @@ def test_engine_insert(seed, directory, layers):
 
 # 'unrolled': the GPU's decode loop, whose dense attention reads a cache of one array per layer,
 # here with each prompt read once for its rows (ModelOptions.prompt_reads).
-@pytest.mark.parametrize('implementation, block, layers', [
-    ('dense', 4, 'scan'), *(pytest.param(*case, marks=pytest.mark.exhaustive)
-                            for case in [('dense', 4, 'unrolled'), ('blockwise', 4, 'scan'), ('pallas', 128, 'scan')])])
-def test_group_sampler_refills(seed, directory, implementation, block, layers):
+@pytest.mark.parametrize('implementation, block, layers, windowed', [
+    ('dense', 4, 'scan', False), ('blockwise', 4, 'unrolled', True),
+    *(pytest.param(*case, marks=pytest.mark.exhaustive)
+      for case in [('dense', 4, 'unrolled', False), ('blockwise', 4, 'scan', False), ('pallas', 128, 'scan', False),
+                   ('dense', 4, 'scan', True)])])
+def test_group_sampler_refills(seed, request, directory, implementation, block, layers, windowed):
+  """windowed: a model with sliding layers, whose slots keep their window ring."""
+  if windowed:
+    directory = request.getfixturevalue('windowed_directory')
   model = from_pretrained(directory, options=ModelOptions(decode_attention=implementation, decode_block=block,
                                                           decode_layers=layers,
                                                           prompt_reads='once' if layers == 'unrolled' else 'copy'))
@@ -113,9 +131,11 @@ def test_group_sampler_refills(seed, directory, implementation, block, layers):
 
 
 @pytest.mark.exhaustive
-def test_pool_of_partial_rollouts(seed, directory):
-  """Answers cut off at one step go on at the next, prefilled again into refilled slots."""
-  model = from_pretrained(directory)
+@pytest.mark.parametrize('windowed', [False, True])
+def test_pool_of_partial_rollouts(seed, request, directory, windowed):
+  """Answers cut off at one step go on at the next, prefilled again into refilled slots (with
+  `windowed`, into the rings of a sliding-window model's local layers)."""
+  model = from_pretrained(request.getfixturevalue('windowed_directory') if windowed else directory)
   graphdef, params = nnx.split(model)
 
   def run():

@@ -27,9 +27,9 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import require
-from grpo_jax.model.attention import (SharedPart, attention_mask, cache_attention, reader_layout,
+from grpo_jax.model.attention import (SharedPart, attention_mask, cache_attention, grouped_attention, reader_layout,
                                       reads_stacked_cache, resolve_attention, sequence_attention, window_mask)
-from grpo_jax.model.cache import KVCache, SharedPrefix, finite, write_layers, write_rows
+from grpo_jax.model.cache import KVCache, SharedPrefix, WindowCache, finite, write_layers, write_rows
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.embedding import embedding_lookup
 from grpo_jax.model.layers import (DENSE_MLP_PARAMS, DecoderLayers, decoder_block, inverse_frequencies, rms_norm,
@@ -71,6 +71,16 @@ def _segments(tokens: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
   if segment_ids is None:
     return jnp.ones(tokens.shape, jnp.int32)
   return segment_ids.astype(jnp.int32)
+
+
+def _prefix_parts(prefix: SharedPrefix | None, shared, reading, mask) -> list:
+  """One layer's shared-prompt part of decode attention: none, each prompt read once for its rows
+  (SharedPart, with `reading`'s reader layout), or each row's copy of its prompt."""
+  if prefix is None:
+    return []
+  if reading is not None:
+    return [SharedPart(shared[0], shared[1], mask, *reading)]
+  return [(prefix.rows(shared[0]), prefix.rows(shared[1]), mask)]
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
@@ -348,19 +358,32 @@ class Qwen2(nnx.Module):
     each layer's rows out of the stack (a copy on XLA:GPU)."""
     return not self._scan_decode() and not reads_stacked_cache(self.options.decode_attention)
 
-  def init_cache(self, batch_size: int, max_length: int, layered: bool = False) -> KVCache:
-    """An empty (zeroed) cache of B rows of S slots; layered: one array per layer (KVCache)."""
+  def init_cache(self, batch_size: int, max_length: int, layered: bool = False, windowed: bool = False) -> KVCache:
+    """An empty (zeroed) cache of B rows of S slots; layered: one array per layer (KVCache).
+    windowed: the sliding-window layers keep only their window (a WindowCache of min(window, S)
+    entries per row; none where no layer slides or the window holds all S); every path that fills
+    rows token by token from an empty row can hold one (model.extend); rows brought in from
+    elsewhere at a slot past 0 cannot (sampler/slots.py)."""
     c = self.config
-    shape = (batch_size, max_length, c.num_key_value_heads, c.resolved_head_dim)
-    axes = ('batch', 'cache_seq', 'kv_heads', 'head_dim')  # rows over the batch axes, KV heads over 'tensor'
-    if layered:
-      zeros = lambda: tuple(constrain(jnp.zeros(shape, self.dtype), axes)  # noqa: E731
-                            for _ in range(c.num_hidden_layers))
-    else:
-      zeros = lambda: constrain(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), ('layers',) + axes)  # noqa: E731
-    return KVCache(k=zeros(), v=zeros(),
-                   segment_ids=constrain(jnp.zeros((batch_size, max_length), jnp.int32), ('batch', 'cache_seq')),
-                   length=constrain(jnp.zeros((batch_size,), jnp.int32), ('batch',)))
+    sliding = c.sliding_layers if windowed and c.sliding_window is not None and c.sliding_window < max_length else ()
+    full_layers = c.num_hidden_layers - sum(sliding)
+
+    def zeros(layers, width):
+      shape = (batch_size, width, c.num_key_value_heads, c.resolved_head_dim)
+      axes = ('batch', 'cache_seq', 'kv_heads', 'head_dim')  # rows over the batch axes, KV heads over 'tensor'
+      if layered:
+        return tuple(constrain(jnp.zeros(shape, self.dtype), axes) for _ in range(layers))
+      return constrain(jnp.zeros((layers,) + shape, self.dtype), ('layers',) + axes)
+
+    def row_ints(width, value=0):
+      return constrain(jnp.full((batch_size, width), value, jnp.int32), ('batch', 'cache_seq'))
+    window = None
+    if any(sliding):
+      size = c.sliding_window
+      window = WindowCache(k=zeros(sum(sliding), size), v=zeros(sum(sliding), size), segment_ids=row_ints(size),
+                           ordinals=row_ints(size, -1))
+    return KVCache(k=zeros(full_layers, max_length), v=zeros(full_layers, max_length), segment_ids=row_ints(max_length),
+                   length=constrain(jnp.zeros((batch_size,), jnp.int32), ('batch',)), window=window)
 
   def extend(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array | None = None,
              segment_ids: jax.Array | None = None, return_hidden: bool = False,
@@ -423,6 +446,13 @@ class Qwen2(nnx.Module):
     implementation = self.options.decode_attention
     stacked = reads_stacked_cache(implementation)
     scan = self._scan_decode() if length == 1 else None
+    ring = cache.window
+    if ring is not None:
+      # Two kinds of cache row, a window's and a whole sequence's: the layers run unrolled, each
+      # reading its own stack. A window layer attends over its ring densely (it holds W entries).
+      scan = False
+      ring_mask = ((ring.segment_ids[:, None, :] == segment_ids[:, :, None]) & (ring.segment_ids != 0)[:, None, :]
+                   & (ring.ordinals[:, None, :] < ordinals[:, :, None]))
     layered = cache.layered
     if layered and (stacked or self._scans(scan)):  # these read a stack: one is made (a copy)
       cache = cache.stacked()
@@ -438,6 +468,12 @@ class Qwen2(nnx.Module):
       reads = jnp.any(segment_ids != 0, axis=1).reshape(groups, -1)
       reading = reader_layout(prefix.index, reads, per_prompts, prefix.readers)
 
+    def layer_of(stacks, index, x):  # one layer's (k, v) of a pair of stacks (or tuples), after x exists
+      if isinstance(stacks[0], tuple):
+        return (stacks[0][index], stacks[1][index]), x
+      index, x = jax.lax.optimization_barrier((jnp.int32(index), x))
+      return tuple(jax.lax.dynamic_index_in_dim(stack, index, keepdims=False) for stack in stacks), x
+
     def layer(x, params, inputs, _):
       (frequency, window), (own, *shared) = inputs  # own: this layer's cache rows, or its index into them
       windowed = {}  # each mask with this layer's sliding window, if it has one
@@ -446,22 +482,26 @@ class Qwen2(nnx.Module):
                     'cache': cache_mask & window_mask(ordinals, cache_ordinals, window),
                     'prefix': None if prefix is None else prefix_mask & window_mask(ordinals, prefix_ordinals, window)}
       own_mask, new_mask = windowed.get('cache', cache_mask), windowed.get('new', mask)
-      shared_mask = windowed.get('prefix', prefix_mask)
-      if cache.layered:
+      parts = _prefix_parts(prefix, shared, reading, windowed.get('prefix', prefix_mask))
+      in_ring = False
+      if ring is not None:  # own: (whether the layer keeps a window ring, its index in its stack)
+        in_ring, own = bool(own[0]), int(own[1])
+        if in_ring:
+          (ring_k, ring_v), x = layer_of((ring.k, ring.v), own, x)
+          parts.append((ring_k, ring_v, ring_mask & window_mask(ordinals, ring.ordinals, window)))
+        elif not stacked:
+          own, x = layer_of((cache.k, cache.v), own, x)
+      elif cache.layered:
         own = (cache.k[int(own)], cache.v[int(own)])
       elif ordered:
         own, x = jax.lax.optimization_barrier((own, x))
         own = tuple(jax.lax.dynamic_index_in_dim(stack, own, keepdims=False) for stack in (cache.k, cache.v))
-      if prefix is None:
-        parts = []
-      elif reading is not None:
-        parts = [SharedPart(shared[0], shared[1], shared_mask, *reading)]
-      else:
-        parts = [(prefix.rows(shared[0]), prefix.rows(shared[1]), shared_mask)]
 
       def attend(q, k, v):
         # The new keys and values as the cache will hold them (rounded to its dtype, finite).
         new = (finite(k.astype(dtype)), finite(v.astype(dtype)), new_mask)
+        if in_ring:  # the prompt, the ring, the new tokens: dense, over W entries
+          return grouped_attention(q, parts + [new])
         return cache_attention(implementation, q, new, parts, cache.k, cache.v, own, own_mask, cache.length,
                                cache.segment_ids, segment_ids, query_slots, self.options.decode_block)
 
@@ -470,7 +510,10 @@ class Qwen2(nnx.Module):
                            real=segment_ids != 0)
 
     layers = self.config.num_hidden_layers
-    if cache.layered:  # indices the unrolled loop hands each layer as constants
+    if ring is not None:  # (window layer, index in its stack), as constants of the unrolled loop
+      sliding = np.asarray(self.config.sliding_layers)
+      own = np.stack([sliding, np.where(sliding, np.cumsum(sliding) - 1, np.cumsum(~sliding) - 1)], axis=1)
+    elif cache.layered:  # indices the unrolled loop hands each layer as constants
       own = np.arange(layers)
     else:
       own = jnp.arange(layers, dtype=jnp.int32) if stacked or ordered else (cache.k, cache.v)
@@ -479,15 +522,21 @@ class Qwen2(nnx.Module):
                                                  scan=scan)
     hidden = self.final_norm_of(x)
     k_new, v_new = finite(k_new.astype(dtype)), finite(v_new.astype(dtype))
+    new_ring = None
+    if ring is not None:
+      sliding = np.asarray(self.config.sliding_layers)
+      new_ring = ring.write(k_new[np.flatnonzero(sliding)], v_new[np.flatnonzero(sliding)], segment_ids, ordinals)
+      k_new, v_new = k_new[np.flatnonzero(~sliding)], v_new[np.flatnonzero(~sliding)]
     if length == cache.max_length:
       # The tokens fill the whole cache (so it was empty: length + T <= S): it is the new keys and
       # values themselves. No scatter, which on a mesh would gather every row's keys to every device.
-      new_cache = KVCache(k=k_new, v=v_new, segment_ids=segment_ids, length=cache.length + length)
+      new_cache = KVCache(k=k_new, v=v_new, segment_ids=segment_ids, length=cache.length + length, window=new_ring)
     else:
       new_cache = KVCache(k=write_layers(cache.k, k_new, cache.length), v=write_layers(cache.v, v_new, cache.length),
                           segment_ids=write_rows(cache.segment_ids, segment_ids, cache.length),
-                          length=cache.length + length)
+                          length=cache.length + length, window=new_ring)
     if layered and not new_cache.layered:
-      new_cache = dataclasses.replace(new_cache, k=tuple(new_cache.k), v=tuple(new_cache.v))
+      new_ring = None if new_ring is None else dataclasses.replace(new_ring, k=tuple(new_ring.k), v=tuple(new_ring.v))
+      new_cache = dataclasses.replace(new_cache, k=tuple(new_cache.k), v=tuple(new_cache.v), window=new_ring)
     out = hidden if return_hidden else self.project(hidden)
     return (out, new_cache, _gathered(routing)) if return_routing else (out, new_cache)

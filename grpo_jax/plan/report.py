@@ -29,13 +29,19 @@ def kv_cache_bytes_per_device(architecture, config: config_lib.Config, prompt_le
   """The sampler's K and V caches (sampler/rollout.py): the shared prompt cache [L, P, Tp, K, H]
   (`prompts` entries with partial rollouts' pool, else P) and the slots' own rows [L, B, N, K, H]
   (B = rollout.slots, else P * G), each with its rows over the batch axes and KV heads over
-  'tensor' where they divide (grpo_jax/sharding.py's rules)."""
+  'tensor' where they divide (grpo_jax/sharding.py's rules). A sliding-window layer's slot rows
+  hold its window only (model/cache.py WindowCache) where the window is shorter than N."""
   rows = config.completions_per_step
   slots = min(config.rollout.slots or rows, rows)
+  answer = config.rollout.max_new_tokens
+  sliding = sum(architecture.sliding_layers) if (architecture.sliding_window or answer) < answer else 0
+  parts = [(architecture.num_hidden_layers, prompts or config.rollout.prompts_per_step, prompt_length),
+           (architecture.num_hidden_layers - sliding, slots, answer), (sliding, slots, architecture.sliding_window)]
   total = 0
-  for count, width in ((prompts or config.rollout.prompts_per_step, prompt_length), (slots, config.rollout.max_new_tokens)):
-    shape = (architecture.num_hidden_layers, count, width, architecture.num_key_value_heads,
-             architecture.resolved_head_dim)
+  for layers, count, width in parts:
+    if not layers:
+      continue
+    shape = (layers, count, width, architecture.num_key_value_heads, architecture.resolved_head_dim)
     layout = sharding.named_sharding(mesh, shape, ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim'))
     total += 2 * math.prod(layout.shard_shape(shape)) * jnp.dtype(config.model.options.dtype).itemsize
   return total

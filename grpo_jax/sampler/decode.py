@@ -93,7 +93,8 @@ class DecodeState:
 
   @classmethod
   def idle(cls, model: Qwen2, slots: int, length: int, *, dtype=None, keys: jax.Array | None = None,
-           prefix: SharedPrefix | None = None, offsets: bool = False, stops: int | None = None) -> 'DecodeState':
+           prefix: SharedPrefix | None = None, offsets: bool = False, stops: int | None = None,
+           windowed: bool = False) -> 'DecodeState':
     """B = `slots` rows holding no request, each with its own empty cache row of `length` entries:
     what every sampling path starts from before `slots.admit` lets requests in.
 
@@ -103,9 +104,11 @@ class DecodeState:
     offsets:  the rows carry M-RoPE offsets (a vision-language model), 0 until admitted.
     stops:    M: the rows carry their requests' own budgets (0 until admitted) and M stop ids each
               (-1); None: the settings' (the inference server's requests bring their own).
+    windowed: the sliding-window layers keep only their window (model.init_cache); the requests
+              then enter at slot 0 or as whole rows.
     """
     own = stops is not None
-    return cls(cache=model.init_cache(slots, length, layered=model.layered_decode_cache),
+    return cls(cache=model.init_cache(slots, length, layered=model.layered_decode_cache, windowed=windowed),
                hidden=jnp.zeros((slots, model.config.hidden_size), model.dtype if dtype is None else dtype),
                keys=jax.random.split(jax.random.key(0), slots) if keys is None else keys,
                generated=jnp.zeros((slots,), jnp.int32), live=jnp.zeros((slots,), bool), prefix=prefix,

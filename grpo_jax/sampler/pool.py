@@ -288,7 +288,7 @@ def _prefill_answers(model: Qwen2, tokens: jax.Array, lengths: jax.Array, shared
       picked = jnp.take_along_axis(out, jnp.clip(last, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
       return offset + chunk, cache, jnp.where(here[:, None], picked.astype(hidden.dtype), hidden)
 
-    start = (jnp.int32(0), model.init_cache(groups * width, steps),
+    start = (jnp.int32(0), model.init_cache(groups * width, steps, windowed=True),
              jnp.zeros((groups * width, model.config.hidden_size), model.dtype))
     longest = jnp.max(block_lengths)
     _, cache, hidden = jax.lax.while_loop(lambda carry: carry[0] < longest, one, start)
@@ -305,10 +305,17 @@ def _prefill_answers(model: Qwen2, tokens: jax.Array, lengths: jax.Array, shared
   # Laid out as a fresh slot cache (model.init_cache): the decode loop's attention then finds the
   # slots' rows where it finds their shared prompts' (a joined layout costs an all-to-all per token).
   axes = ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim')
+  rows = ('batch', 'cache_seq')
+  window = caches[0].window
+  if window is not None:
+    window = dataclasses.replace(window, k=constrain(join([c.window.k for c in caches], 1), axes),
+                                 v=constrain(join([c.window.v for c in caches], 1), axes),
+                                 segment_ids=constrain(join([c.window.segment_ids for c in caches], 0), rows),
+                                 ordinals=constrain(join([c.window.ordinals for c in caches], 0), rows))
   cache = dataclasses.replace(caches[0], k=constrain(join([c.k for c in caches], 1), axes),
                               v=constrain(join([c.v for c in caches], 1), axes),
-                              segment_ids=constrain(join([c.segment_ids for c in caches], 0), ('batch', 'cache_seq')),
-                              length=lengths)  # decoding goes on right after each answer
+                              segment_ids=constrain(join([c.segment_ids for c in caches], 0), rows),
+                              length=lengths, window=window)  # decoding goes on right after each answer
   return cache, join([hidden for _, hidden in parts], 0)
 
 

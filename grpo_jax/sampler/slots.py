@@ -103,8 +103,15 @@ def _row_cache(cache: KVCache, slots: Slots, entry: Entry) -> KVCache:
   start = jnp.zeros((rows,), jnp.int32) if entry.start is None else entry.start
   offset = jnp.arange(length)[None, :] - start[:, None]  # [R, S] position relative to the entry
   kept = jnp.where(offset < 0, slots.get(cache.segment_ids), 0)
+  window = cache.window
+  if window is not None and (entry.start is not None or (entry.cache is not None and slots.mask is None)):
+    raise ValueError('a cache whose sliding layers keep a window ring takes requests from slot 0, or whole rows')
   if entry.cache is None:
-    return dataclasses.replace(cache, segment_ids=slots.put(cache.segment_ids, kept), length=slots.put(cache.length, start))
+    if window is not None:  # the earlier request's entries leave the ring
+      window = dataclasses.replace(window, segment_ids=slots.put(window.segment_ids, jnp.zeros((rows, window.size),
+                                                                                               jnp.int32)))
+    return dataclasses.replace(cache, segment_ids=slots.put(cache.segment_ids, kept), length=slots.put(cache.length, start),
+                               window=window)
   width = entry.cache.max_length
   brought = jnp.take_along_axis(entry.cache.segment_ids, jnp.clip(offset, 0, width - 1), axis=1)
   segment_ids = jnp.where((offset >= 0) & (offset < width), brought, kept)
@@ -124,9 +131,14 @@ def _row_cache(cache: KVCache, slots: Slots, entry: Entry) -> KVCache:
       return tuple(put(part, values[index]) for index, part in enumerate(target))
     return put(target, values)
 
+  if window is not None:  # whole rows (a masked admission)
+    brought = entry.cache.window
+    window = dataclasses.replace(window, k=layers(window.k, brought.k), v=layers(window.v, brought.v),
+                                 segment_ids=slots.put(window.segment_ids, brought.segment_ids),
+                                 ordinals=slots.put(window.ordinals, brought.ordinals))
   return KVCache(k=layers(cache.k, entry.cache.k), v=layers(cache.v, entry.cache.v),
                  segment_ids=slots.put(cache.segment_ids, segment_ids),
-                 length=slots.put(cache.length, entry.cache.length))
+                 length=slots.put(cache.length, entry.cache.length), window=window)
 
 
 def admit(state: DecodeState, slots: Slots, entry: Entry) -> DecodeState:
@@ -339,7 +351,8 @@ class GroupLoop:
     (Decoded.empty, or the pool's requests with their earlier tokens)."""
     prompts = self.prompts
     slots = DecodeState.idle(self.model, self.groups * self.group_slots, self.settings.max_new_tokens,
-                             dtype=prompts.hidden.dtype, prefix=prompts.shared, offsets=prompts.offsets is not None)
+                             dtype=prompts.hidden.dtype, prefix=prompts.shared, offsets=prompts.offsets is not None,
+                             windowed=True)
     return LoopState(count=jnp.int32(0), slots=slots, holding=jnp.full((self.groups, self.group_slots), -1, jnp.int32),
                      waiting=jnp.zeros((self.groups,), jnp.int32), decoded=decoded)
 
