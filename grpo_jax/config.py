@@ -124,9 +124,6 @@ class Config:
     require(self.rollout.devices == 0 or algo.max_lag >= 1, 'rollout.devices',
             f'({self.rollout.devices}) needs algo.max_lag >= 1: on devices of its own the sampler decodes the next '
             'step\'s groups under weights one version behind the update')
-    require(algo.routing_replay == 'none' or not self.task.kind.acts, 'algo.routing_replay',
-            f"'rollout' replays the group sampler's routes; task {self.task.name!r} acts through the inference "
-            'server, which records none: set algo.routing_replay=none')
     self.task.check_run(self)
 
 

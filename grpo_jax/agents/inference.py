@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import UserError
+from grpo_jax.model.moe import unrecorded
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, decode_step, prefill, typed_key
 from grpo_jax.sampler.sampling import SamplingConfig
@@ -105,12 +106,22 @@ class Completion:
   """A request's result: its new tokens (the stop id included), their log softmax(logits / T)
   under the sampler, and why it ended ('stop': a stop id, 'length': its budget). `cache_id`
   names the KV cache the server may keep of it (a later request that goes on from it passes it
-  as `continues`)."""
+  as `continues`).
+
+  routes:       with settings.record_routes (a mixture of experts): [n, Ls, k] the experts of the
+                tokens this request ran through the model, context positions routes_from ..
+                routes_from + n - 1 of `request.tokens + tokens`: the context it prefilled (all
+                of it, or what follows a kept cache), then its new tokens, the last of which was
+                never fed back (`unrecorded`, moe.unrecorded_id). None otherwise.
+  routes_from:  the context position of routes[0].
+  """
 
   tokens: tuple[int, ...]
   log_probs: tuple[float, ...]
   finish_reason: FinishReason
   cache_id: int | None = None
+  routes: np.ndarray | None = None
+  routes_from: int = 0
 
 
 @dataclasses.dataclass
@@ -119,6 +130,8 @@ class _Pending:
   future: asyncio.Future
   tokens: list = dataclasses.field(default_factory=list)
   log_probs: list = dataclasses.field(default_factory=list)
+  routes: list = dataclasses.field(default_factory=list)  # [n, Ls, k] pieces, prefill's then decode's
+  routes_from: int = 0
 
 
 @dataclasses.dataclass
@@ -353,8 +366,13 @@ class InferenceServer:
       keys.append(key_data(request.key))
       self.stats.prefilled_tokens += len(context)
     keys += [keys[0]] * (rows - len(batch))
-    self._state = program(self._params, self._state, tokens, real, slots, np.stack(keys), limits, stops)
+    self._state, routes = program(self._params, self._state, tokens, real, slots, np.stack(keys), limits, stops)
     self.stats.prefill_rows += rows
+    if routes is not None:  # [rows, width, Ls, k]: each context's own entries
+      routes = np.asarray(routes)
+      for row, (pending, _, context) in enumerate(batch):
+        pending.routes = [routes[row, :len(context)]]
+        pending.routes_from = len(pending.request.tokens) - len(context)
 
   def _collect(self, emitted, live, steps) -> None:
     """Appends each held request's new tokens; resolves the requests whose rows went idle."""
@@ -362,12 +380,15 @@ class InferenceServer:
     self.stats.decode_steps += int(steps)
     valid, tokens, log_probs, stops = (np.asarray(x) for x in (emitted.valid, emitted.tokens, emitted.log_probs,
                                                               emitted.stopped))
+    routes = None if emitted.routes is None else np.asarray(emitted.routes)  # [chunk, B, Ls, k]
     for slot, pending in enumerate(self._holding):
       if pending is None:
         continue
       emitted_here = valid[:, slot]
       pending.tokens += tokens[emitted_here, slot].tolist()
       pending.log_probs += log_probs[emitted_here, slot].tolist()
+      if routes is not None:
+        pending.routes.append(routes[emitted_here, slot])
       if not live[slot]:
         stopped = bool(stops[emitted_here, slot].any())
         self._holding[slot] = None
@@ -379,8 +400,10 @@ class InferenceServer:
         self._slot_cache[slot] = cache_id
         self._freed[slot] = self.stats.requests
         if not pending.future.cancelled():
-          pending.future.set_result(Completion(tokens=tuple(pending.tokens), log_probs=tuple(pending.log_probs),
-                                               finish_reason='stop' if stopped else 'length', cache_id=cache_id))
+          pending.future.set_result(Completion(
+              tokens=tuple(pending.tokens), log_probs=tuple(pending.log_probs),
+              finish_reason='stop' if stopped else 'length', cache_id=cache_id,
+              routes=np.concatenate(pending.routes) if routes is not None else None, routes_from=pending.routes_from))
 
   # ---- traced bodies ----
 
@@ -393,9 +416,10 @@ class InferenceServer:
     not the row's S) and admits each into its slot (slot B: a padding row) with those entries."""
     model = nnx.merge(self.graphdef, params)
     rows, width = tokens.shape
-    done = prefill(model, tokens, real, model.init_cache(rows, width))
+    done = prefill(model, tokens, real, model.init_cache(rows, width), record_routes=self.settings.record_routes)
     return admit(state, Slots(index=slots), Entry(hidden=done.hidden, keys=jax.random.wrap_key_data(keys),
-                                                  empty=done.empty, cache=done.cache, limit=limits, stops=stops))
+                                                  empty=done.empty, cache=done.cache, limit=limits,
+                                                  stops=stops)), done.routes
 
   def _extend_into(self, params, state: DecodeState, tokens, real, slots, keys, limits, stops) -> DecodeState:
     """Prefills R right-padded continuations of width W onto the caches their slots kept (each
@@ -406,7 +430,7 @@ class InferenceServer:
     rows_of = lambda values, axis: jnp.take(values, slots, axis=axis, mode='clip')  # noqa: E731
     kept = dataclasses.replace(cache.map_layers(lambda x: rows_of(x, x.ndim - 4)),
                                segment_ids=rows_of(cache.segment_ids, 0), length=rows_of(cache.length, 0))
-    done = prefill(model, tokens, real, kept)
+    done = prefill(model, tokens, real, kept, record_routes=self.settings.record_routes)
     start = kept.length  # [R] where each row's new entries begin
 
     def new_entries(x):  # [..., R, S, K, H] -> [..., R, W, K, H] from each row's start
@@ -418,16 +442,20 @@ class InferenceServer:
         lambda row, first: jax.lax.dynamic_slice_in_dim(row, first, width))(done.cache.segment_ids, start))
     return admit(state, Slots(index=slots), Entry(hidden=done.hidden, keys=jax.random.wrap_key_data(keys),
                                                   empty=done.empty, cache=brought, start=start, limit=limits,
-                                                  stops=stops))
+                                                  stops=stops)), done.routes
 
   def _decode_chunk(self, params, state: DecodeState):
     """Up to `chunk` decode steps, fewer when every slot goes idle first -> (state, Emitted
     [chunk, B] with valid False past the steps run, steps run)."""
-    pieces, rebuild = nnx.merge(self.graphdef, params).loop_view()
-    B, pad = self.slots, self.settings.pad_id
+    model = nnx.merge(self.graphdef, params)
+    pieces, rebuild = model.loop_view()
+    B, pad, c = self.slots, self.settings.pad_id, model.config
+    routes = None
+    if self.settings.record_routes:
+      routes = unrecorded((self.chunk, B, c.num_sparse_layers, c.num_experts_per_tok), c.num_experts)
     out = Emitted(tokens=jnp.full((self.chunk, B), pad, jnp.int32), log_probs=jnp.zeros((self.chunk, B), jnp.float32),
                   valid=jnp.zeros((self.chunk, B), bool), lengths=jnp.zeros((self.chunk, B), jnp.int32),
-                  stopped=jnp.zeros((self.chunk, B), bool))
+                  stopped=jnp.zeros((self.chunk, B), bool), routes=routes)
 
     def body(carry):
       count, state, out = carry

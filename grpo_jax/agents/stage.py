@@ -59,7 +59,9 @@ class AgentStage:
                                         for problem, problem_key in zip(prompts.answers, keys)))
       return [trajectory for group in groups for trajectory in group]
 
-    rollout, scores, facts = collate(asyncio.run(run()), self.budget, self.pad_id)
+    prompt_lengths = np.asarray(prompts.mask).sum(axis=1).repeat(group_size).tolist()
+    rollout, scores, facts = collate(asyncio.run(run()), self.budget, self.pad_id, prompt_lengths,
+                                     prompt_width=np.shape(prompts.tokens)[1])
     self._check_failures(facts['failures'])
     self._facts.append(facts)
     place = lambda value: distributed.replicated(value, self.mesh)  # noqa: E731

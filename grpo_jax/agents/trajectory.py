@@ -16,6 +16,7 @@ import numpy as np
 
 from grpo_jax.agents.inference import Completion, InferenceServer, Request, folded_keys
 from grpo_jax.data.task import Scores
+from grpo_jax.model.moe import unrecorded_id
 from grpo_jax.sampler.rollout import Rollout
 
 # Per-episode facts, logged as episode/<fact> (their means over a step's episodes)
@@ -34,6 +35,10 @@ class Trajectory:
   answer:     the answer it gave (normalised text, for evaluation's vote), if any.
   failures:   1 when its environment failed (a call raised or ran past its deadline), else 0;
   timeouts:   1 when that call ran past its deadline.
+  routes:     with routing replay (a mixture of experts): [len(prompt) + len(tokens), Ls, k] the
+              experts the server routed each token of the prompt and the trajectory to, when it
+              ran the token through the model (a turn's prefill or its decode step);
+              `unrecorded` for a token it never ran (the episode's last one). None otherwise.
   """
 
   tokens: list = dataclasses.field(default_factory=list)
@@ -47,6 +52,7 @@ class Trajectory:
   answer: str | None = None
   failures: int = 0
   timeouts: int = 0
+  routes: np.ndarray | None = None
 
   def fail(self, timed_out: bool) -> None:
     """Ends the episode as its environment failed: no token of it trains (the loss mask all 0;
@@ -97,6 +103,8 @@ class Episode:
                                                  key=self.turn_key(trajectory.turns),
                                                  stop_token_ids=stop_token_ids, continues=self._cache_id))
     self._cache_id = completion.cache_id
+    if completion.routes is not None:
+      self._record(completion)
     trajectory.tokens += completion.tokens
     trajectory.loss_mask += [1] * len(completion.tokens)
     trajectory.log_probs += completion.log_probs
@@ -104,6 +112,18 @@ class Episode:
     if completion.finish_reason == 'length' and budget < max_new_tokens:
       trajectory.truncated = True  # cut by the episode's budget, not the turn's
     return completion
+
+  def _record(self, completion: Completion) -> None:
+    """The completion's routes into the trajectory's, at the context positions they belong to
+    (positions the server never ran stay `unrecorded`)."""
+    routes, trajectory = completion.routes, self.trajectory
+    length = len(self.prompt) + len(trajectory.tokens) + len(completion.tokens)
+    if trajectory.routes is None:
+      trajectory.routes = np.full((0,) + routes.shape[1:], unrecorded_id(routes.dtype), routes.dtype)
+    if len(trajectory.routes) < length:
+      more = np.full((length - len(trajectory.routes),) + routes.shape[1:], unrecorded_id(routes.dtype), routes.dtype)
+      trajectory.routes = np.concatenate([trajectory.routes, more])
+    trajectory.routes[completion.routes_from:completion.routes_from + len(routes)] = routes
 
   def observe(self, tokens) -> None:
     """Appends the environment's tokens, as many as the budget holds."""
@@ -116,11 +136,16 @@ class Episode:
     self.trajectory.log_probs += [0.0] * len(tokens)
 
 
-def collate(trajectories: list[Trajectory], budget: int, pad_id: int) -> tuple[Rollout, Scores, dict]:
+def collate(trajectories: list[Trajectory], budget: int, pad_id: int, prompt_lengths: list[int] | None = None,
+            prompt_width: int = 0) -> tuple[Rollout, Scores, dict]:
   """A step's P * G trajectories (row p * G + g: episode g of problem p) -> the Rollout the update
   trains on ([P*G, N], N = budget: tokens right-padded with `pad_id`, mask = the loss mask,
   context = every token of the episode, lengths = the policy's tokens, stopped = not truncated),
-  the Scores (the episodes' rewards) and the facts {name: [P*G]} (FACTS), all NumPy."""
+  the Scores (the episodes' rewards) and the facts {name: [P*G]} (FACTS), all NumPy.
+
+  Trajectories with routes (routing replay) give the Rollout's routes [P*G, Tp + N, Ls, k]: each
+  row's prompt's (prompt_lengths[row] tokens) at the end of the Tp = prompt_width columns, as the
+  prompts are left-padded, then its trajectory's; `unrecorded` elsewhere."""
   rows = len(trajectories)
   tokens = np.full((rows, budget), pad_id, np.int32)
   log_probs = np.zeros((rows, budget), np.float32)
@@ -137,7 +162,26 @@ def collate(trajectories: list[Trajectory], budget: int, pad_id: int) -> tuple[R
     context[row, :count] = True
   rollout = Rollout(tokens=tokens, log_probs=np.where(mask, log_probs, 0.0).astype(np.float32), mask=mask,
                     lengths=mask.sum(axis=1).astype(np.int32),
-                    stopped=np.asarray([not t.truncated for t in trajectories]), context=context)
+                    stopped=np.asarray([not t.truncated for t in trajectories]), context=context,
+                    routes=_collated_routes(trajectories, budget, prompt_lengths, prompt_width))
   scores = Scores(rewards=np.asarray([t.reward for t in trajectories], np.float32), failures=np.int32(0))
   facts = {name: np.asarray([float(getattr(t, name)) for t in trajectories], np.float32) for name in FACTS}
   return rollout, scores, facts
+
+
+def _collated_routes(trajectories: list[Trajectory], budget: int, prompt_lengths, prompt_width: int):
+  """collate's routes [P*G, Tp + N, Ls, k], or None when no trajectory has any."""
+  recorded = [t.routes for t in trajectories if t.routes is not None]
+  if not recorded:
+    return None
+  if prompt_lengths is None:
+    raise ValueError('collate: trajectories with routes need their prompt lengths')
+  dtype, shape = recorded[0].dtype, recorded[0].shape[1:]
+  routes = np.full((len(trajectories), prompt_width + budget) + shape, unrecorded_id(dtype), dtype)
+  for row, (trajectory, prompt) in enumerate(zip(trajectories, prompt_lengths)):
+    if trajectory.routes is None:
+      continue
+    count = min(len(trajectory.routes), prompt + len(trajectory.tokens))
+    start = prompt_width - prompt  # the prompt's first column (left padding)
+    routes[row, start:start + count] = trajectory.routes[:count]
+  return routes
