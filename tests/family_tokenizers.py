@@ -90,11 +90,12 @@ def _ids(names, vocab):
   return [vocab[name] for name in names] if isinstance(names, list) else vocab[names]
 
 
-def write_family(directory: str, name: str) -> Family:
-  """The tokenizer files of family `name` in `directory` (created), and the eos ids of its
-  config.json (added to one already there: a checkpoint's) and generation_config.json."""
+def write_family(directory: str, name: 'str | Family') -> Family:
+  """The tokenizer files of family `name` (or a Family given whole) in `directory` (created), and
+  the eos ids of its config.json (added to one already there: a checkpoint's) and
+  generation_config.json."""
   from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-  family = FAMILIES[name]
+  family = name if isinstance(name, Family) else FAMILIES[name]
   os.makedirs(directory, exist_ok=True)
   vocab = vocabulary(family)
   tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))

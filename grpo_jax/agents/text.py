@@ -91,20 +91,20 @@ def message_format(tokenizer, use_chat_template: bool, tools=None, role: str = '
   template lists; `stops`: the texts of the task's stop tokens (the tokenizer's eos is one too)."""
   if not use_chat_template:
     return MessageFormat('\n<output>\n', '\n</output>\n') if role == 'tool' else MessageFormat('', '')
-  conversation = [{'role': 'user', 'content': 'q'}, {'role': 'assistant', 'content': _SLOT}]
+  conversation = [{'role': 'user', 'content': 'q'}, {'role': 'assistant', 'content': _SLOT}, {'role': role, 'content': _SLOT}]
   options = {'tools': tools} if tools else {}
   try:
-    turn = tokenizer.apply_chat_template(conversation, tokenize=False, **options)
-    answered = tokenizer.apply_chat_template(conversation + [{'role': role, 'content': _SLOT}], tokenize=False,
-                                             add_generation_prompt=True, **options)
+    answered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **options)
   except Exception as error:  # noqa: BLE001 (jinja's errors have no common base)
     raise UserError(f'the tokenizer\'s chat template cannot render a {role} message ({type(error).__name__}: '
                     f'{error}); set task.chat_template: false to send it as written') from None
-  if not answered.startswith(turn) or answered.count(_SLOT) != 2:
+  if answered.count(_SLOT) != 2:
     raise UserError(f'the tokenizer\'s chat template does not render a {role} message after the assistant\'s turn; '
                     'set task.chat_template: false to send it as written')
-  end_of_turn = turn.split(_SLOT)[1]
-  before, after = (end_of_turn + answered[len(turn):]).split(_SLOT)
+  # Only what follows the assistant's content is read: how the template renders the turns before
+  # (Qwen3's drops the <think> part of an assistant turn before the last user message) never
+  # changes the tokens the policy already sampled (token in, token out).
+  _, before, after = answered.split(_SLOT)
   eos = getattr(tokenizer, 'eos_token', None)
   written = [stop for stop in (*stops, *([eos] if eos else [])) if stop and before.startswith(stop)]
   return MessageFormat(before, after, max(written, key=len, default=''))
