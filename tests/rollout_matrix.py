@@ -1,0 +1,184 @@
+"""What works where: every rollout path by every model kind, each cell the tests that show it (on
+one device and on a mesh, against the path's one-device or non-composed reference), the test of
+the one-line refusal that stops it at start, or what is still open.
+
+The README's table ("Rollout paths by model kind") is `markdown()` of this table, and
+tests/test_rollout_matrix.py checks both ways: every test named here is collected by pytest under
+that id, every refusal's test is named, and the README holds exactly this table. Run
+`python tests/rollout_matrix.py` to print it.
+"""
+
+import dataclasses
+
+PATHS = {
+    'group': 'group sampler',
+    'partial': 'partial rollouts (`algo.max_lag`)',
+    'split': 'split devices (`rollout.devices`)',
+    'agents': 'agents (inference server)',
+    'generate': '`generate`',
+    'serve': '`serve`',
+}
+KINDS = {
+    'dense': 'dense',
+    'moe': 'MoE, routing replay',
+    'vl': 'VL',
+    'lora': 'LoRA',
+    'lora-moe': 'LoRA on MoE',
+    'lora-vl': 'LoRA on VL',
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  """one_device / mesh: pytest ids (file::test[param]) of the tests that compare the path on one
+  device / on a mesh with its reference; refused: the test id of the refusal at start, with the
+  config field it names; note: what the tests show, or what is still open."""
+
+  one_device: tuple[str, ...] = ()
+  mesh: tuple[str, ...] = ()
+  refused: tuple[str, str] | None = None
+  note: str = ''
+
+  @property
+  def status(self) -> str:
+    if self.refused:
+      return 'refused'
+    if self.one_device and self.mesh:
+      return 'tested'
+    if self.one_device or self.mesh:
+      return 'partly tested'
+    return 'open'
+
+
+_REFUSE_LAG = 'tests/test_partial.py::test_lag_with_dynamic_sampling_or_agents_is_refused[agent]'
+_REFUSE_SPLIT = 'tests/test_bad_inputs.py::test_split_devices_an_agent_task_cannot_take'
+
+CELLS = {
+    ('group', 'dense'): Cell(
+        ('tests/test_rollout.py::test_greedy_matches_transformers_generate[scan-qwen2]',),
+        ('tests/test_rollout_layout.py::test_rollout_in_the_sampler_layout_equals_one_device[2x2x2-t4-t1-slots0]',
+         'tests/test_mesh_equivalence.py::test_jittable_task_on_a_mesh_equals_one_device[2x2x2]'),
+        note='transformers\' greedy generate; RL steps on a mesh equal one device'),
+    ('group', 'moe'): Cell(
+        ('tests/test_moe.py::test_replay_routes_to_the_recorded_experts_with_live_gates',),
+        ('tests/test_moe_mesh.py::test_moe_rl_steps_on_an_expert_mesh_equal_one_device[fsdp-x-tensor-x-expert]',),
+        note='recorded routes equal the full forward\'s; RL steps on fsdp x tensor x expert equal one device'),
+    ('group', 'vl'): Cell(
+        ('tests/test_vision_rl.py::test_image_prompts_through_the_slots_equal_generate_and_the_updates_log_probs',),
+        ('tests/test_vision_rl.py::test_vision_rl_steps_on_a_mesh_equal_one_device',),
+        note='transformers\' generate on the same pixels; RL steps on (2, 2, 2) equal one device'),
+    ('group', 'lora'): Cell(
+        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[group-dense]',),
+        ('tests/test_lora.py::test_rollout_layout_carries_the_adapters',),
+        note='the adapters equal their merged weights; the sampler\'s layout on fsdp 8 equals one device'),
+    ('group', 'lora-moe'): Cell(
+        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[group-moe]',),
+        note='attention adapters (expert adapters are refused at build: model.lora.targets); no mesh test yet'),
+    ('group', 'lora-vl'): Cell(
+        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[group-vl]',),
+        note='no mesh test yet'),
+    ('partial', 'dense'): Cell(
+        ('tests/test_partial.py::test_carried_groups_equal_one_call[lag1]',),
+        ('tests/test_partial.py::test_carried_groups_equal_one_call[lag1-mesh]',),
+        note='carried groups equal one call of the group sampler'),
+    ('partial', 'moe'): Cell(
+        mesh=('tests/test_moe_mesh.py::test_moe_partial_rollouts_resume_on_another_expert_size_equal_uninterrupted',),
+        note='resumed on another expert size equals the uninterrupted run; no one-device comparison with one call yet'),
+    ('partial', 'vl'): Cell(
+        ('tests/test_vision_rl.py::test_partial_rollouts_carry_image_prompts_as_one_call_samples_them',),
+        note='carried groups equal one call; no mesh test yet'),
+    ('partial', 'lora'): Cell(
+        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[partial-dense]',),
+        note='no mesh test yet'),
+    ('partial', 'lora-moe'): Cell(
+        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[partial-moe]',),
+        note='attention adapters; no mesh test yet'),
+    ('partial', 'lora-vl'): Cell(),
+    ('split', 'dense'): Cell(
+        mesh=('tests/test_split.py::test_every_token_is_its_versions_sample',),
+        note='4 trainer + 4 sampler devices: each token is its version\'s teacher-forced sample (one device cannot split)'),
+    ('split', 'moe'): Cell(),
+    ('split', 'vl'): Cell(
+        mesh=('tests/test_vision_math.py::test_split_devices_sample_image_prompts_as_their_versions',),
+        note='4 + 4 devices, teacher-forced per version through the vision tower'),
+    ('split', 'lora'): Cell(),
+    ('split', 'lora-moe'): Cell(),
+    ('split', 'lora-vl'): Cell(),
+    ('agents', 'dense'): Cell(
+        ('tests/test_agents.py::test_server_tokens_equal_the_group_sampler',),
+        ('tests/test_agents.py::test_agent_steps_on_a_mesh_equal_one_device',),
+        note='the server\'s tokens equal the group sampler\'s; RL steps on (1, 8, 1) and (2, 2, 2) equal one device'),
+    ('agents', 'moe'): Cell(
+        ('tests/test_agents.py::test_agent_turns_on_a_mixture_record_the_routes_the_update_replays',
+         'tests/test_agents.py::test_the_agent_task_trains_a_mixture_replaying_the_servers_routes'),
+        note='recorded routes equal the full forward\'s, replayed by the update; no mesh test yet'),
+    ('agents', 'vl'): Cell(note='open: environments cannot show images yet'),
+    ('agents', 'lora'): Cell(
+        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[agents-dense]',),
+        note='no mesh test yet'),
+    ('agents', 'lora-moe'): Cell(
+        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[agents-moe]',),
+        note='attention adapters; no mesh test yet'),
+    ('agents', 'lora-vl'): Cell(note='open: environments cannot show images yet'),
+    ('generate', 'dense'): Cell(
+        mesh=('tests/test_generate_cli.py::test_greedy_json_matches_transformers',),
+        note='transformers\' greedy generate, on a data 4 x tensor 2 serving mesh'),
+    ('generate', 'moe'): Cell(note='open: laid out as a dense model (no expert axis)'),
+    ('generate', 'vl'): Cell(
+        mesh=('tests/test_vision_rl.py::test_generate_takes_images_as_transformers_does',),
+        note='transformers\' generate on the same pixels'),
+    ('generate', 'lora'): Cell(note='open: merge first (conversion.orbax_to_hf --merge-lora)'),
+    ('generate', 'lora-moe'): Cell(),
+    ('generate', 'lora-vl'): Cell(),
+    ('serve', 'dense'): Cell(
+        ('tests/test_engine.py::test_greedy_matches_transformers_and_log_probs_match_full_forward[qwen2]',),
+        ('tests/test_serve.py::test_hostile_clients_never_change_another_clients_answer',),
+        note='transformers\' greedy generate and the full forward\'s log-probs'),
+    ('serve', 'moe'): Cell(note='open: laid out as a dense model (no expert axis)'),
+    ('serve', 'vl'): Cell(
+        mesh=('tests/test_serve.py::test_image_requests_equal_transformers_and_bad_images_are_refused_alone',),
+        note='transformers\' generate'),
+    ('serve', 'lora'): Cell(
+        mesh=('tests/test_lora_train.py::test_lora_exports_as_peft_and_merged',),
+        note='a LoRA run\'s workdir served: the engine\'s logits equal the restored policy\'s; no decoding test yet'),
+    ('serve', 'lora-moe'): Cell(),
+    ('serve', 'lora-vl'): Cell(),
+}
+# Refusals at start that no cell above needs, since the path cannot take any model kind: each one
+# a combination of paths.
+COMBINATIONS = {
+    'agents with partial rollouts': (_REFUSE_LAG, 'algo.max_lag'),
+    'agents on split devices': (_REFUSE_SPLIT, 'rollout.devices'),
+}
+
+
+def named_tests() -> set[str]:
+  """Every pytest id the table names."""
+  ids = {test for cell in CELLS.values() for test in (*cell.one_device, *cell.mesh)}
+  ids |= {cell.refused[0] for cell in CELLS.values() if cell.refused}
+  return ids | {test for test, _ in COMBINATIONS.values()}
+
+
+def _short(test: str) -> str:
+  return f'`{test.split("::", 1)[1]}`'
+
+
+def markdown() -> str:
+  """The README's table: a row per path, a column per kind, each cell its status; then the tests."""
+  lines = ['| path | ' + ' | '.join(KINDS.values()) + ' |', '|---' * (len(KINDS) + 1) + '|']
+  for path, path_name in PATHS.items():
+    lines.append(f'| {path_name} | ' + ' | '.join(CELLS[path, kind].status for kind in KINDS) + ' |')
+  lines.append('')
+  for (path, kind), cell in CELLS.items():
+    tests = [f'one device: {", ".join(map(_short, cell.one_device))}'] if cell.one_device else []
+    tests += [f'mesh: {", ".join(map(_short, cell.mesh))}'] if cell.mesh else []
+    tests += [f'refused ({cell.refused[1]}): {_short(cell.refused[0])}'] if cell.refused else []
+    detail = '; '.join(tests + ([cell.note] if cell.note else []))
+    lines.append(f'- {PATHS[path]} x {KINDS[kind]}: **{cell.status}**' + (f'. {detail}' if detail else ''))
+  for name, (test, field) in COMBINATIONS.items():
+    lines.append(f'- {name}: **refused** ({field}): {_short(test)}')
+  return '\n'.join(lines) + '\n'
+
+
+if __name__ == '__main__':
+  print(markdown(), end='')

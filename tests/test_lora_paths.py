@@ -1,0 +1,120 @@
+"""LoRA on every rollout path, against the non-composed reference: the same model with each adapted
+weight merged (W + s A B, model/lora.merged) and no adapters. With adapters drawn nonzero, the
+group sampler (continuous batching), the pool of partial rollouts and the agents' inference server
+must sample what they sample from the merged model: the same tokens, log-probs to 1e-5
+(tests/rollout_matrix.py's LoRA cells)."""
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from grpo_jax.model import lora
+from grpo_jax.model.lora import LoraConfig
+from grpo_jax.sampler import DecodeSettings, SamplingConfig
+from grpo_jax.sampler.decode import request_keys
+from grpo_jax.sampler.rollout import GroupSampler
+from grpo_jax.testing import left_padded, random_prompts
+from test_lora import _adapted
+
+# The kinds: their checkpoint's fields and the adapters (a mixture's on its attention: expert
+# adapters are refused at build).
+KINDS = {
+    'dense': (dict(), ('q', 'k', 'v', 'o', 'gate', 'up', 'down')),
+    'moe': ('top2-norm-tied', ('q', 'k', 'v', 'o')),
+    'vl': (dict(model_type='qwen2_5_vl'), ('q', 'v', 'gate')),
+}
+CASES = [('group', 'dense'), ('group', 'moe'), ('group', 'vl'), ('partial', 'dense'), ('partial', 'moe'), ('agents', 'dense'),
+         ('agents', 'moe')]
+FAST = {('group', 'dense'), ('agents', 'dense')}
+T1 = SamplingConfig(temperature=1.0)
+
+
+def _models(seed, make_hf_checkpoint, kind):
+  """(the adapted model, its merged twin) in fp32."""
+  fields, targets = KINDS[kind]
+  if isinstance(fields, str):
+    from test_moe import CASES as MOE
+    fields = MOE[fields]
+  directory, _ = make_hf_checkpoint(seed, **fields)
+  settings = LoraConfig(rank=4, targets=targets)
+  adapted = _adapted(directory, settings, seed)
+  state = nnx.state(adapted)
+  base = lora.merged(state, settings)
+  twin = _adapted(directory, LoraConfig(rank=4, targets=targets), seed, randomise=False)
+  graphdef = nnx.graphdef(twin)
+  # The merged weights into the same graph with every adapter off (B = 0: x A 0 adds exact zeros).
+  trainable, frozen = lora.split_trainable(nnx.state(twin))
+  merged = nnx.merge(graphdef, lora.join(lora.adapters_off(trainable), base))
+  assert not np.array_equal(np.asarray(nnx.state(merged)['layers']['q_weight'][...]),
+                            np.asarray(state['layers']['q_weight'][...]))  # the adapters do change W
+  return adapted, merged
+
+
+def _group(model, seed):
+  tokens, mask = left_padded(random_prompts(seed, [5, 13, 2, 9]))
+  settings = DecodeSettings(max_new_tokens=8, sampling=T1)
+  return jax.device_get(GroupSampler(model, group_size=2, settings=settings, slots=3)(
+      nnx.state(model), tokens, mask, jax.random.key(seed % 1000)))
+
+
+def _group_vl(model, seed):
+  from grpo_jax.model import vision
+  from test_vision_model import image_batch
+  tokens, mask, images = image_batch(np.random.default_rng(seed), model.config, [[(1, 4, 8)], [], [(1, 4, 4)]],
+                                     [2, 7, 1])
+  prompts = vision.vision_of(images, tokens, mask, model.config)
+  settings = DecodeSettings(max_new_tokens=6, sampling=T1)
+  return jax.device_get(GroupSampler(model, group_size=2, settings=settings, slots=3)(
+      nnx.state(model), jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, jnp.int32), jax.random.key(seed % 1000),
+      prompts))
+
+
+def _partial(model, seed):
+  from test_partial import Driver, decode_settings
+  graphdef, params = nnx.split(model)
+  driver = Driver(graphdef, prompts_per_step=3, group_size=2, max_lag=1, slots=4, settings=decode_settings(seed))
+  driver.join(seed, 0)
+  taken = []
+  for step in range(3):
+    driver.join(seed + 1 + step, step)
+    taken.append(jax.device_get(driver.step(params, step).rollout))
+  return taken
+
+
+def _agents(model, seed):
+  from test_agents import serve
+  from grpo_jax.agents.inference import Request
+  prompts = random_prompts(seed, [5, 13, 2, 9, 4])
+  keys = request_keys(jax.random.key(seed % 1000), len(prompts))
+  results, _ = serve(model, [Request(tokens=tuple(p), max_new_tokens=8, key=keys[i]) for i, p in enumerate(prompts)],
+                     slots=2)
+  return results
+
+
+def _same(got, want):
+  for name in ('tokens', 'lengths'):
+    if hasattr(want, name):
+      np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
+  np.testing.assert_allclose(np.asarray(got.log_probs), np.asarray(want.log_probs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('path, kind', [pytest.param(*case, id='-'.join(case),
+                                                     marks=() if case in FAST else pytest.mark.exhaustive)
+                                        for case in CASES])
+def test_lora_sampling_equals_the_merged_model(seed, make_hf_checkpoint, path, kind):
+  adapted, merged = _models(seed, make_hf_checkpoint, kind)
+  run = {'group': _group_vl if kind == 'vl' else _group, 'partial': _partial, 'agents': _agents}[path]
+  got, want = run(adapted, seed), run(merged, seed)
+  if path == 'agents':
+    for one, other in zip(got, want):
+      assert one.tokens == other.tokens
+      np.testing.assert_allclose(one.log_probs, other.log_probs, rtol=1e-5, atol=1e-5)
+  elif path == 'partial':
+    for one, other in zip(got, want):
+      _same(one, other)
+  else:
+    _same(got, want)
