@@ -24,7 +24,8 @@ from grpo_jax.model.hf_config import load_hf_config
 from grpo_jax.model.loading import from_pretrained, load_tokenizer
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sampler.decode import DecodeSettings
-from grpo_jax.sampler.layout import serving_mesh
+from grpo_jax.sampler.layout import rollout_layout, serving_mesh
+from grpo_jax.sharding import MeshConfig, make_mesh
 from grpo_jax.sampler.rollout import GroupSampler
 from grpo_jax.sampler.sampling import add_sampling_flags, sampling_from_flags
 from grpo_jax.sampler.special_tokens import checkpoint_eos_ids, special_tokens
@@ -98,9 +99,19 @@ def main(argv=None):
     raise UserError(f'--tensor must be >= 0 (0: chosen for the model), got {args.tensor}')
   if not os.path.isdir(args.ckpt):
     raise UserError(f'model path {args.ckpt} is not a directory')
-  # Resident weights in the sampler's layout over this host's devices (sampler/layout.py).
-  mesh = serving_mesh(args.tensor, load_hf_config(args.ckpt).num_key_value_heads)
-  model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
+  # Resident weights in the sampler's layout over this host's devices (sampler/layout.py). A mixture
+  # of experts is read FSDP over them and laid out as the trainer's sampler lays it out: tensor
+  # groups of t, its experts split over the groups (the expert axis), every other weight whole in
+  # each group.
+  architecture = load_hf_config(args.ckpt)
+  layout = None
+  if architecture.num_sparse_layers:
+    mesh = make_mesh(MeshConfig(fsdp=len(jax.local_devices())), devices=jax.local_devices())
+    model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
+    layout = rollout_layout(model, mesh, args.tensor)
+  else:
+    mesh = serving_mesh(args.tensor, architecture.num_key_value_heads)
+    model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
   tokenizer = load_tokenizer(args.ckpt)
   vision = None
   if args.image:
@@ -110,7 +121,7 @@ def main(argv=None):
   special = special_tokens(tokenizer, (*model.config.eos_token_ids, *checkpoint_eos_ids(args.ckpt)))
   settings = DecodeSettings(sampling=sampling, max_new_tokens=args.max_new_tokens, stop_token_ids=special.stop_ids,
                             pad_id=special.pad_id)
-  sampler = GroupSampler(model, group_size=args.num_samples, settings=settings)
+  sampler = GroupSampler(model, group_size=args.num_samples, settings=settings, layout=layout)
   prompt = np.array([ids], np.int32)
   with jax.set_mesh(mesh):
     rollout = jax.device_get(sampler(nnx.state(model), prompt, np.ones_like(prompt), jax.random.key(args.seed),

@@ -123,7 +123,9 @@ CELLS = {
     ('generate', 'dense'): Cell(
         mesh=('tests/test_generate_cli.py::test_greedy_json_matches_transformers',),
         note='transformers\' greedy generate, on a data 4 x tensor 2 serving mesh'),
-    ('generate', 'moe'): Cell(note='open: laid out as a dense model (no expert axis)'),
+    ('generate', 'moe'): Cell(
+        mesh=('tests/test_generate_cli.py::test_a_mixture_generates_over_the_expert_axis_as_transformers_does',),
+        note='transformers\' greedy generate, tensor pairs with the experts over the expert axis'),
     ('generate', 'vl'): Cell(
         mesh=('tests/test_vision_rl.py::test_generate_takes_images_as_transformers_does',),
         note='transformers\' generate on the same pixels'),
@@ -134,7 +136,9 @@ CELLS = {
         ('tests/test_engine.py::test_greedy_matches_transformers_and_log_probs_match_full_forward[qwen2]',),
         ('tests/test_serve.py::test_hostile_clients_never_change_another_clients_answer',),
         note='transformers\' greedy generate and the full forward\'s log-probs'),
-    ('serve', 'moe'): Cell(note='open: laid out as a dense model (no expert axis)'),
+    ('serve', 'moe'): Cell(
+        mesh=('tests/test_engine.py::test_serve_lays_a_mixture_over_the_expert_axis_and_matches_transformers',),
+        note='serve\'s engine: transformers\' greedy generate, tensor pairs with the experts and slots over the expert axis'),
     ('serve', 'vl'): Cell(
         mesh=('tests/test_serve.py::test_image_requests_equal_transformers_and_bad_images_are_refused_alone',),
         note='transformers\' generate'),

@@ -208,6 +208,26 @@ def test_engine_in_the_sampler_layout_matches_transformers(seed, make_hf_checkpo
     np.testing.assert_array_equal(completions.tokens[row], transformers_greedy(reference, prompt, 6))
 
 
+def test_serve_lays_a_mixture_over_the_expert_axis_and_matches_transformers(seed, make_hf_checkpoint):
+  """serve's engine for a Qwen3-MoE checkpoint on the 8 test devices (`--tensor 2`): the trainer's
+  sampler layout, tensor pairs with the 8 experts split over the 4 pairs (the expert axis), which
+  also split the slots; greedy answers equal transformers'."""
+  from grpo_jax.serve.__main__ import build_engine, parse_args
+  from test_moe import CASES
+  directory, reference = make_hf_checkpoint(seed, **CASES['top2-norm-tied'])
+  engine, _ = build_engine(parse_args(['--ckpt', directory, '--port', '0', '--slots', '4', '--tensor', '2',
+                                       '--greedy', '--max-new-tokens', '6', '--token-ids-only']))
+  params = engine.load_params()
+  layers = params['layers']
+  assert dict(layers['expert_up_weight'][...].sharding.mesh.shape) == dict(data=1, fsdp=1, expert=4, tensor=2)
+  assert layers['expert_up_weight'][...].sharding.spec[1] == 'expert'  # [Ls, E, D, M]: the experts split
+  assert engine.init_decode_state().cache.k.sharding.spec[1] == 'expert'  # the slots split over the groups
+  prompts = random_prompts(seed, [3, 10, 8, 5, 7])
+  completions = generate_groups(engine, params, prompts)
+  for row, prompt in enumerate(prompts):
+    np.testing.assert_array_equal(completions.tokens[row], transformers_greedy(reference, prompt, 6))
+
+
 @pytest.mark.exhaustive
 def test_prefill_skips_the_bos_placeholder_and_continues_an_existing_prefix(seed, make_hf_checkpoint):
   """JetStream prepends bos_id (-1 for Qwen) to token requests; a prefix can be extended by a

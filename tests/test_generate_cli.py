@@ -37,6 +37,25 @@ def test_greedy_json_matches_transformers(seed, make_hf_checkpoint):
   assert 'text' not in output
 
 
+def test_a_mixture_generates_over_the_expert_axis_as_transformers_does(seed, make_hf_checkpoint, capsys, monkeypatch):
+  """A Qwen3-MoE checkpoint on the 8 test devices: tensor pairs, its 8 experts split over the 4
+  pairs (the trainer's sampler layout: the expert axis), greedy as transformers' generate."""
+  from grpo_jax import generate as generate_module
+  from test_moe import CASES
+  layouts = []
+  original = generate_module.rollout_layout
+  monkeypatch.setattr(generate_module, 'rollout_layout', lambda *a, **k: layouts.append(original(*a, **k)) or layouts[-1])
+  directory, reference = make_hf_checkpoint(seed, **CASES['top2-norm-tied'])
+  prompt = np.random.default_rng(seed).integers(3, 1000, 6)
+  assert generate_module.main(['--ckpt', directory, '--prompt-ids', ' '.join(map(str, prompt)), '--tensor', '2',
+                               '--greedy', '--max-new-tokens', '8', '--json']) is None
+  with torch.no_grad():
+    expected = reference.generate(torch.tensor(prompt[None]), do_sample=False, max_new_tokens=8,
+                                  eos_token_id=None, pad_token_id=0)[0, 6:].tolist()
+  assert json.loads(capsys.readouterr().out)['token_ids'] == [expected]
+  assert [dict(layout.mesh.shape) for layout in layouts] == [{'data': 1, 'fsdp': 1, 'expert': 4, 'tensor': 2}]
+
+
 @pytest.mark.exhaustive
 def test_text_prompt_with_tokenizer_and_errors(seed, make_hf_checkpoint):
   directory, _ = make_hf_checkpoint(seed)
