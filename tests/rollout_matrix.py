@@ -111,7 +111,9 @@ CELLS = {
     ('agents', 'moe'): Cell(
         ('tests/test_agents.py::test_agent_turns_on_a_mixture_record_the_routes_the_update_replays',
          'tests/test_agents.py::test_the_agent_task_trains_a_mixture_replaying_the_servers_routes'),
-        note='recorded routes equal the full forward\'s, replayed by the update; no mesh test yet'),
+        ('tests/test_agents.py::test_agent_steps_on_a_mixture_over_the_expert_axis_equal_one_device',),
+        note='recorded routes equal the full forward\'s, replayed by the update; RL steps on fsdp x tensor x expert '
+             'equal one device'),
     ('agents', 'vl'): Cell(note='open: environments cannot show images yet'),
     ('agents', 'lora'): Cell(
         ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[agents-dense]',),

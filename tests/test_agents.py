@@ -553,3 +553,18 @@ def test_the_agent_task_trains_a_mixture_replaying_the_servers_routes(tmp_path):
   assert len(rows) == 2 and rows[0]['episode/turns'] > 1
   assert 0.0 <= rows[0]['routing_replay_rerouted_frac'] < 0.02, rows[0]['routing_replay_rerouted_frac']
   assert rows[0]['router_aux_loss'] >= 1.0
+
+
+@pytest.mark.exhaustive
+def test_agent_steps_on_a_mixture_over_the_expert_axis_equal_one_device(tmp_path):
+  """Two RL steps of the guess-number task on a mixture of experts with routing replay, on an
+  fsdp 2 x tensor 2 x expert 2 mesh (the server's experts over the expert axis), equal one device's:
+  the episodes, rewards, losses, rerouted fractions and parameters."""
+  from test_mesh_equivalence import assert_equal_runs, two_steps
+  overrides = [*MOE_GUESS, 'rollout.prompts_per_step=8', 'algo.group_size=4', 'optim.learning_rate=1e-4']
+  reference = two_steps(tmp_path, GUESS, overrides, (1, 1, 1))
+  other = two_steps(tmp_path, GUESS, overrides, (1, 2, 2, 2))
+  assert_equal_runs(reference, other)
+  for row, other_row in zip(reference[0], other[0]):
+    for name in ('episode/turns', 'routing_replay_rerouted_frac', 'router_aux_loss'):
+      np.testing.assert_allclose(other_row[name], row[name], rtol=1e-5, atol=1e-6, err_msg=name)
