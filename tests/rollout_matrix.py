@@ -82,8 +82,10 @@ CELLS = {
         ('tests/test_partial.py::test_carried_groups_equal_one_call[lag1-mesh]',),
         note='carried groups equal one call of the group sampler'),
     ('partial', 'moe'): Cell(
-        mesh=('tests/test_moe_mesh.py::test_moe_partial_rollouts_resume_on_another_expert_size_equal_uninterrupted',),
-        note='resumed on another expert size equals the uninterrupted run; no one-device comparison with one call yet'),
+        ('tests/test_partial.py::test_carried_groups_equal_one_call[lag1-moe-routes]',),
+        ('tests/test_moe_mesh.py::test_moe_partial_rollouts_resume_on_another_expert_size_equal_uninterrupted',),
+        note='carried groups and their routes equal one call\'s; resumed on another expert size equals the '
+             'uninterrupted run'),
     ('partial', 'vl'): Cell(
         ('tests/test_vision_rl.py::test_partial_rollouts_carry_image_prompts_as_one_call_samples_them',),
         note='carried groups equal one call; no mesh test yet'),

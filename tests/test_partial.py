@@ -4,6 +4,7 @@ device and on a mesh; no trained token is older than the bound; a cut-off answer
 new weights as if its tokens had been sampled by them; hostile settings are one-line errors."""
 
 import contextlib
+import dataclasses
 import json
 import functools
 
@@ -34,9 +35,11 @@ class Driver:
   """The pool driven as rl/step.py drives it: L batches primed, then each step fills one batch of P
   and advances at version = step, the parameters given per step."""
 
-  def __init__(self, graphdef, prompts_per_step, group_size, max_lag, slots, settings, regenerate=False):
+  def __init__(self, graphdef, prompts_per_step, group_size, max_lag, slots, settings, regenerate=False,
+               architecture=None):
     self.count, self.group, self.max_lag = prompts_per_step, group_size, max_lag
-    self.pool = sampler_pool.empty_pool((max_lag + 1) * prompts_per_step, group_size, WIDTH, settings)
+    self.pool = sampler_pool.empty_pool((max_lag + 1) * prompts_per_step, group_size, WIDTH, settings,
+                                        architecture=architecture)
     self.fill = jax.jit(functools.partial(sampler_pool.fill, answers=None, group_size=group_size, pad_id=0))
     self.advance = jax.jit(lambda params, pool, version: sampler_pool.advance(
         nnx.merge(graphdef, params), pool, version=version, take=prompts_per_step, group_size=group_size,
@@ -60,13 +63,13 @@ class Driver:
     return taken
 
 
-def groups_of(taken, group_size):
-  """{source: (tokens, log_probs, lengths, versions)} of each group taken."""
+def groups_of(taken, group_size, routes=False):
+  """{source: (tokens, log_probs, lengths, versions[, routes])} of each group taken."""
   out = {}
+  names = ('tokens', 'log_probs', 'lengths', 'versions') + (('routes',) if routes else ())
   for index, source in enumerate(np.asarray(taken.source)):
     rows = slice(index * group_size, (index + 1) * group_size)
-    out[int(source)] = tuple(np.asarray(getattr(taken.rollout, name))[rows]
-                             for name in ('tokens', 'log_probs', 'lengths', 'versions'))
+    out[int(source)] = tuple(np.asarray(getattr(taken.rollout, name))[rows] for name in names)
   return out
 
 
@@ -83,23 +86,31 @@ def reference(params, driver, source):
     pytest.param(1, 8, None, 16, None, id='lag1'),
     pytest.param(2, 5, None, 80, None, id='lag2-odd-slots-chunked', marks=pytest.mark.exhaustive),
     pytest.param(1, 8, (2, 2, 2), 16, None, id='lag1-mesh', marks=pytest.mark.exhaustive),
-    pytest.param(2, 5, None, 80, 'gemma3_text', id='lag2-sliding-window', marks=pytest.mark.exhaustive)])
+    pytest.param(2, 5, None, 80, 'gemma3_text', id='lag2-sliding-window', marks=pytest.mark.exhaustive),
+    pytest.param(1, 8, None, 16, 'moe', id='lag1-moe-routes')])
 def test_carried_groups_equal_one_call(seed, make_hf_checkpoint, max_lag, slots, mesh_shape, steps, family):
   """N = 80: answers carried over are prefilled again in chunks of 40 tokens; a family: its
   checkpoint (tests/test_families.py; Gemma 3's local layers keep a ring of 6 entries, which the
-  chunks of 40 run past)."""
+  chunks of 40 run past); 'moe': a Qwen3-MoE recording its routes (routing replay), the carried
+  groups' routes (prefilled again with the answers) equal one call's on every token fed."""
   if family is None:
     directory, _ = make_hf_checkpoint(seed)
+  elif family == 'moe':
+    from test_moe import CASES
+    directory, _ = make_hf_checkpoint(seed, **CASES['top2-norm-tied'])
   else:
     from test_families import FAMILIES
     directory, _ = make_hf_checkpoint(seed, **FAMILIES[family][0])
   settings = decode_settings(seed, steps, stops=60 if steps <= 16 else 12)
+  routes = family == 'moe'
+  if routes:
+    settings = dataclasses.replace(settings, record_routes=True)
   count, group = 4, 4
   mesh = make_mesh(MeshConfig(*mesh_shape)) if mesh_shape else None
   with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
     model = from_pretrained(directory, mesh=mesh)
     graphdef, params = nnx.split(model)
-    driver = Driver(graphdef, count, group, max_lag, slots, settings)
+    driver = Driver(graphdef, count, group, max_lag, slots, settings, architecture=model.config)
     for index in range(max_lag):
       driver.join(seed + index, 0)
     taken_groups, carried, lags = {}, 0, []
@@ -109,15 +120,21 @@ def test_carried_groups_equal_one_call(seed, make_hf_checkpoint, max_lag, slots,
       carried += int(taken.metrics['carried_requests'])
       versions, mask = np.asarray(taken.rollout.versions), np.asarray(taken.rollout.mask)
       lags.append(int(np.max(np.where(mask, step - versions, 0))))
-      taken_groups.update(groups_of(taken, group))
+      taken_groups.update(groups_of(taken, group, routes))
     assert carried > 0, 'no answer was ever cut off: the test would not test carrying'
     assert 1 <= max(lags) <= max_lag, lags
-    spanning = [int(row_length) for _, _, lengths, versions in taken_groups.values()
+    spanning = [int(row_length) for _, _, lengths, versions, *_ in taken_groups.values()
                 for row_length, row in zip(lengths, versions) if len(set(row[:row_length].tolist())) > 1]
     if steps > 64:  # some answer was carried over with more than one chunk of tokens
       assert max(spanning) > sampler_pool._chunk(steps), spanning
-    for source, (tokens, log_probs, lengths, versions) in taken_groups.items():
+    for source, (tokens, log_probs, lengths, versions, *recorded) in taken_groups.items():
       want = reference(params, driver, source)
+      if routes:  # every token fed (each answer's last is not) routed as one call routed it
+        want_routes = np.asarray(want.routes)
+        fed = want_routes[..., 0, 0] != 255
+        assert fed.any() and (np.asarray(recorded[0])[..., 0, 0] != 255).tolist() == fed.tolist()
+        np.testing.assert_array_equal(np.sort(recorded[0], -1)[fed], np.sort(want_routes, -1)[fed],
+                                      err_msg=f'group {source}')
       np.testing.assert_array_equal(tokens, np.asarray(want.tokens), err_msg=f'group {source}')
       np.testing.assert_array_equal(lengths, np.asarray(want.lengths), err_msg=f'group {source}')
       np.testing.assert_allclose(log_probs, np.asarray(want.log_probs), rtol=1e-5, atol=1e-5, err_msg=f'group {source}')
