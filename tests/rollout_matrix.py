@@ -99,7 +99,9 @@ CELLS = {
     ('split', 'dense'): Cell(
         mesh=('tests/test_split.py::test_every_token_is_its_versions_sample',),
         note='4 trainer + 4 sampler devices: each token is its version\'s teacher-forced sample (one device cannot split)'),
-    ('split', 'moe'): Cell(),
+    ('split', 'moe'): Cell(
+        mesh=('tests/test_split.py::test_a_mixture_on_split_devices_samples_each_version_and_records_its_routes',),
+        note='4 + 4 devices: each token is its version\'s teacher-forced sample; every fed token\'s routes recorded'),
     ('split', 'vl'): Cell(
         mesh=('tests/test_vision_math.py::test_split_devices_sample_image_prompts_as_their_versions',),
         note='4 + 4 devices, teacher-forced per version through the vision tower'),

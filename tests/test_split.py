@@ -47,7 +47,7 @@ def split_steps(config, steps: int, sampler_devices: int = 4) -> dict:
   rl_step.learn = recording
   with jax.set_mesh(mesh):
     for _ in range(steps):  # the first step primes the pool (its groups sampled under these weights)
-      weights.append(copy(state.params))
+      weights.append(copy(state.policy))  # with LoRA, the adapters joined with the frozen base
       state, row = rl_step(state, None)
       metrics.append(jax.device_get(row))
   return dict(rl_step=rl_step, mesh=mesh, sampler=sampler, state=state, learned=learned, weights=weights,
@@ -87,6 +87,31 @@ def test_split_steps_train_on_groups_sampled_behind(split_run):
 def test_every_token_is_its_versions_sample(split_run):
   """Teacher-forced on one device's forward: each token's recorded log-prob is the log-softmax of
   the logits the weights of its version give after the prompt and the tokens before it."""
+  assert_tokens_are_their_versions_samples(split_run)
+
+
+@pytest.mark.exhaustive
+def test_a_mixture_on_split_devices_samples_each_version_and_records_its_routes(seed):
+  """tiny_arith_moe with routing replay, the sampler on 4 devices of its own (its experts over the
+  expert axis of its groups): every token is its version's sample, teacher-forced, and every fed
+  token's routes are recorded for the update to replay."""
+  config = load_config('configs/tiny_arith_moe.yaml', [
+      'rollout.devices=4', 'algo.max_lag=1', 'algo.tis_cap=2', 'rollout.prompts_per_step=4', 'algo.group_size=4',
+      'rollout.slots=4',
+      'optim.learning_rate=0.05', 'optim.warmup_steps=0', 'algo.entropy_coef=0.5', f'run.seed={seed % 1000}'])
+  run = split_steps(config, 4)
+  assert_tokens_are_their_versions_samples(run)
+  for prompt_tokens, prompt_mask, rollout, _ in run['learned']:
+    routes = rollout.routes  # [B, Tp + N, Ls, k]
+    group = rollout.tokens.shape[0] // prompt_tokens.shape[0]
+    answer = np.arange(rollout.tokens.shape[1])[None] < rollout.lengths[:, None]
+    fed = np.concatenate([np.repeat(prompt_mask, group, axis=0).astype(bool), answer], axis=1)
+    fed[np.arange(len(fed)), prompt_tokens.shape[1] + rollout.lengths - 1] = False  # each answer's last
+    assert (routes[fed] < 8).all() and (routes[~fed] == 255).all()
+  assert all('routing_replay_rerouted_frac' in row for row in run['metrics'])  # the update replayed them
+
+
+def assert_tokens_are_their_versions_samples(split_run):
   graphdef, mesh = split_run['graphdef'], split_run['mesh']
   forward = jax.jit(lambda params, tokens: jax.nn.log_softmax(nnx.merge(graphdef, params)(tokens).astype(jnp.float32)))
   weights = [jax.device_get(params) for params in split_run['weights']]
