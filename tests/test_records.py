@@ -47,7 +47,8 @@ def tagging(monkeypatch):
   made = Rollout.of
   monkeypatch.setattr(Rollout, 'of', classmethod(lambda cls, *args, **kwargs: tagged(made(*args, **kwargs))))
   collate = agent_stage.collate
-  monkeypatch.setattr(agent_stage, 'collate', lambda *args: (lambda r, *rest: (tagged(r), *rest))(*collate(*args)))
+  monkeypatch.setattr(agent_stage, 'collate',
+                      lambda *args, **kwargs: (lambda r, *rest: (tagged(r), *rest))(*collate(*args, **kwargs)))
   loss = update_lib.policy_loss
 
   def checked(params, graphdef, micro, *args):
