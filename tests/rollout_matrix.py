@@ -113,9 +113,9 @@ CELLS = {
         ('tests/test_agents.py::test_agent_steps_on_a_mesh_equal_one_device',),
         note='the server\'s tokens equal the group sampler\'s; RL steps on (1, 8, 1) and (2, 2, 2) equal one device'),
     ('agents', 'moe'): Cell(
-        ('tests/test_agents.py::test_agent_turns_on_a_mixture_record_the_routes_the_update_replays',
-         'tests/test_agents.py::test_the_agent_task_trains_a_mixture_replaying_the_servers_routes'),
-        ('tests/test_agents.py::test_agent_steps_on_a_mixture_over_the_expert_axis_equal_one_device',),
+        ('tests/test_agents_moe.py::test_agent_turns_on_a_mixture_record_the_routes_the_update_replays',
+         'tests/test_agents_moe.py::test_the_agent_task_trains_a_mixture_replaying_the_servers_routes'),
+        ('tests/test_agents_moe.py::test_agent_steps_on_a_mixture_over_the_expert_axis_equal_one_device',),
         note='recorded routes equal the full forward\'s, replayed by the update; RL steps on fsdp x tensor x expert '
              'equal one device'),
     ('agents', 'vl'): Cell(note='open: environments cannot show images yet'),

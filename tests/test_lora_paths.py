@@ -4,8 +4,6 @@ group sampler (continuous batching), the pool of partial rollouts and the agents
 must sample what they sample from the merged model: the same tokens, log-probs to 1e-5
 (tests/rollout_matrix.py's LoRA cells)."""
 
-import asyncio
-
 import jax
 import jax.numpy as jnp
 import numpy as np
