@@ -216,7 +216,8 @@ def test_serve_lays_a_mixture_over_the_expert_axis_and_matches_transformers(seed
   from test_moe import CASES
   directory, reference = make_hf_checkpoint(seed, **CASES['top2-norm-tied'])
   engine, _ = build_engine(parse_args(['--ckpt', directory, '--port', '0', '--slots', '4', '--tensor', '2',
-                                       '--greedy', '--max-new-tokens', '6', '--token-ids-only']))
+                                       '--dtype', 'float32', '--greedy', '--max-new-tokens', '6',
+                                       '--token-ids-only']))  # serve's default dtype is bfloat16
   params = engine.load_params()
   layers = params['layers']
   assert dict(layers['expert_up_weight'][...].sharding.mesh.shape) == dict(data=1, fsdp=1, expert=4, tensor=2)

@@ -41,6 +41,13 @@ def resolve_attention(implementation: AttentionImplementation, dtype) -> Attenti
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
+def real_segments(tokens: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+  """segment_ids as int32 [B, T]; when None, every token is real and each row one sequence."""
+  if segment_ids is None:
+    return jnp.ones(tokens.shape, jnp.int32)
+  return segment_ids.astype(jnp.int32)
+
+
 def attention_mask(query_slots, query_segments, key_slots, key_segments) -> jax.Array:
   """[B, T, S] bool: causal in slot order and restricted to the query's own segment.
 

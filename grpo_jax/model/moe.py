@@ -172,3 +172,12 @@ def sparse_mlp(params: dict, h: jax.Array, real: jax.Array, *, top_k: int, norm_
   routing = Routing(experts=experts.astype(route_dtype(num_experts)), load=load, probability=probability,
                     tokens=jnp.sum(weight), differs=differs & real)
   return out, routing
+
+
+def gathered(stacked: Routing | None) -> Routing | None:
+  """The sparse layers' Routing stacked over Ls -> the model's: experts [B, T, Ls, k], a token re-routed
+  when any layer re-routed it."""
+  if stacked is None:
+    return None
+  return Routing(experts=jnp.moveaxis(stacked.experts, 0, 2), load=stacked.load, probability=stacked.probability,
+                 tokens=stacked.tokens[0], differs=jnp.any(stacked.differs, axis=0))

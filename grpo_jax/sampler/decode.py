@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.model.moe import unrecorded
-from grpo_jax.model.qwen2 import KVCache, Qwen2, SharedPrefix
+from grpo_jax.model.cache import KVCache, SharedPrefix
+from grpo_jax.model.qwen2 import Qwen2
 from grpo_jax.model.vision import Vision, model_inputs
 from grpo_jax.records import along
 from grpo_jax.sampler.sampling import SamplingConfig, select

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.model.moe import unrecorded, unrecorded_id
-from grpo_jax.model.qwen2 import KVCache, Qwen2, SharedPrefix
+from grpo_jax.model.cache import KVCache, SharedPrefix
+from grpo_jax.model.qwen2 import Qwen2
 from grpo_jax.model.vision import Vision
 from grpo_jax.records import along, fields_along, map_along
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, decode_step, prefill

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.model.qwen2 import KVCache, Qwen2
+from grpo_jax.model.cache import KVCache
+from grpo_jax.model.qwen2 import Qwen2
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.model.vision import Vision, patch_bucket, vision_of
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Prefix, decode_step, prefill, request_keys, typed_key
