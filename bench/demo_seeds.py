@@ -48,7 +48,8 @@ def main():
   print('| seed | steps | reward, first 10 | reward, last 10 | entropy, last 10 | wall |')
   print('|---|---|---|---|---|---|')
   for r in results:
-    print(f'| {r["seed"]} | {r["steps"]} | {r["first"]:.3f} | {r["last"]:.3f} | {r["entropy"]:.3f} | {r["seconds"]:.0f} s |')
+    print(f'| {r["seed"]} | {r["steps"]} | {r["first"]:.3f} | {r["last"]:.3f} | {r["entropy"]:.3f} '
+          f'| {r["seconds"]:.0f} s |')
 
 
 if __name__ == '__main__':

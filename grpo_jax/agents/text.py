@@ -91,7 +91,8 @@ def message_format(tokenizer, use_chat_template: bool, tools=None, role: str = '
   template lists; `stops`: the texts of the task's stop tokens (the tokenizer's eos is one too)."""
   if not use_chat_template:
     return MessageFormat('\n<output>\n', '\n</output>\n') if role == 'tool' else MessageFormat('', '')
-  conversation = [{'role': 'user', 'content': 'q'}, {'role': 'assistant', 'content': _SLOT}, {'role': role, 'content': _SLOT}]
+  conversation = [{'role': 'user', 'content': 'q'}, {'role': 'assistant', 'content': _SLOT},
+                  {'role': role, 'content': _SLOT}]
   options = {'tools': tools} if tools else {}
   try:
     answered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **options)
