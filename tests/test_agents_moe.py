@@ -109,3 +109,15 @@ def test_agent_steps_on_a_mixture_over_the_expert_axis_equal_one_device(tmp_path
   for row, other_row in zip(reference[0], other[0]):
     for name in ('episode/turns', 'routing_replay_rerouted_frac', 'router_aux_loss'):
       np.testing.assert_allclose(other_row[name], row[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_step_whose_episodes_recorded_no_routes_still_has_them_all_unrecorded():
+  """Every environment failed before the policy's first turn: the update replaying routes gets
+  routes of the step's shape, all `unrecorded` (the trainer routes those tokens itself)."""
+  from grpo_jax.agents.trajectory import Trajectory
+  from grpo_jax.model.moe import unrecorded
+  like = np.asarray(unrecorded((2, 2), 8))
+  failed = [Trajectory(tokens=[5, 6], loss_mask=[0, 0], log_probs=[0.0, 0.0]) for _ in range(3)]
+  rollout, _, _ = collate(failed, 4, 0, [3, 3, 3], prompt_width=5, routes_like=like)
+  assert rollout.routes.shape == (3, 9, 2, 2) and rollout.routes.dtype == np.uint8 and (rollout.routes == 255).all()
+  assert collate(failed, 4, 0, [3, 3, 3], prompt_width=5)[0].routes is None

@@ -177,6 +177,7 @@ class InferenceServer:
     self.stats = ServerStats()
     self._params = None
     self.vocab_size: int | None = None  # valid request ids are [0, vocab_size): the bound model's
+    self.architecture = None  # the bound model's config
     self._state: DecodeState | None = None
     self._waiting: collections.deque[_Pending] = collections.deque()
     self._holding: list[_Pending | None] = [None] * slots
@@ -201,7 +202,8 @@ class InferenceServer:
     into the sampler's own layout when the server has one). Call before each `async with`: leaving
     it frees them, with the slots' cache."""
     if self.vocab_size is None:  # the graph, and so the vocabulary, is the server's for life
-      self.vocab_size = nnx.merge(self.graphdef, params).config.vocab_size
+      self.architecture = nnx.merge(self.graphdef, params).config
+      self.vocab_size = self.architecture.vocab_size
     self._params = self._place(params) if self._place is not None else params
     self._forget()  # kept caches were computed with the old parameters
 

@@ -23,6 +23,7 @@ from grpo_jax.agents.inference import InferenceServer
 from grpo_jax.agents.trajectory import FACTS, collate
 from grpo_jax.data.task import Prompts, Scores
 from grpo_jax.errors import UserError
+from grpo_jax.model.moe import unrecorded
 from grpo_jax.sampler.decode import DecodeSettings
 from grpo_jax.sampler.rollout import Rollout
 
@@ -61,13 +62,20 @@ class AgentStage:
 
     prompt_lengths = np.asarray(prompts.mask).sum(axis=1).repeat(group_size).tolist()
     rollout, scores, facts = collate(asyncio.run(run()), self.budget, self.pad_id, prompt_lengths,
-                                     prompt_width=np.shape(prompts.tokens)[1])
+                                     prompt_width=np.shape(prompts.tokens)[1], routes_like=self._routes_like())
     self._check_failures(facts['failures'])
     self._facts.append(facts)
     place = lambda value: distributed.replicated(value, self.mesh)  # noqa: E731
     rollout = dataclasses.replace(rollout.map_rows(place),
                                   decode_steps=place(np.int32(self.server.stats.decode_steps - before)))
     return rollout, dataclasses.replace(scores.map_rows(place), failures=place(scores.failures))
+
+  def _routes_like(self) -> np.ndarray | None:
+    """One token's routes, unrecorded ([Ls, k] of the routes' dtype), where the update replays them."""
+    c = self.server.architecture
+    if not self.server.settings.record_routes:
+      return None
+    return np.asarray(unrecorded((c.num_sparse_layers, c.num_experts_per_tok), c.num_experts))
 
   def _check_failures(self, failures: np.ndarray) -> None:
     """failures [P*G]: 1 where the episode's environment failed."""

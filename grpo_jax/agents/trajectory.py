@@ -137,7 +137,7 @@ class Episode:
 
 
 def collate(trajectories: list[Trajectory], budget: int, pad_id: int, prompt_lengths: list[int] | None = None,
-            prompt_width: int = 0) -> tuple[Rollout, Scores, dict]:
+            prompt_width: int = 0, routes_like: np.ndarray | None = None) -> tuple[Rollout, Scores, dict]:
   """A step's P * G trajectories (row p * G + g: episode g of problem p) -> the Rollout the update
   trains on ([P*G, N], N = budget: tokens right-padded with `pad_id`, mask = the loss mask,
   context = every token of the episode, lengths = the policy's tokens, stopped = not truncated),
@@ -145,7 +145,9 @@ def collate(trajectories: list[Trajectory], budget: int, pad_id: int, prompt_len
 
   Trajectories with routes (routing replay) give the Rollout's routes [P*G, Tp + N, Ls, k]: each
   row's prompt's (prompt_lengths[row] tokens) at the end of the Tp = prompt_width columns, as the
-  prompts are left-padded, then its trajectory's; `unrecorded` elsewhere."""
+  prompts are left-padded, then its trajectory's; `unrecorded` elsewhere. routes_like [Ls, k]: the
+  routes' shape and dtype where the update replays them, so a step none of whose episodes recorded
+  any (every environment failed first) still has routes, all `unrecorded`."""
   rows = len(trajectories)
   tokens = np.full((rows, budget), pad_id, np.int32)
   log_probs = np.zeros((rows, budget), np.float32)
@@ -163,20 +165,21 @@ def collate(trajectories: list[Trajectory], budget: int, pad_id: int, prompt_len
   rollout = Rollout(tokens=tokens, log_probs=np.where(mask, log_probs, 0.0).astype(np.float32), mask=mask,
                     lengths=mask.sum(axis=1).astype(np.int32),
                     stopped=np.asarray([not t.truncated for t in trajectories]), context=context,
-                    routes=_collated_routes(trajectories, budget, prompt_lengths, prompt_width))
+                    routes=_collated_routes(trajectories, budget, prompt_lengths, prompt_width, routes_like))
   scores = Scores(rewards=np.asarray([t.reward for t in trajectories], np.float32), failures=np.int32(0))
   facts = {name: np.asarray([float(getattr(t, name)) for t in trajectories], np.float32) for name in FACTS}
   return rollout, scores, facts
 
 
-def _collated_routes(trajectories: list[Trajectory], budget: int, prompt_lengths, prompt_width: int):
-  """collate's routes [P*G, Tp + N, Ls, k], or None when no trajectory has any."""
-  recorded = [t.routes for t in trajectories if t.routes is not None]
-  if not recorded:
+def _collated_routes(trajectories: list[Trajectory], budget: int, prompt_lengths, prompt_width: int, routes_like):
+  """collate's routes [P*G, Tp + N, Ls, k], or None when no trajectory has any and none is asked for."""
+  recorded = [t.routes[0] for t in trajectories if t.routes is not None and len(t.routes)]
+  like = recorded[0] if recorded else routes_like
+  if like is None:
     return None
-  if prompt_lengths is None:
+  if recorded and prompt_lengths is None:
     raise ValueError('collate: trajectories with routes need their prompt lengths')
-  dtype, shape = recorded[0].dtype, recorded[0].shape[1:]
+  dtype, shape = like.dtype, like.shape
   routes = np.full((len(trajectories), prompt_width + budget) + shape, unrecorded_id(dtype), dtype)
   for row, (trajectory, prompt) in enumerate(zip(trajectories, prompt_lengths)):
     if trajectory.routes is None:
