@@ -24,8 +24,7 @@ from grpo_jax.model.hf_config import load_hf_config
 from grpo_jax.model.loading import from_pretrained, load_tokenizer
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sampler.decode import DecodeSettings
-from grpo_jax.sampler.layout import rollout_layout, serving_mesh
-from grpo_jax.sharding import MeshConfig, make_mesh
+from grpo_jax.sampler.layout import rollout_layout, serving_read_mesh
 from grpo_jax.sampler.rollout import GroupSampler
 from grpo_jax.sampler.sampling import add_sampling_flags, sampling_from_flags
 from grpo_jax.sampler.special_tokens import checkpoint_eos_ids, special_tokens
@@ -99,19 +98,12 @@ def main(argv=None):
     raise UserError(f'--tensor must be >= 0 (0: chosen for the model), got {args.tensor}')
   if not os.path.isdir(args.ckpt):
     raise UserError(f'model path {args.ckpt} is not a directory')
-  # Resident weights in the sampler's layout over this host's devices (sampler/layout.py). A mixture
-  # of experts is read FSDP over them and laid out as the trainer's sampler lays it out: tensor
-  # groups of t, its experts split over the groups (the expert axis), every other weight whole in
-  # each group.
+  # Resident weights in the sampler's layout over this host's devices (sampler/layout.py); a
+  # mixture of experts with its experts over the tensor groups (serving_read_mesh).
   architecture = load_hf_config(args.ckpt)
-  layout = None
-  if architecture.num_sparse_layers:
-    mesh = make_mesh(MeshConfig(fsdp=len(jax.local_devices())), devices=jax.local_devices())
-    model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
-    layout = rollout_layout(model, mesh, args.tensor)
-  else:
-    mesh = serving_mesh(args.tensor, architecture.num_key_value_heads)
-    model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
+  mesh = serving_read_mesh(architecture, args.tensor)
+  model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
+  layout = rollout_layout(model, mesh, args.tensor) if architecture.num_sparse_layers else None
   tokenizer = load_tokenizer(args.ckpt)
   vision = None
   if args.image:

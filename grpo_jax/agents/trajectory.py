@@ -118,12 +118,11 @@ class Episode:
     (positions the server never ran stay `unrecorded`)."""
     routes, trajectory = completion.routes, self.trajectory
     length = len(self.prompt) + len(trajectory.tokens) + len(completion.tokens)
-    if trajectory.routes is None:
-      trajectory.routes = np.full((0,) + routes.shape[1:], unrecorded_id(routes.dtype), routes.dtype)
-    if len(trajectory.routes) < length:
-      more = np.full((length - len(trajectory.routes),) + routes.shape[1:], unrecorded_id(routes.dtype), routes.dtype)
-      trajectory.routes = np.concatenate([trajectory.routes, more])
-    trajectory.routes[completion.routes_from:completion.routes_from + len(routes)] = routes
+    grown = np.full((length,) + routes.shape[1:], unrecorded_id(routes.dtype), routes.dtype)
+    if trajectory.routes is not None:
+      grown[:len(trajectory.routes)] = trajectory.routes
+    grown[completion.routes_from:completion.routes_from + len(routes)] = routes
+    trajectory.routes = grown
 
   def observe(self, tokens) -> None:
     """Appends the environment's tokens, as many as the budget holds."""

@@ -134,6 +134,7 @@ class CacheDecoding:
       # Two kinds of cache row, a window's and a whole sequence's: the layers run unrolled, each
       # reading its own stack. A window layer attends over its ring densely (it holds W entries).
       scan = False
+      sliding = np.asarray(self.config.sliding_layers)
       ring_mask = ((ring.segment_ids[:, None, :] == segment_ids[:, :, None]) & (ring.segment_ids != 0)[:, None, :]
                    & (ring.ordinals[:, None, :] < ordinals[:, :, None]))
     layered = cache.layered
@@ -194,7 +195,6 @@ class CacheDecoding:
 
     layers = self.config.num_hidden_layers
     if ring is not None:  # (window layer, index in its stack), as constants of the unrolled loop
-      sliding = np.asarray(self.config.sliding_layers)
       own = np.stack([sliding, np.where(sliding, np.cumsum(sliding) - 1, np.cumsum(~sliding) - 1)], axis=1)
     elif cache.layered:  # indices the unrolled loop hands each layer as constants
       own = np.arange(layers)
@@ -207,7 +207,6 @@ class CacheDecoding:
     k_new, v_new = finite(k_new.astype(dtype)), finite(v_new.astype(dtype))
     new_ring = None
     if ring is not None:
-      sliding = np.asarray(self.config.sliding_layers)
       new_ring = ring.write(k_new[np.flatnonzero(sliding)], v_new[np.flatnonzero(sliding)], segment_ids, ordinals)
       k_new, v_new = k_new[np.flatnonzero(~sliding)], v_new[np.flatnonzero(~sliding)]
     if length == cache.max_length:

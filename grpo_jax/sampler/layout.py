@@ -369,6 +369,18 @@ def serving_mesh(tensor: int, kv_heads: int, devices: Sequence[jax.Device] | Non
   return _grouped_mesh(devices, tensor or choose_tensor(devices, kv_heads), '--tensor')
 
 
+def serving_read_mesh(architecture, tensor: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Where a model that only samples (generate, serve) is read: for a dense model the serving
+  mesh itself (serving_mesh); for a mixture of experts FSDP over the host's devices, from which
+  rollout_layout(model, mesh, tensor) lays it out as training's sampler does, its experts over the
+  groups (the expert axis)."""
+  devices = list(devices) if devices is not None else jax.local_devices()
+  if not architecture.num_sparse_layers:
+    return serving_mesh(tensor, architecture.num_key_value_heads, devices)
+  return Mesh(np.asarray(devices).reshape(1, len(devices), 1, 1), MESH_AXES,
+              axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
 def rollout_layout(model: Qwen2, source: Mesh, tensor: int = 0, devices: Sequence[jax.Device] | None = None,
                    weights: str = 'compute') -> RolloutLayout:
   """The layout of `source`'s devices (or, split, of the sampler's own `devices`) for decoding

@@ -110,7 +110,6 @@ def image_rules(args, source: str, config) -> ImageRules | None:
 
 def build_engine(args) -> tuple[QwenEngine, ImageRules | None]:
   """The engine over --ckpt, and how its requests' images are read (None: a text model, or no tokenizer)."""
-  import jax
   from flax import nnx
 
   from grpo_jax.checkpoint import locate
@@ -118,8 +117,7 @@ def build_engine(args) -> tuple[QwenEngine, ImageRules | None]:
   from grpo_jax.model.hf_config import load_hf_config
   from grpo_jax.model.loading import from_pretrained, load_tokenizer
   from grpo_jax.model.qwen2 import ModelOptions
-  from grpo_jax.sampler.layout import rollout_layout, serving_mesh
-  from grpo_jax.sharding import MeshConfig, make_mesh
+  from grpo_jax.sampler.layout import place_program, rollout_layout, serving_read_mesh
 
   if not os.path.isdir(args.ckpt):
     raise UserError(f'--ckpt {args.ckpt} is not a directory')
@@ -144,24 +142,20 @@ def build_engine(args) -> tuple[QwenEngine, ImageRules | None]:
   # Resident weights in the sampler's layout over this host's devices (sampler/layout.py).
   architecture = run[1] if run is not None else load_hf_config(args.ckpt)
   images = image_rules(args, source, architecture) if tokenizer is not None else None
-  # A mixture of experts is read FSDP over the devices, then laid out as the trainer's sampler lays
-  # it out: tensor groups, its experts split over the groups (the expert axis), which split the slots.
-  experts = architecture.num_sparse_layers > 0
-  if experts:
-    mesh = make_mesh(MeshConfig(fsdp=len(jax.local_devices())), devices=jax.local_devices())
-  else:
-    mesh = serving_mesh(args.tensor, architecture.num_key_value_heads)
+  # A mixture of experts is read FSDP, then laid out with its experts (and the slots) over the
+  # tensor groups (serving_read_mesh).
+  mesh = serving_read_mesh(architecture, args.tensor)
   if run is None:
     model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
   else:  # the run's policy at --dtype; a LoRA run's adapters decode unmerged, as in training
     graphdef, params, _, _ = restore_policy(training[0], run[2], mesh,
                                             options=ModelOptions(dtype=args.dtype, param_dtype=args.dtype))
     model = nnx.merge(graphdef, params)
-  if experts:
+  if architecture.num_sparse_layers:
     layout = rollout_layout(model, mesh, args.tensor)
     graphdef, params = nnx.split(model)
     with layout.active():
-      model = nnx.merge(graphdef, jax.jit(layout.place)(params))
+      model = nnx.merge(graphdef, place_program(layout)(params))
   # config.json's and generation_config.json's eos ids (a list for Llama 3 instruct) end answers too:
   # a run's, where its training read them (model.path, then its tokenizer's directory).
   directories = (run[0].model.path, source) if run is not None else (args.ckpt,)
