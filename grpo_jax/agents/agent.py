@@ -11,8 +11,9 @@ problems of a step, the live policy behind `llm` and the keys, and trains on wha
 
 Most agents are an `EnvironmentAgent`: the policy and an `Environment` take turns, up to
 `max_turns` policy turns; the environment reads each turn (a `Turn`: its ids and its text) and
-answers with an observation (ids or text, appended to the conversation, outside the loss), a reward
-and whether the episode is over. Environments are
+answers with an observation (ids or text, appended to the conversation, outside the loss; an
+`Observation` with images for a vision-language policy, agents/images.py), a reward and whether the
+episode is over. Environments are
 straight-line async code; one that waits (a tool in a worker process, a sleeping service) holds
 no decode slot while it waits. Each call of an environment has a deadline (`task.env_timeout_s`);
 one that raises or runs past it ends its episode only (agents/deadline.py).
@@ -26,6 +27,7 @@ import jax
 import numpy as np
 
 from grpo_jax.agents.deadline import EnvironmentFailed, InThreads, OnLoop, name
+from grpo_jax.agents.images import ImageReader, Observation
 from grpo_jax.agents.inference import TURN_BLOCK, InferenceServer, folded_keys
 from grpo_jax.agents.text import TextCodec, Turn
 from grpo_jax.agents.trajectory import Episode, Trajectory
@@ -42,11 +44,14 @@ def episode_keys(key, count: int) -> np.ndarray:
 class Problem:
   """One problem of a step: the prompt every episode of its group starts from, what the
   environment needs to answer and score them (a secret, a reference answer), and its dataset's
-  name (evaluation reports per source)."""
+  name (evaluation reports per source). images: the prompt's images in order (a vision-language
+  policy; anything model/images.load_image reads), each standing in `prompt` for its run of image
+  tokens (agents/images.py)."""
 
   prompt: tuple[int, ...]
   data: Any = None
   source: str = ''
+  images: tuple = ()
 
 
 class Agent(Protocol):
@@ -59,12 +64,13 @@ class Agent(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Step:
   """An environment's answer to one policy turn: what the policy reads next (ignored when `done`):
-  token ids, or text (sent as the task's next `user` message, agents/text.py); the reward the turn
+  token ids, or text (sent as the task's next `user` message, agents/text.py), or an Observation of
+  either with images (agents/images.py: task.max_images must make room for them); the reward the turn
   earned; whether the episode is over; whether the turn called a tool and whether that call failed
   (counted per episode); and the answer the turn gave, if any: normalised text, which evaluation's
   majority vote counts (the episode's last answer is its vote)."""
 
-  observation: tuple[int, ...] | str = ()
+  observation: tuple[int, ...] | str | Observation = ()
   reward: float = 0.0
   done: bool = False
   tool_call: bool = False
@@ -74,8 +80,9 @@ class Step:
 
 class Environment(Protocol):
 
-  async def reset(self) -> tuple[int, ...] | str:
-    """What the episode starts with after the prompt (often nothing): ids, or text appended as written."""
+  async def reset(self) -> tuple[int, ...] | str | Observation:
+    """What the episode starts with after the prompt (often nothing): ids, or text appended as
+    written, or an Observation of either with images."""
 
   async def step(self, turn: Turn) -> Step:
     """Answers the policy's turn (turn.text: its text without the stop id; turn.tokens: its ids)."""
@@ -98,7 +105,11 @@ class EnvironmentAgent:
   worker threads (the default, for environments of your own, whose code may block) or on the
   episodes' loop (OnLoop: the built-ins, which only await); `timeout_s` is each call's deadline (the run's
   `task.env_timeout_s`, which the task's build sets; None: none). A call that raises or runs past
-  it ends its episode: masked from the loss, scored 0, counted (Trajectory.fail)."""
+  it ends its episode: masked from the loss, scored 0, counted (Trajectory.fail).
+
+  `images`: how the images an environment shows (and a problem's) become the model's, set by the
+  task's build from task.max_images (None: the run takes none, and an Observation with images is
+  refused in one line)."""
 
   make_environment: Callable[[Problem, int], Environment]
   max_turns: int | None = None
@@ -106,24 +117,42 @@ class EnvironmentAgent:
   text: TextCodec | None = None
   calls: OnLoop = dataclasses.field(default_factory=InThreads)
   timeout_s: float | None = None
+  images: ImageReader | None = None
 
   async def episodes(self, llm: InferenceServer, problem: Problem, count: int, key: jax.Array,
                      budget: int) -> list[Trajectory]:
     keys = episode_keys(key, count)
-    return list(await asyncio.gather(*(self.episode(llm, problem, index, keys[index], budget)
+    images = self.prompt_images(problem)  # made into patches once for the group
+    return list(await asyncio.gather(*(self.episode(llm, problem, index, keys[index], budget, images)
                                        for index in range(count))))
 
+  def prompt_images(self, problem: Problem) -> tuple:
+    """The problem's images as the model's (patches, grid), checked against its prompt."""
+    if not problem.images:
+      return ()
+    where = f'agent problem ({len(problem.prompt)} prompt tokens)'
+    if self.images is None:
+      raise UserError(f'{where} holds {len(problem.images)} images, but the run takes none: set task.max_images '
+                      '(images an episode may hold) on a vision-language model')
+    if len(problem.images) > self.images.bucket.images:
+      raise UserError(f'{where} holds {len(problem.images)} images, over task.max_images '
+                      f'({self.images.bucket.images})')
+    images = self.images.read(problem.images, where)
+    self.images.check(problem.prompt, images, where)
+    return images
+
   async def episode(self, llm: InferenceServer, problem: Problem, index: int, key: jax.Array,
-                    budget: int) -> Trajectory:
+                    budget: int, images: tuple = ()) -> Trajectory:
     if self.max_turns is None or self.turn_tokens is None:
       raise ValueError('EnvironmentAgent: max_turns and turn_tokens are unset (agents.task.build sets them from the '
                        'run\'s task section)')
-    episode = Episode(llm, problem.prompt, budget, key)
+    episode = Episode(llm, problem.prompt, budget, key, images=images, reader=self.images)
     trajectory = episode.trajectory
     async with self.calls.open(None, self.timeout_s) as call:
       try:
         environment = await call.make(self.make_environment, problem, index)
-        episode.observe(self.observation(environment, 'reset()', await call('reset'), None, llm.vocab_size))
+        episode.observe(*self.observation(environment, 'reset()', await call('reset'), None, llm.vocab_size,
+                                          len(trajectory.images)))
         for index in range(self.max_turns):
           completion = await episode.act(self.turn_tokens)
           if completion is None:
@@ -137,21 +166,40 @@ class EnvironmentAgent:
             trajectory.answer = step.answer
           if step.done or index == self.max_turns - 1:  # no turn reads an answer to the last one
             break
-          episode.observe(self.observation(environment, 'step()', step.observation, turn, llm.vocab_size))
+          episode.observe(*self.observation(environment, 'step()', step.observation, turn, llm.vocab_size,
+                                            len(trajectory.images)))
       except EnvironmentFailed as failure:  # an id outside the vocabulary is a UserError: it stops the run
         trajectory.fail(failure.timed_out)
     return trajectory
 
   def observation(self, environment: Environment, method: str, answer, turn: Turn | None,
-                  vocab_size: int) -> tuple[int, ...]:
-    """An environment's answer as ids: text through the task's tokenizer (a reply to `turn`, or
-    as written after the prompt), ids checked against the model's vocabulary."""
+                  vocab_size: int, shown: int = 0) -> tuple[tuple[int, ...], tuple]:
+    """An environment's answer as (ids, images): text through the task's tokenizer (a reply to
+    `turn`, or as written after the prompt), an Observation's images made into patches and its
+    markers into their image tokens, ids checked against the model's vocabulary. `shown`: the
+    images the episode holds already (with these, at most task.max_images)."""
+    images, where = (), f'environment {name(environment)}: {method}'
+    if isinstance(answer, Observation):
+      if answer.images:
+        if self.images is None:
+          raise UserError(f'{where} showed {len(answer.images)} images, but the run takes none: set '
+                          'task.max_images (images an episode may hold) on a vision-language model')
+        if shown + len(answer.images) > self.images.bucket.images:
+          raise UserError(f'{where} showed image {shown + len(answer.images)} of its episode, over task.max_images '
+                          f'({self.images.bucket.images})')
+        images = self.images.read(answer.images, where)
+      answer = answer.content
+      if isinstance(answer, str) and self.images is not None:
+        answer = self.images.expand(answer, images, where)
     if isinstance(answer, str):
       if self.text is None:
         raise UserError(f'environment {name(environment)}: {method} returned text, but the task has no tokenizer '
                         '(AgentTask.tokenizer) to encode it')
       answer = self.text.encode(answer) if turn is None else self.text.reply(answer, turn)
-    return observation(environment, method, answer, vocab_size)
+    ids = observation(environment, method, answer, vocab_size)
+    if self.images is not None:
+      self.images.check(ids, images, where)
+    return ids, images
 
 
 def observation(environment: Environment, method: str, tokens, vocab_size: int) -> tuple[int, ...]:

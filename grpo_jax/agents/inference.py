@@ -36,6 +36,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Literal
 
@@ -44,11 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpo_jax.agents.images import marked
 from grpo_jax.errors import UserError
 from grpo_jax.model.moe import unrecorded
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, decode_step, prefill, typed_key
 from grpo_jax.sampler.sampling import SamplingConfig
+from grpo_jax.model.vision import ImageBucket, Vision, image_tokens, layout_images, mrope_positions
 from grpo_jax.sampler.slots import Entry, Slots, admit
 
 FinishReason = Literal['stop', 'length']
@@ -91,6 +94,13 @@ class Request:
   continues:       the `cache_id` of an earlier completion this context goes on from (its
                    context, its tokens, then more): the server reuses that completion's KV cache
                    when it still holds it and prefills only what follows; else the whole context.
+  images:          the context's images in order, each (patches [n, C*T*P*P], grid (t, h, w),
+                   start) (agents/images.Placed; patches and grid as model/images.process_image
+                   gives them), standing for the run of image tokens from context position `start`
+                   (a vision-language model; the server's `images` bucket bounds them). The image
+                   token's id anywhere else is text (a token the policy sampled). A turn runs
+                   through the vision tower only the images it prefills (those after a kept
+                   cache); every token's M-RoPE position is the whole context's.
   """
 
   tokens: tuple[int, ...]
@@ -99,6 +109,7 @@ class Request:
   stop_token_ids: tuple[int, ...] = ()
   sampling: SamplingConfig | None = None
   continues: int | None = None
+  images: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,10 +176,14 @@ class InferenceServer:
   max_stops:    the most per-request stop ids.
   layout:       the sampler's own layout (sampler/layout.py), or None to decode in the parameters'.
   reuse:        keep finished requests' caches for the requests that continue them (above).
+  images:       (images, patches) that one prefill row's images are padded to (model/vision.py
+                ImageBucket): the server of a vision-language model whose requests hold images
+                (their rows then carry M-RoPE offsets); None: text requests.
   """
 
   def __init__(self, graphdef, *, settings: DecodeSettings, slots: int, max_context: int, chunk: int = 4,
-               prefill_rows: int = 64, max_stops: int = 4, layout=None, reuse: bool = True):
+               prefill_rows: int = 64, max_stops: int = 4, layout=None, reuse: bool = True,
+               images: ImageBucket | None = None):
     if min(slots, max_context, chunk, prefill_rows) < 1:
       raise UserError(f'inference server: slots, max_context, chunk and prefill_rows must be >= 1, got '
                       f'{slots}, {max_context}, {chunk}, {prefill_rows}')
@@ -181,7 +196,7 @@ class InferenceServer:
     self._state: DecodeState | None = None
     self._waiting: collections.deque[_Pending] = collections.deque()
     self._holding: list[_Pending | None] = [None] * slots
-    self.reuse = reuse
+    self.reuse, self.images = reuse, images
     self._kept: dict[int, tuple[int, tuple[int, ...]]] = {}  # cache_id -> (slot, the tokens its cache holds)
     self._slot_cache: list[int | None] = [None] * slots  # the cache_id each slot keeps
     self._freed: list[int] = [0] * slots  # when each slot was freed (a counter): the oldest go first
@@ -204,6 +219,9 @@ class InferenceServer:
     if self.vocab_size is None:  # the graph, and so the vocabulary, is the server's for life
       self.architecture = nnx.merge(self.graphdef, params).config
       self.vocab_size = self.architecture.vocab_size
+      if self.images is not None and self.architecture.vision is None:
+        raise UserError(f'inference server: images of requests need a vision-language model; this one '
+                        f'({self.architecture.model_type}) has no vision tower')
     self._params = self._place(params) if self._place is not None else params
     self._forget()  # kept caches were computed with the old parameters
 
@@ -301,6 +319,31 @@ class InferenceServer:
                       f'max_context {self.max_context}')
     if len(request.stop_token_ids) > self.max_stops:
       raise UserError(f'inference request: {len(request.stop_token_ids)} stop ids, at most {self.max_stops}')
+    if request.images:
+      self._check_images(request)
+
+  def _check_images(self, request: Request) -> None:
+    """A request's images fit the server's bucket and its tokens hold each one's image tokens."""
+    bucket, count = self.images, len(request.images)
+    if bucket is None:
+      raise UserError(f'inference request: {count} images, but the server takes none (its `images` bucket is None)')
+    if count > bucket.images:
+      raise UserError(f'inference request: {count} images, over the server\'s {bucket.images}')
+    if self.architecture is None:
+      return
+    vision = self.architecture.vision
+    for index, (patches, grid, _) in enumerate(request.images):
+      if np.shape(patches) != (int(np.prod(grid)), vision.patch_dim) or len(patches) > bucket.patches:
+        raise UserError(f'inference request: image {index} has patches {list(np.shape(patches))} for grid '
+                        f'{list(grid)}; at most {bucket.patches} patches of {vision.patch_dim} values')
+    tokens, end = np.asarray(request.tokens), 0
+    for index, (_, grid, start) in enumerate(request.images):
+      span = tokens[start:start + image_tokens(tuple(grid), vision)]
+      if start < end or len(span) < image_tokens(tuple(grid), vision) or np.any(span != vision.image_token_id):
+        raise UserError(f'inference request: image {index} of grid {list(grid)} needs its '
+                        f'{image_tokens(tuple(grid), vision)} image tokens (id {vision.image_token_id}) from context '
+                        f'position {start}, after the image before it')
+      end = start + len(span)
 
   def _bucket(self, length: int) -> int:
     """The prefill width of a context: the next of 8, 12, 16, 24, 32, 48, ... (powers of two and
@@ -368,13 +411,38 @@ class InferenceServer:
       keys.append(key_data(request.key))
       self.stats.prefilled_tokens += len(context)
     keys += [keys[0]] * (rows - len(batch))
-    self._state, routes = program(self._params, self._state, tokens, real, slots, np.stack(keys), limits, stops)
+    vision = self._vision(batch, tokens, real) if self.images is not None else None
+    self._state, routes = program(self._params, self._state, tokens, real, slots, np.stack(keys), limits, stops,
+                                  vision)
     self.stats.prefill_rows += rows
     if routes is not None:  # [rows, width, Ls, k]: each context's own entries
       routes = np.asarray(routes)
       for row, (pending, _, context) in enumerate(batch):
         pending.routes = [routes[row, :len(context)]]
         pending.routes_from = len(pending.request.tokens) - len(context)
+
+  def _vision(self, batch: list, tokens: np.ndarray, real: np.ndarray) -> Vision:
+    """A prefill batch's Vision: each row's M-RoPE positions (the whole context's, from where the
+    row's prefill starts) and offset, and the images among the tokens it prefills (None when no
+    row has any: the tower does not run)."""
+    config, bucket = self.architecture, self.images
+    positions = np.zeros(tokens.shape + (3,), np.int32)
+    offsets = np.zeros(tokens.shape[:1], np.int32)
+    shown = [[] for _ in range(len(tokens))]
+    laid = np.array(tokens)
+    count = functools.partial(image_tokens, config=config.vision)
+    for row, (pending, _, context) in enumerate(batch):
+      request = pending.request
+      seen = marked(request.tokens, request.images, config.vision.image_token_id, lambda grid: count(tuple(grid)))
+      whole, offset = mrope_positions(seen[None], None, [[tuple(image[1]) for image in request.images]], config)
+      start = len(request.tokens) - len(context)
+      positions[row, :len(context)], offsets[row] = whole[0, start:], offset[0]
+      laid[row, :len(context)] = seen[start:]
+      shown[row] = [(image[0], tuple(image[1])) for image in request.images if image[2] >= start]
+    images = None
+    if any(shown):
+      images = layout_images(shown, laid, real, config.vision, max_patches=bucket.patches, max_images=bucket.images)
+    return Vision(images=images, positions=jnp.asarray(positions), offsets=jnp.asarray(offsets))
 
   def _collect(self, emitted, live, steps) -> None:
     """Appends each held request's new tokens; resolves the requests whose rows went idle."""
@@ -411,19 +479,23 @@ class InferenceServer:
 
   def _init_state(self) -> DecodeState:
     return DecodeState.idle(nnx.merge(self.graphdef, self._params), self.slots, self.max_context,
-                            stops=self.max_stops)
+                            stops=self.max_stops, offsets=self.images is not None)
 
-  def _prefill_into(self, params, state: DecodeState, tokens, real, slots, keys, limits, stops) -> DecodeState:
+  def _prefill_into(self, params, state: DecodeState, tokens, real, slots, keys, limits, stops,
+                    vision) -> DecodeState:
     """Prefills R right-padded contexts of width W into a W-entry cache (attention over W keys,
-    not the row's S) and admits each into its slot (slot B: a padding row) with those entries."""
+    not the row's S) and admits each into its slot (slot B: a padding row) with those entries;
+    `vision`: their images and M-RoPE positions (a vision-language server; else None)."""
     model = nnx.merge(self.graphdef, params)
     rows, width = tokens.shape
-    done = prefill(model, tokens, real, model.init_cache(rows, width), record_routes=self.settings.record_routes)
+    done = prefill(model, tokens, real, model.init_cache(rows, width), record_routes=self.settings.record_routes,
+                   vision=vision)
     return admit(state, Slots(index=slots), Entry(hidden=done.hidden, keys=jax.random.wrap_key_data(keys),
                                                   empty=done.empty, cache=done.cache, limit=limits,
-                                                  stops=stops)), done.routes
+                                                  stops=stops, offsets=done.offsets)), done.routes
 
-  def _extend_into(self, params, state: DecodeState, tokens, real, slots, keys, limits, stops) -> DecodeState:
+  def _extend_into(self, params, state: DecodeState, tokens, real, slots, keys, limits, stops,
+                   vision) -> DecodeState:
     """Prefills R right-padded continuations of width W onto the caches their slots kept (each
     row's cache from its length on; attention over the row's S keys) and admits each into its
     slot with the W new entries after the kept ones."""
@@ -432,7 +504,7 @@ class InferenceServer:
     rows_of = lambda values, axis: jnp.take(values, slots, axis=axis, mode='clip')  # noqa: E731
     kept = dataclasses.replace(cache.map_layers(lambda x: rows_of(x, x.ndim - 4)),
                                segment_ids=rows_of(cache.segment_ids, 0), length=rows_of(cache.length, 0))
-    done = prefill(model, tokens, real, kept, record_routes=self.settings.record_routes)
+    done = prefill(model, tokens, real, kept, record_routes=self.settings.record_routes, vision=vision)
     start = kept.length  # [R] where each row's new entries begin
 
     def new_entries(x):  # [..., R, S, K, H] -> [..., R, W, K, H] from each row's start
@@ -444,7 +516,7 @@ class InferenceServer:
         lambda row, first: jax.lax.dynamic_slice_in_dim(row, first, width))(done.cache.segment_ids, start))
     return admit(state, Slots(index=slots), Entry(hidden=done.hidden, keys=jax.random.wrap_key_data(keys),
                                                   empty=done.empty, cache=brought, start=start, limit=limits,
-                                                  stops=stops)), done.routes
+                                                  stops=stops, offsets=done.offsets)), done.routes
 
   def _decode_chunk(self, params, state: DecodeState):
     """Up to `chunk` decode steps, fewer when every slot goes idle first -> (state, Emitted

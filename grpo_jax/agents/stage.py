@@ -41,7 +41,7 @@ class AgentStage:
     self.task, self.mesh, self.budget, self.pad_id = task, mesh, settings.max_new_tokens, settings.pad_id
     self.server = InferenceServer(graphdef, settings=settings, slots=slots,
                                   max_context=task.prompt_length + settings.max_new_tokens, chunk=chunk, layout=layout,
-                                  reuse=reuse)
+                                  reuse=reuse, images=None if task.images is None else task.images.bucket)
     self._facts: list[dict] = []
 
   def prompts(self, key, position: int, count: int) -> Prompts:
@@ -60,9 +60,11 @@ class AgentStage:
                                         for problem, problem_key in zip(prompts.answers, keys)))
       return [trajectory for group in groups for trajectory in group]
 
-    prompt_lengths = np.asarray(prompts.mask).sum(axis=1).repeat(group_size).tolist()
-    rollout, scores, facts = collate(asyncio.run(run()), self.budget, self.pad_id, prompt_lengths,
-                                     prompt_width=np.shape(prompts.tokens)[1], routes_like=self._routes_like())
+    prompt_mask = np.asarray(prompts.mask).repeat(group_size, axis=0)
+    rollout, scores, facts = collate(asyncio.run(run()), self.budget, self.pad_id, prompt_mask.sum(axis=1).tolist(),
+                                     prompt_width=prompt_mask.shape[1], routes_like=self._routes_like(),
+                                     prompts=(np.asarray(prompts.tokens).repeat(group_size, axis=0), prompt_mask),
+                                     images=self.task.images)
     self._check_failures(facts['failures'])
     self._facts.append(facts)
     place = lambda value: distributed.replicated(value, self.mesh)  # noqa: E731

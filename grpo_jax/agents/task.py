@@ -2,7 +2,7 @@
 episodes (`task.name: agent`, `task.environment` names it).
 
 The task section's `environment` is a built-in (`guess_number`: agents/guess.py, `tool_use`:
-agents/tool_use.py) or `module:function`: a factory `function(config, **task.environment_args)`
+agents/tool_use.py, `spot`: agents/spot.py, which shows images) or `module:function`: a factory `function(config, **task.environment_args)`
 returning an AgentTask, imported from the Python path (as custom reward terms are named). A text
 environment's factory is a few lines with `text_task` (README, "Your own environment"). The RL
 step (rl/step.py) runs the agent's episodes in place of sampling and scoring (agents/stage.py):
@@ -18,14 +18,17 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
+from grpo_jax.agents import images
 from grpo_jax.agents.agent import Agent, EnvironmentAgent, Environment, Problem
+from grpo_jax.agents.images import ImageReader
 from grpo_jax.agents.text import TextCodec
 from grpo_jax.data.math_task import ProblemFields, open_tokenizer, render_prompt, tokenize_prompts
 from grpo_jax.data.task import Prompts
 from grpo_jax.errors import FieldError, UserError, require
 from grpo_jax.sections import section
 
-BUILT_IN = {'guess_number': 'grpo_jax.agents.guess', 'tool_use': 'grpo_jax.agents.tool_use'}
+BUILT_IN = {'guess_number': 'grpo_jax.agents.guess', 'tool_use': 'grpo_jax.agents.tool_use',
+            'spot': 'grpo_jax.agents.spot'}
 
 
 @dataclasses.dataclass
@@ -51,6 +54,7 @@ class AgentTask:
   eval_problems: Callable[[], list[Problem]] | None = None  # held-out problems (agents/evaluation.py)
   environment: str = 'agent'
   max_failure_frac: float = 1.0
+  images: ImageReader | None = None  # the run's, when its episodes may hold images (task.max_images)
   jittable = False
   vision_bucket = None  # text prompts
 
@@ -97,11 +101,19 @@ class AgentSection(ProblemFields):
   # tool worker, unsandboxed, as the trainer's user (said on every start)
   sandbox: Literal['bwrap', 'none'] = 'bwrap'
   guess_range: int = 16  # guess_number: the secret is in [0, guess_range)
+  blank_images: bool = False  # spot: every image the same grey square, nothing to see (the control run)
   # The deadline of each call of an environment (reset, step); one that raises or runs past it ends
   # its episode only: masked from the loss, scored 0, counted in episode/failures and episode/timeouts
   env_timeout_s: float = 300.0
   # The share of a step's episodes whose environment may fail before the run stops (1: never stops)
   max_env_failure_frac: float = 0.25
+  # Images an episode may hold, its prompt's and those its environment shows (agents/images.py; a
+  # vision-language model); 0: text only. The update pads every episode's images to this many.
+  max_images: int = 0
+  # The image processor's bounds on an image's resized area (None: model.path's preprocessor_config.json,
+  # else Qwen2.5-VL's); max_pixels also sizes the patches each image is padded to in the update.
+  min_pixels: int | None = None
+  max_pixels: int | None = None
 
   def __post_init__(self):
     super().__post_init__()
@@ -114,6 +126,11 @@ class AgentSection(ProblemFields):
       require(self.env_timeout_s > 0, 'env_timeout_s', f'must be > 0, got {self.env_timeout_s}')
       require(0 <= self.max_env_failure_frac <= 1, 'max_env_failure_frac',
               f'must be in [0, 1], got {self.max_env_failure_frac}')
+      require(self.max_images >= 0, 'max_images', f'must be >= 0 (0: text only), got {self.max_images}')
+      for name, value in (('min_pixels', self.min_pixels), ('max_pixels', self.max_pixels)):
+        require(value is None or value >= 1, name, f'must be >= 1, got {value}')
+      require(None in (self.min_pixels, self.max_pixels) or self.min_pixels <= self.max_pixels, 'min_pixels',
+              f'({self.min_pixels}) must not exceed task.max_pixels ({self.max_pixels})')
       module = _module(environment)
       require(module is None or not self.environment_args, 'environment_args',
               f'are the arguments of an environment of your own (module:function); the built-in {environment} '
@@ -183,10 +200,11 @@ def bound(task: AgentTask, config) -> AgentTask:
   """The task with the run's bounds: its name (task.environment) and task.max_env_failure_frac;
   on its EnvironmentAgent, task.max_turns, task.turn_tokens (0: rollout.max_new_tokens), each the
   smaller of the run's and the environment's own where it set one, the calls' deadline
-  (task.env_timeout_s), and the TextCodec of the task's tokenizer (replies as `user` messages of its
-  chat template when task.chat_template holds). Any other Agent reads the config itself."""
+  (task.env_timeout_s), the run's ImageReader (task.max_images), and the TextCodec of the task's
+  tokenizer (replies as `user` messages of its chat template when task.chat_template holds). Any
+  other Agent reads the config itself."""
   task = dataclasses.replace(task, environment=config.task.environment,
-                             max_failure_frac=config.task.max_env_failure_frac)
+                             max_failure_frac=config.task.max_env_failure_frac, images=images.reader(config))
   agent = task.agent
   if not isinstance(agent, EnvironmentAgent):
     return task
@@ -197,7 +215,8 @@ def bound(task: AgentTask, config) -> AgentTask:
   if text is None and task.tokenizer is not None:
     text = TextCodec(task.tokenizer, task.stop_token_ids, config.task.chat_template, role='user')
   return dataclasses.replace(task, agent=dataclasses.replace(agent, max_turns=turns, turn_tokens=tokens, text=text,
-                                                             timeout_s=config.task.env_timeout_s))
+                                                             timeout_s=config.task.env_timeout_s,
+                                                             images=task.images))
 
 
 def text_task(config, problem: Callable[[int], tuple[Any, Any]],

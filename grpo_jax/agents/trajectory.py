@@ -14,9 +14,11 @@ import dataclasses
 import jax
 import numpy as np
 
+from grpo_jax.agents.images import ImageReader, Placed, image_spans, marked
 from grpo_jax.agents.inference import Completion, InferenceServer, Request, folded_keys
 from grpo_jax.data.task import Scores
 from grpo_jax.model.moe import unrecorded_id
+from grpo_jax.model.vision import Vision, vision_of
 from grpo_jax.sampler.rollout import Rollout
 
 # Per-episode facts, logged as episode/<fact> (their means over a step's episodes)
@@ -39,6 +41,8 @@ class Trajectory:
               experts the server routed each token of the prompt and the trajectory to, when it
               ran the token through the model (a turn's prefill or its decode step);
               `unrecorded` for a token it never ran (the episode's last one). None otherwise.
+  images:     the images of the prompt and the trajectory, in order (agents/images.Placed: a
+              vision-language policy shown images), each at its context position.
   """
 
   tokens: list = dataclasses.field(default_factory=list)
@@ -53,6 +57,7 @@ class Trajectory:
   failures: int = 0
   timeouts: int = 0
   routes: np.ndarray | None = None
+  images: list = dataclasses.field(default_factory=list)
 
   def fail(self, timed_out: bool) -> None:
     """Ends the episode as its environment failed: no token of it trains (the loss mask all 0;
@@ -68,15 +73,17 @@ class Episode:
   """One episode in progress: its prompt, its trajectory so far, its budget and its key.
 
   `await episode.act(max_new_tokens, stop_token_ids)` asks the policy for its next turn (the
-  context is the prompt and everything so far) and appends it (loss mask 1); `observe(tokens)`
-  appends the environment's answer (loss mask 0). Turn n's request key is fold_in(key, n), so an
+  context is the prompt and everything so far, its images with it) and appends it (loss mask 1);
+  `observe(tokens, images)` appends the environment's answer (loss mask 0). Turn n's request key is fold_in(key, n), so an
   episode's samples depend on its key and what it saw only. Each turn continues the last one's
   cache on the server (prefilling only the last token and the observation) while it is kept.
   """
 
-  def __init__(self, llm: InferenceServer, prompt, budget: int, key: jax.Array):
+  def __init__(self, llm: InferenceServer, prompt, budget: int, key: jax.Array, images: tuple = (),
+               reader: ImageReader | None = None):
     self.llm, self.prompt, self.budget, self.key = llm, tuple(int(t) for t in prompt), budget, key
-    self.trajectory = Trajectory()
+    self.reader = reader  # how images stand in the tokens, where the episode may hold some
+    self.trajectory = Trajectory(images=self._placed(self.prompt, images, 0))
     self._turn_keys = np.zeros((0, 2), np.uint32)
     self._cache_id = None  # the last turn's kept cache on the server, which the next turn continues
 
@@ -101,7 +108,8 @@ class Episode:
       return None
     completion = await self.llm.generate(Request(tokens=self.prompt + tuple(trajectory.tokens), max_new_tokens=budget,
                                                  key=self.turn_key(trajectory.turns),
-                                                 stop_token_ids=stop_token_ids, continues=self._cache_id))
+                                                 stop_token_ids=stop_token_ids, continues=self._cache_id,
+                                                 images=tuple(trajectory.images)))
     self._cache_id = completion.cache_id
     if completion.routes is not None:
       self._record(completion)
@@ -124,19 +132,37 @@ class Episode:
     grown[completion.routes_from:completion.routes_from + len(routes)] = routes
     trajectory.routes = grown
 
-  def observe(self, tokens) -> None:
-    """Appends the environment's tokens, as many as the budget holds."""
+  def observe(self, tokens, images: tuple = ()) -> None:
+    """Appends the environment's tokens and the images they hold, as many as the budget holds: an
+    image whose tokens the budget cuts is left out, with its tokens and all after them."""
     tokens = [int(t) for t in tokens]
     if len(tokens) > self.room:
-      tokens = tokens[:self.room]
+      cut = self.room
+      if images:
+        spans = image_spans(tokens, images, self.reader)
+        kept = sum(end <= cut for _, end in spans)
+        cut = min([cut] + [first for first, _ in spans[kept:]])
+        images = images[:kept]
+      tokens = tokens[:cut]
       self.trajectory.truncated = True
+    self.trajectory.images += self._placed(tokens, images, len(self.prompt) + len(self.trajectory.tokens))
     self.trajectory.tokens += tokens
     self.trajectory.loss_mask += [0] * len(tokens)
     self.trajectory.log_probs += [0.0] * len(tokens)
 
 
+  def _placed(self, tokens, images, offset: int) -> list[Placed]:
+    """`images` (patches, grid), whose image tokens `tokens` hold in order, at their context
+    positions (`tokens` start at context position `offset`)."""
+    if not images:
+      return []
+    return [Placed(patches, grid, offset + first)
+            for (patches, grid), (first, _) in zip(images, image_spans(tokens, images, self.reader))]
+
+
 def collate(trajectories: list[Trajectory], budget: int, pad_id: int, prompt_lengths: list[int] | None = None,
-            prompt_width: int = 0, routes_like: np.ndarray | None = None) -> tuple[Rollout, Scores, dict]:
+            prompt_width: int = 0, routes_like: np.ndarray | None = None, prompts=None,
+            images: ImageReader | None = None) -> tuple[Rollout, Scores, dict]:
   """A step's P * G trajectories (row p * G + g: episode g of problem p) -> the Rollout the update
   trains on ([P*G, N], N = budget: tokens right-padded with `pad_id`, mask = the loss mask,
   context = every token of the episode, lengths = the policy's tokens, stopped = not truncated),
@@ -146,7 +172,12 @@ def collate(trajectories: list[Trajectory], budget: int, pad_id: int, prompt_len
   row's prompt's (prompt_lengths[row] tokens) at the end of the Tp = prompt_width columns, as the
   prompts are left-padded, then its trajectory's; `unrecorded` elsewhere. routes_like [Ls, k]: the
   routes' shape and dtype where the update replays them, so a step none of whose episodes recorded
-  any (every environment failed first) still has routes, all `unrecorded`."""
+  any (every environment failed first) still has routes, all `unrecorded`.
+
+  With `images` (the run's ImageReader: its episodes may hold images), the Rollout's vision over
+  [P*G, Tp + N]: each row's images (Trajectory.images) laid out to the run's bucket and the M-RoPE
+  positions of its prompt and trajectory, which `prompts` (tokens, mask) [P*G, Tp] give; every
+  step has it, images or not, so the update compiles one shape."""
   rows = len(trajectories)
   tokens = np.full((rows, budget), pad_id, np.int32)
   log_probs = np.zeros((rows, budget), np.float32)
@@ -164,7 +195,8 @@ def collate(trajectories: list[Trajectory], budget: int, pad_id: int, prompt_len
   rollout = Rollout(tokens=tokens, log_probs=np.where(mask, log_probs, 0.0).astype(np.float32), mask=mask,
                     lengths=mask.sum(axis=1).astype(np.int32),
                     stopped=np.asarray([not t.truncated for t in trajectories]), context=context,
-                    routes=_collated_routes(trajectories, budget, prompt_lengths, prompt_width, routes_like))
+                    routes=_collated_routes(trajectories, budget, prompt_lengths, prompt_width, routes_like),
+                    vision=None if images is None else _collated_vision(trajectories, tokens, context, prompts, images))
   scores = Scores(rewards=np.asarray([t.reward for t in trajectories], np.float32), failures=np.int32(0))
   facts = {name: np.asarray([float(getattr(t, name)) for t in trajectories], np.float32) for name in FACTS}
   return rollout, scores, facts
@@ -187,3 +219,21 @@ def _collated_routes(trajectories: list[Trajectory], budget: int, prompt_lengths
     start = prompt_width - prompt  # the prompt's first column (left padding)
     routes[row, start:start + count] = trajectory.routes[:count]
   return routes
+
+
+def _collated_vision(trajectories: list[Trajectory], tokens: np.ndarray, context: np.ndarray, prompts,
+                     images: ImageReader) -> Vision:
+  """The rows' Vision over [P*G, Tp + N] (collate), made on the host's CPU."""
+  if prompts is None:
+    raise ValueError('collate: trajectories with images need their prompts (tokens, mask)')
+  prompt_tokens, prompt_mask = (np.asarray(x) for x in prompts)
+  real = np.concatenate([prompt_mask != 0, context], axis=1).astype(np.int32)
+  width = prompt_tokens.shape[1]
+  rows = np.stack([marked(row, t.images, images.architecture.vision.image_token_id, images.count,
+                          shift=width - int(np.sum(prompt_mask[index] != 0)))
+                   for index, (row, t) in enumerate(zip(np.concatenate([prompt_tokens, tokens], axis=1),
+                                                        trajectories))])
+  count, patches = images.bucket
+  with jax.default_device(jax.local_devices(backend='cpu')[0]):
+    return vision_of([[(image.patches, image.grid) for image in t.images] for t in trajectories], rows, real,
+                     images.architecture, max_patches=patches, max_images=count)

@@ -36,8 +36,11 @@ def make_batch(prompts: Prompts, rollout: Rollout, scores: Scores, algo_config: 
   advantages = algo.ADVANTAGES[algo_config.advantage](scores.rewards.reshape(-1, group),
                                                       algo_config.advantage_epsilon).reshape(-1)
   rows = prompts.repeat(group)
-  vision = None if rows.vision is None else extended(rows.vision, rows.mask, rollout.sequence_mask)
-  return Batch(prompt_tokens=rows.tokens, prompt_mask=rows.mask, rollout=dataclasses.replace(rollout, decode_steps=None),
+  vision = rollout.vision  # an agent's rows with images of their own, over prompt and completion
+  if vision is None and rows.vision is not None:
+    vision = extended(rows.vision, rows.mask, rollout.sequence_mask)
+  return Batch(prompt_tokens=rows.tokens, prompt_mask=rows.mask,
+               rollout=dataclasses.replace(rollout, decode_steps=None, vision=None),
                advantages=advantages, vision=vision,
                lags=jax.tree.map(lambda versions: jnp.where(rollout.mask, version - versions, 0), rollout.versions))
 

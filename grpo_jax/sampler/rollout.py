@@ -112,6 +112,10 @@ class Rollout:
               its completion) was routed to by the sampler, `unrecorded` on padding and on the
               tokens never fed back (a mixture of experts with routing replay; model/moe.py).
               None: not recorded.
+  vision:     Vision over [P*G, Tp + N]: each row's images and M-RoPE positions over its prompt and
+              completion, where the completion holds images of its own (an agent's episode shown
+              images by its environment, agents/images.py). None: the prompts' (Prompts.vision),
+              which the update extends over the completions, or text.
   """
 
   tokens: jax.Array = along('row')
@@ -123,6 +127,7 @@ class Rollout:
   context: jax.Array | None = along('row', default=None)
   versions: jax.Array | None = along('row', default=None)
   routes: jax.Array | None = along('row', default=None)
+  vision: Vision | None = along('row', default=None)
 
   @property
   def sequence_mask(self) -> jax.Array:
