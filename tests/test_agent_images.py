@@ -159,14 +159,25 @@ def test_an_environment_showing_images_the_run_does_not_take_is_one_line():
 
 
 @pytest.mark.exhaustive
+def test_image_agent_steps_on_a_mesh_equal_one_device(tmp_path):
+  """Two RL steps of the image environment on fsdp 2 x tensor 2 (the server's weights in tensor
+  groups, the update's images and rows over the mesh) equal one device's: the episodes, rewards,
+  losses and parameters."""
+  from test_mesh_equivalence import assert_equal_runs, two_steps
+  overrides = ['rollout.prompts_per_step=8', 'algo.group_size=4', 'optim.learning_rate=1e-4']
+  reference = two_steps(tmp_path, SPOT_AGENT, overrides, (1, 1, 1))
+  assert_equal_runs(reference, two_steps(tmp_path, SPOT_AGENT, overrides, (1, 2, 2)))
+
+
+@pytest.mark.exhaustive
 def test_the_image_environment_demo_learns_only_when_it_can_see(tmp_path):
-  """configs/tiny_spot_agent.yaml: the policy learns the quadrants from the images its environment
-  shows (turn after turn), and the same run on blank images stays at chance (at most 1/4)."""
-  seen = train_here(tmp_path / 'seen', SPOT_AGENT, 'train.progress=false', 'train.tensorboard=false',
-                    'train.checkpoint_every=0')
-  blank = train_here(tmp_path / 'blank', SPOT_AGENT, 'task.blank_images=true', 'train.progress=false',
-                     'train.tensorboard=false', 'train.checkpoint_every=0')
+  """configs/tiny_spot_agent.yaml, its first 150 of 300 steps: the policy learns the quadrants from
+  the images its environment shows (turn after turn; last-10 reward about 0.5 there, rising), and the
+  same run on blank images stays at chance (at most 1/4 in expectation)."""
+  common = ('train.steps=150', 'train.progress=false', 'train.tensorboard=false', 'train.checkpoint_every=0')
+  seen = train_here(tmp_path / 'seen', SPOT_AGENT, *common)
+  blank = train_here(tmp_path / 'blank', SPOT_AGENT, 'task.blank_images=true', *common)
   last = lambda rows: float(np.mean([row['reward_mean'] for row in rows[-10:]]))  # noqa: E731
-  assert last(seen) > 0.7, last(seen)
+  assert last(seen) > 0.35, last(seen)
   assert last(blank) < 0.3, last(blank)
   assert max(row['sampler_gap_max'] for row in seen) < 1e-4
