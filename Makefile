@@ -12,7 +12,7 @@ PYTHON ?= $(call first_python,$$(command -v python3.13 python3.12) $(HOME)/.pyen
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-agent demo-math demo-lora demo-moe demo-vl test test-all test-fast core-smoke sandbox bench clean
+.PHONY: demo demo-agent demo-math demo-lora demo-moe demo-vl demo-vl-agent test test-all test-fast core-smoke sandbox bench clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 or newer found (jax 0.12 needs it): make ... PYTHON=/path/to/python3.12"; exit 1; }
@@ -61,6 +61,9 @@ demo-moe: $(VENV)/.extras
 
 demo-vl: $(VENV)/.extras
 	$(BIN)/python -m grpo_jax.train --config configs/tiny_spot.yaml
+
+demo-vl-agent: $(VENV)/.extras
+	$(BIN)/python -m grpo_jax.train --config configs/tiny_spot_agent.yaml
 
 demo-math: $(VENV)/.extras
 	$(BIN)/python -m grpo_jax.data.word_problems --out data/tiny_math

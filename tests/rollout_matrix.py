@@ -118,14 +118,21 @@ CELLS = {
         ('tests/test_agents_moe.py::test_agent_steps_on_a_mixture_over_the_expert_axis_equal_one_device',),
         note='recorded routes equal the full forward\'s, replayed by the update; RL steps on fsdp x tensor x expert '
              'equal one device'),
-    ('agents', 'vl'): Cell(note='open: environments cannot show images yet'),
+    ('agents', 'vl'): Cell(
+        ('tests/test_agent_images.py::test_two_turns_with_an_image_each_answer_as_transformers',
+         'tests/test_agent_images.py::test_the_update_reads_the_images_the_server_showed'),
+        ('tests/test_agent_images.py::test_image_agent_steps_on_a_mesh_equal_one_device',),
+        note='an image in each of two turns: transformers\' greedy answers; the update reads the server\'s images; '
+             'RL steps on fsdp x tensor equal one device'),
     ('agents', 'lora'): Cell(
         ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[agents-dense]',),
         note='no mesh test yet'),
     ('agents', 'lora-moe'): Cell(
         ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[agents-moe]',),
         note='attention adapters; no mesh test yet'),
-    ('agents', 'lora-vl'): Cell(note='open: environments cannot show images yet'),
+    ('agents', 'lora-vl'): Cell(
+        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[agents-vl]',),
+        note='requests with images; no mesh test yet'),
     ('generate', 'dense'): Cell(
         mesh=('tests/test_generate_cli.py::test_greedy_json_matches_transformers',),
         note='transformers\' greedy generate, on a data 4 x tensor 2 serving mesh'),

@@ -45,12 +45,13 @@ def model(seed, make_hf_checkpoint):
   return from_pretrained(directory)
 
 
-def serve(model, requests, *, delays=None, slots=3, chunk=3, max_new_tokens=12, stops=()):
-  """Each request's completion from a fresh server; request i is sent after delays[i] seconds."""
+def serve(model, requests, *, delays=None, slots=3, chunk=3, max_new_tokens=12, stops=(), images=None):
+  """Each request's completion from a fresh server; request i is sent after delays[i] seconds;
+  images: the server's image bucket (requests with images)."""
   graphdef, params = nnx.split(model)
   server = InferenceServer(graphdef, settings=DecodeSettings(sampling=T1, max_new_tokens=max_new_tokens,
                                                              stop_token_ids=stops),
-                           slots=slots, max_context=64, chunk=chunk)
+                           slots=slots, max_context=64, chunk=chunk, images=images)
   server.bind(params)
 
   async def one(request, delay):

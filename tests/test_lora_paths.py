@@ -1,7 +1,7 @@
 """LoRA on every rollout path, against the non-composed reference: the same model with each adapted
 weight merged (W + s A B, model/lora.merged) and no adapters. With adapters drawn nonzero, the
 group sampler (continuous batching), the pool of partial rollouts and the agents' inference server
-must sample what they sample from the merged model: the same tokens, log-probs to 1e-5
+(requests with images on a vision-language model) must sample what they sample from the merged model: the same tokens, log-probs to 1e-5
 (tests/rollout_matrix.py's LoRA cells)."""
 
 import jax
@@ -26,7 +26,7 @@ KINDS = {
     'vl': (dict(model_type='qwen2_5_vl'), ('q', 'v', 'gate')),
 }
 CASES = [('group', 'dense'), ('group', 'moe'), ('group', 'vl'), ('partial', 'dense'), ('partial', 'moe'), ('agents', 'dense'),
-         ('agents', 'moe')]
+         ('agents', 'moe'), ('agents', 'vl')]
 FAST = {('group', 'dense'), ('agents', 'dense')}
 T1 = SamplingConfig(temperature=1.0)
 
@@ -93,6 +93,26 @@ def _agents(model, seed):
   return results
 
 
+def _agents_vl(model, seed):
+  """Requests with images (none, one, two) through the server of a vision-language model."""
+  from test_agent_images import image
+  from test_agents import serve
+  from grpo_jax.agents.images import Placed
+  from grpo_jax.agents.inference import Request
+  from grpo_jax.model.vision import ImageBucket, patch_bucket
+  rng, requests = np.random.default_rng(seed), []
+  keys = request_keys(jax.random.key(seed % 1000), 3)
+  for index, grids in enumerate([[(1, 4, 8)], [], [(1, 4, 4), (1, 2, 6)]]):
+    tokens, shown = rng.integers(0, 900, 2).tolist(), []
+    for grid in grids:
+      (patches, _), block = image(rng, model.config, grid)
+      shown.append(Placed(patches, grid, len(tokens) + 1))
+      tokens += block + rng.integers(0, 900, 2).tolist()
+    requests.append(Request(tokens=tuple(tokens), max_new_tokens=8, key=keys[index], images=tuple(shown)))
+  results, _ = serve(model, requests, slots=2, images=ImageBucket(2, patch_bucket(32, model.config.vision)))
+  return results
+
+
 def _same(got, want):
   for name in ('tokens', 'lengths'):
     if hasattr(want, name):
@@ -105,7 +125,8 @@ def _same(got, want):
                                         for case in CASES])
 def test_lora_sampling_equals_the_merged_model(seed, make_hf_checkpoint, path, kind):
   adapted, merged = _models(seed, make_hf_checkpoint, kind)
-  run = {'group': _group_vl if kind == 'vl' else _group, 'partial': _partial, 'agents': _agents}[path]
+  run = {'group': _group_vl if kind == 'vl' else _group, 'partial': _partial,
+         'agents': _agents_vl if kind == 'vl' else _agents}[path]
   got, want = run(adapted, seed), run(merged, seed)
   if path == 'agents':
     for one, other in zip(got, want):

@@ -20,6 +20,7 @@ RECIPES = {
     'tiny_math.yaml': (None, 1),
     'tiny_guess.yaml': (None, 1),
     'tiny_spot.yaml': (None, 1),
+    'tiny_spot_agent.yaml': (None, 1),
     'qwen2_5_3b_gsm8k_tool.yaml': ('3B', 8),
     'qwen2_5_0_5b_gsm8k.yaml': ('0.5B', 1),
     'qwen2_5_0_5b_math.yaml': ('0.5B', 8),
