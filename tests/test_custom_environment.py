@@ -130,3 +130,27 @@ def test_the_readme_environment_trains(setup, tmp_path):
   assert [record['episode/truncated'] for record in history] == [0.0] * 3
   assert history[-1]['eval/problems'] == 9.0 and 'eval/maj@2' in history[-1]
   assert all(np.isfinite(record['loss']) for record in history)
+
+
+@pytest.mark.exhaustive
+def test_the_readme_environment_trains_turn_by_turn_as_rendered(setup, tmp_path):
+  """task.turn_context: as_rendered on the README's environment: two RL steps train a row per turn
+  (the update's rows are max_turns times the episodes') on the chat template's rendering of each
+  turn's conversation."""
+  path, _, _ = setup
+  history = train_here(tmp_path, path, 'task.turn_context=as_rendered', 'train.steps=2', 'train.progress=false',
+                       'train.tensorboard=false', 'train.checkpoint_every=0')
+  assert [record['step'] for record in history] == [1, 2]
+  assert all(np.isfinite(record['loss']) for record in history)  # a random policy rarely scores: no gradient
+  assert all(1.0 < record['episode/turns'] <= 3.0 for record in history)
+  # A random policy's turns, decoded and tokenized again, can come out longer: such a turn is cut, and counted.
+  assert all(0.0 <= record['episode/unrendered'] < 0.5 for record in history)
+
+
+def test_as_rendered_needs_a_text_conversation(setup):
+  """An environment whose conversation is ids (the guessing game) cannot be rendered again: one line."""
+  path, _, _ = setup
+  config = config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny_guess.yaml'), ['task.turn_context=as_rendered'])
+  with pytest.raises(UserError, match=r"^task\.turn_context: as_rendered renders each turn's conversation with the "
+                                      r'chat template; environment guess_number has no text conversation'):
+    agent_task.build(config)

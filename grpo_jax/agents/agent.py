@@ -46,12 +46,15 @@ class Problem:
   environment needs to answer and score them (a secret, a reference answer), and its dataset's
   name (evaluation reports per source). images: the prompt's images in order (a vision-language
   policy; anything model/images.load_image reads), each standing in `prompt` for its run of image
-  tokens (agents/images.py)."""
+  tokens (agents/images.py). messages: the chat messages `prompt` renders (its chat template's
+  input), which task.turn_context: as_rendered renders again with each turn's history; () where
+  the prompt is no chat (ids of its own)."""
 
   prompt: tuple[int, ...]
   data: Any = None
   source: str = ''
   images: tuple = ()
+  messages: tuple = ()
 
 
 class Agent(Protocol):
@@ -109,7 +112,12 @@ class EnvironmentAgent:
 
   `images`: how the images an environment shows (and a problem's) become the model's, set by the
   task's build from task.max_images (None: the run takes none, and an Observation with images is
-  refused in one line)."""
+  refused in one line).
+
+  `rendered` (task.turn_context: as_rendered): each turn's context is also kept as the chat
+  template renders the conversation so far (the problem's messages, each turn's text as the
+  assistant's, each text observation as a `text.role` message; Trajectory.contexts), which the
+  update then trains the turn on instead of the context as sampled."""
 
   make_environment: Callable[[Problem, int], Environment]
   max_turns: int | None = None
@@ -118,6 +126,7 @@ class EnvironmentAgent:
   calls: OnLoop = dataclasses.field(default_factory=InThreads)
   timeout_s: float | None = None
   images: ImageReader | None = None
+  rendered: bool = False
 
   async def episodes(self, llm: InferenceServer, problem: Problem, count: int, key: jax.Array,
                      budget: int) -> list[Trajectory]:
@@ -148,16 +157,25 @@ class EnvironmentAgent:
                        'run\'s task section)')
     episode = Episode(llm, problem.prompt, budget, key, images=images, reader=self.images)
     trajectory = episode.trajectory
+    conversation = list(problem.messages) if self.rendered else None
     async with self.calls.open(None, self.timeout_s) as call:
       try:
         environment = await call.make(self.make_environment, problem, index)
-        episode.observe(*self.observation(environment, 'reset()', await call('reset'), None, llm.vocab_size,
+        reset = await call('reset')
+        if self.rendered and reset not in ((), ''):
+          raise UserError(f'environment {name(environment)}: reset() returned {reset!r}; with task.turn_context: '
+                          'as_rendered the episode starts at its prompt (its first message): return nothing')
+        episode.observe(*self.observation(environment, 'reset()', reset, None, llm.vocab_size,
                                           len(trajectory.images)))
         for index in range(self.max_turns):
+          if conversation is not None:
+            trajectory.contexts.append(self.rendered_context(problem, conversation) if index else ())
           completion = await episode.act(self.turn_tokens)
           if completion is None:
             break
           turn = self.text.turn(completion) if self.text is not None else Turn(**vars(completion))
+          if conversation is not None:
+            conversation.append({'role': 'assistant', 'content': turn.text})
           step = await call('step', turn)
           trajectory.reward += step.reward
           trajectory.tool_calls += int(step.tool_call)
@@ -166,11 +184,26 @@ class EnvironmentAgent:
             trajectory.answer = step.answer
           if step.done or index == self.max_turns - 1:  # no turn reads an answer to the last one
             break
+          if conversation is not None:
+            if not isinstance(step.observation, str):
+              raise UserError(f'environment {name(environment)}: step() answered with ids; task.turn_context: '
+                              'as_rendered renders the conversation again, which takes text observations')
+            conversation.append({'role': self.text.role, 'content': step.observation})
           episode.observe(*self.observation(environment, 'step()', step.observation, turn, llm.vocab_size,
                                             len(trajectory.images)))
       except EnvironmentFailed as failure:  # an id outside the vocabulary is a UserError: it stops the run
         trajectory.fail(failure.timed_out)
     return trajectory
+
+  def rendered_context(self, problem: Problem, conversation: list[dict]) -> tuple[int, ...]:
+    """The conversation's ids as its chat template renders them, after the prompt (which they must
+    start with, as a template renders the first message the same whatever follows)."""
+    ids = self.text.render(conversation)
+    prompt = tuple(problem.prompt)
+    if ids[:len(prompt)] != prompt:
+      raise UserError('task.turn_context: as_rendered: the chat template renders the conversation with another '
+                      'start than its prompt (the first message), so its turns cannot share the prompt')
+    return ids[len(prompt):]
 
   def observation(self, environment: Environment, method: str, answer, turn: Turn | None,
                   vocab_size: int, shown: int = 0) -> tuple[tuple[int, ...], tuple]:

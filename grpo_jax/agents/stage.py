@@ -20,7 +20,7 @@ import numpy as np
 from grpo_jax import distributed
 from grpo_jax.agents.agent import episode_keys
 from grpo_jax.agents.inference import InferenceServer
-from grpo_jax.agents.trajectory import FACTS, collate
+from grpo_jax.agents.trajectory import collate
 from grpo_jax.data.task import Prompts, Scores
 from grpo_jax.errors import UserError
 from grpo_jax.model.moe import unrecorded
@@ -64,7 +64,7 @@ class AgentStage:
     rollout, scores, facts = collate(asyncio.run(run()), self.budget, self.pad_id, prompt_mask.sum(axis=1).tolist(),
                                      prompt_width=prompt_mask.shape[1], routes_like=self._routes_like(),
                                      prompts=(np.asarray(prompts.tokens).repeat(group_size, axis=0), prompt_mask),
-                                     images=self.task.images)
+                                     images=self.task.images, turn_rows=self.task.turn_rows)
     self._check_failures(facts['failures'])
     self._facts.append(facts)
     place = lambda value: distributed.replicated(value, self.mesh)  # noqa: E731
@@ -90,5 +90,5 @@ class AgentStage:
   def take_facts(self) -> dict:
     """episode/<fact>: the means over the episodes acted since the last call."""
     facts, self._facts = self._facts, []
-    return {f'episode/{name}': float(np.mean(np.concatenate([f[name] for f in facts]))) for name in FACTS} \
+    return {f'episode/{name}': float(np.mean(np.concatenate([f[name] for f in facts]))) for name in facts[0]} \
         if facts else {}

@@ -22,7 +22,8 @@ from grpo_jax.agents import images
 from grpo_jax.agents.agent import Agent, EnvironmentAgent, Environment, Problem
 from grpo_jax.agents.images import ImageReader
 from grpo_jax.agents.text import TextCodec
-from grpo_jax.data.math_task import ProblemFields, open_tokenizer, render_prompt, tokenize_prompts
+from grpo_jax.data.math_task import (ProblemFields, open_tokenizer, prompt_messages, render_prompt, template_options,
+                                     tokenize_prompts)
 from grpo_jax.data.task import Prompts
 from grpo_jax.errors import FieldError, UserError, require
 from grpo_jax.sections import section
@@ -55,6 +56,10 @@ class AgentTask:
   environment: str = 'agent'
   max_failure_frac: float = 1.0
   images: ImageReader | None = None  # the run's, when its episodes may hold images (task.max_images)
+  # Its turns can be rendered again (task.turn_context: as_rendered): text problems with their chat
+  # messages and text observations, on a chat template (text_task's)
+  renders_turns: bool = False
+  turn_rows: int = 0  # as_rendered: the rows per episode the update trains (task.max_turns); 0: one
   jittable = False
   vision_bucket = None  # text prompts
 
@@ -114,6 +119,12 @@ class AgentSection(ProblemFields):
   # else Qwen2.5-VL's); max_pixels also sizes the patches each image is padded to in the update.
   min_pixels: int | None = None
   max_pixels: int | None = None
+  # What each policy turn is trained on: as_sampled, the trajectory's own ids (token in, token out:
+  # the context the policy saw, one row per episode); as_rendered, step-wise, a row per turn whose
+  # context is the conversation as the chat template renders it for deployment (a template that
+  # rewrites history, as Qwen3's drops earlier turns' <think>, then trains on other context than
+  # the policy sampled from: sampler_gap shows by how much)
+  turn_context: Literal['as_sampled', 'as_rendered'] = 'as_sampled'
 
   def __post_init__(self):
     super().__post_init__()
@@ -139,9 +150,17 @@ class AgentSection(ProblemFields):
         module.check(self)
 
   def check_run(self, config) -> None:
-    """Agent episodes run on the inference server, one policy version each: no partial rollouts."""
+    """Agent episodes run on the inference server, one policy version each: no partial rollouts.
+    Turns trained as rendered have no routes or images of their rendering, and their rows are not
+    one per sample, which dynamic sampling's groups are."""
     require(config.algo.max_lag == 0, 'algo.max_lag',
             'applies to single-turn tasks (arith, math); agent episodes run on the inference server')
+    if self.turn_context == 'as_rendered':
+      for field, clash in (('algo.routing_replay', config.algo.routing_replay != 'none'),
+                           ('algo.dynamic_sampling', config.algo.dynamic_sampling),
+                           ('task.max_images', self.max_images > 0)):
+        require(not clash, 'turn_context', f'as_rendered trains each turn on a context the server never ran: '
+                f'{field} needs as_sampled')
 
 
 def build(config) -> AgentTask:
@@ -206,6 +225,11 @@ def bound(task: AgentTask, config) -> AgentTask:
   task = dataclasses.replace(task, environment=config.task.environment,
                              max_failure_frac=config.task.max_env_failure_frac, images=images.reader(config))
   agent = task.agent
+  rendered = config.task.turn_context == 'as_rendered'
+  if rendered and not (isinstance(agent, EnvironmentAgent) and task.renders_turns):
+    raise UserError(f'task.turn_context: as_rendered renders each turn\'s conversation with the chat template; '
+                    f'environment {config.task.environment} has no text conversation to render (text_task\'s '
+                    'environments on a chat template do): use as_sampled')
   if not isinstance(agent, EnvironmentAgent):
     return task
   turns = min(config.task.max_turns, agent.max_turns or config.task.max_turns)
@@ -213,10 +237,12 @@ def bound(task: AgentTask, config) -> AgentTask:
   tokens = min(tokens, agent.turn_tokens or tokens)
   text = agent.text
   if text is None and task.tokenizer is not None:
-    text = TextCodec(task.tokenizer, task.stop_token_ids, config.task.chat_template, role='user')
-  return dataclasses.replace(task, agent=dataclasses.replace(agent, max_turns=turns, turn_tokens=tokens, text=text,
-                                                             timeout_s=config.task.env_timeout_s,
-                                                             images=task.images))
+    text = TextCodec(task.tokenizer, task.stop_token_ids, config.task.chat_template, role='user',
+                     options=template_options(config.task))
+  return dataclasses.replace(task, turn_rows=turns if rendered else 0,
+                             agent=dataclasses.replace(agent, max_turns=turns, turn_tokens=tokens, text=text,
+                                                       timeout_s=config.task.env_timeout_s, images=task.images,
+                                                       rendered=rendered))
 
 
 def text_task(config, problem: Callable[[int], tuple[Any, Any]],
@@ -246,7 +272,8 @@ def text_task(config, problem: Callable[[int], tuple[Any, Any]],
     if not 1 <= len(ids) <= limit:
       raise UserError(f'{config.task.environment}: {where} problem {index} has a prompt of {len(ids)} tokens; '
                       f'task.max_prompt_tokens is {limit}')
-    return Problem(prompt=ids, data=data)
+    messages = prompt_messages(use_chat_template, config.task, question, index, where)
+    return Problem(prompt=ids, data=data, messages=tuple(messages) if use_chat_template else ())
 
   def problems(position: int, count: int) -> list[Problem]:
     return [posed(*problem(index), index, 'task') for index in range(position, position + count)]
@@ -256,7 +283,7 @@ def text_task(config, problem: Callable[[int], tuple[Any, Any]],
 
   return AgentTask(EnvironmentAgent(make_environment), problems, prompt_length=limit, vocab_size=len(tokenizer),
                    stop_token_ids=tuple(special.stop_ids), pad_id=special.pad_id, tokenizer=tokenizer,
-                   eval_problems=None if eval_problems is None else held_out)
+                   eval_problems=None if eval_problems is None else held_out, renders_turns=use_chat_template)
 
 
 def shape(config, architecture):

@@ -116,11 +116,13 @@ class TextCodec:
   `reply(text, turn)` -> the ids of a `role` message answering `turn` (the chat template's layout
   when `use_chat_template`, read off the template on first use); `encode(text)` -> ids as written."""
 
-  def __init__(self, tokenizer, stop_token_ids, use_chat_template: bool = False, role: str = 'user', tools=None):
+  def __init__(self, tokenizer, stop_token_ids, use_chat_template: bool = False, role: str = 'user', tools=None,
+               options: dict | None = None):
     self.tokenizer, self.stop_token_ids = tokenizer, frozenset(int(t) for t in stop_token_ids)
     self.size = tokenizer_size(tokenizer)
     self.use_chat_template = use_chat_template and bool(getattr(tokenizer, 'chat_template', None))
     self.role, self.tools = role, tools
+    self.options = dict(options or {})  # the template's other keywords (enable_thinking)
 
   @functools.cached_property
   def format(self) -> MessageFormat:
@@ -144,6 +146,13 @@ class TextCodec:
 
   def encode(self, text: str) -> tuple[int, ...]:
     return encode(self.tokenizer, text)
+
+  def render(self, messages: list[dict]) -> tuple[int, ...]:
+    """The ids the chat template gives `messages` with the next assistant header: a turn's
+    context as a deployed model would read it (task.turn_context: as_rendered)."""
+    options = dict(self.options, **({'tools': self.tools} if self.tools else {}))
+    text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **options)
+    return encode(self.tokenizer, text, False)
 
   def reply(self, text: str, turn: Completion) -> tuple[int, ...]:
     """The ids answering `turn` with the message `text`: the template's text around it (tokenized

@@ -43,6 +43,9 @@ class Trajectory:
               `unrecorded` for a token it never ran (the episode's last one). None otherwise.
   images:     the images of the prompt and the trajectory, in order (agents/images.Placed: a
               vision-language policy shown images), each at its context position.
+  turns_at:   (start, end) of each policy turn in `tokens`.
+  contexts:   with task.turn_context: as_rendered, each turn's context after the prompt as the
+              chat template renders the conversation (the first turn's: nothing); else empty.
   """
 
   tokens: list = dataclasses.field(default_factory=list)
@@ -58,6 +61,8 @@ class Trajectory:
   timeouts: int = 0
   routes: np.ndarray | None = None
   images: list = dataclasses.field(default_factory=list)
+  turns_at: list = dataclasses.field(default_factory=list)
+  contexts: list = dataclasses.field(default_factory=list)
 
   def fail(self, timed_out: bool) -> None:
     """Ends the episode as its environment failed: no token of it trains (the loss mask all 0;
@@ -113,6 +118,7 @@ class Episode:
     self._cache_id = completion.cache_id
     if completion.routes is not None:
       self._record(completion)
+    trajectory.turns_at.append((len(trajectory.tokens), len(trajectory.tokens) + len(completion.tokens)))
     trajectory.tokens += completion.tokens
     trajectory.loss_mask += [1] * len(completion.tokens)
     trajectory.log_probs += completion.log_probs
@@ -162,7 +168,7 @@ class Episode:
 
 def collate(trajectories: list[Trajectory], budget: int, pad_id: int, prompt_lengths: list[int] | None = None,
             prompt_width: int = 0, routes_like: np.ndarray | None = None, prompts=None,
-            images: ImageReader | None = None) -> tuple[Rollout, Scores, dict]:
+            images: ImageReader | None = None, turn_rows: int = 0) -> tuple[Rollout, Scores, dict]:
   """A step's P * G trajectories (row p * G + g: episode g of problem p) -> the Rollout the update
   trains on ([P*G, N], N = budget: tokens right-padded with `pad_id`, mask = the loss mask,
   context = every token of the episode, lengths = the policy's tokens, stopped = not truncated),
@@ -177,7 +183,17 @@ def collate(trajectories: list[Trajectory], budget: int, pad_id: int, prompt_len
   With `images` (the run's ImageReader: its episodes may hold images), the Rollout's vision over
   [P*G, Tp + N]: each row's images (Trajectory.images) laid out to the run's bucket and the M-RoPE
   positions of its prompt and trajectory, which `prompts` (tokens, mask) [P*G, Tp] give; every
-  step has it, images or not, so the update compiles one shape."""
+  step has it, images or not, so the update compiles one shape.
+
+  With `turn_rows` K (task.turn_context: as_rendered), a row per turn instead: K * P * G rows,
+  turn-major (row k * P*G + e: episode e's turn k, or nothing where it had fewer), each the turn's
+  context after the prompt as the chat template renders it (Trajectory.contexts, outside the loss)
+  and then the turn's tokens; the rewards, the facts and `stopped` stay the episode's, each row
+  with its episode's reward. A turn whose rendered context and tokens do not fit the N columns (the
+  template, or its text tokenized again, lengthened the history) trains nothing: the share of each
+  episode's turns cut so is the fact `unrendered` (episode/unrendered)."""
+  if turn_rows:
+    return _turn_rows(trajectories, budget, pad_id, turn_rows)
   rows = len(trajectories)
   tokens = np.full((rows, budget), pad_id, np.int32)
   log_probs = np.zeros((rows, budget), np.float32)
@@ -237,3 +253,31 @@ def _collated_vision(trajectories: list[Trajectory], tokens: np.ndarray, context
   with jax.default_device(jax.local_devices(backend='cpu')[0]):
     return vision_of([[(image.patches, image.grid) for image in t.images] for t in trajectories], rows, real,
                      images.architecture, max_patches=patches, max_images=count)
+
+
+def _turn_rows(trajectories: list[Trajectory], budget: int, pad_id: int, turns: int) -> tuple[Rollout, Scores, dict]:
+  """collate's rows per turn (task.turn_context: as_rendered)."""
+  episodes = len(trajectories)
+  rows, unrendered = [], np.zeros(episodes, np.float32)
+  for k in range(turns):
+    for e, trajectory in enumerate(trajectories):
+      if k >= len(trajectory.turns_at):
+        rows.append(Trajectory())
+        continue
+      (start, end), context = trajectory.turns_at[k], list(trajectory.contexts[k])
+      if len(context) + end - start > budget:  # rendered longer than sampled (text re-tokenized, a longer template)
+        unrendered[e] += 1
+        rows.append(Trajectory())
+        continue
+      rows.append(Trajectory(tokens=context + trajectory.tokens[start:end],
+                             loss_mask=[0] * len(context) + trajectory.loss_mask[start:end],
+                             log_probs=[0.0] * len(context) + trajectory.log_probs[start:end]))
+  rollout, _, _ = collate(rows, budget, pad_id)
+  _, scores, facts = collate([dataclasses.replace(t, tokens=[], loss_mask=[], log_probs=[]) for t in trajectories],
+                             budget, pad_id)
+  facts['unrendered'] = unrendered / np.maximum([len(t.turns_at) for t in trajectories], 1)
+  stopped = np.tile([not t.truncated for t in trajectories], turns)
+  rollout = dataclasses.replace(rollout, stopped=stopped)
+  scores = dataclasses.replace(scores, rewards=np.tile(scores.rewards, turns))
+  assert len(rows) == turns * episodes
+  return rollout, scores, facts

@@ -171,20 +171,32 @@ def render_prompt(tokenizer, use_chat_template: bool, task: 'ProblemFields', que
   """The prompt text of one question (problem `index` of `section`, for messages): the task's
   template, then the chat template for chat models; a question given as chat messages goes
   through the chat template alone. `tools`: function schemas the chat template lists."""
+  messages = prompt_messages(use_chat_template, task, question, index, section)
+  if isinstance(messages, str):
+    return messages
+  return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                       **template_options(task, tools))
+
+
+def prompt_messages(use_chat_template: bool, task: 'ProblemFields', question, index: int = 0,
+                    section: str = 'task') -> list[dict] | str:
+  """The chat messages a question's prompt renders (render_prompt), or its text without a chat
+  template."""
   if not isinstance(question, str):  # already chat messages, as in some RL datasets
     if not use_chat_template:
       raise UserError(f'{section}: record {index} holds chat messages; they need task.chat_template: true and a '
                       'tokenizer with a chat template')
-    messages = list(question)
-  else:
-    text = _format(task.prompt_template, question)
-    if not use_chat_template:
-      return text
-    messages = [{'role': 'user', 'content': text}]
+    return list(question)
+  text = _format(task.prompt_template, question)
+  return [{'role': 'user', 'content': text}] if use_chat_template else text
+
+
+def template_options(task: 'ProblemFields', tools=None) -> dict:
+  """The chat template's keyword arguments of a task: its thinking switch, the tools it lists."""
   options = {} if task.enable_thinking is None else {'enable_thinking': task.enable_thinking}
   if tools:
     options['tools'] = tools
-  return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **options)
+  return options
 
 
 def tokenize_prompts(tokenizer, use_chat_template: bool, texts: list[str]) -> list[list[int]]:

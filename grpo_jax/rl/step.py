@@ -36,6 +36,12 @@ def make_batch(prompts: Prompts, rollout: Rollout, scores: Scores, algo_config: 
   advantages = algo.ADVANTAGES[algo_config.advantage](scores.rewards.reshape(-1, group),
                                                       algo_config.advantage_epsilon).reshape(-1)
   rows = prompts.repeat(group)
+  # Rows per sample: 1, or an agent's turns (task.turn_context: as_rendered), turn-major: each block
+  # of P * G rows is one turn of every episode, with its episode's reward, so its groups' advantages
+  # are the episodes'.
+  turns = rollout.tokens.shape[0] // (prompts.tokens.shape[0] * group)
+  if turns > 1:
+    rows = rows.map_arrays(lambda x: jnp.concatenate([x] * turns))
   vision = rollout.vision  # an agent's rows with images of their own, over prompt and completion
   if vision is None and rows.vision is not None:
     vision = extended(rows.vision, rows.mask, rollout.sequence_mask)
