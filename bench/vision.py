@@ -31,7 +31,7 @@ from grpo_jax import config as config_lib  # noqa: E402
 from grpo_jax.data.spot import SpotTask  # noqa: E402
 from grpo_jax.model.loading import init_model  # noqa: E402
 from grpo_jax.model.presets import preset  # noqa: E402
-from grpo_jax.model.vision import extended  # noqa: E402
+from grpo_jax.model.vision import extended, model_inputs  # noqa: E402
 from grpo_jax.rl.loss import completion_log_probs  # noqa: E402
 from grpo_jax.sampler.decode import prefill  # noqa: E402
 
@@ -63,7 +63,7 @@ def measured(rows: int, repeats: int) -> list[tuple[str, float, float]]:
   def update(params, vision):
     def total(params):
       values, _ = completion_log_probs(nnx.merge(graphdef, params), tokens, segments, 2, temperature=1.0,
-                                       implementation='auto', vision=vision)
+                                       implementation='auto', **model_inputs(vision))
       return jnp.sum(values)
     return jax.grad(total)(params)
 

@@ -19,7 +19,7 @@ import optax
 
 from grpo_jax import distributed
 from grpo_jax.data.task import Prompts, Scores
-from grpo_jax.model.vision import extended
+from grpo_jax.model.vision import RowImages
 from grpo_jax.rl import algo
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.batch import Batch
@@ -35,10 +35,11 @@ def make_batch(prompts: Prompts, rollout: Rollout, scores: Scores, algo_config: 
   group = algo_config.group_size
   advantages = algo.ADVANTAGES[algo_config.advantage](scores.rewards.reshape(-1, group),
                                                       algo_config.advantage_epsilon).reshape(-1)
-  rows = prompts.repeat(group)
-  vision = None if rows.vision is None else extended(rows.vision, rows.mask, rollout.sequence_mask)
+  rows = dataclasses.replace(prompts, vision=None).repeat(group)  # the images stay one per prompt
+  vision = prompts.vision
+  shown = None if vision is None else RowImages.answering(vision, group, rows.mask, rollout.sequence_mask)
   return Batch(prompt_tokens=rows.tokens, prompt_mask=rows.mask, rollout=dataclasses.replace(rollout, decode_steps=None),
-               advantages=advantages, vision=vision,
+               advantages=advantages, images=None if vision is None else vision.images, vision=shown,
                lags=jax.tree.map(lambda versions: jnp.where(rollout.mask, version - versions, 0), rollout.versions))
 
 
