@@ -85,12 +85,7 @@ def counted(image_side: int, prompt: int, response: int) -> dict:
   v = c.vision
   side = image_side // (v.patch_size * v.spatial_merge_size) * v.spatial_merge_size  # patches a side
   n = side * side
-  window = (v.window_size // v.patch_size) ** 2
-  C, inner, W = v.hidden_size, v.intermediate_size, v.hidden_size * v.merge_unit
-  block = 2 * n * (3 * C * C + C * C + 3 * C * inner)
-  full = len(v.fullatt_block_indexes)
-  attention = 4 * n * C * (full * n + (v.depth - full) * min(window, n))
-  tower = 2 * n * v.patch_dim * C + v.depth * block + attention + 2 * (n // v.merge_unit) * (W * W + W * c.hidden_size)
+  tower = v.image_flops(n)
   tokens = prompt + response
   text_params = c.num_params() - v.num_params() - c.vocab_size * c.hidden_size  # the embedding is a lookup
   language = 2 * tokens * text_params + 4 * c.num_hidden_layers * c.num_attention_heads * c.resolved_head_dim * tokens ** 2 // 2
