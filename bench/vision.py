@@ -31,7 +31,7 @@ from grpo_jax import config as config_lib  # noqa: E402
 from grpo_jax.data.spot import SpotTask  # noqa: E402
 from grpo_jax.model.loading import init_model  # noqa: E402
 from grpo_jax.model.presets import preset  # noqa: E402
-from grpo_jax.model.vision import extended  # noqa: E402
+from grpo_jax.model.vision import extended, model_inputs  # noqa: E402
 from grpo_jax.rl.loss import completion_log_probs  # noqa: E402
 from grpo_jax.sampler.decode import prefill  # noqa: E402
 
@@ -63,7 +63,7 @@ def measured(rows: int, repeats: int) -> list[tuple[str, float, float]]:
   def update(params, vision):
     def total(params):
       values, _ = completion_log_probs(nnx.merge(graphdef, params), tokens, segments, 2, temperature=1.0,
-                                       implementation='auto', vision=vision)
+                                       implementation='auto', **model_inputs(vision))
       return jnp.sum(values)
     return jax.grad(total)(params)
 
@@ -85,12 +85,7 @@ def counted(image_side: int, prompt: int, response: int) -> dict:
   v = c.vision
   side = image_side // (v.patch_size * v.spatial_merge_size) * v.spatial_merge_size  # patches a side
   n = side * side
-  window = (v.window_size // v.patch_size) ** 2
-  C, inner, W = v.hidden_size, v.intermediate_size, v.hidden_size * v.merge_unit
-  block = 2 * n * (3 * C * C + C * C + 3 * C * inner)
-  full = len(v.fullatt_block_indexes)
-  attention = 4 * n * C * (full * n + (v.depth - full) * min(window, n))
-  tower = 2 * n * v.patch_dim * C + v.depth * block + attention + 2 * (n // v.merge_unit) * (W * W + W * c.hidden_size)
+  tower = v.image_flops(n)
   tokens = prompt + response
   text_params = c.num_params() - v.num_params() - c.vocab_size * c.hidden_size  # the embedding is a lookup
   language = 2 * tokens * text_params + 4 * c.num_hidden_layers * c.num_attention_heads * c.resolved_head_dim * tokens ** 2 // 2

@@ -188,6 +188,21 @@ def model_flops_per_step(active_params: int, prompt_length: int, rollout, algo, 
   return 2.0 * forward * sampled + per_trained * trained + 2.0 * forward * rows * sequence * scoring_passes
 
 
+def tower_flops_per_step(prompt_flops: float, rollout, algo, trained: bool, remat: bool) -> tuple[float, float]:
+  """(the sampler's, the update's) FLOPs of a vision tower in one RL step, `prompt_flops` the
+  tower's forward FLOPs on one prompt's images (its bucket, padding included). The prefill runs it
+  once per prompt. The update runs it once per prompt (rl/update.py): for pi_ref (beta > 0); a
+  frozen tower once more for every other pass; a trained one once for pi_old (when scored), and in
+  each of the mu x M mini-batches forward and backward (2x forward, 3x with `remat`: the blocks'
+  forward again)."""
+  prompts = rollout.prompts_per_step * prompt_flops
+  scored = algo.ppo_epochs > 1 or algo.num_minibatches > 1
+  if not trained:
+    return prompts, prompts * (1 + (algo.kl_beta > 0))
+  minibatches = algo.ppo_epochs * algo.num_minibatches
+  return prompts, prompts * (scored + (algo.kl_beta > 0) + minibatches * (3 + remat))
+
+
 @functools.cache
 def matmul_peak_flops(dtype: str = 'float32', size: int = 1024, repeats: int = 5) -> float:
   """Measured FLOP/s of a square jitted matmul on the default device (the MFU denominator)."""

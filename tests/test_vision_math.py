@@ -218,7 +218,7 @@ def test_split_devices_sample_image_prompts_as_their_versions(tmp_path, checkpoi
   the prompt and the tokens before it."""
   from test_split import split_steps
 
-  from grpo_jax.model.vision import extended
+  from grpo_jax.model.vision import extended, model_inputs
   from grpo_jax.rl.loss import completion_log_probs
 
   rng = np.random.default_rng(seed)
@@ -233,7 +233,7 @@ def test_split_devices_sample_image_prompts_as_their_versions(tmp_path, checkpoi
   @jax.jit
   def log_probs(params, tokens, segments, vision):
     return completion_log_probs(nnx.merge(graphdef, params), tokens, segments, 6, temperature=temperature,
-                                implementation='auto', vision=vision)[0]
+                                implementation='auto', **model_inputs(vision))[0]
 
   checked, versions_seen = 0, set()
   with jax.set_mesh(run['mesh']):

@@ -49,8 +49,9 @@ def test_image_prompts_through_the_slots_equal_generate_and_the_updates_log_prob
   row_prompts = jax.tree.map(lambda x: x[rows], prompts)
   full = jnp.concatenate([jnp.asarray(tokens[rows], jnp.int32), sampled.tokens], axis=1)
   segments = jnp.concatenate([jnp.asarray(mask[rows], jnp.int32), sampled.mask.astype(jnp.int32)], axis=1)
+  row_vision = vision.extended(row_prompts, jnp.asarray(mask[rows]), sampled.mask)
   recomputed, _ = completion_log_probs(model, full, segments, steps, temperature=0.8, implementation='auto',
-                                       vision=vision.extended(row_prompts, jnp.asarray(mask[rows]), sampled.mask))
+                                       **vision.model_inputs(row_vision))
   np.testing.assert_allclose(np.asarray(recomputed) * np.asarray(sampled.mask), np.asarray(sampled.log_probs),
                              rtol=0, atol=1e-4)
   assert (tokens == IMAGE).sum() > 0 and grids_of(images)[1] == []
@@ -198,7 +199,8 @@ def test_packed_update_with_images_equals_padded(seed):
       segment_ids=jnp.asarray(np.concatenate([prompt_mask, mask], axis=1), jnp.int32), mask=jnp.asarray(mask),
       advantages=jnp.asarray(rng.standard_normal(ROWS), jnp.float32),
       sampler_log_probs=jnp.asarray(rng.uniform(-3.0, -0.5, mask.shape), jnp.float32),
-      vision=vision.extended(prompt_vision, jnp.asarray(prompt_mask), jnp.asarray(mask)))
+      images=prompt_vision.images,
+      vision=vision.RowImages.answering(prompt_vision, 1, jnp.asarray(prompt_mask), jnp.asarray(mask)))
   # Rows of twice a sequence's width: each packed row holds several sequences, and their images.
   settings = dict(ppo_epochs=2, kl_beta=0.05, tis_cap=1.5, entropy_coef=0.01, pack_length=2 * (width + steps))
   padded = run_update(settings, params, batch, seed, packed=False, ref_params=ref_params, architecture=architecture)

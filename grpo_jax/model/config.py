@@ -113,6 +113,18 @@ class VisionConfig:
     block = 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + 2 * (c * i + i) + (i * c + c)
     return self.patch_dim * c + self.depth * block + c + (w * w + w) + (w * self.out_hidden_size + self.out_hidden_size)
 
+  def image_flops(self, patches: int) -> int:
+    """Forward FLOPs (2 per multiply-add) of the tower on one image of `patches` patches, counted
+    from the shapes: the patch embedding, each block's projections and MLP, its attention (a full
+    block's over the image, a windowed one's over its window), the merger."""
+    c, inner, w = self.hidden_size, self.intermediate_size, self.hidden_size * self.merge_unit
+    block = 2 * patches * (3 * c * c + c * c + 3 * c * inner)
+    full = len(self.fullatt_block_indexes)
+    window = (self.window_size // self.patch_size) ** 2
+    attention = 4 * patches * c * (full * patches + (self.depth - full) * min(window, patches))
+    merger = 2 * (patches // self.merge_unit) * (w * w + w * self.out_hidden_size)
+    return 2 * patches * self.patch_dim * c + self.depth * block + attention + merger
+
 
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:

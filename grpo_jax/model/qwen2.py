@@ -38,7 +38,7 @@ from grpo_jax.model.moe import Routing, gathered
 from grpo_jax.model.options import DType, ModelOptions, ParamDType  # noqa: F401 (names the model's users import)
 from grpo_jax.model.quantize import Quantized, output_scale
 from grpo_jax.model.token_ids import check_token_ids
-from grpo_jax.model.vision import Images, VisionTower, place, place_from
+from grpo_jax.model.vision import Images, VisionTower, place, place_any
 from grpo_jax.ops.logprob import target_platform
 from grpo_jax.sharding import constrain
 
@@ -234,9 +234,10 @@ class Qwen2(nnx.Module, CacheDecoding):
     index among its segment's. routes [B, T, Ls, k]: a mixture of experts routes each token to
     these experts (routing replay, model/moe.py). return_routing: return (hidden, Routing)
     instead, what the sparse layers did (None for a dense model). images: the vision tower's
-    input and where its features go (model/vision.py). placed: (features [B, F, D], placement
-    [B', T, 2]) features already computed (image_features) placed into rows that take them from
-    several of the B rows (packed rows; vision.place_from).
+    input and where its features go (model/vision.py). placed: (features [B, F, D], placement)
+    features already computed (image_features), placed as vision.place_any says: placement [B, T]
+    into each row from its own, or [B', T, 2] into rows that take them from several of the B
+    (packed rows).
     """
     segment_ids = real_segments(tokens, segment_ids)
     ordinals = segment_positions(segment_ids)  # the default positions; what a sliding window counts
@@ -260,7 +261,7 @@ class Qwen2(nnx.Module, CacheDecoding):
 
     x = self._embed(tokens, images)
     if placed is not None:
-      x = place_from(x, *placed)
+      x = place_any(x, *placed)
     x, _, routing = self.run_layers(x, layer, self.layer_settings(), replay=self._replay(routes))
     hidden = self.final_norm_of(x)
     return (hidden, gathered(routing)) if return_routing else hidden

@@ -110,17 +110,70 @@ def model_inputs(vision: 'Vision | None') -> dict:
 
 
 def extended(vision: Vision, prompt_mask: jax.Array, completion_mask: jax.Array) -> Vision:
-  """The prompts' Vision [B, Tp] over the rows [B, Tp + N] of prompt and completion (the update's):
-  no completion token takes a feature, and completion token j (of those completion_mask marks)
-  sits at the prompt's count of real tokens plus j plus the offset on all three components, where
-  the sampler decoded it. Traceable."""
-  before = jnp.sum(prompt_mask != 0, axis=1, dtype=jnp.int32)
-  running = jnp.maximum(jnp.cumsum(completion_mask != 0, axis=1, dtype=jnp.int32) - 1, 0)
-  after = (before + vision.offsets)[:, None] + running
-  positions = jnp.concatenate([vision.positions, jnp.broadcast_to(after[..., None], after.shape + (3,))], axis=1)
-  placement = jnp.concatenate([vision.images.placement, jnp.full(completion_mask.shape, -1, jnp.int32)], axis=1)
+  """The prompts' Vision [B, Tp] over the rows [B, Tp + N] of prompt and completion, each row
+  with its own images (a plain forward's): no completion token takes a feature, and completion
+  token j (of those completion_mask marks) sits at the prompt's count of real tokens plus j plus
+  the offset on all three components, where the sampler decoded it. Traceable."""
+  positions, placement = _over_completions(vision.positions, vision.offsets, vision.images.placement, prompt_mask,
+                                           completion_mask)
   return Vision(images=dataclasses.replace(vision.images, placement=placement), positions=positions,
                 offsets=vision.offsets)
+
+
+def _over_completions(positions, offsets, placement, prompt_mask, completion_mask):
+  """A prompt's M-RoPE positions [B, Tp, 3] and placements [B, Tp] extended over its completion
+  [B, N] (extended's rule). -> ([B, Tp + N, 3], [B, Tp + N])"""
+  before = jnp.sum(prompt_mask != 0, axis=1, dtype=jnp.int32)
+  running = jnp.maximum(jnp.cumsum(completion_mask != 0, axis=1, dtype=jnp.int32) - 1, 0)
+  after = (before + offsets)[:, None] + running
+  positions = jnp.concatenate([positions, jnp.broadcast_to(after[..., None], after.shape + (3,))], axis=1)
+  placement = jnp.concatenate([placement, jnp.full(completion_mask.shape, -1, jnp.int32)], axis=1)
+  return positions, placement
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowImages:
+  """Rows [B, T] showing the images of P prompts, a prompt's shown by several rows (the update's:
+  the G answers of a prompt share its images, so the tower runs once per prompt and each of the
+  rows takes its prompt's features). Rows lead every leaf; the images themselves stay apart.
+
+  prompt     [B] int32  the prompt whose images row b shows, among the P
+  placement  [B, T] int32 each token's feature among its prompt's merged features, -1 for a token
+             that keeps its embedding
+  positions  [B, T, 3] int32 the M-RoPE positions
+  """
+
+  prompt: jax.Array
+  placement: jax.Array
+  positions: jax.Array
+
+  def map_rows(self, fn) -> 'RowImages':
+    return jax.tree.map(fn, self)
+
+  @classmethod
+  def answering(cls, vision: Vision, group_size: int, prompt_mask: jax.Array,
+                completion_mask: jax.Array) -> 'RowImages':
+    """The rows [B = P * G, Tp + N] answering the prompts of `vision` [P, Tp], row p * G + g the
+    g-th answer to prompt p (prompt_mask [B, Tp], completion_mask [B, N]); positions and
+    placements as `extended` gives them. Traceable."""
+    prompts = vision.offsets.shape[0]
+    repeat = lambda x: jnp.repeat(x, group_size, axis=0)  # noqa: E731
+    positions, placement = _over_completions(repeat(vision.positions), repeat(vision.offsets),
+                                             repeat(vision.images.placement), prompt_mask, completion_mask)
+    return cls(prompt=repeat(jnp.arange(prompts, dtype=jnp.int32)), placement=placement, positions=positions)
+
+  @classmethod
+  def own(cls, vision: Vision) -> 'RowImages':
+    """Rows [B, T] each showing images of its own (`vision`'s, over the whole row: an agent's
+    episode, whose environment showed them): row b shows image row b."""
+    rows = vision.positions.shape[0]
+    return cls(prompt=jnp.arange(rows, dtype=jnp.int32), placement=vision.images.placement,
+               positions=vision.positions)
+
+  def features(self, prompt_features: jax.Array) -> jax.Array:
+    """Each row's features [B, F, D]: its prompt's, of the prompts' [P, F, D]; laid out with the rows."""
+    return constrain(jnp.take(prompt_features, self.prompt, axis=0), ('batch', None, None))
 
 
 def vision_of(images: list[list[tuple[np.ndarray, tuple[int, int, int]]]], tokens: np.ndarray,
@@ -243,6 +296,11 @@ def place(embeddings: jax.Array, features: jax.Array, placement: jax.Array) -> j
   row's merged features [B, F, D]."""
   taken = jnp.take_along_axis(features.astype(embeddings.dtype), jnp.maximum(placement, 0)[..., None], axis=1)
   return jnp.where((placement >= 0)[..., None], taken, embeddings)
+
+
+def place_any(embeddings: jax.Array, features: jax.Array, placement: jax.Array) -> jax.Array:
+  """`place` for a placement [B, T] (each row its own features), `place_from` for [B', T, 2]."""
+  return (place if placement.ndim == 2 else place_from)(embeddings, features, placement)
 
 
 def place_from(embeddings: jax.Array, features: jax.Array, placement: jax.Array) -> jax.Array:

@@ -19,6 +19,7 @@ from grpo_jax import metrics as metrics_lib
 from grpo_jax import sharding
 from grpo_jax.errors import UserError
 from grpo_jax.model.moe import route_dtype
+from grpo_jax.model.vision import patch_bucket
 from grpo_jax.plan import targets
 from grpo_jax.plan.programs import compile_program, step_programs
 from grpo_jax.plan.targets import format_bytes
@@ -118,7 +119,7 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
       compiler_notes=targets.summarise_compiler_log(log), compiler_log=log)
   if config.rollout.devices:
     report['split'] = crossing(config, target, state.pool, resident_bytes, trainer_devices, sampler_devices)
-  report['estimate'] = estimate(config, target, architecture, task.prompt_length, report)
+  report['estimate'] = estimate(config, target, architecture, task.prompt_length, report, task.vision_bucket)
   return report
 
 
@@ -143,11 +144,14 @@ def crossing(config: config_lib.Config, target: targets.Target, pipeline, reside
               crossing_s=per_device / target.link_bandwidth_of(link))
 
 
-def estimate(config: config_lib.Config, target: targets.Target, architecture, prompt_length: int, report: dict) -> dict:
+def estimate(config: config_lib.Config, target: targets.Target, architecture, prompt_length: int, report: dict,
+             bucket=None) -> dict:
   """Roofline estimate of the step, per program the largest of compute, HBM and interconnect time.
 
   compute: model FLOPs at the target's peak (the rollout's 2 N per sampled token, the rest the
-  update's; N the active parameters, a mixture's k experts of E). HBM: every decode step reads the resident weights and, on average, half of each row's
+  update's; N the active parameters, a mixture's k experts of E, without a vision tower's; the
+  tower's FLOPs on each prompt's `bucket` of images as metrics.tower_flops_per_step counts them,
+  `tower_flops`). HBM: every decode step reads the resident weights and, on average, half of each row's
   KV cache. Interconnect: the compiled collectives (traffic.py), once per program outside the
   decode loop and N times inside it (N = max_new_tokens: the longest answer's decode steps), each
   on the link class its device groups use (`links`: NVLink, the network between GPU hosts, ICI);
@@ -161,12 +165,21 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   advance v - 1 and update v - 1, so a step costs max(R, U, (R + U + X) / 2): the two-step cycle
   advance -> update -> crossing -> advance bounds it when neither side dominates."""
   steps = config.rollout.max_new_tokens
-  params = architecture.num_params(active=True)
+  vision = architecture.vision
+  params = architecture.num_params(active=True) - (vision.num_params() if vision is not None else 0)
   adapters = report['model']['trained'] if config.model.options.lora is not None else None
   step_flops = metrics_lib.model_flops_per_step(params, prompt_length, config.rollout, config.algo,
                                                 adapter_params=adapters)
   rows = config.completions_per_step
   rollout_flops = 2.0 * params * (config.rollout.prompts_per_step * prompt_length + rows * steps)
+  tower = dict(rollout=0.0, update=0.0)
+  if vision is not None and bucket is not None:
+    options = config.model.options
+    tower['rollout'], tower['update'] = metrics_lib.tower_flops_per_step(
+        bucket.images * vision.image_flops(patch_bucket(bucket.patches, vision)), config.rollout, config.algo,
+        trained=not options.freeze_vision and options.lora is None, remat=options.remat != 'none')
+    step_flops += tower['rollout'] + tower['update']
+    rollout_flops += tower['rollout']
   per_device = report['per_device']
   decode_s = steps * (per_device['resident_weights'] + per_device['kv_cache'] / 2) / target.hbm_bandwidth
   parts = {}
@@ -181,12 +194,13 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
     update = program['name'] != 'rollout'
     flops = (rollout_flops if rollout else 0.0) + ((step_flops - rollout_flops) if update else 0.0)
     devices = report['program_devices'][program['name']]
-    parts[program['name']] = dict(compute_s=flops / (devices * target.peak_flops), hbm_s=decode_s if rollout else 0.0,
-                                  interconnect_s=sum(links.values()), links=links)
+    parts[program['name']] = dict(flops=flops, compute_s=flops / (devices * target.peak_flops),
+                                  hbm_s=decode_s if rollout else 0.0, interconnect_s=sum(links.values()), links=links)
   for part in parts.values():
     part['program_s'] = max(part['compute_s'], part['hbm_s'], part['interconnect_s'])
     part['bound'] = _bound(part)
-  result = dict(model_flops=step_flops, programs=parts, step_s=sum(part['program_s'] for part in parts.values()))
+  result = dict(model_flops=step_flops, tower_flops=tower, programs=parts,
+                step_s=sum(part['program_s'] for part in parts.values()))
   if 'split' in report and {'rollout', 'update', 'transfer'} <= parts.keys():
     rollout_s, update_s = parts['rollout']['program_s'], parts['update']['program_s']
     crossing_s = parts['transfer']['program_s'] + report['split']['crossing_s']
@@ -271,10 +285,14 @@ def format_report(report: dict) -> str:
   verdict = 'fits' if report['fits'] else 'DOES NOT FIT'
   lines.append(f'peak {format_bytes(report["peak"])} of {format_bytes(report["hbm"])} per device: {verdict}')
   estimate = report['estimate']
-  lines.append(f'estimate (roofline, not measured): {estimate["model_flops"] / 1e15:.1f} PFLOP per step')
+  tower = estimate.get('tower_flops', {})
+  lines.append(f'estimate (roofline, not measured): {estimate["model_flops"] / 1e15:.1f} PFLOP per step'
+               + (f' (the vision tower: rollout {tower["rollout"] / 1e15:.1f}, update {tower["update"] / 1e15:.1f})'
+                  if any(tower.values()) else ''))
   for name, part in estimate['programs'].items():
     links = ', '.join(f'{targets.LINK_NAMES.get(link, link)} {value:.2f} s' for link, value in part['links'].items())
-    lines.append(f'  "{name}": compute >= {part["compute_s"]:.2f} s, HBM >= {part["hbm_s"]:.2f} s, interconnect >= '
+    lines.append(f'  "{name}": {part.get("flops", 0.0) / 1e15:.1f} PFLOP, compute >= {part["compute_s"]:.2f} s, '
+                 f'HBM >= {part["hbm_s"]:.2f} s, interconnect >= '
                  f'{part["interconnect_s"]:.2f} s' + (f' ({links})' if len(part['links']) > 1 else '')
                  + f' -> {part["program_s"]:.2f} s, bound by {part["bound"]}')
   if 'split' in report:

@@ -4,6 +4,11 @@ maths of rl/algo.py, summed with the aggregation's weights.
 Log-probs come from `ops.token_logprobs` (no [tokens, vocab] logits), either of the padded rows
 [B, Tp + N] or of packed rows (rl/packing.py) brought back to the padded [B, N] layout: the loss
 itself only ever sees per-token arrays [B, N], so both layouts give the same loss.
+
+Rows with images take their features as inputs (`LossInputs.features`): the update runs the
+vision tower once per prompt, outside the micro-batches, and each of the prompt's G rows takes its
+features; when the tower trains, the loss's gradient with respect to them is what the update
+carries back through the tower (rl/update.py).
 """
 
 import jax
@@ -12,7 +17,7 @@ import numpy as np
 from flax import nnx, struct
 
 from grpo_jax.model.qwen2 import Qwen2
-from grpo_jax.model.vision import Vision, model_inputs
+from grpo_jax.model.vision import RowImages
 from grpo_jax.ops import token_logprobs
 from grpo_jax.rl import algo, packing
 from grpo_jax.rl.algo import AlgoConfig
@@ -33,6 +38,8 @@ class LossInputs:
   weights        [B, N] fp32 the loss aggregation's weights, normalised over the whole mini-batch,
                  so micro-batch losses (and gradients) add up to the mini-batch loss exactly.
   token_weights  [B, N] fp32 token-mean weights over the mini-batch, for the reported metrics.
+  features       [B, F, D] each row's image features (its prompt's, shown at batch.vision's
+                 placements), or None (text rows)
   """
 
   batch: Batch
@@ -40,24 +47,32 @@ class LossInputs:
   ref_log_probs: jax.Array | None = None
   weights: jax.Array | None = None
   token_weights: jax.Array | None = None
+  features: jax.Array | None = None
 
   def map_rows(self, fn) -> 'LossInputs':
-    """fn applied to every leaf (each leads with the rows), the batch's included."""
-    return jax.tree.map(fn, self)
+    """fn applied to every leaf that leads with the rows, the batch's included (Batch.map_rows)."""
+    return jax.tree.map(fn, self.replace(batch=None)).replace(batch=self.batch.map_rows(fn))
+
+
+def shown(rows: RowImages | None, features: jax.Array | None) -> dict:
+  """The model's image keywords (Qwen2.hidden_states) for padded rows showing their `features`
+  [B, F, D] at their placements; none for text rows."""
+  return {} if rows is None else dict(positions=rows.positions, placed=(features, rows.placement))
 
 
 def completion_log_probs(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array, completion_length: int,
                          *, temperature: float, implementation: str, with_entropy: bool = False,
-                         routes: jax.Array | None = None, vision: Vision | None = None):
+                         routes: jax.Array | None = None, **images):
   """(log pi(y_t) [B, N] (and entropy [B, N]) of the last N tokens, from the fused op; the
   model's Routing of the rows, None for a dense model). routes [B, Tp + N, Ls, k]: replayed.
-  vision: the rows' images and positions (the vision tower recomputed, trained or frozen).
+  images: the model's image keywords: the rows' own images run through the tower
+  (vision.model_inputs), or features computed already (`shown`).
 
   The logits predicting completion token t sit at position Tp + t - 1, so the op reads the hidden
   states of positions Tp - 1 .. Tp + N - 2; prompts must be left-padded.
   """
   hidden, routing = model.hidden_states(tokens, segment_ids=segment_ids, routes=routes, return_routing=True,
-                                        **model_inputs(vision))
+                                        **images)
   hidden = hidden[:, -completion_length - 1:-1]
   return token_logprobs(hidden, model.lm_head_weight(), tokens[:, -completion_length:],
                         temperature=temperature, return_entropy=with_entropy,
@@ -65,16 +80,15 @@ def completion_log_probs(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array
 
 
 def packed_token_log_probs(model: Qwen2, packed: packing.Packed, *, temperature: float, implementation: str,
-                           with_entropy: bool = False, replay: bool = False, vision: Vision | None = None):
+                           with_entropy: bool = False, replay: bool = False, features: jax.Array | None = None):
   """(log pi [n, m, L - 1] (and entropy) of every packed token but each row's first, at the column
   before it (position c - 1 predicts the token in column c), for packed rows [n, m, L]; the
-  model's Routing). replay: route to the packed rows' recorded experts. vision: the batch's
-  images, whose features the packed tokens take (packed.placement); the tower runs on all of the
-  batch's rows' images for each micro-batch."""
+  model's Routing). replay: route to the packed rows' recorded experts. features [B, F, D]: the
+  batch's rows' image features, which the packed tokens take (packed.placement)."""
   groups, rows, length = packed.tokens.shape
   flat = packed.map_tokens(lambda x: x.reshape((groups * rows,) + x.shape[2:]))
   tokens = flat.tokens
-  placed = None if vision is None else (model.image_features(vision.images), flat.placement)
+  placed = None if features is None else (features, flat.placement)
   hidden, routing = model.hidden_states(tokens, segment_ids=flat.segment_ids, routes=flat.routes if replay else None,
                                         return_routing=True, positions=flat.positions, placed=placed)
   out = token_logprobs(hidden[:, :-1], model.lm_head_weight(), tokens[:, 1:], temperature=temperature,
@@ -92,9 +106,10 @@ def log_probs_of(model: Qwen2, micro: LossInputs, packed: packing.Packed | None,
   completion_length = batch.completion_length
   if packed is None:
     values, routing = completion_log_probs(model, batch.tokens, batch.segment_ids, completion_length, **options,
-                                           routes=batch.routes if replay else None, vision=batch.vision)
+                                           routes=batch.routes if replay else None,
+                                           **shown(batch.vision, micro.features))
   else:
-    values, routing = packed_token_log_probs(model, packed, **options, replay=replay, vision=batch.vision)
+    values, routing = packed_token_log_probs(model, packed, **options, replay=replay, features=micro.features)
     values = (tuple(packing.unpack(value, packed, completion_length) for value in values) if with_entropy
               else packing.unpack(values, packed, completion_length))
   return (values, routing) if with_routing else values

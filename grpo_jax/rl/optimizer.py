@@ -53,25 +53,32 @@ class OptimConfig:
   def build(self, total_updates: int, frozen: tuple[str, ...] = ()) -> tuple[optax.GradientTransformation,
                                                                               optax.Schedule]:
     """(AdamW on the schedule, after global-norm clipping when enabled; the schedule). `frozen`:
-    top-level parameter names the optimizer leaves as they are (no update, no weight decay): a
-    frozen vision tower, 'visual'. Their AdamW moments are still held, at zero (optax's masked
-    states do not lay out by the parameters' shardings), a memory cost left for later."""
+    top-level parameter names the optimizer leaves as they are and holds no state for (`freezing`):
+    a frozen vision tower, 'visual'."""
     schedule = self.learning_rate_schedule(total_updates)
     adamw = optax.adamw(schedule, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
     optimizer = optax.chain(optax.clip_by_global_norm(self.max_grad_norm), adamw) if self.max_grad_norm > 0 else adamw
-    if frozen:
-      optimizer = optax.chain(optimizer, _zero_updates(frozen))
-    return optimizer, schedule
+    return (freezing(optimizer, frozen) if frozen else optimizer), schedule
 
 
-def _zero_updates(names: tuple[str, ...]) -> optax.GradientTransformation:
-  """Zeroes the updates of the parameters under the top-level `names` (stateless)."""
-  def first(path) -> str:
-    return str(getattr(path[0], 'key', getattr(path[0], 'name', path[0])))
+def _first(path) -> str:
+  """The top-level name of a parameter's path."""
+  return str(getattr(path[0], 'key', getattr(path[0], 'name', path[0])))
+
+
+def freezing(optimizer: optax.GradientTransformation, names: tuple[str, ...]) -> optax.GradientTransformation:
+  """`optimizer` on every parameter but those under the top-level `names`, which keep their values:
+  their updates are zero, and the optimizer's state holds optax.MaskedNode (no array) where their
+  moments would be. Their gradients, zero in the update, are left out of its global norm."""
+  def trained(params):
+    return jax.tree_util.tree_map_with_path(lambda path, _: _first(path) not in names, params)
 
   def update(updates, state, params=None):
     del params
-    zeroed = jax.tree_util.tree_map_with_path(lambda path, u: jnp.zeros_like(u) if first(path) in names else u, updates)
+    zeroed = jax.tree_util.tree_map_with_path(lambda path, u: jnp.zeros_like(u) if _first(path) in names else u,
+                                              updates)
     return zeroed, state
 
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+  # optax.masked passes the masked-out updates through as they came: zeroed after it.
+  return optax.chain(optax.masked(optimizer, trained),
+                     optax.GradientTransformation(lambda params: optax.EmptyState(), update))

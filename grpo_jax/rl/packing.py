@@ -23,7 +23,7 @@ from flax import struct
 from jax.sharding import PartitionSpec
 
 from grpo_jax.model.moe import unrecorded_id
-from grpo_jax.model.vision import Vision
+from grpo_jax.model.vision import RowImages
 from grpo_jax.records import along, map_along
 from grpo_jax.sharding import auto_shape, batch_groups, constrain, grouped, split_axes
 
@@ -41,8 +41,8 @@ class Packed:
   routes       [n, R, L, Ls, k] the tokens' recorded experts (routing replay), or None
   positions    [n, R, L, 3]     the tokens' M-RoPE positions (sequences with images), or None
   placement    [n, R, L, 2] int32 each token's image feature: (its sequence b among the batch's B,
-                                the feature's index among b's), (-1, -1) for a token that keeps its
-                                embedding; None without images
+                                the feature's index among b's features, its prompt's), (-1, -1) for a
+                                token that keeps its embedding; None without images
   """
 
   tokens: jax.Array = along('token')
@@ -117,7 +117,7 @@ def _pack_group(tokens, segment_ids, routes, positions, placement, completion_le
 
 
 def pack(tokens: jax.Array, segment_ids: jax.Array, completion_length: int, row_length: int,
-         micro_rows: int, routes: jax.Array | None = None, vision: Vision | None = None) -> Packed:
+         micro_rows: int, routes: jax.Array | None = None, vision: RowImages | None = None) -> Packed:
   """Packs the padded rows tokens, segment_ids [B, W] (each a left-padded prompt then a completion
   of `completion_length` slots; routes [B, W, Ls, k] travel with their tokens, and so do the
   M-RoPE positions and image placements of `vision`, model/vision.py, its placements made flat over
@@ -129,7 +129,7 @@ def pack(tokens: jax.Array, segment_ids: jax.Array, completion_length: int, row_
   rows = -(-per_group // micro_rows) * micro_rows
   positions = placement = None
   if vision is not None:
-    local = vision.images.placement
+    local = vision.placement
     sequence = jnp.broadcast_to(jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None], local.shape)
     placement = jnp.stack([jnp.where(local >= 0, sequence, -1), local], axis=-1)
     positions = vision.positions

@@ -78,14 +78,16 @@ def train_state_shardings(params: nnx.State, optimizer: optax.GradientTransforma
                           frozen=None) -> TrainState:
   """The one layout of a TrainState: the parameters as they lie (the logical-axis rules of
   grpo_jax/sharding.py), every optimizer leaf that mirrors a parameter (AdamW's moments) laid out
-  like that parameter, so FSDP shards the optimizer state too, and the counters and key
+  like that parameter, so FSDP shards the optimizer state too (a frozen parameter has none:
+  optax.MaskedNode), and the counters and key
   replicated; a partial-rollout pool (arrays or their shapes) by rows over the batch axes. Init, the
   jitted update, the K-step loop and checkpoint restore all use it."""
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
   replicated = NamedSharding(jax.tree.leaves(param_shardings)[0].mesh, PartitionSpec())
-  opt_shardings = optax.tree_map_params(optimizer, lambda _, sharding: sharding,
+  masked = lambda value: isinstance(value, optax.MaskedNode)  # noqa: E731  a frozen parameter's (no array)
+  opt_shardings = optax.tree_map_params(optimizer, lambda value, sharding: value if masked(value) else sharding,
                                         jax.eval_shape(optimizer.init, params), param_shardings,
-                                        transform_non_params=lambda _: replicated)
+                                        transform_non_params=lambda _: replicated, is_leaf=masked)
   return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, key=replicated,
                     updates=replicated, skips=replicated, position=replicated, pool=pool_shardings(pool, replicated.mesh),
                     frozen=jax.tree.map(lambda x: x.sharding, frozen))

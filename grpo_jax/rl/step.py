@@ -19,7 +19,7 @@ import optax
 
 from grpo_jax import distributed
 from grpo_jax.data.task import Prompts, Scores
-from grpo_jax.model.vision import extended
+from grpo_jax.model.vision import RowImages
 from grpo_jax.rl import algo
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.batch import Batch
@@ -35,19 +35,22 @@ def make_batch(prompts: Prompts, rollout: Rollout, scores: Scores, algo_config: 
   group = algo_config.group_size
   advantages = algo.ADVANTAGES[algo_config.advantage](scores.rewards.reshape(-1, group),
                                                       algo_config.advantage_epsilon).reshape(-1)
-  rows = prompts.repeat(group)
+  rows = dataclasses.replace(prompts, vision=None).repeat(group)  # the images stay one per prompt
   # Rows per sample: 1, or an agent's turns (task.turn_context: as_rendered), turn-major: each block
   # of P * G rows is one turn of every episode, with its episode's reward, so its groups' advantages
   # are the episodes'.
   turns = rollout.tokens.shape[0] // (prompts.tokens.shape[0] * group)
   if turns > 1:
     rows = rows.map_arrays(lambda x: jnp.concatenate([x] * turns))
-  vision = rollout.vision  # an agent's rows with images of their own, over prompt and completion
-  if vision is None and rows.vision is not None:
-    vision = extended(rows.vision, rows.mask, rollout.sequence_mask)
+  if rollout.vision is not None:  # an agent's rows, each with images of its own over prompt and completion
+    images, shown = rollout.vision.images, RowImages.own(rollout.vision)
+  else:
+    vision = prompts.vision
+    images = None if vision is None else vision.images
+    shown = None if vision is None else RowImages.answering(vision, group, rows.mask, rollout.sequence_mask)
   return Batch(prompt_tokens=rows.tokens, prompt_mask=rows.mask,
                rollout=dataclasses.replace(rollout, decode_steps=None, vision=None),
-               advantages=advantages, vision=vision,
+               advantages=advantages, images=images, vision=shown,
                lags=jax.tree.map(lambda versions: jnp.where(rollout.mask, version - versions, 0), rollout.versions))
 
 

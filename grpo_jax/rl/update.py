@@ -10,6 +10,14 @@ of a fixed number of rows, or each mini-batch's sequences packed into rows of `p
 tokens need. The micro-batch loop is written once for both (`_accumulate`, `_score`); only which
 rows a micro-batch holds differs, and the loss sees the padded [B, N] layout either way, so both
 give the same loss, gradients and metrics.
+
+Images: the vision tower runs once per prompt, outside the micro-batches, and each row takes its
+prompt's features (LossInputs.features). A frozen tower (`model.freeze_vision`, or LoRA's base) runs
+once per update and its features serve every pass; a trained one runs once per mini-batch (on all P
+prompts: rows are shuffled one by one, so a prompt's rows may lie in any mini-batch), and the
+loss's gradients with respect to its rows' features, summed over the micro-batches whichever of
+them holds a prompt's rows, go back through the tower once (`jax.vjp`). The tower's parameters are
+never among those the micro-batches differentiate, so no gradient buffer of them is carried.
 """
 
 import dataclasses
@@ -131,7 +139,7 @@ def _add_metrics(totals: dict, metrics: dict) -> dict:
 
 def _accumulate(gradients, count):
   """Loss, metric sums and gradients summed over micro-batches 0 .. count - 1, where
-  `gradients(index)` -> ((loss, metrics), grads) of one."""
+  `gradients(index)` -> ((loss, metrics), grads) of one (grads: any pytree)."""
   def add(index, totals):
     (loss, metrics), grads = gradients(index)
     total_loss, total_metrics, total_grads = totals
@@ -166,8 +174,8 @@ def _replicas_of(micro: 'MicroBatches', rows: int) -> int:
 
 
 def _over_replicas(accumulate, params, rows: LossInputs, micro: 'MicroBatches'):
-  """accumulate(params, rows, micro) -> (loss, metric sums, gradients) over every micro-batch of
-  `rows`, run by each replica of the mesh's 'data' axis on its own rows (a shard_map manual over
+  """accumulate(params, rows, micro) -> (loss, metric sums, (gradients, the rows' feature
+  gradients [B, F, D] or None)) over every micro-batch of `rows`, run by each replica of the mesh's 'data' axis on its own rows (a shard_map manual over
   'data' alone; inside it each replica is a mesh of fsdp x expert), then summed across the
   replicas once. Hybrid sharding's contract: a micro-batch's gradients are reduce-scattered over
   the host's fsdp devices, and only the update's sum crosses the hosts, once per optimizer update
@@ -176,7 +184,8 @@ def _over_replicas(accumulate, params, rows: LossInputs, micro: 'MicroBatches'):
   groups, so micro-batches differ from one device's, but their sums are the same. The sums cross
   in the gradients' dtype (fp32 parameters: fp32, as the log-prob op's dW sums already ran), in
   bytes no more than XLA's per-micro-batch bf16 reductions of the weight gradients from 2
-  micro-batches on. Where `_replicas_of` says 1, accumulate runs on the whole mesh."""
+  micro-batches on. The feature gradients are each replica's own rows', gathered by rows. Where
+  `_replicas_of` says 1, accumulate runs on the whole mesh."""
   replicas = _replicas_of(micro, rows.batch.size)
   if replicas == 1:
     return accumulate(params, rows, micro)
@@ -190,10 +199,10 @@ def _over_replicas(accumulate, params, rows: LossInputs, micro: 'MicroBatches'):
       packed = packed.replace(placement=packed.placement.at[..., 0].set(local))
     own = MicroBatches(count=micro.count, rows=micro.rows if packed is not None else micro.rows // replicas,
                        packed=packed)
-    loss, metrics, grads = accumulate(params, rows, own)
+    loss, metrics, (grads, feature_grads) = accumulate(params, rows, own)
     metrics = {name: (jax.lax.pmax if name == 'sampler_gap_max' else jax.lax.psum)(value, REPLICAS)
                for name, value in metrics.items()}
-    return jax.lax.psum(loss, REPLICAS), metrics, jax.lax.psum(grads, REPLICAS)
+    return jax.lax.psum(loss, REPLICAS), metrics, (jax.lax.psum(grads, REPLICAS), feature_grads)
 
   packed = micro.packed
   # Every packed leaf leads with the groups but the batch's token count.
@@ -201,7 +210,8 @@ def _over_replicas(accumulate, params, rows: LossInputs, micro: 'MicroBatches'):
   # check_vma off: the gradients of the replicated parameters stay each replica's own until the psum
   # (with the varying-type check, the backward would sum them across the replicas in every micro-batch).
   # A packed count (traced) enters closed over: the same on every replica.
-  return jax.shard_map(replica, in_specs=(PartitionSpec(), by_rows(rows), packed_specs), out_specs=PartitionSpec(),
+  out_specs = (PartitionSpec(), PartitionSpec(), (PartitionSpec(), PartitionSpec(REPLICAS)))
+  return jax.shard_map(replica, in_specs=(PartitionSpec(), by_rows(rows), packed_specs), out_specs=out_specs,
                        axis_names={REPLICAS}, check_vma=False)(params, rows, packed)
 
 
@@ -237,6 +247,17 @@ def _head_for_logprobs(frozen: nnx.State) -> nnx.State:
   return nnx.map_state(place, frozen)
 
 
+TOWER = 'visual'  # the vision tower's parameters (model/qwen2.py)
+
+
+def split_tower(params: nnx.State) -> tuple[nnx.State, nnx.State | None]:
+  """(the parameters but the vision tower's, the tower's or None)."""
+  if TOWER not in params:
+    return params, None
+  tower, rest = nnx.split_state(params, lambda path, _: path[0] == TOWER, ...)
+  return rest, tower
+
+
 def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, graphdef,
            optimizer: optax.GradientTransformation, schedule: optax.Schedule,
            settings: UpdateSettings) -> tuple[TrainState, dict]:
@@ -252,14 +273,24 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
   replay = config.routing_replay == 'rollout'
   require(not replay or batch.routes is not None, 'algo.routing_replay',
           "is 'rollout', but this rollout recorded no routes (a dense model, or a rollout mode that records none)")
-  rows = LossInputs(batch=batch if replay else batch.without_routes())
+  images = batch.images
+  rows = LossInputs(batch=(batch if replay else batch.without_routes()).without_images())
+  policy = lora.join(state.params, frozen)
+
+  def features_of(params, shown):
+    """The rows' image features: the tower on each prompt's images once, taken by its rows."""
+    return None if images is None else shown.features(nnx.merge(graphdef, params).image_features(images))
+
+  # The policy's features now: a frozen tower's for every pass, a trained one's for pi_old's.
+  rows = rows.replace(features=jax.lax.stop_gradient(features_of(policy, rows.batch.vision)))
+  tower_trains = images is not None and TOWER in state.params and not nnx.merge(graphdef, policy).options.freeze_vision
   # pi_old and pi_ref score the whole batch, laid out (packed) once for both.
   if not settings.on_policy or config.kl_beta > 0:
     scoring = MicroBatches.of(settings, rows.batch, settings.micro_rows)
     rows = rows.replace(
-        old_log_probs=None if settings.on_policy else _score(graphdef, lora.join(state.params, frozen), rows, scoring,
-                                                             settings, replay),
-        ref_log_probs=(_score(graphdef, ref_params, rows, scoring, settings, replay and config.replay_reference)
+        old_log_probs=None if settings.on_policy else _score(graphdef, policy, rows, scoring, settings, replay),
+        ref_log_probs=(_score(graphdef, ref_params, rows.replace(features=features_of(ref_params, rows.batch.vision)),
+                              scoring, settings, replay and config.replay_reference)
                        if config.kl_beta > 0 else None))
 
   key, shuffle_key = jax.random.split(state.key)
@@ -268,10 +299,6 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
   else:
     orders = [jnp.arange(settings.rows)] * config.ppo_epochs
   orders = jnp.stack(orders).reshape(-1, settings.minibatch_rows)  # [mu * minibatches, rows per minibatch]
-  # Gradients with respect to the trained parameters only (with LoRA: the adapters; the frozen base
-  # is a constant of the loss, so no weight gradient of it is ever formed).
-  grad_fn = jax.value_and_grad(lambda trained, *args: policy_loss(lora.join(trained, frozen), *args),
-                               has_aux=True)
 
   def minibatch_update(carry, order):
     params, opt_state, updates, skips = carry
@@ -280,14 +307,34 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
     minibatch = minibatch.replace(weights=algo.aggregation_weights(mask, config.loss_aggregation, completion_length),
                                   token_weights=algo.aggregation_weights(mask, 'token-mean'))
     micro = MicroBatches.of(settings, minibatch.batch, settings.micro_rows)
+    # Gradients with respect to the trained parameters but the tower (with LoRA: the adapters; the
+    # frozen base is a constant of the loss, so no weight gradient of it is ever formed), and, when
+    # the tower trains, the rows' features, computed here once per prompt.
+    trained, tower = split_tower(params)
+    constants = lora.join(tower, frozen) if tower is not None else frozen
+    if tower_trains:
+      # fp32 rows' features: each prompt's G rows' gradients add up in fp32 before the tower's backward.
+      features, pullback = jax.vjp(
+          lambda tower: features_of(lora.join(lora.join(trained, tower), frozen),
+                                    minibatch.batch.vision).astype(jnp.float32), tower)
+      minibatch = minibatch.replace(features=features)
 
-    def accumulate(params, rows, micro):
+    def accumulate(trained, rows, micro):
       def gradients(index):
-        inputs, packed = micro.take(index, rows)
-        return grad_fn(params, graphdef, inputs, config, settings.temperature, settings.on_policy, packed)
+        def loss(trained, features):
+          inputs, packed = micro.take(index, rows.replace(features=features))
+          return policy_loss(lora.join(trained, constants), graphdef, inputs, config, settings.temperature,
+                             settings.on_policy, packed)
+        if tower_trains:
+          return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(trained, rows.features)
+        value, grads = jax.value_and_grad(loss, has_aux=True)(trained, rows.features)
+        return value, (grads, None)
       return _accumulate(gradients, micro.count)
 
-    loss, metrics, grads = _over_replicas(accumulate, params, minibatch, micro)
+    loss, metrics, (grads, feature_grads) = _over_replicas(accumulate, trained, minibatch, micro)
+    if tower is not None:  # a frozen tower's gradient is zero
+      tower_grads = pullback(feature_grads)[0] if tower_trains else jax.tree.map(jnp.zeros_like, tower)
+      grads = lora.join(grads, tower_grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     step_updates, new_opt_state = optimizer.update(grads, opt_state, params)
