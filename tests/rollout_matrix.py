@@ -142,7 +142,9 @@ CELLS = {
     ('generate', 'vl'): Cell(
         mesh=('tests/test_vision_rl.py::test_generate_takes_images_as_transformers_does',),
         note='transformers\' generate on the same pixels'),
-    ('generate', 'lora'): Cell(note='open: merge first (conversion.orbax_to_hf --merge-lora)'),
+    ('generate', 'lora'): Cell(
+        mesh=('tests/test_lora_train.py::test_lora_exports_as_peft_and_merged',),
+        note='a LoRA run\'s workdir, adapters on the base over tensor pairs: the merged model\'s greedy answer'),
     ('generate', 'lora-moe'): Cell(),
     ('generate', 'lora-vl'): Cell(),
     ('serve', 'dense'): Cell(
