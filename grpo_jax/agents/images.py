@@ -17,13 +17,14 @@ each of up to the patches of task.max_pixels), so the update compiles one shape.
 import dataclasses
 from typing import NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.data.multimodal import IMAGE_MARKER, IMAGE_PAD, VISION_END, VISION_START
 from grpo_jax.errors import UserError
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.images import ImageSettings, load_image, process_image
-from grpo_jax.model.vision import ImageBucket, image_tokens, patch_bucket
+from grpo_jax.model.vision import ImageBucket, Vision, image_tokens, layout_images, mrope_positions, patch_bucket
 
 Image = tuple[np.ndarray, tuple[int, int, int]]  # (patches [n, C*T*P*P], patch grid (t, h, w))
 
@@ -133,3 +134,53 @@ def marked(tokens, images, image_token_id: int, count_of, shift: int = 0) -> np.
   for image in images:
     own[image.start + shift:image.start + shift + count_of(image.grid)] = True
   return np.where((tokens == image_token_id) & ~own, -1, tokens)
+
+
+# ---- the inference server's side: a request's images checked, a prefill batch's laid out ----
+
+def check_request_images(tokens, images, bucket: ImageBucket | None, architecture: Qwen2Config | None) -> None:
+  """An inference request's images (Placed) fit the server's bucket, and `tokens` hold each one's
+  image tokens from its start, in order; one line saying what does not."""
+  count = len(images)
+  if bucket is None:
+    raise UserError(f'inference request: {count} images, but the server takes none (its `images` bucket is None)')
+  if count > bucket.images:
+    raise UserError(f'inference request: {count} images, over the server\'s {bucket.images}')
+  if architecture is None:  # checked again once the server is bound
+    return
+  vision, tokens, end = architecture.vision, np.asarray(tokens), 0
+  for index, (patches, grid, start) in enumerate(images):
+    if np.shape(patches) != (int(np.prod(grid)), vision.patch_dim) or len(patches) > bucket.patches:
+      raise UserError(f'inference request: image {index} has patches {list(np.shape(patches))} for grid '
+                      f'{list(grid)}; at most {bucket.patches} patches of {vision.patch_dim} values')
+    needed = image_tokens(tuple(grid), vision)
+    span = tokens[start:start + needed]
+    if start < end or len(span) < needed or np.any(span != vision.image_token_id):
+      raise UserError(f'inference request: image {index} of grid {list(grid)} needs its {needed} image tokens '
+                      f'(id {vision.image_token_id}) from context position {start}, after the image before it')
+    end = start + needed
+
+
+def prefill_vision(rows, tokens: np.ndarray, real: np.ndarray, bucket: ImageBucket, architecture: Qwen2Config):
+  """A prefill batch's Vision. rows: each prefilled row's (context tokens, its images (Placed),
+  where the row's prefill starts in the context); tokens / real [R, W]: what the rows prefill.
+  Each row's M-RoPE positions are the whole context's from its start, its offset the context's,
+  and its images those among the tokens it prefills (images None when no row has any: the tower
+  does not run)."""
+  vision = architecture.vision
+  positions = np.zeros(tokens.shape + (3,), np.int32)
+  offsets = np.zeros(tokens.shape[:1], np.int32)
+  shown = [[] for _ in range(len(tokens))]
+  laid = np.array(tokens)
+  count = lambda grid: image_tokens(tuple(grid), vision)  # noqa: E731
+  for row, (context, images, start) in enumerate(rows):
+    seen = marked(context, images, vision.image_token_id, count)
+    whole, offset = mrope_positions(seen[None], None, [[tuple(image[1]) for image in images]], architecture)
+    length = len(context) - start
+    positions[row, :length], offsets[row] = whole[0, start:], offset[0]
+    laid[row, :length] = seen[start:]
+    shown[row] = [(image[0], tuple(image[1])) for image in images if image[2] >= start]
+  laid_out = None
+  if any(shown):
+    laid_out = layout_images(shown, laid, real, vision, max_patches=bucket.patches, max_images=bucket.images)
+  return Vision(images=laid_out, positions=jnp.asarray(positions), offsets=jnp.asarray(offsets))

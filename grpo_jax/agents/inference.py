@@ -36,7 +36,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import functools
 import math
 from typing import Literal
 
@@ -45,13 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.agents.images import marked
+from grpo_jax.agents.images import check_request_images, prefill_vision
 from grpo_jax.errors import UserError
 from grpo_jax.model.moe import unrecorded
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, decode_step, prefill, typed_key
 from grpo_jax.sampler.sampling import SamplingConfig
-from grpo_jax.model.vision import ImageBucket, Vision, image_tokens, layout_images, mrope_positions
+from grpo_jax.model.vision import ImageBucket
 from grpo_jax.sampler.slots import Entry, Slots, admit
 
 FinishReason = Literal['stop', 'length']
@@ -320,30 +319,7 @@ class InferenceServer:
     if len(request.stop_token_ids) > self.max_stops:
       raise UserError(f'inference request: {len(request.stop_token_ids)} stop ids, at most {self.max_stops}')
     if request.images:
-      self._check_images(request)
-
-  def _check_images(self, request: Request) -> None:
-    """A request's images fit the server's bucket and its tokens hold each one's image tokens."""
-    bucket, count = self.images, len(request.images)
-    if bucket is None:
-      raise UserError(f'inference request: {count} images, but the server takes none (its `images` bucket is None)')
-    if count > bucket.images:
-      raise UserError(f'inference request: {count} images, over the server\'s {bucket.images}')
-    if self.architecture is None:
-      return
-    vision = self.architecture.vision
-    for index, (patches, grid, _) in enumerate(request.images):
-      if np.shape(patches) != (int(np.prod(grid)), vision.patch_dim) or len(patches) > bucket.patches:
-        raise UserError(f'inference request: image {index} has patches {list(np.shape(patches))} for grid '
-                        f'{list(grid)}; at most {bucket.patches} patches of {vision.patch_dim} values')
-    tokens, end = np.asarray(request.tokens), 0
-    for index, (_, grid, start) in enumerate(request.images):
-      span = tokens[start:start + image_tokens(tuple(grid), vision)]
-      if start < end or len(span) < image_tokens(tuple(grid), vision) or np.any(span != vision.image_token_id):
-        raise UserError(f'inference request: image {index} of grid {list(grid)} needs its '
-                        f'{image_tokens(tuple(grid), vision)} image tokens (id {vision.image_token_id}) from context '
-                        f'position {start}, after the image before it')
-      end = start + len(span)
+      check_request_images(request.tokens, request.images, self.images, self.architecture)
 
   def _bucket(self, length: int) -> int:
     """The prefill width of a context: the next of 8, 12, 16, 24, 32, 48, ... (powers of two and
@@ -411,7 +387,10 @@ class InferenceServer:
       keys.append(key_data(request.key))
       self.stats.prefilled_tokens += len(context)
     keys += [keys[0]] * (rows - len(batch))
-    vision = self._vision(batch, tokens, real) if self.images is not None else None
+    vision = None
+    if self.images is not None:
+      vision = prefill_vision([(p.request.tokens, p.request.images, len(p.request.tokens) - len(context))
+                               for p, _, context in batch], tokens, real, self.images, self.architecture)
     self._state, routes = program(self._params, self._state, tokens, real, slots, np.stack(keys), limits, stops,
                                   vision)
     self.stats.prefill_rows += rows
@@ -420,29 +399,6 @@ class InferenceServer:
       for row, (pending, _, context) in enumerate(batch):
         pending.routes = [routes[row, :len(context)]]
         pending.routes_from = len(pending.request.tokens) - len(context)
-
-  def _vision(self, batch: list, tokens: np.ndarray, real: np.ndarray) -> Vision:
-    """A prefill batch's Vision: each row's M-RoPE positions (the whole context's, from where the
-    row's prefill starts) and offset, and the images among the tokens it prefills (None when no
-    row has any: the tower does not run)."""
-    config, bucket = self.architecture, self.images
-    positions = np.zeros(tokens.shape + (3,), np.int32)
-    offsets = np.zeros(tokens.shape[:1], np.int32)
-    shown = [[] for _ in range(len(tokens))]
-    laid = np.array(tokens)
-    count = functools.partial(image_tokens, config=config.vision)
-    for row, (pending, _, context) in enumerate(batch):
-      request = pending.request
-      seen = marked(request.tokens, request.images, config.vision.image_token_id, lambda grid: count(tuple(grid)))
-      whole, offset = mrope_positions(seen[None], None, [[tuple(image[1]) for image in request.images]], config)
-      start = len(request.tokens) - len(context)
-      positions[row, :len(context)], offsets[row] = whole[0, start:], offset[0]
-      laid[row, :len(context)] = seen[start:]
-      shown[row] = [(image[0], tuple(image[1])) for image in request.images if image[2] >= start]
-    images = None
-    if any(shown):
-      images = layout_images(shown, laid, real, config.vision, max_patches=bucket.patches, max_images=bucket.images)
-    return Vision(images=images, positions=jnp.asarray(positions), offsets=jnp.asarray(offsets))
 
   def _collect(self, emitted, live, steps) -> None:
     """Appends each held request's new tokens; resolves the requests whose rows went idle."""
