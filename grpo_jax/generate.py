@@ -1,8 +1,7 @@
 """python -m grpo_jax.generate --ckpt DIR (--prompt TEXT | --prompt-ids "1 2 3") [options]
 
-Quick try-out of any checkpoint (a Hugging Face directory, or a training run's workdir, its
-checkpoints/ or one checkpoints/<step>: the run's policy, a LoRA run's adapters on its base as in
-training): G samples of one prompt through the group sampler. --json prints one JSON object with token_ids, logprobs,
+Quick try-out of any checkpoint (Hugging Face directory or grpo_jax checkpoint): G samples of one
+prompt through the group sampler. --json prints one JSON object with token_ids, logprobs,
 finish_reason and, when the checkpoint has a tokenizer, text.
 
 A vision-language checkpoint (Qwen2.5-VL) takes `--image PATH` (repeatable): each `<image>` in
@@ -99,31 +98,24 @@ def main(argv=None):
     raise UserError(f'--tensor must be >= 0 (0: chosen for the model), got {args.tensor}')
   if not os.path.isdir(args.ckpt):
     raise UserError(f'model path {args.ckpt} is not a directory')
-  from grpo_jax.checkpoint import locate
-  from grpo_jax.restore import restore_policy, run_of, run_tokenizer
-  training = locate(args.ckpt)  # a training run's policy, else a model directory
-  run = run_of(*training) if training is not None else None
-  source = (run_tokenizer(run[0]) or args.ckpt) if run is not None else args.ckpt
+  if os.path.isdir(os.path.join(args.ckpt, 'checkpoints')) or os.path.isdir(os.path.join(args.ckpt, 'state')) \
+      or os.path.basename(os.path.normpath(args.ckpt)) == 'checkpoints':
+    raise UserError(f'--ckpt {args.ckpt} is a training run; generate reads a model directory: serve the run as it '
+                    f'is (python -m grpo_jax.serve --ckpt {args.ckpt}, a LoRA run\'s adapters on its base), or export '
+                    'it first (python -m conversion.orbax_to_hf, with --merge-lora for a LoRA run)')
   # Resident weights in the sampler's layout over this host's devices (sampler/layout.py); a
   # mixture of experts with its experts over the tensor groups (serving_read_mesh).
-  architecture = run[1] if run is not None else load_hf_config(args.ckpt)
+  architecture = load_hf_config(args.ckpt)
   mesh = serving_read_mesh(architecture, args.tensor)
-  if run is None:
-    model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
-  else:  # the run's policy at --dtype; a LoRA run's adapters decode unmerged, as in training
-    from grpo_jax.model.qwen2 import ModelOptions
-    graphdef, params, _, _ = restore_policy(training[0], run[2], mesh,
-                                            options=ModelOptions(dtype=args.dtype, param_dtype=args.dtype))
-    model = nnx.merge(graphdef, params)
+  model = from_pretrained(args.ckpt, dtype=args.dtype, mesh=mesh)
   layout = rollout_layout(model, mesh, args.tensor) if architecture.num_sparse_layers else None
-  tokenizer = load_tokenizer(source)
+  tokenizer = load_tokenizer(args.ckpt)
   vision = None
   if args.image:
     ids, vision = image_prompt(args, tokenizer, model.config)
   else:
     ids = prompt_ids(args, tokenizer, model.config.vocab_size)
-  directories = (run[0].model.path, source) if run is not None else (args.ckpt,)
-  special = special_tokens(tokenizer, (*model.config.eos_token_ids, *checkpoint_eos_ids(*directories)))
+  special = special_tokens(tokenizer, (*model.config.eos_token_ids, *checkpoint_eos_ids(args.ckpt)))
   settings = DecodeSettings(sampling=sampling, max_new_tokens=args.max_new_tokens, stop_token_ids=special.stop_ids,
                             pad_id=special.pad_id)
   sampler = GroupSampler(model, group_size=args.num_samples, settings=settings, layout=layout)

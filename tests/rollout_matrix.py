@@ -143,8 +143,9 @@ CELLS = {
         mesh=('tests/test_vision_rl.py::test_generate_takes_images_as_transformers_does',),
         note='transformers\' generate on the same pixels'),
     ('generate', 'lora'): Cell(
-        mesh=('tests/test_lora_train.py::test_lora_exports_as_peft_and_merged',),
-        note='a LoRA run\'s workdir, adapters on the base over tensor pairs: the merged model\'s greedy answer'),
+        refused=('tests/test_lora_train.py::test_lora_exports_as_peft_and_merged', '--ckpt'),
+        note='generate reads model directories: a run\'s workdir is refused, naming serve (which decodes a LoRA run) '
+             'and the merged export'),
     ('generate', 'lora-moe'): Cell(),
     ('generate', 'lora-vl'): Cell(),
     ('serve', 'dense'): Cell(
