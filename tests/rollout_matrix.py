@@ -146,8 +146,12 @@ CELLS = {
         refused=('tests/test_lora_train.py::test_lora_exports_as_peft_and_merged', '--ckpt'),
         note='generate reads model directories: a run\'s workdir is refused, naming serve (which decodes a LoRA run) '
              'and the merged export'),
-    ('generate', 'lora-moe'): Cell(),
-    ('generate', 'lora-vl'): Cell(),
+    ('generate', 'lora-moe'): Cell(
+        refused=('tests/test_lora_train.py::test_lora_exports_as_peft_and_merged', '--ckpt'),
+        note='the same line for a LoRA run of any kind (generate reads its merged export)'),
+    ('generate', 'lora-vl'): Cell(
+        refused=('tests/test_lora_train.py::test_lora_exports_as_peft_and_merged', '--ckpt'),
+        note='the same line for a LoRA run of any kind (generate reads its merged export)'),
     ('serve', 'dense'): Cell(
         ('tests/test_engine.py::test_greedy_matches_transformers_and_log_probs_match_full_forward[qwen2]',),
         ('tests/test_serve.py::test_hostile_clients_never_change_another_clients_answer',),
@@ -161,8 +165,13 @@ CELLS = {
     ('serve', 'lora'): Cell(
         mesh=('tests/test_lora_train.py::test_lora_exports_as_peft_and_merged',),
         note='a LoRA run\'s workdir served: the engine\'s logits equal the restored policy\'s; no decoding test yet'),
-    ('serve', 'lora-moe'): Cell(),
-    ('serve', 'lora-vl'): Cell(),
+    ('serve', 'lora-moe'): Cell(
+        mesh=('tests/test_lora_paths.py::test_serve_decodes_a_lora_run_of_each_kind[moe]',),
+        note='a LoRA run\'s workdir (attention adapters), the experts over the expert axis: the restored policy\'s '
+             'logits; no decoding test yet'),
+    ('serve', 'lora-vl'): Cell(
+        mesh=('tests/test_lora_paths.py::test_serve_decodes_a_lora_run_of_each_kind[vl]',),
+        note='a LoRA run\'s workdir: the restored policy\'s logits; no decoding test yet'),
 }
 # Refusals at start that no cell above needs, since the path cannot take any model kind: each one
 # a combination of paths.

@@ -137,3 +137,32 @@ def test_lora_sampling_equals_the_merged_model(seed, make_hf_checkpoint, path, k
       _same(one, other)
   else:
     _same(got, want)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize('kind', ['moe', 'vl'])
+def test_serve_decodes_a_lora_run_of_each_kind(tmp_path, kind):
+  """`serve --ckpt <a LoRA run's workdir>` on a mixture (attention adapters, the experts over the
+  expert axis) and on a vision-language model (adapters in the decoder, the tower as trained): the
+  engine's model gives the restored policy's logits, and the adapters act (the base's differ)."""
+  import os
+  from runs import ROOT, train_here
+  from grpo_jax.checkpoint import locate
+  from grpo_jax.restore import restore_policy
+  from grpo_jax.serve import __main__ as serve
+  from conversion.common import host_mesh
+  config, targets = {'moe': ('tiny_arith_moe.yaml', '[q, v]'), 'vl': ('tiny_spot.yaml', '[q, v, gate]')}[kind]
+  run = tmp_path / 'run'
+  train_here(run, os.path.join(ROOT, 'configs', config), 'model.lora.rank=4', f'model.lora.targets={targets}',
+             'train.steps=2', 'train.steps_per_call=1', 'train.checkpoint_every=2', 'optim.learning_rate=5e-2',
+             'algo.entropy_coef=1.0', 'train.progress=false', 'train.tensorboard=false')
+  graphdef, params, _, _ = restore_policy(*locate(str(run)), host_mesh())
+  policy = nnx.merge(graphdef, params)
+  tokens = np.random.default_rng(0).integers(0, policy.config.vocab_size, (2, 9))
+  ours = np.asarray(policy(tokens))
+  trainable, _ = lora.split_trainable(params)
+  base = np.asarray(nnx.merge(graphdef, lora.join(lora.adapters_off(trainable), lora.split_trainable(params)[1]))(tokens))
+  assert np.abs(ours - base).max() > 1e-4  # the trained adapters act
+  engine, _ = serve.build_engine(serve.parse_args(['--ckpt', str(run), '--port', '0', '--token-ids-only',
+                                                   '--dtype', 'float32']))
+  np.testing.assert_allclose(np.asarray(engine._model(tokens)), ours, rtol=0, atol=1e-5)
