@@ -105,7 +105,9 @@ CELLS = {
     ('split', 'vl'): Cell(
         mesh=('tests/test_vision_math.py::test_split_devices_sample_image_prompts_as_their_versions',),
         note='4 + 4 devices, teacher-forced per version through the vision tower'),
-    ('split', 'lora'): Cell(),
+    ('split', 'lora'): Cell(
+        mesh=('tests/test_split.py::test_lora_on_split_devices_samples_each_version',),
+        note='4 + 4 devices: each token is its version\'s sample (adapters joined with the base), teacher-forced'),
     ('split', 'lora-moe'): Cell(),
     ('split', 'lora-vl'): Cell(),
     ('agents', 'dense'): Cell(

@@ -14,7 +14,7 @@ from flax import nnx
 from grpo_jax.build import build_rl_step, build_task
 from grpo_jax.config import load_config
 from grpo_jax.errors import UserError
-from grpo_jax.model import make_mesh
+from grpo_jax.model import lora, make_mesh
 from grpo_jax.rl.loss import lag_means, mismatch_by_lag
 from grpo_jax.rl.state import create_train_state
 from grpo_jax.sampler.layout import split_devices
@@ -34,8 +34,9 @@ def split_steps(config, steps: int, sampler_devices: int = 4) -> dict:
   model = config.model.build(mesh, config.run.seed)
   task = build_task(config)
   rl_step = build_rl_step(config, model, mesh, task)
-  state = create_train_state(nnx.state(model), rl_step.optimizer, config.run.seed, pool=rl_step.empty_pool,
-                             shardings=rl_step.state_shardings)
+  trained, frozen = lora.split_trainable(nnx.state(model))  # with LoRA, the optimizer sees the adapters only
+  state = create_train_state(trained, rl_step.optimizer, config.run.seed, pool=rl_step.empty_pool,
+                             shardings=rl_step.state_shardings, frozen=frozen)
   copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
   learned, weights, metrics = [], [], []
   learn = rl_step.learn
@@ -109,6 +110,20 @@ def test_a_mixture_on_split_devices_samples_each_version_and_records_its_routes(
     fed[np.arange(len(fed)), prompt_tokens.shape[1] + rollout.lengths - 1] = False  # each answer's last
     assert (routes[fed] < 8).all() and (routes[~fed] == 255).all()
   assert all('routing_replay_rerouted_frac' in row for row in run['metrics'])  # the update replayed them
+
+
+@pytest.mark.exhaustive
+def test_lora_on_split_devices_samples_each_version(seed):
+  """tiny_arith_lora with the sampler on 4 devices of its own: the frozen base crosses once, each
+  version's adapters every step, and every token is its version's sample (the adapters joined with
+  the base), teacher-forced."""
+  config = load_config('configs/tiny_arith_lora.yaml', [
+      'rollout.devices=4', 'algo.max_lag=1', 'algo.tis_cap=2', 'rollout.prompts_per_step=4', 'algo.group_size=4',
+      'rollout.slots=4', 'optim.learning_rate=0.05', 'optim.warmup_steps=0', 'algo.entropy_coef=0.5',
+      f'run.seed={seed % 1000}'])
+  run = split_steps(config, 4)
+  assert run['state'].frozen is not None
+  assert_tokens_are_their_versions_samples(run)
 
 
 def assert_tokens_are_their_versions_samples(split_run):
