@@ -159,8 +159,10 @@ CELLS = {
         ('tests/test_serve.py::test_hostile_clients_never_change_another_clients_answer',),
         note='transformers\' greedy generate and the full forward\'s log-probs'),
     ('serve', 'moe'): Cell(
-        mesh=('tests/test_engine.py::test_serve_lays_a_mixture_over_the_expert_axis_and_matches_transformers',),
-        note='serve\'s engine: transformers\' greedy generate, tensor pairs with the experts and slots over the expert axis'),
+        mesh=('tests/test_engine.py::test_serve_lays_a_mixture_over_the_expert_axis_and_matches_transformers',
+              'tests/test_serve.py::test_a_mixture_served_over_the_expert_axis_answers_as_transformers_through_grpc'),
+        note='transformers\' greedy generate, tensor pairs with the experts and slots over the expert axis: serve\'s '
+             'engine, and the server through JetStream\'s gRPC client'),
     ('serve', 'vl'): Cell(
         mesh=('tests/test_serve.py::test_image_requests_equal_transformers_and_bad_images_are_refused_alone',),
         note='transformers\' generate'),

@@ -376,3 +376,50 @@ def test_image_requests_equal_transformers_and_bad_images_are_refused_alone(seed
   assert alone == answers and mixed[:len(good)] == answers and all(answers)
   for (code, details), message in zip(mixed[len(good):], [m for _, m in bad] + ['is the image token']):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and message in details, details
+
+
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
+def test_a_mixture_served_over_the_expert_axis_answers_as_transformers_through_grpc(seed, make_hf_checkpoint):
+  """A Qwen3-MoE checkpoint served on the 8 test devices with --tensor 2 (tensor pairs, its 8 experts
+  over the expert axis of the 4 pairs, as training's sampler lays it out): JetStream's own gRPC
+  client gets transformers' greedy answers, two requests at once through two slots."""
+  pytest.importorskip('jetstream.core.proto.jetstream_pb2_grpc',
+                      reason='google-jetstream (requirements-extras.txt) is not installed')
+  import grpc
+  import portpicker
+  from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+  from test_moe import CASES
+
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(3, 1000, n).tolist() for n in (5, 11)]
+
+  def draw(checkpoint_seed):
+    return make_hf_checkpoint(checkpoint_seed, name=f'moe{checkpoint_seed}', **CASES['top2-norm-tied'])
+
+  def answers_of(checkpoint):
+    _, reference = checkpoint
+    stop_ids = set(np.atleast_1d(reference.config.eos_token_id or []).tolist())
+    return [greedy_until_stop(reference, prompt, 6, stop_ids) for prompt in prompts]
+
+  (directory, _), expected = answering_checkpoint(seed, draw, answers_of, all)
+  port = portpicker.pick_unused_port()
+  server = serve('--ckpt', directory, '--port', port, '--slots', 2, '--max-prefill-length', 64, '--max-new-tokens', 6,
+                 '--greedy', '--dtype', 'float32', '--tensor', 2, '--token-ids-only')
+  try:
+    with grpc.insecure_channel(f'127.0.0.1:{port}') as channel:
+      grpc.channel_ready_future(channel).result(timeout=240)
+      stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+
+      def decode(prompt):
+        request = jetstream_pb2.DecodeRequest(token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=prompt),
+                                              max_tokens=6)
+        return [token for response in stub.Decode(request, timeout=240)
+                for sample in response.stream_content.samples for token in sample.token_ids]
+
+      with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(decode, prompts))
+  finally:
+    code, stderr = stop(server)
+  assert code == 0, stderr[-3000:]
+  assert answers == expected
