@@ -25,7 +25,8 @@ from grpo_jax.sampler.decode import request_keys
 from grpo_jax.testing import TINY_VL_TOKENS, left_padded
 from runs import ROOT, train_here
 
-IMAGE, START, END = (TINY_VL_TOKENS[name] for name in ('image_token_id', 'vision_start_token_id', 'vision_end_token_id'))
+IMAGE, START, END = (TINY_VL_TOKENS[name]
+                     for name in ('image_token_id', 'vision_start_token_id', 'vision_end_token_id'))
 SPOT_AGENT = os.path.join(ROOT, 'configs', 'tiny_spot_agent.yaml')
 STEPS = 5  # tokens a turn
 

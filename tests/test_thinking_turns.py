@@ -176,4 +176,5 @@ def test_turn_rows_take_their_episodes_advantage():
   grouped = episodes.reshape(-1, group)
   expected = (grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, ddof=1, keepdims=True) + 1e-6)
   np.testing.assert_allclose(np.asarray(batch.advantages), np.tile(expected.reshape(-1), turns), rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(np.asarray(batch.prompt_tokens), np.tile(np.repeat(prompts.tokens, group, 0), (turns, 1)))
+  np.testing.assert_array_equal(np.asarray(batch.prompt_tokens),
+                                np.tile(np.repeat(prompts.tokens, group, 0), (turns, 1)))

@@ -79,9 +79,10 @@ class Episode:
 
   `await episode.act(max_new_tokens, stop_token_ids)` asks the policy for its next turn (the
   context is the prompt and everything so far, its images with it) and appends it (loss mask 1);
-  `observe(tokens, images)` appends the environment's answer (loss mask 0). Turn n's request key is fold_in(key, n), so an
-  episode's samples depend on its key and what it saw only. Each turn continues the last one's
-  cache on the server (prefilling only the last token and the observation) while it is kept.
+  `observe(tokens, images)` appends the environment's answer (loss mask 0). Turn n's request key is
+  fold_in(key, n), so an episode's samples depend on its key and what it saw only. Each turn
+  continues the last one's cache on the server (prefilling only the last token and the
+  observation) while it is kept.
   """
 
   def __init__(self, llm: InferenceServer, prompt, budget: int, key: jax.Array, images: tuple = (),
@@ -279,5 +280,4 @@ def _turn_rows(trajectories: list[Trajectory], budget: int, pad_id: int, turns: 
   stopped = np.tile([not t.truncated for t in trajectories], turns)
   rollout = dataclasses.replace(rollout, stopped=stopped)
   scores = dataclasses.replace(scores, rewards=np.tile(scores.rewards, turns))
-  assert len(rows) == turns * episodes
   return rollout, scores, facts
