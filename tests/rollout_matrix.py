@@ -106,9 +106,11 @@ CELLS = {
         mesh=('tests/test_vision_math.py::test_split_devices_sample_image_prompts_as_their_versions',),
         note='4 + 4 devices, teacher-forced per version through the vision tower'),
     ('split', 'lora'): Cell(
-        mesh=('tests/test_split.py::test_lora_on_split_devices_samples_each_version',),
+        mesh=('tests/test_split.py::test_lora_on_split_devices_samples_each_version[dense]',),
         note='4 + 4 devices: each token is its version\'s sample (adapters joined with the base), teacher-forced'),
-    ('split', 'lora-moe'): Cell(),
+    ('split', 'lora-moe'): Cell(
+        mesh=('tests/test_split.py::test_lora_on_split_devices_samples_each_version[moe]',),
+        note='4 + 4 devices, attention adapters with routing replay: each token is its version\'s sample'),
     ('split', 'lora-vl'): Cell(),
     ('agents', 'dense'): Cell(
         ('tests/test_agents.py::test_server_tokens_equal_the_group_sampler',),

@@ -113,12 +113,16 @@ def test_a_mixture_on_split_devices_samples_each_version_and_records_its_routes(
 
 
 @pytest.mark.exhaustive
-def test_lora_on_split_devices_samples_each_version(seed):
-  """tiny_arith_lora with the sampler on 4 devices of its own: the frozen base crosses once, each
-  version's adapters every step, and every token is its version's sample (the adapters joined with
-  the base), teacher-forced."""
-  config = load_config('configs/tiny_arith_lora.yaml', [
-      'rollout.devices=4', 'algo.max_lag=1', 'algo.tis_cap=2', 'rollout.prompts_per_step=4', 'algo.group_size=4',
+@pytest.mark.parametrize('kind', ['dense', 'moe'])
+def test_lora_on_split_devices_samples_each_version(seed, kind):
+  """LoRA with the sampler on 4 devices of its own (tiny_arith_lora; tiny_arith_moe with attention
+  adapters and routing replay, its experts over the sampler's expert axis): the frozen base crosses
+  once, each version's adapters every step, and every token is its version's sample (the adapters
+  joined with the base), teacher-forced."""
+  config, adapters = {'dense': ('configs/tiny_arith_lora.yaml', []),
+                      'moe': ('configs/tiny_arith_moe.yaml', ['model.lora.rank=4', 'model.lora.targets=[q, v]'])}[kind]
+  config = load_config(config, [
+      *adapters, 'rollout.devices=4', 'algo.max_lag=1', 'algo.tis_cap=2', 'rollout.prompts_per_step=4', 'algo.group_size=4',
       'rollout.slots=4', 'optim.learning_rate=0.05', 'optim.warmup_steps=0', 'algo.entropy_coef=0.5',
       f'run.seed={seed % 1000}'])
   run = split_steps(config, 4)
