@@ -128,7 +128,8 @@ OLD_SECTION_KEYS = {'name', 'max_operand', 'operators', 'source', 'split', 'form
                     'reward_workers', 'environment', 'max_turns', 'turn_tokens', 'tools', 'tool_timeout_s',
                     'guess_range'}
 EVERY_KIND_KEYS = OLD_SECTION_KEYS | {'environment_args', 'sandbox', 'images_field', 'max_images', 'min_pixels',
-                                       'max_pixels', 'skip_bad_images', 'env_timeout_s', 'max_env_failure_frac'}
+                                       'max_pixels', 'skip_bad_images', 'env_timeout_s', 'max_env_failure_frac',
+                                       'blank_images', 'turn_context'}
 
 
 def kind_keys():
@@ -155,7 +156,8 @@ def test_each_task_kind_holds_its_own_fields():
                 tokenizer='tok', max_prompt_tokens=40, reward_workers=3, environment='my_env:make',
                 environment_args={'rounds': 2, 'words': ['a', 'b']}, max_turns=3, turn_tokens=5, sandbox='none',
                 tools=['python'], tool_timeout_s=2.0, guess_range=8, images_field='figures', max_images=2,
-                min_pixels=100, max_pixels=5000, skip_bad_images=True, env_timeout_s=30.0, max_env_failure_frac=0.5)
+                min_pixels=100, max_pixels=5000, skip_bad_images=True, env_timeout_s=30.0, max_env_failure_frac=0.5,
+                blank_images=True, turn_context='as_rendered')
   for kind, path in TASK_CONFIGS.items():
     sets = [f'task.{key}={yaml.safe_dump(values[key], default_flow_style=True).strip().removesuffix("...").strip()}'
             for key in sorted(keys[kind] - {'name'})]

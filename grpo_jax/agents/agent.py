@@ -186,8 +186,9 @@ class EnvironmentAgent:
             break
           if conversation is not None:
             if not isinstance(step.observation, str):
-              raise UserError(f'environment {name(environment)}: step() answered with ids; task.turn_context: '
-                              'as_rendered renders the conversation again, which takes text observations')
+              raise UserError(f'environment {name(environment)}: step() answered with ids or images; '
+                              'task.turn_context: as_rendered renders the conversation again, which takes text '
+                              'observations')
             conversation.append({'role': self.text.role, 'content': step.observation})
           episode.observe(*self.observation(environment, 'step()', step.observation, turn, llm.vocab_size,
                                             len(trajectory.images)))

@@ -39,9 +39,11 @@ class AgentStage:
     if jax.process_count() > 1:
       raise UserError(f'task.name agent runs on one process; this run has {jax.process_count()}')
     self.task, self.mesh, self.budget, self.pad_id = task, mesh, settings.max_new_tokens, settings.pad_id
+    # The task's image reader and turn rows (an AgentTask's; a plan's task shape has neither)
+    self.images, self.turn_rows = getattr(task, 'images', None), getattr(task, 'turn_rows', 0)
     self.server = InferenceServer(graphdef, settings=settings, slots=slots,
                                   max_context=task.prompt_length + settings.max_new_tokens, chunk=chunk, layout=layout,
-                                  reuse=reuse, images=None if task.images is None else task.images.bucket)
+                                  reuse=reuse, images=None if self.images is None else self.images.bucket)
     self._facts: list[dict] = []
 
   def prompts(self, key, position: int, count: int) -> Prompts:
@@ -64,7 +66,7 @@ class AgentStage:
     rollout, scores, facts = collate(asyncio.run(run()), self.budget, self.pad_id, prompt_mask.sum(axis=1).tolist(),
                                      prompt_width=prompt_mask.shape[1], routes_like=self._routes_like(),
                                      prompts=(np.asarray(prompts.tokens).repeat(group_size, axis=0), prompt_mask),
-                                     images=self.task.images, turn_rows=self.task.turn_rows)
+                                     images=self.images, turn_rows=self.turn_rows)
     self._check_failures(facts['failures'])
     self._facts.append(facts)
     place = lambda value: distributed.replicated(value, self.mesh)  # noqa: E731

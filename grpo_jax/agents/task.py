@@ -151,14 +151,13 @@ class AgentSection(ProblemFields):
 
   def check_run(self, config) -> None:
     """Agent episodes run on the inference server, one policy version each: no partial rollouts.
-    Turns trained as rendered have no routes or images of their rendering, and their rows are not
-    one per sample, which dynamic sampling's groups are."""
+    Turns trained as rendered have no routes of their rendering, and their rows are not one per
+    sample, which dynamic sampling's groups are."""
     require(config.algo.max_lag == 0, 'algo.max_lag',
             'applies to single-turn tasks (arith, math); agent episodes run on the inference server')
     if self.turn_context == 'as_rendered':
       for field, clash in (('algo.routing_replay', config.algo.routing_replay != 'none'),
-                           ('algo.dynamic_sampling', config.algo.dynamic_sampling),
-                           ('task.max_images', self.max_images > 0)):
+                           ('algo.dynamic_sampling', config.algo.dynamic_sampling)):
         require(not clash, 'turn_context', f'as_rendered trains each turn on a context the server never ran: '
                 f'{field} needs as_sampled')
 

@@ -17,6 +17,7 @@ from flax import nnx
 
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
+from grpo_jax.agents.images import ImageReader
 from grpo_jax.build import build_rl_step
 from grpo_jax.data.task import Scores
 from grpo_jax.errors import UserError
@@ -210,7 +211,7 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
     scores = _abstract_scores(config, replicated)
     rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
     shown = getattr(task, 'images', None)  # an agent's episodes with images: each row's own, in the update
-    if shown is not None:
+    if isinstance(shown, ImageReader):
       rows = config.rollout.prompts_per_step * config.algo.group_size
       rollout = dataclasses.replace(rollout, vision=shown.bucket.shapes(
           rows, task.prompt_length + config.rollout.max_new_tokens, architecture.vision, replicated))
