@@ -97,11 +97,15 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
             if resident else None)
   mode = rollout_mode(config)
   settings = pool_settings(config, task)
+  episodes = None
+  if config.task.kind.acts:  # the agents package only for an acting run
+    from grpo_jax.agents.stage import EpisodeRows
+    episodes = EpisodeRows.of(config)
   sampling = Sampling(graphdef=graphdef, task=mode.step_task(task, mesh), group_size=config.algo.group_size,
                       prompts_per_step=config.rollout.prompts_per_step,
                       decode=decode_settings(config, task),
                       slots=decode_slots(config), layout=layout, mesh=mesh, rollout=config.rollout,
-                      pool=settings)
+                      pool=settings, episodes=episodes)
   pool = empty_pool(settings, task, config.rollout.prompts_per_step, model.config)
   trained, frozen = lora.split_trainable(params)  # with LoRA the optimizer sees the adapters only
   shardings = train_state_shardings(trained, optimizer, pool, frozen)

@@ -122,7 +122,7 @@ def test_the_update_reads_the_images_the_server_showed(tmp_path):
   an answer: text, never an image, on both sides."""
   from grpo_jax import config as config_lib
   from grpo_jax.agents import task as agent_task
-  from grpo_jax.agents.stage import AgentStage
+  from grpo_jax.agents.stage import AgentStage, EpisodeRows
   from grpo_jax.model.loading import init_model
   config = config_lib.load_config(SPOT_AGENT, ['rollout.prompts_per_step=8', 'algo.group_size=8'])
   task = agent_task.build(config)
@@ -131,7 +131,7 @@ def test_the_update_reads_the_images_the_server_showed(tmp_path):
   mesh = jax.tree.leaves(params)[0].sharding.mesh
   settings = DecodeSettings(sampling=SamplingConfig(temperature=1.0), max_new_tokens=config.rollout.max_new_tokens,
                             stop_token_ids=task.stop_token_ids, pad_id=task.pad_id)
-  stage = AgentStage(graphdef, task, settings, slots=32, mesh=mesh)
+  stage = AgentStage(graphdef, task, settings, slots=32, mesh=mesh, rows=EpisodeRows.of(config))
   key = jax.random.key(7)
   prompts = stage.prompts(key, 0, 8)
   rollout, _ = stage.act(params, prompts, key, 8)

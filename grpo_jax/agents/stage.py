@@ -18,7 +18,9 @@ import jax
 import numpy as np
 
 from grpo_jax import distributed
+from grpo_jax.agents import images
 from grpo_jax.agents.agent import episode_keys
+from grpo_jax.agents.images import ImageReader
 from grpo_jax.agents.inference import InferenceServer
 from grpo_jax.agents.trajectory import collate
 from grpo_jax.data.task import Prompts, Scores
@@ -28,6 +30,21 @@ from grpo_jax.sampler.decode import DecodeSettings
 from grpo_jax.sampler.rollout import Rollout
 
 
+@dataclasses.dataclass(frozen=True)
+class EpisodeRows:
+  """How an agent step's episodes become the update's rows, chosen where the run is built (`of`):
+  the images they may hold (the run's ImageReader, task.max_images; None: text) and the rows per
+  episode (task.max_turns with task.turn_context: as_rendered, a row per turn; 0: one row)."""
+
+  images: ImageReader | None = None
+  turns: int = 0
+
+  @classmethod
+  def of(cls, config) -> 'EpisodeRows':
+    return cls(images=images.reader(config),
+               turns=config.task.max_turns if config.task.turn_context == 'as_rendered' else 0)
+
+
 class AgentStage:
   """`prompts(key, position, count)` and `act(params, prompts, key, group_size) -> (Rollout,
   Scores)` for an agents.task.AgentTask; the facts of the episodes acted since the last `take_facts`
@@ -35,12 +52,11 @@ class AgentStage:
   step's metrics."""
 
   def __init__(self, graphdef, task, settings: DecodeSettings, slots: int, mesh: jax.sharding.Mesh, layout=None,
-               chunk: int = 4, reuse: bool = True):
+               chunk: int = 4, reuse: bool = True, rows: EpisodeRows = EpisodeRows()):
     if jax.process_count() > 1:
       raise UserError(f'task.name agent runs on one process; this run has {jax.process_count()}')
     self.task, self.mesh, self.budget, self.pad_id = task, mesh, settings.max_new_tokens, settings.pad_id
-    # The task's image reader and turn rows (an AgentTask's; a plan's task shape has neither)
-    self.images, self.turn_rows = getattr(task, 'images', None), getattr(task, 'turn_rows', 0)
+    self.images, self.turn_rows = rows.images, rows.turns
     self.server = InferenceServer(graphdef, settings=settings, slots=slots,
                                   max_context=task.prompt_length + settings.max_new_tokens, chunk=chunk, layout=layout,
                                   reuse=reuse, images=None if self.images is None else self.images.bucket)

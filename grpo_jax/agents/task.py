@@ -59,7 +59,6 @@ class AgentTask:
   # Its turns can be rendered again (task.turn_context: as_rendered): text problems with their chat
   # messages and text observations, on a chat template (text_task's)
   renders_turns: bool = False
-  turn_rows: int = 0  # as_rendered: the rows per episode the update trains (task.max_turns); 0: one
   jittable = False
   vision_bucket = None  # text prompts
 
@@ -238,10 +237,9 @@ def bound(task: AgentTask, config) -> AgentTask:
   if text is None and task.tokenizer is not None:
     text = TextCodec(task.tokenizer, task.stop_token_ids, config.task.chat_template, role='user',
                      options=template_options(config.task))
-  return dataclasses.replace(task, turn_rows=turns if rendered else 0,
-                             agent=dataclasses.replace(agent, max_turns=turns, turn_tokens=tokens, text=text,
-                                                       timeout_s=config.task.env_timeout_s, images=task.images,
-                                                       rendered=rendered))
+  return dataclasses.replace(task, agent=dataclasses.replace(agent, max_turns=turns, turn_tokens=tokens, text=text,
+                                                             timeout_s=config.task.env_timeout_s, images=task.images,
+                                                             rendered=rendered))
 
 
 def text_task(config, problem: Callable[[int], tuple[Any, Any]],

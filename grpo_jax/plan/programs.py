@@ -17,7 +17,6 @@ from flax import nnx
 
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
-from grpo_jax.agents.images import ImageReader
 from grpo_jax.build import build_rl_step
 from grpo_jax.data.task import Scores
 from grpo_jax.errors import UserError
@@ -210,10 +209,10 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
       rollout = jax.eval_shape(step.sampling.sample, state.policy, prompts, prompts, key, vision)
     scores = _abstract_scores(config, replicated)
     rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
-    shown = getattr(task, 'images', None)  # an agent's episodes with images: each row's own, in the update
-    if isinstance(shown, ImageReader):
+    shown = step.sampling.episodes  # an agent's episodes with images: each row's own, in the update
+    if shown is not None and shown.images is not None:
       rows = config.rollout.prompts_per_step * config.algo.group_size
-      rollout = dataclasses.replace(rollout, vision=shown.bucket.shapes(
+      rollout = dataclasses.replace(rollout, vision=shown.images.bucket.shapes(
           rows, task.prompt_length + config.rollout.max_new_tokens, architecture.vision, replicated))
     version = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     sampler = (('rollout', step.host_mode.advance, (state.policy, state.pool, version)) if config.algo.max_lag else

@@ -72,6 +72,7 @@ class Sampling:
   mesh: jax.sharding.Mesh
   rollout: RolloutConfig
   pool: PoolSettings | None = None
+  episodes: Any = None  # an acting run's agents.stage.EpisodeRows (its episodes' images and rows)
 
   @property
   def split(self) -> bool:
@@ -150,7 +151,8 @@ class Acting(RolloutMode):
     from grpo_jax.agents.stage import AgentStage  # the agents package only for an acting run
     super().__init__(sampling, host)
     self.stage = AgentStage(sampling.graphdef, sampling.task, sampling.decode, sampling.slots, sampling.mesh,
-                            sampling.layout, sampling.rollout.decode_chunk, sampling.rollout.reuse_turn_caches)
+                            sampling.layout, sampling.rollout.decode_chunk, sampling.rollout.reuse_turn_caches,
+                            sampling.episodes)
     self.prompts = self.stage.prompts
 
   @classmethod
