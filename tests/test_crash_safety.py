@@ -39,14 +39,20 @@ def _config(name):
   return os.path.join(ROOT, 'configs', name)
 
 
-def _checkpoints(workdir) -> tuple[set[int], set[int]]:
-  """(steps whose checkpoint is committed, steps whose checkpoint is being written) in workdir."""
+def _names(workdir) -> set[str]:
   try:
-    names = os.listdir(os.path.join(workdir, 'checkpoints'))
+    return set(os.listdir(os.path.join(workdir, 'checkpoints')))
   except FileNotFoundError:
-    return set(), set()
+    return set()
+
+
+def _checkpoints(workdir, stale: frozenset[str] = frozenset()) -> tuple[set[int], set[int]]:
+  """(steps whose checkpoint is committed, steps whose checkpoint is being written) in workdir. A
+  half-written directory named in `stale` (left by a run killed before) is not a save in progress."""
+  names = _names(workdir)
   finished = {int(name) for name in names if name.isdigit()}
-  saving = {int(name.split('.')[0]) for name in names if '.orbax-checkpoint-tmp' in name and name.split('.')[0].isdigit()}
+  saving = {int(name.split('.')[0]) for name in names - stale
+            if '.orbax-checkpoint-tmp' in name and name.split('.')[0].isdigit()}
   return finished, saving
 
 
@@ -115,12 +121,16 @@ def kill_at(process, workdir, moment: str, rng: random.Random) -> str:
   there (a save still unfinished, or a commit that is the newest checkpoint) and that every process
   the run had started dies with it. Returns what was hit, for the messages."""
   finished_before, _ = _checkpoints(workdir)
+  # A save the killed run before this one left half-written is not this run's: waiting for a fresh
+  # one keeps the kill after this run has restored (a loaded machine can let the last run reach its
+  # next save before the commit it was killed at is seen).
+  stale = frozenset(_names(workdir))
   deadline = time.time() + TIMEOUT_S
   step = None
   while step is None:
     assert process.poll() is None, f'the run ended (exit {process.returncode}) before the {moment} moment:\n{_log(process)}'
     assert time.time() < deadline, f'no {moment} moment in {TIMEOUT_S} s'
-    step = _moment_reached(moment, *_checkpoints(workdir), finished_before)
+    step = _moment_reached(moment, *_checkpoints(workdir, stale), finished_before)
     if step is None:
       time.sleep(0.001)
   delay = rng.uniform(0, MAX_DELAY_S) if moment.endswith('save') else 0.0
@@ -129,7 +139,7 @@ def kill_at(process, workdir, moment: str, rng: random.Random) -> str:
   process.send_signal(signal.SIGKILL)
   process.wait()
   process.log.close()
-  finished, saving = _checkpoints(workdir)
+  finished, saving = _checkpoints(workdir, stale)
   hit = f'{moment} of step {step}, {delay * 1000:.0f} ms in, {len(workers)} processes under the run'
   if moment.endswith('save'):
     assert step in saving and step not in finished, f'the save finished before the kill ({hit})'
