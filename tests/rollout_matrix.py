@@ -32,25 +32,32 @@ KINDS = {
 class Cell:
   """one_device / mesh: pytest ids (file::test[param]) of the tests that compare the path on one
   device / on a mesh with its reference; refused: the test id of the refusal at start, with the
-  config field it names; note: what the tests show, or what is still open."""
+  config field it names; one_device_refused: the same for a path that cannot run on one device (its
+  mesh side tested); note: what the tests show, or what is still open."""
 
   one_device: tuple[str, ...] = ()
   mesh: tuple[str, ...] = ()
   refused: tuple[str, str] | None = None
+  one_device_refused: tuple[str, str] | None = None
   note: str = ''
 
   @property
   def status(self) -> str:
     if self.refused:
       return 'refused'
-    if self.one_device and self.mesh:
+    alone = self.one_device or self.one_device_refused
+    if alone and self.mesh:
       return 'tested'
-    if self.one_device or self.mesh:
+    if alone or self.mesh:
       return 'partly tested'
     return 'open'
 
 
 _REFUSE_LAG = 'tests/test_partial.py::test_lag_with_dynamic_sampling_or_agents_is_refused[agent]'
+# LoRA on each path against the merged model (one device, and the adapted model on a mesh).
+_LORA = 'tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model'
+# A split needs a device for each side: on one device rollout.devices is refused at start.
+_SPLIT_ALONE = ('tests/test_bad_inputs.py::test_split_devices_on_a_host_of_one_device', 'rollout.devices')
 _REFUSE_SPLIT = 'tests/test_bad_inputs.py::test_split_devices_an_agent_task_cannot_take'
 
 CELLS = {
@@ -68,15 +75,16 @@ CELLS = {
         ('tests/test_vision_rl.py::test_vision_rl_steps_on_a_mesh_equal_one_device',),
         note='transformers\' generate on the same pixels; RL steps on (2, 2, 2) equal one device'),
     ('group', 'lora'): Cell(
-        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[group-dense]',),
-        ('tests/test_lora.py::test_rollout_layout_carries_the_adapters',),
+        (f'{_LORA}[group-dense]',),
+        ('tests/test_lora.py::test_rollout_layout_carries_the_adapters', f'{_LORA}[group-dense-mesh]'),
         note='the adapters equal their merged weights; the sampler\'s layout on fsdp 8 equals one device'),
     ('group', 'lora-moe'): Cell(
-        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[group-moe]',),
-        note='attention adapters (expert adapters are refused at build: model.lora.targets); no mesh test yet'),
+        (f'{_LORA}[group-moe]',), (f'{_LORA}[group-moe-mesh]',),
+        note='attention adapters (expert adapters are refused at build: model.lora.targets), on fsdp x tensor x '
+             'expert'),
     ('group', 'lora-vl'): Cell(
-        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[group-vl]',),
-        note='no mesh test yet'),
+        (f'{_LORA}[group-vl]',), (f'{_LORA}[group-vl-mesh]',),
+        note='image prompts; on data x fsdp x tensor'),
     ('partial', 'dense'): Cell(
         ('tests/test_partial.py::test_carried_groups_equal_one_call[lag1]',),
         ('tests/test_partial.py::test_carried_groups_equal_one_call[lag1-mesh]',),
@@ -87,31 +95,39 @@ CELLS = {
         note='carried groups and their routes equal one call\'s; resumed on another expert size equals the '
              'uninterrupted run'),
     ('partial', 'vl'): Cell(
-        ('tests/test_vision_rl.py::test_partial_rollouts_carry_image_prompts_as_one_call_samples_them',),
-        note='carried groups equal one call; no mesh test yet'),
+        ('tests/test_vision_rl.py::test_partial_rollouts_carry_image_prompts_as_one_call_samples_them[one-device]',),
+        ('tests/test_vision_rl.py::test_partial_rollouts_carry_image_prompts_as_one_call_samples_them'
+         '[data-x-fsdp-x-tensor]',),
+        note='carried groups (answers prefilled again over the image prompt) equal one call'),
     ('partial', 'lora'): Cell(
-        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[partial-dense]',),
-        note='no mesh test yet'),
+        (f'{_LORA}[partial-dense]',), (f'{_LORA}[partial-dense-mesh]',),
+        note='on data x fsdp x tensor'),
     ('partial', 'lora-moe'): Cell(
-        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[partial-moe]',),
-        note='attention adapters; no mesh test yet'),
-    ('partial', 'lora-vl'): Cell(),
+        (f'{_LORA}[partial-moe]',), (f'{_LORA}[partial-moe-mesh]',),
+        note='attention adapters, on fsdp x tensor x expert'),
+    ('partial', 'lora-vl'): Cell(
+        (f'{_LORA}[partial-vl]',), (f'{_LORA}[partial-vl-mesh]',),
+        note='image prompts carried over steps; on data x fsdp x tensor'),
     ('split', 'dense'): Cell(
-        mesh=('tests/test_split.py::test_every_token_is_its_versions_sample',),
-        note='4 trainer + 4 sampler devices: each token is its version\'s teacher-forced sample (one device cannot split)'),
+        one_device_refused=_SPLIT_ALONE, mesh=('tests/test_split.py::test_every_token_is_its_versions_sample',),
+        note='4 trainer + 4 sampler devices: each token is its version\'s teacher-forced sample'),
     ('split', 'moe'): Cell(
-        mesh=('tests/test_split.py::test_a_mixture_on_split_devices_samples_each_version_and_records_its_routes',),
+        one_device_refused=_SPLIT_ALONE, mesh=('tests/test_split.py::test_a_mixture_on_split_devices_samples_each_version_and_records_its_routes',),
         note='4 + 4 devices: each token is its version\'s teacher-forced sample; every fed token\'s routes recorded'),
     ('split', 'vl'): Cell(
-        mesh=('tests/test_vision_math.py::test_split_devices_sample_image_prompts_as_their_versions',),
+        one_device_refused=_SPLIT_ALONE,
+        mesh=('tests/test_vision_math.py::test_split_devices_sample_image_prompts_as_their_versions[full]',),
         note='4 + 4 devices, teacher-forced per version through the vision tower'),
     ('split', 'lora'): Cell(
-        mesh=('tests/test_split.py::test_lora_on_split_devices_samples_each_version[dense]',),
+        one_device_refused=_SPLIT_ALONE, mesh=('tests/test_split.py::test_lora_on_split_devices_samples_each_version[dense]',),
         note='4 + 4 devices: each token is its version\'s sample (adapters joined with the base), teacher-forced'),
     ('split', 'lora-moe'): Cell(
-        mesh=('tests/test_split.py::test_lora_on_split_devices_samples_each_version[moe]',),
+        one_device_refused=_SPLIT_ALONE, mesh=('tests/test_split.py::test_lora_on_split_devices_samples_each_version[moe]',),
         note='4 + 4 devices, attention adapters with routing replay: each token is its version\'s sample'),
-    ('split', 'lora-vl'): Cell(),
+    ('split', 'lora-vl'): Cell(
+        one_device_refused=_SPLIT_ALONE,
+        mesh=('tests/test_vision_math.py::test_split_devices_sample_image_prompts_as_their_versions[lora]',),
+        note='4 + 4 devices, adapters on q, v and gate: each token is its version\'s sample with the images'),
     ('agents', 'dense'): Cell(
         ('tests/test_agents.py::test_server_tokens_equal_the_group_sampler',),
         ('tests/test_agents.py::test_agent_steps_on_a_mesh_equal_one_device',),
@@ -129,14 +145,14 @@ CELLS = {
         note='an image in each of two turns: transformers\' greedy answers; the update reads the server\'s images; '
              'RL steps on fsdp x tensor equal one device'),
     ('agents', 'lora'): Cell(
-        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[agents-dense]',),
-        note='no mesh test yet'),
+        (f'{_LORA}[agents-dense]',), (f'{_LORA}[agents-dense-mesh]',),
+        note='on data x fsdp x tensor'),
     ('agents', 'lora-moe'): Cell(
-        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[agents-moe]',),
-        note='attention adapters; no mesh test yet'),
+        (f'{_LORA}[agents-moe]',), (f'{_LORA}[agents-moe-mesh]',),
+        note='attention adapters, on fsdp x tensor x expert'),
     ('agents', 'lora-vl'): Cell(
-        ('tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model[agents-vl]',),
-        note='requests with images; no mesh test yet'),
+        (f'{_LORA}[agents-vl]',), (f'{_LORA}[agents-vl-mesh]',),
+        note='requests with images; on data x fsdp x tensor'),
     ('generate', 'dense'): Cell(
         mesh=('tests/test_generate_cli.py::test_greedy_json_matches_transformers',),
         note='transformers\' greedy generate, on a data 4 x tensor 2 serving mesh'),
@@ -190,7 +206,7 @@ COMBINATIONS = {
 def named_tests() -> set[str]:
   """Every pytest id the table names."""
   ids = {test for cell in CELLS.values() for test in (*cell.one_device, *cell.mesh)}
-  ids |= {cell.refused[0] for cell in CELLS.values() if cell.refused}
+  ids |= {refused[0] for cell in CELLS.values() for refused in (cell.refused, cell.one_device_refused) if refused}
   return ids | {test for test, _ in COMBINATIONS.values()}
 
 
@@ -208,6 +224,8 @@ def markdown() -> str:
     tests = [f'one device: {", ".join(map(_short, cell.one_device))}'] if cell.one_device else []
     tests += [f'mesh: {", ".join(map(_short, cell.mesh))}'] if cell.mesh else []
     tests += [f'refused ({cell.refused[1]}): {_short(cell.refused[0])}'] if cell.refused else []
+    tests += [f'one device refused ({cell.one_device_refused[1]}): {_short(cell.one_device_refused[0])}'] \
+        if cell.one_device_refused else []
     detail = '; '.join(tests + ([cell.note] if cell.note else []))
     lines.append(f'- {PATHS[path]} x {KINDS[kind]}: **{cell.status}**' + (f'. {detail}' if detail else ''))
   for name, (test, field) in COMBINATIONS.items():

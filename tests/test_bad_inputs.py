@@ -178,6 +178,17 @@ def test_split_devices_an_agent_task_cannot_take():
                 ['rollout.devices=4', 'algo.max_lag=1', 'algo.tis_cap=2.0'])
 
 
+def test_split_devices_on_a_host_of_one_device(tmp_path):
+  """rollout.devices on one device (the split rows' one-device side, tests/rollout_matrix.py): the
+  run stops at start in one line naming the field, and writes no checkpoint."""
+  from runs import device_env
+  result = subprocess.run([sys.executable, '-m', 'grpo_jax.train', *TINY, '--workdir', str(tmp_path / 'run'),
+                           '--set', 'rollout.devices=1', '--set', 'algo.max_lag=1', '--set', 'algo.tis_cap=2.0'],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=device_env(1))
+  one_error_line(result, 'rollout.devices=1 leaves none of the 1 devices to the trainer: give the sampler fewer')
+  assert not os.path.exists(tmp_path / 'run' / 'checkpoints')
+
+
 def test_a_trainer_mesh_the_split_leaves_too_few_devices_for(tmp_path):
   """mesh.fsdp=2 with rollout.devices=7 of the suite's 8: one device is the trainer's, and the
   message says why there is only one."""

@@ -2,7 +2,11 @@
 weight merged (W + s A B, model/lora.merged) and no adapters. With adapters drawn nonzero, the
 group sampler (continuous batching), the pool of partial rollouts and the agents' inference server
 (requests with images on a vision-language model) must sample what they sample from the merged model: the same tokens, log-probs to 1e-5
-(tests/rollout_matrix.py's LoRA cells)."""
+(tests/rollout_matrix.py's LoRA cells). Each case runs on one device and again with the adapted
+model laid out on a mesh of its kind (fsdp x tensor, and the expert axis for a mixture) against the
+merged model on one device."""
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_jax.model import lora
+from grpo_jax.model import MeshConfig, lora, make_mesh
 from grpo_jax.model.lora import LoraConfig
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.sampler.decode import request_keys
@@ -25,14 +29,17 @@ KINDS = {
     'moe': ('top2-norm-tied', ('q', 'k', 'v', 'o')),
     'vl': (dict(model_type='qwen2_5_vl'), ('q', 'v', 'gate')),
 }
-CASES = [('group', 'dense'), ('group', 'moe'), ('group', 'vl'), ('partial', 'dense'), ('partial', 'moe'), ('agents', 'dense'),
-         ('agents', 'moe'), ('agents', 'vl')]
-FAST = {('group', 'dense'), ('agents', 'dense')}
+# (data, fsdp, tensor, expert) over the 8 test devices.
+MESHES = {'dense': (2, 2, 2, 1), 'moe': (1, 2, 2, 2), 'vl': (2, 2, 2, 1)}
+CASES = [('group', 'dense'), ('group', 'moe'), ('group', 'vl'), ('partial', 'dense'), ('partial', 'moe'),
+         ('partial', 'vl'), ('agents', 'dense'), ('agents', 'moe'), ('agents', 'vl')]
+FAST = {('group', 'dense', 'one'), ('agents', 'dense', 'one')}
 T1 = SamplingConfig(temperature=1.0)
 
 
-def _models(seed, make_hf_checkpoint, kind):
-  """(the adapted model, its merged twin) in fp32."""
+def _models(seed, make_hf_checkpoint, kind, mesh=None):
+  """(the adapted model, its merged twin) in fp32; with `mesh`, the adapted model laid out on it
+  (the same adapters) and the merged twin on one device."""
   fields, targets = KINDS[kind]
   if isinstance(fields, str):
     from test_moe import CASES as MOE
@@ -49,6 +56,10 @@ def _models(seed, make_hf_checkpoint, kind):
   merged = nnx.merge(graphdef, lora.join(lora.adapters_off(trainable), base))
   assert not np.array_equal(np.asarray(nnx.state(merged)['layers']['q_weight'][...]),
                             np.asarray(state['layers']['q_weight'][...]))  # the adapters do change W
+  if mesh is not None:
+    with jax.set_mesh(mesh):
+      adapted = _adapted(directory, settings, seed, mesh=mesh)
+    assert adapted.layers.q_weight[...].sharding.mesh.shape == mesh.shape
   return adapted, merged
 
 
@@ -81,6 +92,11 @@ def _partial(model, seed):
     driver.join(seed + 1 + step, step)
     taken.append(jax.device_get(driver.step(params, step).rollout))
   return taken
+
+
+def _partial_vl(model, seed):
+  from test_vision_rl import carry_image_prompts
+  return carry_image_prompts(model, seed, steps=3)
 
 
 def _agents(model, seed):
@@ -120,14 +136,18 @@ def _same(got, want):
   np.testing.assert_allclose(np.asarray(got.log_probs), np.asarray(want.log_probs), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('path, kind', [pytest.param(*case, id='-'.join(case),
-                                                     marks=() if case in FAST else pytest.mark.exhaustive)
-                                        for case in CASES])
-def test_lora_sampling_equals_the_merged_model(seed, make_hf_checkpoint, path, kind):
-  adapted, merged = _models(seed, make_hf_checkpoint, kind)
-  run = {'group': _group_vl if kind == 'vl' else _group, 'partial': _partial,
+@pytest.mark.parametrize('path, kind, where', [
+    pytest.param(*case, where, id='-'.join(case) + ('-mesh' if where == 'mesh' else ''),
+                 marks=() if (*case, where) in FAST else pytest.mark.exhaustive)
+    for case in CASES for where in ('one', 'mesh')])
+def test_lora_sampling_equals_the_merged_model(seed, make_hf_checkpoint, path, kind, where):
+  mesh = make_mesh(MeshConfig(*MESHES[kind])) if where == 'mesh' else None
+  adapted, merged = _models(seed, make_hf_checkpoint, kind, mesh)
+  run = {'group': _group_vl if kind == 'vl' else _group, 'partial': _partial_vl if kind == 'vl' else _partial,
          'agents': _agents_vl if kind == 'vl' else _agents}[path]
-  got, want = run(adapted, seed), run(merged, seed)
+  want = run(merged, seed)
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    got = run(adapted, seed)
   if path == 'agents':
     for one, other in zip(got, want):
       assert one.tokens == other.tokens

@@ -211,11 +211,14 @@ def test_a_run_with_images_trains_and_evaluates_pass_at_k(tmp_path, checkpoint, 
 
 
 @pytest.mark.exhaustive
-def test_split_devices_sample_image_prompts_as_their_versions(tmp_path, checkpoint, seed):
-  """A math run with images on split devices (4 sampler, 4 trainer devices, max_lag 1): the prompts'
-  images cross to the sampler's devices and back with their groups, and each token's recorded
-  log-prob is what the weights of its version give with the images (the tower included), after
-  the prompt and the tokens before it."""
+@pytest.mark.parametrize('adapters', [[], ['model.lora.rank=4', 'model.lora.targets=[q, v, gate]']],
+                         ids=['full', 'lora'])
+def test_split_devices_sample_image_prompts_as_their_versions(tmp_path, checkpoint, seed, adapters):
+  """A math run with images on split devices (4 sampler, 4 trainer devices, max_lag 1), its
+  parameters trained in full or LoRA's adapters (each version's adapters cross to the sampler and
+  join the base there): the prompts' images cross to the sampler's devices and back with their
+  groups, and each token's recorded log-prob is what the weights of its version give with the
+  images (the tower included), after the prompt and the tokens before it."""
   from test_split import split_steps
 
   from grpo_jax.model.vision import extended, model_inputs
@@ -227,7 +230,8 @@ def test_split_devices_sample_image_prompts_as_their_versions(tmp_path, checkpoi
                      algo={'group_size': 2, 'max_lag': 1, 'tis_cap': 2, 'entropy_coef': 0.5},
                      optim={'learning_rate': 0.05, 'warmup_steps': 0})
   run = split_steps(config_lib.load_config(path, ['rewards=[{name: "test_vision_math:checksum"}]',
-                                                  f'run.seed={seed}']), 4)
+                                                  f'run.seed={seed}', *adapters]), 4)
+  assert (run['state'].frozen is not None) == bool(adapters)
   graphdef, temperature = run['graphdef'], run['rl_step'].update_settings.temperature
 
   @jax.jit

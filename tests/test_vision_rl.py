@@ -222,20 +222,17 @@ def test_packed_update_with_images_equals_padded(seed):
   assert_packed_equals_padded(padded, on_mesh, batch)
 
 
-@pytest.mark.exhaustive
-def test_partial_rollouts_carry_image_prompts_as_one_call_samples_them(seed, make_hf_checkpoint):
-  """The pool of partial rollouts (algo.max_lag 1, fewer slots than requests) with image prompts:
-  groups cut off mid-answer and resumed at the next step (their answers prefilled again over the
-  image prompt, at its M-RoPE offset) end with the tokens and log-probs the group sampler gives
-  them in one call with the same keys."""
+def carry_image_prompts(model, seed, steps=5, check=False):
+  """The pool of partial rollouts (algo.max_lag 1, fewer slots than requests) on image prompts
+  (none, one or two images a prompt), driven `steps` steps as rl/step.py drives it: the rollouts
+  taken at each step. With `check`, every group taken equals the group sampler's one call with the
+  same keys (tokens; log-probs to 1e-5), and some were carried over a step."""
   import functools
 
   from grpo_jax.sampler import pool as sampler_pool
   from grpo_jax.sampler.rollout import sample_groups
   from test_partial import decode_settings
 
-  directory, _ = make_hf_checkpoint(seed, model_type='qwen2_5_vl')
-  model = from_pretrained(directory)
   graphdef, params = nnx.split(model)
   settings = decode_settings(seed, steps=12)
   count, group, width = 2, 4, 40
@@ -248,7 +245,7 @@ def test_partial_rollouts_carry_image_prompts_as_one_call_samples_them(seed, mak
     tokens, mask = np.pad(tokens, ((0, 0), (pad, 0))), np.pad(mask, ((0, 0), (pad, 0)))
     return tokens, mask, vision.vision_of(images, tokens, mask, model.config, max_images=2, max_patches=24)
 
-  batches = [batch(index) for index in range(6)]
+  batches = [batch(index) for index in range(steps + 1)]
   pool = sampler_pool.empty_pool(2 * count, group, width, settings, vision=batches[0][2])
   fill = jax.jit(functools.partial(sampler_pool.fill, answers=None, group_size=group, pad_id=0))
   advance = jax.jit(lambda pool, version: sampler_pool.advance(
@@ -263,12 +260,13 @@ def test_partial_rollouts_carry_image_prompts_as_one_call_samples_them(seed, mak
     return fill(pool, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, jnp.int32), version=version, key=keys[index],
                 position=index * count, prompt_key=jax.random.key_data(keys[index]), vision=prompt_vision)
 
-  pool, carried, checked = join(pool, 0, 0), 0, 0
-  for step in range(5):
+  pool, carried, checked, rollouts = join(pool, 0, 0), 0, 0, []
+  for step in range(steps):
     pool = join(pool, step + 1, step)
     pool, taken = advance(pool, step)
+    rollouts.append(jax.device_get(taken.rollout))
     carried += int(taken.metrics['carried_requests'])
-    for index, source in enumerate(np.asarray(taken.source)):
+    for index, source in enumerate(np.asarray(taken.source) if check else ()):
       which, row = divmod(int(source), count)
       tokens, mask, prompt_vision = batches[which]
       want = one_call(jnp.asarray(tokens[row:row + 1], jnp.int32), jnp.asarray(mask[row:row + 1], jnp.int32),
@@ -279,4 +277,26 @@ def test_partial_rollouts_carry_image_prompts_as_one_call_samples_them(seed, mak
                                  atol=1e-5)
       np.testing.assert_array_equal(np.asarray(taken.vision.offsets[index]), np.asarray(prompt_vision.offsets[row]))
       checked += 1
-  assert carried > 0 and checked == 10, (carried, checked)
+  if check:
+    assert carried > 0 and checked == count * steps, (carried, checked)
+  return rollouts
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize('mesh_shape', [None, (2, 2, 2, 1)], ids=['one-device', 'data-x-fsdp-x-tensor'])
+def test_partial_rollouts_carry_image_prompts_as_one_call_samples_them(seed, make_hf_checkpoint, mesh_shape):
+  """The pool of partial rollouts (algo.max_lag 1, fewer slots than requests) with image prompts:
+  groups cut off mid-answer and resumed at the next step (their answers prefilled again over the
+  image prompt, at its M-RoPE offset) end with the tokens and log-probs the group sampler gives
+  them in one call with the same keys; on one device, and with the model laid out over data x fsdp x
+  tensor."""
+  import contextlib
+
+  from grpo_jax.model import MeshConfig, make_mesh
+  directory, _ = make_hf_checkpoint(seed, model_type='qwen2_5_vl')
+  mesh = make_mesh(MeshConfig(*mesh_shape)) if mesh_shape else None
+  with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
+    model = from_pretrained(directory, mesh=mesh)
+    if mesh:
+      assert model.layers.q_weight[...].sharding.mesh.shape == mesh.shape
+    carry_image_prompts(model, seed, check=True)
