@@ -58,6 +58,8 @@ _REFUSE_LAG = 'tests/test_partial.py::test_lag_with_dynamic_sampling_or_agents_i
 _LORA = 'tests/test_lora_paths.py::test_lora_sampling_equals_the_merged_model'
 # A split needs a device for each side: on one device rollout.devices is refused at start.
 _SPLIT_ALONE = ('tests/test_bad_inputs.py::test_split_devices_on_a_host_of_one_device', 'rollout.devices')
+# A LoRA run's workdir served, on 8 devices and on one (each run shows both sides).
+_SERVE_LORA = 'tests/test_lora_paths.py::test_serve_decodes_a_lora_run_of_each_kind'
 _REFUSE_SPLIT = 'tests/test_bad_inputs.py::test_split_devices_an_agent_task_cannot_take'
 
 CELLS = {
@@ -154,13 +156,16 @@ CELLS = {
         (f'{_LORA}[agents-vl]',), (f'{_LORA}[agents-vl-mesh]',),
         note='requests with images; on data x fsdp x tensor'),
     ('generate', 'dense'): Cell(
-        mesh=('tests/test_generate_cli.py::test_greedy_json_matches_transformers',),
-        note='transformers\' greedy generate, on a data 4 x tensor 2 serving mesh'),
+        ('tests/test_generate_cli.py::test_greedy_json_matches_transformers[one-device]',),
+        ('tests/test_generate_cli.py::test_greedy_json_matches_transformers[mesh]',),
+        note='transformers\' greedy generate, on a data 4 x tensor 2 serving mesh and on a host of one device'),
     ('generate', 'moe'): Cell(
-        mesh=('tests/test_generate_cli.py::test_a_mixture_generates_over_the_expert_axis_as_transformers_does',),
+        ('tests/test_generate_cli.py::test_a_mixture_generates_over_the_expert_axis_as_transformers_does[one-device]',),
+        ('tests/test_generate_cli.py::test_a_mixture_generates_over_the_expert_axis_as_transformers_does[mesh]',),
         note='transformers\' greedy generate, tensor pairs with the experts over the expert axis'),
     ('generate', 'vl'): Cell(
-        mesh=('tests/test_vision_rl.py::test_generate_takes_images_as_transformers_does',),
+        ('tests/test_vision_rl.py::test_generate_takes_images_as_transformers_does[one-device]',),
+        ('tests/test_vision_rl.py::test_generate_takes_images_as_transformers_does[mesh]',),
         note='transformers\' generate on the same pixels'),
     ('generate', 'lora'): Cell(
         refused=('tests/test_lora_train.py::test_lora_exports_as_peft_and_merged', '--ckpt'),
@@ -177,23 +182,27 @@ CELLS = {
         ('tests/test_serve.py::test_hostile_clients_never_change_another_clients_answer',),
         note='transformers\' greedy generate and the full forward\'s log-probs'),
     ('serve', 'moe'): Cell(
-        mesh=('tests/test_engine.py::test_serve_lays_a_mixture_over_the_expert_axis_and_matches_transformers',
-              'tests/test_serve.py::test_a_mixture_served_over_the_expert_axis_answers_as_transformers_through_grpc'),
+        ('tests/test_engine.py::test_serve_lays_a_mixture_over_the_expert_axis_and_matches_transformers[one-device]',),
+        ('tests/test_engine.py::test_serve_lays_a_mixture_over_the_expert_axis_and_matches_transformers[mesh]',
+         'tests/test_serve.py::test_a_mixture_served_over_the_expert_axis_answers_as_transformers_through_grpc'),
         note='transformers\' greedy generate, tensor pairs with the experts and slots over the expert axis: serve\'s '
              'engine, and the server through JetStream\'s gRPC client'),
     ('serve', 'vl'): Cell(
-        mesh=('tests/test_serve.py::test_image_requests_equal_transformers_and_bad_images_are_refused_alone',),
-        note='transformers\' generate'),
+        ('tests/test_serve.py::test_image_requests_equal_transformers_and_bad_images_are_refused_alone[one-device]',),
+        ('tests/test_serve.py::test_image_requests_equal_transformers_and_bad_images_are_refused_alone[mesh]',),
+        note='transformers\' generate, through the gRPC server'),
     ('serve', 'lora'): Cell(
-        mesh=('tests/test_lora_train.py::test_lora_exports_as_peft_and_merged',),
-        note='a LoRA run\'s workdir served: the engine\'s logits equal the restored policy\'s; no decoding test yet'),
+        (f'{_SERVE_LORA}[dense]',),
+        (f'{_SERVE_LORA}[dense]', 'tests/test_lora_train.py::test_lora_exports_as_peft_and_merged'),
+        note='a LoRA run\'s workdir served on 8 devices and on one: the engine decodes the restored policy\'s greedy '
+             'tokens and log-probs (a full forward per step)'),
     ('serve', 'lora-moe'): Cell(
-        mesh=('tests/test_lora_paths.py::test_serve_decodes_a_lora_run_of_each_kind[moe]',),
-        note='a LoRA run\'s workdir (attention adapters), the experts over the expert axis: the restored policy\'s '
-             'logits; no decoding test yet'),
+        (f'{_SERVE_LORA}[moe]',), (f'{_SERVE_LORA}[moe]',),
+        note='attention adapters, the experts over the expert axis: the restored policy\'s greedy tokens and '
+             'log-probs'),
     ('serve', 'lora-vl'): Cell(
-        mesh=('tests/test_lora_paths.py::test_serve_decodes_a_lora_run_of_each_kind[vl]',),
-        note='a LoRA run\'s workdir: the restored policy\'s logits; no decoding test yet'),
+        (f'{_SERVE_LORA}[vl]',), (f'{_SERVE_LORA}[vl]',),
+        note='adapters in the decoder: the restored policy\'s greedy tokens and log-probs'),
 }
 # Refusals at start that no cell above needs, since the path cannot take any model kind: each one
 # a combination of paths.

@@ -208,21 +208,30 @@ def test_engine_in_the_sampler_layout_matches_transformers(seed, make_hf_checkpo
     np.testing.assert_array_equal(completions.tokens[row], transformers_greedy(reference, prompt, 6))
 
 
-def test_serve_lays_a_mixture_over_the_expert_axis_and_matches_transformers(seed, make_hf_checkpoint):
+@pytest.mark.parametrize('devices', [8, pytest.param(1, marks=pytest.mark.exhaustive)], ids=['mesh', 'one-device'])
+def test_serve_lays_a_mixture_over_the_expert_axis_and_matches_transformers(seed, make_hf_checkpoint, monkeypatch,
+                                                                             devices):
   """serve's engine for a Qwen3-MoE checkpoint on the 8 test devices (`--tensor 2`): the trainer's
   sampler layout, tensor pairs with the 8 experts split over the 4 pairs (the expert axis), which
-  also split the slots; greedy answers equal transformers'."""
+  also split the slots; and on a host of one device. Greedy answers equal transformers'."""
   from grpo_jax.serve.__main__ import build_engine, parse_args
   from test_moe import CASES
+  if devices == 1:
+    one = jax.devices()[:1]
+    monkeypatch.setattr(jax, 'local_devices', lambda *args, **kwargs: one)
   directory, reference = make_hf_checkpoint(seed, **CASES['top2-norm-tied'])
-  engine, _ = build_engine(parse_args(['--ckpt', directory, '--port', '0', '--slots', '4', '--tensor', '2',
-                                       '--dtype', 'float32', '--greedy', '--max-new-tokens', '6',
+  engine, _ = build_engine(parse_args(['--ckpt', directory, '--port', '0', '--slots', '4', '--tensor',
+                                       str(min(devices, 2)), '--dtype', 'float32', '--greedy', '--max-new-tokens', '6',
                                        '--token-ids-only']))  # serve's default dtype is bfloat16
   params = engine.load_params()
   layers = params['layers']
-  assert dict(layers['expert_up_weight'][...].sharding.mesh.shape) == dict(data=1, fsdp=1, expert=4, tensor=2)
-  assert layers['expert_up_weight'][...].sharding.spec[1] == 'expert'  # [Ls, E, D, M]: the experts split
-  assert engine.init_decode_state().cache.k.sharding.spec[1] == 'expert'  # the slots split over the groups
+  experts = 4 if devices == 8 else 1
+  assert dict(layers['expert_up_weight'][...].sharding.mesh.shape) == dict(data=1, fsdp=1, expert=experts,
+                                                                           tensor=min(devices, 2))
+  assert len(layers['expert_up_weight'][...].sharding.device_set) == devices
+  if devices > 1:
+    assert layers['expert_up_weight'][...].sharding.spec[1] == 'expert'  # [Ls, E, D, M]: the experts split
+    assert engine.init_decode_state().cache.k.sharding.spec[1] == 'expert'  # the slots split over the groups
   prompts = random_prompts(seed, [3, 10, 8, 5, 7])
   completions = generate_groups(engine, params, prompts)
   for row, prompt in enumerate(prompts):

@@ -159,30 +159,65 @@ def test_lora_sampling_equals_the_merged_model(seed, make_hf_checkpoint, path, k
     _same(got, want)
 
 
+def _naive_greedy(model, prompt, steps):
+  """Greedy decoding by a full forward over the whole sequence at every step (no cache)."""
+  sequence = list(prompt)
+  forward = jax.jit(lambda tokens: nnx.merge(*nnx.split(model))(tokens)[0, -1])
+  for _ in range(steps):
+    sequence.append(int(np.argmax(np.asarray(forward(jnp.asarray([sequence]))))))
+  return sequence[len(prompt):]
+
+
 @pytest.mark.exhaustive
-@pytest.mark.parametrize('kind', ['moe', 'vl'])
-def test_serve_decodes_a_lora_run_of_each_kind(tmp_path, kind):
-  """`serve --ckpt <a LoRA run's workdir>` on a mixture (attention adapters, the experts over the
-  expert axis) and on a vision-language model (adapters in the decoder, the tower as trained): the
-  engine's model gives the restored policy's logits, and the adapters act (the base's differ)."""
+@pytest.mark.parametrize('kind', ['dense', 'moe', 'vl'])
+def test_serve_decodes_a_lora_run_of_each_kind(tmp_path, kind, monkeypatch):
+  """`serve --ckpt <a LoRA run's workdir>` of a dense model, a mixture (attention adapters, the
+  experts over the expert axis) and a vision-language model (adapters in the decoder, the tower as
+  trained), on the 8 test devices (tensor pairs) and on a host of one device: the engine's model
+  gives the restored policy's logits, the adapters act (the base's differ), and the engine decodes
+  (prefill, insert, generate through its slots) the greedy tokens a full forward per step of the
+  restored policy gives, with its log-probs."""
   import os
+  from engine_driver import generate_groups
   from runs import ROOT, train_here
+  from test_engine import full_forward_log_probs
   from grpo_jax.checkpoint import locate
   from grpo_jax.restore import restore_policy
   from grpo_jax.serve import __main__ as serve
+  from grpo_jax.testing import random_prompts
   from conversion.common import host_mesh
-  config, targets = {'moe': ('tiny_arith_moe.yaml', '[q, v]'), 'vl': ('tiny_spot.yaml', '[q, v, gate]')}[kind]
+  config, targets = {'dense': ('tiny_arith_lora.yaml', '[q, k, v, o, gate, up, down]'),
+                     'moe': ('tiny_arith_moe.yaml', '[q, v]'), 'vl': ('tiny_spot.yaml', '[q, v, gate]')}[kind]
   run = tmp_path / 'run'
   train_here(run, os.path.join(ROOT, 'configs', config), 'model.lora.rank=4', f'model.lora.targets={targets}',
              'train.steps=2', 'train.steps_per_call=1', 'train.checkpoint_every=2', 'optim.learning_rate=5e-2',
              'algo.entropy_coef=1.0', 'train.progress=false', 'train.tensorboard=false')
   graphdef, params, _, _ = restore_policy(*locate(str(run)), host_mesh())
   policy = nnx.merge(graphdef, params)
-  tokens = np.random.default_rng(0).integers(0, policy.config.vocab_size, (2, 9))
+  vocab = policy.config.vocab_size
+  tokens = np.random.default_rng(0).integers(0, vocab, (2, 9))
   ours = np.asarray(policy(tokens))
   trainable, frozen = lora.split_trainable(params)
   base = np.asarray(nnx.merge(graphdef, lora.join(lora.adapters_off(trainable), frozen))(tokens))
   assert np.abs(ours - base).max() > 1e-4  # the trained adapters act
-  engine, _ = serve.build_engine(serve.parse_args(['--ckpt', str(run), '--port', '0', '--token-ids-only',
-                                                   '--dtype', 'float32']))
-  np.testing.assert_allclose(np.asarray(engine._model(tokens)), ours, rtol=0, atol=1e-5)
+  prompts = random_prompts(1, [4, 7, 3], vocab=vocab)
+  greedy = [_naive_greedy(policy, prompt, 5) for prompt in prompts]
+  expected_log_probs = full_forward_log_probs(policy, list(zip(prompts, greedy)))
+  base_log_probs = full_forward_log_probs(nnx.merge(graphdef, lora.join(lora.adapters_off(trainable), frozen)),
+                                          list(zip(prompts, greedy)))
+  # The base gives these tokens other log-probs (0.06-0.6 apart here): a decode without the adapters fails.
+  assert max(np.abs(a - b).max() for a, b in zip(base_log_probs, expected_log_probs)) > 1e-3
+  for devices in (8, 1):
+    if devices == 1:
+      one = jax.devices()[:1]
+      monkeypatch.setattr(jax, 'local_devices', lambda *args, **kwargs: one)
+    engine, _ = serve.build_engine(serve.parse_args(['--ckpt', str(run), '--port', '0', '--token-ids-only',
+                                                     '--dtype', 'float32', '--greedy', '--max-new-tokens', '5',
+                                                     '--slots', '2', '--tensor', str(min(devices, 2))]))
+    served = engine.load_params()
+    assert len(jax.tree.leaves(served)[0].sharding.device_set) == devices
+    np.testing.assert_allclose(np.asarray(engine._model(tokens)), ours, rtol=0, atol=1e-5)
+    completions = generate_groups(engine, served, prompts)
+    for row, want in enumerate(greedy):
+      assert completions.tokens[row].tolist() == want, (devices, row)
+      np.testing.assert_allclose(completions.log_probs[row], expected_log_probs[row], atol=1e-5)

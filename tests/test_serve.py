@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from runs import device_env
 from test_api import write_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -281,8 +282,11 @@ VL_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['con
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
-def test_image_requests_equal_transformers_and_bad_images_are_refused_alone(seed, make_hf_checkpoint, tmp_path):
-  """A Qwen2.5-VL checkpoint served: conversations with one image, two images of different sizes
+@pytest.mark.parametrize('devices', [8, 1], ids=['mesh', 'one-device'])
+def test_image_requests_equal_transformers_and_bad_images_are_refused_alone(seed, make_hf_checkpoint, tmp_path,
+                                                                            devices):
+  """A Qwen2.5-VL checkpoint served on the 8 test devices and on a host of one device:
+  conversations with one image, two images of different sizes
   (base64 parts, both part spellings) and none, through two slots at once, decode greedily as
   transformers' generate does on the processor's pixels; undecodable, too many, fetched and
   unearned image tokens are refused to their own clients, and the good answers do not change."""
@@ -364,7 +368,7 @@ def test_image_requests_equal_transformers_and_bad_images_are_refused_alone(seed
 
   port = portpicker.pick_unused_port()
   server = serve('--ckpt', directory, '--port', port, '--slots', 2, '--max-prefill-length', 128,
-                 '--max-new-tokens', 6, '--greedy', '--dtype', 'float32', '--max-images', 2)
+                 '--max-new-tokens', 6, '--greedy', '--dtype', 'float32', '--max-images', 2, env=device_env(devices))
   as_text = lambda c: dict(text_content=jetstream_pb2.DecodeRequest.TextContent(text=json.dumps(c)))  # noqa: E731
   good = [as_text(c) for c in conversations]
   try:

@@ -17,7 +17,7 @@ from grpo_jax.rl.loss import completion_log_probs
 from grpo_jax.sampler.decode import DecodeSettings
 from grpo_jax.sampler.rollout import GroupSampler
 from grpo_jax.sampler.sampling import SamplingConfig
-from runs import read_metrics, train_here, train_learning
+from runs import device_env, read_metrics, train_here, train_learning
 from test_vision_model import IMAGE, grids_of, image_batch, transformers_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,10 +118,12 @@ def test_vision_rl_steps_on_a_mesh_equal_one_device(tmp_path):
 
 
 @pytest.mark.exhaustive
-def test_generate_takes_images_as_transformers_does(seed, make_hf_checkpoint, tmp_path):
-  """python -m grpo_jax.generate --image: the image processed as the checkpoint's
-  preprocessor_config.json says and placed at the prompt's <image>; greedy tokens equal transformers'
-  generate on the same pixels; a text checkpoint and a marker count that differs are one-line errors."""
+@pytest.mark.parametrize('devices', [8, 1], ids=['mesh', 'one-device'])
+def test_generate_takes_images_as_transformers_does(seed, make_hf_checkpoint, tmp_path, devices):
+  """python -m grpo_jax.generate --image, on the 8 test devices and on a host of one: the image
+  processed as the checkpoint's preprocessor_config.json says and placed at the prompt's <image>;
+  greedy tokens equal transformers' generate on the same pixels; a text checkpoint and a marker
+  count that differs are one-line errors."""
   import json
   import subprocess
   import sys
@@ -142,7 +144,7 @@ def test_generate_takes_images_as_transformers_does(seed, make_hf_checkpoint, tm
 
   def generate(*args):
     return subprocess.run([sys.executable, '-m', 'grpo_jax.generate', '--ckpt', directory, *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=device_env(devices))
 
   result = generate('--prompt', 'what is <image> seven plus two', '--image', tmp_path / 'figure.png', '--greedy',
                     '--max-new-tokens', 6, '--json')
