@@ -107,6 +107,9 @@ class Config:
     rows = self.completions_per_step
     require(rows % algo.num_minibatches == 0, 'algo.num_minibatches',
             f'({algo.num_minibatches}) must divide prompts_per_step * group_size ({rows})')
+    require(algo.shuffle == 'rows' or self.rollout.prompts_per_step % algo.num_minibatches == 0, 'algo.shuffle',
+            f"'groups' deals whole groups: algo.num_minibatches ({algo.num_minibatches}) must divide "
+            f'rollout.prompts_per_step ({self.rollout.prompts_per_step})')
     minibatch = rows // algo.num_minibatches
     require(algo.micro_batch_size == 0 or minibatch % algo.micro_batch_size == 0, 'algo.micro_batch_size',
             f'({algo.micro_batch_size}) must divide the mini-batch of {minibatch} rows')

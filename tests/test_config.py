@@ -71,6 +71,9 @@ def test_resolved_yaml_reloads_to_the_same_config(tmp_path):
     ('', ['task.name=math', 'task.source=a.jsonl', 'model.path=m', 'task.mix=[{split: train}]'],
      'task.mix[0].source must name a dataset'),
     ('', ['task.name=math', 'model.path=m'], 'task.source must name the problems for task.name=math'),
+    ('', ['algo.shuffle=prompts'], "config key 'algo.shuffle' must be one of 'rows' | 'groups'"),
+    ('', ['rollout.prompts_per_step=6', 'algo.group_size=4', 'algo.num_minibatches=4', 'algo.shuffle=groups'],
+     "algo.shuffle 'groups' deals whole groups: algo.num_minibatches (4) must divide rollout.prompts_per_step (6)"),
 ])
 def test_mistakes_name_the_key(tmp_path, text, overrides, message):
   with pytest.raises(UserError) as error:

@@ -22,7 +22,7 @@ from grpo_jax.rl.batch import Batch
 from grpo_jax.rl.optimizer import OptimConfig, freezing
 from grpo_jax.rl.state import init_train_state
 from grpo_jax.rl.update import UpdateSettings, update
-from test_update import assert_close
+from test_update import assert_close, assert_trees_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCHITECTURE = config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny_spot.yaml')).model.architecture
@@ -177,3 +177,46 @@ def test_a_frozen_tower_holds_no_moments_and_the_rest_trains_as_before(tmp_path)
                                  jax.tree.leaves(params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(start if tower(path) else b),
                                   err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize('shown', ['whole-groups', 'own-rows'])
+def test_each_mini_batch_runs_the_tower_on_its_own_prompts_only(seed, monkeypatch, shown):
+  """Three mini-batches a pass over two passes, a trained tower: with whole groups (`algo.shuffle:
+  groups`) each mini-batch runs the tower on its one prompt's images; with rows that show images of
+  their own (an agent's episodes, rows shuffled one by one) on its two rows'. Parameters and
+  metrics equal the update that runs the tower on every prompt's images in every mini-batch (fp32),
+  and the compiled update does fewer FLOPs."""
+  from grpo_jax.rl import update as update_module
+  batch, own = image_batch(seed)
+  if shown == 'own-rows':
+    batch = batch.replace(images=own.images, vision=vision.RowImages.own(own))
+  graphdef, params, _ = model_parts(False)
+  config = AlgoConfig(group_size=GROUP, num_minibatches=3, ppo_epochs=2,
+                      shuffle='groups' if shown == 'whole-groups' else 'rows', loss_aggregation='token-mean',
+                      logprob_implementation='xla_chunked')
+  settings = UpdateSettings(algo=config, temperature=1.0, rows=ROWS)
+  optimizer = optax.sgd(0.1)
+
+  def compiled():
+    run = jax.jit(functools.partial(update, graphdef=graphdef, optimizer=optimizer,
+                                    schedule=optax.constant_schedule(1.0), settings=settings))
+    return run.lower(init_train_state(params, optimizer, seed), batch, None).compile()
+
+  ours = compiled()
+  with monkeypatch.context() as patch:  # the reference: every prompt's images in every mini-batch
+    patch.setattr(update_module, '_image_owners', lambda orders, owners, settings: jnp.broadcast_to(
+        jnp.arange(owners, dtype=orders.dtype), (orders.shape[0], owners)))
+    everyone = compiled()
+  state = init_train_state(params, optimizer, seed)
+  (got, metrics), (want, expected) = ours(state, batch, None), everyone(state, batch, None)
+  if shown == 'whole-groups':  # each mini-batch's rows are one whole group
+    orders = np.asarray(update_module._orders(jax.random.split(state.key)[1], settings))
+    assert all(len(set(row // GROUP)) == 1 for row in orders), orders
+  for name in ('loss', 'grad_norm'):
+    assert_close(metrics[name], expected[name], name)
+  assert_trees_close(got.params, want.params)
+  moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(got.params['visual']),
+                                                          jax.tree.leaves(params['visual'])))
+  assert moved > 1e-3  # the tower trained
+  flops = lambda program: program.cost_analysis()['flops']  # noqa: E731
+  assert flops(ours) < 0.9 * flops(everyone), (flops(ours), flops(everyone))

@@ -200,6 +200,10 @@ class AlgoConfig:
   loss_aggregation: LossAggregation = 'token-mean'  # see algo.aggregation_weights
   ppo_epochs: int = 1  # mu: passes over each batch; > 1 uses pi_old log-probs and clipping
   num_minibatches: int = 1  # optimizer steps per pass; P * G must divide evenly
+  # How each pass deals the rows into mini-batches: 'rows' shuffled one by one, or whole 'groups'
+  # (a prompt's G rows in one mini-batch, P divided evenly): a trained vision tower then runs once
+  # per prompt per pass instead of on every prompt in every mini-batch.
+  shuffle: Literal['rows', 'groups'] = 'rows'
   micro_batch_size: int = 0  # rows per gradient-accumulation micro-batch; 0: the whole mini-batch
   # Packing (rl/packing.py): each mini-batch's sequences (prompt + completion, padding dropped) are
   # packed into rows of pack_length tokens on the devices, and the pi_old / pi_ref passes and the loss
@@ -238,6 +242,7 @@ class AlgoConfig:
       require(self.entropy_coef >= 0, 'entropy_coef', f'must be >= 0 (a bonus), got {self.entropy_coef}')
       require(self.group_size >= 2, 'group_size', f'must be >= 2 (a group needs a baseline), got {self.group_size}')
       require(self.num_minibatches >= 1, 'num_minibatches', f'must be >= 1, got {self.num_minibatches}')
+      require(self.shuffle in ('rows', 'groups'), 'shuffle', f"must be 'rows' or 'groups', got {self.shuffle!r}")
       require(self.micro_batch_size >= 0, 'micro_batch_size', f'must be >= 0, got {self.micro_batch_size}')
       require(self.pack_length >= 0, 'pack_length', f'must be >= 0, got {self.pack_length}')
       require(self.micro_batch_tokens >= 0, 'micro_batch_tokens', f'must be >= 0, got {self.micro_batch_tokens}')

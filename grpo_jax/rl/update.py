@@ -13,11 +13,13 @@ give the same loss, gradients and metrics.
 
 Images: the vision tower runs once per prompt, outside the micro-batches, and each row takes its
 prompt's features (LossInputs.features). A frozen tower (`model.freeze_vision`, or LoRA's base) runs
-once per update and its features serve every pass; a trained one runs once per mini-batch (on all P
-prompts: rows are shuffled one by one, so a prompt's rows may lie in any mini-batch), and the
-loss's gradients with respect to its rows' features, summed over the micro-batches whichever of
-them holds a prompt's rows, go back through the tower once (`jax.vjp`). The tower's parameters are
-never among those the micro-batches differentiate, so no gradient buffer of them is carried.
+once per update and its features serve every pass; a trained one runs once per mini-batch on the
+prompts whose rows the mini-batch holds (`_image_owners`): all P when rows are shuffled one by one
+(`algo.shuffle: rows`), its own P / M with whole groups (`groups`), and its own rows' when each row
+shows images of its own (an agent's episodes). The loss's gradients with respect to its rows'
+features, summed over the micro-batches whichever of them holds a prompt's rows, go back through
+the tower once (`jax.vjp`). The tower's parameters are never among those the micro-batches
+differentiate, so no gradient buffer of them is carried.
 """
 
 import dataclasses
@@ -51,6 +53,10 @@ class UpdateSettings:
   sequence_length: int = 0  # Tp + N, when known here: checks the packing settings against it
 
   def __post_init__(self):
+    deal = self.algo.group_size * self.algo.num_minibatches
+    require(self.algo.shuffle == 'rows' or self.rows % deal == 0, 'algo.shuffle',
+            f"'groups' deals whole groups of {self.algo.group_size} rows into {self.algo.num_minibatches} mini-batches: "
+            f'{self.rows} rows do not divide evenly')
     if self.algo.packing and self.sequence_length:
       length = self.row_length(self.sequence_length)
       require(length >= self.sequence_length, 'algo.pack_length',
@@ -247,6 +253,34 @@ def _head_for_logprobs(frozen: nnx.State) -> nnx.State:
   return nnx.map_state(place, frozen)
 
 
+def _orders(key: jax.Array, settings: UpdateSettings) -> jax.Array:
+  """The rows of each mini-batch of each pass [mu * M, B / M]: one random order per pass, of the
+  rows one by one or of whole groups (`algo.shuffle`; G consecutive rows are a group, row p * G + g
+  the g-th answer to prompt p); the rows in order with one mini-batch."""
+  config = settings.algo
+  if config.num_minibatches == 1:
+    orders = [jnp.arange(settings.rows)] * config.ppo_epochs
+  elif config.shuffle == 'groups':
+    group = config.group_size
+    orders = [(jax.random.permutation(k, settings.rows // group)[:, None] * group + jnp.arange(group)).reshape(-1)
+              for k in jax.random.split(key, config.ppo_epochs)]
+  else:
+    orders = [jax.random.permutation(k, settings.rows) for k in jax.random.split(key, config.ppo_epochs)]
+  return jnp.stack(orders).reshape(-1, settings.minibatch_rows)
+
+
+def _image_owners(orders: jax.Array, owners: int, settings: UpdateSettings) -> jax.Array:
+  """Whose images each mini-batch's rows show [mu * M, K], among the batch's `owners` image rows:
+  the rows themselves when each row shows its own (owners = B: an agent's episodes), the mini-batch's
+  P / M prompts when it holds whole groups, else all P prompts (any may have a row in it)."""
+  if owners == settings.rows:
+    return orders
+  if settings.algo.shuffle == 'groups' or settings.algo.num_minibatches == 1:
+    group = settings.rows // owners
+    return orders[:, ::group] // group
+  return jnp.broadcast_to(jnp.arange(owners, dtype=orders.dtype), (orders.shape[0], owners))
+
+
 TOWER = 'visual'  # the vision tower's parameters (model/qwen2.py)
 
 
@@ -277,7 +311,7 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
   rows = LossInputs(batch=(batch if replay else batch.without_routes()).without_images())
   policy = lora.join(state.params, frozen)
 
-  def features_of(params, shown):
+  def features_of(params, shown, images=images):
     """The rows' image features: the tower on each prompt's images once, taken by its rows."""
     return None if images is None else shown.features(nnx.merge(graphdef, params).image_features(images))
 
@@ -294,14 +328,12 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
                        if config.kl_beta > 0 else None))
 
   key, shuffle_key = jax.random.split(state.key)
-  if config.num_minibatches > 1:
-    orders = [jax.random.permutation(k, settings.rows) for k in jax.random.split(shuffle_key, config.ppo_epochs)]
-  else:
-    orders = [jnp.arange(settings.rows)] * config.ppo_epochs
-  orders = jnp.stack(orders).reshape(-1, settings.minibatch_rows)  # [mu * minibatches, rows per minibatch]
+  orders = _orders(shuffle_key, settings)  # [mu * minibatches, rows per minibatch]
+  owners = None if not tower_trains else _image_owners(orders, images.patches.shape[0], settings)
 
-  def minibatch_update(carry, order):
+  def minibatch_update(carry, order_and_owners):
     params, opt_state, updates, skips = carry
+    order, mine = order_and_owners
     minibatch = rows.map_rows(lambda x: x[order])
     mask = minibatch.batch.mask
     minibatch = minibatch.replace(weights=algo.aggregation_weights(mask, config.loss_aggregation, completion_length),
@@ -313,10 +345,15 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
     trained, tower = split_tower(params)
     constants = lora.join(tower, frozen) if tower is not None else frozen
     if tower_trains:
-      # fp32 rows' features: each prompt's G rows' gradients add up in fp32 before the tower's backward.
+      # The tower on the images of the prompts this mini-batch's rows show (`mine`), each row then
+      # taking its prompt's among them; fp32 rows' features: each prompt's G rows' gradients add up
+      # in fp32 before the tower's backward.
+      shown = minibatch.batch.vision
+      local = dataclasses.replace(shown, prompt=jnp.argmax(shown.prompt[:, None] == mine[None, :], axis=1).astype(
+          jnp.int32))
       features, pullback = jax.vjp(
-          lambda tower: features_of(lora.join(lora.join(trained, tower), frozen),
-                                    minibatch.batch.vision).astype(jnp.float32), tower)
+          lambda tower: features_of(lora.join(lora.join(trained, tower), frozen), local,
+                                    images.map_rows(lambda x: x[mine])).astype(jnp.float32), tower)
       minibatch = minibatch.replace(features=features)
 
     def accumulate(trained, rows, micro):
@@ -347,7 +384,7 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
     return carry, metrics
 
   carry = (state.params, state.opt_state, state.updates, state.skips)
-  (params, opt_state, updates, skips), metrics = jax.lax.scan(minibatch_update, carry, orders)
+  (params, opt_state, updates, skips), metrics = jax.lax.scan(minibatch_update, carry, (orders, owners))
   # The mismatch, measured on the sampler's parameters: on-policy by the loss on its one mini-batch,
   # else here from pi_old's log-probs of the whole batch.
   by_lag = [name for name in metrics if name.startswith(('lag_tokens/', 'lag_gap/'))]
