@@ -194,12 +194,12 @@ def tower_flops_per_step(prompt_flops: float, rollout, algo, trained: bool, rema
   once per prompt. The update runs it once per prompt (rl/update.py): for pi_ref (beta > 0); a
   frozen tower once more for every other pass; a trained one once for pi_old (when scored), and in
   each of the mu x M mini-batches forward and backward (2x forward, 3x with `remat`: the blocks'
-  forward again)."""
+  forward again) on all P prompts, or on its P / M with whole groups (`algo.shuffle: groups`)."""
   prompts = rollout.prompts_per_step * prompt_flops
   scored = algo.ppo_epochs > 1 or algo.num_minibatches > 1
   if not trained:
     return prompts, prompts * (1 + (algo.kl_beta > 0))
-  minibatches = algo.ppo_epochs * algo.num_minibatches
+  minibatches = algo.ppo_epochs * (algo.num_minibatches if algo.shuffle == 'rows' else 1)
   return prompts, prompts * (scored + (algo.kl_beta > 0) + minibatches * (3 + remat))
 
 
