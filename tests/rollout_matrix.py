@@ -78,7 +78,7 @@ CELLS = {
         note='transformers\' generate on the same pixels; RL steps on (2, 2, 2) equal one device'),
     ('group', 'lora'): Cell(
         (f'{_LORA}[group-dense]',),
-        ('tests/test_lora.py::test_rollout_layout_carries_the_adapters', f'{_LORA}[group-dense-mesh]'),
+        ('tests/test_lora.py::test_rollout_layout_carries_the_adapters',),
         note='the adapters equal their merged weights; the sampler\'s layout on fsdp 8 equals one device'),
     ('group', 'lora-moe'): Cell(
         (f'{_LORA}[group-moe]',), (f'{_LORA}[group-moe-mesh]',),
