@@ -408,9 +408,9 @@ def test_the_agent_demo_learns_from_the_replies(tmp_path, kind, steps):
   """configs/tiny_guess.yaml: the reward passes what any policy deaf to the replies can reach (4
   guesses of 16 numbers: 0.25), and episodes get shorter. Dense, 120 steps (measured with the
   config's entropy bonus: 0.17 over the first 10 steps, 0.38 over steps 111-120, 0.44 over 141-150;
-  make demo-agent runs its 600). On a
-  mixture of 8 experts (top 2) replaying the server's routes, 160 steps (measured over steps 111-120
-  at seeds 0-3: 0.37, 0.38, 0.41, 0.40; over 151-160 at seeds 0 and 3: 0.44 and 0.45)."""
+  make demo-agent runs its 600). On a mixture of 8 experts (top 2) replaying the server's routes, 160
+  steps (measured before the bonus, over steps 111-120 at seeds 0-3: 0.37, 0.38, 0.41, 0.40; over
+  151-160 at seeds 0 and 3: 0.44 and 0.45; with it the test passes)."""
   from test_agents_moe import MOE_GUESS
   train_learning(tmp_path, GUESS, *(MOE_GUESS if kind == 'moe' else ()), f'train.steps={steps}',
                  'train.progress=false', 'train.tensorboard=false', 'train.checkpoint_every=0')
