@@ -98,9 +98,9 @@ CELLS = {
              'uninterrupted run'),
     ('partial', 'vl'): Cell(
         ('tests/test_vision_rl.py::test_partial_rollouts_carry_image_prompts_as_one_call_samples_them[one-device]',),
-        note='carried groups (answers prefilled again over the image prompt) equal one call; on data 2 x fsdp 2 '
-             'x tensor 2 the pool deadlocked in XLA:CPU\'s collectives in 1 run of 2-3 (devices waiting in '
-             'different collectives of one loop): no mesh test until that is understood'),
+        note='carried groups (answers prefilled again over the image prompt) equal one call; with LoRA on data 2 '
+             'x fsdp 2 x tensor 2 the pool deadlocked in XLA:CPU\'s collectives in 2 runs of 3 (devices waiting in '
+             'different collectives of one loop), without it passed 3 of 3: no mesh test until that is understood'),
     ('partial', 'lora'): Cell(
         (f'{_LORA}[partial-dense]',), (f'{_LORA}[partial-dense-mesh]',),
         note='on data x fsdp x tensor'),

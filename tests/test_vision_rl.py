@@ -285,9 +285,10 @@ def carry_image_prompts(model, seed, steps=5, check=False):
 
 
 @pytest.mark.exhaustive
-# On a data 2 x fsdp 2 x tensor 2 mesh this pool deadlocked in XLA:CPU's collectives, in 1 run of 2
-# to 3 here (devices waiting in different collectives of one loop: tests/rollout_matrix.py's note);
-# the mesh case waits until that is understood.
+# With LoRA adapters on a data 2 x fsdp 2 x tensor 2 mesh this pool deadlocked in XLA:CPU's
+# collectives in 2 runs of 3 (devices waiting in different collectives of one loop:
+# tests/rollout_matrix.py's note); without them it passed 3 of 3 there. The mesh case waits until
+# that is understood.
 @pytest.mark.parametrize('mesh_shape', [None], ids=['one-device'])
 def test_partial_rollouts_carry_image_prompts_as_one_call_samples_them(seed, make_hf_checkpoint, mesh_shape):
   """The pool of partial rollouts (algo.max_lag 1, fewer slots than requests) with image prompts:
