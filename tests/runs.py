@@ -28,6 +28,14 @@ def train_here(workdir, config: str, *overrides: str, devices: int = 1) -> list[
   return train.train(loaded, workdir, mesh, model)
 
 
+def one_local_device(monkeypatch):
+  """This process seen by generate and serve as a host of one device: they lay a model over
+  jax.local_devices(), narrowed here to the first of the suite's devices (until the test ends)."""
+  import jax
+  one = jax.devices()[:1]
+  monkeypatch.setattr(jax, 'local_devices', lambda *args, **kwargs: one)
+
+
 def device_env(count: int, **extra) -> dict:
   """This process's environment (with the suite's XLA flags, tests/conftest.py) for a subprocess
   that sees `count` CPU devices."""

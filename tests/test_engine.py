@@ -11,6 +11,7 @@ import torch
 from flax import nnx
 
 from engine_driver import generate_groups
+from runs import one_local_device
 from grpo_jax.model import from_pretrained
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.serve.engine import QwenEngine
@@ -217,8 +218,7 @@ def test_serve_lays_a_mixture_over_the_expert_axis_and_matches_transformers(seed
   from grpo_jax.serve.__main__ import build_engine, parse_args
   from test_moe import CASES
   if devices == 1:
-    one = jax.devices()[:1]
-    monkeypatch.setattr(jax, 'local_devices', lambda *args, **kwargs: one)
+    one_local_device(monkeypatch)
   directory, reference = make_hf_checkpoint(seed, **CASES['top2-norm-tied'])
   engine, _ = build_engine(parse_args(['--ckpt', directory, '--port', '0', '--slots', '4', '--tensor',
                                        str(min(devices, 2)), '--dtype', 'float32', '--greedy', '--max-new-tokens', '6',

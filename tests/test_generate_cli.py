@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from runs import device_env
+from runs import device_env, one_local_device
 from test_api import write_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,13 +48,10 @@ def test_a_mixture_generates_over_the_expert_axis_as_transformers_does(seed, mak
   """A Qwen3-MoE checkpoint on the 8 test devices: tensor pairs, its 8 experts split over the 4
   pairs (the trainer's sampler layout: the expert axis), greedy as transformers' generate; and on a
   host of one device (the host's devices are what generate lays the model over)."""
-  import jax
-
   from grpo_jax import generate as generate_module
   from test_moe import CASES
   if devices == 1:
-    one = jax.devices()[:1]
-    monkeypatch.setattr(jax, 'local_devices', lambda *args, **kwargs: one)
+    one_local_device(monkeypatch)
   layouts = []
   original = generate_module.rollout_layout
   monkeypatch.setattr(generate_module, 'rollout_layout', lambda *a, **k: layouts.append(original(*a, **k)) or layouts[-1])

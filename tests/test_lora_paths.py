@@ -182,7 +182,7 @@ def test_serve_decodes_a_lora_run_of_each_kind(tmp_path, kind, monkeypatch):
   restored policy gives, with its log-probs."""
   import os
   from engine_driver import generate_groups
-  from runs import ROOT, train_here
+  from runs import ROOT, one_local_device, train_here
   from test_engine import full_forward_log_probs
   from grpo_jax.checkpoint import locate
   from grpo_jax.restore import restore_policy
@@ -212,8 +212,7 @@ def test_serve_decodes_a_lora_run_of_each_kind(tmp_path, kind, monkeypatch):
   assert max(np.abs(a - b).max() for a, b in zip(base_log_probs, expected_log_probs)) > 1e-3
   for devices in (8, 1):
     if devices == 1:
-      one = jax.devices()[:1]
-      monkeypatch.setattr(jax, 'local_devices', lambda *args, **kwargs: one)
+      one_local_device(monkeypatch)
     engine, _ = serve.build_engine(serve.parse_args(['--ckpt', str(run), '--port', '0', '--token-ids-only',
                                                      '--dtype', 'float32', '--greedy', '--max-new-tokens', '5',
                                                      '--slots', '2', '--tensor', str(min(devices, 2))]))
