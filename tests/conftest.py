@@ -15,6 +15,14 @@ import time
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0'
                            ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# XLA:CPU runs every device's thunks on one shared pool of max(cores, devices) threads, and a
+# collective holds its thread until every participant arrives. A device runs up to five ready
+# thunks at once (its executor's own limit), so independent collectives of one program (the
+# pool's bookkeeping beside the prompts' prefill loop, tests/test_lora_paths.py [partial-vl-mesh])
+# can hold all 8 threads while their partners wait in the queue: the rendezvous aborts the process
+# after 40 s. It did in 3 of 12 runs of that test on 2 loaded cores, and in none of 10 with 64
+# threads (8 devices x 8), which PJRT_NPROC sets. Subprocesses inherit it.
+os.environ.setdefault('PJRT_NPROC', '64')
 
 # JAX's persistent compilation cache: the xdist workers and every CLI the tests start inherit it, so
 # a program the suite compiled once (the demo's RL step, the tiny model's forward) is read back

@@ -98,9 +98,9 @@ CELLS = {
              'uninterrupted run'),
     ('partial', 'vl'): Cell(
         ('tests/test_vision_rl.py::test_partial_rollouts_carry_image_prompts_as_one_call_samples_them[one-device]',),
-        note='carried groups (answers prefilled again over the image prompt) equal one call; with LoRA on data 2 '
-             'x fsdp 2 x tensor 2 the pool deadlocked in XLA:CPU\'s collectives in 2 runs of 3 (devices waiting in '
-             'different collectives of one loop), without it passed 3 of 3: no mesh test until that is understood'),
+        ('tests/test_vision_rl.py::test_partial_rollouts_carry_image_prompts_as_one_call_samples_them[mesh]',),
+        note='carried groups (answers prefilled again over the image prompt) equal one call; on data x fsdp x '
+             'tensor'),
     ('partial', 'lora'): Cell(
         (f'{_LORA}[partial-dense]',), (f'{_LORA}[partial-dense-mesh]',),
         note='on data x fsdp x tensor'),
@@ -108,8 +108,9 @@ CELLS = {
         (f'{_LORA}[partial-moe]',), (f'{_LORA}[partial-moe-mesh]',),
         note='attention adapters, on fsdp x tensor x expert'),
     ('partial', 'lora-vl'): Cell(
-        (f'{_LORA}[partial-vl]',),
-        note='image prompts carried over steps; the mesh side waits on the VL pool\'s deadlock (partial x VL)'),
+        (f'{_LORA}[partial-vl]',), (f'{_LORA}[partial-vl-mesh]',),
+        note='image prompts carried over steps; on data x fsdp x tensor, group by group (which groups leave at a '
+             'step depends on the mesh)'),
     ('split', 'dense'): Cell(
         one_device_refused=_SPLIT_ALONE, mesh=('tests/test_split.py::test_every_token_is_its_versions_sample',),
         note='4 trainer + 4 sampler devices: each token is its version\'s teacher-forced sample'),

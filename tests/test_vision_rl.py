@@ -228,7 +228,9 @@ def carry_image_prompts(model, seed, steps=5, check=False):
   """The pool of partial rollouts (algo.max_lag 1, fewer slots than requests) on image prompts
   (none, one or two images a prompt), driven `steps` steps as rl/step.py drives it: the rollouts
   taken at each step. With `check`, every group taken equals the group sampler's one call with the
-  same keys (tokens; log-probs to 1e-5), and some were carried over a step."""
+  same keys (tokens; log-probs to 1e-5), and some were carried over a step. Returns each step's
+  (sources [P] of the groups taken, their rollout): on a mesh whose batch axes split the pool, each
+  part of it takes its own groups, so which groups leave at a step depends on the mesh."""
   import functools
 
   from grpo_jax.sampler import pool as sampler_pool
@@ -266,7 +268,7 @@ def carry_image_prompts(model, seed, steps=5, check=False):
   for step in range(steps):
     pool = join(pool, step + 1, step)
     pool, taken = advance(pool, step)
-    rollouts.append(jax.device_get(taken.rollout))
+    rollouts.append((np.asarray(taken.source), jax.device_get(taken.rollout)))
     carried += int(taken.metrics['carried_requests'])
     for index, source in enumerate(np.asarray(taken.source) if check else ()):
       which, row = divmod(int(source), count)
@@ -285,11 +287,7 @@ def carry_image_prompts(model, seed, steps=5, check=False):
 
 
 @pytest.mark.exhaustive
-# With LoRA adapters on a data 2 x fsdp 2 x tensor 2 mesh this pool deadlocked in XLA:CPU's
-# collectives in 2 runs of 3 (devices waiting in different collectives of one loop:
-# tests/rollout_matrix.py's note); without them it passed 3 of 3 there. The mesh case waits until
-# that is understood.
-@pytest.mark.parametrize('mesh_shape', [None], ids=['one-device'])
+@pytest.mark.parametrize('mesh_shape', [None, (2, 2, 2, 1)], ids=['one-device', 'mesh'])
 def test_partial_rollouts_carry_image_prompts_as_one_call_samples_them(seed, make_hf_checkpoint, mesh_shape):
   """The pool of partial rollouts (algo.max_lag 1, fewer slots than requests) with image prompts:
   groups cut off mid-answer and resumed at the next step (their answers prefilled again over the
