@@ -42,8 +42,13 @@ TINY_GEMMA3_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layer
                           image_size=28, patch_size=14)
 
 
+# model_type -> the transformers class of a reward model (one label) the tests build, head='score'.
+HF_SCORE_CLASSES = {'qwen2': 'Qwen2ForSequenceClassification', 'qwen3': 'Qwen3ForSequenceClassification',
+                    'llama': 'LlamaForSequenceClassification'}
+
+
 def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None, model_type: str = 'qwen2',
-                    **overrides):
+                    head: str = 'lm', **overrides):
   """A transformers Qwen2ForCausalLM (or of another model_type, HF_CLASSES' class: 'gemma3' a
   Gemma3ForConditionalGeneration whose text config the overrides are) in eval mode:
   TINY_HF_FIELDS updated by `overrides` (any keyword of the transformers config, e.g.
@@ -57,6 +62,8 @@ def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None
   jitter: after init, adds std * N(0, 1) from torch's global generator to each parameter: a
     float for all of them, or {name suffix: std} for those whose name ends so (e.g. 'bias').
   device: where the parameters are created (e.g. 'cuda'); the host by default.
+  head: 'lm' (a causal LM) or 'score': a reward model, HF_SCORE_CLASSES' sequence classifier of
+    one label (pad_token_id 0 unless the overrides set it).
   """
   import torch
   import transformers
@@ -64,6 +71,11 @@ def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None
   if init not in ('random', 'default'):
     raise ValueError(f"init must be 'random' or 'default', got {init!r}")
   config_name, model_name = HF_CLASSES[model_type]
+  if head == 'score':
+    model_name = HF_SCORE_CLASSES[model_type]
+    overrides = {'num_labels': 1, 'pad_token_id': 0, **overrides}
+  elif head != 'lm':
+    raise ValueError(f"head must be 'lm' or 'score', got {head!r}")
   config_class, model_class = getattr(transformers, config_name), getattr(transformers, model_name)
   overrides = {key: value for key, value in overrides.items() if key not in ('architectures', 'model_type')}
   if model_type == 'gemma3':  # the language model of a vision-language checkpoint, with a tiny tower

@@ -49,6 +49,10 @@ MODEL_TYPES = {'qwen2': ('Qwen2ForCausalLM', dict(attention_bias=True, qk_norm=F
                # vision tower and projector are not loaded), is a gemma3_text decoder
                'gemma3': ('Gemma3ForConditionalGeneration', _GEMMA3, _GEMMA3_FILE)}
 SUPPORTED_ARCHITECTURES = tuple(architecture for architecture, _, _ in MODEL_TYPES.values())
+# Reward models: the decoder with a `score` head of one label instead of the lm_head (what
+# Skywork-Reward-V2 and most open reward models are), by the model_type of their decoder.
+SEQUENCE_CLASSIFIERS = {'qwen2': 'Qwen2ForSequenceClassification', 'qwen3': 'Qwen3ForSequenceClassification',
+                        'llama': 'LlamaForSequenceClassification'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +185,10 @@ class Qwen2Config:
   # width parts of these sizes, positions [B, T, 3]; () is the text model's 1D RoPE.
   mrope_section: tuple[int, ...] = ()
   vision: VisionConfig | None = None  # the vision tower (Qwen2.5-VL); None: a text model
+  # A reward model (SEQUENCE_CLASSIFIERS): a `score` head [D, num_labels] in place of the lm_head,
+  # read at each row's last token that is not pad_token_id; 0: a causal language model.
+  num_labels: int = 0
+  pad_token_id: int | None = None  # the padding id; a reward model scores the rightmost token that is not it
 
   def __post_init__(self):
     positive = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
@@ -262,6 +270,14 @@ class Qwen2Config:
                                or min(self.mrope_section) < 0):
       raise UserError(f'model architecture field mrope_section {list(self.mrope_section)} must be three sizes '
                       f'summing to head_dim / 2 = {self.resolved_head_dim // 2}')
+    if self.num_labels < 0:
+      raise UserError(f'model architecture field num_labels must be >= 0, got {self.num_labels}')
+    if self.num_labels and self.model_type not in SEQUENCE_CLASSIFIERS:
+      raise UserError(f'model architecture: a score head (num_labels) goes with the decoders of '
+                      f'{", ".join(SEQUENCE_CLASSIFIERS.values())}, not a {self.model_type} model')
+    if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+      raise UserError(f'model architecture field pad_token_id ({self.pad_token_id}) is outside the vocabulary '
+                      f'[0, {self.vocab_size})')
     if self.vision is not None:
       if not self.mrope_section:
         raise UserError('model architecture: a vision tower (vision) needs mrope_section, its multimodal positions')
@@ -284,6 +300,16 @@ class Qwen2Config:
     if self.vision is not None:
       return 'qwen2_5_vl'
     return 'qwen3_moe' if self.num_experts else 'qwen3' if self.qk_norm else 'qwen2'
+
+  @property
+  def architecture(self) -> str:
+    """The transformers class this architecture is written as."""
+    return SEQUENCE_CLASSIFIERS[self.model_type] if self.num_labels else MODEL_TYPES[self.model_type][0]
+
+  @property
+  def has_lm_head(self) -> bool:
+    """Whether the model has an lm_head of its own: a language model whose embedding is not tied."""
+    return not self.tie_word_embeddings and not self.num_labels
 
   @property
   def sparse_layers(self) -> tuple[bool, ...]:
@@ -332,5 +358,5 @@ class Qwen2Config:
     mlps = (self.num_hidden_layers - sparse) * 3 * d * f + sparse * (experts * 3 * d * self.moe_intermediate_size
                                                                      + d * self.num_experts)
     layers = self.num_hidden_layers * (attention + (4 if self.sandwich_norms else 2) * d) + mlps
-    head = 0 if self.tie_word_embeddings else d * v
+    head = d * self.num_labels if self.num_labels else 0 if self.tie_word_embeddings else d * v
     return v * d + layers + d + head + (self.vision.num_params() if self.vision is not None else 0)

@@ -7,7 +7,7 @@ model computes and that the decoder does not implement is refused in one line na
 import os
 
 from grpo_jax.errors import UserError, read_json_object
-from grpo_jax.model.config import ACTIVATIONS, MODEL_TYPES, ROPE_TYPES, Qwen2Config, VisionConfig
+from grpo_jax.model.config import ACTIVATIONS, MODEL_TYPES, ROPE_TYPES, SEQUENCE_CLASSIFIERS, Qwen2Config, VisionConfig
 
 
 def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
@@ -26,11 +26,14 @@ def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
     if model_type == 'gemma3':  # the wrapper's stop list and stored dtype are the checkpoint's
       raw.update({key: multimodal[key] for key in ('eos_token_id', 'dtype', 'torch_dtype')
                   if multimodal.get(key) is not None})
-  if model_type not in MODEL_TYPES or any(a != MODEL_TYPES[model_type][0] for a in architectures):
+  known = {MODEL_TYPES[model_type][0], SEQUENCE_CLASSIFIERS.get(model_type)} if model_type in MODEL_TYPES else set()
+  if not known or any(a not in known for a in architectures) or len(set(architectures)) > 1:
     found = ', '.join(architectures) or f'model_type={model_type!r}'
     raise UserError(
         f'{source}: unsupported architecture {found} (model_type {model_type!r}); grpo_jax supports '
-        + ', '.join(f'{architecture} ({name})' for name, (architecture, _, _) in MODEL_TYPES.items()))
+        + ', '.join(f'{architecture} ({name})' for name, (architecture, _, _) in MODEL_TYPES.items())
+        + '; reward models: ' + ', '.join(f'{architecture} ({name})' for name, architecture in SEQUENCE_CLASSIFIERS.items()))
+  labels = _labels_from_hf(raw, source) if SEQUENCE_CLASSIFIERS.get(model_type) in architectures else 0
   _, family, file_defaults = MODEL_TYPES[model_type]
   raw = {**file_defaults, **raw}
   if model_type in ('qwen3', 'qwen3_moe') and raw.get('attention_bias'):
@@ -100,7 +103,34 @@ def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
       **experts,
       **(dict(mrope_section=mrope_section, vision=_vision_from_hf(multimodal, source))
          if model_type == 'qwen2_5_vl' else {}),
+      num_labels=labels,
+      pad_token_id=_pad_id(raw, fields['vocab_size'], labels, source),
   )
+
+
+def _labels_from_hf(raw: dict, source: str) -> int:
+  """A sequence classifier's label count: its `id2label`'s size (what transformers derives it from),
+  or `num_labels`; transformers' default, with neither, is 2. A reward model has one."""
+  id2label = raw.get('id2label')
+  count = len(id2label) if isinstance(id2label, dict) else raw.get('num_labels', 2)
+  if count != 1:
+    raise UserError(f'{source}: a score head of {count} labels (id2label); a reward model has one label, its score')
+  return 1
+
+
+def _pad_id(raw: dict, vocab_size: int, labels: int, source: str) -> int | None:
+  """The config's pad_token_id: None when unset, or when it lies outside a language model's vocabulary
+  (some checkpoints name an id their tokenizer adds); a reward model scores where it is not, so
+  its pad id must be a token id."""
+  pad = raw.get('pad_token_id')
+  if isinstance(pad, list):
+    pad = pad[0] if pad else None
+  if pad is None or 0 <= int(pad) < vocab_size:
+    return None if pad is None else int(pad)
+  if labels:
+    raise UserError(f'{source}: pad_token_id {pad} is outside the vocabulary [0, {vocab_size}): a reward model scores '
+                    'the last token that is not the pad id')
+  return None
 
 
 # Fields whose set values would change what the model computes and which the decoder does not
@@ -230,7 +260,7 @@ def to_hf_dict(config: Qwen2Config, dtype: str | None = None) -> dict:
   dtype = dtype or config.checkpoint_dtype
   eos = list(config.eos_token_ids)
   text = {
-      'architectures': [MODEL_TYPES[config.model_type][0]],
+      'architectures': [config.architecture],
       'model_type': config.model_type,
       'attention_bias': config.attention_bias,
       'vocab_size': config.vocab_size,
@@ -254,6 +284,9 @@ def to_hf_dict(config: Qwen2Config, dtype: str | None = None) -> dict:
       'dtype': dtype,
       'torch_dtype': dtype,
       **(_experts_hf_dict(config) if config.num_experts else {}),
+      **({'pad_token_id': config.pad_token_id} if config.pad_token_id is not None else {}),
+      **({'num_labels': config.num_labels, 'id2label': {str(i): f'LABEL_{i}' for i in range(config.num_labels)},
+          'label2id': {f'LABEL_{i}': i for i in range(config.num_labels)}} if config.num_labels else {}),
   }
   if config.family:
     text.update(_family_hf_dict(config))

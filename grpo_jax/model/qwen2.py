@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.errors import require
+from grpo_jax.errors import UserError, require
 from grpo_jax.model.attention import real_segments, resolve_attention, sequence_attention
 from grpo_jax.model.cache import SharedPrefix
 from grpo_jax.model.decoding import CacheDecoding
@@ -66,6 +66,20 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
   return index - segment_start
 
 
+def score_positions(tokens: jax.Array, pad_id: int | None) -> jax.Array:
+  """[B] the position a reward model reads in each row of tokens [B, T]: the rightmost token that
+  is not `pad_id` (0 for a row of pad ids), or the last position when there is no pad id, for a
+  batch of one row only (transformers' rule, which cannot tell padding from tokens without one)."""
+  batch, length = tokens.shape
+  if pad_id is None:
+    if batch > 1:
+      raise UserError(f'a reward model without pad_token_id scores one row at a time, got {batch}: set pad_token_id in '
+                      "its config.json (the id its tokenizer pads with)")
+    return jnp.full((batch,), length - 1, jnp.int32)
+  index = jnp.arange(length, dtype=jnp.int32)
+  return jnp.argmax(jnp.where(tokens != pad_id, index, -1), axis=1).astype(jnp.int32)
+
+
 class Qwen2(nnx.Module, CacheDecoding):
   """Qwen2 causal LM. `model(tokens)` -> fp32 logits [B, T, V].
 
@@ -87,9 +101,12 @@ class Qwen2(nnx.Module, CacheDecoding):
             "choose 'dense' or 'blockwise'")
     self.final_norm = nnx.Param(jnp.full((D,), 0.0 if config.norm_offset else 1.0, self.param_dtype),
                                 logical_axes=('act_embed',))
-    if not config.tie_word_embeddings:
+    if config.has_lm_head:
       self.lm_head = nnx.Param(normal(rngs.params(), (D, V), self.param_dtype),
                                logical_axes=('embed', 'vocab'))
+    if config.num_labels:  # a reward model: its score head in place of the lm_head
+      self.score = nnx.Param(normal(rngs.params(), (D, config.num_labels), self.param_dtype),
+                             logical_axes=('embed', None))
     if config.vision is not None:
       self.visual = VisionTower(config.vision, config.initializer_range, self.param_dtype, rngs)
     if options.lora is not None and config.num_sparse_layers:
@@ -221,9 +238,28 @@ class Qwen2(nnx.Module, CacheDecoding):
   def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, routes: jax.Array | None = None,
                images: Images | None = None) -> jax.Array:
-    """tokens [B, T] int32 -> logits [B, T, V] fp32."""
+    """tokens [B, T] int32 -> logits [B, T, V] fp32; a reward model's: its scores [B, num_labels]
+    (`scores`), what transformers' sequence classifier returns as its logits."""
+    if self.config.num_labels:
+      return self.scores(tokens, positions=positions, segment_ids=segment_ids)
     return self.project(self.hidden_states(tokens, positions=positions, segment_ids=segment_ids, routes=routes,
                                            images=images))
+
+  def scores(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+             segment_ids: jax.Array | None = None) -> jax.Array:
+    """A reward model's scores [B, num_labels] fp32 of token rows [B, T]: its score head on the
+    final-norm hidden state of each row's rightmost token that is not the pad id, the token
+    transformers' sequence classifier reads. That rule looks at the ids, not at `segment_ids`: a
+    row that ends in the pad id (a completion closed by a Qwen <|endoftext|>, a Llama whose pad is
+    its eos) is read at the token before it, and a row of pad ids only at its first. Without a pad id
+    the last position is read, and only a batch of one row is taken, as transformers does."""
+    c = self.config
+    require(c.num_labels > 0, 'model', 'scores need a reward model (a checkpoint with a score head)')
+    index = score_positions(tokens, c.pad_token_id)
+    hidden = self.hidden_states(tokens, positions=positions, segment_ids=segment_ids)
+    last = jnp.take_along_axis(hidden, index[:, None, None], axis=1)[:, 0]
+    return jnp.einsum('BD,DL->BL', last.astype(self.dtype), self.score[...].astype(self.dtype),
+                      preferred_element_type=jnp.float32)
 
   def hidden_states(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                     segment_ids: jax.Array | None = None, routes: jax.Array | None = None,
@@ -278,6 +314,8 @@ class Qwen2(nnx.Module, CacheDecoding):
 
   def lm_head_weight(self) -> jax.Array:
     """[D, V] in the compute dtype; the transposed embedding when tied."""
+    require(not self.config.num_labels, 'model', 'a reward model (a score head) has no lm_head: it scores, and does '
+            'not sample or take log-probs')
     if self.config.tie_word_embeddings:
       return self.embedding[...].astype(self.dtype).T
     return self.lm_head[...].astype(self.dtype)

@@ -35,7 +35,7 @@ SINGLE_FILE = 'model.safetensors'
 
 
 def dim_sizes(config: Qwen2Config) -> dict[str, int]:
-  """Sizes of the dimension letters (D, F, V, N, K, H, E, M, U = 2F fused gate and up; the vision
+  """Sizes of the dimension letters (D, F, V, N, K, H, E, M, U = 2F fused gate and up, L the score head's labels; the vision
   tower's C, I, P, W and J = 3C, X, Y, Z its patch's channels, frames and side; see
   model/config.py) for this architecture."""
   v = config.vision
@@ -45,7 +45,7 @@ def dim_sizes(config: Qwen2Config) -> dict[str, int]:
   return {'D': config.hidden_size, 'F': config.intermediate_size, 'V': config.vocab_size,
           'N': config.num_attention_heads, 'K': config.num_key_value_heads,
           'H': config.resolved_head_dim, 'E': config.num_experts, 'M': config.moe_intermediate_size,
-          'U': 2 * config.intermediate_size, **vision}
+          'U': 2 * config.intermediate_size, 'L': config.num_labels, **vision}
 
 
 def _evaluate(spec: str, config: Qwen2Config) -> tuple[int, ...]:
@@ -139,7 +139,8 @@ RULES = (
     Rule(_LAYER + 'mlp.experts.{e}.down_proj.weight', ('layers', 'expert_down_weight'), True, 'D M', 'M D',
          layers='sparse'),
     Rule('model.norm.weight', ('final_norm',), False, 'D', 'D'),
-    Rule('lm_head.weight', ('lm_head',), True, 'V D', 'D V', '!tie_word_embeddings'),
+    Rule('lm_head.weight', ('lm_head',), True, 'V D', 'D V', 'has_lm_head'),
+    Rule('score.weight', ('score',), True, 'L D', 'D L', 'num_labels'),  # a reward model's head
     # Qwen2.5-VL's vision tower (model/vision.py): its blocks are the 'vision' layers.
     Rule('visual.patch_embed.proj.weight', ('visual', 'patch_weight'), False, 'C X Y Z Z', 'C P', 'vision'),
     *(Rule(_BLOCK + name, ('visual', path), transpose, hf, ours, 'vision', layers='vision') for name, path, transpose, hf, ours in (
