@@ -119,18 +119,19 @@ def _labels_from_hf(raw: dict, source: str) -> int:
 
 
 def _pad_id(raw: dict, vocab_size: int, labels: int, source: str) -> int | None:
-  """The config's pad_token_id: None when unset, or when it lies outside a language model's vocabulary
-  (some checkpoints name an id their tokenizer adds); a reward model scores where it is not, so
-  its pad id must be a token id."""
+  """A reward model's pad_token_id (None when unset): it scores the last token that is not it, so it
+  must be a token id. A language model's is not read (None): it samples and never pads with it,
+  and hub files and transformers' own spelling of one checkpoint disagree on it (Gemma 3: unset
+  and 0)."""
   pad = raw.get('pad_token_id')
   if isinstance(pad, list):
     pad = pad[0] if pad else None
-  if pad is None or 0 <= int(pad) < vocab_size:
-    return None if pad is None else int(pad)
-  if labels:
+  if not labels or pad is None:
+    return None
+  if not 0 <= int(pad) < vocab_size:
     raise UserError(f'{source}: pad_token_id {pad} is outside the vocabulary [0, {vocab_size}): a reward model scores '
                     'the last token that is not the pad id')
-  return None
+  return int(pad)
 
 
 # Fields whose set values would change what the model computes and which the decoder does not
