@@ -1,7 +1,6 @@
 """The reward model's update on preference pairs (rl/preference.py): its loss and accuracy equal
 NumPy's Bradley-Terry on transformers' scores; the update equals one optax step of the loss's
-gradient, whatever the micro-batches, with padded pairs left out; on a mesh it equals one device;
-with LoRA only the adapters move."""
+gradient, whatever the micro-batches, with padded pairs left out; on a mesh it equals one device."""
 
 import jax
 import jax.numpy as jnp

@@ -94,8 +94,12 @@ def preference_update(state: TrainState, batch: PreferenceBatch, *, graphdef, op
   """One optimizer update of a reward model on B preference pairs: the Bradley-Terry loss's mean
   over the real pairs, its gradient accumulated over `micro_batches` micro-batches of B /
   micro_batches pairs (the same update as one batch, in a micro-batch's memory). An update whose
-  loss or gradient is not finite is skipped and counted, as the RL update does. With LoRA
-  (state.frozen) the adapters train and the base stays. Traceable; the step counts one."""
+  loss or gradient is not finite is skipped and counted, as the RL update does. Every parameter
+  trains: LoRA on a reward model, whose score head must train beside the adapters (peft's
+  modules_to_save), is refused until the split of what trains says so. Traceable; the step
+  counts one."""
+  require(state.frozen is None, 'model.lora', 'reward-model training with LoRA is not built yet: its score head '
+          'must train beside the adapters; train every parameter')
   frozen = state.frozen
   micro = batch.micro(micro_batches)
   real = jnp.maximum(jnp.sum(batch.weights.astype(jnp.float32)), 1.0)
