@@ -128,10 +128,13 @@ class Config:
     if self.reward_combination == 'normalize_then_sum':
       require(self.task.kind.answers, 'reward_combination',
               f'applies to dataset tasks (task.name=math); task {self.task.name!r} has its own reward')
-      for index, term in enumerate(self.rewards):
+      for index, term in enumerate(self.rewards):  # GDPO's definition has neither
         require(term.normalize == 'none', f'rewards[{index}].normalize',
                 f"must be none with reward_combination: normalize_then_sum, which standardises every term within its "
                 f"group itself (got {term.normalize!r})")
+        require(term.clip is None, f'rewards[{index}].clip',
+                'must be unset with reward_combination: normalize_then_sum (a clipped term would leave its '
+                "groups' means off 0, and the total no longer the advantage GDPO defines)")
       # Its total is GDPO's advantage already (each group's mean is 0): Dr.GRPO's centring leaves it
       # as it is, where GRPO's division by the group's std would undo the batch standardisation.
       require(self.algo.advantage == 'drgrpo', 'algo.advantage',

@@ -25,10 +25,14 @@ config's `reward_combination`):
     clip: [low, high]    x' clipped to [low, high] (the raw value when normalize is none)
     sum                  total = sum_k w_k x'_k
     normalize_then_sum   GDPO (Liu et al. 2026): A_k = each term standardised within its group,
-                         S = sum_k w_k A_k (each A_k clipped first when it has `clip`), and
-                         total = (S - mean_B S) / (std_B S + eps) over the step's B completions
+                         S = sum_k w_k A_k, and total = (S - mean_B S) / (std_B S + eps) over the
+                         step's B completions: the advantage itself (each group's mean is 0), so
+                         the config asks for algo.advantage: drgrpo, whose centring leaves it as it
+                         is, and for terms without their own normalize or clip
 
-Every std is the population one (divided by the count, not count - 1), and eps = 1e-6.
+Every std is the population one (divided by the count, not count - 1), and eps = 1e-6. (GDPO's and
+TRL's group std is the sample one; under normalize_then_sum that scales every A_k by the same
+sqrt(G / (G - 1)), which the batch standardisation removes: the totals agree up to eps.)
 """
 
 import abc
@@ -383,7 +387,8 @@ class RewardComposer:
 
   def shaped(self, term: RewardTerm, values: np.ndarray, group_size: int) -> np.ndarray:
     """A term's values [B] float32 as they enter the sum: standardised as its `normalize` says
-    (within each group under normalize_then_sum), then clipped to its `clip`. `running` merges the
+    (within each group under normalize_then_sum, where the config leaves normalize and clip unset),
+    then clipped to its `clip`. `running` merges the
     step's values into the statistics first and standardises with the result: step 1 is then
     standardised by its own batch (no empty statistics to special-case), and every step's values
     count in the statistics they are judged by, as running reward normalisers commonly do."""
