@@ -275,12 +275,11 @@ def standardized(values: np.ndarray, group_size: int) -> np.ndarray:
   the whole set being standardised, not a sample of a larger one, so its values come out with mean 0
   and (up to eps) unit variance, and G = 1 is defined. GRPO's advantage (rl/algo.py) divides by the
   sample std as verl and TRL do; a term's scale differs from that by sqrt(G / (G - 1)), the same for
-  every term and group. Values are first shifted by their group's first value, so a group of equal
-  values becomes exact zeros (a rounded mean subtracted directly would leave ulps that eps turns
-  into noise)."""
+  every term and group. A group of equal values gives exact zeros: terms are float32 and the
+  arithmetic float64, in which the sum of G equal float32 values, and so their mean, is exact (no
+  rounded mean leaves ulps that eps would turn into noise)."""
   values = np.asarray(values, np.float64).reshape(-1, group_size)
-  centred = values - values[:, :1]
-  centred = centred - centred.mean(axis=1, keepdims=True)
+  centred = values - values.mean(axis=1, keepdims=True)
   std = np.sqrt(np.mean(np.square(centred), axis=1, keepdims=True))
   return (centred / (std + EPSILON)).reshape(-1)
 
