@@ -220,3 +220,14 @@ def test_run_checkpoints_and_restores_the_running_statistics(tmp_path, seed):
   finally:
     run.close()
     task.close()
+
+
+def test_whole_step_normalizations_refuse_several_processes(monkeypatch):
+  """Each process of a multi-host run scores its own groups: statistics over the whole step would
+  differ from process to process."""
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  with pytest.raises(UserError, match='normalize: running needs every completion of a step in one process'):
+    composer(CustomTerm(f'{MODULE}:term_a', normalize='running'))
+  with pytest.raises(UserError, match='normalize_then_sum needs every completion of a step in one process'):
+    composer(CustomTerm(f'{MODULE}:term_a'), combination='normalize_then_sum')
+  composer(CustomTerm(f'{MODULE}:term_a', normalize='group'))  # whole groups lie on one process
