@@ -345,7 +345,8 @@ class RewardComposer:
   Running statistics and normalize_then_sum's batch standardisation need every completion of the
   step: a run of several processes, each scoring its own groups, is refused with them."""
 
-  def __init__(self, terms: tuple[RewardTerm, ...], max_new_tokens: int, workers: int, combination: Combination = 'sum'):
+  def __init__(self, terms: tuple[RewardTerm, ...], max_new_tokens: int, workers: int,
+               combination: Combination = 'sum'):
     if not terms:
       raise UserError('rewards: list at least one term (e.g. - {name: math})')
     labels = [term.label for term in terms]
