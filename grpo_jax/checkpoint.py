@@ -1,9 +1,9 @@
 """Training checkpoints with orbax's CheckpointManager: state pytree + JSON metadata, saved async.
 
 A checkpoint step directory holds `state` (params, optimizer state, step, PRNG key, counters) and
-`meta` (data position, resolved config). Orbax writes each step into a temporary directory and
-renames it when complete, so a crash or kill -9 mid-save leaves the previous step as the latest
-restorable one; `latest_step` only ever reports finished steps.
+`meta` (data position, the task's state_dict, resolved config). Orbax writes each step into a
+temporary directory and renames it when complete, so a crash or kill -9 mid-save leaves the previous
+step as the latest restorable one; `latest_step` only ever reports finished steps.
 """
 
 import os

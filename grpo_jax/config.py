@@ -24,7 +24,7 @@ from typing import Literal
 
 import yaml
 
-from grpo_jax.data.reward_terms import RewardTerm
+from grpo_jax.data.reward_terms import Combination, RewardTerm
 from grpo_jax.data.arith import ArithSection
 from grpo_jax.data.task import TaskSection
 from grpo_jax.distributed import DistributedConfig
@@ -94,6 +94,9 @@ class Config:
   train: TrainConfig = TrainConfig()
   # Terms of a dataset task's reward (data/reward_terms.py); empty: the math check alone.
   rewards: tuple[RewardTerm, ...] = ()
+  # How the terms make the reward: sum (weighted sum, each term after its own normalize and clip) |
+  # normalize_then_sum (GDPO: each term standardised within its group, weighted sum, standardised over the batch).
+  reward_combination: Combination = 'sum'
   eval: EvalConfig = EvalConfig()
   distributed: DistributedConfig = DistributedConfig()  # one process per host (grpo_jax/distributed.py)
 
@@ -122,6 +125,21 @@ class Config:
     for index, term in enumerate(self.rewards):
       with section(f'rewards[{index}]'):
         term.check_run(self)
+    if self.reward_combination == 'normalize_then_sum':
+      require(self.task.kind.answers, 'reward_combination',
+              f'applies to dataset tasks (task.name=math); task {self.task.name!r} has its own reward')
+      for index, term in enumerate(self.rewards):  # GDPO's definition has neither
+        require(term.normalize == 'none', f'rewards[{index}].normalize',
+                f"must be none with reward_combination: normalize_then_sum, which standardises every term within its "
+                f"group itself (got {term.normalize!r})")
+        require(term.clip is None, f'rewards[{index}].clip',
+                'must be unset with reward_combination: normalize_then_sum (a clipped term would leave its '
+                "groups' means off 0, and the total no longer the advantage GDPO defines)")
+      # Its total is GDPO's advantage already (each group's mean is 0): Dr.GRPO's centring leaves it
+      # as it is, where GRPO's division by the group's std would undo the batch standardisation.
+      require(self.algo.advantage == 'drgrpo', 'algo.advantage',
+              f"must be drgrpo with reward_combination: normalize_then_sum, whose reward is GDPO's advantage "
+              f'already (got {self.algo.advantage!r}: it would standardise it again within each group)')
     require(self.eval.dataset.source is None or self.task.kind.answers or self.task.kind.acts, 'eval.source',
             f'needs a dataset or agent task (task.name=math or agent); task {self.task.name!r} has no answers to check')
     require(self.rollout.devices == 0 or algo.max_lag >= 1, 'rollout.devices',

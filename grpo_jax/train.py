@@ -150,7 +150,7 @@ class Run:
   def __init__(self, config: config_lib.Config, workdir: str, mesh, model, task: Task):
     if config.model.path:  # the architecture trained is the one read there: the printed and stored config say so
       config = dataclasses.replace(config, model=dataclasses.replace(config.model, architecture=model.config))
-    self.config, self.mesh = config, mesh
+    self.config, self.mesh, self.task = config, mesh, task
     if task.vocab_size > model.config.vocab_size:
       raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but model vocab_size is '
                       f'{model.config.vocab_size}')
@@ -175,9 +175,11 @@ class Run:
       try:
         check_base(self.checkpointer, self.saved_step, self.base)
         restored, meta = self.checkpointer.restore(self.saved_step, self.state.checkpointed())
-        # The data position (prompts consumed) is the checkpoint's metadata's, as it always was.
+        # The data position (prompts consumed) is the checkpoint's metadata's, as it always was, and
+        # so is what the task carries between steps (its reward's running statistics).
         self.state = TrainState.restored(restored, distributed.replicated(np.int32(meta['data_position']), mesh),
                                          frozen=self.state.frozen)
+        task.load_state_dict(meta.get('task_state', {}))
       except UserError:
         self.checkpointer.close()  # its background threads would otherwise die noisily at exit
         raise
@@ -253,8 +255,8 @@ class Run:
     return self.log.write(step, metrics)
 
   def save(self) -> None:
-    meta = dict(step=self.step, data_position=self.data_position, config=config_lib.to_dict(self.config),
-                architecture=self.architecture, base=self.base)
+    meta = dict(step=self.step, data_position=self.data_position, task_state=self.task.state_dict(),
+                config=config_lib.to_dict(self.config), architecture=self.architecture, base=self.base)
     self.checkpointer.save(self.step, self.state.checkpointed(), meta)
     self.saved_step = self.step
 

@@ -106,7 +106,7 @@ def test_train_cli_bad_key_is_one_line(tmp_path):
   assert result.returncode == 2
   assert result.stderr.strip() == \
       ("error: unknown config key 'optimiser' (valid keys here: run, model, mesh, task, rollout, algo, "
-       "optim, train, rewards, eval, distributed)")
+       "optim, train, rewards, reward_combination, eval, distributed)")
 
 
 def test_a_key_added_since_a_checkpoint_was_written_is_not_a_change():

@@ -98,7 +98,7 @@ def test_terms_are_weighted_summed_and_reported(capsys):
   composer = RewardComposer(terms, max_new_tokens=8, workers=1)
   texts = ['\\boxed{1}', 'no box', '\\boxed{2}', '<answer>3</answer>']
   lengths, stopped = np.array([3, 6, 8, 8]), np.array([True, True, True, False])
-  composed = composer.score(texts, ['1', '2', '3', '4'], lengths, stopped)
+  composed = composer.score(texts, ['1', '2', '3', '4'], lengths, stopped, group_size=2)
   np.testing.assert_array_equal(composed.terms['format'], [1, 0, 1, 0])
   np.testing.assert_allclose(composed.terms['overlong'], [0, -0.5, -1, -1])
   np.testing.assert_array_equal(composed.terms['brevity'], [1, 0, 0, 0])
@@ -107,7 +107,7 @@ def test_terms_are_weighted_summed_and_reported(capsys):
   assert composed.failures == 0
   for bad, counted in (('flaky', 4), ('not_finite', 1)):
     composer = RewardComposer((CustomTerm(f'{module}:{bad}'),), max_new_tokens=8, workers=1)
-    composed = composer.score(texts, ['1'] * 4, lengths, stopped)
+    composed = composer.score(texts, ['1'] * 4, lengths, stopped, group_size=2)
     assert composed.failures == counted and np.all(np.isfinite(composed.total))
     assert 'reported once per run' in capsys.readouterr().err
 
@@ -120,7 +120,7 @@ def test_terms_are_weighted_summed_and_reported(capsys):
     ('rewards: [{name: format}, {name: overlong, style: answer_tag}]',
      "config key 'rewards[1].style' applies to rewards[1].name: format, not 'overlong'"),
     ('rewards: [{name: format, buffer: 4}]',
-     "unknown config key 'rewards[0].buffer' (valid keys here: name, weight, style)"),
+     "unknown config key 'rewards[0].buffer' (valid keys here: name, weight, normalize, clip, style)"),
     ('rewards: [{name: 3}]', "config key 'rewards[0].name' expects a string, got 3"),
     ('rewards: [{name: overlong, buffer_tokens: 99}]', 'rewards[0].buffer_tokens (99) must be <= rollout.max_new_tokens'),
     ('rewards: [{name: format, style: xml}]', "'rewards[0].style' must be one of"),
@@ -146,11 +146,12 @@ def test_each_term_is_its_kind_with_its_own_fields():
                             CustomTerm('os.path:join', weight=-1.0))
   assert [term.label for term in config.rewards] == ['math', 'format', 'overlong', 'join']
   stored = to_dict(config)
-  assert stored['rewards'][0] == {'name': 'math', 'weight': 0.9}
+  assert stored['rewards'][0] == {'name': 'math', 'weight': 0.9, 'normalize': 'none', 'clip': None}
   for term in stored['rewards']:  # what a term of another kind held, at values it ignored
     term.setdefault('style', 'answer_line')
     term.setdefault('buffer_tokens', 8)
-  assert stored['rewards'][0] == {'name': 'math', 'weight': 0.9, 'style': 'answer_line', 'buffer_tokens': 8}
+  assert stored['rewards'][0] == {'name': 'math', 'weight': 0.9, 'normalize': 'none', 'clip': None,
+                                  'style': 'answer_line', 'buffer_tokens': 8}
   assert from_dict(stored).rewards == config.rewards
 
 

@@ -24,7 +24,7 @@ from grpo_jax.agents.images import ImageReader
 from grpo_jax.agents.text import TextCodec
 from grpo_jax.data.math_task import (ProblemFields, open_tokenizer, prompt_messages, render_prompt, template_options,
                                      tokenize_prompts)
-from grpo_jax.data.task import Prompts
+from grpo_jax.data.task import Prompts, Stateless
 from grpo_jax.errors import FieldError, UserError, require
 from grpo_jax.sections import section
 
@@ -33,7 +33,7 @@ BUILT_IN = {'guess_number': 'grpo_jax.agents.guess', 'tool_use': 'grpo_jax.agent
 
 
 @dataclasses.dataclass
-class AgentTask:
+class AgentTask(Stateless):
   """problems(position, count) -> the step's Problems (a problem's order depends only on the run's
   seed and its position, so a resumed run sees the same ones); agent: runs their episodes.
   prompt_length: Tp, prompts are left-padded to it with `pad_id`. vocab_size: the ids the task's

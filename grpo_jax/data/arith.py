@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from grpo_jax.data.task import Prompts, Scores, TaskSection
+from grpo_jax.data.task import Prompts, Scores, Stateless, TaskSection
 from grpo_jax.errors import require
 from grpo_jax.sampler.rollout import Rollout
 from grpo_jax.sections import section
@@ -69,7 +69,7 @@ def shape(config, architecture) -> 'ArithmeticTask':
   return build(config)
 
 
-class ArithmeticTask:
+class ArithmeticTask(Stateless):
   """`a op b =` with operands in [0, max_operand] and operators from `operators` (a Task)."""
 
   jittable = True

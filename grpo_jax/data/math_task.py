@@ -33,7 +33,7 @@ from grpo_jax.data.image_problems import (ImageInputs, batch_vision, image_datas
                                           problems_bucket, read_image_problems)
 from grpo_jax.data.multimodal import (IMAGE_PAD, VISION_END, VISION_FORMATS, VISION_START, expand_image_tokens,
                                       render_user_content)
-from grpo_jax.data.reward_terms import MathTerm, RewardComposer, RewardTerm
+from grpo_jax.data.reward_terms import Combination, MathTerm, RewardComposer, RewardTerm
 from grpo_jax.data.sources import DatasetSource, load_records
 from grpo_jax.data.task import Prompts, Scores, TaskSection, TaskShape
 from grpo_jax.errors import UserError, require
@@ -227,14 +227,16 @@ def open_tokenizer(task: 'ProblemFields', model_path: str | None):
 class MathTask:
   """Prompts from `task.source`, rewards from the run's terms on the host (a Task). The tokenizer
   is read from `task.tokenizer`, else `model_path`; `seed` (run.seed) orders the prompts; `rewards` (the config's terms;
-  empty: the math check alone) and `max_new_tokens` (the overlong term's budget) shape the reward;
+  empty: the math check alone), `combination` (reward_combination) and `max_new_tokens` (the overlong term's
+  budget) shape the reward;
   `tools`: function schemas the chat template shows the model (agents/tool_use.py); `images`: how
   images reach the model (image_inputs), needed by problems with images."""
 
   jittable = False
 
   def __init__(self, task: 'ProblemFields', model_path: str, seed: int, rewards: tuple[RewardTerm, ...] = (),
-               max_new_tokens: int = 0, problems: bool = True, tools=None, images: ImageInputs | None = None):
+               max_new_tokens: int = 0, problems: bool = True, tools=None, images: ImageInputs | None = None,
+               combination: Combination = 'sum'):
     self.tokenizer, special, self.use_chat_template = open_tokenizer(task, model_path)
     self.task_config, self.seed = task, seed
     self.image_inputs = images  # how images reach the model (image_inputs), for problems with images
@@ -244,7 +246,7 @@ class MathTask:
     # problems=False: only the tokenizer, rendering and stop ids (evaluation brings its own problems).
     self.problems = (ProblemSet(self.tokenizer, self.use_chat_template, task, (task.dataset, *task.mix), 'task',
                                 tools, images) if problems else None)
-    self.composer = RewardComposer(rewards or (MathTerm(),), max_new_tokens, task.reward_workers)
+    self.composer = RewardComposer(rewards or (MathTerm(),), max_new_tokens, task.reward_workers, combination)
     weakref.finalize(self, self.composer.close)  # the workers end with the task, not only at exit
     self._permutations = {}
 
@@ -309,9 +311,18 @@ class MathTask:
     answers = [answer for answer in prompts.answers for _ in range(group_size)]
     if len(completions) != len(answers):
       raise ValueError(f'{len(completions)} completions for {len(prompts.answers)} prompts x {group_size}')
-    composed = self.composer.score(completions, answers, np.asarray(rollout.lengths), np.asarray(rollout.stopped))
+    composed = self.composer.score(completions, answers, np.asarray(rollout.lengths), np.asarray(rollout.stopped),
+                                   group_size)
     return Scores(rewards=jnp.asarray(composed.total, jnp.float32), failures=jnp.asarray(composed.failures, jnp.int32),
                   terms={label: jnp.asarray(values, jnp.float32) for label, values in composed.terms.items()})
+
+  def state_dict(self) -> dict:
+    """The reward's running statistics (checkpoints record them; the prompts' order needs only the
+    data position)."""
+    return dict(rewards=self.composer.state_dict())
+
+  def load_state_dict(self, state: dict) -> None:
+    self.composer.load_state_dict(state.get('rewards', {}))
 
   def close(self) -> None:
     self.composer.close()
@@ -362,9 +373,9 @@ class MathSection(ProblemFields):
 
 def build(config) -> MathTask:
   """The task of a run's Config: its task section, the model's tokenizer, run.seed, the reward
-  terms and, for problems with images, how they reach the model."""
+  terms and their combination and, for problems with images, how they reach the model."""
   return MathTask(config.task, config.model.path, config.run.seed, config.rewards, config.rollout.max_new_tokens,
-                  images=image_inputs(config))
+                  images=image_inputs(config), combination=config.reward_combination)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from grpo_jax.model.images import CLIP_MEAN, CLIP_STD
-from grpo_jax.data.task import Prompts, Scores, TaskSection
+from grpo_jax.data.task import Prompts, Scores, Stateless, TaskSection
 from grpo_jax.errors import require
 from grpo_jax.model.config import VisionConfig
 from grpo_jax.model.vision import ImageBucket, Images, Vision, mrope_positions, patch_layout
@@ -80,7 +80,7 @@ def shape(config, architecture) -> 'SpotTask':
   return SpotTask(architecture, config.task.noise, config.task.blank_images)
 
 
-class SpotTask:
+class SpotTask(Stateless):
   """Which quadrant holds the mark (a jittable Task); `architecture` a Qwen2Config with vision."""
 
   jittable = True

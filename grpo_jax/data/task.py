@@ -121,12 +121,31 @@ class Task(Protocol):
   def reward(self, rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
     """Scores the G completions of each prompt."""
 
+  def state_dict(self) -> dict:
+    """What the task carries from step to step beyond the data position (the running statistics of
+    its reward terms), as JSON: checkpoints record it, so a resumed run scores as the
+    uninterrupted one would. {} for a task that carries nothing (Stateless)."""
+
+  def load_state_dict(self, state: dict) -> None:
+    """Takes back what state_dict gave (a checkpoint's; {} from one written before it was recorded)."""
+
   def close(self) -> None:
     """Releases what the task holds (reward worker processes)."""
 
 
+class Stateless:
+  """The state_dict / load_state_dict of a task that carries nothing from step to step but the
+  data position (which the train state holds)."""
+
+  def state_dict(self) -> dict:
+    return {}
+
+  def load_state_dict(self, state: dict) -> None:
+    del state
+
+
 @dataclasses.dataclass(frozen=True)
-class TaskShape:
+class TaskShape(Stateless):
   """A host-scored task as compiled programs see it, without its data (the plan's): the prompt
   width and the special ids. Its prompts and rewards come from the host between the compiled
   sampler and update, so it has none to give."""

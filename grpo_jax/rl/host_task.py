@@ -61,5 +61,11 @@ class HostTask:
     total = distributed.sum_over_processes(spread_out)
     return jax.tree.map(functools.partial(distributed.replicated, mesh=self.mesh), total)
 
+  def state_dict(self) -> dict:
+    return self.task.state_dict()
+
+  def load_state_dict(self, state: dict) -> None:
+    self.task.load_state_dict(state)
+
   def close(self) -> None:
     self.task.close()
