@@ -122,3 +122,29 @@ def test_bradley_terry_loss_and_accuracy_equal_numpy(seed):
   # Far-apart scores stay finite (log-sigmoid, not log of a rounded sigmoid).
   assert np.isfinite(float(bradley_terry_loss(f32([-200.0]), f32([200.0]))))
   np.testing.assert_allclose(float(bradley_terry_loss(f32([-200.0]), f32([200.0]))), 400.0, rtol=1e-6)
+
+
+def test_pairs_render_with_the_reward_models_template_and_long_ones_are_left_out(tmp_path):
+  from test_math_task import chat_tokenizer_dir
+  from grpo_jax.data.preferences import encode_pairs
+  from grpo_jax.model.loading import load_tokenizer
+  tokenizer = load_tokenizer(chat_tokenizer_dir(tmp_path / 'tok'))
+  pad = tokenizer.convert_tokens_to_ids('<|im_end|>')  # a template whose reply ends in the pad id
+  records = [{'prompt': 'Capital of France?', 'chosen': 'Paris', 'rejected': 'Lyon'},
+             {'prompt': 'Tell a story.', 'chosen': 'Once ' * 40, 'rejected': 'No.'},
+             {'prompt': 'Hi', 'chosen': 'Hello there', 'rejected': 'Go away'}]
+  pairs = adapt_preferences(records, 'messages', 'd.jsonl').pairs
+  encoded = encode_pairs(tokenizer, pairs, 48, pad)  # the long story is 232 tokens, the others 29-42
+  assert encoded.too_long == 1 and encoded.kept.tolist() == [0, 2]
+  assert encoded.chosen.shape == encoded.rejected_mask.shape == (2, 48)
+  for row, (question, chosen, rejected) in enumerate([('Capital of France?', 'Paris', 'Lyon'),
+                                                      ('Hi', 'Hello there', 'Go away')]):
+    for tokens, mask, reply in ((encoded.chosen, encoded.chosen_mask, chosen),
+                                (encoded.rejected, encoded.rejected_mask, rejected)):
+      length = int(mask[row].sum())
+      assert mask[row, :length].all() and not mask[row, length:].any()  # right-padded
+      assert (tokens[row, length:] == pad).all()
+      assert tokenizer.decode(tokens[row, :length].tolist()) == (
+          f'<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n{reply}<|im_end|>\n')
+  with pytest.raises(UserError, match='max_length must be positive'):
+    encode_pairs(tokenizer, pairs, 0, pad)

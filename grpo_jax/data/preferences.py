@@ -30,6 +30,8 @@ import dataclasses
 import re
 from typing import Literal, get_args
 
+import numpy as np
+
 from grpo_jax.data.adapters import lookup, scalar_text
 from grpo_jax.errors import UserError
 
@@ -161,3 +163,51 @@ def adapt_preferences(records: list[dict], format: str, source: str) -> AdaptedP
     raise UserError(f'none of the {len(records)} records of {source} (format {format}) is a usable preference pair '
                     f'(skipped: {dict(skipped)})')
   return AdaptedPreferences(pairs=pairs, skipped=dict(skipped))
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedPairs:
+  """Preference pairs as token ids for a reward model: each side's conversation rendered whole with
+  the reward model's chat template (no generation prompt: the reply is there), right-padded to
+  `max_length` with its pad id. chosen / rejected [B, max_length] int32, their masks [B, max_length]
+  int32 (1 on the conversation's tokens), kept [B] the indices of the pairs taken; too_long: the pairs
+  left out because a side does not fit."""
+
+  chosen: np.ndarray
+  chosen_mask: np.ndarray
+  rejected: np.ndarray
+  rejected_mask: np.ndarray
+  kept: np.ndarray
+  too_long: int
+
+
+def encode_pairs(tokenizer, pairs: list[Preference], max_length: int, pad_id: int) -> EncodedPairs:
+  """The pairs' conversations through `tokenizer`'s chat template (the reward model's own, which
+  is how it reads a conversation: its model card's template, not the policy's). A pair with a side
+  longer than `max_length` tokens is left out and counted, not cut: the reward model reads the
+  last token, so cutting the end would score another reply, and cutting the start another
+  conversation (the rule of TRL's reward trainer too). A side that ends in the pad id (a template
+  that closes the reply with an eos that is the pad id) is read at the token before it, as
+  transformers reads it (model/qwen2.py score_positions)."""
+  if max_length <= 0:
+    raise UserError(f'max_length must be positive, got {max_length}')
+  sides, kept, too_long = ([], []), [], 0
+  for index, pair in enumerate(pairs):
+    ids = [list(tokenizer.apply_chat_template(list(conversation), tokenize=True, add_generation_prompt=False,
+                                              return_dict=False)) for conversation in pair.conversations()]
+    if max(map(len, ids)) > max_length:
+      too_long += 1
+      continue
+    for side, row in zip(sides, ids):
+      side.append(row)
+    kept.append(index)
+
+  def padded(rows):
+    tokens = np.full((len(rows), max_length), pad_id, np.int32)
+    mask = np.zeros((len(rows), max_length), np.int32)
+    for row, ids in enumerate(rows):
+      tokens[row, :len(ids)], mask[row, :len(ids)] = ids, 1
+    return tokens, mask
+  (chosen, chosen_mask), (rejected, rejected_mask) = padded(sides[0]), padded(sides[1])
+  return EncodedPairs(chosen=chosen, chosen_mask=chosen_mask, rejected=rejected, rejected_mask=rejected_mask,
+                      kept=np.asarray(kept, np.int64), too_long=too_long)
