@@ -123,3 +123,30 @@ def test_a_reward_model_checkpoint_that_is_not_one_is_refused_in_one_line(seed, 
     model(tokens, segment_ids=mask)
   with pytest.raises(UserError, match='has no lm_head'):
     model.lm_head_weight()
+
+
+def test_a_reward_model_and_its_tokenizer_are_checked_to_belong_together(seed, make_hf_checkpoint, tmp_path):
+  import shutil
+
+  from test_math_task import chat_tokenizer_dir
+  from grpo_jax.model import load_reward_model
+  tokens = chat_tokenizer_dir(tmp_path / 'tok')  # 302 ids, padding with <|endoftext|> = 0
+  directory, _ = make_hf_checkpoint(seed, model_type='qwen3', head='score', vocab_size=320)
+  with pytest.raises(UserError, match='has no tokenizer'):
+    load_reward_model(directory)
+  for name in os.listdir(tokens):
+    shutil.copy(os.path.join(tokens, name), directory)
+  model, tokenizer = load_reward_model(directory)
+  assert model.config.num_labels == 1 and tokenizer.pad_token_id == model.config.pad_token_id == 0
+  _edit_config(directory, pad_token_id=301)
+  with pytest.raises(UserError, match=r"tokenizer pads with id 0 \('<\|endoftext\|>'\), but config.json's "
+                                      r'pad_token_id is 301: the score would be read at the wrong token'):
+    load_reward_model(directory)
+  small, _ = make_hf_checkpoint(seed, name='small', model_type='qwen3', head='score', vocab_size=256)
+  for name in os.listdir(tokens):
+    shutil.copy(os.path.join(tokens, name), small)
+  with pytest.raises(UserError, match="tokenizer has 302 tokens, more than the checkpoint's 256 embedding rows"):
+    load_reward_model(small)
+  language_model, _ = make_hf_checkpoint(seed, name='lm', vocab_size=320)
+  with pytest.raises(UserError, match=r'is a language model \(Qwen2ForCausalLM\), not a reward model'):
+    load_reward_model(language_model)

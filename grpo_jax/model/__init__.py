@@ -9,7 +9,8 @@ import importlib
 _MODULES = {
     'grpo_jax.model.config': ('Qwen2Config',),
     'grpo_jax.model.hf_config': ('from_hf_dict', 'load_hf_config', 'to_hf_dict'),
-    'grpo_jax.model.loading': ('from_pretrained', 'init_model', 'load_tokenizer', 'save_hf', 'save_orbax'),
+    'grpo_jax.model.loading': ('from_pretrained', 'init_model', 'load_reward_model', 'load_tokenizer', 'save_hf',
+                               'save_orbax'),
     'grpo_jax.model.qwen2': ('KVCache', 'ModelOptions', 'Qwen2'),
     'grpo_jax.sharding': ('MeshConfig', 'make_mesh'),
 }

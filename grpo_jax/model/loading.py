@@ -332,6 +332,31 @@ def with_adapters(model: Qwen2, options: ModelOptions, mesh: Mesh, seed: int) ->
   return nnx.merge(graphdef, lora.join(create(), nnx.state(model)))
 
 
+def load_reward_model(path: str, *, mesh: Mesh | None = None, options: ModelOptions | None = None):
+  """(the reward model at `path`, its tokenizer): a checkpoint with a score head (model/config.py
+  SEQUENCE_CLASSIFIERS) and the tokenizer stored beside it, checked to belong together: the
+  tokenizer's ids fit the checkpoint's embedding, and the id it pads with is the checkpoint's
+  pad_token_id (the model reads each row at its last token that is not that id). One line for each
+  mismatch."""
+  model = from_pretrained(path, mesh=mesh, options=options)
+  config = model.config
+  if not config.num_labels:
+    raise UserError(f'{path} is a language model ({config.architecture}), not a reward model: a reward model is a '
+                    'sequence classifier with a score head (e.g. Qwen2ForSequenceClassification)')
+  tokenizer = load_tokenizer(path)
+  if tokenizer is None:
+    raise UserError(f'{path} has no tokenizer (tokenizer.json or vocab.json): a reward model reads the conversation '
+                    'through its own tokenizer and chat template')
+  if len(tokenizer) > config.vocab_size:
+    raise UserError(f'{path}: its tokenizer has {len(tokenizer)} tokens, more than the checkpoint\'s {config.vocab_size} '
+                    'embedding rows: the tokenizer is not this checkpoint\'s')
+  if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != config.pad_token_id:
+    raise UserError(f'{path}: its tokenizer pads with id {tokenizer.pad_token_id} ({tokenizer.pad_token!r}), but '
+                    f'config.json\'s pad_token_id is {config.pad_token_id}: the score would be read at the wrong token; '
+                    'make them the same')
+  return model, tokenizer
+
+
 def load_tokenizer(path: str):
   """The Hugging Face tokenizer stored beside the weights, or None when there is none."""
   if not any(os.path.isfile(os.path.join(path, name)) for name in ('tokenizer.json', 'vocab.json')):
