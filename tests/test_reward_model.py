@@ -150,3 +150,29 @@ def test_a_reward_model_and_its_tokenizer_are_checked_to_belong_together(seed, m
   language_model, _ = make_hf_checkpoint(seed, name='lm', vocab_size=320)
   with pytest.raises(UserError, match=r'is a language model \(Qwen2ForCausalLM\), not a reward model'):
     load_reward_model(language_model)
+
+
+def test_a_steps_completions_score_as_transformers_scores_each_conversation(seed, make_hf_checkpoint):
+  from grpo_jax.rl.reward_model import check_reward_model_length, score_completions
+  directory, reference = make_hf_checkpoint(seed, head='score')
+  model = from_pretrained(directory)
+  rng, group, policy_pad = np.random.default_rng(seed), 2, 7  # the policy pads with another id than the reward model
+  prompts = random_prompts(seed, [5, 9, 3])
+  prompt_tokens, prompt_mask = left_padded(prompts, policy_pad)
+  lengths = np.array([6, 2, 4, 1, 6, 3])
+  completions = np.full((6, 6), policy_pad, np.int32)
+  completion_mask = (np.arange(6)[None, :] < lengths[:, None]).astype(np.int32)
+  for row, length in enumerate(lengths):
+    completions[row, :length] = rng.integers(3, 1000, length)
+  completions[2, 3] = PAD  # ends in an eos that is the reward model's pad id: read at the token before it
+  got = np.asarray(jax.jit(score_completions)(model, prompt_tokens, prompt_mask, completions, completion_mask))
+  want = []
+  for row in range(6):
+    sequence = prompts[row // group] + completions[row, :lengths[row]].tolist()
+    with torch.no_grad():
+      want.append(float(reference(input_ids=torch.tensor([sequence])).logits[0, 0]))
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+  assert len(set(np.round(got, 4))) == 6
+  check_reward_model_length(model.config, 1000, 24, 'rm')
+  with pytest.raises(UserError, match=r'the reward model rm reads at most 1024 tokens .* rows of 1032'):
+    check_reward_model_length(model.config, 1000, 32, 'rm')
