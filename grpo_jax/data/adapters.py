@@ -146,15 +146,26 @@ def _prompt(record: dict, fields: tuple[str, ...], where: str) -> str | tuple[di
     return value
   if not isinstance(value, (list, tuple)):
     raise UserError(f'{where} field {field!r} is a {type(value).__name__}, not question text or chat messages')
-  for message in value:
-    if not (isinstance(message, dict) and isinstance(message.get('role'), str)
-            and isinstance(message.get('content'), str)):
-      raise UserError(f'{where} field {field!r} holds a chat message that is not a {{"role": str, "content": str}} '
-                      f'dict: {str(message)[:80]}')
+  bad = not_a_message(value)
+  if bad is not None:
+    raise UserError(f'{where} field {field!r} holds a chat message that is not a {{"role": str, "content": str}} '
+                    f'dict: {str(bad)[:80]}')
   if not value:
     raise UserError(f'{where} field {field!r} is an empty list of chat messages')
-  # Only role and content: parquet gives every message each key any message has, filled with None.
-  return tuple({'role': message['role'], 'content': message['content']} for message in value)
+  return plain_messages(value)
+
+
+def not_a_message(messages) -> object | None:
+  """The first of `messages` that is not a chat message ({"role": str, "content": str}), or None."""
+  def is_message(message) -> bool:
+    return isinstance(message, dict) and isinstance(message.get('role'), str) and isinstance(message.get('content'), str)
+  return next((message for message in messages if not is_message(message)), None)
+
+
+def plain_messages(messages) -> tuple[dict, ...]:
+  """Chat messages with their role and content only: parquet gives every message each key any message
+  has, filled with None."""
+  return tuple({'role': message['role'], 'content': message['content']} for message in messages)
 
 
 def adapt(records: list[dict], format: str, source: str, prompt_field: str = 'prompt',

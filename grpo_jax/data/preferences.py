@@ -32,7 +32,7 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from grpo_jax.data.adapters import lookup, scalar_text
+from grpo_jax.data.adapters import lookup, not_a_message, plain_messages, scalar_text
 from grpo_jax.errors import UserError
 
 PreferenceFormat = Literal['hh_rlhf', 'messages']
@@ -79,12 +79,11 @@ def _messages(value, field: str) -> Messages:
     return ({'role': 'assistant', 'content': value},)
   if not isinstance(value, (list, tuple)):
     raise _BadRecord(f'field {field!r} is a {type(value).__name__}, not chat messages or text')
-  for message in value:
-    if not (isinstance(message, dict) and isinstance(message.get('role'), str)
-            and isinstance(message.get('content'), str)):
-      raise _BadRecord(f'field {field!r} holds a chat message that is not a {{"role": str, "content": str}} dict: '
-                       f'{str(message)[:80]}')
-  return tuple({'role': message['role'], 'content': message['content']} for message in value)
+  bad = not_a_message(value)
+  if bad is not None:
+    raise _BadRecord(f'field {field!r} holds a chat message that is not a {{"role": str, "content": str}} dict: '
+                     f'{str(bad)[:80]}')
+  return plain_messages(value)
 
 
 def _transcript(text, field: str) -> Messages:

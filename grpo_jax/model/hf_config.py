@@ -32,7 +32,8 @@ def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
     raise UserError(
         f'{source}: unsupported architecture {found} (model_type {model_type!r}); grpo_jax supports '
         + ', '.join(f'{architecture} ({name})' for name, (architecture, _, _) in MODEL_TYPES.items())
-        + '; reward models: ' + ', '.join(f'{architecture} ({name})' for name, architecture in SEQUENCE_CLASSIFIERS.items()))
+        + '; reward models: '
+        + ', '.join(f'{architecture} ({name})' for name, architecture in SEQUENCE_CLASSIFIERS.items()))
   labels = _labels_from_hf(raw, source) if SEQUENCE_CLASSIFIERS.get(model_type) in architectures else 0
   _, family, file_defaults = MODEL_TYPES[model_type]
   raw = {**file_defaults, **raw}

@@ -348,12 +348,12 @@ def load_reward_model(path: str, *, mesh: Mesh | None = None, options: ModelOpti
     raise UserError(f'{path} has no tokenizer (tokenizer.json or vocab.json): a reward model reads the conversation '
                     'through its own tokenizer and chat template')
   if len(tokenizer) > config.vocab_size:
-    raise UserError(f'{path}: its tokenizer has {len(tokenizer)} tokens, more than the checkpoint\'s {config.vocab_size} '
-                    'embedding rows: the tokenizer is not this checkpoint\'s')
+    raise UserError(f'{path}: its tokenizer has {len(tokenizer)} tokens, more than the checkpoint\'s '
+                    f'{config.vocab_size} embedding rows: the tokenizer is not this checkpoint\'s')
   if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != config.pad_token_id:
     raise UserError(f'{path}: its tokenizer pads with id {tokenizer.pad_token_id} ({tokenizer.pad_token!r}), but '
-                    f'config.json\'s pad_token_id is {config.pad_token_id}: the score would be read at the wrong token; '
-                    'make them the same')
+                    f'config.json\'s pad_token_id is {config.pad_token_id}: the score would be read at the wrong '
+                    'token; make them the same')
   return model, tokenizer
 
 

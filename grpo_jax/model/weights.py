@@ -35,9 +35,9 @@ SINGLE_FILE = 'model.safetensors'
 
 
 def dim_sizes(config: Qwen2Config) -> dict[str, int]:
-  """Sizes of the dimension letters (D, F, V, N, K, H, E, M, U = 2F fused gate and up, L the score head's labels; the vision
-  tower's C, I, P, W and J = 3C, X, Y, Z its patch's channels, frames and side; see
-  model/config.py) for this architecture."""
+  """Sizes of the dimension letters (D, F, V, N, K, H, E, M, U = 2F fused gate and up, L a score
+  head's labels; the vision tower's C, I, P, W and J = 3C, X, Y, Z its patch's channels, frames and
+  side; see model/config.py) for this architecture."""
   v = config.vision
   vision = {} if v is None else {'C': v.hidden_size, 'I': v.intermediate_size, 'P': v.patch_dim,
                                  'W': v.hidden_size * v.merge_unit, 'J': 3 * v.hidden_size, 'X': v.in_channels,

@@ -28,8 +28,8 @@ def check_reward_model_length(config: Qwen2Config, prompt_length: int, max_new_t
   rows = prompt_length + max_new_tokens
   if rows > config.max_position_embeddings:
     raise UserError(f'the reward model {path} reads at most {config.max_position_embeddings} tokens (its '
-                    f'max_position_embeddings), but a prompt of up to {prompt_length} tokens with rollout.max_new_tokens '
-                    f'{max_new_tokens} makes rows of {rows}; lower one of them')
+                    f'max_position_embeddings), but a prompt of up to {prompt_length} tokens with '
+                    f'rollout.max_new_tokens {max_new_tokens} makes rows of {rows}; lower one of them')
 
 
 def completion_rows(prompt_tokens: jax.Array, prompt_mask: jax.Array, completions: jax.Array,
