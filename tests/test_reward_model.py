@@ -176,3 +176,22 @@ def test_a_steps_completions_score_as_transformers_scores_each_conversation(seed
   check_reward_model_length(model.config, 1000, 24, 'rm')
   with pytest.raises(UserError, match=r'the reward model rm reads at most 1024 tokens .* rows of 1032'):
     check_reward_model_length(model.config, 1000, 32, 'rm')
+
+
+@pytest.mark.exhaustive
+def test_a_steps_completions_score_on_a_mesh_as_on_one_device(seed, make_hf_checkpoint):
+  from grpo_jax.rl.reward_model import score_completions
+  directory, _ = make_hf_checkpoint(seed, model_type='llama', head='score', **SHAPES['llama'])
+  rng = np.random.default_rng(seed)
+  prompt_tokens, prompt_mask = left_padded(random_prompts(seed, [5, 9, 3, 7]), PAD)
+  lengths = rng.integers(1, 7, 8)
+  completion_mask = (np.arange(6)[None, :] < lengths[:, None]).astype(np.int32)
+  completions = np.where(completion_mask == 1, rng.integers(3, 1000, (8, 6)), PAD).astype(np.int32)
+  args = (prompt_tokens, prompt_mask, completions, completion_mask)
+  want = np.asarray(jax.jit(score_completions)(from_pretrained(directory), *args))
+  mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  model = from_pretrained(directory, mesh=mesh)
+  with jax.set_mesh(mesh):
+    got = jax.jit(score_completions)(model, *args)
+  assert len(got.sharding.device_set) == 8
+  np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-4)
