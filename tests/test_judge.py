@@ -63,3 +63,48 @@ def test_templates_and_rules_that_cannot_work_are_refused_in_one_line():
     ParseRule(kind='vote')
   assert render_judge_prompt('Q: {prompt} A: {completion} R: {reference}', 'two?', '2', '2') == 'Q: two? A: 2 R: 2'
   assert render_judge_prompt('Q: {prompt} A: {completion}', 'two?', '2') == 'Q: two? A: 2'
+
+
+@pytest.mark.exhaustive  # 20-30 s: the sampler's and the forward's compiles
+def test_a_judge_model_gives_its_greedy_verdicts_read_by_the_rule(seed, make_hf_checkpoint, tmp_path):
+  """The verdicts are the judge's greedy continuation of its chat-template rendering (a full
+  forward per token, no cache), decoded to their stop token; rewards are the rule's, 0 and counted
+  where it cannot read one (a random judge's verdicts); a template with the reference's slot is
+  refused unless the reference is shown."""
+  import os
+  import shutil
+
+  import jax
+  import numpy as np
+
+  from test_math_task import chat_tokenizer_dir
+  from grpo_jax.data.judge import judge
+  from grpo_jax.model import from_pretrained
+  from grpo_jax.model.loading import load_tokenizer
+  tokens_dir = chat_tokenizer_dir(tmp_path / 'tok')
+  directory, _ = make_hf_checkpoint(seed, vocab_size=320)
+  for name in os.listdir(tokens_dir):
+    shutil.copy(os.path.join(tokens_dir, name), directory)
+  model, tokenizer = from_pretrained(directory), load_tokenizer(directory)
+  stop = tokenizer.convert_tokens_to_ids('<|im_end|>')
+  rows = [('What is 2+2?', 'It is 4.', '4'), ('Name a colour.', 'Blue', None), ('Hi', 'Hello!', 'hi')]
+  template = 'Question: {prompt}\nAnswer: {completion}\nGive "Score: n" from 0 to 10.'
+  rule = ParseRule(kind='score', low=0, high=10)
+  judged = judge(model, tokenizer, rows, template, rule, max_new_tokens=6, stop_token_ids=(stop,), pad_id=0)
+  forward = jax.jit(lambda ids: model(ids)[0, -1])
+  for (prompt, completion, _), verdict in zip(rows, judged.verdicts):
+    message = template.format(prompt=prompt, completion=completion)
+    ids = list(tokenizer.apply_chat_template([{'role': 'user', 'content': message}], tokenize=True,
+                                             add_generation_prompt=True, return_dict=False))
+    answer = []
+    for _ in range(6):
+      token = int(np.argmax(np.asarray(forward(np.asarray([ids + answer], np.int32)))))
+      if token == stop:
+        break
+      answer.append(token)
+    assert verdict == tokenizer.decode(answer, skip_special_tokens=True)
+  want = [rule(verdict) for verdict in judged.verdicts]
+  np.testing.assert_array_equal(judged.rewards, [0.0 if value is None else value for value in want])
+  assert judged.unparsed == sum(value is None for value in want)
+  with pytest.raises(UserError, match='show_reference: true'):
+    judge(model, tokenizer, rows, template + ' {reference}', rule, max_new_tokens=2, stop_token_ids=(stop,), pad_id=0)

@@ -26,7 +26,14 @@ import re
 import string
 from typing import Literal
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
 from grpo_jax.errors import require
+from grpo_jax.sampler import DecodeSettings, SamplingConfig
+from grpo_jax.sampler.rollout import GroupSampler
 
 ParseKind = Literal['score', 'choice']
 SLOTS = ('prompt', 'completion', 'reference')
@@ -99,3 +106,43 @@ def check_template(template: str, show_reference: bool) -> None:
 def render_judge_prompt(template: str, prompt: str, completion: str, reference: str | None = None) -> str:
   """The judge's user message for one completion (the template checked by check_template)."""
   return template.format(prompt=prompt, completion=completion, reference='' if reference is None else reference)
+
+
+@dataclasses.dataclass(frozen=True)
+class Judged:
+  """A step's verdicts: rewards [B] (0 where unparseable), the verdict texts, and how many were
+  unparseable."""
+
+  rewards: np.ndarray
+  verdicts: list[str]
+  unparsed: int
+
+
+def judge(model, tokenizer, rows: list[tuple[str, str, str | None]], template: str, rule: ParseRule, *,
+          max_new_tokens: int, stop_token_ids: tuple[int, ...], pad_id: int, sampling=None, key=None,
+          show_reference: bool = False) -> Judged:
+  """Each (prompt, completion, reference) row judged by `model` (any model grpo_jax samples from,
+  on its mesh or one device): the template rendered (references dropped unless `show_reference`)
+  as one user message through the judge's own chat template, the verdict sampled by the project's
+  group sampler (greedy unless `sampling` says otherwise), decoded up to its stop token and read by
+  `rule`. An unparseable verdict scores 0 and is counted."""
+  check_template(template, show_reference)
+  ids = [list(tokenizer.apply_chat_template(
+      [{'role': 'user', 'content': render_judge_prompt(template, prompt, completion,
+                                                       reference if show_reference else None)}],
+      tokenize=True, add_generation_prompt=True, return_dict=False)) for prompt, completion, reference in rows]
+  width = max(map(len, ids))
+  tokens = np.asarray([[pad_id] * (width - len(row)) + row for row in ids], np.int32)
+  mask = np.asarray([[0] * (width - len(row)) + [1] * len(row) for row in ids], np.int32)
+  settings = DecodeSettings(sampling=sampling or SamplingConfig(greedy=True), max_new_tokens=max_new_tokens,
+                            stop_token_ids=tuple(stop_token_ids), pad_id=pad_id)
+  sampler = GroupSampler(model, group_size=1, settings=settings)
+  rollout = jax.device_get(sampler(nnx.state(model), jnp.asarray(tokens), jnp.asarray(mask),
+                                   key if key is not None else jax.random.key(0)))
+  verdicts = []
+  for row, length in enumerate(np.asarray(rollout.lengths)):
+    answer = [int(t) for t in np.asarray(rollout.tokens)[row, :int(length)] if int(t) not in stop_token_ids]
+    verdicts.append(tokenizer.decode(answer, skip_special_tokens=True))
+  parsed = [rule(verdict) for verdict in verdicts]
+  rewards = np.asarray([0.0 if value is None else value for value in parsed], np.float32)
+  return Judged(rewards=rewards, verdicts=verdicts, unparsed=sum(value is None for value in parsed))
