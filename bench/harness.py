@@ -78,7 +78,7 @@ class LongTailTask:
     return Prompts(tokens=tokens.astype(jnp.int32), mask=jnp.ones((count, self.prompt_length), jnp.int32),
                    answers=jnp.zeros((count, 1), jnp.int32))
 
-  def reward(self, rollout, prompts, group_size):
+  def reward(self, rollout, prompts, group_size, model_scores):
     import jax.numpy as jnp
     from grpo_jax.data.task import Scores
     even = jnp.sum((rollout.tokens % 2 == 0) & rollout.mask, axis=1) / jnp.maximum(rollout.lengths, 1)

@@ -6,9 +6,11 @@ the sampler's layout, and the evaluator of the task's held-out problems."""
 import jax
 from flax import nnx
 
+from grpo_jax.data.reward_terms import RewardModelTerm
 from grpo_jax.data.task import Task
 from grpo_jax.errors import require
 from grpo_jax.model import lora
+from grpo_jax.rl.model_scores import ModelScores
 from grpo_jax.rl.modes import Acting, GroupSampling, PoolSampling, RolloutMode, Sampling
 from grpo_jax.rl.state import pool_shardings, train_state_shardings
 from grpo_jax.rl.step import RLStep
@@ -73,10 +75,20 @@ def rollout_mode(config) -> type[RolloutMode]:
   return PoolSampling if config.algo.max_lag else GroupSampling
 
 
+def build_model_scores(config, mesh: jax.sharding.Mesh, task: Task) -> ModelScores:
+  """The run's models that score completions in the mesh (its reward terms of kind reward_model),
+  loaded over `mesh` and checked against the task's tokenizer and rows; none without such terms."""
+  terms = tuple(term for term in config.rewards if isinstance(term, RewardModelTerm))
+  if not terms:
+    return ModelScores.none()
+  return ModelScores.load(terms, mesh, task.tokenizer, task.prompt_length + config.rollout.max_new_tokens)
+
+
 def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=None, resident: bool = True,
-                  sampler_devices=None) -> RLStep:
+                  sampler_devices=None, model_scores: ModelScores | None = None) -> RLStep:
   """The run's RL step for `model` (its parameters laid out over `mesh`; `params`: their state,
   or abstract arrays with their shardings, as the plan compiles them; None: the model's own).
+  model_scores: the run's scoring models (build_model_scores, which a run without them need not call).
   A host-scored task is adapted to the mesh (rl/host_task.py). resident False: the sampler decodes
   in the training layout instead of its own (bench/rollout_layout.py compares the two).
   sampler_devices: with rollout.devices, the sampler's own devices (default: the last
@@ -105,7 +117,8 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
                       prompts_per_step=config.rollout.prompts_per_step,
                       decode=decode_settings(config, task),
                       slots=decode_slots(config), layout=layout, mesh=mesh, rollout=config.rollout,
-                      pool=settings, episodes=episodes)
+                      pool=settings, episodes=episodes,
+                      model_scores=build_model_scores(config, mesh, task) if model_scores is None else model_scores)
   pool = empty_pool(settings, task, config.rollout.prompts_per_step, model.config)
   trained, frozen = lora.split_trainable(params)  # with LoRA the optimizer sees the adapters only
   shardings = train_state_shardings(trained, optimizer, pool, frozen)

@@ -43,7 +43,7 @@ class ScriptedTask:
     tokens = jnp.asarray([[2, 3 + q % 10, 13] for q in positions], jnp.int32)
     return Prompts(tokens=tokens, mask=jnp.ones_like(tokens), answers=positions)
 
-  def reward(self, rollout, prompts, group_size):
+  def reward(self, rollout, prompts, group_size, model_scores):
     rows = [[1.0] + [0.0] * (group_size - 1) if q in self.informative else [0.0] * group_size
             for q in prompts.answers]
     return Scores(rewards=jnp.asarray(rows, jnp.float32).reshape(-1), failures=jnp.zeros((), jnp.int32),

@@ -421,7 +421,7 @@ def test_score_decodes_groups_in_order(tmp_path):
                     lengths=mask.sum(1), stopped=np.ones(4, bool))
   assert task.decode(tokens, mask) == texts
   try:
-    scores = task.reward(rollout, prompts, group_size=2)
+    scores = task.reward(rollout, prompts, 2, {})
   finally:
     task.close()
   assert scores.rewards.dtype == np.float32 and int(scores.failures) == 0

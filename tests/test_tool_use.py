@@ -294,7 +294,7 @@ def test_without_tools_it_is_the_math_task_as_a_single_turn_agent(tmp_path, seed
         assert trajectory.turns == 1 and trajectory.tool_calls == 0
         trajectories.append(trajectory)
     rollout, scores, _ = collate(trajectories, 48, agent.pad_id)
-    expected = math.reward(rollout, prompts, 3)
+    expected = math.reward(rollout, prompts, 3, {})
     np.testing.assert_array_equal(scores.rewards, np.asarray(expected.rewards))
     assert 0 < scores.rewards.sum() < len(trajectories)
   finally:

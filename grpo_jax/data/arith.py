@@ -135,8 +135,9 @@ class ArithmeticTask(Stateless):
     answers, answer_real = self._pack(answers, jnp.concatenate([result_real, ones], axis=1), left=False)
     return Prompts(tokens=tokens, mask=real, answers=jnp.where(answer_real > 0, answers, -1))
 
-  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
+  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int, model_scores: dict) -> Scores:
     """1.0 where a completion starts with its expected tokens (result and EOS), else 0.0. Jittable."""
+    del model_scores  # its reward is its own (a run's reward terms are for dataset tasks)
     answers = jnp.repeat(prompts.answers, group_size, axis=0)  # [P*G, A]
     completions, width = rollout.tokens, answers.shape[1]
     if completions.shape[1] < width:

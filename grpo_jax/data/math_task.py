@@ -304,15 +304,15 @@ class MathTask:
     return [self.tokenizer.decode(row[keep & (row < self.vocab_size)], skip_special_tokens=True)
             for row, keep in zip(tokens, mask)]
 
-  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
+  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int, model_scores: dict) -> Scores:
     """Rewards [P * G] (float32): row p * G + g is completion g of prompt p; each term's values
-    in `Scores.terms`."""
+    in `Scores.terms`; model_scores: the step's reward models' scores of the rows, by term label."""
     completions = self.decode(rollout.tokens, rollout.mask)
     answers = [answer for answer in prompts.answers for _ in range(group_size)]
     if len(completions) != len(answers):
       raise ValueError(f'{len(completions)} completions for {len(prompts.answers)} prompts x {group_size}')
     composed = self.composer.score(completions, answers, np.asarray(rollout.lengths), np.asarray(rollout.stopped),
-                                   group_size)
+                                   group_size, {label: np.asarray(values) for label, values in model_scores.items()})
     return Scores(rewards=jnp.asarray(composed.total, jnp.float32), failures=jnp.asarray(composed.failures, jnp.int32),
                   terms={label: jnp.asarray(values, jnp.float32) for label, values in composed.terms.items()})
 

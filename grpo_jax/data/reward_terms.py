@@ -61,16 +61,20 @@ ANSWER_LINE = re.compile(r'^[ \t]*(?:\*\*)?answer(?:\*\*)?[ \t]*:[ \t]*(?:\*\*)?
 class Completions:
   """A step's B completions as the terms read them.
 
-  texts:       B decoded completions (row p * G + g is completion g of prompt p).
-  references:  B reference answers, their prompts'.
-  lengths:     [B] int, tokens of each completion, its stop token included.
-  stopped:     [B] bool, whether it emitted a stop token (else the budget cut it off).
+  texts:         B decoded completions (row p * G + g is completion g of prompt p).
+  references:    B reference answers, their prompts'.
+  lengths:       [B] int, tokens of each completion, its stop token included.
+  stopped:       [B] bool, whether it emitted a stop token (else the budget cut it off).
+  model_scores:  {label: [B] float32} what the step's models (reward models) gave these completions
+                 in the mesh before the host stage (rl/model_scores.py), by the label of the term
+                 they serve; {} for a run without such terms.
   """
 
   texts: list[str]
   references: list[str]
   lengths: np.ndarray
   stopped: np.ndarray
+  model_scores: dict = dataclasses.field(default_factory=dict)
 
 
 # A term's values [B] float32 for a step's completions, and how many of them failed (scored 0).
@@ -261,8 +265,44 @@ class CustomTerm(RewardTerm):
     return score
 
 
+@dataclasses.dataclass(frozen=True)
+class RewardModelTerm(RewardTerm):
+  """The score of a reward model (a sequence classifier of one label: model/loading.py
+  load_reward_model) of each completion after its prompt. The reward model runs in the trainer's
+  mesh, as a program of the step between the rollout and the host stage (rl/model_scores.py), with
+  its weights resident on the trainer's devices in `dtype`; the host term reads the scores it gave
+  and shapes them like any other term's (`normalize`, `clip`: a reward model's scale is arbitrary,
+  so `normalize: group` or `running` is the usual choice beside rule terms of 0/1). The raw score is
+  logged as reward/reward_model.
+
+  Its tokenizer must be the policy's (the same ids for the same strings): the reward model then reads
+  the policy's tokens as they are, prompt as rendered by the task, completion as sampled. A reward
+  model with another tokenizer is refused when the run is built (re-rendering the conversation
+  through its own chat template is not built). Rows (prompt + completion) longer than the reward
+  model reads are refused at start, not cut (rl/reward_model.py)."""
+
+  name: Literal['reward_model'] = 'reward_model'
+  path: str = ''  # the reward model: a Hugging Face *ForSequenceClassification directory or a grpo_jax checkpoint
+  dtype: str = 'bfloat16'  # the dtype its weights are held and computed in (float32 for exact parity)
+
+  def __post_init__(self):
+    super().__post_init__()
+    require(bool(self.path), 'path', 'must name the reward model (a directory with config.json, weights, tokenizer)')
+    require(self.dtype in ('float32', 'bfloat16'), 'dtype', f"must be 'float32' or 'bfloat16', got {self.dtype!r}")
+
+  def scorer(self, composer: 'RewardComposer') -> Scorer:
+    del composer
+
+    def score(completions: Completions) -> tuple[np.ndarray, int]:
+      if self.label not in completions.model_scores:
+        raise UserError(f'reward term {self.name!r}: the step gave no scores of the reward model {self.path}')
+      return np.asarray(completions.model_scores[self.label], np.float32), 0
+    return score
+
+
 # The built-in terms by name; any other name of the form module:function is a CustomTerm.
-TERMS: dict[str, type[RewardTerm]] = {'math': MathTerm, 'format': FormatTerm, 'overlong': OverlongTerm}
+TERMS: dict[str, type[RewardTerm]] = {'math': MathTerm, 'format': FormatTerm, 'overlong': OverlongTerm,
+                                      'reward_model': RewardModelTerm}
 
 
 # ---- normalisation ----
@@ -369,11 +409,13 @@ class RewardComposer:
       self._pool = RewardPool(self.workers)
     return self._pool
 
-  def score(self, completions: list[str], references: list[str], lengths, stopped, group_size: int) -> Composed:
-    """Rewards of B completions: their texts, reference answers, lengths [B] and stopped [B]; rows
-    p * G + g are the G = `group_size` completions of prompt p."""
+  def score(self, completions: list[str], references: list[str], lengths, stopped, group_size: int,
+            model_scores: dict | None = None) -> Composed:
+    """Rewards of B completions: their texts, reference answers, lengths [B] and stopped [B], and
+    what the step's models scored them ({label: [B]}, Completions.model_scores); rows p * G + g
+    are the G = `group_size` completions of prompt p."""
     batch = Completions(texts=completions, references=references, lengths=np.asarray(lengths),
-                        stopped=np.asarray(stopped))
+                        stopped=np.asarray(stopped), model_scores=dict(model_scores or {}))
     total = np.zeros(len(completions), np.float32)
     terms, failures = {}, 0
     for term, scorer in zip(self.terms, self.scorers):

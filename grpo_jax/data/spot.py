@@ -150,8 +150,9 @@ class SpotTask(Stateless):
     tokens = rows(jnp.asarray(self.prompt))
     return Prompts(tokens=tokens, mask=jnp.ones_like(tokens), answers=answers.astype(jnp.int32), vision=vision)
 
-  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
+  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int, model_scores: dict) -> Scores:
     """1.0 where a completion starts with its quadrant's digit and the end token, else 0.0. Jittable."""
+    del model_scores  # its reward is its own (a run's reward terms are for dataset tasks)
     answers = jnp.repeat(prompts.answers, group_size, axis=0)
     rewards = jnp.all(rollout.tokens[:, :2] == answers, axis=1).astype(jnp.float32)
     return Scores(rewards=rewards, failures=jnp.zeros((), jnp.int32))

@@ -118,8 +118,10 @@ class Task(Protocol):
     task's order depends only on it and the run's seed, so a resumed run sees the same prompts);
     `key`: the step's prompt key (a generated task draws its problems from it)."""
 
-  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
-    """Scores the G completions of each prompt."""
+  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int, model_scores: dict) -> Scores:
+    """Scores the G completions of each prompt. model_scores: {label: [P*G] fp32}, what the step's
+    models (reward models, rl/model_scores.py) gave the completions, for the reward terms that
+    read them; {} in a run without such terms."""
 
   def state_dict(self) -> dict:
     """What the task carries from step to step beyond the data position (the running statistics of
@@ -160,7 +162,7 @@ class TaskShape(Stateless):
   def prompts(self, key, position: int, count: int) -> Prompts:
     raise UserError('a task shape has no prompts: build the task from its data')
 
-  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
+  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int, model_scores: dict) -> Scores:
     raise UserError('a task shape has no reward: build the task from its data')
 
   def close(self) -> None:

@@ -39,17 +39,20 @@ class HostTask:
     return jax.tree.map(lambda x: sharding.named_sharding(self.mesh, x.shape, ('batch',) + (None,) * (x.ndim - 1))
                         if x.ndim else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()), tree)
 
-  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
+  def reward(self, rollout: Rollout, prompts: Prompts, group_size: int, model_scores: dict) -> Scores:
     """Scores the rollout with the task's host reward. Each process decodes and scores only the
-    groups whose rows lie on its own devices (all of them on one process); the rewards are then
-    summed over processes (each row is scored by exactly one) into replicated global arrays."""
-    rollout = jax.device_put(rollout, self._row_shardings(rollout))  # every field laid out by rows alike
+    groups whose rows lie on its own devices (all of them on one process), with the step's model
+    scores of those rows; the rewards are then summed over processes (each row is scored by exactly
+    one) into replicated global arrays."""
+    # Every field of the rollout, and the model scores, laid out by rows alike.
+    rollout, model_scores = jax.device_put((rollout, model_scores), self._row_shardings((rollout, model_scores)))
     groups = distributed.owned_groups(rollout.tokens, group_size)
     rows = (groups[:, None] * group_size + np.arange(group_size)).reshape(-1)
     mine = rollout.map_rows(lambda x: distributed.local_rows(x, rows))
+    my_scores = {label: distributed.local_rows(values, rows) for label, values in model_scores.items()}
     with distributed.on_this_host():
       scores = self.task.reward(mine, Prompts(tokens=None, mask=None, answers=[prompts.answers[g] for g in groups]),
-                                group_size)
+                                group_size, my_scores)
 
     def spread(values):  # this process's rows in place, zeros elsewhere
       values = np.asarray(values, np.float32)

@@ -31,6 +31,7 @@ from grpo_jax import distributed
 from grpo_jax.data.task import Prompts, Scores, Task
 from grpo_jax.model import lora
 from grpo_jax.rl.host_task import HostTask
+from grpo_jax.rl.model_scores import ModelScores
 from grpo_jax.rl.state import TrainState, pool_shardings
 from grpo_jax.sampler.decode import DecodeSettings
 from grpo_jax.sampler.layout import RolloutLayout, cross
@@ -73,6 +74,7 @@ class Sampling:
   rollout: RolloutConfig
   pool: PoolSettings | None = None
   episodes: Any = None  # an acting run's agents.stage.EpisodeRows (its episodes' images and rows)
+  model_scores: ModelScores = ModelScores.none()  # the run's reward models (rl/model_scores.py)
 
   @property
   def split(self) -> bool:
@@ -89,6 +91,16 @@ class Sampling:
     """A task's prompts or reward as a stage: jitted on the host when the task is jittable (its
     count or group size static); a host task's as it is."""
     return jax.jit(fn, static_argnums=2) if host and self.task.jittable else fn
+
+  def scoring_stage(self, host: bool) -> Callable:
+    """The reward: the run's models score the round's rows in the mesh (rl/model_scores.py), then
+    the task's reward, given their scores: (rollout, prompts, G) -> Scores."""
+    models = self.model_scores if host else self.model_scores.traced()
+    reward = self.task_stage(self.task.reward, host)
+
+    def score(rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
+      return reward(rollout, prompts, group_size, models(prompts.tokens, prompts.mask, rollout))
+    return score
 
 
 class RolloutMode:
@@ -130,7 +142,7 @@ class GroupSampling(RolloutMode):
     super().__init__(sampling, host)
     # (params, prompt tokens, prompt mask, key, vision) -> Rollout
     self.sample = jax.jit(sampling.sample) if host else sampling.sample
-    self.reward = sampling.task_stage(sampling.task.reward, host)  # (rollout, prompts, G) -> Scores
+    self.reward = sampling.scoring_stage(host)  # (rollout, prompts, G) -> Scores
     self.prompts = sampling.task_stage(sampling.task.prompts, host)  # (key, position, P) -> Prompts
 
   def __call__(self, state: TrainState, prompts: Prompts, key, observe=no_observer) -> tuple[TrainState, Round]:
@@ -184,7 +196,7 @@ class PoolSampling(RolloutMode):
     settings = sampling.pool
     self.priming = settings.priming
     self.answers = None if self.jittable else AnswerBook(sampling.task, sampling.prompts_per_step)
-    self.reward = sampling.task_stage(sampling.task.reward, host)
+    self.reward = sampling.scoring_stage(host)
     self.prompts = sampling.task_stage(sampling.task.prompts, host)
 
     def fill_pool(pool, prompt_tokens, prompt_mask, answers, sample_key, prompt_key, position, version, vision):

@@ -1,0 +1,175 @@
+"""A reward model as a reward term (data/reward_terms.py RewardModelTerm, rl/model_scores.py): an RL
+step's completions scored in the mesh by a reward model that shares the policy's tokenizer, composed
+with the run's other terms on the host, equal to transformers scoring each conversation; a reward
+model with another tokenizer, or one that reads fewer tokens than the step's rows, refused in one
+line when the run is built."""
+
+import json
+import os
+import shutil
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from grpo_jax import config as config_lib
+from grpo_jax.build import build_rl_step, build_task
+from grpo_jax.data import word_problems
+from grpo_jax.errors import UserError
+from grpo_jax.model import lora, make_mesh
+from grpo_jax.rl.state import create_train_state
+from grpo_jax.testing import save_random_hf_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODULE = sys.modules[__name__].__name__
+WEIGHTS = (0.7, 0.3)  # the reward model's term, the length term's
+
+
+def length_term(completions, references, lengths):
+  """A rule term beside the reward model's: a tenth of each completion's length in tokens."""
+  return [0.1 * float(length) for length in lengths]
+
+
+def reward_model_dir(tmp_path, seed: int, tokenizer: str, name: str = 'rm', **overrides) -> tuple[str, object]:
+  """A random Qwen2 reward model (one label, pad id 0: the word problems' <|endoftext|>) with the
+  tokenizer at `tokenizer` stored beside it; (directory, the torch model)."""
+  directory = str(tmp_path / name)
+  model = save_random_hf_checkpoint(directory, seed, head='score', vocab_size=64, **overrides)
+  for file in os.listdir(tokenizer):
+    shutil.copy(os.path.join(tokenizer, file), directory)
+  return directory, model
+
+
+def run_config(files: dict, reward_model: str, *overrides) -> config_lib.Config:
+  return config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny_math.yaml'), [
+      f'task.source={files["train"]}', f'task.tokenizer={files["tokenizer"]}', 'task.reward_workers=1',
+      'rollout.prompts_per_step=4', 'algo.group_size=3', 'rollout.max_new_tokens=4', 'algo.dynamic_sampling=false',
+      'train.progress=false', 'train.tensorboard=false', 'eval.every=0',
+      f'rewards=[{{name: reward_model, path: "{reward_model}", dtype: float32, weight: {WEIGHTS[0]}}}, '
+      f'{{name: "{MODULE}:length_term", weight: {WEIGHTS[1]}}}]', *overrides])
+
+
+def one_step(config, devices) -> dict:
+  """One RL step of `config` on `devices`: what its update was given (prompts, rollout, scores) and
+  the step's metrics, as NumPy."""
+  mesh = make_mesh(config.mesh, devices=devices)
+  model = config.model.build(mesh, config.run.seed)
+  task = build_task(config)
+  try:
+    rl_step = build_rl_step(config, model, mesh, task)
+    trained, frozen = lora.split_trainable(nnx.state(model))
+    state = create_train_state(trained, rl_step.optimizer, config.run.seed, pool=rl_step.empty_pool,
+                               shardings=rl_step.state_shardings, frozen=frozen)
+    learned, learn = [], rl_step.learn
+
+    def recording(state, ref_params, prompt_tokens, prompt_mask, rollout, scores, vision=None):
+      learned.append(jax.device_get((prompt_tokens, prompt_mask, rollout, scores)))
+      return learn(state, ref_params, prompt_tokens, prompt_mask, rollout, scores, vision)
+
+    rl_step.learn = recording
+    with jax.set_mesh(mesh):
+      _, metrics = rl_step(state, None)
+  finally:
+    task.close()
+  prompt_tokens, prompt_mask, rollout, scores = learned[0]
+  return dict(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, rollout=rollout, scores=scores,
+              metrics=jax.device_get(metrics))
+
+
+def transformers_scores(model, prompt_tokens, prompt_mask, rollout, group_size: int) -> np.ndarray:
+  """The reward model's score of each conversation alone, unpadded: its prompt's real tokens, then
+  its completion's (transformers reads it at its rightmost id that is not the pad id)."""
+  import torch
+  scores = []
+  for row in range(rollout.tokens.shape[0]):
+    prompt = prompt_tokens[row // group_size][prompt_mask[row // group_size] == 1]
+    completion = rollout.tokens[row][np.asarray(rollout.mask[row], bool)]
+    ids = torch.tensor(np.concatenate([prompt, completion])[None].astype(np.int64))
+    with torch.no_grad():
+      scores.append(float(model(ids).logits[0, 0]))
+  return np.asarray(scores, np.float32)
+
+
+@pytest.fixture(scope='module')
+def word_files(tmp_path_factory):
+  return word_problems.write(str(tmp_path_factory.mktemp('words')))
+
+
+def test_a_reward_model_scores_a_steps_completions_as_transformers_and_composes(word_files, tmp_path, seed):
+  rm_dir, reference = reward_model_dir(tmp_path, seed, word_files['tokenizer'])
+  config = run_config(word_files, rm_dir, f'run.seed={seed % 1000}')
+  step = one_step(config, jax.devices()[:1])
+  rollout, scores, group = step['rollout'], step['scores'], config.algo.group_size
+  want = transformers_scores(reference, step['prompt_tokens'], step['prompt_mask'], rollout, group)
+  np.testing.assert_allclose(scores.terms['reward_model'], want, rtol=0, atol=1e-4)
+  assert np.ptp(want) > 1e-3  # the completions score differently: a row mixed up would show
+  lengths = 0.1 * np.asarray(rollout.lengths, np.float32)
+  np.testing.assert_allclose(scores.terms['length_term'], lengths, rtol=0, atol=1e-6)
+  np.testing.assert_allclose(scores.rewards, WEIGHTS[0] * want + WEIGHTS[1] * lengths, rtol=0, atol=1e-4)
+  assert step['metrics']['reward/reward_model'] == pytest.approx(float(want.mean()), abs=1e-4)
+
+
+@pytest.mark.exhaustive
+def test_a_reward_model_on_a_mesh_scores_as_on_one_device(word_files, tmp_path, seed):
+  """data 2 x fsdp 2 x tensor 2 (the reward model's weights laid out like the policy's) against one
+  device: the same completions (the sampler's mesh equality) score alike."""
+  rm_dir, reference = reward_model_dir(tmp_path, seed, word_files['tokenizer'])
+  config = run_config(word_files, rm_dir, f'run.seed={seed % 1000}', 'mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')
+  step = one_step(config, jax.devices()[:8])
+  group = config.algo.group_size
+  want = transformers_scores(reference, step['prompt_tokens'], step['prompt_mask'], step['rollout'], group)
+  np.testing.assert_allclose(step['scores'].terms['reward_model'], want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.exhaustive
+def test_partial_rollouts_score_the_groups_they_take(word_files, tmp_path, seed):
+  """With the pool of partial rollouts the reward model scores the groups that leave it, after their
+  own prompts."""
+  rm_dir, reference = reward_model_dir(tmp_path, seed, word_files['tokenizer'])
+  config = run_config(word_files, rm_dir, f'run.seed={seed % 1000}', 'algo.max_lag=1', 'algo.tis_cap=2')
+  step = one_step(config, jax.devices()[:1])
+  group = config.algo.group_size
+  want = transformers_scores(reference, step['prompt_tokens'], step['prompt_mask'], step['rollout'], group)
+  np.testing.assert_allclose(step['scores'].terms['reward_model'], want, rtol=0, atol=1e-4)
+
+
+def _swapped_tokenizer(source: str, destination: str) -> tuple[str, str]:
+  """The tokenizer at `source` with two words' ids swapped, saved at `destination`; the words."""
+  os.makedirs(destination)
+  for file in os.listdir(source):
+    shutil.copy(os.path.join(source, file), destination)
+  path = os.path.join(destination, 'tokenizer.json')
+  with open(path) as f:
+    data = json.load(f)
+  vocab = data['model']['vocab']
+  by_id = sorted(vocab, key=vocab.get)
+  first, second = by_id[10], by_id[11]
+  vocab[first], vocab[second] = vocab[second], vocab[first]
+  with open(path, 'w') as f:
+    json.dump(data, f)
+  return first, second
+
+
+def test_a_reward_model_with_another_tokenizer_or_too_short_a_reach_is_refused(word_files, tmp_path, seed):
+  swapped = str(tmp_path / 'swapped')
+  first, second = _swapped_tokenizer(word_files['tokenizer'], swapped)
+  rm_dir, _ = reward_model_dir(tmp_path, seed, swapped)
+  config = run_config(word_files, rm_dir)
+  mesh = make_mesh(config.mesh, devices=jax.devices()[:1])
+  model = config.model.build(mesh, 0)
+  task = build_task(config)
+  try:
+    with pytest.raises(UserError, match=rf"the reward model {rm_dir} has another tokenizer than the policy \(id 10 is "
+                                        rf"'{second}' in one and '{first}' in the other\)"):
+      build_rl_step(config, model, mesh, task)
+    short, _ = reward_model_dir(tmp_path, seed, word_files['tokenizer'], name='short', max_position_embeddings=24)
+    with pytest.raises(UserError, match=rf'the reward model {short} reads at most 24 tokens .* makes rows of 32'):
+      build_rl_step(run_config(word_files, short), model, mesh, task)
+  finally:
+    task.close()
+  with pytest.raises(UserError, match=r'rewards\[0\].path must name the reward model'):
+    config_lib.load_config(None, ['task.name=math', 'task.source=x.jsonl', 'model.path=m',
+                                  'rewards=[{name: reward_model}]'])
