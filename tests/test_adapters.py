@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from grpo_jax.data.adapters import FORMATS, Problem, adapt
+from grpo_jax.data.adapters import FORMATS, NO_REFERENCE, Problem, adapt
 from grpo_jax.data.sources import load_records
 from grpo_jax.errors import UserError
 
@@ -214,4 +214,17 @@ def test_bad_records_name_the_field_and_source(tmp_path, format, records, fields
 
 
 def test_formats():
-  assert FORMATS == ('custom', 'gsm8k', 'math', 'dapo', 'dapo_processed', 'aime')
+  assert FORMATS == ('custom', 'gsm8k', 'math', 'dapo', 'dapo_processed', 'aime', 'prompts')
+
+
+def test_prompts_alone_keep_every_record_with_no_reference(tmp_path):
+  """A dataset of prompts for a run scored by models: text and chat messages, no answer field
+  asked for, every record kept."""
+  records = [{'text': 'Write a poem about rain.'}, {'text': [{'role': 'user', 'content': 'Hi!', 'name': None}]},
+             {'text': 'Summarise: the cat sat.', 'answer': 'ignored'}]
+  adapted = read(write_jsonl(tmp_path / 'prompts.jsonl', records), 'prompts', prompt_field='text')
+  assert [problem.prompt for problem in adapted.problems] == [
+      'Write a poem about rain.', ({'role': 'user', 'content': 'Hi!'},), 'Summarise: the cat sat.']
+  assert [problem.answer for problem in adapted.problems] == [NO_REFERENCE] * 3 and adapted.skipped_no_answer == 0
+  with pytest.raises(UserError, match=r"record 1 of .* has no question in field 'text'"):
+    read(write_jsonl(tmp_path / 'bad.jsonl', [{'text': 'a'}, {'prompt': 'b'}]), 'prompts', prompt_field='text')

@@ -173,3 +173,17 @@ def test_a_reward_model_with_another_tokenizer_or_too_short_a_reach_is_refused(w
   with pytest.raises(UserError, match=r'rewards\[0\].path must name the reward model'):
     config_lib.load_config(None, ['task.name=math', 'task.source=x.jsonl', 'model.path=m',
                                   'rewards=[{name: reward_model}]'])
+
+
+@pytest.mark.parametrize('overrides, message', [
+    ([], r'rewards cannot score x.jsonl \(format prompts: no reference answers\): its default term \(math\) checks'),
+    (['rewards=[{name: reward_model, path: rm}, {name: math}]'], r"its term 'math' checks answers against references"),
+    (['rewards=[{name: reward_model, path: rm}]', 'eval.source=y.jsonl', 'eval.format=prompts'],
+     'eval.format cannot be prompts: evaluation checks answers against the reference answers of y.jsonl'),
+])
+def test_prompts_alone_need_terms_that_read_no_reference(overrides, message):
+  with pytest.raises(UserError, match=message):
+    config_lib.load_config(None, ['task.name=math', 'task.source=x.jsonl', 'task.format=prompts', 'model.path=m',
+                                  *overrides])
+  config_lib.load_config(None, ['task.name=math', 'task.source=x.jsonl', 'task.format=prompts', 'model.path=m',
+                                'rewards=[{name: reward_model, path: rm}, {name: format}]'])

@@ -16,6 +16,9 @@ data/sources.py in one of these schemas (`task.format`, `eval.format`):
   dapo_processed  open-r1/DAPO-Math-17k-Processed: `prompt` (problem text), `solution` (the reference)
   aime            AIME 2024 (HuggingFaceH4/aime_2024, Maxwell-Jia/AIME_2024): `problem` or `Problem`,
                   `answer` or `Answer` (often an integer); data source 'aime'
+  prompts         prompts without reference answers, for runs scored by models (a reward model,
+                  data/reward_terms.py): the question (text or chat messages) in `prompt_field`;
+                  every record is kept, its reference empty (NO_REFERENCE)
 
 The formats geo3k, verl and vision are the schemas of problems with images, which
 data/multimodal.py reads (task.name: math with a vision-language model); adapt() reads the others.
@@ -35,8 +38,10 @@ from typing import Literal, get_args
 from grpo_jax.data.rewards import last_boxed
 from grpo_jax.errors import UserError
 
-TextFormat = Literal['custom', 'gsm8k', 'math', 'dapo', 'dapo_processed', 'aime']
+TextFormat = Literal['custom', 'gsm8k', 'math', 'dapo', 'dapo_processed', 'aime', 'prompts']
 FORMATS: tuple[str, ...] = get_args(TextFormat)  # the schemas adapt() reads
+NO_REFERENCE = ''  # the reference answer of a problem from a dataset of prompts alone (format prompts)
+UNREFERENCED_FORMATS = ('prompts',)  # formats whose problems have no reference answer
 # Schemas whose records carry images: data/multimodal.py reads them, with their images.
 VisionFormat = Literal['geo3k', 'verl', 'vision']
 DatasetFormat = Literal[TextFormat, VisionFormat]  # task.format, eval.format
@@ -175,7 +180,10 @@ def adapt(records: list[dict], format: str, source: str, prompt_field: str = 'pr
   `answer_field` (dotted names allowed) are read by the custom format only."""
   if format not in FORMATS:
     raise UserError(f'dataset format {format!r} of {source} is not one of {", ".join(FORMATS)}')
-  schema = _SCHEMAS.get(format) or _Schema((prompt_field,), _first_answer(answer_field), f'field {answer_field!r}')
+  if format == 'prompts':
+    schema = _Schema((prompt_field,), lambda record: NO_REFERENCE, 'no field: prompts alone')
+  else:
+    schema = _SCHEMAS.get(format) or _Schema((prompt_field,), _first_answer(answer_field), f'field {answer_field!r}')
   problems, skipped = [], 0
   for index, record in enumerate(records):
     prompt = _prompt(record, schema.prompt_fields, f'record {index} of {source} (format {format})')

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import distributed
-from grpo_jax.data.adapters import adapt
+from grpo_jax.data.adapters import UNREFERENCED_FORMATS, adapt
 from grpo_jax.data.image_problems import (ImageInputs, batch_vision, image_dataset, image_inputs, largest_bucket,
                                           problems_bucket, read_image_problems)
 from grpo_jax.data.multimodal import (IMAGE_PAD, VISION_END, VISION_FORMATS, VISION_START, expand_image_tokens,
@@ -36,7 +36,7 @@ from grpo_jax.data.multimodal import (IMAGE_PAD, VISION_END, VISION_FORMATS, VIS
 from grpo_jax.data.reward_terms import Combination, MathTerm, RewardComposer, RewardTerm
 from grpo_jax.data.sources import DatasetSource, load_records
 from grpo_jax.data.task import Prompts, Scores, TaskSection, TaskShape
-from grpo_jax.errors import UserError, require
+from grpo_jax.errors import FieldError, UserError, require
 from grpo_jax.model.loading import load_tokenizer
 from grpo_jax.model.vision import ImageBucket, Vision
 from grpo_jax.sampler.rollout import Rollout
@@ -363,6 +363,17 @@ class MathSection(ProblemFields):
     a vision-language model."""
     require(bool(config.model.path or self.tokenizer), 'model.path',
             'or task.tokenizer must be set for task.name=math: the tokenizer is read from that directory')
+    unreferenced = [data.source for data in (self.dataset, *self.mix) if data.format in UNREFERENCED_FORMATS]
+    if unreferenced:  # a dataset of prompts alone is scored by terms that read no reference answer
+      checking = next((term for term in config.rewards or (MathTerm(),) if term.needs_reference), None)
+      if checking is not None:
+        what = f'term {checking.name!r}' if config.rewards else 'default term (math)'
+        raise FieldError('rewards', f'cannot score {unreferenced[0]} (format prompts: no reference answers): its '
+                         f'{what} checks answers against references; list terms that need none, e.g. '
+                         '- {name: reward_model, path: DIR}')
+    evaluated = config.eval.dataset
+    require(evaluated.source is None or evaluated.format not in UNREFERENCED_FORMATS, 'eval.format',
+            f'cannot be prompts: evaluation checks answers against the reference answers of {evaluated.source}')
     data = image_dataset((self.dataset, *self.mix, config.eval.dataset))
     if data is None:
       return

@@ -86,7 +86,7 @@ class RewardTerm(abc.ABC):
   """One term of the reward, a tagged union: `name` picks the kind (`variant`), whose own subclass
   holds its fields and checks them; config.py builds the subclass that `name` picks."""
 
-  name: str = 'math'  # math | format | overlong | <module>:<function>
+  name: str = 'math'  # math | format | overlong | reward_model | <module>:<function>
   weight: float = 1.0  # multiplies the term in the sum
   normalize: Normalize = 'none'  # none | group: within each prompt's G completions | running: over the run so far
   clip: tuple[float, float] | None = None  # [low, high] the term is clipped to, after normalize; None: unclipped
@@ -111,6 +111,10 @@ class RewardTerm(abc.ABC):
       return TERMS[name]
     require(_is_import_path(name), 'name', f'must be one of {", ".join(TERMS)} or <module>:<function>, got {name!r}')
     return CustomTerm
+
+  # Whether the term checks completions against the problems' reference answers (a dataset of
+  # prompts alone, task.format prompts, has none).
+  needs_reference = False
 
   @property
   def label(self) -> str:
@@ -182,6 +186,7 @@ class MathTerm(RewardTerm):
   scores 0 and is counted in `reward_failures`."""
 
   name: Literal['math'] = 'math'
+  needs_reference = True
 
   def scorer(self, composer: 'RewardComposer') -> Scorer:
     def score(completions: Completions) -> tuple[np.ndarray, int]:
