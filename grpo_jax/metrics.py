@@ -161,10 +161,43 @@ def plot_rewards(history: list[dict], path: str, title: str) -> str | None:
   axes.plot(steps, smooth, color='tab:blue', label=f'{window}-step mean')
   axes.set_xlabel('RL step')
   axes.set_ylabel('mean reward')
-  axes.set_ylim(-0.02, 1.02)
+  if all(0.0 <= value <= 1.0 for value in rewards if value is not None):  # a 0/1 check's scale; else the data's
+    axes.set_ylim(-0.02, 1.02)
   axes.grid(alpha=0.3)
   axes.legend(loc='lower right')
   axes.set_title(title)
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+  plt.close(figure)
+  return path
+
+
+def plot_reward_terms(history: list[dict], path: str, title: str) -> str | None:
+  """Each reward term's raw mean per step (reward/<label>), one panel a term on its own scale (a
+  reward model's score beside a 0/1 check; the demo's proxy beside its gold), with a 10-step running
+  mean, as a PNG; None without matplotlib or with fewer than two terms."""
+  labels = sorted({name for row in history for name in row if name.startswith('reward/')})
+  if len(labels) < 2:
+    return None
+  try:
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return None
+  figure, panels = plt.subplots(len(labels), 1, figsize=(7, 2.2 * len(labels) + 0.6), sharex=True, squeeze=False)
+  window = 10
+  for axes, label in zip(panels[:, 0], labels):
+    rows = [row for row in history if row.get(label) is not None]
+    steps, values = [row['step'] for row in rows], [row[label] for row in rows]
+    smooth = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+              for i in range(len(values))]
+    axes.plot(steps, values, color='tab:green', alpha=0.35)
+    axes.plot(steps, smooth, color='tab:green')
+    axes.set_ylabel(label.removeprefix('reward/'))
+    axes.grid(alpha=0.3)
+  panels[-1, 0].set_xlabel('RL step')
+  panels[0, 0].set_title(title)
   figure.tight_layout()
   figure.savefig(path, dpi=100)
   plt.close(figure)

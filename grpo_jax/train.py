@@ -352,12 +352,14 @@ def train(config: config_lib.Config, workdir: str, mesh, model) -> list[dict]:
 def report(history: list[dict], workdir: str, name: str) -> None:
   print('\n' + metrics_lib.summary_table(history))
   plot = metrics_lib.plot_rewards(history, os.path.join(workdir, 'reward.png'), f'{name}: mean reward per step')
+  terms = metrics_lib.plot_reward_terms(history, os.path.join(workdir, 'reward_terms.png'),
+                                        f'{name}: each reward term (raw) per step')
   first = [row['reward_mean'] for row in history[:10]]
   last = [row['reward_mean'] for row in history[-10:]]
   print(f'\nmean reward: first {len(first)} steps {sum(first) / len(first):.3f}, '
         f'last {len(last)} steps {sum(last) / len(last):.3f}')
   print(f'outputs: {workdir} (config.yaml, metrics.jsonl, tensorboard/, checkpoints/'
-        f'{", reward.png" if plot else ""})')
+        f'{", reward.png" if plot else ""}{", reward_terms.png" if terms else ""})')
 
 
 @cli_main

@@ -56,3 +56,168 @@ def preference_pairs(rng: np.random.Generator, first: tuple[np.ndarray, np.ndarr
   truth = np.where(first_wins, share[0] > share[1], share[1] > share[0])
   return dict(chosen=chosen.astype(np.int32), chosen_mask=chosen_mask.astype(np.int32),
               rejected=rejected.astype(np.int32), rejected_mask=rejected_mask.astype(np.int32), truth=truth)
+
+
+# ---- the CPU demo's files (make demo-rm) ----
+#
+# Words, not bare ids: the reward model is trained from text files through its chat template, as a
+# real one is, and the policy samples words. The hidden property of a completion is its share of
+# COLOURS among its words; a random-init policy's samples have about 6 / 30 of them (the
+# vocabulary's share), the optimum is 1.
+
+COLOURS = ('red', 'blue', 'green', 'gold', 'pink', 'teal')  # the chosen set
+OTHERS = ('cat', 'dog', 'sky', 'sea', 'tree', 'rock', 'road', 'hill', 'rain', 'snow', 'moon', 'star',
+          'fish', 'bird', 'lamp', 'door', 'book', 'cup')
+SPECIAL = ('<|endoftext|>', '<|im_start|>', '<|im_end|>', '<unk>')
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PROMPTS = tuple(f'say something about the {word}' for word in OTHERS) + tuple(
+    f'tell me of a {word}' for word in OTHERS)
+
+
+def vocabulary() -> list[str]:
+  words = {'user', 'assistant', 'say', 'something', 'about', 'the', 'tell', 'me', 'of', 'a', *COLOURS, *OTHERS}
+  return list(SPECIAL) + sorted(words)
+
+
+def build_tokenizer():
+  """A transformers fast tokenizer of one token per word, decoding with spaces between words; ChatML
+  turns. Decoding a row of word ids and tokenizing the text again gives the same ids."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+  from transformers import PreTrainedTokenizerFast
+
+  core = Tokenizer(models.WordLevel({token: index for index, token in enumerate(vocabulary())}, unk_token='<unk>'))
+  core.pre_tokenizer = pre_tokenizers.Whitespace()
+  core.decoder = decoders.WordPiece(cleanup=False)  # words joined by spaces
+  tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token='<|im_end|>', pad_token='<|endoftext|>',
+                                      unk_token='<unk>', additional_special_tokens=['<|im_start|>'])
+  tokenizer.chat_template = CHAT_TEMPLATE
+  return tokenizer
+
+
+def colour_share(text: str) -> float:
+  """The hidden property of a completion's text: its share of words that are COLOURS (0 for none)."""
+  words = text.split()
+  return sum(word in COLOURS for word in words) / len(words) if words else 0.0
+
+
+def chosen_share(completions, references, lengths):
+  """The hidden property as a reward term (`{name: grpo_jax.data.synthetic_preferences:chosen_share,
+  weight: 0}`): logged as reward/chosen_share beside the reward model's score, the gold beside the
+  proxy, and adding nothing to the reward."""
+  del references, lengths
+  return [colour_share(text) for text in completions]
+
+
+def replies(rng: np.random.Generator, count: int, max_words: int) -> list[str]:
+  """`count` replies of 1..max_words words, each reply with its own share of colours drawn uniformly
+  in [0, 1]: a random-init policy's replies hold about the vocabulary's share, but the reward model
+  must rank replies of every share the policy will reach as it learns."""
+  texts = []
+  for _ in range(count):
+    length, share = int(rng.integers(1, max_words + 1)), rng.uniform()
+    colour = rng.uniform(size=length) < share
+    texts.append(' '.join(str(rng.choice(COLOURS)) if c else str(rng.choice(OTHERS)) for c in colour))
+  return texts
+
+
+def pair_records(rng: np.random.Generator, count: int, max_words: int, beta: float | None) -> list[dict]:
+  """Preference records in the chat-message form ({prompt, chosen, rejected}, data/preferences.py):
+  the reply preferred drawn by Bradley-Terry from the property gap (`beta`), or, with beta None, the
+  reply of the higher property (ties left out): a held-out set whose accuracy is against the truth."""
+  records = []
+  while len(records) < count:
+    first, second = replies(rng, 2, max_words)
+    shares = colour_share(first), colour_share(second)
+    if beta is None:
+      if shares[0] == shares[1]:
+        continue
+      first_wins = shares[0] > shares[1]
+    else:
+      first_wins = bool(bradley_terry_labels(rng, np.asarray([shares[0]]), np.asarray([shares[1]]), beta)[0])
+    chosen, rejected = (first, second) if first_wins else (second, first)
+    prompt = [{'role': 'user', 'content': str(rng.choice(PROMPTS))}]
+    records.append(dict(prompt=prompt, chosen=[{'role': 'assistant', 'content': chosen}],
+                        rejected=[{'role': 'assistant', 'content': rejected}]))
+  return records
+
+
+def write(out: str, pairs: int = 4096, held_out: int = 512, max_words: int = 8, beta: float = 20.0,
+          seed: int = 0) -> dict:
+  """Writes under `out`: tokenizer/, pairs.jsonl (noisy Bradley-Terry labels), held_out.jsonl (the
+  property's order) and prompts.jsonl (the RL prompts, format prompts); returns their paths."""
+  import json
+  import os
+  rng = np.random.default_rng(seed)
+  os.makedirs(out, exist_ok=True)
+  paths = {name: os.path.join(out, file) for name, file in (('tokenizer', 'tokenizer'), ('pairs', 'pairs.jsonl'),
+                                                            ('held_out', 'held_out.jsonl'), ('prompts', 'prompts.jsonl'))}
+  rows = dict(pairs=pair_records(rng, pairs, max_words, beta), held_out=pair_records(rng, held_out, max_words, None),
+              prompts=[{'prompt': prompt} for prompt in PROMPTS])
+  for name, records in rows.items():
+    with open(paths[name], 'w') as f:
+      f.writelines(json.dumps(record) + '\n' for record in records)
+  build_tokenizer().save_pretrained(paths['tokenizer'])
+  return paths
+
+
+def plot_proxy_and_gold(history: list[dict], path: str, proxy: str = 'reward/reward_model',
+                        gold: str = 'reward/chosen_share') -> str | None:
+  """The proxy / gold picture of an RL run against a learned reward: the reward model's mean score
+  (proxy) against the hidden property's mean (gold) of each step's samples, coloured by step, as a
+  PNG; None without matplotlib or without both in the history."""
+  rows = [row for row in history if row.get(proxy) is not None and row.get(gold) is not None]
+  try:
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return None
+  if not rows:
+    return None
+  figure, axes = plt.subplots(figsize=(6, 4.5))
+  points = axes.scatter([row[gold] for row in rows], [row[proxy] for row in rows], c=[row['step'] for row in rows],
+                        cmap='viridis', s=14)
+  figure.colorbar(points, label='RL step')
+  axes.set_xlabel(f'gold: {gold.removeprefix("reward/")} (the hidden property, mean of the step)')
+  axes.set_ylabel(f'proxy: {proxy.removeprefix("reward/")} (mean score)')
+  axes.set_xlim(0, 1)
+  axes.grid(alpha=0.3)
+  axes.set_title('the reward model\'s score against the hidden property')
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+  plt.close(figure)
+  return path
+
+
+def main(argv=None):
+  import argparse
+  import os
+  import sys
+  parser = argparse.ArgumentParser(prog='python -m grpo_jax.data.synthetic_preferences',
+                                   description='writes the reward-model demo\'s tokenizer, preference pairs and prompts; '
+                                   'with --plot, draws a finished RL run\'s proxy / gold picture')
+  parser.add_argument('--out', help='directory for tokenizer/, pairs.jsonl, held_out.jsonl, prompts.jsonl')
+  parser.add_argument('--pairs', type=int, default=4096)
+  parser.add_argument('--beta', type=float, default=20.0, help='Bradley-Terry sharpness of the training labels')
+  parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--plot', metavar='WORKDIR', help='an RL run\'s workdir: writes WORKDIR/proxy_gold.png')
+  args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+  if args.plot:
+    import json
+    with open(os.path.join(args.plot, 'metrics.jsonl')) as f:
+      history = [json.loads(line) for line in f if line.strip()]
+    written = plot_proxy_and_gold(history, os.path.join(args.plot, 'proxy_gold.png'))
+    first, last = history[0], history[-1]
+    print(f'gold (colour share) {first["reward/chosen_share"]:.3f} at step {first["step"]} -> '
+          f'{last["reward/chosen_share"]:.3f} at step {last["step"]}; proxy {first["reward/reward_model"]:.3f} -> '
+          f'{last["reward/reward_model"]:.3f}' + (f'; wrote {written}' if written else ''))
+    return
+  if not args.out:
+    parser.error('--out (or --plot) is required')
+  paths = write(args.out, pairs=args.pairs, beta=args.beta, seed=args.seed)
+  print(f'wrote {", ".join(paths.values())}')
+
+
+if __name__ == '__main__':
+  main()
