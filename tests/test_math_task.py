@@ -322,7 +322,8 @@ def test_prompts_left_padded_through_the_chat_template(tmp_path):
     np.testing.assert_array_equal(mask[row], [0] * (48 - length) + [1] * length)
     np.testing.assert_array_equal(tokens[row, 48 - length:], expected)
     assert np.all(tokens[row, :48 - length] == task.pad_id)
-    assert prompts.answers[row] == str(index + 1)
+    assert prompts.answers[row].answer == str(index + 1)
+    assert prompts.answers[row].question == f'Q: What is {index} plus one?'
 
 
 @pytest.mark.parametrize('thinking, suffix', [(None, ''), (True, ''), (False, '<think>\n\n</think>\n\n')])
@@ -408,7 +409,7 @@ def test_score_decodes_groups_in_order(tmp_path):
   model_path = chat_tokenizer_dir(tmp_path / 'tok')
   task = make_task(model_path, write_problems(tmp_path / 'p.jsonl', 8))
   prompts = task.prompts(None, 0, 2)
-  first, second = (int(answer) for answer in prompts.answers)
+  first, second = (int(reference.answer) for reference in prompts.answers)
   texts = [f'\\boxed{{{first}}}', f'\\boxed{{{first + 1}}}', f'it is {second}', 'no idea']
   rows = [task.tokenizer(text, add_special_tokens=False)['input_ids'] + [task.eos_id] for text in texts]
   width = max(map(len, rows)) + 2

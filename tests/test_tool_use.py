@@ -274,7 +274,7 @@ def test_without_tools_it_is_the_math_task_as_a_single_turn_agent(tmp_path, seed
       mine, theirs = agent.prompts(None, position, 4), math.prompts(None, position, 4)
       np.testing.assert_array_equal(mine.tokens, theirs.tokens)
       np.testing.assert_array_equal(mine.mask, theirs.mask)
-      assert [problem.data for problem in mine.answers] == theirs.answers
+      assert [problem.data for problem in mine.answers] == [reference.answer for reference in theirs.answers]
     prompts = math.prompts(None, 0, 2)
     rng = np.random.default_rng(seed)
     trajectories = []

@@ -74,9 +74,31 @@ class ProblemFields(TaskSection):
     return self.tokenizer
 
 
+@dataclasses.dataclass(frozen=True)
+class Reference:
+  """What a math task's reward compares a prompt's completions with (its Prompts.answers, one per
+  prompt): the reference answer ('' for a dataset of prompts alone) and the question as the policy
+  was asked it, before the chat template (a judge's {prompt}: data/judge.py)."""
+
+  answer: str
+  question: str
+
+
+def question_text(prompt, template: str) -> str:
+  """A problem's question as the policy was asked it, as text: the text through the task's
+  prompt_template, or of chat messages the last user message's content (the question; a system
+  message is the setting, not the question)."""
+  if isinstance(prompt, str):
+    return _format(template, prompt)
+  users = [message['content'] for message in prompt if message['role'] == 'user']
+  return users[-1] if users else prompt[-1]['content']
+
+
 class ProblemSet:
   """The problems of one or more datasets, ready for the policy: `prompt_ids` (token ids of each
-  rendered prompt, at most `max_prompt_tokens`), `answers` (reference strings), `data_sources`, `texts`,
+  rendered prompt, at most `max_prompt_tokens`), `answers` (reference strings), `questions` (each
+  question before the chat template, question_text; an image problem's as rendered, one image pad
+  per image), `data_sources`, `texts`,
   and `images`: each problem's (patches [n, P], grid (t, h, w)) per image, () for a text problem.
 
   datasets: each a data.sources.DatasetSource (the task's, task.mix's, eval's), `section` their
@@ -92,6 +114,7 @@ class ProblemSet:
     self.tools = tools  # function schemas the chat template lists for the model (tool use), or None
     self.image_inputs = images
     self.prompt_ids, self.answers, self.data_sources, self.texts, self.images = [], [], [], [], []
+    self.questions = []
     for data in datasets:
       self._add(data, section)
     if not self.prompt_ids:
@@ -103,12 +126,14 @@ class ProblemSet:
     if data.format in VISION_FORMATS:
       texts, ids, answers, images, total, skipped = read_image_problems(data, section, self.image_inputs,
                                                                         self._render_with_images, self._tokenized)
+      questions = texts
     else:
       records = load_records(data.source, data.split)
       adapted = adapt(records, data.format, data.source, data.prompt_field, data.answer_field)
       texts = [self.render(problem.prompt, index, section) for index, problem in enumerate(adapted.problems)]
       ids = self._tokenized(texts)
       answers = [(problem.answer, problem.data_source) for problem in adapted.problems]
+      questions = [question_text(problem.prompt, task.prompt_template) for problem in adapted.problems]
       images, total, skipped = [()] * len(texts), len(records), f'{adapted.skipped_no_answer} without an answer'
     keep = [index for index, row in enumerate(ids) if 0 < len(row) <= task.max_prompt_tokens]
     if distributed.is_primary():  # every process reads the same records; one says so
@@ -122,6 +147,7 @@ class ProblemSet:
     self.answers += [answers[index][0] for index in keep]
     self.data_sources += [answers[index][1] for index in keep]
     self.texts += [texts[index] for index in keep]
+    self.questions += [questions[index] for index in keep]
     self.images += [images[index] for index in keep]
 
   def _tokenized(self, texts: list[str]) -> list[list[int]]:
@@ -286,13 +312,14 @@ class MathTask:
 
   def prompts(self, key: jax.Array, position: int, count: int) -> Prompts:
     """Prompts `position` .. `position + count - 1` of the run, left-padded to prompt_length, with
-    their images in the run's bucket when they have some; answers: their reference answers. `key`
-    is unused: the order comes from run.seed and `position`, which checkpoints record."""
+    their images in the run's bucket when they have some; answers: their References (reference
+    answer, question). `key` is unused: the order comes from run.seed and `position`, which
+    checkpoints record."""
     del key
     indices = self.order(position, count)
     tokens, mask = self.problems.left_padded(indices, self.prompt_length, self.pad_id)
     return Prompts(tokens=jnp.asarray(tokens), mask=jnp.asarray(mask),
-                   answers=[self.answers[index] for index in indices],
+                   answers=[Reference(self.answers[index], self.problems.questions[index]) for index in indices],
                    vision=self.problems.vision(indices, tokens, mask))
 
   # ---- rewards ----
@@ -308,11 +335,12 @@ class MathTask:
     """Rewards [P * G] (float32): row p * G + g is completion g of prompt p; each term's values
     in `Scores.terms`; model_scores: the step's reward models' scores of the rows, by term label."""
     completions = self.decode(rollout.tokens, rollout.mask)
-    answers = [answer for answer in prompts.answers for _ in range(group_size)]
-    if len(completions) != len(answers):
+    references = [reference for reference in prompts.answers for _ in range(group_size)]
+    if len(completions) != len(references):
       raise ValueError(f'{len(completions)} completions for {len(prompts.answers)} prompts x {group_size}')
-    composed = self.composer.score(completions, answers, np.asarray(rollout.lengths), np.asarray(rollout.stopped),
-                                   group_size, {label: np.asarray(values) for label, values in model_scores.items()})
+    composed = self.composer.score(completions, [reference.answer for reference in references],
+                                   np.asarray(rollout.lengths), np.asarray(rollout.stopped), group_size,
+                                   {label: np.asarray(values) for label, values in model_scores.items()})
     return Scores(rewards=jnp.asarray(composed.total, jnp.float32), failures=jnp.asarray(composed.failures, jnp.int32),
                   terms={label: jnp.asarray(values, jnp.float32) for label, values in composed.terms.items()})
 
