@@ -53,13 +53,13 @@ def test_templates_and_rules_that_cannot_work_are_refused_in_one_line():
       ('{completion} {', False, 'write a literal brace doubled')]:
     with pytest.raises(UserError, match=error):
       check_template(template, reference)
-  with pytest.raises(UserError, match='parse.low'):
+  with pytest.raises(UserError, match='low must be below high'):
     ParseRule(kind='score', low=5, high=5)
-  with pytest.raises(UserError, match='parse.choices'):
+  with pytest.raises(UserError, match='choices must'):
     ParseRule(kind='choice')
   with pytest.raises(UserError, match='must be distinct words'):
     ParseRule(kind='choice', choices={'Yes': 1, 'yes.': 0})
-  with pytest.raises(UserError, match="parse.kind"):
+  with pytest.raises(UserError, match="kind must be 'score' or 'choice'"):
     ParseRule(kind='vote')
   assert render_judge_prompt('Q: {prompt} A: {completion} R: {reference}', 'two?', '2', '2') == 'Q: two? A: 2 R: 2'
   assert render_judge_prompt('Q: {prompt} A: {completion}', 'two?', '2') == 'Q: two? A: 2'

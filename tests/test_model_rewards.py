@@ -187,3 +187,70 @@ def test_prompts_alone_need_terms_that_read_no_reference(overrides, message):
                                   *overrides])
   config_lib.load_config(None, ['task.name=math', 'task.source=x.jsonl', 'task.format=prompts', 'model.path=m',
                                 'rewards=[{name: reward_model, path: rm}, {name: format}]'])
+
+
+def judge_dir(tmp_path, seed: int, tokenizer: str) -> str:
+  """A random Qwen2 language model (the judge) with the tokenizer at `tokenizer` beside it."""
+  directory = str(tmp_path / 'judge')
+  save_random_hf_checkpoint(directory, seed, vocab_size=64)
+  for file in os.listdir(tokenizer):
+    shutil.copy(os.path.join(tokenizer, file), directory)
+  return directory
+
+
+@pytest.mark.exhaustive  # 8 s: the judge's sampler compiles
+def test_a_judge_term_judges_each_completion_with_its_question(word_files, tmp_path, seed, monkeypatch):
+  """The judge is shown each completion as the policy wrote it, after the question it answers (the
+  reference only when the config shows it), its greedy verdicts are the Judge's (data/judge.py,
+  tested against a full-forward decode in tests/test_judge.py), read by the rule: an unread
+  verdict scores 0 and counts in reward_failures."""
+  from grpo_jax.data.judge import Judge, judge_prompt_ids
+  judge_path = judge_dir(tmp_path, seed, word_files['tokenizer'])
+  calls = []
+  judge_call = Judge.__call__
+
+  def recording(self, rows, key=None):
+    judged = judge_call(self, rows, key)
+    calls.append((self, rows, judged))
+    return judged
+
+  monkeypatch.setattr(Judge, '__call__', recording)
+  template = 'Q : {prompt} A : {completion} R : {reference}'
+  config = config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny_math.yaml'), [
+      f'task.source={word_files["train"]}', f'task.tokenizer={word_files["tokenizer"]}', 'task.reward_workers=1',
+      'rollout.prompts_per_step=2', 'algo.group_size=3', 'rollout.max_new_tokens=4', 'algo.dynamic_sampling=false',
+      'train.progress=false', 'train.tensorboard=false', 'eval.every=0', f'run.seed={seed % 1000}',
+      f'rewards=[{{name: judge, path: "{judge_path}", template: "{template}", show_reference: true, dtype: float32, '
+      'max_new_tokens: 3, max_prompt_tokens: 64, parse: {kind: choice, marker: ".", choices: {How: 1.0, is: 0.5}}}, '
+      f'{{name: "{MODULE}:length_term", weight: {WEIGHTS[1]}}}]'])
+  step = one_step(config, jax.devices()[:1])
+  [(judge, rows, judged)] = calls
+  task = build_task(config)
+  try:
+    completions = task.decode(step['rollout'].tokens, step['rollout'].mask)
+    references = task.prompts(None, 0, 2).answers  # the step's first prompts
+  finally:
+    task.close()
+  assert rows == [(reference.question, completion, reference.answer) for reference, group in
+                  zip(references, (completions[:3], completions[3:])) for completion in group]
+  assert all(len(judge_prompt_ids(judge.tokenizer, template, True, *row)) <= 64 for row in rows)
+  scores = step['scores']
+  np.testing.assert_array_equal(scores.terms['judge'], np.where(judged.parsed, judged.rewards, 0.0))
+  assert int(scores.failures) == judged.unparsed == int((~judged.parsed).sum())
+  lengths = 0.1 * np.asarray(step['rollout'].lengths, np.float32)
+  np.testing.assert_allclose(scores.rewards, scores.terms['judge'] + WEIGHTS[1] * lengths, rtol=0, atol=1e-6)
+
+
+def test_judge_terms_that_cannot_work_are_refused_in_one_line():
+  base = ['task.name=math', 'task.source=x.jsonl', 'model.path=m']
+  for term, message in [
+      ('{name: judge, path: j, template: "Q {prompt}"}', r'rewards\[0\].template has no \{completion\} slot'),
+      ('{name: judge, path: j, template: "{completion} {reference}"}',
+       r'rewards\[0\].template has a \{reference\} slot, but the judge sees the reference answer only with'),
+      ('{name: judge, template: "{completion}"}', r'rewards\[0\].path must name the judge'),
+      ('{name: judge, path: j, template: "{completion}", parse: {kind: vote}}',
+       r"config key 'rewards\[0\].parse.kind' must be one of 'score' \| 'choice', got 'vote'"),
+      ('{name: judge, path: j, template: "{completion}", parse: {kind: score, low: 3, high: 1}}',
+       r'rewards\[0\].parse.low must be below high \(1.0\), got 3.0')]:
+    with pytest.raises(UserError, match=message):
+      config_lib.load_config(None, [*base, f'rewards=[{term}]'])

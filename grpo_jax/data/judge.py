@@ -53,13 +53,13 @@ class ParseRule:
   choices: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
-    require(self.kind in ('score', 'choice'), 'parse.kind', f"must be 'score' or 'choice', got {self.kind!r}")
+    require(self.kind in ('score', 'choice'), 'kind', f"must be 'score' or 'choice', got {self.kind!r}")
     if self.kind == 'score':
-      require(self.low < self.high, 'parse.low', f'must be below parse.high ({self.high}), got {self.low}')
+      require(self.low < self.high, 'low', f'must be below high ({self.high}), got {self.low}')
     else:
-      require(bool(self.choices), 'parse.choices', 'must name at least one word and its reward, e.g. {correct: 1}')
+      require(bool(self.choices), 'choices', 'must name at least one word and its reward, e.g. {correct: 1}')
       words = [_word(word) for word in self.choices]
-      require(all(words) and len(set(words)) == len(words), 'parse.choices',
+      require(all(words) and len(set(words)) == len(words), 'choices',
               f'must be distinct words (compared without case and trailing punctuation), got {list(self.choices)}')
 
   @property
@@ -111,38 +111,71 @@ def render_judge_prompt(template: str, prompt: str, completion: str, reference: 
 @dataclasses.dataclass(frozen=True)
 class Judged:
   """A step's verdicts: rewards [B] (0 where unparseable), the verdict texts, and how many were
-  unparseable."""
+  unparseable (too long a judge prompt included)."""
 
   rewards: np.ndarray
   verdicts: list[str]
   unparsed: int
+  parsed: np.ndarray  # [B] bool, whether the verdict was read (a reward of 0 may be a verdict's)
+
+
+class Judge:
+  """A judge model with its rules, built once for a run: its sampler compiled once for B rows of
+  `max_prompt_tokens` (the judge's prompts left-padded to it), so every step reuses the program.
+  `judge(rows, key)` judges (prompt, completion, reference) rows: the template rendered (the
+  reference dropped unless `show_reference`) as one user message through the judge's own chat
+  template, the verdict sampled by the project's group sampler (greedy unless `sampling` says
+  otherwise), decoded up to its stop token and read by `rule`. An unparseable verdict scores 0
+  and is counted; so is a row whose judge prompt is longer than `max_prompt_tokens` (it is not
+  judged: a cut prompt would be another question or another answer)."""
+
+  def __init__(self, model, tokenizer, template: str, rule: ParseRule, *, max_new_tokens: int,
+               max_prompt_tokens: int, stop_token_ids: tuple[int, ...], pad_id: int, sampling=None,
+               show_reference: bool = False):
+    check_template(template, show_reference)
+    require(max_prompt_tokens >= 1, 'max_prompt_tokens', f'must be >= 1, got {max_prompt_tokens}')
+    self.model, self.tokenizer, self.template, self.rule = model, tokenizer, template, rule
+    self.width, self.show_reference, self.pad_id = max_prompt_tokens, show_reference, pad_id
+    self.stop_token_ids = tuple(stop_token_ids)
+    settings = DecodeSettings(sampling=sampling or SamplingConfig(greedy=True), max_new_tokens=max_new_tokens,
+                              stop_token_ids=self.stop_token_ids, pad_id=pad_id)
+    self.sampler = GroupSampler(model, group_size=1, settings=settings)
+
+  def __call__(self, rows: list[tuple[str, str, str | None]], key=None) -> Judged:
+    ids = [judge_prompt_ids(self.tokenizer, self.template, self.show_reference, *row) for row in rows]
+    fits = np.asarray([len(row) <= self.width for row in ids])
+    tokens = np.full((len(rows), self.width), self.pad_id, np.int32)
+    mask = np.zeros((len(rows), self.width), np.int32)
+    for index, row in enumerate(ids):
+      row = row if fits[index] else row[-1:]  # a placeholder: the row's verdict is not read
+      tokens[index, self.width - len(row):], mask[index, self.width - len(row):] = row, 1
+    rollout = jax.device_get(self.sampler(nnx.state(self.model), jnp.asarray(tokens), jnp.asarray(mask),
+                                          key if key is not None else jax.random.key(0)))
+    verdicts = []
+    for row, length in enumerate(np.asarray(rollout.lengths)):
+      answer = [int(t) for t in np.asarray(rollout.tokens)[row, :int(length)] if int(t) not in self.stop_token_ids]
+      verdicts.append(self.tokenizer.decode(answer, skip_special_tokens=True) if fits[row] else '')
+    values = [self.rule(verdict) if fit else None for verdict, fit in zip(verdicts, fits)]
+    parsed = np.asarray([value is not None for value in values])
+    rewards = np.asarray([value if value is not None else 0.0 for value in values], np.float32)
+    return Judged(rewards=rewards, verdicts=verdicts, unparsed=int((~parsed).sum()), parsed=parsed)
+
+
+def judge_prompt_ids(tokenizer, template: str, show_reference: bool, prompt: str, completion: str,
+                     reference: str | None) -> list[int]:
+  """The token ids of one row's judge prompt: the template rendered (the reference only when shown)
+  as one user message through the judge's chat template, with the generation prompt."""
+  message = render_judge_prompt(template, prompt, completion, reference if show_reference else None)
+  return list(tokenizer.apply_chat_template([{'role': 'user', 'content': message}], tokenize=True,
+                                            add_generation_prompt=True, return_dict=False))
 
 
 def judge(model, tokenizer, rows: list[tuple[str, str, str | None]], template: str, rule: ParseRule, *,
           max_new_tokens: int, stop_token_ids: tuple[int, ...], pad_id: int, sampling=None, key=None,
           show_reference: bool = False) -> Judged:
-  """Each (prompt, completion, reference) row judged by `model` (any model grpo_jax samples from,
-  on its mesh or one device): the template rendered (references dropped unless `show_reference`)
-  as one user message through the judge's own chat template, the verdict sampled by the project's
-  group sampler (greedy unless `sampling` says otherwise), decoded up to its stop token and read by
-  `rule`. An unparseable verdict scores 0 and is counted."""
+  """The rows judged once by a Judge whose prompts are as wide as the longest row's (a run keeps
+  its Judge, and its width: see Judge)."""
   check_template(template, show_reference)
-  ids = [list(tokenizer.apply_chat_template(
-      [{'role': 'user', 'content': render_judge_prompt(template, prompt, completion,
-                                                       reference if show_reference else None)}],
-      tokenize=True, add_generation_prompt=True, return_dict=False)) for prompt, completion, reference in rows]
-  width = max(map(len, ids))
-  tokens = np.asarray([[pad_id] * (width - len(row)) + row for row in ids], np.int32)
-  mask = np.asarray([[0] * (width - len(row)) + [1] * len(row) for row in ids], np.int32)
-  settings = DecodeSettings(sampling=sampling or SamplingConfig(greedy=True), max_new_tokens=max_new_tokens,
-                            stop_token_ids=tuple(stop_token_ids), pad_id=pad_id)
-  sampler = GroupSampler(model, group_size=1, settings=settings)
-  rollout = jax.device_get(sampler(nnx.state(model), jnp.asarray(tokens), jnp.asarray(mask),
-                                   key if key is not None else jax.random.key(0)))
-  verdicts = []
-  for row, length in enumerate(np.asarray(rollout.lengths)):
-    answer = [int(t) for t in np.asarray(rollout.tokens)[row, :int(length)] if int(t) not in stop_token_ids]
-    verdicts.append(tokenizer.decode(answer, skip_special_tokens=True))
-  parsed = [rule(verdict) for verdict in verdicts]
-  rewards = np.asarray([0.0 if value is None else value for value in parsed], np.float32)
-  return Judged(rewards=rewards, verdicts=verdicts, unparsed=sum(value is None for value in parsed))
+  width = max(len(judge_prompt_ids(tokenizer, template, show_reference, *row)) for row in rows)
+  return Judge(model, tokenizer, template, rule, max_new_tokens=max_new_tokens, max_prompt_tokens=width,
+               stop_token_ids=stop_token_ids, pad_id=pad_id, sampling=sampling, show_reference=show_reference)(rows, key)

@@ -47,6 +47,7 @@ from typing import Callable, Literal, get_args
 import jax
 import numpy as np
 
+from grpo_jax.data.judge import ParseRule, check_template
 from grpo_jax.data.rewards import RewardPool, final_text, last_boxed
 from grpo_jax.errors import UserError, require
 
@@ -86,7 +87,7 @@ class RewardTerm(abc.ABC):
   """One term of the reward, a tagged union: `name` picks the kind (`variant`), whose own subclass
   holds its fields and checks them; config.py builds the subclass that `name` picks."""
 
-  name: str = 'math'  # math | format | overlong | reward_model | <module>:<function>
+  name: str = 'math'  # math | format | overlong | reward_model | judge | <module>:<function>
   weight: float = 1.0  # multiplies the term in the sum
   normalize: Normalize = 'none'  # none | group: within each prompt's G completions | running: over the run so far
   clip: tuple[float, float] | None = None  # [low, high] the term is clipped to, after normalize; None: unclipped
@@ -305,9 +306,50 @@ class RewardModelTerm(RewardTerm):
     return score
 
 
+@dataclasses.dataclass(frozen=True)
+class JudgeTerm(RewardTerm):
+  """A generative judge's verdict on each completion (data/judge.py): a language model shown the
+  `template` (slots {prompt}: the question as the policy was asked it, before the chat template;
+  {completion}, required; {reference}, only with `show_reference`) as one user message through its
+  own chat template, its verdict decoded greedily by the project's sampler in the trainer's mesh
+  (the judge's weights resident there in `dtype`) and read by `parse` into [0, 1] (a score's range
+  scaled, or a choice's value). It runs in the step's model-scoring stage (rl/model_scores.py),
+  before the host terms; an unparseable verdict, or a judge prompt longer than
+  `max_prompt_tokens`, scores 0 and counts in reward_failures. The judge never sees the reference
+  answer unless `show_reference` is true. One process only."""
+
+  name: Literal['judge'] = 'judge'
+  path: str = ''  # the judge: a language model directory (Hugging Face or grpo_jax) with its tokenizer and chat template
+  template: str = ''  # the judge's user message, with {completion} and optionally {prompt} and {reference}
+  parse: ParseRule = ParseRule()  # how a verdict becomes a reward: kind score (low..high) or choice
+  show_reference: bool = False  # whether the judge may see the reference answer ({reference})
+  max_new_tokens: int = 64  # the verdict's budget in the judge's tokens
+  max_prompt_tokens: int = 1024  # the judge's prompts are padded to this; a longer one is not judged (0, counted)
+  dtype: str = 'bfloat16'  # the dtype the judge's weights are held and computed in
+
+  def __post_init__(self):
+    super().__post_init__()
+    require(bool(self.path), 'path', 'must name the judge (a language model directory with its tokenizer)')
+    check_template(self.template, self.show_reference)
+    require(self.max_new_tokens >= 1, 'max_new_tokens', f'must be >= 1, got {self.max_new_tokens}')
+    require(self.max_prompt_tokens >= 1, 'max_prompt_tokens', f'must be >= 1, got {self.max_prompt_tokens}')
+    require(self.dtype in ('float32', 'bfloat16'), 'dtype', f"must be 'float32' or 'bfloat16', got {self.dtype!r}")
+
+  def scorer(self, composer: 'RewardComposer') -> Scorer:
+    del composer
+
+    def score(completions: Completions) -> tuple[np.ndarray, int]:
+      if self.label not in completions.model_scores:
+        raise UserError(f'reward term {self.name!r}: the step gave no verdicts of the judge {self.path}')
+      values = np.asarray(completions.model_scores[self.label], np.float32)
+      read = np.isfinite(values)  # NaN: no verdict could be read
+      return np.where(read, values, 0.0).astype(np.float32), int((~read).sum())
+    return score
+
+
 # The built-in terms by name; any other name of the form module:function is a CustomTerm.
 TERMS: dict[str, type[RewardTerm]] = {'math': MathTerm, 'format': FormatTerm, 'overlong': OverlongTerm,
-                                      'reward_model': RewardModelTerm}
+                                      'reward_model': RewardModelTerm, 'judge': JudgeTerm}
 
 
 # ---- normalisation ----

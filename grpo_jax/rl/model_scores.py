@@ -1,22 +1,26 @@
-"""The step's model scores: the program that scores an RL step's completions with the models the run
-holds beside the policy (reward models), in the trainer's mesh, between the rollout and the host
-stage of the task's reward.
+"""The step's model scores: what the models the run holds beside the policy (reward models, a
+generative judge) make of an RL round's completions, in the trainer's mesh, between the rollout and
+the host stage of the task's reward.
 
-    prompts [P, Tp] + rollout [P*G, N] --(ModelScores, one jit per model)--> {label: [P*G] fp32}
+    prompts [P, Tp] + rollout [P*G, N] --(ModelScores: each model's program)--> {label: [P*G] fp32}
                                         --> the task's reward (the host terms and their sum)
 
-A reward term of kind `reward_model` (data/reward_terms.py RewardModelTerm) names the model; the
-run loads it once (`ModelScores.load`), its weights resident on the trainer's devices in the term's
+A reward term of kind `reward_model` or `judge` (data/reward_terms.py) names its model; the run
+loads it once (`ModelScores.load`), its weights resident on the trainer's devices in the term's
 dtype and laid out by the model's logical-axis table like the policy's (sharding.py: FSDP over
-`fsdp`, tensor-parallel over `tensor`), and the step calls `scores(prompt_tokens, prompt_mask,
-rollout)` every round: one forward over the round's rows, laid out along the mesh's batch axes
-(rl/reward_model.py score_completions). The host term then reads the values by its label and
-shapes them like any other term's. A run without model terms has no models (`ModelScores.none()`):
-the stage gives {} and compiles nothing.
+`fsdp`, tensor-parallel over `tensor`), and the step calls `scores(prompts, rollout)` every round.
+The host term then reads the values by its label and shapes them like any other term's. A run
+without model terms has no models (`ModelScores.none()`): the stage gives {} and compiles nothing.
 
-The reward model reads the policy's tokens as they are, so its tokenizer must be the policy's: the
-same ids for the same strings, checked when the run is built (`tokenizer_difference`), one line
-naming the first id that differs.
+  RewardModelScoring  one jitted forward over the round's rows, laid out along the mesh's batch
+                      axes (rl/reward_model.py score_completions). It reads the policy's tokens as
+                      they are, so its tokenizer must be the policy's: the same ids for the same
+                      strings, checked when the run is built (`tokenizer_difference`).
+  JudgeScoring        the completions decoded on the host, each rendered with its question (and
+                      reference, when shown) through the judge's template and chat template, the
+                      verdicts decoded greedily by the group sampler on the judge's resident
+                      weights (data/judge.py Judge, compiled once), read by the parse rule; NaN
+                      where no verdict could be read (the term scores it 0 and counts it).
 """
 
 import dataclasses
@@ -24,13 +28,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from grpo_jax.data.judge import Judge
+from grpo_jax.data.reward_terms import JudgeTerm, RewardModelTerm
+from grpo_jax.data.task import Prompts
 from grpo_jax.errors import UserError
-from grpo_jax.model.loading import load_reward_model
+from grpo_jax.model.loading import from_pretrained, load_reward_model, load_tokenizer
 from grpo_jax.model.qwen2 import ModelOptions
 from grpo_jax.rl.reward_model import check_reward_model_length, score_completions
 from grpo_jax.sampler.rollout import Rollout
+from grpo_jax.sampler.special_tokens import checkpoint_eos_ids, special_tokens
 
 
 def tokenizer_difference(first, second) -> str | None:
@@ -46,23 +55,93 @@ def tokenizer_difference(first, second) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class ScoringModel:
-  """One model the step scores with: the label of the term it serves, where it was read from, its
-  graph and its parameters (arrays resident on the trainer's mesh, or the plan's abstract ones)."""
+class RewardModelScoring:
+  """A reward model's scores of a round's rows: its graph, its resident parameters, and its
+  program (jitted once, or traced inside the caller's jit)."""
 
   label: str
   path: str
   graphdef: Any
   params: Any
+  host: bool = True
+
+  @classmethod
+  def load(cls, term: RewardModelTerm, mesh: jax.sharding.Mesh, policy_tokenizer, row_length: int):
+    """The term's reward model over `mesh`, checked against the policy's tokenizer and the step's
+    rows of `row_length` tokens (the prompt width + rollout.max_new_tokens)."""
+    options = ModelOptions(dtype=term.dtype, param_dtype=term.dtype)
+    model, tokenizer = load_reward_model(term.path, mesh=mesh, options=options)
+    difference = tokenizer_difference(tokenizer, policy_tokenizer)
+    if difference is not None:
+      raise UserError(f'reward term {term.name!r}: the reward model {term.path} has another tokenizer than the '
+                      f"policy ({difference}); scoring through the reward model's own tokenizer and chat template "
+                      "is not built: use a reward model trained on the policy's tokenizer")
+    check_reward_model_length(model.config, row_length, 0, term.path)
+    graphdef, params = nnx.split(model)
+    return cls(term.label, term.path, graphdef, params)
+
+  def traced(self) -> 'RewardModelScoring':
+    return dataclasses.replace(self, host=False)
+
+  def __call__(self, prompts: Prompts, rollout: Rollout) -> jax.Array:
+    program = _REWARD_MODEL_PROGRAM if self.host else _reward_model_scores
+    return program(self.graphdef, self.params, prompts.tokens, prompts.mask, rollout.tokens, rollout.mask)
+
+
+def _reward_model_scores(graphdef, params, prompt_tokens, prompt_mask, completions, completion_mask) -> jax.Array:
+  return score_completions(nnx.merge(graphdef, params), prompt_tokens, prompt_mask, completions,
+                           completion_mask).astype(jnp.float32)
+
+
+_REWARD_MODEL_PROGRAM = jax.jit(_reward_model_scores, static_argnums=0)
+
+
+class JudgeScoring:
+  """A generative judge's verdicts on a round's completions (module docstring): the task's
+  `decode` turns completion rows into text, and each prompt's reference (Prompts.answers, a math
+  task's References) gives the question and the reference answer."""
+
+  def __init__(self, term: JudgeTerm, mesh: jax.sharding.Mesh, decode):
+    if jax.process_count() > 1:
+      raise UserError(f"reward term 'judge': a judge reads every completion on one host; this run has "
+                      f'{jax.process_count()} processes')
+    tokenizer = load_tokenizer(term.path)
+    if tokenizer is None:
+      raise UserError(f'reward term {term.name!r}: the judge {term.path} has no tokenizer (tokenizer.json or '
+                      'vocab.json): it reads its template through its own tokenizer and chat template')
+    if not getattr(tokenizer, 'chat_template', None):
+      raise UserError(f'reward term {term.name!r}: the judge {term.path} has no chat template; a judge reads its '
+                      'template as a user message')
+    model = from_pretrained(term.path, mesh=mesh, options=ModelOptions(dtype=term.dtype, param_dtype=term.dtype))
+    if model.config.num_labels:
+      raise UserError(f'reward term {term.name!r}: {term.path} is a reward model (a sequence classifier); a judge '
+                      'is a language model that writes its verdict (use name: reward_model for it)')
+    special = special_tokens(tokenizer, checkpoint_eos_ids(term.path))
+    self.label, self.path, self.decode = term.label, term.path, decode
+    self.judge = Judge(model, tokenizer, term.template, term.parse, max_new_tokens=term.max_new_tokens,
+                       max_prompt_tokens=term.max_prompt_tokens, stop_token_ids=special.stop_ids,
+                       pad_id=special.pad_id, show_reference=term.show_reference)
+
+  def traced(self) -> 'JudgeScoring':
+    """Itself: the judge reads text on the host, and a run with one is never traced (its task, a
+    dataset task, scores on the host: train.steps_per_call is 1)."""
+    return self
+
+  def __call__(self, prompts: Prompts, rollout: Rollout) -> jax.Array:
+    completions = self.decode(*jax.device_get((rollout.tokens, rollout.mask)))
+    group = len(completions) // len(prompts.answers)
+    rows = [(reference.question, completion, reference.answer or None)
+            for reference, start in zip(prompts.answers, range(0, len(completions), group))
+            for completion in completions[start:start + group]]
+    judged = self.judge(rows)
+    return jnp.asarray(np.where(judged.parsed, judged.rewards, np.nan), jnp.float32)
 
 
 class ModelScores:
-  """The stage (prompt_tokens [P, Tp], prompt_mask [P, Tp], rollout) -> {label: [P*G] fp32} of a
-  run's models, each model's program jitted once (`host`), or traced inside the caller's jit."""
+  """The stage (prompts, rollout) -> {label: [P*G] fp32} of a run's scoring models."""
 
-  def __init__(self, models: tuple[ScoringModel, ...], host: bool = True):
-    self.models = models
-    self.programs = {model.label: (jax.jit(_scores, static_argnums=0) if host else _scores) for model in models}
+  def __init__(self, scorings: tuple = ()):
+    self.scorings = scorings
 
   @classmethod
   def none(cls) -> 'ModelScores':
@@ -70,34 +149,21 @@ class ModelScores:
     return cls(())
 
   @classmethod
-  def load(cls, terms, mesh: jax.sharding.Mesh, tokenizer, row_length: int) -> 'ModelScores':
-    """The models of the run's model terms (RewardModelTerms), loaded over `mesh` and checked
-    against the policy's `tokenizer` and the step's rows of `row_length` tokens (prompt width +
+  def load(cls, terms, mesh: jax.sharding.Mesh, task, row_length: int) -> 'ModelScores':
+    """The models of the run's model terms, loaded over `mesh`; `task` is the run's dataset task
+    (its tokenizer and its decode of completion rows), `row_length` its rows' (prompt width +
     rollout.max_new_tokens)."""
-    models = []
+    scorings = []
     for term in terms:
-      options = ModelOptions(dtype=term.dtype, param_dtype=term.dtype)
-      model, own_tokenizer = load_reward_model(term.path, mesh=mesh, options=options)
-      difference = tokenizer_difference(own_tokenizer, tokenizer)
-      if difference is not None:
-        raise UserError(f'reward term {term.name!r}: the reward model {term.path} has another tokenizer than the '
-                        f"policy ({difference}); scoring through the reward model's own tokenizer and chat template "
-                        'is not built: use a reward model trained on the policy\'s tokenizer')
-      check_reward_model_length(model.config, row_length, 0, term.path)
-      graphdef, params = nnx.split(model)
-      models.append(ScoringModel(term.label, term.path, graphdef, params))
-    return cls(tuple(models))
+      if isinstance(term, JudgeTerm):
+        scorings.append(JudgeScoring(term, mesh, task.decode))
+      else:
+        scorings.append(RewardModelScoring.load(term, mesh, task.tokenizer, row_length))
+    return cls(tuple(scorings))
 
   def traced(self) -> 'ModelScores':
     """The same models, their programs traced inside the caller's jit (the K-steps loop)."""
-    return ModelScores(self.models, host=False)
+    return ModelScores(tuple(scoring.traced() for scoring in self.scorings))
 
-  def __call__(self, prompt_tokens: jax.Array, prompt_mask: jax.Array, rollout: Rollout) -> dict:
-    return {model.label: self.programs[model.label](model.graphdef, model.params, prompt_tokens, prompt_mask,
-                                                    rollout.tokens, rollout.mask)
-            for model in self.models}
-
-
-def _scores(graphdef, params, prompt_tokens, prompt_mask, completions, completion_mask) -> jax.Array:
-  return score_completions(nnx.merge(graphdef, params), prompt_tokens, prompt_mask, completions,
-                           completion_mask).astype(jnp.float32)
+  def __call__(self, prompts: Prompts, rollout: Rollout) -> dict:
+    return {scoring.label: scoring(prompts, rollout) for scoring in self.scorings}

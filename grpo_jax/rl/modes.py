@@ -99,7 +99,7 @@ class Sampling:
     reward = self.task_stage(self.task.reward, host)
 
     def score(rollout: Rollout, prompts: Prompts, group_size: int) -> Scores:
-      return reward(rollout, prompts, group_size, models(prompts.tokens, prompts.mask, rollout))
+      return reward(rollout, prompts, group_size, models(prompts, rollout))
     return score
 
 
