@@ -4,6 +4,7 @@ with the run's other terms on the host, equal to transformers scoring each conve
 model with another tokenizer, or one that reads fewer tokens than the step's rows, refused in one
 line when the run is built."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -153,21 +154,91 @@ def _swapped_tokenizer(source: str, destination: str) -> tuple[str, str]:
   return first, second
 
 
-def test_a_reward_model_with_another_tokenizer_or_too_short_a_reach_is_refused(word_files, tmp_path, seed):
+def rendered_scores(model, tokenizer, policy_tokenizer, references, rollout, group_size: int):
+  """transformers' score of each conversation as the reward model's card reads it: the prompt's
+  messages, then the completion's text as the assistant's reply, through the reward model's own
+  chat template and tokenizer; and each conversation's length in its tokens."""
+  import torch
+  scores, lengths = [], []
+  for row in range(rollout.tokens.shape[0]):
+    ids = rollout.tokens[row][np.asarray(rollout.mask[row], bool) & (rollout.tokens[row] < len(policy_tokenizer))]
+    text = policy_tokenizer.decode(ids, skip_special_tokens=True)
+    messages = [*references[row // group_size].messages, {'role': 'assistant', 'content': text}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False, return_dict=False)
+    with torch.no_grad():
+      scores.append(float(model(torch.tensor([list(rendered)])).logits[0, 0]))
+    lengths.append(len(rendered))
+  return np.asarray(scores, np.float32), np.asarray(lengths)
+
+
+def test_a_reward_model_of_another_tokenizer_reads_the_conversation_through_its_own(word_files, tmp_path, seed):
+  """Its tokenizer maps two words to each other's ids: each completion is decoded, its conversation
+  rendered through the reward model's template and tokenizer and scored as transformers scores it;
+  a conversation longer than max_length is not scored (0, counted in reward_failures)."""
+  from transformers import AutoTokenizer
+  from grpo_jax.build import build_model_scores
+  from grpo_jax.data.task import Prompts
   swapped = str(tmp_path / 'swapped')
-  first, second = _swapped_tokenizer(word_files['tokenizer'], swapped)
-  rm_dir, _ = reward_model_dir(tmp_path, seed, swapped)
-  config = run_config(word_files, rm_dir)
+  _swapped_tokenizer(word_files['tokenizer'], swapped)
+  rm_dir, reference = reward_model_dir(tmp_path, seed, swapped)
+  config = run_config(word_files, rm_dir, f'run.seed={seed % 1000}')
+  step = one_step(config, jax.devices()[:1])
+  task = build_task(config)
+  try:
+    references = task.prompts(None, 0, config.rollout.prompts_per_step).answers  # the step's prompts
+    rm_tokenizer, group = AutoTokenizer.from_pretrained(rm_dir), config.algo.group_size
+    want, lengths = rendered_scores(reference, rm_tokenizer, task.tokenizer, references, step['rollout'], group)
+    np.testing.assert_allclose(step['scores'].terms['reward_model'], want, rtol=0, atol=1e-4)
+    assert int(step['scores'].failures) == 0
+    # The policy's tokens read as they are would give other scores.
+    as_sampled = transformers_scores(reference, step['prompt_tokens'], step['prompt_mask'], step['rollout'], group)
+    assert np.abs(as_sampled - want).max() > 1e-2
+    limit = int(np.median(lengths))
+    assert (lengths > limit).any() and (lengths <= limit).any()
+    shorter = run_config(word_files, rm_dir, f'run.seed={seed % 1000}', 'rewards=[{name: reward_model, path: '
+                         f'"{rm_dir}", dtype: float32, max_length: {limit}}}]')
+    mesh = make_mesh(shorter.mesh, devices=jax.devices()[:1])
+    scoring = build_model_scores(shorter, mesh, task)
+    prompts = Prompts(tokens=step['prompt_tokens'], mask=step['prompt_mask'], answers=references)
+    with jax.set_mesh(mesh):
+      got = np.asarray(scoring(prompts, step['rollout'])['reward_model'])
+    np.testing.assert_allclose(got[lengths <= limit], want[lengths <= limit], rtol=0, atol=1e-4)
+    assert np.isnan(got[lengths > limit]).all()
+    values, failed = shorter.rewards[0].scorer(None)(dataclasses.replace(
+        _completions(len(got)), model_scores={'reward_model': got}))
+    assert failed == int((lengths > limit).sum()) and (values[lengths > limit] == 0).all()
+  finally:
+    task.close()
+
+
+def _completions(rows: int):
+  from grpo_jax.data.reward_terms import Completions
+  return Completions(texts=[''] * rows, references=[''] * rows, lengths=np.ones(rows), stopped=np.ones(rows, bool))
+
+
+def test_reward_models_that_cannot_read_the_step_are_refused(word_files, tmp_path, seed):
+  config = run_config(word_files, 'unused')
   mesh = make_mesh(config.mesh, devices=jax.devices()[:1])
   model = config.model.build(mesh, 0)
   task = build_task(config)
   try:
-    with pytest.raises(UserError, match=rf"the reward model {rm_dir} has another tokenizer than the policy \(id 10 is "
-                                        rf"'{second}' in one and '{first}' in the other\)"):
-      build_rl_step(config, model, mesh, task)
     short, _ = reward_model_dir(tmp_path, seed, word_files['tokenizer'], name='short', max_position_embeddings=24)
     with pytest.raises(UserError, match=rf'the reward model {short} reads at most 24 tokens .* makes rows of 32'):
       build_rl_step(run_config(word_files, short), model, mesh, task)
+    bare = str(tmp_path / 'bare')
+    _swapped_tokenizer(word_files['tokenizer'], bare)
+    with open(os.path.join(bare, 'tokenizer_config.json')) as f:
+      settings = json.load(f)
+    settings.pop('chat_template', None)
+    with open(os.path.join(bare, 'tokenizer_config.json'), 'w') as f:
+      json.dump(settings, f)
+    for name in ('chat_template.jinja',):
+      if os.path.exists(os.path.join(bare, name)):
+        os.remove(os.path.join(bare, name))
+    untemplated, _ = reward_model_dir(tmp_path, seed, bare, name='untemplated')
+    with pytest.raises(UserError, match=rf'the reward model {untemplated} has another tokenizer or chat template than '
+                                        'the policy and no chat template of its own'):
+      build_rl_step(run_config(word_files, untemplated), model, mesh, task)
   finally:
     task.close()
   with pytest.raises(UserError, match=r'rewards\[0\].path must name the reward model'):

@@ -77,28 +77,36 @@ class ProblemFields(TaskSection):
 @dataclasses.dataclass(frozen=True)
 class Reference:
   """What a math task's reward compares a prompt's completions with (its Prompts.answers, one per
-  prompt): the reference answer ('' for a dataset of prompts alone) and the question as the policy
-  was asked it, before the chat template (a judge's {prompt}: data/judge.py)."""
+  prompt): the reference answer ('' for a dataset of prompts alone), the question as the policy was
+  asked it, before the chat template (a judge's {prompt}: data/judge.py), and the conversation the
+  policy's chat template rendered (chat messages: a reward model of another tokenizer renders it
+  through its own template, rl/model_scores.py)."""
 
   answer: str
   question: str
+  messages: tuple[dict, ...] = ()
 
 
-def question_text(prompt, template: str) -> str:
-  """A problem's question as the policy was asked it, as text: the text through the task's
-  prompt_template, or of chat messages the last user message's content (the question; a system
-  message is the setting, not the question)."""
+def question_text(messages: tuple[dict, ...]) -> str:
+  """A problem's question as the policy was asked it, as text: of its chat messages the last user
+  message's content (the question; a system message is the setting, not the question)."""
+  users = [message['content'] for message in messages if message['role'] == 'user']
+  return users[-1] if users else messages[-1]['content']
+
+
+def conversation(task: 'ProblemFields', prompt) -> tuple[dict, ...]:
+  """The chat messages of a problem's prompt: the question through the task's prompt_template as
+  one user message, or the dataset's own messages."""
   if isinstance(prompt, str):
-    return _format(template, prompt)
-  users = [message['content'] for message in prompt if message['role'] == 'user']
-  return users[-1] if users else prompt[-1]['content']
+    return ({'role': 'user', 'content': _format(task.prompt_template, prompt)},)
+  return tuple(dict(message) for message in prompt)
 
 
 class ProblemSet:
   """The problems of one or more datasets, ready for the policy: `prompt_ids` (token ids of each
-  rendered prompt, at most `max_prompt_tokens`), `answers` (reference strings), `questions` (each
-  question before the chat template, question_text; an image problem's as rendered, one image pad
-  per image), `data_sources`, `texts`,
+  rendered prompt, at most `max_prompt_tokens`), `answers` (reference strings), `conversations` (each
+  prompt's chat messages before the chat template, `conversation`; an image problem's text as
+  rendered, one image pad per image, as one user message), `data_sources`, `texts`,
   and `images`: each problem's (patches [n, P], grid (t, h, w)) per image, () for a text problem.
 
   datasets: each a data.sources.DatasetSource (the task's, task.mix's, eval's), `section` their
@@ -114,7 +122,7 @@ class ProblemSet:
     self.tools = tools  # function schemas the chat template lists for the model (tool use), or None
     self.image_inputs = images
     self.prompt_ids, self.answers, self.data_sources, self.texts, self.images = [], [], [], [], []
-    self.questions = []
+    self.conversations = []
     for data in datasets:
       self._add(data, section)
     if not self.prompt_ids:
@@ -126,14 +134,14 @@ class ProblemSet:
     if data.format in VISION_FORMATS:
       texts, ids, answers, images, total, skipped = read_image_problems(data, section, self.image_inputs,
                                                                         self._render_with_images, self._tokenized)
-      questions = texts
+      conversations = [({'role': 'user', 'content': text},) for text in texts]
     else:
       records = load_records(data.source, data.split)
       adapted = adapt(records, data.format, data.source, data.prompt_field, data.answer_field)
       texts = [self.render(problem.prompt, index, section) for index, problem in enumerate(adapted.problems)]
       ids = self._tokenized(texts)
       answers = [(problem.answer, problem.data_source) for problem in adapted.problems]
-      questions = [question_text(problem.prompt, task.prompt_template) for problem in adapted.problems]
+      conversations = [conversation(task, problem.prompt) for problem in adapted.problems]
       images, total, skipped = [()] * len(texts), len(records), f'{adapted.skipped_no_answer} without an answer'
     keep = [index for index, row in enumerate(ids) if 0 < len(row) <= task.max_prompt_tokens]
     if distributed.is_primary():  # every process reads the same records; one says so
@@ -147,7 +155,7 @@ class ProblemSet:
     self.answers += [answers[index][0] for index in keep]
     self.data_sources += [answers[index][1] for index in keep]
     self.texts += [texts[index] for index in keep]
-    self.questions += [questions[index] for index in keep]
+    self.conversations += [conversations[index] for index in keep]
     self.images += [images[index] for index in keep]
 
   def _tokenized(self, texts: list[str]) -> list[list[int]]:
@@ -319,8 +327,13 @@ class MathTask:
     indices = self.order(position, count)
     tokens, mask = self.problems.left_padded(indices, self.prompt_length, self.pad_id)
     return Prompts(tokens=jnp.asarray(tokens), mask=jnp.asarray(mask),
-                   answers=[Reference(self.answers[index], self.problems.questions[index]) for index in indices],
+                   answers=[self.reference(index) for index in indices],
                    vision=self.problems.vision(indices, tokens, mask))
+
+  def reference(self, index: int) -> Reference:
+    """Problem `index`'s Reference: its answer, its question and its conversation."""
+    messages = self.problems.conversations[index]
+    return Reference(self.answers[index], question_text(messages), messages)
 
   # ---- rewards ----
 

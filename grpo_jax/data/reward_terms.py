@@ -281,20 +281,27 @@ class RewardModelTerm(RewardTerm):
   so `normalize: group` or `running` is the usual choice beside rule terms of 0/1). The raw score is
   logged as reward/reward_model.
 
-  Its tokenizer must be the policy's (the same ids for the same strings): the reward model then reads
-  the policy's tokens as they are, prompt as rendered by the task, completion as sampled. A reward
-  model with another tokenizer is refused when the run is built (re-rendering the conversation
-  through its own chat template is not built). Rows (prompt + completion) longer than the reward
-  model reads are refused at start, not cut (rl/reward_model.py)."""
+  The conversation is read as the reward model's card says, through its own chat template. When
+  its tokenizer and chat template are the policy's, it reads the policy's tokens as they are (the
+  prompt as the task rendered it, the completion as sampled; rows longer than it reads are refused
+  at start, not cut: rl/reward_model.py). Otherwise each completion is decoded on the host and its
+  conversation (the prompt's messages, the completion as the assistant's reply) rendered through
+  the reward model's template and tokenizer, at most `max_length` of its tokens: a longer one is
+  not scored (0, and counted in reward_failures), since a cut conversation is another one."""
 
   name: Literal['reward_model'] = 'reward_model'
   path: str = ''  # the reward model: a Hugging Face *ForSequenceClassification directory or a grpo_jax checkpoint
   dtype: str = 'bfloat16'  # the dtype its weights are held and computed in (float32 for exact parity)
+  # Conversations rendered through its own template (another tokenizer or template than the
+  # policy's) are padded to this many of its tokens; 0: 1.5 x the policy's rows (prompt width +
+  # rollout.max_new_tokens), at most its max_position_embeddings.
+  max_length: int = 0
 
   def __post_init__(self):
     super().__post_init__()
     require(bool(self.path), 'path', 'must name the reward model (a directory with config.json, weights, tokenizer)')
     require(self.dtype in ('float32', 'bfloat16'), 'dtype', f"must be 'float32' or 'bfloat16', got {self.dtype!r}")
+    require(self.max_length >= 0, 'max_length', f'must be >= 0 (0: from the rows), got {self.max_length}')
 
   def scorer(self, composer: 'RewardComposer') -> Scorer:
     del composer
@@ -302,7 +309,9 @@ class RewardModelTerm(RewardTerm):
     def score(completions: Completions) -> tuple[np.ndarray, int]:
       if self.label not in completions.model_scores:
         raise UserError(f'reward term {self.name!r}: the step gave no scores of the reward model {self.path}')
-      return np.asarray(completions.model_scores[self.label], np.float32), 0
+      values = np.asarray(completions.model_scores[self.label], np.float32)
+      read = np.isfinite(values)  # NaN: a conversation longer than max_length, not scored
+      return np.where(read, values, 0.0).astype(np.float32), int((~read).sum())
     return score
 
 

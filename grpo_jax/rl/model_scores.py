@@ -13,9 +13,15 @@ The host term then reads the values by its label and shapes them like any other 
 without model terms has no models (`ModelScores.none()`): the stage gives {} and compiles nothing.
 
   RewardModelScoring  one jitted forward over the round's rows, laid out along the mesh's batch
-                      axes (rl/reward_model.py score_completions). It reads the policy's tokens as
-                      they are, so its tokenizer must be the policy's: the same ids for the same
-                      strings, checked when the run is built (`tokenizer_difference`).
+                      axes (rl/reward_model.py score_completions), reading the policy's tokens as
+                      they are: for a reward model whose tokenizer (the same ids for the same
+                      strings, `tokenizer_difference`) and chat template are the policy's.
+  RenderedScoring     any other reward model: each completion decoded on the host, its
+                      conversation (the prompt's messages, then the completion as the assistant's
+                      reply) rendered through the reward model's own chat template and tokenizer,
+                      right-padded with its pad id to the term's max_length, scored by one jitted
+                      forward; NaN for a conversation longer than that (the term scores it 0 and
+                      counts it: a cut conversation is another one).
   JudgeScoring        the completions decoded on the host, each rendered with its question (and
                       reference, when shown) through the judge's template and chat template, the
                       verdicts decoded greedily by the group sampler on the judge's resident
@@ -40,6 +46,7 @@ from grpo_jax.model.qwen2 import ModelOptions
 from grpo_jax.rl.reward_model import check_reward_model_length, score_completions
 from grpo_jax.sampler.rollout import Rollout
 from grpo_jax.sampler.special_tokens import checkpoint_eos_ids, special_tokens
+from grpo_jax.sharding import constrain
 
 
 def tokenizer_difference(first, second) -> str | None:
@@ -65,21 +72,6 @@ class RewardModelScoring:
   params: Any
   host: bool = True
 
-  @classmethod
-  def load(cls, term: RewardModelTerm, mesh: jax.sharding.Mesh, policy_tokenizer, row_length: int):
-    """The term's reward model over `mesh`, checked against the policy's tokenizer and the step's
-    rows of `row_length` tokens (the prompt width + rollout.max_new_tokens)."""
-    options = ModelOptions(dtype=term.dtype, param_dtype=term.dtype)
-    model, tokenizer = load_reward_model(term.path, mesh=mesh, options=options)
-    difference = tokenizer_difference(tokenizer, policy_tokenizer)
-    if difference is not None:
-      raise UserError(f'reward term {term.name!r}: the reward model {term.path} has another tokenizer than the '
-                      f"policy ({difference}); scoring through the reward model's own tokenizer and chat template "
-                      "is not built: use a reward model trained on the policy's tokenizer")
-    check_reward_model_length(model.config, row_length, 0, term.path)
-    graphdef, params = nnx.split(model)
-    return cls(term.label, term.path, graphdef, params)
-
   def traced(self) -> 'RewardModelScoring':
     return dataclasses.replace(self, host=False)
 
@@ -94,6 +86,72 @@ def _reward_model_scores(graphdef, params, prompt_tokens, prompt_mask, completio
 
 
 _REWARD_MODEL_PROGRAM = jax.jit(_reward_model_scores, static_argnums=0)
+
+
+def reward_model_scoring(term: RewardModelTerm, mesh: jax.sharding.Mesh, task, row_length: int):
+  """The term's reward model over `mesh`, reading the policy's tokens (a RewardModelScoring) when
+  its tokenizer and chat template are the task's, else through its own (a RenderedScoring); the
+  step's rows are `row_length` tokens (the prompt width + rollout.max_new_tokens)."""
+  options = ModelOptions(dtype=term.dtype, param_dtype=term.dtype)
+  model, tokenizer = load_reward_model(term.path, mesh=mesh, options=options)
+  policy_template = task.tokenizer.chat_template if task.use_chat_template else None
+  if tokenizer_difference(tokenizer, task.tokenizer) is None and tokenizer.chat_template == policy_template:
+    check_reward_model_length(model.config, row_length, 0, term.path)
+    graphdef, params = nnx.split(model)
+    return RewardModelScoring(term.label, term.path, graphdef, params)
+  if not getattr(tokenizer, 'chat_template', None):
+    raise UserError(f'reward term {term.name!r}: the reward model {term.path} has another tokenizer or chat template '
+                    "than the policy and no chat template of its own to read the conversation with")
+  length = term.max_length or min(row_length + row_length // 2, model.config.max_position_embeddings)
+  if length > model.config.max_position_embeddings:
+    raise UserError(f'reward term {term.name!r}: max_length {length} is more than the reward model {term.path} '
+                    f'reads (its max_position_embeddings, {model.config.max_position_embeddings})')
+  return RenderedScoring(term.label, term.path, model, tokenizer, task.decode, length)
+
+
+class RenderedScoring:
+  """A reward model reading each conversation through its own chat template and tokenizer (module
+  docstring): `decode` (the task's) turns completion rows into text, each prompt's reference
+  (Prompts.answers, a math task's References) gives its messages."""
+
+  def __init__(self, label: str, path: str, model, tokenizer, decode, max_length: int):
+    self.label, self.path, self.tokenizer, self.decode, self.max_length = label, path, tokenizer, decode, max_length
+    self.graphdef, self.params = nnx.split(model)
+    self.pad_id = model.config.pad_token_id
+
+  def traced(self) -> 'RenderedScoring':
+    """Itself: it reads text on the host, and a run with it is never traced (a dataset task)."""
+    return self
+
+  def rows(self, prompts: Prompts, rollout: Rollout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, mask) [P*G, max_length] of each conversation through the reward model's template,
+    right-padded with its pad id, and [P*G] whether it fits (a longer one is left out)."""
+    completions = self.decode(*jax.device_get((rollout.tokens, rollout.mask)))
+    group = len(completions) // len(prompts.answers)
+    tokens = np.full((len(completions), self.max_length), self.pad_id, np.int32)
+    mask = np.zeros((len(completions), self.max_length), np.int32)
+    fits = np.zeros(len(completions), bool)
+    for row, completion in enumerate(completions):
+      messages = [*prompts.answers[row // group].messages, {'role': 'assistant', 'content': completion}]
+      ids = list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False,
+                                                    return_dict=False))
+      fits[row] = len(ids) <= self.max_length
+      if fits[row]:
+        tokens[row, :len(ids)], mask[row, :len(ids)] = ids, 1
+    return tokens, mask, fits
+
+  def __call__(self, prompts: Prompts, rollout: Rollout) -> jax.Array:
+    tokens, mask, fits = self.rows(prompts, rollout)
+    scores = _RENDERED_PROGRAM(self.graphdef, self.params, jnp.asarray(tokens), jnp.asarray(mask))
+    return jnp.where(jnp.asarray(fits), scores, jnp.nan)
+
+
+def _rendered_scores(graphdef, params, tokens, mask) -> jax.Array:
+  tokens, mask = constrain(tokens, ('batch', 'seq')), constrain(mask, ('batch', 'seq'))
+  return nnx.merge(graphdef, params).scores(tokens, segment_ids=mask)[:, 0].astype(jnp.float32)
+
+
+_RENDERED_PROGRAM = jax.jit(_rendered_scores, static_argnums=0)
 
 
 class JudgeScoring:
@@ -158,7 +216,7 @@ class ModelScores:
       if isinstance(term, JudgeTerm):
         scorings.append(JudgeScoring(term, mesh, task.decode))
       else:
-        scorings.append(RewardModelScoring.load(term, mesh, task.tokenizer, row_length))
+        scorings.append(reward_model_scoring(term, mesh, task, row_length))
     return cls(tuple(scorings))
 
   def traced(self) -> 'ModelScores':
