@@ -7,10 +7,13 @@ A run lists its terms in the config's `rewards:` section, e.g.
       - {name: format, weight: 0.1, style: boxed}       # 1 if the answer is given in the asked form
       - {name: overlong, weight: 1.0, buffer_tokens: 4096}
       - {name: my_rewards:brevity, weight: 0.5}         # a custom term, imported by path
+      - {name: reward_model, path: DIR, normalize: group}  # a reward model's score, computed in the mesh
 
 Each term is logged per step, raw (unweighted, unnormalised), as `reward/<name>` (a custom term's:
 its function's name). A term's kind is its `name`: one of the built-in terms registered in TERMS
-(MathTerm, FormatTerm, OverlongTerm), or `module:function` for a CustomTerm; each kind is a frozen
+(MathTerm, FormatTerm, OverlongTerm, RewardModelTerm, JudgeTerm), or `module:function` for a
+CustomTerm; the two model terms read what the step's model-scoring stage gave the completions
+(Completions.model_scores, rl/model_scores.py), the others score the text here. Each kind is a frozen
 dataclass with its own fields beside the ones every kind takes (`name`, `weight`, `normalize`,
 `clip`). A term scores a step's completions through the scorer it makes once per run, with what the
 RewardComposer holds for the run (the math check's worker pool, the token budget, the running

@@ -5,9 +5,10 @@ build.py chooses its class once (`rollout_mode`), and RLStep builds it twice: tr
 plain functions, inside the K-steps jit) and for the host (each stage jitted on its own; a host
 task's prompts and reward run as they are).
 
-  GroupSampling  on-policy groups (sampler/rollout.py), scored by the task's reward.
+  GroupSampling  on-policy groups (sampler/rollout.py), scored by the run's models (reward models, a
+                 judge: rl/model_scores.py) and then the task's reward.
   PoolSampling   partial rollouts (sampler/pool.py): the prompts join the groups in flight and the
-                 P oldest complete groups leave, scored by the task's reward. With split devices
+                 P oldest complete groups leave, scored as group sampling's are. With split devices
                  (rollout.devices) the pool lives on the sampler's devices, and the sampler's
                  advance for the next step runs while the trainer updates on this one.
   Acting         agents act on the inference server (agents/stage.py) and score their own episodes.
