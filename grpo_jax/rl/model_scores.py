@@ -20,14 +20,17 @@ naming the first id that differs.
 """
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_jax import sharding
 from grpo_jax.errors import UserError
-from grpo_jax.model.loading import load_reward_model
+from grpo_jax.model.hf_config import load_hf_config
+from grpo_jax.model.loading import abstract_model, check_mesh, load_reward_model
 from grpo_jax.model.qwen2 import ModelOptions
 from grpo_jax.rl.reward_model import check_reward_model_length, score_completions
 from grpo_jax.sampler.rollout import Rollout
@@ -85,6 +88,28 @@ class ModelScores:
                         'is not built: use a reward model trained on the policy\'s tokenizer')
       check_reward_model_length(model.config, row_length, 0, term.path)
       graphdef, params = nnx.split(model)
+      models.append(ScoringModel(term.label, term.path, graphdef, params))
+    return cls(tuple(models))
+
+  @classmethod
+  def abstract(cls, terms, mesh: jax.sharding.Mesh, row_length: int) -> 'ModelScores':
+    """The models of the run's model terms as `load` lays them out over `mesh`, their parameters
+    ShapeDtypeStructs placed by the model's logical-axis table in the term's dtype: the
+    architecture from each term's config.json alone, no weights or tokenizer read (the plan's).
+    Refused as `load` refuses: a language model in place of a reward model, rows longer than it reads."""
+    models = []
+    for term in terms:
+      if not os.path.isfile(os.path.join(term.path, 'config.json')):
+        raise UserError(f'reward term {term.name!r}: path {term.path} has no config.json (the reward model\'s '
+                        'architecture, which the plan reads without its weights)')
+      config = load_hf_config(term.path)
+      if not config.num_labels:
+        raise UserError(f'reward term {term.name!r}: {term.path} is a language model ({config.architecture}), not a '
+                        'reward model: a reward model is a sequence classifier with a score head')
+      check_reward_model_length(config, row_length, 0, term.path)
+      check_mesh(config, mesh)
+      graphdef, state = nnx.split(abstract_model(config, ModelOptions(dtype=term.dtype, param_dtype=term.dtype)))
+      params = sharding.placed_abstract(state, sharding.state_shardings(state, mesh))
       models.append(ScoringModel(term.label, term.path, graphdef, params))
     return cls(tuple(models))
 
