@@ -181,7 +181,9 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
   training layout instead of its own (as grpo_jax did before the rollout layout;
   bench/rollout_layout.py compares the two). sampler_devices: split devices (rollout.devices),
   the sampler's own: then the sampler's program on them, the update on `mesh`, and the program
-  that lays the weights out for the crossing, on `mesh` too."""
+  that lays the weights out for the crossing, on `mesh` too. A run with reward-model terms has
+  each model's scoring program between the sampler and the update (`scoring_programs`), its
+  parameters abstract from the term's config.json (rl/model_scores.py ModelScores.abstract)."""
   task = config.task.kind.shape(config, architecture)
   if task.vocab_size > architecture.vocab_size:
     raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but the model has {architecture.vocab_size}')

@@ -10,9 +10,10 @@ run loads it once (`ModelScores.load`), its weights resident on the trainer's de
 dtype and laid out by the model's logical-axis table like the policy's (sharding.py: FSDP over
 `fsdp`, tensor-parallel over `tensor`), and the step calls `scores(prompt_tokens, prompt_mask,
 rollout)` every round: one forward over the round's rows, laid out along the mesh's batch axes
-(rl/reward_model.py score_completions). The host term then reads the values by its label and
-shapes them like any other term's. A run without model terms has no models (`ModelScores.none()`):
-the stage gives {} and compiles nothing.
+(rl/reward_model.py score_completions); the plan builds the same models abstract from their
+config.json (`ModelScores.abstract`) and compiles their programs. The host term then reads the
+values by its label and shapes them like any other term's. A run without model terms has no models
+(`ModelScores.none()`): the stage gives {} and compiles nothing.
 
 The reward model reads the policy's tokens as they are, so its tokenizer must be the policy's: the
 same ids for the same strings, checked when the run is built (`tokenizer_difference`), one line
