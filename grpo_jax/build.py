@@ -82,7 +82,7 @@ def build_model_scores(config, mesh: jax.sharding.Mesh, task: Task) -> ModelScor
   terms = tuple(term for term in config.rewards if isinstance(term, (RewardModelTerm, JudgeTerm)))
   if not terms:
     return ModelScores.none()
-  return ModelScores.load(terms, mesh, task, task.prompt_length + config.rollout.max_new_tokens)
+  return ModelScores.load(terms, mesh, task, task.prompt_length + config.rollout.max_new_tokens, config.model.options)
 
 
 def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=None, resident: bool = True,

@@ -247,6 +247,15 @@ def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
   return jax.tree.map(sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def placed_abstract(variables: nnx.State, shardings: nnx.State) -> nnx.State:
+  """nnx Variables holding ShapeDtypeStructs placed by `shardings` (a State of NamedShardings, as
+  state_shardings gives): parameters as a program is compiled on them, no array made (the plan's)."""
+  place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+  # A Quantized value (the sampler's 8-bit weights) has a sharding for each of its arrays.
+  return jax.tree.map(lambda variable, s: variable.replace(jax.tree.map(place, variable.get_value(), s)),
+                      variables, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def named_sharding(mesh: Mesh, shape: Sequence[int], logical_axes: Sequence[str | None]) -> NamedSharding:
   """Sharding of an input or output array from its logical axes, e.g. tokens ('batch', 'seq')."""
   return NamedSharding(mesh, spec_for(shape, logical_axes, dict(mesh.shape)))

@@ -31,6 +31,7 @@ RECIPES = {
     'qwen2_5_32b_dapo_aime.yaml': ('32B', 8),
     'qwen2_5_32b_dapo_aime_lora.yaml': ('32B', 8),
     'qwen3_8b_math.yaml': ('Qwen3-8B', 8),
+    'qwen3_8b_hh_reward_model.yaml': ('Qwen3-8B', 8),
     'qwen3_32b_dapo_aime.yaml': ('Qwen3-32B', 8),
     'qwen3_30b_a3b_dapo.yaml': ('Qwen3-30B-A3B', 8),
     'qwen3_235b_a22b_dapo.yaml': ('Qwen3-235B-A22B', 8),

@@ -2,10 +2,13 @@
 
 Compiles a run's RL step for a TPU slice or GPU cluster that is not attached (plan/targets.py) and
 reports the target compiler's own per-device memory: the parameters, the optimizer state, the
-reference policy, the KV cache, each compiled program's arguments, outputs and temporaries, and
-whether the step fits. Nothing is extrapolated: the program compiled is the run's own, at full
+reference policy, the reward models' weights, the KV cache, each compiled program's arguments,
+outputs and temporaries (and the step's resident arrays held beside the programs that do not take
+them), and whether the step fits. Nothing is extrapolated: the program compiled is the run's own, at full
 depth and the run's real shapes. With a jittable task that is the K-steps-in-one-jit loop; with a
-host-scored task, the sampler and the update (the reward runs on the host between them).
+host-scored task, the sampler and the update (the reward runs on the host between them), and
+between them each reward model's forward over the step's rows (a reward term of kind
+reward_model, its architecture read from the term's config.json: no weights).
 
 The model's shape comes from --model-size (a preset of grpo_jax/model/presets.py: 0.5B ... 72B,
 Qwen3-8B, Llama-3.1-8B, Gemma-3-12B, ...), else from model.path's config.json, else from

@@ -18,12 +18,14 @@ from flax import nnx
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
 from grpo_jax.build import build_rl_step
+from grpo_jax.data.reward_terms import JudgeTerm, RewardModelTerm
 from grpo_jax.data.task import Scores
 from grpo_jax.errors import UserError
 from grpo_jax.model import lora
 from grpo_jax.model.hf_config import load_hf_config
 from grpo_jax.model.loading import abstract_model, check_mesh
 from grpo_jax.plan import targets, traffic
+from grpo_jax.rl.model_scores import ModelScores
 from grpo_jax.rl.state import init_train_state
 from grpo_jax.sampler.layout import place_program
 
@@ -51,14 +53,6 @@ def model_architecture(config: config_lib.Config, model_size: str | None, layers
 
 def _abstract(tree, shardings):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
-def _abstract_variables(variables, shardings):
-  """nnx Variables holding ShapeDtypeStructs placed by `shardings` (a State of NamedShardings)."""
-  place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-  # A Quantized value (the sampler's 8-bit weights) has a sharding for each of its arrays.
-  return jax.tree.map(lambda variable, s: variable.replace(jax.tree.map(place, variable.get_value(), s)),
-                      variables, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _abstract_scores(config: config_lib.Config, sharding) -> Scores:
@@ -168,6 +162,15 @@ class StepPrograms:
   programs: list  # (name, jitted function, abstract arguments)
   layout: object = None  # the sampler's RolloutLayout
   devices: dict = dataclasses.field(default_factory=dict)  # program name -> its devices, where not the mesh's
+  model_scores: ModelScores = ModelScores.none()  # the run's reward models, their parameters abstract
+
+  @property
+  def resident(self) -> dict:
+    """What stays on the devices for the whole step, whichever program runs: the train state's
+    parts, pi_ref and the reward models' weights, by the name the report gives them per device."""
+    return dict(parameters=self.state.params, frozen_base=self.state.frozen, optimizer_state=self.state.opt_state,
+                pool=self.state.pool, reference=self.ref_params,
+                reward_models=[scoring.params for scoring in self.model_scores.scorings])
 
 
 def step_programs(config: config_lib.Config, architecture, mesh, resident: bool = True,
@@ -178,7 +181,9 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
   training layout instead of its own (as grpo_jax did before the rollout layout;
   bench/rollout_layout.py compares the two). sampler_devices: split devices (rollout.devices),
   the sampler's own: then the sampler's program on them, the update on `mesh`, and the program
-  that lays the weights out for the crossing, on `mesh` too."""
+  that lays the weights out for the crossing, on `mesh` too. A run with reward-model terms has
+  each model's scoring program between the sampler and the update (`scoring_programs`), its
+  parameters abstract from the term's config.json (rl/model_scores.py ModelScores.abstract)."""
   task = config.task.kind.shape(config, architecture)
   if task.vocab_size > architecture.vocab_size:
     raise UserError(f'the task\'s tokenizer has {task.vocab_size} tokens but the model has {architecture.vocab_size}')
@@ -186,8 +191,13 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
   model = abstract_model(architecture, config.model.options)
   abstract_params = nnx.state(model)
   shardings = sharding.state_shardings(abstract_params, mesh)
-  params = _abstract_variables(abstract_params, shardings)
-  step = build_rl_step(config, model, mesh, task, params=params, resident=resident, sampler_devices=sampler_devices)
+  params = sharding.placed_abstract(abstract_params, shardings)
+  # The reward models from their config.json alone: build_rl_step would load their weights.
+  model_scores = ModelScores.abstract(tuple(term for term in config.rewards
+                                            if isinstance(term, (RewardModelTerm, JudgeTerm))),
+                                      mesh, task.prompt_length + config.rollout.max_new_tokens, config.model.options)
+  step = build_rl_step(config, model, mesh, task, params=params, resident=resident, sampler_devices=sampler_devices,
+                       model_scores=model_scores)
   trained, frozen = lora.split_trainable(params)
   state = _abstract(jax.eval_shape(functools.partial(init_train_state, optimizer=step.optimizer, seed=0), trained,
                                    pool=step.empty_pool, frozen=frozen), step.state_shardings)
@@ -218,9 +228,24 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
     sampler = (('rollout', step.host_mode.advance, (state.policy, state.pool, version)) if config.algo.max_lag else
                # the group sampler (an agent task's server decodes with the same step)
                ('rollout', jax.jit(step.sampling.sample), (state.policy, prompts, prompts, key, vision)))
-    programs = [sampler, ('update', step.update_program,
-                          (state.replace(pool=None), ref_params, prompts, prompts, rollout, scores, vision))]
-  return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=step.layout)
+    programs = [sampler, *scoring_programs(model_scores, prompts, rollout),
+                ('update', step.update_program,
+                 (state.replace(pool=None), ref_params, prompts, prompts, rollout, scores, vision))]
+  return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=step.layout,
+                      model_scores=model_scores)
+
+
+def scoring_programs(model_scores: ModelScores, prompts, rollout) -> list:
+  """Each reward model's program (rl/model_scores.py) on the step's abstract rows as the run hands
+  them over: the prompts [P, Tp] replicated (host_task.HostTask.prompts), the completions [P*G, N]
+  and their mask laid out by rows over the mesh's batch axes, as the sampler returns them
+  (sampler/layout.run_resident). Named by the label of the term it serves."""
+  def by_rows(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.named_sharding(
+        prompts.sharding.mesh, x.shape, ('batch',) + (None,) * (x.ndim - 1)))
+  return [(scoring.label, scoring.program,
+           (scoring.graphdef, scoring.params, prompts, prompts, by_rows(rollout.tokens), by_rows(rollout.mask)))
+          for scoring in model_scores.scorings]
 
 
 def _split_programs(config, task, step, state, ref_params, replicated) -> StepPrograms:
@@ -229,15 +254,17 @@ def _split_programs(config, task, step, state, ref_params, replicated) -> StepPr
   sampler's layout, before each shard crosses) and 'update' (on the trainer's)."""
   layout = step.layout
   resident = jax.eval_shape(layout.mirror.place, state.policy)
-  resident = _abstract_variables(resident, layout.shardings(resident))
+  resident = sharding.placed_abstract(resident, layout.shardings(resident))
   on_sampler = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
   version = jax.ShapeDtypeStruct((), jnp.int32, sharding=on_sampler)
   ready = state.pool.ready
   prompts = jax.ShapeDtypeStruct(ready.prompt_tokens.shape, jnp.int32, sharding=replicated)
   scores = _abstract_scores(config, replicated)
   rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), ready.rollout)
+  model_scores = step.sampling.model_scores  # on the trainer's devices, before the update
   programs = [('rollout', step.host_mode.sampler_program, (resident, state.pool.pool, version)),
               ('transfer', place_program(layout.mirror), (state.policy,)),
+              *scoring_programs(model_scores, prompts, rollout),
               ('update', step.update_program, (state.replace(pool=None), ref_params, prompts, prompts, rollout, scores))]
   return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=layout,
-                      devices=dict(rollout=list(layout.mesh.devices.reshape(-1))))
+                      devices=dict(rollout=list(layout.mesh.devices.reshape(-1))), model_scores=model_scores)

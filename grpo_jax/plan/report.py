@@ -70,7 +70,7 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
   built = step_programs(config, architecture, mesh, resident,
                         sampler_devices=sampler_devices if config.rollout.devices else None)
   task, state, ref_params, layout = built.task, built.state, built.ref_params, built.layout
-  programs = []
+  programs, beside = [], {}
   for name, jitted, args in built.programs:
     if only is not None and name not in only:
       continue
@@ -79,6 +79,7 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
                            else (list(mesh.devices.reshape(-1)), mesh))
     with jax.set_mesh(program_mesh), targets.compiler_log(log):
       programs.append(compile_program(name, target, order, jitted, *args))
+    beside[name] = held_beside(args, built.resident, order)
 
   # The sampler decodes from the whole policy: with LoRA the frozen base and the adapters.
   if layout is not None:
@@ -97,11 +98,21 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
   per_device.update(optimizer_state=sharding.bytes_per_device(state.opt_state),
                     reference=sharding.bytes_per_device(ref_params) if ref_params is not None else 0,
                     resident_weights=resident_bytes)
-  peak = max(program.peak for program in programs)
+  scoring = {model.label: dict(path=model.path, parameters=sum(math.prod(x.shape) for x in jax.tree.leaves(model.params)),
+                               bytes=sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                                         for x in jax.tree.leaves(model.params)),
+                               bytes_per_device=sharding.bytes_per_device(model.params))
+             for model in built.model_scores.scorings}
+  if scoring:  # their weights in the term's dtype, laid out like the policy's, no optimizer state
+    per_device['reward_models'] = sum(model['bytes_per_device'] for model in scoring.values())
+  programs = [dataclasses.asdict(program) | dict(compiled_peak=program.peak, beside=beside[program.name],
+                                                 peak=program.peak + sum(beside[program.name].values()))
+              for program in programs]
+  peak = max(program['peak'] for program in programs)
   pool = getattr(state.pool, 'pool', state.pool)  # partial rollouts: the pool's prompt entries
   report = dict(
       target=target.name, device=target.describe(), devices=len(devices),
-      program_devices={program.name: len(built.devices.get(program.name, trainer_devices)) for program in programs},
+      program_devices={program['name']: len(built.devices.get(program['name'], trainer_devices)) for program in programs},
       mesh=dict(mesh.shape), rollout_layout=layout_report,
       model=dict(layers=architecture.num_hidden_layers, hidden=architecture.hidden_size,
                  parameters=architecture.num_params(), active_parameters=architecture.num_params(active=True),
@@ -111,7 +122,7 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
                  lora=dataclasses.asdict(config.model.options.lora) if config.model.options.lora else None),
       per_device=per_device | dict(kv_cache=kv_cache_bytes_per_device(
           architecture, config, task.prompt_length, decode_mesh, prompts=0 if pool is None else pool.entries)),
-      programs=[dataclasses.asdict(program) | dict(peak=program.peak) for program in programs],
+      programs=programs, reward_models=scoring,
       peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes,
       sequence_length=task.prompt_length + config.rollout.max_new_tokens,
       routes_bytes=routes_bytes(architecture, config.completions_per_step,
@@ -121,6 +132,24 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
     report['split'] = crossing(config, target, state.pool, resident_bytes, trainer_devices, sampler_devices)
   report['estimate'] = estimate(config, target, architecture, task.prompt_length, report, task.vision_bucket)
   return report
+
+
+def held_beside(args, resident: dict, devices) -> dict:
+  """{name: bytes per device} of the step's resident arrays (programs.StepPrograms.resident: the
+  train state's parts, pi_ref, the reward models' weights) that lie on a program's `devices` but are
+  not among its `args`: they stay in memory while it runs, beside the compiler's peak for it, which
+  counts only what the program itself holds (its arguments, outputs, temporaries). The update takes
+  the state and pi_ref, so only the reward models lie beside it; the rollout takes the policy's
+  weights, so the optimizer state, pi_ref and the reward models do; a reward model's program takes
+  its own weights, so the train state and pi_ref do."""
+  taken = {id(leaf) for leaf in jax.tree.leaves(args)}
+  devices = set(devices)
+  held = {}
+  for name, tree in resident.items():
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if id(leaf) not in taken and leaf.sharding.device_set & devices]
+    if leaves:
+      held[name] = sharding.bytes_per_device(leaves)
+  return held
 
 
 def crossing(config: config_lib.Config, target: targets.Target, pipeline, resident_bytes: int, trainer_devices,
@@ -163,7 +192,14 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   Serial, a step costs R + U + X (rollout, update, crossing). Pipelined, the sampler's advance for
   step v + 1 needs the weights of update v - 1 and its own last advance, and update v needs
   advance v - 1 and update v - 1, so a step costs max(R, U, (R + U + X) / 2): the two-step cycle
-  advance -> update -> crossing -> advance bounds it when neither side dominates."""
+  advance -> update -> crossing -> advance bounds it when neither side dominates.
+
+  A reward model's program (report['reward_models']): one forward over the step's P x G rows of
+  Tp + N tokens, 2 N_rm FLOPs per token (N_rm its parameters, the convention of the policy's
+  passes), on the trainer's devices; HBM: its gathered weights read once; interconnect: its compiled
+  collectives (the weights' FSDP gathers). It runs between the rollout and the update, so the
+  step's sum counts it, with split devices it is on the update's side, and with dynamic sampling
+  each further round is scored again. `reward_models_s`: its share of the step."""
   steps = config.rollout.max_new_tokens
   vision = architecture.vision
   params = architecture.num_params(active=True) - (vision.num_params() if vision is not None else 0)
@@ -183,7 +219,12 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   per_device = report['per_device']
   decode_s = steps * (per_device['resident_weights'] + per_device['kv_cache'] / 2) / target.hbm_bandwidth
   parts = {}
+  scoring = report.get('reward_models', {})
   for program in report['programs']:
+    if program['name'] in scoring:
+      parts[program['name']] = _scoring_part(config, target, prompt_length, scoring[program['name']], program,
+                                             report['program_devices'][program['name']])
+      continue
     rollout = program['name'] not in ('update', 'transfer')
     links = {link: entry['seconds'] for link, entry in program['links']['outside'].items()}
     for link, entry in program['links']['per_decode_step'].items() if rollout else ():
@@ -199,20 +240,34 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   for part in parts.values():
     part['program_s'] = max(part['compute_s'], part['hbm_s'], part['interconnect_s'])
     part['bound'] = _bound(part)
+  scoring_s = sum(part['program_s'] for name, part in parts.items() if name in scoring)
   result = dict(model_flops=step_flops, tower_flops=tower, programs=parts,
-                step_s=sum(part['program_s'] for part in parts.values()))
+                reward_model_flops=sum(part['flops'] for name, part in parts.items() if name in scoring),
+                reward_models_s=scoring_s, step_s=sum(part['program_s'] for part in parts.values()))
+  result['step_without_reward_models_s'] = result['step_s'] - scoring_s
   if 'split' in report and {'rollout', 'update', 'transfer'} <= parts.keys():
     rollout_s, update_s = parts['rollout']['program_s'], parts['update']['program_s']
     crossing_s = parts['transfer']['program_s'] + report['split']['crossing_s']
-    result.update(serial_s=rollout_s + update_s + crossing_s, crossing_s=crossing_s,
-                  step_s=max(rollout_s, update_s, (rollout_s + update_s + crossing_s) / 2))
+    overlapped = lambda update_s: max(rollout_s, update_s, (rollout_s + update_s + crossing_s) / 2)  # noqa: E731
+    result.update(serial_s=rollout_s + update_s + scoring_s + crossing_s, crossing_s=crossing_s,
+                  step_s=overlapped(update_s + scoring_s), step_without_reward_models_s=overlapped(update_s))
   if config.algo.dynamic_sampling and 'rollout' in parts:
     # Each further sampling round is another rollout of P prompts; how many a step needs depends on
     # how many groups the data's prompts leave without spread, which no compile can know.
     rounds = config.algo.max_sampling_rounds
-    result['dynamic_sampling'] = dict(max_rounds=rounds, round_s=parts['rollout']['program_s'],
-                                      step_max_s=result['step_s'] + (rounds - 1) * parts['rollout']['program_s'])
+    round_s = parts['rollout']['program_s'] + scoring_s
+    result['dynamic_sampling'] = dict(max_rounds=rounds, round_s=round_s,
+                                      step_max_s=result['step_s'] + (rounds - 1) * round_s)
   return result
+
+
+def _scoring_part(config: config_lib.Config, target: targets.Target, prompt_length: int, model: dict, program: dict,
+                  devices: int) -> dict:
+  """A reward model's program in the step's estimate (estimate's docstring)."""
+  flops = 2.0 * model['parameters'] * config.completions_per_step * (prompt_length + config.rollout.max_new_tokens)
+  links = {link: entry['seconds'] for link, entry in program['links']['outside'].items()}
+  return dict(flops=flops, compute_s=flops / (devices * target.peak_flops), hbm_s=model['bytes'] / target.hbm_bandwidth,
+              interconnect_s=sum(links.values()), links=links)
 
 
 def _bound(part: dict) -> str:
@@ -264,12 +319,16 @@ def format_report(report: dict) -> str:
   for program in report['programs']:
     lines.append(f'  program "{program["name"]}" (compiled in {program["compile_s"]:.1f} s): arguments '
                  f'{format_bytes(program["arguments"])}, outputs {format_bytes(program["outputs"])} ({format_bytes(program["aliased"])} '
-                 f'in place), temporaries {format_bytes(program["temporaries"])} -> peak {format_bytes(program["peak"])}'
+                 f'in place), temporaries {format_bytes(program["temporaries"])} -> peak {format_bytes(program["compiled_peak"])}'
                  + (f'; {program["note"]}' if program['note'] else ''))
+    if program['beside']:  # the step's other resident arrays, which this program does not take
+      held = ', '.join(f'{name.replace("_", " ")} {format_bytes(value)}' for name, value in program['beside'].items())
+      lines.append(f'    held beside it for the step: {held} -> {format_bytes(program["peak"])}')
     collectives = program['collectives']
+    decodes = program['name'] not in ('update', 'transfer', *report.get('reward_models', {}))
     lines.append(f'    collectives per device (compiled program): {_collective_summary(collectives["outside"])} '
                  'per run' + (f'; per decode step {_collective_summary(collectives["per_decode_step"])}'
-                              if program['name'] not in ('update', 'transfer') else ''))
+                              if decodes else ''))
     by_link = [(f'{part}: ' if part != 'outside' else '') + ', '.join(
         f'{targets.LINK_NAMES.get(link, link)} {format_bytes(entry["bytes"])}' for link, entry in links.items())
         for part, links in program['links'].items() if links]
@@ -288,7 +347,9 @@ def format_report(report: dict) -> str:
   tower = estimate.get('tower_flops', {})
   lines.append(f'estimate (roofline, not measured): {estimate["model_flops"] / 1e15:.1f} PFLOP per step'
                + (f' (the vision tower: rollout {tower["rollout"] / 1e15:.1f}, update {tower["update"] / 1e15:.1f})'
-                  if any(tower.values()) else ''))
+                  if any(tower.values()) else '')
+               + (f', and the reward models\' forward {estimate["reward_model_flops"] / 1e15:.1f} PFLOP'
+                  if report.get('reward_models') else ''))
   for name, part in estimate['programs'].items():
     links = ', '.join(f'{targets.LINK_NAMES.get(link, link)} {value:.2f} s' for link, value in part['links'].items())
     lines.append(f'  "{name}": {part.get("flops", 0.0) / 1e15:.1f} PFLOP, compute >= {part["compute_s"]:.2f} s, '
@@ -306,7 +367,9 @@ def format_report(report: dict) -> str:
   if 'serial_s' in estimate:
     lines.append(f'  crossing >= {estimate["crossing_s"]:.2f} s; serial (rollout + update + crossing) >= '
                  f'{estimate["serial_s"]:.2f} s; overlapped >= {estimate["step_s"]:.2f} s')
-  lines.append(f'  step >= {estimate["step_s"]:.2f} s' + (' with one sampling round' if 'dynamic_sampling' in estimate else ''))
+  lines.append(f'  step >= {estimate["step_s"]:.2f} s' + (' with one sampling round' if 'dynamic_sampling' in estimate else '')
+               + (f'; without the reward models\' programs ({estimate["reward_models_s"]:.2f} s) >= '
+                  f'{estimate["step_without_reward_models_s"]:.2f} s' if report.get('reward_models') else ''))
   if 'dynamic_sampling' in estimate:
     rounds = estimate['dynamic_sampling']
     lines.append(f'  dynamic sampling: each further round (up to {rounds["max_rounds"]}) another rollout >= '

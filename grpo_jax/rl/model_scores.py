@@ -8,7 +8,10 @@ the host stage of the task's reward.
 A reward term of kind `reward_model` or `judge` (data/reward_terms.py) names its model; the run
 loads it once (`ModelScores.load`), its weights resident on the trainer's devices in the term's
 dtype and laid out by the model's logical-axis table like the policy's (sharding.py: FSDP over
-`fsdp`, tensor-parallel over `tensor`), and the step calls `scores(prompts, rollout)` every round.
+`fsdp`, tensor-parallel over `tensor`), computing as the policy does (its attention, chunk and
+layer loop: `scoring_options`), and the step calls `scores(prompts, rollout)` every round. The
+plan builds the reward models abstract from their config.json (`ModelScores.abstract`) and
+compiles their programs (plan/programs.py).
 The host term then reads the values by its label and shapes them like any other term's. A run
 without model terms has no models (`ModelScores.none()`): the stage gives {} and compiles nothing.
 
@@ -30,6 +33,7 @@ without model terms has no models (`ModelScores.none()`): the stage gives {} and
 """
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -37,16 +41,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpo_jax import sharding
 from grpo_jax.data.judge import Judge
 from grpo_jax.data.reward_terms import JudgeTerm, RewardModelTerm
 from grpo_jax.data.task import Prompts
 from grpo_jax.errors import UserError
-from grpo_jax.model.loading import from_pretrained, load_reward_model, load_tokenizer
+from grpo_jax.model.hf_config import load_hf_config
+from grpo_jax.model.loading import abstract_model, check_mesh, from_pretrained, load_reward_model, load_tokenizer
 from grpo_jax.model.qwen2 import ModelOptions
 from grpo_jax.rl.reward_model import check_reward_model_length, score_completions
 from grpo_jax.sampler.rollout import Rollout
 from grpo_jax.sampler.special_tokens import checkpoint_eos_ids, special_tokens
-from grpo_jax.sharding import constrain
+
+
+def scoring_options(policy: ModelOptions, dtype: str) -> ModelOptions:
+  """How a scoring model computes: as the policy does (its attention implementation and chunk, its
+  layer loop), in the term's `dtype`, without adapters or rematerialisation (it is never trained
+  here)."""
+  return dataclasses.replace(policy, dtype=dtype, param_dtype=dtype, lora=None, remat='none', freeze_vision=False)
 
 
 def tokenizer_difference(first, second) -> str | None:
@@ -75,9 +87,14 @@ class RewardModelScoring:
   def traced(self) -> 'RewardModelScoring':
     return dataclasses.replace(self, host=False)
 
+  @property
+  def program(self):
+    """(graphdef, params, prompt tokens, prompt mask, completions, completion mask) -> [P*G] fp32:
+    jitted once for every reward model (the plan compiles it), or the traced function."""
+    return _REWARD_MODEL_PROGRAM if self.host else _reward_model_scores
+
   def __call__(self, prompts: Prompts, rollout: Rollout) -> jax.Array:
-    program = _REWARD_MODEL_PROGRAM if self.host else _reward_model_scores
-    return program(self.graphdef, self.params, prompts.tokens, prompts.mask, rollout.tokens, rollout.mask)
+    return self.program(self.graphdef, self.params, prompts.tokens, prompts.mask, rollout.tokens, rollout.mask)
 
 
 def _reward_model_scores(graphdef, params, prompt_tokens, prompt_mask, completions, completion_mask) -> jax.Array:
@@ -88,11 +105,12 @@ def _reward_model_scores(graphdef, params, prompt_tokens, prompt_mask, completio
 _REWARD_MODEL_PROGRAM = jax.jit(_reward_model_scores, static_argnums=0)
 
 
-def reward_model_scoring(term: RewardModelTerm, mesh: jax.sharding.Mesh, task, row_length: int):
+def reward_model_scoring(term: RewardModelTerm, mesh: jax.sharding.Mesh, task, row_length: int,
+                         options: ModelOptions):
   """The term's reward model over `mesh`, reading the policy's tokens (a RewardModelScoring) when
   its tokenizer and chat template are the task's, else through its own (a RenderedScoring); the
-  step's rows are `row_length` tokens (the prompt width + rollout.max_new_tokens)."""
-  options = ModelOptions(dtype=term.dtype, param_dtype=term.dtype)
+  step's rows are `row_length` tokens (the prompt width + rollout.max_new_tokens); `options`: its
+  scoring_options."""
   model, tokenizer = load_reward_model(term.path, mesh=mesh, options=options)
   policy_template = task.tokenizer.chat_template if task.use_chat_template else None
   if tokenizer_difference(tokenizer, task.tokenizer) is None and tokenizer.chat_template == policy_template:
@@ -147,7 +165,7 @@ class RenderedScoring:
 
 
 def _rendered_scores(graphdef, params, tokens, mask) -> jax.Array:
-  tokens, mask = constrain(tokens, ('batch', 'seq')), constrain(mask, ('batch', 'seq'))
+  tokens, mask = sharding.constrain(tokens, ('batch', 'seq')), sharding.constrain(mask, ('batch', 'seq'))
   return nnx.merge(graphdef, params).scores(tokens, segment_ids=mask)[:, 0].astype(jnp.float32)
 
 
@@ -159,7 +177,7 @@ class JudgeScoring:
   `decode` turns completion rows into text, and each prompt's reference (Prompts.answers, a math
   task's References) gives the question and the reference answer."""
 
-  def __init__(self, term: JudgeTerm, mesh: jax.sharding.Mesh, decode):
+  def __init__(self, term: JudgeTerm, mesh: jax.sharding.Mesh, decode, options: ModelOptions):
     if jax.process_count() > 1:
       raise UserError(f"reward term 'judge': a judge reads every completion on one host; this run has "
                       f'{jax.process_count()} processes')
@@ -170,7 +188,7 @@ class JudgeScoring:
     if not getattr(tokenizer, 'chat_template', None):
       raise UserError(f'reward term {term.name!r}: the judge {term.path} has no chat template; a judge reads its '
                       'template as a user message')
-    model = from_pretrained(term.path, mesh=mesh, options=ModelOptions(dtype=term.dtype, param_dtype=term.dtype))
+    model = from_pretrained(term.path, mesh=mesh, options=options)
     if model.config.num_labels:
       raise UserError(f'reward term {term.name!r}: {term.path} is a reward model (a sequence classifier); a judge '
                       'is a language model that writes its verdict (use name: reward_model for it)')
@@ -207,16 +225,44 @@ class ModelScores:
     return cls(())
 
   @classmethod
-  def load(cls, terms, mesh: jax.sharding.Mesh, task, row_length: int) -> 'ModelScores':
+  def load(cls, terms, mesh: jax.sharding.Mesh, task, row_length: int, policy: ModelOptions) -> 'ModelScores':
     """The models of the run's model terms, loaded over `mesh`; `task` is the run's dataset task
     (its tokenizer and its decode of completion rows), `row_length` its rows' (prompt width +
-    rollout.max_new_tokens)."""
+    rollout.max_new_tokens), `policy` the policy's options (the models compute as it does)."""
+    scorings = []
+    for term in terms:
+      options = scoring_options(policy, term.dtype)
+      if isinstance(term, JudgeTerm):
+        scorings.append(JudgeScoring(term, mesh, task.decode, options))
+      else:
+        scorings.append(reward_model_scoring(term, mesh, task, row_length, options))
+    return cls(tuple(scorings))
+
+  @classmethod
+  def abstract(cls, terms, mesh: jax.sharding.Mesh, row_length: int, policy: ModelOptions) -> 'ModelScores':
+    """The run's reward models as `load` lays them out over `mesh`, their parameters
+    ShapeDtypeStructs placed by the model's logical-axis table in the term's dtype: the
+    architecture from each term's config.json alone, no weights or tokenizer read (the plan's).
+    The policy's tokens are taken to be what they read (rows of `row_length`), which the plan
+    cannot check without the tokenizers. Refused as `load` refuses: a language model in place of a
+    reward model, rows longer than it reads. A judge is not planned yet: refused in one line."""
     scorings = []
     for term in terms:
       if isinstance(term, JudgeTerm):
-        scorings.append(JudgeScoring(term, mesh, task.decode))
-      else:
-        scorings.append(reward_model_scoring(term, mesh, task, row_length))
+        raise UserError("reward term 'judge': the plan does not count a judge's sampling yet; plan the run without "
+                        'it (--set rewards=...)')
+      if not os.path.isfile(os.path.join(term.path, 'config.json')):
+        raise UserError(f'reward term {term.name!r}: path {term.path} has no config.json (the reward model\'s '
+                        'architecture, which the plan reads without its weights)')
+      config = load_hf_config(term.path)
+      if not config.num_labels:
+        raise UserError(f'reward term {term.name!r}: {term.path} is a language model ({config.architecture}), not a '
+                        'reward model: a reward model is a sequence classifier with a score head')
+      check_reward_model_length(config, row_length, 0, term.path)
+      check_mesh(config, mesh)
+      graphdef, state = nnx.split(abstract_model(config, scoring_options(policy, term.dtype)))
+      params = sharding.placed_abstract(state, sharding.state_shardings(state, mesh))
+      scorings.append(RewardModelScoring(term.label, term.path, graphdef, params))
     return cls(tuple(scorings))
 
   def traced(self) -> 'ModelScores':
