@@ -343,10 +343,11 @@ def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Confi
 
 
 def _with_local_paths_resolved(config: Config) -> Config:
-  """model.path and the task's tokenizer made absolute where they name something on this machine,
-  so the run's stored config (checkpoints, config.yaml) finds them from any directory and an export
-  names its base by a path that resolves anywhere; a name that is no local path (a hub name) stays as
-  written. A checkpoint's stored config is taken as it was stored (from_dict)."""
+  """model.path, the task's tokenizer and the reward terms' models made absolute where they name
+  something on this machine, so the run's stored config (checkpoints, config.yaml) finds them from
+  any directory and an export names its base by a path that resolves anywhere; a name that is no
+  local path (a hub name) stays as written. A checkpoint's stored config is taken as it was stored
+  (from_dict)."""
   def resolved(path: str | None) -> str | None:
     return os.path.abspath(path) if path and os.path.exists(path) else path
 
@@ -356,6 +357,9 @@ def _with_local_paths_resolved(config: Config) -> Config:
   tokenizer = config.task.tokenizer_directory
   if resolved(tokenizer) != tokenizer:
     changes['task'] = dataclasses.replace(config.task, tokenizer=resolved(tokenizer))
+  terms = tuple(term.with_paths(resolved) for term in config.rewards)  # reward models', judges'
+  if terms != config.rewards:
+    changes['rewards'] = terms
   return dataclasses.replace(config, **changes) if changes else config
 
 

@@ -113,7 +113,8 @@ def test_terms_are_weighted_summed_and_reported(capsys):
 
 
 @pytest.mark.parametrize('yaml, message', [
-    ('rewards: [{name: nope}]', "rewards[0].name must be one of math, format, overlong, reward_model, judge or <module>:<function>"),
+    ('rewards: [{name: nope}]',
+     "rewards[0].name must be one of math, format, overlong, reward_model, judge or <module>:<function>"),
     ('rewards: [{name: overlong, buffer_tokens: -1}]', 'rewards[0].buffer_tokens must be >= 0'),
     ('rewards: [{name: math, buffer_tokens: 4}]',
      "config key 'rewards[0].buffer_tokens' applies to rewards[0].name: overlong, not 'math'"),

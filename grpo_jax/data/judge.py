@@ -177,5 +177,6 @@ def judge(model, tokenizer, rows: list[tuple[str, str, str | None]], template: s
   its Judge, and its width: see Judge)."""
   check_template(template, show_reference)
   width = max(len(judge_prompt_ids(tokenizer, template, show_reference, *row)) for row in rows)
-  return Judge(model, tokenizer, template, rule, max_new_tokens=max_new_tokens, max_prompt_tokens=width,
-               stop_token_ids=stop_token_ids, pad_id=pad_id, sampling=sampling, show_reference=show_reference)(rows, key)
+  one = Judge(model, tokenizer, template, rule, max_new_tokens=max_new_tokens, max_prompt_tokens=width,
+              stop_token_ids=stop_token_ids, pad_id=pad_id, sampling=sampling, show_reference=show_reference)
+  return one(rows, key)

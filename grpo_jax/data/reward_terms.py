@@ -129,6 +129,12 @@ class RewardTerm(abc.ABC):
     """What the term asks of the run's other sections (nothing by default)."""
     del config
 
+  def with_paths(self, resolve: Callable[[str], str]) -> 'RewardTerm':
+    """The term with the paths it reads passed through `resolve` (config.py makes local ones
+    absolute); a term that reads none is itself."""
+    del resolve
+    return self
+
   @abc.abstractmethod
   def scorer(self, composer: 'RewardComposer') -> Scorer:
     """The function scoring this term for every step of a run, made once when the run's composer
@@ -306,6 +312,9 @@ class RewardModelTerm(RewardTerm):
     require(self.dtype in ('float32', 'bfloat16'), 'dtype', f"must be 'float32' or 'bfloat16', got {self.dtype!r}")
     require(self.max_length >= 0, 'max_length', f'must be >= 0 (0: from the rows), got {self.max_length}')
 
+  def with_paths(self, resolve: Callable[[str], str]) -> 'RewardModelTerm':
+    return dataclasses.replace(self, path=resolve(self.path))
+
   def scorer(self, composer: 'RewardComposer') -> Scorer:
     del composer
 
@@ -331,7 +340,7 @@ class JudgeTerm(RewardTerm):
   answer unless `show_reference` is true. One process only."""
 
   name: Literal['judge'] = 'judge'
-  path: str = ''  # the judge: a language model directory (Hugging Face or grpo_jax) with its tokenizer and chat template
+  path: str = ''  # the judge: a language model directory (Hugging Face or grpo_jax), its tokenizer and chat template
   template: str = ''  # the judge's user message, with {completion} and optionally {prompt} and {reference}
   parse: ParseRule = ParseRule()  # how a verdict becomes a reward: kind score (low..high) or choice
   show_reference: bool = False  # whether the judge may see the reference answer ({reference})
@@ -346,6 +355,9 @@ class JudgeTerm(RewardTerm):
     require(self.max_new_tokens >= 1, 'max_new_tokens', f'must be >= 1, got {self.max_new_tokens}')
     require(self.max_prompt_tokens >= 1, 'max_prompt_tokens', f'must be >= 1, got {self.max_prompt_tokens}')
     require(self.dtype in ('float32', 'bfloat16'), 'dtype', f"must be 'float32' or 'bfloat16', got {self.dtype!r}")
+
+  def with_paths(self, resolve: Callable[[str], str]) -> 'JudgeTerm':
+    return dataclasses.replace(self, path=resolve(self.path))
 
   def scorer(self, composer: 'RewardComposer') -> Scorer:
     del composer

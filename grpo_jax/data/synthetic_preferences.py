@@ -150,8 +150,8 @@ def write(out: str, pairs: int = 4096, held_out: int = 512, max_words: int = 8, 
   import os
   rng = np.random.default_rng(seed)
   os.makedirs(out, exist_ok=True)
-  paths = {name: os.path.join(out, file) for name, file in (('tokenizer', 'tokenizer'), ('pairs', 'pairs.jsonl'),
-                                                            ('held_out', 'held_out.jsonl'), ('prompts', 'prompts.jsonl'))}
+  files = dict(tokenizer='tokenizer', pairs='pairs.jsonl', held_out='held_out.jsonl', prompts='prompts.jsonl')
+  paths = {name: os.path.join(out, file) for name, file in files.items()}
   rows = dict(pairs=pair_records(rng, pairs, max_words, beta), held_out=pair_records(rng, held_out, max_words, None),
               prompts=[{'prompt': prompt} for prompt in PROMPTS])
   for name, records in rows.items():
@@ -195,8 +195,8 @@ def main(argv=None):
   import os
   import sys
   parser = argparse.ArgumentParser(prog='python -m grpo_jax.data.synthetic_preferences',
-                                   description='writes the reward-model demo\'s tokenizer, preference pairs and prompts; '
-                                   'with --plot, draws a finished RL run\'s proxy / gold picture')
+                                   description="writes the reward-model demo's tokenizer, preference pairs and "
+                                   "prompts; with --plot, draws a finished RL run's proxy / gold picture")
   parser.add_argument('--out', help='directory for tokenizer/, pairs.jsonl, held_out.jsonl, prompts.jsonl')
   parser.add_argument('--pairs', type=int, default=4096)
   parser.add_argument('--beta', type=float, default=20.0, help='Bradley-Terry sharpness of the training labels')
