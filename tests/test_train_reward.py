@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 
 from grpo_jax import train_reward
 from grpo_jax.data import word_preferences
-from grpo_jax.sharding import make_mesh
+from grpo_jax.sharding import MeshConfig, make_mesh
 from runs import ROOT, read_metrics, without_timing
 
 CONFIG = os.path.join(ROOT, 'configs', 'tiny_reward_model.yaml')
@@ -105,3 +105,62 @@ def test_trains_resumes_exactly_evaluates_held_out_pairs_and_exports_for_transfo
                                scores(tokens, mask), rtol=1e-4, atol=1e-4)
   finally:
     run.close()
+
+
+def test_a_language_model_gets_a_fresh_score_head_on_its_own_decoder(tmp_path, make_hf_checkpoint, seed):
+  """model.path a causal LM: its decoder's weights, a score head [D, 1] drawn as transformers draws
+  it, the tokenizer's pad token as pad_token_id; scored as transformers' sequence classifier built
+  on the same checkpoint scores with that head. Without a pad token: one line."""
+  from transformers import Qwen2ForSequenceClassification
+
+  from grpo_jax.errors import UserError
+  from grpo_jax.model.loading import ModelConfig
+  from grpo_jax.model.score_head import build_reward_model
+  directory, _ = make_hf_checkpoint(seed)
+  tokenizer = word_preferences.build_tokenizer()
+  tokenizer.save_pretrained(directory)
+  mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+  model, loaded = build_reward_model(ModelConfig(path=directory), mesh, seed)
+  assert model.config.num_labels == 1 and model.config.pad_token_id == loaded.pad_token_id == tokenizer.pad_token_id
+  head = np.asarray(model.score[...])
+  assert head.shape == (64, 1) and 0.01 < head.std() < 0.03  # normal, std initializer_range (0.02)
+  reference = Qwen2ForSequenceClassification.from_pretrained(directory, num_labels=1,
+                                                             pad_token_id=tokenizer.pad_token_id).eval()
+  with torch.no_grad():
+    reference.score.weight.copy_(torch.tensor(head.T))
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(2, 16, 5)
+  mask = (np.arange(16)[None, :] < lengths[:, None]).astype(np.int32)
+  tokens = np.where(mask == 1, rng.integers(1, 1000, (5, 16)), tokenizer.pad_token_id).astype(np.int32)
+  with torch.no_grad():
+    want = reference(input_ids=torch.tensor(tokens, dtype=torch.long)).logits[:, 0].numpy()
+  np.testing.assert_allclose(np.asarray(model.scores(tokens, segment_ids=mask))[:, 0], want, rtol=1e-4, atol=1e-4)
+
+  # A Llama checkpoint whose tokenizer has no pad token (Qwen2's tokenizer class would give it one).
+  directory, _ = make_hf_checkpoint(seed, name='llama', model_type='llama')
+  tokenizer.save_pretrained(directory)
+  with open(os.path.join(directory, 'tokenizer_config.json')) as f:
+    settings = json.load(f)
+  settings.pop('pad_token')
+  with open(os.path.join(directory, 'tokenizer_config.json'), 'w') as f:
+    json.dump(settings, f)
+  with pytest.raises(UserError, match=r'^the tokenizer of .* has no pad token: a reward model reads'):
+    build_reward_model(ModelConfig(path=directory), mesh, seed)
+
+
+@pytest.mark.parametrize('case', ['missing', 'not-a-pair'])
+def test_bad_preference_data_is_one_line(tmp_path, pairs, capsys, case):
+  source = tmp_path / 'bad.jsonl'
+  if case == 'not-a-pair':
+    source.write_text(json.dumps({'prompt': 'box ?', 'chosen': 'warm'}) + '\n')
+  with pytest.raises(SystemExit) as exit:
+    train_reward.main(['--config', CONFIG, '--workdir', str(tmp_path / 'run'), *[a for o in SMALL + pairs for a in
+                                                                               ('--set', o)],
+                       '--set', f'preferences.source={source}'])
+  assert exit.value.code == 2
+  error = capsys.readouterr().err.strip().splitlines()
+  want = {'missing': f'error: preferences.source {source} not found',
+          'not-a-pair': f"error: record 0 of {source} (format messages): no field 'rejected' (missing or null; its "
+                        'fields: prompt, chosen)'}[case]
+  assert error[-1] == want and not any(line.startswith('Traceback') for line in error)
+  assert not os.path.exists(tmp_path / 'run' / 'config.yaml')  # nothing written before the inputs are checked
