@@ -115,7 +115,9 @@ class RewardRun:
     with open(os.path.join(workdir, 'config.yaml'), 'w') as f:
       f.write(config_lib.to_yaml(config))
     self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step, tensorboard=config.train.tensorboard)
-    self.eval_log = metrics_lib.MetricsLog(workdir, resume_step=self.step, tensorboard=False, name='eval.jsonl')
+    # A run that starts from nothing evaluates its untrained model again: a baseline row left by a run
+    # killed before its first checkpoint goes, as the steps it logged do.
+    self.eval_log = metrics_lib.MetricsLog(workdir, resume_step=self.step or -1, tensorboard=False, name='eval.jsonl')
 
   def _open_checkpoints(self) -> None:
     """The checkpointer of workdir/checkpoints, and the state restored from its newest checkpoint."""

@@ -164,3 +164,108 @@ def test_bad_preference_data_is_one_line(tmp_path, pairs, capsys, case):
                         'fields: prompt, chosen)'}[case]
   assert error[-1] == want and not any(line.startswith('Traceback') for line in error)
   assert not os.path.exists(tmp_path / 'run' / 'config.yaml')  # nothing written before the inputs are checked
+
+
+@pytest.mark.exhaustive
+def test_lora_trains_the_adapters_and_the_score_head_by_peft_gradients(make_hf_checkpoint, seed):
+  """With model.lora the trained split is the adapters and the score head (peft's modules_to_save),
+  the base frozen; one SGD step of the Bradley-Terry update moves each by the gradient transformers
+  + peft compute on the same pairs (B drawn nonzero, so A's gradient is there too)."""
+  import optax
+  import peft
+
+  from grpo_jax.model import lora
+  from grpo_jax.model.lora import LoraConfig
+  from grpo_jax.rl.preference import PreferenceBatch, preference_update
+  from grpo_jax.rl.state import init_train_state
+  from test_lora import _adapted
+  directory, torch_model = make_hf_checkpoint(seed, head='score')
+  settings = LoraConfig(rank=3, alpha=5.0, targets=('q', 'v', 'down'))
+  graphdef, state = nnx.split(_adapted(directory, settings, seed))
+  trained, frozen = lora.split_trainable(state)
+  assert set(nnx.to_pure_dict(trained)) == {'layers', 'score'} and 'score' not in nnx.to_pure_dict(frozen)
+  rng = np.random.default_rng(seed)
+
+  def side():
+    lengths = rng.integers(3, 12, 6)
+    mask = (np.arange(12)[None, :] < lengths[:, None]).astype(np.int32)
+    return np.where(mask == 1, rng.integers(3, 1000, (6, 12)), 0).astype(np.int32), mask
+  (chosen, chosen_mask), (rejected, rejected_mask) = side(), side()
+  weights = np.array([1, 1, 1, 1, 1, 0], np.float32)
+  batch = PreferenceBatch(chosen=chosen, chosen_mask=chosen_mask, rejected=rejected, rejected_mask=rejected_mask,
+                          weights=weights)
+  optimizer = optax.sgd(1.0)
+  after, _ = jax.jit(lambda state, batch: preference_update(
+      state, batch, graphdef=graphdef, optimizer=optimizer, schedule=optax.constant_schedule(1.0)))(
+      init_train_state(trained, optimizer, 0, frozen=frozen), batch)
+  for old, new in zip(jax.tree.leaves(frozen), jax.tree.leaves(after.frozen)):
+    assert np.array_equal(np.asarray(old), np.asarray(new))
+  before_tensors = lora.peft_tensors(state, settings)
+  after_tensors = lora.peft_tensors(lora.join(after.params, after.frozen), settings)
+  ours = {name: before_tensors[name] - after_tensors[name] for name in before_tensors}  # SGD at rate 1: the gradient
+  ours['score'] = (np.asarray(trained['score'][...]) - np.asarray(after.params['score'][...])).T
+
+  reference = peft.get_peft_model(torch_model.float(), peft.LoraConfig(
+      r=3, lora_alpha=5.0, target_modules=['q_proj', 'v_proj', 'down_proj'], lora_dropout=0.0, bias='none',
+      task_type='SEQ_CLS', modules_to_save=['score']))
+  peft.set_peft_model_state_dict(reference, {name: torch.tensor(value) for name, value in before_tensors.items()}
+                                 | {'base_model.model.score.weight': torch.tensor(np.asarray(trained['score'][...]).T)})
+
+  def scores(tokens, mask):
+    return reference(input_ids=torch.tensor(tokens, dtype=torch.long),
+                     attention_mask=torch.tensor(mask, dtype=torch.long)).logits[:, 0]
+  terms = -torch.nn.functional.logsigmoid(scores(chosen, chosen_mask) - scores(rejected, rejected_mask))
+  (torch.sum(terms * torch.tensor(weights)) / weights.sum()).backward()
+  theirs = {name.replace('.default', ''): parameter.grad.numpy() for name, parameter in reference.named_parameters()
+            if parameter.requires_grad}
+  theirs['score'] = theirs.pop('base_model.model.score.modules_to_save.weight')
+  assert set(ours) == set(theirs) and len(ours) == 2 * 3 * 2 + 1
+  for name, grad in ours.items():
+    np.testing.assert_allclose(grad, theirs[name], rtol=0, atol=1e-5, err_msg=name)
+    assert np.abs(theirs[name]).max() > 1e-4, name  # a gradient that is there to compare
+
+
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
+def test_killed_mid_first_save_then_after_a_commit_resumes_exactly(tmp_path, pairs):
+  """kill -9 of the command line while its first checkpoint is written, and again just after the
+  resumed run's first commit: the run resumed to its end equals an uninterrupted one, metrics,
+  held-out evaluations, last checkpoint and export bit for bit."""
+  import random
+  import subprocess
+  import sys
+
+  from runs import device_env
+  from test_crash_safety import (STEPS, TIMEOUT_S, _checkpoints, _log, assert_complete_checkpoints,
+                                 assert_resumed_from_newest, assert_same_final_state, kill_at)
+  settings = [*SMALL, *pairs, f'train.steps={STEPS}', 'train.checkpoint_every=2', 'train.max_to_keep=3',
+              'preferences.pairs_per_batch=4']
+
+  def start(workdir):
+    command = [sys.executable, '-m', 'grpo_jax.train_reward', '--config', CONFIG, '--workdir', str(workdir)]
+    command += [argument for setting in settings for argument in ('--set', setting)]
+    log = open(next(f'{workdir}.{n}.log' for n in range(100) if not os.path.exists(f'{workdir}.{n}.log')), 'w')
+    process = subprocess.Popen(command, cwd=ROOT, env=device_env(1), stdout=subprocess.DEVNULL, stderr=log)
+    process.log = log
+    return process
+
+  whole, killed = tmp_path / 'whole', tmp_path / 'killed'
+  reference = start(whole)
+  assert reference.wait(timeout=TIMEOUT_S) == 0, _log(reference)
+  seed = random.randrange(2**32)
+  rng, hits = random.Random(seed), []
+  for moment in ('first-save', 'commit'):
+    before = max(_checkpoints(killed)[0], default=None)
+    victim = start(killed)
+    hits.append(kill_at(victim, killed, moment, rng))
+    assert_resumed_from_newest(victim, killed, before)
+    assert_complete_checkpoints(killed)
+  before = max(_checkpoints(killed)[0], default=None)
+  resumed = start(killed)
+  assert resumed.wait(timeout=TIMEOUT_S) == 0, f'{hits} (seed {seed}):\n{_log(resumed)}'
+  assert_resumed_from_newest(resumed, killed, before)
+  assert without_timing(read_metrics(killed)) == without_timing(read_metrics(whole)), f'{hits} (seed {seed})'
+  assert read_metrics(killed, 'eval.jsonl') == read_metrics(whole, 'eval.jsonl')
+  assert_same_final_state(killed, whole)
+  ours, theirs = _tensors(killed), _tensors(whole)
+  assert sorted(ours) == sorted(theirs) and all(np.array_equal(ours[name], theirs[name]) for name in ours)
