@@ -269,3 +269,28 @@ def test_killed_mid_first_save_then_after_a_commit_resumes_exactly(tmp_path, pai
   assert_same_final_state(killed, whole)
   ours, theirs = _tensors(killed), _tensors(whole)
   assert sorted(ours) == sorted(theirs) and all(np.array_equal(ours[name], theirs[name]) for name in ours)
+
+
+@pytest.mark.exhaustive
+def test_a_lora_run_exports_its_adapters_merged(tmp_path, pairs, seed):
+  """A LoRA run's export is a plain sequence classifier, the adapters merged into the base: it
+  scores fresh rows as the run's adapted model does (1e-4 in fp32)."""
+  workdir = tmp_path / 'lora'
+  history = _train(workdir, *pairs, 'train.steps=3', 'model.lora.rank=2', 'model.lora.targets=[q, v, up]')
+  assert history[-1]['loss'] < history[0]['loss']
+  config = train_reward.load_config(CONFIG, [*SMALL, *pairs, 'train.steps=3', 'model.lora.rank=2',
+                                             'model.lora.targets=[q, v, up]'])
+  run = train_reward.RewardRun(config, str(workdir), make_mesh(config.mesh, devices=jax.devices()[:1]))
+  try:
+    assert run.step == 3 and run.state.frozen is not None
+    names = set(_tensors(workdir))
+    assert 'score.weight' in names and not any('lora' in name for name in names)
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, 20, 6)
+    mask = (np.arange(20)[None, :] < lengths[:, None]).astype(np.int32)
+    tokens = np.where(mask == 1, rng.integers(1, len(run.tokenizer), (6, 20)), 0).astype(np.int32)
+    model = nnx.merge(run.graphdef, run.state.policy)
+    np.testing.assert_allclose(np.asarray(model.scores(tokens, segment_ids=mask))[:, 0],
+                               _transformers_scorer(str(workdir / 'reward_model'))(tokens, mask), rtol=1e-4, atol=1e-4)
+  finally:
+    run.close()
