@@ -134,10 +134,12 @@ class RewardRun:
     try:
       meta = self.checkpointer.meta(self.saved_step)
       if meta.get('kind') != KIND:
-        raise UserError(f'{where} is not a reward-model run\'s (written by python -m grpo_jax.train?): use a new workdir')
+        raise UserError(f'{where} is not a reward-model run\'s (an RL run\'s, python -m grpo_jax.train?): use '
+                        'a new workdir')
       if meta['pairs'] != len(self.data.train):
         raise UserError(f'{where} was trained on {meta["pairs"]} pairs, preferences.source now gives '
-                        f'{len(self.data.train)}: the order would differ; resume with the same data or use a new workdir')
+                        f'{len(self.data.train)}: the order would differ; resume with the same data or use a new '
+                        'workdir')
       check_base(self.checkpointer, self.saved_step, self.base)
       restored, _ = self.checkpointer.restore(self.saved_step, self.state.checkpointed())
     except UserError:

@@ -71,7 +71,7 @@ def pairs(count: int, seed: int = 0, beta: float = 12.0, reply_words: tuple[int,
   return records
 
 
-def write(out: str, count: int = 512, seed: int = 0) -> dict:
+def write(out: str, count: int = 2048, seed: int = 0) -> dict:
   """Writes the pairs and the tokenizer under `out`; returns their paths."""
   os.makedirs(out, exist_ok=True)
   paths = dict(train=os.path.join(out, 'train.jsonl'), tokenizer=os.path.join(out, 'tokenizer'))
@@ -84,7 +84,7 @@ def write(out: str, count: int = 512, seed: int = 0) -> dict:
 def main(argv=None):
   parser = argparse.ArgumentParser(prog='python -m grpo_jax.data.word_preferences', description=__doc__.splitlines()[0])
   parser.add_argument('--out', required=True, help='directory for train.jsonl and tokenizer/')
-  parser.add_argument('--pairs', type=int, default=512)
+  parser.add_argument('--pairs', type=int, default=2048)
   parser.add_argument('--seed', type=int, default=0)
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   paths = write(args.out, args.pairs, args.seed)
