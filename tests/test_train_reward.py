@@ -311,3 +311,35 @@ def test_a_run_on_a_data_fsdp_tensor_mesh_equals_one_device(tmp_path, pairs):
   # The parameters are compared through what they compute (the held-out loss after the last update):
   # AdamW's early steps are about each gradient's sign, which rounding flips where an element is near 0.
   assert cube[-1]['eval/loss'] is not None
+
+
+def test_each_epoch_visits_every_training_pair_once_in_an_order_of_the_seed_and_the_epoch(tmp_path, seed):
+  """The held-out pairs are none of the training ones; step s's batch depends on (seed, s) alone; each
+  epoch's batches hold every training pair once, the last filled up with pairs of weight 0."""
+  from grpo_jax.data.preference_set import PreferenceEvalConfig, PreferencesConfig, PreferenceSet
+  records = word_preferences.pairs(23, seed % 1000)
+  for index, record in enumerate(records):
+    record['margin'] = float(index)
+  source = tmp_path / 'pairs.jsonl'
+  source.write_text(''.join(json.dumps(record) + '\n' for record in records))
+  tokenizer = word_preferences.build_tokenizer()
+  section = PreferencesConfig(source=str(source), pairs_per_batch=4, margin_field='margin')
+
+  def made(run_seed):
+    return PreferenceSet(section, PreferenceEvalConfig(held_out=0.2), tokenizer, tokenizer.pad_token_id, run_seed)
+  data = made(seed)
+  assert (len(data.train), len(data.held_out), data.batches_per_epoch) == (18, 5, 5)
+  assert not set(data.train.margin) & set(data.held_out.margin)
+  assert sorted(data.train.margin.tolist() + data.held_out.margin.tolist()) == list(range(23))
+  orders = []
+  for epoch in range(3):
+    batches = [data.batch(step) for step in range(epoch * 5, epoch * 5 + 5)]
+    assert [int(batch['weights'].sum()) for batch in batches] == [4, 4, 4, 4, 2]
+    assert all(batch['chosen'].shape == (4, data.report['width']) for batch in batches)
+    seen = [margin for batch in batches for margin, weight in zip(batch['margin'], batch['weights']) if weight]
+    assert sorted(seen) == sorted(data.train.margin.tolist())
+    orders.append(seen)
+  assert orders[0] != orders[1] != orders[2]
+  again = made(seed)
+  assert all(np.array_equal(again.batch(step)['chosen'], data.batch(step)['chosen']) for step in (0, 7, 14))
+  assert any(not np.array_equal(made(seed + 1).batch(step)['margin'], data.batch(step)['margin']) for step in (0, 7))

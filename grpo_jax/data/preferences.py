@@ -153,22 +153,22 @@ def adapt_preferences(records: list[dict], format: str, source: str,
                       margin_field: str | None = None) -> AdaptedPreferences:
   """The preference pairs of `records` read in `format` (see the module docstring); `source` (the
   config's source string) names the dataset in messages and is the default data source;
-  `margin_field`: the (dotted) field holding each pair's margin, which every record must have."""
+  `margin_field`: the (dotted) field holding each pair's margin, a number in every pair not skipped."""
   if format not in PREFERENCE_FORMATS:
     raise UserError(f'preference format {format!r} of {source} is not one of {", ".join(PREFERENCE_FORMATS)}')
   pairs, skipped = [], collections.Counter()
   for index, record in enumerate(records):
     try:
       prompt, chosen, rejected = _read(record, format)
+      if not any(m['content'].strip() for m in chosen) or not any(m['content'].strip() for m in rejected):
+        skipped['empty reply'] += 1
+        continue
+      if chosen == rejected:
+        skipped['identical'] += 1
+        continue
       margin = None if margin_field is None else _margin(record, margin_field)
     except _BadRecord as error:
       raise UserError(f'record {index} of {source} (format {format}): {error}') from None
-    if not any(m['content'].strip() for m in chosen) or not any(m['content'].strip() for m in rejected):
-      skipped['empty reply'] += 1
-      continue
-    if chosen == rejected:
-      skipped['identical'] += 1
-      continue
     data_source = scalar_text(record.get('data_source')) or source
     pairs.append(Preference(prompt=prompt, chosen=chosen, rejected=rejected, data_source=data_source, margin=margin))
   if not pairs:
