@@ -62,7 +62,6 @@ def test_trains_resumes_exactly_evaluates_held_out_pairs_and_exports_for_transfo
   assert [row['step'] for row in history] == [1, 2, 3, 4, 5, 6]
   assert [row['epoch'] for row in history] == [0, 0, 0, 0, 1, 1]  # 29 pairs: 4 batches an epoch
   assert history[3]['pairs'] == 5 and history[0]['pairs'] == 8  # the epoch's last batch: 5 real pairs
-  assert history[-1]['loss'] < history[0]['loss']
   evaluations = read_metrics(whole, 'eval.jsonl')
   assert [row['step'] for row in evaluations] == [0, 2, 4, 6] and evaluations[0]['eval/pairs'] == 7
   assert history[-1]['eval/accuracy'] == evaluations[-1]['eval/accuracy']
@@ -276,8 +275,7 @@ def test_a_lora_run_exports_its_adapters_merged(tmp_path, pairs, seed):
   """A LoRA run's export is a plain sequence classifier, the adapters merged into the base: it
   scores fresh rows as the run's adapted model does (1e-4 in fp32)."""
   workdir = tmp_path / 'lora'
-  history = _train(workdir, *pairs, 'train.steps=3', 'model.lora.rank=2', 'model.lora.targets=[q, v, up]')
-  assert history[-1]['loss'] < history[0]['loss']
+  _train(workdir, *pairs, 'train.steps=3', 'model.lora.rank=2', 'model.lora.targets=[q, v, up]')
   config = train_reward.load_config(CONFIG, [*SMALL, *pairs, 'train.steps=3', 'model.lora.rank=2',
                                              'model.lora.targets=[q, v, up]'])
   run = train_reward.RewardRun(config, str(workdir), make_mesh(config.mesh, devices=jax.devices()[:1]))
