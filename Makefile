@@ -12,7 +12,7 @@ PYTHON ?= $(call first_python,$$(command -v python3.13 python3.12) $(HOME)/.pyen
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-agent demo-math demo-lora demo-moe demo-vl demo-vl-agent test test-all test-fast core-smoke sandbox bench clean
+.PHONY: demo demo-agent demo-math demo-lora demo-moe demo-reward-model demo-vl demo-vl-agent test test-all test-fast core-smoke sandbox bench clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 or newer found (jax 0.12 needs it): make ... PYTHON=/path/to/python3.12"; exit 1; }
@@ -68,6 +68,10 @@ demo-vl-agent: $(VENV)/.extras
 demo-math: $(VENV)/.extras
 	$(BIN)/python -m grpo_jax.data.word_problems --out data/tiny_math
 	$(BIN)/python -m grpo_jax.train --config configs/tiny_math.yaml
+
+demo-reward-model: $(VENV)/.extras
+	$(BIN)/python -m grpo_jax.data.word_preferences --out data/tiny_preferences
+	$(BIN)/python -m grpo_jax.train_reward --config configs/tiny_reward_model.yaml
 
 # The core on the GPU images' JAX (requirements-gpu-image.txt), checked on the CPU in an environment of
 # its own; those packages need Python 3.12. Where no python3.12 is found, it skips and says so.
@@ -127,4 +131,4 @@ bench: $(VENV)/.test
 	$(BIN)/python bench/forward.py
 
 clean:
-	rm -rf $(VENV) $(GPU_IMAGE_VENV) .cache runs data/tiny_math
+	rm -rf $(VENV) $(GPU_IMAGE_VENV) .cache runs data/tiny_math data/tiny_preferences

@@ -316,6 +316,13 @@ def _apply_override(data: dict, assignment: str) -> None:
 
 def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Config:
   """Reads a YAML file (or only defaults when `path` is None) and applies `--set` overrides."""
+  return _with_local_paths_resolved(read_sections(path, overrides, Config))
+
+
+def read_sections(path: str | None, overrides: typing.Sequence[str], cls):
+  """The top-level config `cls` (a frozen dataclass of sections: Config, or another entry point's)
+  read from a YAML file (or only defaults when `path` is None) with `--set` overrides applied, every
+  key and type checked."""
   data = {}
   if path is not None:
     if not os.path.isfile(path):
@@ -336,10 +343,10 @@ def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Confi
     probe = copy.deepcopy(data)
     for assignment in overrides:
       _apply_override(probe, assignment)
-    data = _without_other_kinds(data, switched, probe)
+    data = _without_other_kinds(data, switched, probe, cls)
   for assignment in overrides:
     _apply_override(data, assignment)
-  return _with_local_paths_resolved(_build(Config, data))
+  return _build(cls, data)
 
 
 def _with_local_paths_resolved(config: Config) -> Config:
@@ -363,12 +370,12 @@ def _with_local_paths_resolved(config: Config) -> Config:
   return dataclasses.replace(config, **changes) if changes else config
 
 
-def _without_other_kinds(data: dict, sections, final: dict) -> dict:
+def _without_other_kinds(data: dict, sections, final: dict, cls=None) -> dict:
   """`data` without the keys of tagged `sections` that belong to another kind than the one `final`
   (the same data, overrides applied) picks: a stored config's, or a file's whose kind the command
-  line changes."""
+  line changes. `cls`: the top-level config (default Config)."""
   data = dict(data)
-  hints = typing.get_type_hints(Config)
+  hints = typing.get_type_hints(cls or Config)
   for name in sections:
     kind = hints.get(name)
     if hasattr(kind, 'variants') and isinstance(data.get(name), dict) and isinstance(final.get(name), dict):

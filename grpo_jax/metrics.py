@@ -127,12 +127,13 @@ class ProgressBar:
     self.stream.flush()
 
 
-def summary_table(history: list[dict], rows: int = 8) -> str:
-  """Evenly spaced steps of the run (first and last included) as an aligned text table."""
+def summary_table(history: list[dict], rows: int = 8, summary=SUMMARY) -> str:
+  """Evenly spaced steps of the run (first and last included) as an aligned text table of the
+  `summary` columns ((name, format) pairs) the rows have."""
   if not history:
     return '(no steps)'
   picks = sorted({round(i * (len(history) - 1) / max(rows - 1, 1)) for i in range(rows)})
-  columns = [(name, fmt) for name, fmt in SUMMARY if any(row.get(name) is not None for row in history)]
+  columns = [(name, fmt) for name, fmt in summary if any(row.get(name) is not None for row in history)]
   header = ['step'] + [name for name, _ in columns]
   table = [header]
   for index in picks:

@@ -28,7 +28,7 @@ LAYERS = (
     ('config',),  # assembles the sections into a run's Config
     ('restore',),  # a run's policy read back from its checkpoints, by its config
     ('build', 'plan', 'serve', 'testing'),  # a run's objects built; the plan; serving; the test model
-    ('train', 'eval'),  # the run's CLIs
+    ('train', 'eval', 'train_reward'),  # the run's CLIs
 )
 # Rooms on one rung of which the first imports the second, and why that is right.
 SAME_RUNG = {
@@ -37,6 +37,8 @@ SAME_RUNG = {
     ('sandbox', 'cgroups'): "the sandbox holds each call's process tree in a cgroup of its own, where one can be "
                             'made (cgroups.py: both cgroup versions, nothing of the sandbox)',
     ('plan', 'build'): "the plan compiles the run's own RL step, which build.py is the one place to build",
+    ('train_reward', 'train'): "a reward-model run checks its workdir, its resumed config and its LoRA base as the RL "
+                               'run does (check_workdir, changed_keys, base_record, check_base): one set of checks',
 }
 RUNG = {room: rung for rung, rooms in enumerate(LAYERS) for room in rooms}
 

@@ -148,3 +148,15 @@ def test_pairs_render_with_the_reward_models_template_and_long_ones_are_left_out
           f'<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n{reply}<|im_end|>\n')
   with pytest.raises(UserError, match='max_length must be positive'):
     encode_pairs(tokenizer, pairs, 0, pad)
+
+
+def test_a_margin_field_is_read_per_pair_and_must_be_a_number():
+  records = [{'prompt': 'q', 'chosen': 'a', 'rejected': 'b', 'rating': {'gap': 2}},
+             {'prompt': 'r', 'chosen': 'c', 'rejected': 'c'},  # identical: skipped, its margin never read
+             {'prompt': 's', 'chosen': 'd', 'rejected': 'e', 'rating': {'gap': 0.5}}]
+  adapted = adapt_preferences(records, 'messages', 'd.jsonl', margin_field='rating.gap')
+  assert [pair.margin for pair in adapted.pairs] == [2.0, 0.5] and adapted.skipped == {'identical': 1}
+  assert all(pair.margin is None for pair in adapt_preferences(records, 'messages', 'd.jsonl').pairs)
+  for bad in ('high', None, float('nan'), True):
+    with pytest.raises(UserError, match=r"^record 0 of d.jsonl \(format messages\): margin field 'rating.gap' is "):
+      adapt_preferences([dict(records[0], rating={'gap': bad})], 'messages', 'd.jsonl', margin_field='rating.gap')

@@ -27,6 +27,7 @@ skipped and counted by reason: the two replies are the same ('identical'), or on
 
 import collections
 import dataclasses
+import math
 import re
 from typing import Literal, get_args
 
@@ -48,12 +49,14 @@ _HH_ROLES = {'Human': 'user', 'Assistant': 'assistant'}
 class Preference:
   """One preference pair. prompt: the conversation before the replies (chat messages, the last
   one the user's); chosen / rejected: the preferred and the other reply (messages after the
-  prompt, the last one the assistant's); data_source: the dataset it came from."""
+  prompt, the last one the assistant's); data_source: the dataset it came from; margin: how much
+  better the chosen reply was rated (the record's margin field), None without one."""
 
   prompt: Messages
   chosen: Messages
   rejected: Messages
   data_source: str
+  margin: float | None = None
 
   def conversations(self) -> tuple[Messages, Messages]:
     """The chosen and the rejected conversation, whole."""
@@ -139,25 +142,35 @@ def _read(record: dict, format: str) -> tuple[Messages, Messages, Messages]:
   return _pair(_messages(record['chosen'], 'chosen'), _messages(record['rejected'], 'rejected'), prompt)
 
 
-def adapt_preferences(records: list[dict], format: str, source: str) -> AdaptedPreferences:
+def _margin(record: dict, field: str) -> float:
+  value = lookup(record, field)
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    raise _BadRecord(f'margin field {field!r} is {value!r}, not a finite number')
+  return float(value)
+
+
+def adapt_preferences(records: list[dict], format: str, source: str,
+                      margin_field: str | None = None) -> AdaptedPreferences:
   """The preference pairs of `records` read in `format` (see the module docstring); `source` (the
-  config's source string) names the dataset in messages and is the default data source."""
+  config's source string) names the dataset in messages and is the default data source;
+  `margin_field`: the (dotted) field holding each pair's margin, a number in every pair not skipped."""
   if format not in PREFERENCE_FORMATS:
     raise UserError(f'preference format {format!r} of {source} is not one of {", ".join(PREFERENCE_FORMATS)}')
   pairs, skipped = [], collections.Counter()
   for index, record in enumerate(records):
     try:
       prompt, chosen, rejected = _read(record, format)
+      if not any(m['content'].strip() for m in chosen) or not any(m['content'].strip() for m in rejected):
+        skipped['empty reply'] += 1
+        continue
+      if chosen == rejected:
+        skipped['identical'] += 1
+        continue
+      margin = None if margin_field is None else _margin(record, margin_field)
     except _BadRecord as error:
       raise UserError(f'record {index} of {source} (format {format}): {error}') from None
-    if not any(m['content'].strip() for m in chosen) or not any(m['content'].strip() for m in rejected):
-      skipped['empty reply'] += 1
-      continue
-    if chosen == rejected:
-      skipped['identical'] += 1
-      continue
     data_source = scalar_text(record.get('data_source')) or source
-    pairs.append(Preference(prompt=prompt, chosen=chosen, rejected=rejected, data_source=data_source))
+    pairs.append(Preference(prompt=prompt, chosen=chosen, rejected=rejected, data_source=data_source, margin=margin))
   if not pairs:
     raise UserError(f'none of the {len(records)} records of {source} (format {format}) is a usable preference pair '
                     f'(skipped: {dict(skipped)})')

@@ -323,22 +323,22 @@ def with_adapters(model: Qwen2, options: ModelOptions, mesh: Mesh, seed: int) ->
   `options.lora` on it, drawn from `seed` as `init_model` draws them, laid out over `mesh`. The
   base's arrays are used as they are."""
   graphdef, abstract = nnx.split(abstract_model(model.config, options))
-  adapter_shardings = state_shardings(lora.split_trainable(abstract)[0], mesh)
+  adapter_shardings = state_shardings(lora.split_adapters(abstract)[0], mesh)
 
   @functools.partial(jax.jit, out_shardings=adapter_shardings)
   def create():  # only the adapters leave: the rest of this init is dead code to XLA
-    return lora.split_trainable(nnx.state(Qwen2(model.config, options, rngs=nnx.Rngs(seed))))[0]
+    return lora.split_adapters(nnx.state(Qwen2(model.config, options, rngs=nnx.Rngs(seed))))[0]
 
   return nnx.merge(graphdef, lora.join(create(), nnx.state(model)))
 
 
-def load_reward_model(path: str, *, mesh: Mesh | None = None, options: ModelOptions | None = None):
+def load_reward_model(path: str, *, mesh: Mesh | None = None, options: ModelOptions | None = None, seed: int = 0):
   """(the reward model at `path`, its tokenizer): a checkpoint with a score head (model/config.py
   SEQUENCE_CLASSIFIERS) and the tokenizer stored beside it, checked to belong together: the
   tokenizer's ids fit the checkpoint's embedding, and the id it pads with is the checkpoint's
   pad_token_id (the model reads each row at its last token that is not that id). One line for each
-  mismatch."""
-  model = from_pretrained(path, mesh=mesh, options=options)
+  mismatch. `seed`: with options.lora, the fresh adapters' (from_pretrained)."""
+  model = from_pretrained(path, mesh=mesh, options=options, seed=seed)
   config = model.config
   if not config.num_labels:
     raise UserError(f'{path} is a language model ({config.architecture}), not a reward model: a reward model is a '

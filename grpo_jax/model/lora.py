@@ -11,7 +11,8 @@ other axes leave it free.
 
 With LoRA the base weights are frozen and held in the compute dtype; only the adapters (in
 `param_dtype`) are trained, carried by the optimizer and checkpointed. Adapters are a Variable type
-of their own (`Adapter`), so a model's state splits by type: `split_trainable`.
+of their own (`Adapter`), so a model's state splits by type: `split_trainable`. A reward model's
+score head trains beside them (it is new to the base, as peft's modules_to_save).
 """
 
 import dataclasses
@@ -97,11 +98,23 @@ def has_adapters(state: nnx.State) -> bool:
   return any(isinstance(v, Adapter) for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
+def split_adapters(state: nnx.State) -> tuple[nnx.State, nnx.State]:
+  """(the adapters, everything else) of a LoRA model's state."""
+  return nnx.split_state(state, Adapter, ...)
+
+
+def _trains_beside_adapters(path, variable) -> bool:
+  """An adapter, or a reward model's score head: a head that is new to the base (peft's
+  modules_to_save) must learn beside the adapters, which could not move it."""
+  return isinstance(variable, Adapter) or tuple(str(key) for key in path) == ('score',)
+
+
 def split_trainable(state: nnx.State) -> tuple[nnx.State, nnx.State | None]:
-  """(what trains, what stays frozen): (adapters, base) of a LoRA model; (everything, None) otherwise."""
+  """(what trains, what stays frozen): (adapters, base) of a LoRA model, a reward model's score
+  head among what trains; (everything, None) otherwise."""
   if not has_adapters(state):
     return state, None
-  return nnx.split_state(state, Adapter, ...)
+  return nnx.split_state(state, _trains_beside_adapters, ...)
 
 
 def join(trainable: nnx.State, frozen: nnx.State | None) -> nnx.State:
@@ -135,7 +148,7 @@ def merged(state: nnx.State, lora: LoraConfig) -> nnx.State:
     name = str(path[-1]) if len(path) >= 2 and str(path[0]) == 'layers' else None
     return variable.replace(values[name]) if name in values else variable
 
-  _, base = split_trainable(state)
+  _, base = split_adapters(state)
   return nnx.map_state(replace, base)
 
 

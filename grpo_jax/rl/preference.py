@@ -74,7 +74,7 @@ class PreferenceBatch:
   def micro(self, count: int) -> 'PreferenceBatch':
     """[count, B / count, ...]: the pairs in `count` micro-batches of consecutive pairs."""
     rows = self.weights.shape[0]
-    require(rows % count == 0, 'train.micro_batches', f'must divide the {rows} pairs of a batch, got {count}')
+    require(rows % count == 0, 'preferences.micro_batches', f'must divide the {rows} pairs of a batch, got {count}')
     return jax.tree.map(lambda x: x.reshape((count, rows // count) + x.shape[1:]), self)
 
 
@@ -94,12 +94,9 @@ def preference_update(state: TrainState, batch: PreferenceBatch, *, graphdef, op
   """One optimizer update of a reward model on B preference pairs: the Bradley-Terry loss's mean
   over the real pairs, its gradient accumulated over `micro_batches` micro-batches of B /
   micro_batches pairs (the same update as one batch, in a micro-batch's memory). An update whose
-  loss or gradient is not finite is skipped and counted, as the RL update does. Every parameter
-  trains: LoRA on a reward model, whose score head must train beside the adapters (peft's
-  modules_to_save), is refused until the split of what trains says so. Traceable; the step
-  counts one."""
-  require(state.frozen is None, 'model.lora', 'reward-model training with LoRA is not built yet: its score head '
-          'must train beside the adapters; train every parameter')
+  loss or gradient is not finite is skipped and counted, as the RL update does. What trains is
+  `state.params`: every parameter, or with LoRA the adapters and the score head (model/lora.py
+  split_trainable), the frozen base in `state.frozen`. Traceable; the step counts one."""
   frozen = state.frozen
   micro = batch.micro(micro_batches)
   real = jnp.maximum(jnp.sum(batch.weights.astype(jnp.float32)), 1.0)
