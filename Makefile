@@ -12,7 +12,7 @@ PYTHON ?= $(call first_python,$$(command -v python3.13 python3.12) $(HOME)/.pyen
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-agent demo-math demo-lora demo-moe demo-reward-model demo-vl demo-vl-agent test test-all test-fast core-smoke sandbox bench clean
+.PHONY: demo demo-agent demo-math demo-lora demo-moe demo-rm demo-vl demo-vl-agent test test-all test-fast core-smoke sandbox bench clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 or newer found (jax 0.12 needs it): make ... PYTHON=/path/to/python3.12"; exit 1; }
@@ -69,9 +69,13 @@ demo-math: $(VENV)/.extras
 	$(BIN)/python -m grpo_jax.data.word_problems --out data/tiny_math
 	$(BIN)/python -m grpo_jax.train --config configs/tiny_math.yaml
 
-demo-reward-model: $(VENV)/.extras
-	$(BIN)/python -m grpo_jax.data.word_preferences --out data/tiny_preferences
+# Rewards from models: preference pairs labelled by a hidden property, a reward model trained on
+# them, GRPO against it, and the proxy / gold picture (runs/tiny_rm_grpo/proxy_gold.png).
+demo-rm: $(VENV)/.extras
+	$(BIN)/python -m grpo_jax.data.synthetic_preferences --out data/tiny_rm
 	$(BIN)/python -m grpo_jax.train_reward --config configs/tiny_reward_model.yaml
+	$(BIN)/python -m grpo_jax.train --config configs/tiny_rm_grpo.yaml
+	$(BIN)/python -m grpo_jax.data.synthetic_preferences --plot runs/tiny_rm_grpo
 
 # The core on the GPU images' JAX (requirements-gpu-image.txt), checked on the CPU in an environment of
 # its own; those packages need Python 3.12. Where no python3.12 is found, it skips and says so.
@@ -131,4 +135,4 @@ bench: $(VENV)/.test
 	$(BIN)/python bench/forward.py
 
 clean:
-	rm -rf $(VENV) $(GPU_IMAGE_VENV) .cache runs data/tiny_math data/tiny_preferences
+	rm -rf $(VENV) $(GPU_IMAGE_VENV) .cache runs data/tiny_math data/tiny_rm

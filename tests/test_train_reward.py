@@ -17,7 +17,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from grpo_jax import train_reward
-from grpo_jax.data import word_preferences
+from grpo_jax.data import synthetic_preferences
 from grpo_jax.sharding import MeshConfig, make_mesh
 from runs import ROOT, read_metrics, without_timing
 
@@ -30,8 +30,8 @@ SMALL = ['train.progress=false', 'train.tensorboard=false', 'optim.schedule=cons
 def pairs(tmp_path, seed):
   """A preference file of 36 random-word pairs (29 to train on: the last batch of an epoch padded)
   and its tokenizer."""
-  paths = word_preferences.write(str(tmp_path / 'data'), 36, seed % 1000)
-  return [f'preferences.source={paths["train"]}', f'preferences.tokenizer={paths["tokenizer"]}']
+  paths = synthetic_preferences.write(str(tmp_path / 'data'), pairs=36, held_out=8, seed=seed % 1000)
+  return [f'preferences.source={paths["pairs"]}', f'preferences.tokenizer={paths["tokenizer"]}']
 
 
 def _train(workdir, *overrides):
@@ -116,7 +116,7 @@ def test_a_language_model_gets_a_fresh_score_head_on_its_own_decoder(tmp_path, m
   from grpo_jax.model.loading import ModelConfig
   from grpo_jax.model.score_head import build_reward_model
   directory, _ = make_hf_checkpoint(seed)
-  tokenizer = word_preferences.build_tokenizer()
+  tokenizer = synthetic_preferences.build_tokenizer()
   tokenizer.save_pretrained(directory)
   mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
   model, loaded = build_reward_model(ModelConfig(path=directory), mesh, seed)
@@ -315,12 +315,12 @@ def test_each_epoch_visits_every_training_pair_once_in_an_order_of_the_seed_and_
   """The held-out pairs are none of the training ones; step s's batch depends on (seed, s) alone; each
   epoch's batches hold every training pair once, the last filled up with pairs of weight 0."""
   from grpo_jax.data.preference_set import PreferenceEvalConfig, PreferencesConfig, PreferenceSet
-  records = word_preferences.pairs(23, seed % 1000)
+  records = synthetic_preferences.pair_records(np.random.default_rng(seed), 23, 8, beta=20.0)
   for index, record in enumerate(records):
     record['margin'] = float(index)
   source = tmp_path / 'pairs.jsonl'
   source.write_text(''.join(json.dumps(record) + '\n' for record in records))
-  tokenizer = word_preferences.build_tokenizer()
+  tokenizer = synthetic_preferences.build_tokenizer()
   section = PreferencesConfig(source=str(source), pairs_per_batch=4, margin_field='margin')
 
   def made(run_seed):
