@@ -6,7 +6,7 @@ the sampler's layout, and the evaluator of the task's held-out problems."""
 import jax
 from flax import nnx
 
-from grpo_jax.data.reward_terms import JudgeTerm, RewardModelTerm
+from grpo_jax.data.reward_terms import ModelTerm
 from grpo_jax.data.task import Task
 from grpo_jax.errors import require
 from grpo_jax.model import lora
@@ -79,7 +79,7 @@ def build_model_scores(config, mesh: jax.sharding.Mesh, task: Task) -> ModelScor
   """The run's models that score completions in the mesh (its reward terms of kind reward_model and
   judge), loaded over `mesh` and checked against the task (a dataset task: its tokenizer, its decode
   and its rows); none without such terms."""
-  terms = tuple(term for term in config.rewards if isinstance(term, (RewardModelTerm, JudgeTerm)))
+  terms = tuple(term for term in config.rewards if isinstance(term, ModelTerm))
   if not terms:
     return ModelScores.none()
   return ModelScores.load(terms, mesh, task, task.prompt_length + config.rollout.max_new_tokens, config.model.options)

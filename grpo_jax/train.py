@@ -139,6 +139,18 @@ def check_base(checkpointer: Checkpointer, step: int, base: dict) -> None:
     raise UserError(f'{where} holds adapters of model.lora={stored["lora"]}, this run asks for {base["lora"]}')
 
 
+def stop_on_skips(checkpointer: Checkpointer, skips: int, limit: int, step: int) -> int:
+  """`skips` (updates skipped in a row for a non-finite loss or gradient), after stopping the run in
+  one line, naming its last good checkpoint, once there are `limit` (train.max_consecutive_skips)."""
+  if skips >= limit:
+    checkpointer.wait()
+    last = checkpointer.latest_step()
+    where = f'the last good checkpoint is step {last}' if last is not None else 'no checkpoint was saved'
+    raise UserError(f'{skips} updates in a row had a non-finite loss or gradient (train.max_consecutive_skips='
+                    f'{limit}); stopped at step {step}, {where}. Lower optim.learning_rate or check the data.')
+  return skips
+
+
 def to_host(metrics: dict) -> dict:
   return distributed.host_values(dict(metrics))
 
@@ -263,14 +275,7 @@ class Run:
   def check_skips(self) -> int:
     """The updates skipped in a row (non-finite), after stopping the run when there are too many."""
     skips = int(distributed.host_value(self.state.skips))
-    limit = self.config.train.max_consecutive_skips
-    if skips >= limit:
-      self.checkpointer.wait()
-      last = self.checkpointer.latest_step()
-      where = f'the last good checkpoint is step {last}' if last is not None else 'no checkpoint was saved'
-      raise UserError(f'{skips} updates in a row had a non-finite loss or gradient (train.max_consecutive_skips='
-                      f'{limit}); stopped at step {self.step}, {where}. Lower optim.learning_rate or check the data.')
-    return skips
+    return stop_on_skips(self.checkpointer, skips, self.config.train.max_consecutive_skips, self.step)
 
   def close(self) -> None:
     self.checkpointer.close()

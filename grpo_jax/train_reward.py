@@ -41,7 +41,7 @@ from grpo_jax.rl.optimizer import OptimConfig
 from grpo_jax.rl.preference import PreferenceBatch, bradley_terry_terms, pair_scores, preference_update
 from grpo_jax.rl.state import TrainState, create_train_state, train_state_shardings
 from grpo_jax.sharding import MeshConfig
-from grpo_jax.train import base_record, changed_keys, check_base, check_workdir
+from grpo_jax.train import base_record, changed_keys, check_base, check_workdir, stop_on_skips
 
 KIND = 'reward_model'  # a checkpoint's meta says which trainer wrote it
 EXPORT_DIR = 'reward_model'
@@ -196,14 +196,7 @@ class RewardRun:
   def check_skips(self) -> int:
     """The updates skipped in a row (non-finite), after stopping the run when there are too many."""
     skips = int(jax.device_get(self.state.skips))
-    limit = self.config.train.max_consecutive_skips
-    if skips >= limit:
-      self.checkpointer.wait()
-      last = self.checkpointer.latest_step()
-      where = f'the last good checkpoint is step {last}' if last is not None else 'no checkpoint was saved'
-      raise UserError(f'{skips} updates in a row had a non-finite loss or gradient (train.max_consecutive_skips='
-                      f'{limit}); stopped at step {self.step}, {where}. Lower optim.learning_rate or check the data.')
-    return skips
+    return stop_on_skips(self.checkpointer, skips, self.config.train.max_consecutive_skips, self.step)
 
   def export(self) -> str:
     """workdir/reward_model: the trained model in the hub's sequence-classification layout (with

@@ -23,7 +23,8 @@ from runs import ROOT, read_metrics, without_timing
 
 CONFIG = os.path.join(ROOT, 'configs', 'tiny_reward_model.yaml')
 SMALL = ['train.progress=false', 'train.tensorboard=false', 'optim.schedule=constant', 'optim.warmup_steps=0',
-         'preferences.pairs_per_batch=8', 'eval.every=2', 'eval.held_out=0.2']
+         'preferences.pairs_per_batch=8', 'eval.every=2', 'eval.source=null',
+         'eval.held_out=0.2']
 
 
 @pytest.fixture

@@ -281,7 +281,42 @@ class CustomTerm(RewardTerm):
 
 
 @dataclasses.dataclass(frozen=True)
-class RewardModelTerm(RewardTerm):
+class ModelTerm(RewardTerm):
+  """A term scored by a model the run holds in the trainer's mesh (rl/model_scores.py): the step's
+  model-scoring stage gives each completion its value before the host terms run, NaN where the
+  model could give none (the term scores it 0 and counts it in reward_failures), and the term
+  reads them by its label (Completions.model_scores)."""
+
+  path: str = ''  # the model: a Hugging Face directory or a grpo_jax checkpoint, with its tokenizer
+  dtype: str = 'bfloat16'  # the dtype its weights are held and computed in (float32 for exact parity)
+
+  def __post_init__(self):
+    super().__post_init__()
+    require(bool(self.path), 'path', f'must name the {self.kind_name} (a directory: config.json, weights, tokenizer)')
+    require(self.dtype in ('float32', 'bfloat16'), 'dtype', f"must be 'float32' or 'bfloat16', got {self.dtype!r}")
+
+  @property
+  def kind_name(self) -> str:
+    """What the model is called in messages."""
+    return self.name.replace('_', ' ')
+
+  def with_paths(self, resolve: Callable[[str], str]) -> 'ModelTerm':
+    return dataclasses.replace(self, path=resolve(self.path))
+
+  def scorer(self, composer: 'RewardComposer') -> Scorer:
+    del composer
+
+    def score(completions: Completions) -> tuple[np.ndarray, int]:
+      if self.label not in completions.model_scores:
+        raise UserError(f'reward term {self.name!r}: the step gave no scores of the {self.kind_name} {self.path}')
+      values = np.asarray(completions.model_scores[self.label], np.float32)
+      read = np.isfinite(values)
+      return np.where(read, values, 0.0).astype(np.float32), int((~read).sum())
+    return score
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelTerm(ModelTerm):
   """The score of a reward model (a sequence classifier of one label: model/loading.py
   load_reward_model) of each completion after its prompt. The reward model runs in the trainer's
   mesh, as a program of the step between the rollout and the host stage (rl/model_scores.py), with
@@ -299,8 +334,6 @@ class RewardModelTerm(RewardTerm):
   not scored (0, and counted in reward_failures), since a cut conversation is another one."""
 
   name: Literal['reward_model'] = 'reward_model'
-  path: str = ''  # the reward model: a Hugging Face *ForSequenceClassification directory or a grpo_jax checkpoint
-  dtype: str = 'bfloat16'  # the dtype its weights are held and computed in (float32 for exact parity)
   # Conversations rendered through its own template (another tokenizer or template than the
   # policy's) are padded to this many of its tokens; 0: 1.5 x the policy's rows (prompt width +
   # rollout.max_new_tokens), at most its max_position_embeddings.
@@ -308,27 +341,11 @@ class RewardModelTerm(RewardTerm):
 
   def __post_init__(self):
     super().__post_init__()
-    require(bool(self.path), 'path', 'must name the reward model (a directory with config.json, weights, tokenizer)')
-    require(self.dtype in ('float32', 'bfloat16'), 'dtype', f"must be 'float32' or 'bfloat16', got {self.dtype!r}")
     require(self.max_length >= 0, 'max_length', f'must be >= 0 (0: from the rows), got {self.max_length}')
-
-  def with_paths(self, resolve: Callable[[str], str]) -> 'RewardModelTerm':
-    return dataclasses.replace(self, path=resolve(self.path))
-
-  def scorer(self, composer: 'RewardComposer') -> Scorer:
-    del composer
-
-    def score(completions: Completions) -> tuple[np.ndarray, int]:
-      if self.label not in completions.model_scores:
-        raise UserError(f'reward term {self.name!r}: the step gave no scores of the reward model {self.path}')
-      values = np.asarray(completions.model_scores[self.label], np.float32)
-      read = np.isfinite(values)  # NaN: a conversation longer than max_length, not scored
-      return np.where(read, values, 0.0).astype(np.float32), int((~read).sum())
-    return score
 
 
 @dataclasses.dataclass(frozen=True)
-class JudgeTerm(RewardTerm):
+class JudgeTerm(ModelTerm):
   """A generative judge's verdict on each completion (data/judge.py): a language model shown the
   `template` (slots {prompt}: the question as the policy was asked it, before the chat template;
   {completion}, required; {reference}, only with `show_reference`) as one user message through its
@@ -340,35 +357,17 @@ class JudgeTerm(RewardTerm):
   answer unless `show_reference` is true. One process only."""
 
   name: Literal['judge'] = 'judge'
-  path: str = ''  # the judge: a language model directory (Hugging Face or grpo_jax), its tokenizer and chat template
   template: str = ''  # the judge's user message, with {completion} and optionally {prompt} and {reference}
   parse: ParseRule = ParseRule()  # how a verdict becomes a reward: kind score (low..high) or choice
   show_reference: bool = False  # whether the judge may see the reference answer ({reference})
   max_new_tokens: int = 64  # the verdict's budget in the judge's tokens
   max_prompt_tokens: int = 1024  # the judge's prompts are padded to this; a longer one is not judged (0, counted)
-  dtype: str = 'bfloat16'  # the dtype the judge's weights are held and computed in
 
   def __post_init__(self):
     super().__post_init__()
-    require(bool(self.path), 'path', 'must name the judge (a language model directory with its tokenizer)')
     check_template(self.template, self.show_reference)
     require(self.max_new_tokens >= 1, 'max_new_tokens', f'must be >= 1, got {self.max_new_tokens}')
     require(self.max_prompt_tokens >= 1, 'max_prompt_tokens', f'must be >= 1, got {self.max_prompt_tokens}')
-    require(self.dtype in ('float32', 'bfloat16'), 'dtype', f"must be 'float32' or 'bfloat16', got {self.dtype!r}")
-
-  def with_paths(self, resolve: Callable[[str], str]) -> 'JudgeTerm':
-    return dataclasses.replace(self, path=resolve(self.path))
-
-  def scorer(self, composer: 'RewardComposer') -> Scorer:
-    del composer
-
-    def score(completions: Completions) -> tuple[np.ndarray, int]:
-      if self.label not in completions.model_scores:
-        raise UserError(f'reward term {self.name!r}: the step gave no verdicts of the judge {self.path}')
-      values = np.asarray(completions.model_scores[self.label], np.float32)
-      read = np.isfinite(values)  # NaN: no verdict could be read
-      return np.where(read, values, 0.0).astype(np.float32), int((~read).sum())
-    return score
 
 
 # The built-in terms by name; any other name of the form module:function is a CustomTerm.

@@ -18,7 +18,7 @@ from flax import nnx
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
 from grpo_jax.build import build_rl_step
-from grpo_jax.data.reward_terms import JudgeTerm, RewardModelTerm
+from grpo_jax.data.reward_terms import ModelTerm
 from grpo_jax.data.task import Scores
 from grpo_jax.errors import UserError
 from grpo_jax.model import lora
@@ -193,9 +193,9 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
   shardings = sharding.state_shardings(abstract_params, mesh)
   params = sharding.placed_abstract(abstract_params, shardings)
   # The reward models from their config.json alone: build_rl_step would load their weights.
-  model_scores = ModelScores.abstract(tuple(term for term in config.rewards
-                                            if isinstance(term, (RewardModelTerm, JudgeTerm))),
-                                      mesh, task.prompt_length + config.rollout.max_new_tokens, config.model.options)
+  terms = tuple(term for term in config.rewards if isinstance(term, ModelTerm))
+  model_scores = ModelScores.abstract(terms, mesh, task.prompt_length + config.rollout.max_new_tokens,
+                                      config.model.options)
   step = build_rl_step(config, model, mesh, task, params=params, resident=resident, sampler_devices=sampler_devices,
                        model_scores=model_scores)
   trained, frozen = lora.split_trainable(params)
