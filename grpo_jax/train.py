@@ -290,7 +290,8 @@ class InTrainingEval:
   def __init__(self, config: config_lib.Config, workdir: str, run: 'Run', task: Task):
     self.every, self.total, self.workdir, self.run = config.eval.every, config.train.steps, workdir, run
     self.evaluator = build_evaluator(config, task, run.rl_step.graphdef, run.state.policy)
-    self.log = metrics_lib.MetricsLog(workdir, resume_step=run.step, tensorboard=False, name='eval.jsonl',
+    # A run restarted before its first checkpoint evaluates its baseline again: its old row goes.
+    self.log = metrics_lib.MetricsLog(workdir, resume_step=run.step or -1, tensorboard=False, name='eval.jsonl',
                                       write=run.primary)
 
   def due(self, step: int) -> bool:

@@ -3,6 +3,7 @@ resume), in-training evaluation, the eval CLI, and the tiny_math demo learning o
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -158,6 +159,12 @@ def test_dynamic_sampling_and_eval_resume_exactly(tmp_path, word_problem_files):
   assert 'eval/pass@2' in rows[2] and 'eval/pass@2' not in rows[1]
   samples = read_jsonl(tmp_path / 'whole' / 'eval' / 'samples_6.jsonl')
   assert len(samples) == 8 and all(len(row['samples']) == len(row['correct']) == 2 for row in samples)
+  # Stopped after its baseline evaluation and before its first checkpoint, a restarted run evaluates
+  # the baseline again in place of the old row, not beside it.
+  shutil.copytree(tmp_path / 'whole', tmp_path / 'restarted')
+  shutil.rmtree(tmp_path / 'restarted' / 'checkpoints')
+  tiny_math_here(word_problem_files, tmp_path / 'restarted', *common)
+  assert read_jsonl(tmp_path / 'restarted' / 'eval.jsonl') == read_jsonl(tmp_path / 'whole' / 'eval.jsonl')
 
 
 @pytest.mark.exhaustive
