@@ -128,6 +128,8 @@ def pair_records(rng: np.random.Generator, count: int, max_words: int, beta: flo
   records = []
   while len(records) < count:
     first, second = replies(rng, 2, max_words)
+    if first == second:  # no preference to learn (and the preference reader skips such a pair)
+      continue
     shares = colour_share(first), colour_share(second)
     if beta is None:
       if shares[0] == shares[1]:
