@@ -39,6 +39,7 @@ from grpo_jax.model.loading import ModelConfig, abstract_model, save_hf
 from grpo_jax.model.score_head import build_reward_model
 from grpo_jax.rl.optimizer import OptimConfig
 from grpo_jax.rl.preference import PreferenceBatch, bradley_terry_terms, pair_scores, preference_update
+from grpo_jax.rl.preference_packing import PackedLayout, micro_batch_lengths, padding_fractions, rows_used
 from grpo_jax.rl.state import TrainState, create_train_state, train_state_shardings
 from grpo_jax.sharding import MeshConfig
 from grpo_jax.train import base_record, changed_keys, check_base, check_workdir, stop_on_skips
@@ -104,9 +105,12 @@ class RewardRun:
     with jax.set_mesh(mesh):
       self.state = create_train_state(trained, optimizer, config.run.seed, shardings=shardings, frozen=frozen)
     preferences = config.preferences
+    self.packed = self.held_out_packed = self.fill = None
+    if preferences.packing:
+      self._lay_out_packing()
     update = lambda state, batch: preference_update(  # noqa: E731
         state, batch, graphdef=self.graphdef, optimizer=optimizer, schedule=schedule,
-        micro_batches=preferences.micro_batches, center_coef=preferences.center_coef)
+        micro_batches=preferences.micro_batches, center_coef=preferences.center_coef, packed=self.packed)
     self.update = jax.jit(update, out_shardings=(shardings, None), donate_argnums=0)
     self.evaluate_batch = jax.jit(self._evaluate_batch)
     self.architecture = to_hf_dict(model.config, dtype=config.model.options.param_dtype)
@@ -118,6 +122,24 @@ class RewardRun:
     # A run that starts from nothing evaluates its untrained model again: a baseline row left by a run
     # killed before its first checkpoint goes, as the steps it logged do.
     self.eval_log = metrics_lib.MetricsLog(workdir, resume_step=self.step or -1, tensorboard=False, name='eval.jsonl')
+
+  def _lay_out_packing(self) -> None:
+    """The packed rows of the run's micro-batches and of the held-out batches: as many per batch
+    group as the fullest group of any batch fills (rl/preference_packing.py), found by packing
+    every batch of the run's order now; per step, the padding of both layouts."""
+    preferences, length = self.config.preferences, self.config.preferences.row_length
+    micro, pairs = preferences.micro_batches, preferences.pairs_per_batch
+    with jax.set_mesh(self.mesh):
+      groups, held_out_groups = sharding.batch_groups(2 * pairs // micro), sharding.batch_groups(2 * pairs)
+    lengths = self.data.pair_lengths(self.config.train.steps)
+    rows = rows_used(micro_batch_lengths(lengths, micro), groups, length).reshape(len(lengths), micro, groups)
+    self.packed = PackedLayout(rows=int(rows.max()), row_length=length)
+    self.fill = padding_fractions(lengths, rows, self.packed, self.data.width)
+    held_out = rows_used(micro_batch_lengths(self.data.held_out_lengths(), 1), held_out_groups, length)
+    self.held_out_packed = PackedLayout(rows=int(held_out.max()), row_length=length)
+    self.data.report.update(packed_rows=self.packed.rows * groups * micro, row_length=length,
+                            padded_fill=round(1 - float(self.fill['padding_frac'].mean()), 3),
+                            packed_fill=round(1 - float(self.fill['packed_padding_frac'].mean()), 3))
 
   def _open_checkpoints(self) -> None:
     """The checkpointer of workdir/checkpoints, and the state restored from its newest checkpoint."""
@@ -156,7 +178,7 @@ class RewardRun:
 
   def _evaluate_batch(self, params, batch: PreferenceBatch) -> dict:
     """Sums over one batch of held-out pairs: correct pairs, loss terms, score gaps, real pairs."""
-    chosen, rejected = pair_scores(nnx.merge(self.graphdef, params), batch)
+    chosen, rejected = pair_scores(nnx.merge(self.graphdef, params), batch, self.held_out_packed)
     weights = batch.weights
     terms = bradley_terry_terms(chosen, rejected, batch.margin, self.config.preferences.center_coef)
     return dict(correct=jnp.sum((chosen > rejected) * weights), loss=jnp.sum(terms * weights),
@@ -178,12 +200,15 @@ class RewardRun:
 
   def train_step(self) -> dict:
     """One update on the pairs of the next step; its metrics, timed."""
-    where = self.data.position(self.step)
-    batch = PreferenceBatch(**self.data.batch(self.step))
+    step = self.step
+    where = self.data.position(step)
+    batch = PreferenceBatch(**self.data.batch(step))
     start = time.perf_counter()
     with jax.set_mesh(self.mesh):
       self.state, metrics = self.update(self.state, batch)
       metrics = _host(metrics)
+    if self.fill is not None:
+      metrics.update({name: float(values[step]) for name, values in self.fill.items()})
     return dict(metrics, epoch=where['epoch'], step_time_s=time.perf_counter() - start)
 
   def save(self) -> None:

@@ -43,6 +43,8 @@ class PreferencesConfig:
   pairs_per_batch: int = 16  # B: pairs of one optimizer update
   micro_batches: int = 1  # the batch's gradient accumulated over this many micro-batches of B / micro_batches
   center_coef: float = 0.0  # c: weight of the centering term c * mean (r_chosen + r_rejected)^2
+  packing: bool = False  # each micro-batch's conversations packed first-fit into rows of packed_length (README)
+  packed_length: int = 0  # L: tokens of a packed row, >= max_length; 0: max_length
 
   def __post_init__(self):
     with section('preferences'):
@@ -51,6 +53,14 @@ class PreferencesConfig:
       require(self.micro_batches >= 1 and self.pairs_per_batch % self.micro_batches == 0, 'micro_batches',
               f'({self.micro_batches}) must divide pairs_per_batch ({self.pairs_per_batch})')
       require(self.center_coef >= 0, 'center_coef', f'must be >= 0, got {self.center_coef}')
+      require(self.packed_length == 0 or self.packed_length >= self.max_length, 'packed_length',
+              f'({self.packed_length}) must be 0 (max_length) or hold a conversation of max_length '
+              f'({self.max_length}) tokens')
+
+  @property
+  def row_length(self) -> int:
+    """L: tokens of a packed row."""
+    return self.packed_length or self.max_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +90,11 @@ class Rows:
 
   def __len__(self) -> int:
     return self.chosen.shape[0]
+
+  @property
+  def lengths(self) -> np.ndarray:
+    """[M, 2] int64: each pair's chosen and rejected conversation's tokens."""
+    return np.stack([self.chosen_mask.sum(axis=1), self.rejected_mask.sum(axis=1)], axis=1).astype(np.int64)
 
   def take(self, indices: np.ndarray, real: int) -> dict:
     """The pairs at `indices` as the fields of a batch (rl/preference.py PreferenceBatch), the first
@@ -124,6 +139,7 @@ class PreferenceSet:
     longest = max(int(mask.sum(axis=1).max()) for group in encoded for mask in (group.chosen_mask, group.rejected_mask))
     width = min(preferences.max_length, WIDTH_MULTIPLE * math.ceil(longest / WIDTH_MULTIPLE))
     self.train, self.held_out = (self._rows(group, source, width) for group, source in zip(encoded, (pairs, held)))
+    self.width = width
     self.report = dict(train_pairs=len(self.train), held_out_pairs=len(self.held_out), width=width,
                        too_long=encoded[0].too_long + encoded[1].too_long, skipped=train.skipped)
 
@@ -151,6 +167,24 @@ class PreferenceSet:
     where = self.position(step)
     order = self.epoch_order(where['epoch'])[where['batch'] * self.batch_size:(where['batch'] + 1) * self.batch_size]
     return self.train.take(_padded(order, self.batch_size), len(order))
+
+  def pair_lengths(self, steps: int) -> np.ndarray:
+    """[steps, B, 2]: the tokens of each conversation that steps 0 .. steps - 1 train on, as
+    `batch` lays them out (0 for a padding pair): what packing them takes, known before the run."""
+    per_epoch = self.batches_per_epoch * self.batch_size
+    epochs = []
+    for epoch in range(-(-steps // self.batches_per_epoch)):
+      order = self.epoch_order(epoch)
+      real = (np.arange(per_epoch) < len(order))[:, None]
+      epochs.append(self.train.lengths[_padded(order, per_epoch)] * real)
+    return np.concatenate(epochs)[:steps * self.batch_size].reshape(steps, self.batch_size, 2)
+
+  def held_out_lengths(self) -> np.ndarray:
+    """[K, B, 2]: the conversations' tokens of the K held-out batches (0 for a padding pair)."""
+    batches = math.ceil(len(self.held_out) / self.batch_size)
+    lengths = np.zeros((batches * self.batch_size, 2), np.int64)
+    lengths[:len(self.held_out)] = self.held_out.lengths
+    return lengths.reshape(batches, self.batch_size, 2)
 
   def held_out_batches(self):
     """The held-out pairs in order, in batches of B (the last padded)."""

@@ -257,7 +257,11 @@ class Qwen2(nnx.Module, CacheDecoding):
     require(c.num_labels > 0, 'model', 'scores need a reward model (a checkpoint with a score head)')
     index = score_positions(tokens, c.pad_token_id)
     hidden = self.hidden_states(tokens, positions=positions, segment_ids=segment_ids)
-    last = jnp.take_along_axis(hidden, index[:, None, None], axis=1)[:, 0]
+    return self.score_head(jnp.take_along_axis(hidden, index[:, None, None], axis=1)[:, 0])
+
+  def score_head(self, last: jax.Array) -> jax.Array:
+    """The score head on final-norm hidden states last [B, D] (each sequence's read token) ->
+    scores [B, num_labels] fp32; `scores` reads one sequence per row, packed rows read several."""
     return jnp.einsum('BD,DL->BL', last.astype(self.dtype), self.score[...].astype(self.dtype),
                       preferred_element_type=jnp.float32)
 

@@ -117,16 +117,20 @@ def _pack_group(tokens, segment_ids, routes, positions, placement, completion_le
 
 
 def pack(tokens: jax.Array, segment_ids: jax.Array, completion_length: int, row_length: int,
-         micro_rows: int, routes: jax.Array | None = None, vision: RowImages | None = None) -> Packed:
+         micro_rows: int, routes: jax.Array | None = None, vision: RowImages | None = None,
+         rows: int | None = None) -> Packed:
   """Packs the padded rows tokens, segment_ids [B, W] (each a left-padded prompt then a completion
   of `completion_length` slots; routes [B, W, Ls, k] travel with their tokens, and so do the
   M-RoPE positions and image placements of `vision`, model/vision.py, its placements made flat over
   the B sequences' features) into rows of `row_length` >= W tokens, per batch group. Each group
   gets R = Bn rows rounded up to a multiple of `micro_rows` (one sequence per row at worst), so
-  the packed rows split into micro-batches of `micro_rows` rows of every group."""
+  the packed rows split into micro-batches of `micro_rows` rows of every group. `rows`: a smaller
+  R, known by the caller to hold every group's sequences (first-fit would put one that finds no
+  room at row 0's end, cut where the row ends)."""
   groups = batch_groups(tokens.shape[0])
   per_group = tokens.shape[0] // groups
-  rows = -(-per_group // micro_rows) * micro_rows
+  if rows is None:
+    rows = -(-per_group // micro_rows) * micro_rows
   positions = placement = None
   if vision is not None:
     local = vision.placement

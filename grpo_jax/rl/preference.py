@@ -25,6 +25,7 @@ from flax import nnx, struct
 
 from grpo_jax.errors import require
 from grpo_jax.model import lora
+from grpo_jax.rl.preference_packing import PackedLayout, packed_scores
 from grpo_jax.rl.state import TrainState
 from grpo_jax.sharding import constrain
 
@@ -78,31 +79,39 @@ class PreferenceBatch:
     return jax.tree.map(lambda x: x.reshape((count, rows // count) + x.shape[1:]), self)
 
 
-def pair_scores(model, batch: PreferenceBatch) -> tuple[jax.Array, jax.Array]:
+def pair_scores(model, batch: PreferenceBatch, packed: PackedLayout | None = None) -> tuple[jax.Array, jax.Array]:
   """The reward model's scores of each pair's chosen and rejected conversation, [B] fp32 each: one
-  forward over both sides stacked, each row read at its last token that is not the pad id."""
+  forward over both sides stacked, each row read at its last token that is not the pad id; with
+  `packed`, over the 2B conversations packed into rows (rl/preference_packing.py), where a padding
+  pair (weight 0) takes no room."""
   rows = batch.chosen.shape[0]
   tokens = jnp.concatenate([batch.chosen, batch.rejected])
   masks = jnp.concatenate([batch.chosen_mask, batch.rejected_mask])
-  scores = model.scores(constrain(tokens, ('batch', 'seq')), segment_ids=constrain(masks, ('batch', 'seq')))[:, 0]
+  if packed is None:
+    scores = model.scores(constrain(tokens, ('batch', 'seq')), segment_ids=constrain(masks, ('batch', 'seq')))[:, 0]
+  else:
+    real = jnp.concatenate([batch.weights, batch.weights]) > 0
+    scores = packed_scores(model, tokens, masks * real[:, None].astype(masks.dtype), packed)
   return scores[:rows], scores[rows:]
 
 
 def preference_update(state: TrainState, batch: PreferenceBatch, *, graphdef, optimizer: optax.GradientTransformation,
-                      schedule: optax.Schedule, micro_batches: int = 1,
-                      center_coef: float = 0.0) -> tuple[TrainState, dict]:
+                      schedule: optax.Schedule, micro_batches: int = 1, center_coef: float = 0.0,
+                      packed: PackedLayout | None = None) -> tuple[TrainState, dict]:
   """One optimizer update of a reward model on B preference pairs: the Bradley-Terry loss's mean
   over the real pairs, its gradient accumulated over `micro_batches` micro-batches of B /
   micro_batches pairs (the same update as one batch, in a micro-batch's memory). An update whose
   loss or gradient is not finite is skipped and counted, as the RL update does. What trains is
   `state.params`: every parameter, or with LoRA the adapters and the score head (model/lora.py
-  split_trainable), the frozen base in `state.frozen`. Traceable; the step counts one."""
+  split_trainable), the frozen base in `state.frozen`. With `packed`, each micro-batch's pairs are
+  packed into its own rows (pair_scores): both sides of a pair in one micro-batch, the same update.
+  Traceable; the step counts one."""
   frozen = state.frozen
   micro = batch.micro(micro_batches)
   real = jnp.maximum(jnp.sum(batch.weights.astype(jnp.float32)), 1.0)
 
   def sums(params, piece: PreferenceBatch):
-    chosen, rejected = pair_scores(nnx.merge(graphdef, lora.join(params, frozen)), piece)
+    chosen, rejected = pair_scores(nnx.merge(graphdef, lora.join(params, frozen)), piece, packed)
     weights = piece.weights.astype(jnp.float32)
     terms = bradley_terry_terms(chosen, rejected, piece.margin, center_coef)
     aux = dict(correct=jnp.sum((chosen > rejected) * weights), chosen_score=jnp.sum(chosen * weights),
