@@ -40,11 +40,24 @@ RECIPES = {
     'mistral_nemo_12b_math.yaml': ('Mistral-Nemo-12B', 8),
     'glm4_9b_math.yaml': ('GLM-4-9B-0414', 8),
     'gemma3_12b_math.yaml': ('Gemma-3-12B', 8),
+    'tiny_rm_grpo.yaml': (None, 1),
 }
+# The reward-model trainer's configs (python -m grpo_jax.train_reward): no RL step to lower.
+REWARD_MODEL_CONFIGS = ('tiny_reward_model.yaml',)
 
 
 def test_every_config_is_listed():
-  assert sorted(RECIPES) == sorted(name for name in os.listdir(os.path.join(ROOT, 'configs')) if name.endswith('.yaml'))
+  assert sorted([*RECIPES, *REWARD_MODEL_CONFIGS]) == sorted(
+      name for name in os.listdir(os.path.join(ROOT, 'configs')) if name.endswith('.yaml'))
+
+
+@pytest.mark.parametrize('name', REWARD_MODEL_CONFIGS)
+def test_reward_model_config_loads(name):
+  from grpo_jax import train_reward
+  path = os.path.join(ROOT, 'configs', name)
+  with open(path) as f:
+    assert f.readline().startswith('# python -m ')  # the command that runs it
+  assert train_reward.load_config(path).train.steps > 0
 
 
 @pytest.mark.parametrize('name', sorted(RECIPES))
@@ -58,6 +71,14 @@ def test_recipe_loads_and_its_step_lowers(name, tmp_path):
     from grpo_jax.data import word_problems
     files = word_problems.write(str(tmp_path / 'data'))
     config = config_lib.load_config(path, [f'task.tokenizer={files["tokenizer"]}'])
+  if name == 'tiny_rm_grpo.yaml':  # its tokenizer and reward model come from the demo's first steps
+    from grpo_jax.data import synthetic_preferences
+    from grpo_jax.testing import save_random_hf_checkpoint
+    files = synthetic_preferences.write(str(tmp_path / 'data'), pairs=4, held_out=2)
+    save_random_hf_checkpoint(str(tmp_path / 'rm'), 0, head='score', vocab_size=64)
+    config = config_lib.load_config(path, [
+        f'task.tokenizer={files["tokenizer"]}', f'task.source={files["prompts"]}',
+        f'rewards=[{{name: reward_model, path: "{tmp_path / "rm"}", dtype: float32}}]'])
   architecture = model_architecture(config, size, layers=2)
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:count])
   built = step_programs(config, architecture, mesh)
