@@ -24,7 +24,8 @@ from typing import Literal
 
 import yaml
 
-from grpo_jax.data.reward_terms import Combination, RewardTerm
+from grpo_jax.data.reward_composer import Combination
+from grpo_jax.data.reward_terms import RewardTerm
 from grpo_jax.data.arith import ArithSection
 from grpo_jax.data.task import TaskSection
 from grpo_jax.distributed import DistributedConfig
@@ -94,8 +95,9 @@ class Config:
   train: TrainConfig = TrainConfig()
   # Terms of a dataset task's reward (data/reward_terms.py); empty: the math check alone.
   rewards: tuple[RewardTerm, ...] = ()
-  # How the terms make the reward: sum (weighted sum, each term after its own normalize and clip) |
-  # normalize_then_sum (GDPO: each term standardised within its group, weighted sum, standardised over the batch).
+  # How the terms make the reward (data/reward_composer.py): sum (weighted sum, each term after its
+  # own normalize and clip) | normalize_then_sum (GDPO: each term standardised within its group,
+  # weighted sum, standardised over the batch).
   reward_combination: Combination = 'sum'
   eval: EvalConfig = EvalConfig()
   distributed: DistributedConfig = DistributedConfig()  # one process per host (grpo_jax/distributed.py)

@@ -11,7 +11,6 @@ import shutil
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

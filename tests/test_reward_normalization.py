@@ -13,7 +13,8 @@ import pytest
 from grpo_jax import config as config_lib
 from grpo_jax import train
 from grpo_jax.data import word_problems
-from grpo_jax.data.reward_terms import CustomTerm, RewardComposer
+from grpo_jax.data.reward_composer import RewardComposer
+from grpo_jax.data.reward_terms import CustomTerm
 from grpo_jax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from grpo_jax.config import from_dict, load_config, to_dict
-from grpo_jax.data.reward_terms import (CustomTerm, FormatTerm, MathTerm, OverlongTerm, RewardComposer, format_reward,
-                                        overlong_penalty)
+from grpo_jax.data.reward_composer import RewardComposer
+from grpo_jax.data.reward_terms import CustomTerm, FormatTerm, MathTerm, OverlongTerm, format_reward, overlong_penalty
 from grpo_jax.errors import UserError
 from grpo_jax.evaluation import final_answer, k_values, majority_correct, pass_at_k, summarize
 

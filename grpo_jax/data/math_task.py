@@ -33,7 +33,8 @@ from grpo_jax.data.image_problems import (ImageInputs, batch_vision, image_datas
                                           problems_bucket, read_image_problems)
 from grpo_jax.data.multimodal import (IMAGE_PAD, VISION_END, VISION_FORMATS, VISION_START, expand_image_tokens,
                                       render_user_content)
-from grpo_jax.data.reward_terms import Combination, MathTerm, RewardComposer, RewardTerm
+from grpo_jax.data.reward_composer import Combination, RewardComposer
+from grpo_jax.data.reward_terms import MathTerm, RewardTerm
 from grpo_jax.data.sources import DatasetSource, load_records
 from grpo_jax.data.task import Prompts, Scores, TaskSection, TaskShape
 from grpo_jax.errors import FieldError, UserError, require
