@@ -55,7 +55,7 @@ def main():
 
   def stepper(name):
     def step():
-      last[name] = runs[name].train_step()
+      last[name] = runs[name].train_step(runs[name].step)
     return step
   timings = harness.interleaved({name: stepper(name) for name in runs}, args.steps)
   report = runs['packed'].data.report

@@ -351,15 +351,19 @@ def read_sections(path: str | None, overrides: typing.Sequence[str], cls):
   return _build(cls, data)
 
 
+def local_path(path: str | None) -> str | None:
+  """`path` made absolute where it names something on this machine; a name that is no local path
+  (a hub name, None) as it is."""
+  return os.path.abspath(path) if path and os.path.exists(path) else path
+
+
 def _with_local_paths_resolved(config: Config) -> Config:
   """model.path, the task's tokenizer and the reward terms' models made absolute where they name
   something on this machine, so the run's stored config (checkpoints, config.yaml) finds them from
   any directory and an export names its base by a path that resolves anywhere; a name that is no
   local path (a hub name) stays as written. A checkpoint's stored config is taken as it was stored
   (from_dict)."""
-  def resolved(path: str | None) -> str | None:
-    return os.path.abspath(path) if path and os.path.exists(path) else path
-
+  resolved = local_path
   changes = {}
   if resolved(config.model.path) != config.model.path:
     changes['model'] = dataclasses.replace(config.model, path=resolved(config.model.path))

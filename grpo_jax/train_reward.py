@@ -72,9 +72,7 @@ def load_config(path: str | None, overrides=()) -> RewardModelConfig:
   """The run's config from YAML with `--set` overrides (config.py's reader), local paths made
   absolute so the stored config finds them from any directory."""
   config = config_lib.read_sections(path, list(overrides), RewardModelConfig)
-
-  def resolved(value):
-    return os.path.abspath(value) if value and os.path.exists(value) else value
+  resolved = config_lib.local_path
   preferences, evaluation = config.preferences, config.eval
   return dataclasses.replace(
       config, model=dataclasses.replace(config.model, path=resolved(config.model.path)),
@@ -184,8 +182,9 @@ class RewardRun:
     return dict(correct=jnp.sum((chosen > rejected) * weights), loss=jnp.sum(terms * weights),
                 gap=jnp.sum((chosen - rejected) * weights), pairs=jnp.sum(weights))
 
-  def evaluate(self) -> dict:
-    """Held-out pairwise accuracy, loss and mean score gap on the live parameters, to eval.jsonl."""
+  def evaluate(self, step: int) -> dict:
+    """Held-out pairwise accuracy, loss and mean score gap on the live parameters (those of step
+    `step`), to eval.jsonl."""
     totals = dict(correct=0.0, loss=0.0, gap=0.0, pairs=0.0)
     with jax.set_mesh(self.mesh):
       for fields in self.data.held_out_batches():
@@ -193,14 +192,14 @@ class RewardRun:
         totals = {name: totals[name] + sums[name] for name in totals}
     summary = {'eval/accuracy': totals['correct'] / totals['pairs'], 'eval/loss': totals['loss'] / totals['pairs'],
                'eval/score_gap_mean': totals['gap'] / totals['pairs'], 'eval/pairs': totals['pairs']}
-    self.eval_log.write(self.step, summary)
-    print(f'eval at step {self.step}: accuracy {summary["eval/accuracy"]:.3f}, loss {summary["eval/loss"]:.4f} '
+    self.eval_log.write(step, summary)
+    print(f'eval at step {step}: accuracy {summary["eval/accuracy"]:.3f}, loss {summary["eval/loss"]:.4f} '
           f'({int(totals["pairs"])} held-out pairs)', file=sys.stderr, flush=True)
     return summary
 
-  def train_step(self) -> dict:
-    """One update on the pairs of the next step; its metrics, timed."""
-    step = self.step
+  def train_step(self, step: int) -> dict:
+    """One update on the pairs of step `step` (0-based: the state's step, which the update counts);
+    its metrics, timed."""
     where = self.data.position(step)
     batch = PreferenceBatch(**self.data.batch(step))
     start = time.perf_counter()
@@ -218,10 +217,11 @@ class RewardRun:
     self.checkpointer.save(step, self.state.checkpointed(), meta)
     self.saved_step = step
 
-  def check_skips(self) -> int:
-    """The updates skipped in a row (non-finite), after stopping the run when there are too many."""
+  def check_skips(self, step: int) -> int:
+    """The updates skipped in a row (non-finite) by step `step`, after stopping the run when there
+    are too many."""
     skips = int(jax.device_get(self.state.skips))
-    return stop_on_skips(self.checkpointer, skips, self.config.train.max_consecutive_skips, self.step)
+    return stop_on_skips(self.checkpointer, skips, self.config.train.max_consecutive_skips, step)
 
   def export(self) -> str:
     """workdir/reward_model: the trained model in the hub's sequence-classification layout (with
@@ -253,17 +253,19 @@ def train(config: RewardModelConfig, workdir: str, mesh) -> list[dict]:
   try:
     total, every, evaluate_every = config.train.steps, config.train.checkpoint_every, config.eval.every
     print(f'pairs: {run.data.report}', file=sys.stderr, flush=True)
-    if evaluate_every and run.step == 0:
-      run.evaluate()
-    progress = metrics_lib.ProgressBar(total, start=run.step, enabled=config.train.progress, metric='accuracy')
-    while run.step < total:
-      row = run.train_step()
-      step = run.step
+    # The step is read from the state once and then counted here: each train_step is one update.
+    step = run.step
+    if evaluate_every and step == 0:
+      run.evaluate(step)
+    progress = metrics_lib.ProgressBar(total, start=step, enabled=config.train.progress, metric='accuracy')
+    while step < total:
+      row = run.train_step(step)
+      step += 1
       if (evaluate_every and step % evaluate_every == 0) or step == total:
-        row.update(run.evaluate())
+        row.update(run.evaluate(step))
       run.log.write(step, row)
       progress.update(step, row['accuracy'])
-      skips = run.check_skips()
+      skips = run.check_skips(step)
       if every and step % every == 0 and step < total and skips == 0:
         run.save()
     if run.saved_step != run.step:

@@ -53,6 +53,17 @@ def _transformers_scorer(directory):
   return scores
 
 
+def _assert_scores_as_the_run(run, scores, seed):
+  """`scores` (an export's, through transformers) of 6 fresh random rows are the run's model's to 1e-4 in fp32."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(2, 20, 6)
+  mask = (np.arange(20)[None, :] < lengths[:, None]).astype(np.int32)
+  tokens = np.where(mask == 1, rng.integers(1, len(run.tokenizer), (6, 20)), 0).astype(np.int32)
+  model = nnx.merge(run.graphdef, run.state.policy)
+  np.testing.assert_allclose(np.asarray(model.scores(tokens, segment_ids=mask))[:, 0], scores(tokens, mask),
+                             rtol=1e-4, atol=1e-4)
+
+
 def _tensors(workdir):
   return load_file(os.path.join(workdir, 'reward_model', 'model.safetensors'))
 
@@ -96,13 +107,7 @@ def test_trains_resumes_exactly_evaluates_held_out_pairs_and_exports_for_transfo
     assert evaluations[-1]['eval/accuracy'] == pytest.approx(np.mean(gap > 0), abs=1e-9)
     np.testing.assert_allclose(evaluations[-1]['eval/loss'], loss, rtol=1e-4)
     # Fresh random rows: the export's scores are the restored run's to 1e-4 in fp32.
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(2, 20, 6)
-    mask = (np.arange(20)[None, :] < lengths[:, None]).astype(np.int32)
-    tokens = np.where(mask == 1, rng.integers(1, len(run.tokenizer), (6, 20)), 0).astype(np.int32)
-    model = nnx.merge(run.graphdef, run.state.policy)
-    np.testing.assert_allclose(np.asarray(model.scores(tokens, segment_ids=mask))[:, 0],
-                               scores(tokens, mask), rtol=1e-4, atol=1e-4)
+    _assert_scores_as_the_run(run, scores, seed)
   finally:
     run.close()
 
@@ -284,13 +289,7 @@ def test_a_lora_run_exports_its_adapters_merged(tmp_path, pairs, seed):
     assert run.step == 3 and run.state.frozen is not None
     names = set(_tensors(workdir))
     assert 'score.weight' in names and not any('lora' in name for name in names)
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(2, 20, 6)
-    mask = (np.arange(20)[None, :] < lengths[:, None]).astype(np.int32)
-    tokens = np.where(mask == 1, rng.integers(1, len(run.tokenizer), (6, 20)), 0).astype(np.int32)
-    model = nnx.merge(run.graphdef, run.state.policy)
-    np.testing.assert_allclose(np.asarray(model.scores(tokens, segment_ids=mask))[:, 0],
-                               _transformers_scorer(str(workdir / 'reward_model'))(tokens, mask), rtol=1e-4, atol=1e-4)
+    _assert_scores_as_the_run(run, _transformers_scorer(str(workdir / 'reward_model')), seed)
   finally:
     run.close()
 

@@ -119,6 +119,7 @@ class PreferenceSet:
                seed: int):
     require(preferences.source is not None, 'preferences.source', 'is not set: name the preference records to train on')
     self.batch_size, self.seed = preferences.pairs_per_batch, seed
+    self._orders: dict[int, np.ndarray] = {}  # epoch -> its order (epoch_order)
     train = adapt_preferences(_records(preferences.source, preferences.split, 'preferences.source'),
                               preferences.format, preferences.source, preferences.margin_field)
     pairs, held = train.pairs, []
@@ -155,8 +156,13 @@ class PreferenceSet:
     return math.ceil(len(self.train) / self.batch_size)
 
   def epoch_order(self, epoch: int) -> np.ndarray:
-    """The training pairs' order in `epoch`: a permutation drawn from (run.seed, epoch)."""
-    return np.random.default_rng([self.seed, 2, epoch]).permutation(len(self.train))
+    """The training pairs' order in `epoch`: a permutation drawn from (run.seed, epoch), drawn once
+    (every step of the epoch reads it; the last two epochs' are kept)."""
+    if epoch not in self._orders:
+      if len(self._orders) >= 2:
+        self._orders.pop(min(self._orders))
+      self._orders[epoch] = np.random.default_rng([self.seed, 2, epoch]).permutation(len(self.train))
+    return self._orders[epoch]
 
   def position(self, step: int) -> dict:
     """Where in the data step `step` (0-based) trains: its epoch and its batch in the epoch."""

@@ -11,7 +11,7 @@ row plus the column where its segment starts. Scores are therefore the padded la
 them the loss, the accuracy and the gradient.
 
 R is static (no compilation per step) and chosen once from the data, exactly: the run's order is
-known from the start (data/preference_set.py), so `rows_needed` packs every micro-batch the run
+known from the start (data/preference_set.py), so `rows_used` packs every micro-batch the run
 will train on, on the device with the same first-fit, and R is the most rows any group filled. No
 batch is refused or split, and resuming packs the same pairs the same way. The bound of an
 arbitrary batch (2 B / micro_batches rows, one conversation each) would compute more tokens than
@@ -30,7 +30,7 @@ import numpy as np
 from grpo_jax.model.qwen2 import score_positions
 from grpo_jax.rl import packing
 
-# Micro-batches of conversations `rows_needed` packs in one call: its memory stays bounded however
+# Micro-batches of conversations `rows_used` packs in one call: its memory stays bounded however
 # many steps the run has.
 CHUNK = 1024
 
