@@ -98,7 +98,8 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
   per_device.update(optimizer_state=sharding.bytes_per_device(state.opt_state),
                     reference=sharding.bytes_per_device(ref_params) if ref_params is not None else 0,
                     resident_weights=resident_bytes)
-  scoring = {model.label: dict(path=model.path, parameters=sum(math.prod(x.shape) for x in jax.tree.leaves(model.params)),
+  scoring = {model.label: dict(path=model.path,
+                               parameters=sum(math.prod(x.shape) for x in jax.tree.leaves(model.params)),
                                bytes=sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
                                          for x in jax.tree.leaves(model.params)),
                                bytes_per_device=sharding.bytes_per_device(model.params))
@@ -112,7 +113,8 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
   pool = getattr(state.pool, 'pool', state.pool)  # partial rollouts: the pool's prompt entries
   report = dict(
       target=target.name, device=target.describe(), devices=len(devices),
-      program_devices={program['name']: len(built.devices.get(program['name'], trainer_devices)) for program in programs},
+      program_devices={program['name']: len(built.devices.get(program['name'], trainer_devices))
+                       for program in programs},
       mesh=dict(mesh.shape), rollout_layout=layout_report,
       model=dict(layers=architecture.num_hidden_layers, hidden=architecture.hidden_size,
                  parameters=architecture.num_params(), active_parameters=architecture.num_params(active=True),
@@ -319,7 +321,8 @@ def format_report(report: dict) -> str:
   for program in report['programs']:
     lines.append(f'  program "{program["name"]}" (compiled in {program["compile_s"]:.1f} s): arguments '
                  f'{format_bytes(program["arguments"])}, outputs {format_bytes(program["outputs"])} ({format_bytes(program["aliased"])} '
-                 f'in place), temporaries {format_bytes(program["temporaries"])} -> peak {format_bytes(program["compiled_peak"])}'
+                 f'in place), temporaries {format_bytes(program["temporaries"])} -> peak '
+                 f'{format_bytes(program["compiled_peak"])}'
                  + (f'; {program["note"]}' if program['note'] else ''))
     if program['beside']:  # the step's other resident arrays, which this program does not take
       held = ', '.join(f'{name.replace("_", " ")} {format_bytes(value)}' for name, value in program['beside'].items())
@@ -367,7 +370,8 @@ def format_report(report: dict) -> str:
   if 'serial_s' in estimate:
     lines.append(f'  crossing >= {estimate["crossing_s"]:.2f} s; serial (rollout + update + crossing) >= '
                  f'{estimate["serial_s"]:.2f} s; overlapped >= {estimate["step_s"]:.2f} s')
-  lines.append(f'  step >= {estimate["step_s"]:.2f} s' + (' with one sampling round' if 'dynamic_sampling' in estimate else '')
+  one_round = ' with one sampling round' if 'dynamic_sampling' in estimate else ''
+  lines.append(f'  step >= {estimate["step_s"]:.2f} s{one_round}'
                + (f'; without the reward models\' programs ({estimate["reward_models_s"]:.2f} s) >= '
                   f'{estimate["step_without_reward_models_s"]:.2f} s' if report.get('reward_models') else ''))
   if 'dynamic_sampling' in estimate:
