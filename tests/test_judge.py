@@ -78,7 +78,7 @@ def test_a_judge_model_gives_its_greedy_verdicts_read_by_the_rule(seed, make_hf_
   import numpy as np
 
   from test_math_task import chat_tokenizer_dir
-  from grpo_jax.data.judge import judge
+  from grpo_jax.data.judge import Judge, judge_prompt_ids
   from grpo_jax.model import from_pretrained
   from grpo_jax.model.loading import load_tokenizer
   tokens_dir = chat_tokenizer_dir(tmp_path / 'tok')
@@ -90,7 +90,9 @@ def test_a_judge_model_gives_its_greedy_verdicts_read_by_the_rule(seed, make_hf_
   rows = [('What is 2+2?', 'It is 4.', '4'), ('Name a colour.', 'Blue', None), ('Hi', 'Hello!', 'hi')]
   template = 'Question: {prompt}\nAnswer: {completion}\nGive "Score: n" from 0 to 10.'
   rule = ParseRule(kind='score', low=0, high=10)
-  judged = judge(model, tokenizer, rows, template, rule, max_new_tokens=6, stop_token_ids=(stop,), pad_id=0)
+  width = max(len(judge_prompt_ids(tokenizer, template, False, *row)) for row in rows)  # the longest row's
+  judged = Judge(model, tokenizer, template, rule, max_new_tokens=6, max_prompt_tokens=width, stop_token_ids=(stop,),
+                 pad_id=0)(rows)
   forward = jax.jit(lambda ids: model(ids)[0, -1])
   for (prompt, completion, _), verdict in zip(rows, judged.verdicts):
     message = template.format(prompt=prompt, completion=completion)
@@ -107,4 +109,5 @@ def test_a_judge_model_gives_its_greedy_verdicts_read_by_the_rule(seed, make_hf_
   np.testing.assert_array_equal(judged.rewards, [0.0 if value is None else value for value in want])
   assert judged.unparsed == sum(value is None for value in want)
   with pytest.raises(UserError, match='show_reference: true'):
-    judge(model, tokenizer, rows, template + ' {reference}', rule, max_new_tokens=2, stop_token_ids=(stop,), pad_id=0)
+    Judge(model, tokenizer, template + ' {reference}', rule, max_new_tokens=2, max_prompt_tokens=width,
+          stop_token_ids=(stop,), pad_id=0)

@@ -168,15 +168,3 @@ def judge_prompt_ids(tokenizer, template: str, show_reference: bool, prompt: str
   message = render_judge_prompt(template, prompt, completion, reference if show_reference else None)
   return list(tokenizer.apply_chat_template([{'role': 'user', 'content': message}], tokenize=True,
                                             add_generation_prompt=True, return_dict=False))
-
-
-def judge(model, tokenizer, rows: list[tuple[str, str, str | None]], template: str, rule: ParseRule, *,
-          max_new_tokens: int, stop_token_ids: tuple[int, ...], pad_id: int, sampling=None, key=None,
-          show_reference: bool = False) -> Judged:
-  """The rows judged once by a Judge whose prompts are as wide as the longest row's (a run keeps
-  its Judge, and its width: see Judge)."""
-  check_template(template, show_reference)
-  width = max(len(judge_prompt_ids(tokenizer, template, show_reference, *row)) for row in rows)
-  one = Judge(model, tokenizer, template, rule, max_new_tokens=max_new_tokens, max_prompt_tokens=width,
-              stop_token_ids=stop_token_ids, pad_id=pad_id, sampling=sampling, show_reference=show_reference)
-  return one(rows, key)
