@@ -3,14 +3,20 @@
 the RL step with its optimizer and schedule (the optim section's), the train state's shardings and
 the sampler's layout, and the evaluator of the task's held-out problems."""
 
+import dataclasses
+
 import jax
 from flax import nnx
 
+from grpo_jax import restore
+
 from grpo_jax.data.reward_terms import ModelTerm
 from grpo_jax.data.task import Task
-from grpo_jax.errors import require
+from grpo_jax.errors import UserError, require
 from grpo_jax.model import lora
-from grpo_jax.rl.model_scores import ModelScores
+from grpo_jax.model.loading import check_mesh
+from grpo_jax.rl.held import Teacher
+from grpo_jax.rl.model_scores import ModelScores, scoring_options, tokenizer_difference
 from grpo_jax.rl.modes import Acting, GroupSampling, PoolSampling, RolloutMode, Sampling
 from grpo_jax.rl.state import pool_shardings, train_state_shardings
 from grpo_jax.rl.step import RLStep
@@ -36,9 +42,13 @@ def decode_slots(config) -> int:
 
 
 def decode_settings(config, task: Task):
-  """The trainer's sampler settings: the task's stop and pad ids; routes recorded for routing replay."""
-  return config.rollout.decode_settings(task.stop_token_ids, task.pad_id,
-                                        record_routes=config.algo.routing_replay == 'rollout')
+  """The trainer's sampler settings: the task's stop and pad ids; routes recorded for routing replay;
+  with a teacher, no id past the task's tokenizer drawn (the teacher's table may end there)."""
+  settings = config.rollout.decode_settings(task.stop_token_ids, task.pad_id,
+                                            record_routes=config.algo.routing_replay == 'rollout')
+  if config.algo.teacher is None or settings.sampling.vocab_limit:
+    return settings
+  return dataclasses.replace(settings, sampling=dataclasses.replace(settings.sampling, vocab_limit=task.vocab_size))
 
 
 def pool_settings(config, task: Task) -> PoolSettings | None:
@@ -83,6 +93,54 @@ def build_model_scores(config, mesh: jax.sharding.Mesh, task: Task) -> ModelScor
   if not terms:
     return ModelScores.none()
   return ModelScores.load(terms, mesh, task, task.prompt_length + config.rollout.max_new_tokens, config.model.options)
+
+
+def check_teacher(config, mesh: jax.sharding.Mesh, task: Task, student) -> tuple:
+  """(the teacher's architecture, its training run's config or None) after the checks that need no
+  weights, each one line naming algo.teacher: the path is a language model's checkpoint, its
+  tokenizer is the student's (the same size, every id the same string), its embedding table holds
+  every id the student samples (the task's tokenizer's), a vision-language student's teacher reads
+  images as it does, and its heads divide over the mesh's tensor axis."""
+  path = config.algo.teacher
+  architecture, run = restore.checkpoint_architecture(path, 'algo.teacher')
+  if architecture.num_labels:
+    raise UserError(f'algo.teacher: {path} is a reward model (a sequence classifier); a teacher is a language model '
+                    'whose log-probs the student learns from')
+  if architecture.vocab_size < task.vocab_size:
+    raise UserError(f'algo.teacher: {path} has {architecture.vocab_size} embedding rows, fewer than the student\'s '
+                    f'{task.vocab_size} token ids (its tokenizer\'s): the teacher cannot score every sampled token')
+  teacher_tokenizer = restore.checkpoint_tokenizer(path, run)
+  if teacher_tokenizer is None:
+    raise UserError(f'algo.teacher: {path} has no tokenizer (tokenizer.json or vocab.json beside it, or its run\'s) to '
+                    'check against the student\'s')
+  difference = tokenizer_difference(task.tokenizer, teacher_tokenizer)
+  if difference is not None:
+    raise UserError(f'algo.teacher: {path} has another tokenizer than the student ({difference}); on-policy '
+                    'distillation scores the student\'s token ids under the teacher, so they must mean the same')
+  if student.config.vision is not None:
+    mine, theirs = student.config.vision, architecture.vision
+    if theirs is None:
+      raise UserError(f'algo.teacher: {path} has no vision tower, and the student\'s prompts show images: the teacher '
+                      'must see them too (a vision-language teacher)')
+    reads = ('patch_size', 'temporal_patch_size', 'spatial_merge_size', 'image_token_id')
+    differing = [name for name in reads if getattr(mine, name) != getattr(theirs, name)]
+    if differing:
+      raise UserError(f'algo.teacher: {path} reads images otherwise than the student ({", ".join(differing)} '
+                      'differ): its image tokens would not be the student\'s')
+  check_mesh(architecture, mesh)
+  return architecture, run
+
+
+def build_teacher(config, mesh: jax.sharding.Mesh, task: Task, student) -> Teacher | None:
+  """The run's teacher (algo.teacher; None without one), checked against the task and the student
+  (check_teacher) before its weights are read, then resident over `mesh` in the student's compute
+  dtype, laid out like the student, computing as it does (rl/model_scores.scoring_options)."""
+  if config.algo.teacher is None:
+    return None
+  check_teacher(config, mesh, task, student)
+  options = scoring_options(config.model.options, config.model.options.dtype)
+  graphdef, params = restore.load_checkpoint_model(config.algo.teacher, mesh, options, 'algo.teacher')
+  return Teacher(graphdef=graphdef, params=params, path=config.algo.teacher)
 
 
 def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=None, resident: bool = True,

@@ -133,3 +133,57 @@ def _lora_policy(checkpointer: Checkpointer, step: int, meta: dict, config, arch
   graphdef, state = nnx.split(model)
   trained, frozen = lora.split_trainable(state)
   return graphdef, lora.join(checkpointer.restore_params(step, trained), frozen)
+
+
+def checkpoint_architecture(path: str, what: str):
+  """(architecture, the training run's config or None) of any checkpoint a run can read a second
+  model from: a Hugging Face directory or grpo_jax checkpoint (its config.json), or a training run
+  (its workdir, checkpoints/ or one checkpoints/<step>: the newest checkpoint's metadata). No
+  weights are read. `what` names the setting in the one line a missing or unknown path gets."""
+  from grpo_jax.checkpoint import locate
+
+  if not os.path.exists(path):
+    raise UserError(f'{what}: {path} does not exist')
+  if os.path.isfile(os.path.join(path, 'config.json')):
+    return load_hf_config(path), None
+  training = locate(path)
+  if training is None:
+    raise UserError(f'{what}: {path} is not a checkpoint (no config.json, nor a training run\'s checkpoints)')
+  config, architecture, _, _ = run_of(*training)
+  return architecture, config
+
+
+def load_checkpoint_model(path: str, mesh, options, what: str):
+  """(graphdef, params) of the model at `path` (any checkpoint_architecture reads) on `mesh`, with
+  `options` (a ModelOptions without adapters: dtypes, attention). A LoRA run's policy comes back
+  merged (W + s A B in the base's place): a model that is never trained needs no adapters."""
+  from flax import nnx
+
+  from grpo_jax.checkpoint import locate
+  from grpo_jax.model import lora
+  from grpo_jax.model.loading import abstract_model, from_pretrained
+
+  architecture, run = checkpoint_architecture(path, what)
+  if run is None:
+    return nnx.split(from_pretrained(path, mesh=mesh, options=options))
+  graphdef, params, config, _ = restore_policy(*locate(path), mesh, options)
+  if config.model.options.lora is None:
+    return graphdef, params
+  graphdef, _ = nnx.split(abstract_model(architecture, options))
+  return graphdef, jax.jit(lora.merged, static_argnums=1)(params, config.model.options.lora)
+
+
+def checkpoint_tokenizer(path: str, run):
+  """The tokenizer of the checkpoint at `path`: the one stored beside it, or for a training run
+  (`run`, its config) the run's (task.tokenizer or model.path), or a built-in task's own; None
+  when none can be found."""
+  from grpo_jax.model.loading import load_tokenizer
+
+  if run is None:
+    return load_tokenizer(path)
+  directory = run_tokenizer(run)
+  if directory is not None:
+    return load_tokenizer(directory)
+  if run.task.jittable:  # a built-in task's tokenizer is built in its code
+    return run.task.kind.build(run).tokenizer
+  return None

@@ -23,12 +23,13 @@ from grpo_jax import config as config_lib
 from grpo_jax import distributed
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import sharding
-from grpo_jax.build import build_evaluator, build_rl_step, build_task
+from grpo_jax.build import build_evaluator, build_rl_step, build_task, build_teacher
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.data.task import Task
 from grpo_jax.errors import UserError, cli_main
 from grpo_jax.model import lora
 from grpo_jax.model.hf_config import to_hf_dict
+from grpo_jax.rl.held import Held
 from grpo_jax.rl.state import TrainState, create_train_state
 from grpo_jax.sampler.layout import split_devices
 
@@ -169,7 +170,8 @@ class Run:
     params = nnx.state(model)
     trained, frozen = lora.split_trainable(params)  # with LoRA: the adapters, and the frozen base
     # beta = 0 keeps no reference policy in memory; nor does LoRA, whose pi_ref is its base.
-    self.ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 and frozen is None else None
+    reference = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 and frozen is None else None
+    self.held = Held(reference=reference, teacher=build_teacher(config, mesh, task, model))
     self.rl_step = build_rl_step(config, model, mesh, task)
     with jax.set_mesh(mesh):
       self.state = create_train_state(trained, self.rl_step.optimizer, config.run.seed, pool=self.rl_step.empty_pool,
@@ -231,7 +233,7 @@ class Run:
     """`count` RL steps inside one jitted call (a jittable task)."""
     start = time.perf_counter()
     with jax.set_mesh(self.mesh):
-      self.state, stacked = self.rl_step.run_steps(self.state, self.ref_params, count)
+      self.state, stacked = self.rl_step.run_steps(self.state, self.held, count)
       stacked = to_host(stacked)
     elapsed = (time.perf_counter() - start) / count
     timing = dict(rollout_s=None, reward_s=None, update_s=None, step_time_s=elapsed)
@@ -251,7 +253,7 @@ class Run:
       mark = now
 
     with jax.set_mesh(self.mesh):
-      self.state, metrics = self.rl_step(self.state, self.ref_params, observe)
+      self.state, metrics = self.rl_step(self.state, self.held, observe)
       metrics = to_host(metrics)
     return dict(metrics, rollout_s=seconds['rollout'], reward_s=seconds['reward'], update_s=seconds['update'],
                 step_time_s=mark - begin)

@@ -179,6 +179,62 @@ def aggregate(token_loss: jax.Array, mask: jax.Array, mode: str, max_tokens: int
   return jnp.sum(token_loss * aggregation_weights(mask, mode, max_tokens))
 
 
+# ---- on-policy distillation: a teacher's per-token log-probs on the student's own samples ----
+
+def discounted_sums(values: jax.Array, mask: jax.Array, discount: float) -> jax.Array:
+  """sum_{k >= t} discount^(k - t) values_k over each row's `mask`ed tokens [B, N] (0 elsewhere);
+  discount 0 gives the values themselves."""
+  values = jnp.where(mask, values, 0.0)
+  if discount == 0:
+    return values
+
+  def back(following, column):
+    value, real = column
+    total = value + discount * following
+    return jnp.where(real, total, following), jnp.where(real, total, 0.0)
+
+  _, sums = jax.lax.scan(back, jnp.zeros(values.shape[:1], values.dtype), (values.T, mask.T), reverse=True)
+  return sums.T
+
+
+def position_baseline(values: jax.Array, mask: jax.Array, group_size: int) -> jax.Array:
+  """b [B, N]: at each position t, the mean of `values` [B, N] over the other rows of the row's
+  group (G consecutive rows) that have a token there (leave-one-out), 0 where none has. It depends
+  on the other samples only, so subtracting it leaves the policy gradient's expectation unchanged."""
+  rows, length = values.shape
+  grouped = jnp.where(mask, values, 0.0).reshape(-1, group_size, length)
+  present = mask.astype(jnp.float32).reshape(-1, group_size, length)
+  others = present.sum(axis=1, keepdims=True) - present
+  total = grouped.sum(axis=1, keepdims=True) - grouped
+  return jnp.where(others > 0, total / jnp.maximum(others, 1.0), 0.0).reshape(rows, length)
+
+
+def distilled_advantages(advantages: jax.Array, sampler_log_probs: jax.Array, teacher_log_probs: jax.Array,
+                         mask: jax.Array, *, weight: float, scale: float, discount: float = 0.0,
+                         group_size: int = 0) -> jax.Array:
+  """A_t = (1 - w) A_group + w s (D_t - b_t), [B, N]: the group advantage [B] of each row mixed with
+  the per-token distillation advantage D_t = -(log pi_sampler(y_t) - log pi_teacher(y_t)), the
+  negative reverse KL's per-token sample on the student's own tokens (summed over the row's later
+  tokens with `discount` > 0), less b_t, its leave-one-out mean over the group's other rows at the
+  same position (`position_baseline`; group_size 0: no baseline). No gradient flows through it: the
+  sampler's log-probs are data."""
+  negative_kl = jax.lax.stop_gradient(teacher_log_probs - sampler_log_probs)
+  per_token = discounted_sums(negative_kl, mask, discount)
+  if group_size:
+    per_token = jnp.where(mask, per_token - position_baseline(per_token, mask, group_size), 0.0)
+  return (1.0 - weight) * advantages[:, None] + weight * scale * per_token
+
+
+def distillation_metrics(sampler_log_probs: jax.Array, teacher_log_probs: jax.Array, mask: jax.Array) -> dict:
+  """Token means over the `mask`ed tokens: distill_reverse_kl, the sampled tokens' mean of
+  log pi_sampler - log pi_teacher (an estimate of KL(pi_student || pi_teacher) per token), and
+  distill_teacher_confident_frac, the share of them the teacher gives a higher probability."""
+  weights = aggregation_weights(mask, 'token-mean')
+  gap = sampler_log_probs - teacher_log_probs
+  return dict(distill_reverse_kl=jnp.sum(gap * weights),
+              distill_teacher_confident_frac=jnp.sum((gap < 0) * weights))
+
+
 assert tuple(ADVANTAGES) == typing.get_args(Advantage) and tuple(KL_ESTIMATORS) == typing.get_args(KLEstimator)
 
 
@@ -235,6 +291,23 @@ class AlgoConfig:
   routing_replay: Literal['none', 'rollout'] = 'none'
   replay_reference: bool = False  # pi_ref (kl_beta > 0) replays the rollout's routes too
   router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss on the routes used (logged either way)
+  # On-policy distillation (rl/held.py): a teacher checkpoint (a Hugging Face directory, a grpo_jax
+  # checkpoint, or a training run's workdir / checkpoints, full or LoRA) scores the student's sampled
+  # tokens in the update; its tokenizer must be the student's. None: no teacher.
+  teacher: str | None = None
+  # w: A_t = (1 - w) A_group + w s -(log pi_sampler(y_t) - log pi_teacher(y_t)); 1: pure distillation,
+  # 0: the reward alone (the teacher is still scored and its metrics logged).
+  distill_weight: float = 1.0
+  # s: nats of per-token reverse KL per unit of group advantage (which has unit spread). 1: the
+  # pure-distillation update is the reverse KL's own policy gradient, so optim.learning_rate means
+  # what it means for supervised fine-tuning, and a nat per token weighs one std of reward.
+  distill_scale: float = 1.0
+  # gamma: the per-token term summed over the row's later tokens with this discount; 0: each token
+  # its own (the sampled token's KL alone, as on-policy distillation usually does).
+  distill_discount: float = 0.0
+  # 'group': the per-token term less its mean over the group's other rows at the same position
+  # (leave-one-out, as RLOO's baseline: the same expected gradient, far less variance); 'none': raw.
+  distill_baseline: Literal['group', 'none'] = 'group'
 
   def __post_init__(self):
     with section('algo'):
@@ -266,5 +339,10 @@ class AlgoConfig:
       require(self.kl_beta >= 0, 'kl_beta', f'must be >= 0, got {self.kl_beta}')
       require(self.tis_cap == 0 or self.tis_cap >= 1, 'tis_cap', f'must be 0 (off) or >= 1, got {self.tis_cap}')
       require(self.router_aux_loss_coef >= 0, 'router_aux_loss_coef', f'must be >= 0, got {self.router_aux_loss_coef}')
+      require(0 <= self.distill_weight <= 1, 'distill_weight',
+              f'must be in [0, 1] (0: the reward alone, 1: pure distillation), got {self.distill_weight}')
+      require(self.distill_scale > 0, 'distill_scale', f'must be > 0, got {self.distill_scale}')
+      require(0 <= self.distill_discount <= 1, 'distill_discount', f'must be in [0, 1], got {self.distill_discount}')
+      require(self.teacher is None or bool(self.teacher), 'teacher', 'must name a checkpoint (or be left out)')
       require(self.routing_replay == 'rollout' or not self.replay_reference, 'replay_reference',
               "replays the rollout's routes: set algo.routing_replay=rollout")

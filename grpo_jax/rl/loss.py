@@ -38,6 +38,8 @@ class LossInputs:
   weights        [B, N] fp32 the loss aggregation's weights, normalised over the whole mini-batch,
                  so micro-batch losses (and gradients) add up to the mini-batch loss exactly.
   token_weights  [B, N] fp32 token-mean weights over the mini-batch, for the reported metrics.
+  advantages     [B, N] fp32 per-token advantages (on-policy distillation: algo.distilled_advantages),
+                 or None: each row's group advantage, batch.advantages [B].
   features       [B, F, D] each row's image features (its prompt's, shown at batch.vision's
                  placements), or None (text rows)
   """
@@ -48,6 +50,7 @@ class LossInputs:
   weights: jax.Array | None = None
   token_weights: jax.Array | None = None
   features: jax.Array | None = None
+  advantages: jax.Array | None = None
 
   def map_rows(self, fn) -> 'LossInputs':
     """fn applied to every leaf that leads with the rows, the batch's included (Batch.map_rows)."""
@@ -180,7 +183,8 @@ def policy_loss(params, graphdef, micro: LossInputs, config: AlgoConfig, tempera
     log_ratio = algo.sequence_log_ratio(log_probs, old, mask)
   else:
     log_ratio = algo.token_log_ratio(log_probs, old)
-  surrogate = algo.clipped_surrogate(log_ratio, batch.advantages[:, None],
+  advantages = batch.advantages[:, None] if micro.advantages is None else micro.advantages
+  surrogate = algo.clipped_surrogate(log_ratio, advantages,
                                      epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
                                      dual_clip=config.dual_clip)
   token_loss = surrogate['loss']

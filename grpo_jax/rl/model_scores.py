@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tokenizers
 from flax import nnx
 
 from grpo_jax import sharding
@@ -61,13 +62,20 @@ def scoring_options(policy: ModelOptions, dtype: str) -> ModelOptions:
   return dataclasses.replace(policy, dtype=dtype, param_dtype=dtype, lora=None, remat='none', freeze_vision=False)
 
 
+def tokenizer_size(tokenizer) -> int:
+  """len(tokenizer) of a transformers tokenizer; a `tokenizers` one's size with its added tokens."""
+  return tokenizer.get_vocab_size() if isinstance(tokenizer, tokenizers.Tokenizer) else len(tokenizer)
+
+
 def tokenizer_difference(first, second) -> str | None:
-  """None when two tokenizers map every id to the same string and have the same size; else one
-  clause saying how they differ (the sizes, or the first id whose strings differ)."""
-  if len(first) != len(second):
-    return f'{len(first)} tokens against {len(second)}'
+  """None when two tokenizers (transformers' or `tokenizers`') map every id to the same string
+  and have the same size; else one clause saying how they differ (the sizes, or the first id whose
+  strings differ)."""
+  sizes = tokenizer_size(first), tokenizer_size(second)
+  if sizes[0] != sizes[1]:
+    return f'{sizes[0]} tokens against {sizes[1]}'
   strings = [{index: token for token, index in tokenizer.get_vocab().items()} for tokenizer in (first, second)]
-  for index in range(len(first)):
+  for index in range(sizes[0]):
     if strings[0].get(index) != strings[1].get(index):
       return f'id {index} is {strings[0].get(index)!r} in one and {strings[1].get(index)!r} in the other'
   return None

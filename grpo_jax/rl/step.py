@@ -23,6 +23,7 @@ from grpo_jax.model.vision import RowImages
 from grpo_jax.rl import algo
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.batch import Batch
+from grpo_jax.rl.held import Held
 from grpo_jax.rl.modes import Round, Sampling, no_observer
 from grpo_jax.rl.state import TrainState
 from grpo_jax.rl.update import UpdateSettings, update
@@ -95,8 +96,9 @@ def host_draw(state: TrainState, count: int) -> tuple[TrainState, jax.Array, jax
 
 class RLStep:
   """One RL step over a TrainState, built once from the run's static parts (build.py builds it
-  from a run's config). `rl_step(state, ref_params)` runs one from the host; `run_steps(state,
-  ref_params, K)` runs K whole steps in one jit (jittable tasks; `fused` is that jit). The
+  from a run's config). `rl_step(state, held)` runs one from the host; `run_steps(state,
+  held, K)` runs K whole steps in one jit (jittable tasks; `fused` is that jit); `held`: the
+  weights beside the policy (rl/held.Held: pi_ref's, a teacher's). The
   prompts come from the state's data position, which the step advances; the rollout mode readies
   a fresh state before the first step (the pool's first prompts).
 
@@ -132,19 +134,19 @@ class RLStep:
     self.fused = jax.jit(self._run_steps, static_argnums=2, donate_argnums=0,
                          out_shardings=(state_shardings, replicated))
 
-  def run_steps(self, state: TrainState, ref_params, num_steps: int) -> tuple[TrainState, dict]:
+  def run_steps(self, state: TrainState, held: Held, num_steps: int) -> tuple[TrainState, dict]:
     """num_steps whole RL steps in one jit (jittable tasks); metrics come back stacked [num_steps]."""
-    return self.fused(self._primed(state), ref_params, num_steps)
+    return self.fused(self._primed(state), held, num_steps)
 
-  def __call__(self, state: TrainState, ref_params, observe=no_observer) -> tuple[TrainState, dict]:
+  def __call__(self, state: TrainState, held: Held, observe=no_observer) -> tuple[TrainState, dict]:
     """One RL step from `state`, its stages called from the host. `observe(stage, value)` is
     called after each 'rollout', 'reward' and 'update' stage (the host path times them). The
     metrics' `sampling_rounds` times P prompts were consumed."""
     state = self._primed(state)
     if self.algo.dynamic_sampling:
-      state, metrics = self._dynamic_step(state, ref_params, observe)
+      state, metrics = self._dynamic_step(state, held, observe)
     else:
-      state, metrics = self._step(self.host_mode, host_draw, self.learn, state, ref_params, observe)
+      state, metrics = self._step(self.host_mode, host_draw, self.learn, state, held, observe)
       metrics = dict(metrics, sampling_rounds=1)
     return state, dict(metrics, **self.host_mode.facts())  # e.g. the agents' turns, tool calls, truncation
 
@@ -163,15 +165,15 @@ class RLStep:
     state, prompts, key = self._drawn(mode, draw, state)
     return mode(state, prompts, key, observe)
 
-  def _step(self, mode, draw, learn, state: TrainState, ref_params, observe=no_observer):
+  def _step(self, mode, draw, learn, state: TrainState, held: Held, observe=no_observer):
     """The RL step, written once: a round, then advantages and the update."""
     state, sampled = self._round(mode, draw, state, observe)
-    state, metrics = learn(state, ref_params, sampled.prompts.tokens, sampled.prompts.mask, sampled.rollout,
+    state, metrics = learn(state, held, sampled.prompts.tokens, sampled.prompts.mask, sampled.rollout,
                            sampled.scores, sampled.prompts.vision)
     observe('update', metrics)
     return state, dict(metrics, **sampled.metrics)
 
-  def _dynamic_step(self, state: TrainState, ref_params, observe) -> tuple[TrainState, dict]:
+  def _dynamic_step(self, state: TrainState, held: Held, observe) -> tuple[TrainState, dict]:
     """DAPO's dynamic sampling (algo.dynamic_sampling): rounds of P prompts are sampled and scored
     until P groups with unequal rewards are found or algo.max_sampling_rounds rounds are spent;
     the update sees the first P informative groups, filled up (when the rounds run out) with the
@@ -189,7 +191,7 @@ class RLStep:
     shortfall = max(0, prompts_per_step - len(informative))
     chosen = sorted(informative[:prompts_per_step] + (uninformative[-shortfall:] if shortfall else []))
     trained = _gather_groups(self._take_groups, self.mesh, rounds, chosen, group)
-    state, metrics = self.learn(state, ref_params, trained.prompts.tokens, trained.prompts.mask, trained.rollout,
+    state, metrics = self.learn(state, held, trained.prompts.tokens, trained.prompts.mask, trained.rollout,
                                 trained.scores, trained.prompts.vision)
     observe('update', metrics)
     sampled = self._sampled_metrics([r.rollout for r in rounds], [r.scores for r in rounds])
@@ -204,27 +206,27 @@ class RLStep:
     after another over the same slots."""
     return rollout_metrics(Rollout.concatenate(rollouts), Scores.concatenate(scores), self.algo.group_size, self.slots)
 
-  def _run_steps(self, state: TrainState, ref_params, num_steps: int) -> tuple[TrainState, dict]:
+  def _run_steps(self, state: TrainState, held: Held, num_steps: int) -> tuple[TrainState, dict]:
     def one(state, _):
-      return self._step(self.traced_mode, draw, self._learn, state, ref_params)
+      return self._step(self.traced_mode, draw, self._learn, state, held)
     return jax.lax.scan(one, state, jnp.arange(num_steps))
 
   # ---- the update ----
 
-  def learn(self, state: TrainState, ref_params, prompt_tokens, prompt_mask, rollout: Rollout,
+  def learn(self, state: TrainState, held: Held, prompt_tokens, prompt_mask, rollout: Rollout,
             scores: Scores, vision=None) -> tuple[TrainState, dict]:
     """The jitted update from the host; the pool passes by it as it is."""
-    trained, metrics = self.update_program(state.replace(pool=None), ref_params, prompt_tokens, prompt_mask, rollout,
+    trained, metrics = self.update_program(state.replace(pool=None), held, prompt_tokens, prompt_mask, rollout,
                                            scores, vision)
     return trained.replace(pool=state.pool), metrics
 
-  def _learn(self, state: TrainState, ref_params, prompt_tokens, prompt_mask, rollout: Rollout,
+  def _learn(self, state: TrainState, held: Held, prompt_tokens, prompt_mask, rollout: Rollout,
              scores: Scores, vision=None) -> tuple[TrainState, dict]:
     """Advantages, the optax update, the step's metrics; counts the step. vision: the prompts'
     images (a vision-language model), or None."""
     prompts = Prompts(tokens=prompt_tokens, mask=prompt_mask, answers=None, vision=vision)
     batch = make_batch(prompts, rollout, scores, self.algo, version=state.step)
-    state, update_metrics = update(state, batch, ref_params, graphdef=self.graphdef, optimizer=self.optimizer,
+    state, update_metrics = update(state, batch, held, graphdef=self.graphdef, optimizer=self.optimizer,
                                    schedule=self.schedule, settings=self.update_settings)
     metrics = dict(rollout_metrics(rollout, scores, self.algo.group_size, self.slots), **update_metrics)
     return state.replace(step=state.step + 1), metrics

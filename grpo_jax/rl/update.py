@@ -1,6 +1,6 @@
 """The GRPO update: one traceable, optax-based function from a scored batch to new parameters.
 
-Inside one call: pi_old and pi_ref log-probs (only when needed), then mu passes x mini-batches of
+Inside one call: pi_old, pi_ref and a teacher's log-probs (only when needed), then mu passes x mini-batches of
 optimizer updates, each accumulating the loss's gradients (rl/loss.py) over micro-batches. A
 non-finite loss or gradient leaves parameters and optimizer state untouched and counts a skip.
 
@@ -37,6 +37,7 @@ from grpo_jax.model import lora
 from grpo_jax.rl import algo, packing
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.batch import Batch
+from grpo_jax.rl.held import Held
 from grpo_jax.rl.loss import (MISMATCH, LossInputs, lag_means, log_probs_of, mismatch_by_lag, policy_loss,
                               sampler_mismatch)
 from grpo_jax.rl.state import TrainState
@@ -306,17 +307,21 @@ def split_tower(params: nnx.State) -> tuple[nnx.State, nnx.State | None]:
   return rest, tower
 
 
-def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, graphdef,
+def update(state: TrainState, batch: Batch, held: Held, *, graphdef,
            optimizer: optax.GradientTransformation, schedule: optax.Schedule,
            settings: UpdateSettings) -> tuple[TrainState, dict]:
   """mu passes of mini-batch optimizer updates over `batch`. Traceable (rl/step.py jits it).
-  ref_params: pi_ref's whole parameter state (algo.kl_beta > 0); None with LoRA, where pi_ref is
-  the state's own base with the adapters off."""
+  held: the weights beside the policy (rl/held.py): pi_ref's whole parameter state (algo.kl_beta
+  > 0; None with LoRA, where pi_ref is the state's own base with the adapters off), and a teacher
+  (algo.teacher), whose log-probs of the sampled tokens make the advantages per token."""
   config = settings.algo
   frozen = None if state.frozen is None else _head_for_logprobs(state.frozen)
+  ref_params, teacher = held.reference, held.teacher
   if config.kl_beta > 0 and ref_params is None:
-    require(frozen is not None, 'ref_params', 'are needed for algo.kl_beta > 0 without LoRA')
+    require(frozen is not None, 'held.reference', 'is needed for algo.kl_beta > 0 without LoRA')
     ref_params = lora.join(lora.adapters_off(state.params), frozen)
+  require((teacher is not None) == (config.teacher is not None), 'algo.teacher',
+          'and the teacher the step holds disagree: load it (build.build_teacher) when algo.teacher is set')
   completion_length = batch.completion_length
   replay = config.routing_replay == 'rollout'
   require(not replay or batch.routes is not None, 'algo.routing_replay',
@@ -325,21 +330,31 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
   rows = LossInputs(batch=(batch if replay else batch.without_routes()).without_images())
   policy = lora.join(state.params, frozen)
 
-  def features_of(params, shown, images=images):
+  def features_of(params, shown, images=images, graphdef=graphdef):
     """The rows' image features: the tower on each prompt's images once, taken by its rows."""
     return None if images is None else shown.features(nnx.merge(graphdef, params).image_features(images))
 
   # The policy's features now: a frozen tower's for every pass, a trained one's for pi_old's.
   rows = rows.replace(features=jax.lax.stop_gradient(features_of(policy, rows.batch.vision)))
   tower_trains = images is not None and TOWER in state.params and not nnx.merge(graphdef, policy).options.freeze_vision
-  # pi_old and pi_ref score the whole batch, laid out (packed) once for both.
-  if not settings.on_policy or config.kl_beta > 0:
+  # pi_old, pi_ref and the teacher score the whole batch, laid out (packed) once for all three.
+  distilled = {}
+  if not settings.on_policy or config.kl_beta > 0 or teacher is not None:
     scoring = MicroBatches.of(settings, rows.batch, settings.micro_rows)
     rows = rows.replace(
         old_log_probs=None if settings.on_policy else _score(graphdef, policy, rows, scoring, settings, replay),
         ref_log_probs=(_score(graphdef, ref_params, rows.replace(features=features_of(ref_params, rows.batch.vision)),
                               scoring, settings, replay and config.replay_reference)
                        if config.kl_beta > 0 else None))
+    if teacher is not None:  # routed by its own router: the student's experts are not its own
+      shown = features_of(teacher.params, rows.batch.vision, graphdef=teacher.graphdef)
+      teacher_log_probs = _score(teacher.graphdef, teacher.params, rows.replace(features=shown), scoring, settings,
+                                 replay=False)
+      rows = rows.replace(advantages=algo.distilled_advantages(
+          batch.advantages, batch.sampler_log_probs, teacher_log_probs, batch.mask, weight=config.distill_weight,
+          scale=config.distill_scale, discount=config.distill_discount,
+          group_size=config.group_size if config.distill_baseline == 'group' else 0))
+      distilled = algo.distillation_metrics(batch.sampler_log_probs, teacher_log_probs, batch.mask)
 
   key, shuffle_key = jax.random.split(state.key)
   orders = _orders(shuffle_key, settings)  # [mu * minibatches, rows per minibatch]
@@ -413,6 +428,7 @@ def update(state: TrainState, batch: Batch, ref_params: nnx.State | None, *, gra
   metrics = dict(jax.tree.map(jnp.mean, metrics), **mismatch)
   if batch.lags is not None:
     metrics = lag_means(metrics, config.max_lag)
+  metrics.update(distilled)
   metrics['nonfinite'] = metrics['nonfinite'] * orders.shape[0]  # count, not mean
   real = jnp.sum(batch.segment_ids != 0)
   metrics.update(sequence_tokens=real.astype(jnp.float32),

@@ -24,11 +24,15 @@ class SamplingConfig:
   temperature: float = 1.0  # T in softmax(logits / T); must be > 0 unless greedy
   top_k: int = 0  # keep the k most likely tokens; 0 keeps all
   top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches p; 1.0 keeps all
+  # Ids at or above this are never drawn (an embedding table padded past its tokenizer); 0: none
+  # excluded. A run with a teacher sets it to the tokenizer's size (the teacher's table may stop there).
+  vocab_limit: int = 0
 
   def __post_init__(self):
     require(self.greedy or self.temperature > 0, 'temperature', f'must be > 0, got {self.temperature}')
     require(self.top_k >= 0, 'top_k', f'must be >= 0, got {self.top_k}')
     require(0 < self.top_p <= 1, 'top_p', f'must be in (0, 1], got {self.top_p}')
+    require(self.vocab_limit >= 0, 'vocab_limit', f'must be >= 0 (0: every id), got {self.vocab_limit}')
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -100,14 +104,22 @@ def draw(key: jax.Array, scaled: jax.Array) -> jax.Array:
   return (chosen * block + offset).astype(jnp.int32)
 
 
+def limited(scaled: jax.Array, vocab_limit: int) -> jax.Array:
+  """scaled logits [B, V] with ids >= vocab_limit at -inf (vocab_limit 0: unchanged)."""
+  if 0 < vocab_limit < scaled.shape[-1]:
+    return jnp.where(jnp.arange(scaled.shape[-1]) < vocab_limit, scaled, -jnp.inf)
+  return scaled
+
+
 def select(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> tuple[jax.Array, jax.Array]:
-  """logits [B, V] -> (tokens [B] int32, log-probs [B] fp32 under softmax(logits / T))."""
+  """logits [B, V] -> (tokens [B] int32, log-probs [B] fp32 under softmax(logits / T)). Ids past
+  config.vocab_limit are never drawn; like top-k / top-p they leave the log-prob's softmax whole."""
   logits = logits.astype(jnp.float32)
   if config.greedy:
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = jnp.argmax(limited(logits, config.vocab_limit), axis=-1).astype(jnp.int32)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
   else:
     scaled = logits / config.temperature
     log_probs = jax.nn.log_softmax(scaled, axis=-1)
-    tokens = draw(key, truncated_logits(scaled, config.top_k, config.top_p))
+    tokens = draw(key, truncated_logits(limited(scaled, config.vocab_limit), config.top_k, config.top_p))
   return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]

@@ -1,0 +1,226 @@
+"""On-policy distillation (algo.teacher): the per-token advantage against NumPy; the update with a
+teacher of another shape against a loss written here on both models' full logits (its gradient,
+its metrics), packed against padded; the teacher's checks at start (one line each); and RL runs
+with a teacher: the arith task's fused steps resumed exactly, a LoRA teacher, and the student
+paths (packing, partial rollouts, LoRA, MoE, vision-language) in test-all."""
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from grpo_jax import config as config_lib
+from grpo_jax import train
+from grpo_jax.config import AlgoConfig
+from grpo_jax.data.arith import build_tokenizer
+from grpo_jax.errors import FieldError, UserError
+from grpo_jax.model.config import Qwen2Config
+from grpo_jax.model.loading import init_model, save_orbax
+from grpo_jax.rl import algo
+from grpo_jax.rl.held import Held, Teacher
+from grpo_jax.rl.update import UpdateSettings, update
+from grpo_jax.sampler.sampling import SamplingConfig, select
+from runs import ROOT, train_here
+from test_update import (ARCHITECTURE, COMPLETION_LENGTH, GROUP, PROMPT_LENGTH, ROWS, TEMPERATURE, assert_close,
+                         _initial_model, assert_trees_close, delta, fresh_state, full_logits_log_probs, random_batch,
+                         random_model)
+
+# A teacher of another shape (wider, deeper, its embedding table padded past the student's ids).
+TEACHER = dataclasses.replace(ARCHITECTURE, vocab_size=1152, hidden_size=48, intermediate_size=96, num_hidden_layers=3)
+
+
+# ---- the per-token advantage ----
+
+def numpy_distilled(advantages, sampler, teacher, mask, weight, scale, discount, group):
+  """A_t written out: the discounted sum of -(lp_s - lp_t) over each row's later tokens, less the
+  mean of the group's other rows at t (over those with a token there), mixed with A_group."""
+  rows, length = mask.shape
+  per_token = np.zeros((rows, length))
+  for row in range(rows):
+    following = 0.0
+    for t in reversed(range(length)):
+      if mask[row, t]:
+        following = (teacher[row, t] - sampler[row, t]) + discount * following
+        per_token[row, t] = following
+  baseline = np.zeros_like(per_token)
+  for row in range(rows if group else 0):
+    first = row // group * group
+    for t in range(length):
+      others = [per_token[j, t] for j in range(first, first + group) if j != row and mask[j, t]]
+      baseline[row, t] = np.mean(others) if others else 0.0
+  per_token = np.where(mask, per_token - baseline, 0.0)
+  return (1 - weight) * advantages[:, None] + weight * scale * per_token
+
+
+@pytest.mark.parametrize('discount, baseline', [(0.0, True), (0.6, True), (0.0, False)])
+def test_distilled_advantages_match_numpy(seed, discount, baseline):
+  rng = np.random.default_rng(seed)
+  rows, length = 4 * GROUP, 7
+  mask = np.arange(length)[None, :] < rng.integers(1, length + 1, rows)[:, None]
+  mask[0] = False  # a row with no token (its group's mean is over the others)
+  sampler, teacher = rng.uniform(-6, -0.1, (2, rows, length))
+  advantages = rng.standard_normal(rows)
+  ours = algo.distilled_advantages(jnp.asarray(advantages, jnp.float32), jnp.asarray(sampler, jnp.float32),
+                                   jnp.asarray(teacher, jnp.float32), jnp.asarray(mask), weight=0.7, scale=0.5,
+                                   discount=discount, group_size=GROUP if baseline else 0)
+  expected = numpy_distilled(advantages, sampler, teacher, mask, 0.7, 0.5, discount, GROUP if baseline else 0)
+  np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-5)
+  metrics = algo.distillation_metrics(jnp.asarray(sampler), jnp.asarray(teacher), jnp.asarray(mask))
+  gap = (sampler - teacher)[mask]
+  np.testing.assert_allclose(float(metrics['distill_reverse_kl']), gap.mean(), rtol=1e-5)
+  np.testing.assert_allclose(float(metrics['distill_teacher_confident_frac']), (gap < 0).mean(), rtol=1e-6)
+
+
+def test_sampling_never_draws_past_the_vocab_limit(seed):
+  """Ids past sampling.vocab_limit are never drawn, greedy or sampled, even where they are the
+  likeliest; the log-prob stays that of the whole softmax (as top-k / top-p leave it)."""
+  rng = np.random.default_rng(seed)
+  logits = jnp.asarray(rng.standard_normal((64, 40)), jnp.float32).at[:, 35:].add(20.0)
+  for config in (SamplingConfig(vocab_limit=32), SamplingConfig(greedy=True, vocab_limit=32)):
+    tokens, log_probs = select(logits, jax.random.PRNGKey(seed % (1 << 31)), config)
+    assert int(tokens.max()) < 32
+    expected = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], axis=1)[:, 0]
+    np.testing.assert_allclose(np.asarray(log_probs), np.asarray(expected), rtol=1e-6)
+  assert int(select(logits, jax.random.PRNGKey(0), SamplingConfig(greedy=True))[0].min()) >= 35
+
+
+# ---- the update with a teacher ----
+
+@functools.cache
+def _teacher_graph():
+  return nnx.split(init_model(TEACHER, seed=1))
+
+
+def random_teacher(rng) -> Teacher:
+  graphdef, params = _teacher_graph()
+  params = jax.tree.map(lambda p: p + jnp.asarray(0.05 * rng.standard_normal(p.shape), p.dtype), params)
+  return Teacher(graphdef=graphdef, params=params, path='random')
+
+
+DISTILL = dict(distill_weight=0.7, distill_scale=0.5, distill_discount=0.5)
+
+
+def distill_update(params, teacher, batch, seed, **fields):
+  config = AlgoConfig(group_size=GROUP, teacher='random', logprob_implementation='xla_chunked', **DISTILL, **fields)
+  optimizer = optax.sgd(2.0 ** 13)  # the parameter change is the (scaled) gradient itself (test_update's rule)
+  run = functools.partial(update, graphdef=_initial_model()[0], optimizer=optimizer,
+                          schedule=optax.constant_schedule(1.0),
+                          settings=UpdateSettings(algo=config, temperature=TEMPERATURE, rows=ROWS))
+  state, metrics = jax.jit(run)(fresh_state(params, optimizer, seed), batch, Held(teacher=teacher))
+  return delta(state.params, params), metrics
+
+
+def test_update_with_a_teacher_matches_full_logits(seed):
+  """The update's gradient and metrics with a teacher of another shape and table size against the
+  loss written out on both models' full logits: A_t from the teacher's log-softmax of the sampled
+  tokens (NumPy), the on-policy surrogate -A_t pi / sg(pi), token-mean. Micro-batches of B / 2."""
+  rng = np.random.default_rng(seed)
+  graphdef, params = random_model(rng)
+  teacher = random_teacher(rng)
+  batch = random_batch(rng)
+  student_log_probs, _ = jax.jit(full_logits_log_probs, static_argnums=0)(graphdef, params, batch)
+  teacher_log_probs, _ = jax.jit(full_logits_log_probs, static_argnums=0)(teacher.graphdef, teacher.params, batch)
+  # The sampler near the student (a real sampler's numerics), so the reverse KL is the teacher's gap.
+  sampler = np.asarray(student_log_probs) + 0.05 * rng.standard_normal(student_log_probs.shape)
+  batch = batch.with_rollout(log_probs=jnp.asarray(sampler, jnp.float32))
+  mask = np.asarray(batch.mask)
+  advantages = numpy_distilled(np.asarray(batch.advantages), sampler, np.asarray(teacher_log_probs), mask,
+                               DISTILL['distill_weight'], DISTILL['distill_scale'], DISTILL['distill_discount'], GROUP)
+
+  def reference(params):
+    log_probs, _ = full_logits_log_probs(graphdef, params, batch)
+    ratio = jnp.exp(log_probs - jax.lax.stop_gradient(log_probs))
+    return jnp.sum(-jnp.asarray(advantages, jnp.float32) * ratio * mask) / mask.sum()
+
+  grads = jax.jit(jax.grad(reference))(params)
+  expected = jax.tree.map(lambda g: -(2.0 ** 13) * np.asarray(g, np.float64), grads)
+  ours, metrics = distill_update(params, teacher, batch, seed, micro_batch_size=ROWS // 2)
+  assert_trees_close(ours, expected)
+  gap = (sampler - np.asarray(teacher_log_probs))[mask]
+  assert_close(metrics['distill_reverse_kl'], gap.mean(), 'distill_reverse_kl')
+  assert_close(metrics['distill_teacher_confident_frac'], (gap < 0).mean(), 'distill_teacher_confident_frac')
+  assert_close(metrics['policy_loss'], float(np.sum(-advantages * mask) / mask.sum()), 'policy_loss',
+               scale=float(np.abs(advantages).max()))
+  assert np.abs(np.asarray(ours['lm_head'])).max() > 1e-3  # a real gradient
+
+
+def test_packed_update_with_a_teacher_equals_padded(seed):
+  rng = np.random.default_rng(seed)
+  _, params = random_model(rng)
+  teacher = random_teacher(rng)
+  batch = random_batch(rng)
+  padded = distill_update(params, teacher, batch, seed)
+  packed = distill_update(params, teacher, batch, seed, packing=True, micro_batch_tokens=PROMPT_LENGTH + COMPLETION_LENGTH)
+  assert_trees_close(packed[0], padded[0])
+  for name in ('distill_reverse_kl', 'distill_teacher_confident_frac', 'grad_norm', 'entropy'):
+    assert_close(packed[1][name], padded[1][name], name)
+
+
+# ---- the checks at start ----
+
+def teacher_checkpoint(directory, architecture: Qwen2Config, tokenizer=None, seed: int = 2) -> str:
+  """A random grpo_jax checkpoint at `directory` with the arith task's tokenizer (or `tokenizer`,
+  a `tokenizers` Tokenizer) beside it."""
+  os.makedirs(directory, exist_ok=True)
+  (tokenizer or build_tokenizer()).save(os.path.join(directory, 'tokenizer.json'))
+  save_orbax(init_model(architecture, seed=seed), directory)
+  return str(directory)
+
+
+ARITH = dict(vocab_size=17, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
+
+
+def arith_overrides(teacher: str, steps: int = 4) -> tuple:
+  return (f'algo.teacher={teacher}', f'train.steps={steps}', 'train.steps_per_call=2', 'train.checkpoint_every=2',
+          'rollout.prompts_per_step=4', 'algo.group_size=4', 'train.tensorboard=false',
+          *(f'model.architecture.{name}={value}' for name, value in ARITH.items() if name != 'tie_word_embeddings'))
+
+
+def test_bad_teachers_are_refused_in_one_line_before_anything_compiles(tmp_path):
+  with pytest.raises(FieldError, match=r'algo\.distill_weight must be in \[0, 1\]'):
+    AlgoConfig(distill_weight=1.5)
+  cases = {
+      'missing': (str(tmp_path / 'nowhere'), r'algo\.teacher: .*nowhere does not exist'),
+      'small': (teacher_checkpoint(tmp_path / 'small', Qwen2Config(**dict(ARITH, vocab_size=12))),
+                r'algo\.teacher: .*has 12 embedding rows, fewer than the student\'s 17 token ids'),
+  }
+  other = build_tokenizer()
+  other.add_special_tokens(['<extra>'])  # one more id: 18 tokens against 17
+  cases['tokenizer'] = (teacher_checkpoint(tmp_path / 'other', Qwen2Config(**dict(ARITH, vocab_size=18)), other),
+                        r'another tokenizer than the student \(17 tokens against 18\)')
+  config_path = os.path.join(ROOT, 'configs/tiny_arith.yaml')
+  for name, (path, message) in cases.items():
+    config = config_lib.load_config(config_path, list(arith_overrides(path)))
+    workdir, mesh, model = train.setup(config, config_path, str(tmp_path / f'run-{name}'), devices=jax.devices()[:1])
+    compiled = []  # from the student on (its random init compiles; a checkpoint's is read)
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kwargs: compiled.append(event) if 'backend_compile' in event else None)
+    try:
+      with pytest.raises(UserError, match=message):
+        train.train(config, workdir, mesh, model)
+    finally:
+      jax.monitoring.clear_event_listeners()
+    assert not compiled, name
+    assert not os.path.exists(os.path.join(workdir, 'metrics.jsonl'))
+
+
+def test_arith_run_with_a_teacher_resumes_exactly(tmp_path):
+  """Four fused steps with a teacher (a random checkpoint beside the arith tokenizer), against two
+  and then two more resumed from the step-2 checkpoint: the same metrics, the teacher's included."""
+  teacher = teacher_checkpoint(tmp_path / 'teacher', Qwen2Config(**dict(ARITH, hidden_size=48)))
+  whole = train_here(tmp_path / 'whole', 'configs/tiny_arith.yaml', *arith_overrides(teacher))
+  train_here(tmp_path / 'cut', 'configs/tiny_arith.yaml', *arith_overrides(teacher, steps=2))
+  resumed = train_here(tmp_path / 'cut', 'configs/tiny_arith.yaml', *arith_overrides(teacher))
+  assert [row['step'] for row in resumed] == [1, 2, 3, 4]
+  for ours, theirs in zip(resumed, whole):
+    for name in ('reward_mean', 'distill_reverse_kl', 'distill_teacher_confident_frac', 'policy_loss', 'grad_norm'):
+      assert ours[name] == theirs[name], (ours['step'], name)
+  # Another model's log-probs: never equal to the student's, nor the same on every token.
+  assert all(abs(row['distill_reverse_kl']) > 1e-4 and 0 < row['distill_teacher_confident_frac'] < 1 for row in whole)
