@@ -48,6 +48,7 @@ from flax import nnx  # noqa: E402
 
 from grpo_jax import config as config_lib  # noqa: E402
 from grpo_jax.model import MeshConfig, ModelOptions, Qwen2Config, init_model, make_mesh  # noqa: E402
+from grpo_jax.rl.held import Held
 from grpo_jax.rl import update as update_lib  # noqa: E402
 from grpo_jax.rl.batch import Batch  # noqa: E402
 from grpo_jax.rl.state import create_train_state  # noqa: E402
@@ -99,12 +100,12 @@ def make_update(architecture: Qwen2Config, packing: bool, batch: Batch):
                                      settings=settings),
                    donate_argnums=0, out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated))
   with jax.set_mesh(mesh):
-    compiled = update.lower(state, batch, None).compile()
+    compiled = update.lower(state, batch, Held()).compile()
   live = dict(state=state)
 
   def step():
     with jax.set_mesh(mesh):
-      live['state'], live['metrics'] = jax.block_until_ready(compiled(live['state'], batch, None))
+      live['state'], live['metrics'] = jax.block_until_ready(compiled(live['state'], batch, Held()))
 
   return step, compiled, live
 

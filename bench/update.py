@@ -115,6 +115,7 @@ from grpo_jax import testing  # noqa: E402
 from grpo_jax.errors import UserError  # noqa: E402
 from grpo_jax.model import MeshConfig, ModelOptions, Qwen2Config, make_mesh, to_hf_dict  # noqa: E402
 from grpo_jax.metrics import matmul_peak_flops  # noqa: E402
+from grpo_jax.rl.held import Held
 from grpo_jax.rl import update as update_lib  # noqa: E402
 from grpo_jax.rl.batch import Batch  # noqa: E402
 from grpo_jax.model import lora  # noqa: E402
@@ -185,7 +186,7 @@ def jax_update(architecture: Qwen2Config, config: config_lib.Config, arrays: dic
   model = config.model.build(mesh, 0)  # with --lora-rank: adapters on a frozen base in the compute dtype
   graphdef, params = nnx.split(model)
   params, frozen = lora.split_trainable(params)
-  ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 and frozen is None else None
+  held = Held(reference=jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 and frozen is None else None)
   optimizer, schedule = config.optim.build(args.warmup + args.repeats + 1)
   settings = update_lib.UpdateSettings(algo=config.algo, temperature=config.rollout.sampling.temperature,
                                        rows=config.completions_per_step)
@@ -198,13 +199,13 @@ def jax_update(architecture: Qwen2Config, config: config_lib.Config, arrays: dic
   batch = Batch.of_sequences(**jax.device_put(arrays))
   start = time.perf_counter()
   with jax.set_mesh(mesh):
-    compiled = update.lower(state, batch, ref_params).compile()
+    compiled = update.lower(state, batch, held).compile()
   print(f'compile {time.perf_counter() - start:.1f} s; {memory_line(compiled)}', flush=True)
   live = dict(state=state)
 
   def step():
     with jax.set_mesh(mesh):
-      live['state'], live['metrics'] = jax.block_until_ready(compiled(live['state'], batch, ref_params))
+      live['state'], live['metrics'] = jax.block_until_ready(compiled(live['state'], batch, held))
 
   return step, settings, live
 

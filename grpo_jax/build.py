@@ -95,30 +95,19 @@ def build_model_scores(config, mesh: jax.sharding.Mesh, task: Task) -> ModelScor
   return ModelScores.load(terms, mesh, task, task.prompt_length + config.rollout.max_new_tokens, config.model.options)
 
 
-def check_teacher(config, mesh: jax.sharding.Mesh, task: Task, student) -> tuple:
-  """(the teacher's architecture, its training run's config or None) after the checks that need no
-  weights, each one line naming algo.teacher: the path is a language model's checkpoint, its
-  tokenizer is the student's (the same size, every id the same string), its embedding table holds
-  every id the student samples (the task's tokenizer's), a vision-language student's teacher reads
-  images as it does, and its heads divide over the mesh's tensor axis."""
-  path = config.algo.teacher
-  architecture, run = restore.checkpoint_architecture(path, 'algo.teacher')
+def check_teacher_architecture(path: str, architecture, vocab_size: int, student, mesh: jax.sharding.Mesh) -> None:
+  """The checks of a teacher that its architecture alone answers, each one line naming
+  algo.teacher: a language model, not a reward model; an embedding table holding every id the
+  student samples (`vocab_size`, its task's tokenizer's); for a vision-language student a tower
+  reading images as the student's does; heads that divide over the mesh's tensor axis."""
   if architecture.num_labels:
     raise UserError(f'algo.teacher: {path} is a reward model (a sequence classifier); a teacher is a language model '
                     'whose log-probs the student learns from')
-  if architecture.vocab_size < task.vocab_size:
+  if architecture.vocab_size < vocab_size:
     raise UserError(f'algo.teacher: {path} has {architecture.vocab_size} embedding rows, fewer than the student\'s '
-                    f'{task.vocab_size} token ids (its tokenizer\'s): the teacher cannot score every sampled token')
-  teacher_tokenizer = restore.checkpoint_tokenizer(path, run)
-  if teacher_tokenizer is None:
-    raise UserError(f'algo.teacher: {path} has no tokenizer (tokenizer.json or vocab.json beside it, or its run\'s) to '
-                    'check against the student\'s')
-  difference = tokenizer_difference(task.tokenizer, teacher_tokenizer)
-  if difference is not None:
-    raise UserError(f'algo.teacher: {path} has another tokenizer than the student ({difference}); on-policy '
-                    'distillation scores the student\'s token ids under the teacher, so they must mean the same')
-  if student.config.vision is not None:
-    mine, theirs = student.config.vision, architecture.vision
+                    f'{vocab_size} token ids (its tokenizer\'s): the teacher cannot score every sampled token')
+  if student.vision is not None:
+    mine, theirs = student.vision, architecture.vision
     if theirs is None:
       raise UserError(f'algo.teacher: {path} has no vision tower, and the student\'s prompts show images: the teacher '
                       'must see them too (a vision-language teacher)')
@@ -128,7 +117,23 @@ def check_teacher(config, mesh: jax.sharding.Mesh, task: Task, student) -> tuple
       raise UserError(f'algo.teacher: {path} reads images otherwise than the student ({", ".join(differing)} '
                       'differ): its image tokens would not be the student\'s')
   check_mesh(architecture, mesh)
-  return architecture, run
+
+
+def check_teacher(config, mesh: jax.sharding.Mesh, task: Task, student) -> None:
+  """check_teacher_architecture, then its tokenizer: the student's (the same size, every id the
+  same string), found beside the checkpoint or from its training run. `student`: the student's
+  model. Nothing is compiled and no weights are read."""
+  path = config.algo.teacher
+  architecture, run = restore.checkpoint_architecture(path, 'algo.teacher')
+  check_teacher_architecture(path, architecture, task.vocab_size, student.config, mesh)
+  teacher_tokenizer = restore.checkpoint_tokenizer(path, run)
+  if teacher_tokenizer is None:
+    raise UserError(f'algo.teacher: {path} has no tokenizer (tokenizer.json or vocab.json beside it, or its run\'s) to '
+                    'check against the student\'s')
+  difference = tokenizer_difference(task.tokenizer, teacher_tokenizer)
+  if difference is not None:
+    raise UserError(f'algo.teacher: {path} has another tokenizer than the student ({difference}); on-policy '
+                    'distillation scores the student\'s token ids under the teacher, so they must mean the same')
 
 
 def build_teacher(config, mesh: jax.sharding.Mesh, task: Task, student) -> Teacher | None:

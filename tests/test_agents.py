@@ -24,6 +24,7 @@ from grpo_jax.agents.trajectory import Episode, Trajectory, collate
 from grpo_jax.data.task import Prompts
 from grpo_jax.errors import UserError
 from grpo_jax.model import from_pretrained
+from grpo_jax.rl.held import Held
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.state import init_train_state
 from grpo_jax.rl.step import make_batch
@@ -244,7 +245,7 @@ def recorded_update(graphdef, params, ref_params, batch: Batch, algo_config: Alg
   optimizer = optax.chain(record, optax.sgd(0.0))
   run = functools.partial(update, graphdef=graphdef, optimizer=optimizer, schedule=optax.constant_schedule(0.0),
                           settings=UpdateSettings(algo=algo_config, temperature=0.9, rows=batch.tokens.shape[0]))
-  state, metrics = jax.jit(run)(init_train_state(params, optimizer, 0), batch, ref_params)
+  state, metrics = jax.jit(run)(init_train_state(params, optimizer, 0), batch, Held(reference=ref_params))
   return state.opt_state[0], metrics
 
 

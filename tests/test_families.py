@@ -369,7 +369,7 @@ def test_one_rl_step_on_the_math_task_with_the_familys_tokenizer_and_template(fa
   rollouts = []
   try:
     with jax.set_mesh(run.mesh):
-      run.state, metrics = run.rl_step(run.state, run.ref_params,
+      run.state, metrics = run.rl_step(run.state, run.held,
                                        lambda stage, value: stage == 'rollout' and rollouts.append(value))
     after = [np.asarray(leaf) for leaf in jax.tree.leaves(run.state.params)]
   finally:

@@ -18,6 +18,7 @@ from grpo_jax.data import word_problems
 from grpo_jax.data.math_task import MathTask
 from grpo_jax.errors import UserError
 from grpo_jax.model.qwen2 import segment_positions
+from grpo_jax.rl.held import Held
 from grpo_jax.rl import packing
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.batch import Batch
@@ -144,7 +145,7 @@ def run_update(settings: dict, params, batch, seed, packed: bool, ref_params=Non
   # the parameters between updates, so later mini-batches and passes see a policy that moved.
   optimizer = optax.chain(gradient_recorder(), optax.clip_by_global_norm(1.0), optax.sgd(1e-2))
   run, optimizer = make_update(config, optimizer=optimizer, architecture=architecture)
-  new_state, metrics = run(fresh_state(params, optimizer, seed), batch, ref_params)
+  new_state, metrics = run(fresh_state(params, optimizer, seed), batch, Held(reference=ref_params))
   return new_state.opt_state[0], metrics
 
 

@@ -105,11 +105,11 @@ def test_the_reward_models_weights_lie_beside_every_program_that_does_not_take_t
   beside = {name: plan.held_beside(args, built.resident, devices) for name, _, args in built.programs}
   state = built.state
   assert beside['rollout'] == dict(optimizer_state=sharding.bytes_per_device(state.opt_state),
-                                   reference=sharding.bytes_per_device(built.ref_params), reward_models=weights)
+                                   reference=sharding.bytes_per_device(built.held.reference), reward_models=weights)
   assert beside['update'] == dict(reward_models=weights)
   assert beside['reward_model'] == dict(parameters=sharding.bytes_per_device(state.params),
                                         optimizer_state=sharding.bytes_per_device(state.opt_state),
-                                        reference=sharding.bytes_per_device(built.ref_params))
+                                        reference=sharding.bytes_per_device(built.held.reference))
 
 
 def test_a_reward_model_the_plan_cannot_read_is_refused_in_one_line(tmp_path):

@@ -18,6 +18,7 @@ from grpo_jax.data.sources import DatasetSource
 from grpo_jax.errors import UserError
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.loading import init_model
+from grpo_jax.rl.held import Held
 from grpo_jax.rl import algo
 from grpo_jax.rl.loss import LossInputs, policy_loss
 from grpo_jax.rl.state import init_train_state
@@ -220,7 +221,7 @@ def test_micro_batches_accumulate_to_the_whole_batch(aggregation, seed):
     config = AlgoConfig(group_size=GROUP, micro_batch_size=micro_batch_size, loss_aggregation=aggregation,
                         entropy_coef=0.01, logprob_implementation='xla_chunked')
     run, optimizer = make_update(config, optimizer=optax.sgd(2.0 ** 13))
-    new_state, metrics = run(fresh_state(params, optimizer, seed), batch, None)
+    new_state, metrics = run(fresh_state(params, optimizer, seed), batch, Held())
     outcomes.append((delta(new_state.params, params), metrics))
   (micro_delta, micro_metrics), (whole_delta, whole_metrics) = outcomes
   assert_trees_close(micro_delta, whole_delta)
@@ -249,7 +250,7 @@ def test_replicas_reduce_their_gradients_once_per_update(seed):
   config = AlgoConfig(group_size=GROUP, micro_batch_size=ROWS // 2, entropy_coef=0.01,
                       logprob_implementation='xla_chunked')
   run, optimizer = make_update(config, optimizer=optax.sgd(2.0 ** 13))
-  expected = run(fresh_state(params, optimizer, seed), batch, None)
+  expected = run(fresh_state(params, optimizer, seed), batch, Held())
   on_mesh = jax.device_put(params, sharding.state_shardings(params, mesh))
   replicated = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   across = {}
@@ -332,7 +333,7 @@ def test_kl_paths(seed):
   batch = random_batch(rng)
   # kl_beta = 0 keeps no reference parameters: None must do.
   run, optimizer = make_update(AlgoConfig(group_size=GROUP, logprob_implementation='xla_chunked'))
-  state, metrics = run(fresh_state(params, optimizer, seed), batch, None)
+  state, metrics = run(fresh_state(params, optimizer, seed), batch, Held())
   assert float(metrics['kl']) == 0.0 and int(state.updates) == 1
 
   run, optimizer = make_update(AlgoConfig(group_size=GROUP, kl_beta=0.1, kl_estimator='k3',
@@ -412,7 +413,7 @@ def test_sampler_mismatch_metrics_against_numpy(seed, epochs, minibatches):
   config = AlgoConfig(group_size=GROUP, ppo_epochs=epochs, num_minibatches=minibatches,
                       logprob_implementation='xla_chunked')
   run, optimizer = make_update(config)
-  _, metrics = run(fresh_state(params, optimizer, seed), batch, None)
+  _, metrics = run(fresh_state(params, optimizer, seed), batch, Held())
   mask = np.asarray(batch.mask)
   assert_close(metrics['sampler_gap_mean'], np.abs(gap)[mask].mean(), 'mean')
   assert_close(metrics['sampler_gap_max'], np.abs(gap)[mask].max(), 'max')

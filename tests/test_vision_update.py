@@ -17,6 +17,7 @@ from grpo_jax import config as config_lib
 from grpo_jax.model import vision
 from grpo_jax.model.loading import init_model
 from grpo_jax.model.options import ModelOptions
+from grpo_jax.rl.held import Held
 from grpo_jax.rl.algo import AlgoConfig
 from grpo_jax.rl.batch import Batch
 from grpo_jax.rl.optimizer import OptimConfig, freezing
@@ -101,7 +102,7 @@ def one_update(freeze: bool, packed: bool, seed: int, batch: Batch):
   optimizer = freezing(optax.sgd(RATE), ('visual',)) if freeze else optax.sgd(RATE)
   run = jax.jit(functools.partial(update, graphdef=graphdef, optimizer=optimizer, schedule=optax.constant_schedule(1.0),
                                   settings=UpdateSettings(algo=config, temperature=1.0, rows=ROWS)))
-  state, metrics = run(init_train_state(params, optimizer, seed), batch, ref_params)
+  state, metrics = run(init_train_state(params, optimizer, seed), batch, Held(reference=ref_params))
   return state.params, metrics
 
 
@@ -200,7 +201,7 @@ def test_each_mini_batch_runs_the_tower_on_its_own_prompts_only(seed, monkeypatc
   def compiled():
     run = jax.jit(functools.partial(update, graphdef=graphdef, optimizer=optimizer,
                                     schedule=optax.constant_schedule(1.0), settings=settings))
-    return run.lower(init_train_state(params, optimizer, seed), batch, None).compile()
+    return run.lower(init_train_state(params, optimizer, seed), batch, Held()).compile()
 
   ours = compiled()
   with monkeypatch.context() as patch:  # the reference: every prompt's images in every mini-batch
@@ -208,7 +209,7 @@ def test_each_mini_batch_runs_the_tower_on_its_own_prompts_only(seed, monkeypatc
         jnp.arange(owners, dtype=orders.dtype), (orders.shape[0], owners)))
     everyone = compiled()
   state = init_train_state(params, optimizer, seed)
-  (got, metrics), (want, expected) = ours(state, batch, None), everyone(state, batch, None)
+  (got, metrics), (want, expected) = ours(state, batch, Held()), everyone(state, batch, Held())
   if shown == 'whole-groups':  # each mini-batch's rows are one whole group
     orders = np.asarray(update_module._orders(jax.random.split(state.key)[1], settings))
     assert all(len(set(row // GROUP)) == 1 for row in orders), orders

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_jax import build, restore
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
 from grpo_jax.build import build_rl_step
@@ -25,7 +26,8 @@ from grpo_jax.model import lora
 from grpo_jax.model.hf_config import load_hf_config
 from grpo_jax.model.loading import abstract_model, check_mesh
 from grpo_jax.plan import targets, traffic
-from grpo_jax.rl.model_scores import ModelScores
+from grpo_jax.rl.held import Held, Teacher
+from grpo_jax.rl.model_scores import ModelScores, scoring_options
 from grpo_jax.rl.state import init_train_state
 from grpo_jax.sampler.layout import place_program
 
@@ -158,7 +160,7 @@ class StepPrograms:
 
   task: object
   state: object
-  ref_params: object
+  held: Held  # pi_ref's parameters and a teacher's, abstract (rl/held.py)
   programs: list  # (name, jitted function, abstract arguments)
   layout: object = None  # the sampler's RolloutLayout
   devices: dict = dataclasses.field(default_factory=dict)  # program name -> its devices, where not the mesh's
@@ -167,9 +169,11 @@ class StepPrograms:
   @property
   def resident(self) -> dict:
     """What stays on the devices for the whole step, whichever program runs: the train state's
-    parts, pi_ref and the reward models' weights, by the name the report gives them per device."""
+    parts, pi_ref, a teacher's and the reward models' weights, by the name the report gives them
+    per device."""
     return dict(parameters=self.state.params, frozen_base=self.state.frozen, optimizer_state=self.state.opt_state,
-                pool=self.state.pool, reference=self.ref_params,
+                pool=self.state.pool, reference=self.held.reference,
+                teacher=None if self.held.teacher is None else self.held.teacher.params,
                 reward_models=[scoring.params for scoring in self.model_scores.scorings])
 
 
@@ -201,14 +205,16 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
   trained, frozen = lora.split_trainable(params)
   state = _abstract(jax.eval_shape(functools.partial(init_train_state, optimizer=step.optimizer, seed=0), trained,
                                    pool=step.empty_pool, frozen=frozen), step.state_shardings)
-  # pi_ref: a copy of the policy; with LoRA the state's own base (adapters off), no copy.
-  ref_params = params if config.algo.kl_beta > 0 and frozen is None else None
+  # pi_ref: a copy of the policy; with LoRA the state's own base (adapters off), no copy. A teacher
+  # from its config.json (or its run's metadata) alone, laid out as build_teacher lays it out.
+  held = Held(reference=params if config.algo.kl_beta > 0 and frozen is None else None,
+              teacher=abstract_teacher(config, mesh, task, architecture))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   if step.host_mode.split:
-    return _split_programs(config, task, step, state, ref_params, replicated)
+    return _split_programs(config, task, step, state, held, replicated)
   if task.jittable:
     programs = [(f'{config.train.steps_per_call} RL steps in one jit', step.fused,
-                 (state, ref_params, config.train.steps_per_call))]
+                 (state, held, config.train.steps_per_call))]
   else:
     prompts = jax.ShapeDtypeStruct((config.rollout.prompts_per_step, task.prompt_length), jnp.int32, sharding=replicated)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
@@ -230,9 +236,26 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
                ('rollout', jax.jit(step.sampling.sample), (state.policy, prompts, prompts, key, vision)))
     programs = [sampler, *scoring_programs(model_scores, prompts, rollout),
                 ('update', step.update_program,
-                 (state.replace(pool=None), ref_params, prompts, prompts, rollout, scores, vision))]
-  return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=step.layout,
+                 (state.replace(pool=None), held, prompts, prompts, rollout, scores, vision))]
+  return StepPrograms(task=task, state=state, held=held, programs=programs, layout=step.layout,
                       model_scores=model_scores)
+
+
+def abstract_teacher(config: config_lib.Config, mesh, task, student) -> Teacher | None:
+  """The run's teacher (algo.teacher) as build_teacher lays it out over `mesh`, its parameters
+  ShapeDtypeStructs in the student's compute dtype: the architecture from the teacher's config.json
+  or its training run's metadata, no weights read. Refused as a run refuses it where no tokenizer is
+  needed to tell (a reward model, too few embedding rows for the student's ids, images read
+  otherwise, heads that do not divide over the mesh). `task`: the run's task shape; `student` its
+  architecture."""
+  if config.algo.teacher is None:
+    return None
+  architecture, _ = restore.checkpoint_architecture(config.algo.teacher, 'algo.teacher')
+  build.check_teacher_architecture(config.algo.teacher, architecture, task.vocab_size, student, mesh)
+  options = scoring_options(config.model.options, config.model.options.dtype)
+  graphdef, state = nnx.split(abstract_model(architecture, options))
+  return Teacher(graphdef=graphdef, params=sharding.placed_abstract(state, sharding.state_shardings(state, mesh)),
+                 path=config.algo.teacher)
 
 
 def scoring_programs(model_scores: ModelScores, prompts, rollout) -> list:
@@ -248,7 +271,7 @@ def scoring_programs(model_scores: ModelScores, prompts, rollout) -> list:
           for scoring in model_scores.scorings]
 
 
-def _split_programs(config, task, step, state, ref_params, replicated) -> StepPrograms:
+def _split_programs(config, task, step, state, held, replicated) -> StepPrograms:
   """Split devices' three programs: 'rollout' (the pool's advance on the sampler's devices, from
   the resident weights), 'transfer' (the weights cast and laid out on the trainer's devices as the
   sampler's layout, before each shard crosses) and 'update' (on the trainer's)."""
@@ -265,6 +288,6 @@ def _split_programs(config, task, step, state, ref_params, replicated) -> StepPr
   programs = [('rollout', step.host_mode.sampler_program, (resident, state.pool.pool, version)),
               ('transfer', place_program(layout.mirror), (state.policy,)),
               *scoring_programs(model_scores, prompts, rollout),
-              ('update', step.update_program, (state.replace(pool=None), ref_params, prompts, prompts, rollout, scores))]
-  return StepPrograms(task=task, state=state, ref_params=ref_params, programs=programs, layout=layout,
+              ('update', step.update_program, (state.replace(pool=None), held, prompts, prompts, rollout, scores))]
+  return StepPrograms(task=task, state=state, held=held, programs=programs, layout=layout,
                       devices=dict(rollout=list(layout.mesh.devices.reshape(-1))), model_scores=model_scores)

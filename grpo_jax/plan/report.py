@@ -13,6 +13,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from grpo_jax import config as config_lib
 from grpo_jax import metrics as metrics_lib
@@ -69,7 +70,8 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
   mesh = sharding.make_mesh(config.mesh, devices=trainer_devices)
   built = step_programs(config, architecture, mesh, resident,
                         sampler_devices=sampler_devices if config.rollout.devices else None)
-  task, state, ref_params, layout = built.task, built.state, built.ref_params, built.layout
+  task, state, layout = built.task, built.state, built.layout
+  ref_params, teacher = built.held.reference, built.held.teacher
   programs, beside = [], {}
   for name, jitted, args in built.programs:
     if only is not None and name not in only:
@@ -106,6 +108,15 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
              for model in built.model_scores.scorings}
   if scoring:  # their weights in the term's dtype, laid out like the policy's, no optimizer state
     per_device['reward_models'] = sum(model['bytes_per_device'] for model in scoring.values())
+  teacher_report = None
+  if teacher is not None:  # in the student's compute dtype, laid out like it, no optimizer state
+    per_device['teacher'] = sharding.bytes_per_device(teacher.params)
+    teacher_architecture = nnx.merge(teacher.graphdef, teacher.params).config
+    teacher_report = dict(path=teacher.path, parameters=teacher_architecture.num_params(),
+                          active_parameters=teacher_architecture.num_params(active=True),
+                          bytes=sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                                    for x in jax.tree.leaves(teacher.params)),
+                          bytes_per_device=per_device['teacher'])
   programs = [dataclasses.asdict(program) | dict(compiled_peak=program.peak, beside=beside[program.name],
                                                  peak=program.peak + sum(beside[program.name].values()))
               for program in programs]
@@ -124,7 +135,7 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
                  lora=dataclasses.asdict(config.model.options.lora) if config.model.options.lora else None),
       per_device=per_device | dict(kv_cache=kv_cache_bytes_per_device(
           architecture, config, task.prompt_length, decode_mesh, prompts=0 if pool is None else pool.entries)),
-      programs=programs, reward_models=scoring,
+      programs=programs, reward_models=scoring, teacher=teacher_report,
       peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes,
       sequence_length=task.prompt_length + config.rollout.max_new_tokens,
       routes_bytes=routes_bytes(architecture, config.completions_per_step,
@@ -218,6 +229,10 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
         trained=not options.freeze_vision and options.lora is None, remat=options.remat != 'none')
     step_flops += tower['rollout'] + tower['update']
     rollout_flops += tower['rollout']
+  # A teacher's forward in the update: 2 N_t FLOPs per token of the step's P x G rows (its scoring
+  # pass, beside pi_old's and pi_ref's; N_t its active parameters).
+  teacher = report.get('teacher')
+  teacher_flops = (2.0 * teacher['active_parameters'] * rows * (prompt_length + steps)) if teacher else 0.0
   per_device = report['per_device']
   decode_s = steps * (per_device['resident_weights'] + per_device['kv_cache'] / 2) / target.hbm_bandwidth
   parts = {}
@@ -235,7 +250,7 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
       parts['transfer'] = dict(compute_s=0.0, hbm_s=0.0, interconnect_s=sum(links.values()), links=links)
       continue
     update = program['name'] != 'rollout'
-    flops = (rollout_flops if rollout else 0.0) + ((step_flops - rollout_flops) if update else 0.0)
+    flops = (rollout_flops if rollout else 0.0) + ((step_flops - rollout_flops + teacher_flops) if update else 0.0)
     devices = report['program_devices'][program['name']]
     parts[program['name']] = dict(flops=flops, compute_s=flops / (devices * target.peak_flops),
                                   hbm_s=decode_s if rollout else 0.0, interconnect_s=sum(links.values()), links=links)
@@ -243,7 +258,7 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
     part['program_s'] = max(part['compute_s'], part['hbm_s'], part['interconnect_s'])
     part['bound'] = _bound(part)
   scoring_s = sum(part['program_s'] for name, part in parts.items() if name in scoring)
-  result = dict(model_flops=step_flops, tower_flops=tower, programs=parts,
+  result = dict(model_flops=step_flops, tower_flops=tower, teacher_flops=teacher_flops, programs=parts,
                 reward_model_flops=sum(part['flops'] for name, part in parts.items() if name in scoring),
                 reward_models_s=scoring_s, step_s=sum(part['program_s'] for part in parts.values()))
   result['step_without_reward_models_s'] = result['step_s'] - scoring_s
@@ -341,6 +356,11 @@ def format_report(report: dict) -> str:
     if step:
       lines.append(f'    per decode step: {step["kernels"]} kernels, {format_bytes(step["bytes"])} of their operands and '
                    f'results, {format_bytes(step["copied"])} written by copies and slices')
+  teacher = report.get('teacher')
+  if teacher:
+    lines.append(f'teacher {teacher["path"]}: {teacher["parameters"] / 1e9:.2f}B parameters, resident sharded over the '
+                 f'trainer\'s devices ({format_bytes(teacher["bytes_per_device"])} per device of '
+                 f'{format_bytes(teacher["bytes"])}), its forward in the update')
   if report['routes_bytes']:
     lines.append(f'recorded routes per step: {format_bytes(report["routes_bytes"])} (rows x sequence x '
                  f'{model["sparse_layers"]} sparse layers x top-{model["experts_per_token"]} expert ids)')
@@ -352,7 +372,9 @@ def format_report(report: dict) -> str:
                + (f' (the vision tower: rollout {tower["rollout"] / 1e15:.1f}, update {tower["update"] / 1e15:.1f})'
                   if any(tower.values()) else '')
                + (f', and the reward models\' forward {estimate["reward_model_flops"] / 1e15:.1f} PFLOP'
-                  if report.get('reward_models') else ''))
+                  if report.get('reward_models') else '')
+               + (f', and the teacher\'s forward in the update {estimate["teacher_flops"] / 1e15:.1f} PFLOP'
+                  if report.get('teacher') else ''))
   for name, part in estimate['programs'].items():
     links = ', '.join(f'{targets.LINK_NAMES.get(link, link)} {value:.2f} s' for link, value in part['links'].items())
     lines.append(f'  "{name}": {part.get("flops", 0.0) / 1e15:.1f} PFLOP, compute >= {part["compute_s"]:.2f} s, '
