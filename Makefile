@@ -12,7 +12,7 @@ PYTHON ?= $(call first_python,$$(command -v python3.13 python3.12) $(HOME)/.pyen
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-agent demo-math demo-lora demo-moe demo-rm demo-vl demo-vl-agent test test-all test-fast core-smoke sandbox bench clean
+.PHONY: demo demo-agent demo-distill demo-math demo-lora demo-moe demo-rm demo-vl demo-vl-agent test test-all test-fast core-smoke sandbox bench clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 or newer found (jax 0.12 needs it): make ... PYTHON=/path/to/python3.12"; exit 1; }
@@ -76,6 +76,13 @@ demo-rm: $(VENV)/.extras
 	$(BIN)/python -m grpo_jax.train_reward --config configs/tiny_reward_model.yaml
 	$(BIN)/python -m grpo_jax.train --config configs/tiny_rm_grpo.yaml
 	$(BIN)/python -m grpo_jax.data.synthetic_preferences --plot runs/tiny_rm_grpo
+
+# On-policy distillation: the arith demo's model (run.seed=1) as the teacher, made first when absent,
+# then a smaller fresh student learning from its per-token log-probs.
+demo-distill: $(VENV)/.extras
+	test -n "$$(ls runs/tiny_arith_teacher/checkpoints 2>/dev/null)" || $(BIN)/python -m grpo_jax.train \
+	  --config configs/tiny_arith.yaml --set run.seed=1 --workdir runs/tiny_arith_teacher
+	$(BIN)/python -m grpo_jax.train --config configs/tiny_arith_distill.yaml
 
 # The core on the GPU images' JAX (requirements-gpu-image.txt), checked on the CPU in an environment of
 # its own; those packages need Python 3.12. Where no python3.12 is found, it skips and says so.

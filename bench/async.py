@@ -53,6 +53,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from grpo_jax.rl.held import Held
 from grpo_jax.build import build_rl_step  # noqa: E402
 from grpo_jax.config import load_config  # noqa: E402
 from grpo_jax.model import MeshConfig, Qwen2Config, make_mesh  # noqa: E402
@@ -100,7 +101,7 @@ def main():
           metrics = {key: np.stack([np.asarray(row[key]) for row in jax.device_get(rows)]) for key in rows[0]}
           state = jax.block_until_ready(state)  # the sampler's last advance is part of the call
         else:
-          state, metrics = steps_of[name].run_steps(state, None, args.steps)
+          state, metrics = steps_of[name].run_steps(state, Held(), args.steps)
           metrics = jax.device_get(metrics)
       states[name] = state
       out.setdefault(name, []).append(metrics)

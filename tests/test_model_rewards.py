@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from grpo_jax.rl.held import Held
 from grpo_jax import config as config_lib
 from grpo_jax.build import build_rl_step, build_task
 from grpo_jax.data import word_problems
@@ -71,7 +72,7 @@ def one_step(config, devices) -> dict:
 
     rl_step.learn = recording
     with jax.set_mesh(mesh):
-      _, metrics = rl_step(state, None)
+      _, metrics = rl_step(state, Held())
   finally:
     task.close()
   prompt_tokens, prompt_mask, rollout, scores = learned[0]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from grpo_jax.rl.held import Held
 from grpo_jax.build import build_rl_step, build_task
 from grpo_jax.config import load_config
 from grpo_jax.errors import UserError
@@ -49,7 +50,7 @@ def split_steps(config, steps: int, sampler_devices: int = 4) -> dict:
   with jax.set_mesh(mesh):
     for _ in range(steps):  # the first step primes the pool (its groups sampled under these weights)
       weights.append(copy(state.policy))  # with LoRA, the adapters joined with the frozen base
-      state, row = rl_step(state, None)
+      state, row = rl_step(state, Held())
       metrics.append(jax.device_get(row))
   return dict(rl_step=rl_step, mesh=mesh, sampler=sampler, state=state, learned=learned, weights=weights,
               metrics=metrics, graphdef=nnx.graphdef(model))

@@ -243,7 +243,7 @@ def test_bf16_compute_keeps_fp32_master_weights(tmp_path, seed):
       prompts = step.prompts(jax.random.PRNGKey(index), 0, 8)
       rollout = step.sample(run.state.params, prompts.tokens, prompts.mask, jax.random.PRNGKey(10 + index))
       rewards = rng.random(32).astype(np.float32)  # random scores: every group has a signal
-      run.state, metrics = run.rl_step.learn(run.state, None, prompts.tokens, prompts.mask, rollout,
+      run.state, metrics = run.rl_step.learn(run.state, run.held, prompts.tokens, prompts.mask, rollout,
                                       Scores(rewards=rewards, failures=np.int32(0)))
       rows.append({k: float(v) for k, v in metrics.items()})
   run.close()

@@ -255,10 +255,10 @@ def test_replicas_reduce_their_gradients_once_per_update(seed):
   replicated = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   across = {}
   with jax.set_mesh(mesh):
-    actual = run(fresh_state(on_mesh, optimizer, seed), replicated, None)
+    actual = run(fresh_state(on_mesh, optimizer, seed), replicated, Held())
     whole, _ = make_update(dataclasses.replace(config, micro_batch_size=0), optimizer=optax.sgd(2.0 ** 13))
     for micro_batch_size, jitted in ((ROWS // 2, run), (0, whole)):
-      hlo = jitted.lower(fresh_state(on_mesh, optimizer, seed), replicated, None).compile().as_text()
+      hlo = jitted.lower(fresh_state(on_mesh, optimizer, seed), replicated, Held()).compile().as_text()
       found = traffic.collectives(hlo, 4)
       across[micro_batch_size] = sum(c.bytes * c.count for c in found
                                      if any(len({device // 2 for device in group}) > 1 for group in c.groups))
@@ -281,7 +281,7 @@ def test_on_policy_ratio_is_one_and_equal_rewards_change_nothing(seed):
   run, optimizer = make_update(config, OptimConfig(learning_rate=1e-2, weight_decay=0.0))
   state = fresh_state(params, optimizer, seed)
 
-  new_state, metrics = run(state, random_batch(rng), None)
+  new_state, metrics = run(state, random_batch(rng), Held())
   # The metric sums B * N token weights of 1 / (tokens): fp32 rounding only.
   assert abs(float(metrics['ratio_mean']) - 1.0) <= 1e-6
   assert float(metrics['clip_frac_low']) == 0.0 and float(metrics['clip_frac_high']) == 0.0
@@ -292,7 +292,7 @@ def test_on_policy_ratio_is_one_and_equal_rewards_change_nothing(seed):
   advantages = algo.ADVANTAGES['grpo'](jnp.asarray(rewards)).reshape(-1)
   np.testing.assert_array_equal(np.asarray(advantages), 0.0)
   # From fresh moments: after a real step, momentum alone would move the parameters.
-  unchanged, metrics = run(state, random_batch(rng, advantages=advantages), None)
+  unchanged, metrics = run(state, random_batch(rng, advantages=advantages), Held())
   assert float(metrics['grad_norm']) == 0.0 and float(metrics['nonfinite']) == 0.0
   assert int(unchanged.updates) == 1
   assert_trees_equal(unchanged.params, params)
@@ -305,20 +305,20 @@ def test_nonfinite_batch_is_skipped(seed):
   graphdef, params = random_model(rng)
   config = AlgoConfig(group_size=GROUP, logprob_implementation='xla_chunked')
   run, optimizer = make_update(config)
-  state, _ = run(fresh_state(params, optimizer, seed), random_batch(rng), None)  # non-trivial moments
+  state, _ = run(fresh_state(params, optimizer, seed), random_batch(rng), Held())  # non-trivial moments
   assert int(state.updates) == 1 and int(state.skips) == 0
 
   poisoned = random_batch(rng)
   poisoned = poisoned.replace(advantages=poisoned.advantages.at[3].set(jnp.nan))
-  skipped, metrics = run(state, poisoned, None)
+  skipped, metrics = run(state, poisoned, Held())
   assert float(metrics['nonfinite']) == 1.0
   assert int(skipped.skips) == 1 and int(skipped.updates) == 1
   assert_trees_equal(skipped.params, state.params)
   assert_trees_equal(skipped.opt_state, state.opt_state)
-  skipped, _ = run(skipped, poisoned, None)
+  skipped, _ = run(skipped, poisoned, Held())
   assert int(skipped.skips) == 2 and int(skipped.updates) == 1
 
-  recovered, metrics = run(skipped, random_batch(rng), None)
+  recovered, metrics = run(skipped, random_batch(rng), Held())
   assert float(metrics['nonfinite']) == 0.0
   assert int(recovered.skips) == 0 and int(recovered.updates) == 2
   assert max(np.abs(d).max() for d in jax.tree.leaves(delta(recovered.params, state.params))) > 1e-5
@@ -358,7 +358,7 @@ def test_epochs_times_minibatches_optimizer_updates(seed):
   graphdef, params = random_model(rng)
   config = AlgoConfig(group_size=GROUP, ppo_epochs=2, num_minibatches=2, logprob_implementation='xla_chunked')
   run, optimizer = make_update(config, OptimConfig(learning_rate=1e-2))
-  state, metrics = run(fresh_state(params, optimizer, seed), random_batch(rng), None)
+  state, metrics = run(fresh_state(params, optimizer, seed), random_batch(rng), Held())
   assert int(state.updates) == 4 and int(state.skips) == 0
   assert float(metrics['nonfinite']) == 0.0
   assert all(np.isfinite(float(value)) for value in metrics.values())
