@@ -6,6 +6,7 @@ paths (packing, partial rollouts, LoRA, MoE, vision-language) in test-all."""
 
 import dataclasses
 import functools
+import json
 import os
 
 import jax
@@ -296,3 +297,34 @@ def test_distillation_demo_learns_faster_than_grpo_alone(tmp_path):
                          'optim.learning_rate=1e-3', 'train.tensorboard=false', 'train.checkpoint_every=0')
   last = lambda rows: float(np.mean([row['reward_mean'] for row in rows[-20:]]))  # noqa: E731
   assert last(distilled) >= 0.7 and last(distilled) > last(alone), (last(distilled), last(alone))
+
+
+# ---- the plan ----
+
+@pytest.mark.exhaustive
+def test_the_plan_counts_the_teachers_weights_forward_and_arguments(tmp_path):
+  """The arith run planned with a teacher from its config.json alone (compiled by XLA:CPU over 8
+  devices standing in for 8 H100s): the teacher's parameters and bytes, its share per device, its
+  forward's FLOPs in the update, and its arrays among the compiled step's arguments."""
+  from grpo_jax.model.hf_config import to_hf_dict
+  from grpo_jax.plan import report as plan
+  from test_reward_model_plan import H100X8
+  teacher_architecture = Qwen2Config(**dict(ARITH, hidden_size=48, intermediate_size=128, num_hidden_layers=2))
+  directory = tmp_path / 'teacher'
+  directory.mkdir()
+  (directory / 'config.json').write_text(json.dumps(to_hf_dict(teacher_architecture, dtype='float32')))
+  overrides = [*arith_overrides(str(directory)), 'train.steps_per_call=1', 'mesh.fsdp=8']
+  config = config_lib.load_config(os.path.join(ROOT, 'configs/tiny_arith.yaml'), overrides)
+  architecture = config.model.architecture
+  with_teacher = plan.plan(config, H100X8, architecture)
+  without = plan.plan(dataclasses.replace(config, algo=dataclasses.replace(config.algo, teacher=None)), H100X8,
+                      architecture)
+  teacher = with_teacher['teacher']
+  parameters = teacher_architecture.num_params()
+  assert teacher['parameters'] == parameters and teacher['bytes'] == 4 * parameters
+  assert teacher['bytes'] / 8 <= with_teacher['per_device']['teacher'] < teacher['bytes'] / 2  # FSDP over 8
+  rows, length = config.completions_per_step, 5 + config.rollout.max_new_tokens  # prompts <bos> a + b =
+  assert with_teacher['estimate']['teacher_flops'] == 2.0 * parameters * rows * length
+  grown = with_teacher['programs'][0]['arguments'] - without['programs'][0]['arguments']
+  assert grown == with_teacher['per_device']['teacher'], (grown, with_teacher['per_device'])
+  assert 'teacher' not in without['per_device'] and without['estimate']['teacher_flops'] == 0

@@ -117,6 +117,7 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
                           bytes=sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
                                     for x in jax.tree.leaves(teacher.params)),
                           bytes_per_device=per_device['teacher'])
+    teacher_report['placement'] = teacher_placement(config, teacher_report, mesh, task.prompt_length)
   programs = [dataclasses.asdict(program) | dict(compiled_peak=program.peak, beside=beside[program.name],
                                                  peak=program.peak + sum(beside[program.name].values()))
               for program in programs]
@@ -145,6 +146,25 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
     report['split'] = crossing(config, target, state.pool, resident_bytes, trainer_devices, sampler_devices)
   report['estimate'] = estimate(config, target, architecture, task.prompt_length, report, task.vision_bucket)
   return report
+
+
+def teacher_placement(config: config_lib.Config, teacher: dict, mesh, prompt_length: int) -> dict:
+  """Where a teacher can lie, in figures: resident sharded over the trainer's devices (what a run
+  does: `resident_bytes_per_device`, and its weights gathered over 'fsdp' once per micro-batch of
+  the update's scoring pass, `gathered_bytes_per_update` per device), or on devices of its own
+  (not built yet): k devices holding it whole between them (`own_devices_bytes_per_device` for
+  each k of 1, 2, 4, 8), with only the batch's tokens going there and its log-probs coming back
+  (`own_devices_crossing_bytes`)."""
+  rows = config.completions_per_step
+  micro_rows = config.algo.micro_batch_size or rows // config.algo.num_minibatches
+  micro_batches = max(1, rows // micro_rows)
+  fsdp = mesh.shape.get('fsdp', 1)
+  length = prompt_length + config.rollout.max_new_tokens
+  return dict(resident_bytes_per_device=teacher['bytes_per_device'], scoring_micro_batches=micro_batches,
+              gathered_bytes_per_update=micro_batches * teacher['bytes'] // mesh.shape.get('tensor', 1)
+              * (fsdp - 1) // fsdp,
+              own_devices_bytes_per_device={k: teacher['bytes'] // k for k in (1, 2, 4, 8)},
+              own_devices_crossing_bytes=rows * length * 4 + rows * config.rollout.max_new_tokens * 4)
 
 
 def held_beside(args, resident: dict, devices) -> dict:
@@ -361,6 +381,12 @@ def format_report(report: dict) -> str:
     lines.append(f'teacher {teacher["path"]}: {teacher["parameters"] / 1e9:.2f}B parameters, resident sharded over the '
                  f'trainer\'s devices ({format_bytes(teacher["bytes_per_device"])} per device of '
                  f'{format_bytes(teacher["bytes"])}), its forward in the update')
+    place = teacher['placement']
+    own = ', '.join(f'{k}: {format_bytes(value)}' for k, value in place['own_devices_bytes_per_device'].items())
+    lines.append(f'  its FSDP gathers: {format_bytes(place["gathered_bytes_per_update"])} per device per update '
+                 f'({place["scoring_micro_batches"]} scoring micro-batches; fewer, larger ones gather less); on '
+                 f'devices of its own (not built yet) it would hold per device, by their count, {own}, and only '
+                 f'{format_bytes(place["own_devices_crossing_bytes"])} of tokens and log-probs would cross per step')
   if report['routes_bytes']:
     lines.append(f'recorded routes per step: {format_bytes(report["routes_bytes"])} (rows x sequence x '
                  f'{model["sparse_layers"]} sparse layers x top-{model["experts_per_token"]} expert ids)')
