@@ -242,6 +242,8 @@ PATHS = {
     'partial rollouts': ('configs/tiny_arith.yaml', ('algo.max_lag=1', 'algo.tis_cap=2.0')),
     'packing, two epochs': ('configs/tiny_arith.yaml', ('algo.packing=true', 'algo.ppo_epochs=2')),
     'vision-language student': ('configs/tiny_spot.yaml', ()),
+    # The trainer on this process's first 2 devices, the sampler on its last one (one version behind).
+    'split devices': ('configs/tiny_arith.yaml', ('rollout.devices=1', 'algo.max_lag=1', 'algo.tis_cap=2.0')),
 }
 
 
@@ -254,7 +256,8 @@ def test_every_student_path_trains_with_a_teacher(tmp_path, name):
   config_path, overrides = PATHS[name]
   teacher = student_teacher(tmp_path, config_path)
   rows = train_here(tmp_path / 'run', config_path, f'algo.teacher={teacher}', 'train.steps=2', 'train.steps_per_call=1',
-                    'train.checkpoint_every=0', 'train.tensorboard=false', 'eval.every=0', *overrides)
+                    'train.checkpoint_every=0', 'train.tensorboard=false', 'eval.every=0', *overrides,
+                    devices=2 if name == 'split devices' else 1)
   assert len(rows) == 2
   for row in rows:
     assert np.isfinite(row['distill_reverse_kl']) and abs(row['distill_reverse_kl']) > 1e-5, row
