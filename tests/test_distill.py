@@ -287,19 +287,20 @@ def test_a_lora_runs_policy_teaches_merged(tmp_path):
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
-def test_distillation_demo_learns_faster_than_grpo_alone(tmp_path):
-  """The CPU demo (bench/distill.py at one seed): the arith demo's model at run.seed=1 teaches a
-  fresh student of half its width; after 300 steps the student's last-20 reward is at least 0.7 and
-  above GRPO alone's from the same initial weights (at GRPO's own learning rate)."""
+def test_the_distillation_demo_student_learns_from_its_teacher(tmp_path):
+  """The CPU demo (make demo-distill): the arith demo's model at run.seed=1 teaches a fresh student
+  of half its width from the teacher's per-token log-probs alone (distill_weight 1: the reward is
+  not trained on). After 300 steps the student's last-20 reward is at least 0.7 (from ~0.005) and
+  its reverse KL to the teacher is under half its first steps'. (Against GRPO alone, see
+  bench/distill.py in BENCHMARKS.md: the same number of steps on average, not a third.)"""
   from runs import train_learning
   teacher = tmp_path / 'teacher'
   train_learning(teacher, 'configs/tiny_arith.yaml', 'run.seed=1', 'train.tensorboard=false')
-  distilled = train_learning(tmp_path / 'distill', 'configs/tiny_arith_distill.yaml', f'algo.teacher={teacher}',
-                             'train.tensorboard=false', 'train.checkpoint_every=0')
-  alone = train_learning(tmp_path / 'grpo', 'configs/tiny_arith_distill.yaml', 'algo.teacher=null',
-                         'optim.learning_rate=1e-3', 'train.tensorboard=false', 'train.checkpoint_every=0')
-  last = lambda rows: float(np.mean([row['reward_mean'] for row in rows[-20:]]))  # noqa: E731
-  assert last(distilled) >= 0.7 and last(distilled) > last(alone), (last(distilled), last(alone))
+  rows = train_learning(tmp_path / 'distill', 'configs/tiny_arith_distill.yaml', f'algo.teacher={teacher}',
+                        'train.tensorboard=false', 'train.checkpoint_every=0')
+  mean = lambda rows, name: float(np.mean([row[name] for row in rows]))  # noqa: E731
+  assert mean(rows[:10], 'reward_mean') < 0.05 and mean(rows[-20:], 'reward_mean') >= 0.7
+  assert mean(rows[-20:], 'distill_reverse_kl') < 0.5 * mean(rows[:10], 'distill_reverse_kl')
 
 
 # ---- the plan ----
