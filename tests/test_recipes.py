@@ -41,6 +41,8 @@ RECIPES = {
     'glm4_9b_math.yaml': ('GLM-4-9B-0414', 8),
     'gemma3_12b_math.yaml': ('Gemma-3-12B', 8),
     'tiny_rm_grpo.yaml': (None, 1),
+    'tiny_arith_distill.yaml': (None, 1),
+    'qwen3_1_7b_distill_qwen3_8b.yaml': ('Qwen3-1.7B', 8),
 }
 # The reward-model trainer's configs (python -m grpo_jax.train_reward): no RL step to lower.
 REWARD_MODEL_CONFIGS = ('tiny_reward_model.yaml',)
@@ -79,6 +81,14 @@ def test_recipe_loads_and_its_step_lowers(name, tmp_path):
     config = config_lib.load_config(path, [
         f'task.tokenizer={files["tokenizer"]}', f'task.source={files["prompts"]}',
         f'rewards=[{{name: reward_model, path: "{tmp_path / "rm"}", dtype: float32}}]'])
+  if name == 'tiny_arith_distill.yaml':  # its teacher is the one make demo-distill trains: its config.json here
+    import json
+
+    from grpo_jax.model.hf_config import to_hf_dict
+    teacher = config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny_arith.yaml')).model.architecture
+    (tmp_path / 'teacher').mkdir()
+    (tmp_path / 'teacher' / 'config.json').write_text(json.dumps(to_hf_dict(teacher, dtype='float32')))
+    config = config_lib.load_config(path, [f'algo.teacher={tmp_path / "teacher"}'])
   architecture = model_architecture(config, size, layers=2)
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:count])
   built = step_programs(config, architecture, mesh)
