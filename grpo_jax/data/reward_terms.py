@@ -16,8 +16,8 @@ CustomTerm; the two model terms read what the step's model-scoring stage gave th
 (Completions.model_scores, rl/model_scores.py), the others score the text here. Each kind is a frozen
 dataclass with its own fields beside the ones every kind takes (`name`, `weight`, `normalize`,
 `clip`). A term scores a step's completions through the scorer it makes once per run, with what the
-RewardComposer holds for the run (the math check's worker pool, the token budget, the running
-statistics of the terms normalised by them).
+run gives it (RunScoring, the RewardComposer: the math check's worker pool, the token budget, the
+failures' report).
 
 How the terms are shaped (`normalize`, `clip`) and combined (the config's `reward_combination`)
 into the reward trained on: data/reward_composer.py.
@@ -29,20 +29,30 @@ import importlib
 import math
 import re
 import traceback
-from typing import TYPE_CHECKING, Callable, Literal, get_args
+from typing import Callable, Literal, Protocol, get_args
 
 import numpy as np
 
 from grpo_jax.data.judge import ParseRule, check_template
-from grpo_jax.data.rewards import final_text, last_boxed
+from grpo_jax.data.rewards import RewardPool, final_text, last_boxed
 from grpo_jax.errors import UserError, require
-
-if TYPE_CHECKING:  # the composer imports the terms; a term only names it
-  from grpo_jax.data.reward_composer import RewardComposer
 
 FormatStyle = Literal['boxed', 'answer_tag', 'answer_line']
 Normalize = Literal['none', 'group', 'running']  # a term's standardisation before it is weighted
 ANSWER_LINE = re.compile(r'^[ \t]*(?:\*\*)?answer(?:\*\*)?[ \t]*:[ \t]*(?:\*\*)?[ \t]*\S', re.IGNORECASE | re.MULTILINE)
+
+
+class RunScoring(Protocol):
+  """What a term's scorer may use of the run that scores it (data/reward_composer.RewardComposer
+  is it; the composer imports the terms, never the other way)."""
+
+  max_new_tokens: int  # the rollout's token budget
+
+  def pool(self) -> RewardPool:
+    """The run's worker pool for the math check."""
+
+  def report(self, term: 'RewardTerm', text: str) -> None:
+    """Records a term's failure (a custom term that raised or gave non-finite values)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +130,7 @@ class RewardTerm(abc.ABC):
     return self
 
   @abc.abstractmethod
-  def scorer(self, composer: 'RewardComposer') -> Scorer:
+  def scorer(self, composer: RunScoring) -> Scorer:
     """The function scoring this term for every step of a run, made once when the run's composer
     is (a custom term's function is imported then, so a bad path stops the run before step 1)."""
 
@@ -182,7 +192,7 @@ class MathTerm(RewardTerm):
   name: Literal['math'] = 'math'
   needs_reference = True
 
-  def scorer(self, composer: 'RewardComposer') -> Scorer:
+  def scorer(self, composer: RunScoring) -> Scorer:
     def score(completions: Completions) -> tuple[np.ndarray, int]:
       pool = composer.pool()
       before = pool.failures
@@ -200,7 +210,7 @@ class FormatTerm(RewardTerm):
   name: Literal['format'] = 'format'
   style: FormatStyle = 'boxed'  # the form the answer must take
 
-  def scorer(self, composer: 'RewardComposer') -> Scorer:
+  def scorer(self, composer: RunScoring) -> Scorer:
     del composer
     return lambda completions: (np.asarray([format_reward(text, self.style) for text in completions.texts],
                                            np.float32), 0)
@@ -225,7 +235,7 @@ class OverlongTerm(RewardTerm):
     require(self.buffer_tokens <= budget, 'buffer_tokens',
             f'({self.buffer_tokens}) must be <= rollout.max_new_tokens ({budget})')
 
-  def scorer(self, composer: 'RewardComposer') -> Scorer:
+  def scorer(self, composer: RunScoring) -> Scorer:
     return lambda completions: (overlong_penalty(completions.lengths, completions.stopped, composer.max_new_tokens,
                                                  self.buffer_tokens), 0)
 
@@ -245,7 +255,7 @@ class CustomTerm(RewardTerm):
     super().__post_init__()
     require(_is_import_path(self.name), 'name', f'must be <module>:<function>, got {self.name!r}')
 
-  def scorer(self, composer: 'RewardComposer') -> Scorer:
+  def scorer(self, composer: RunScoring) -> Scorer:
     function = load_custom(self.name)
 
     def score(completions: Completions) -> tuple[np.ndarray, int]:
@@ -287,7 +297,7 @@ class ModelTerm(RewardTerm):
   def with_paths(self, resolve: Callable[[str], str]) -> 'ModelTerm':
     return dataclasses.replace(self, path=resolve(self.path))
 
-  def scorer(self, composer: 'RewardComposer') -> Scorer:
+  def scorer(self, composer: RunScoring) -> Scorer:
     del composer
 
     def score(completions: Completions) -> tuple[np.ndarray, int]:
