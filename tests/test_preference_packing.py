@@ -11,31 +11,18 @@ import torch
 from flax import nnx
 
 from grpo_jax.model import MeshConfig, from_pretrained, make_mesh
-from grpo_jax.rl.preference import PreferenceBatch, pair_scores, preference_update
+from grpo_jax.rl.preference import pair_scores, preference_update
 from grpo_jax.rl.preference_packing import PackedLayout, micro_batch_lengths, rows_used
 from grpo_jax.rl.state import init_train_state
 from grpo_jax.sharding import batch_groups
+from test_preference_update import PAIRS, preference_batch
 
-PAIRS, WIDTH, PAD, ROW_LENGTH = 8, 12, 0, 24
+ROW_LENGTH = 24
 
 
-def _batch(seed, vocab=1000):
-  """8 pairs of 1 to 12 tokens, right-padded with the pad id, a few ending in the pad id (read at
-  the token before it), the last pair padding (weight 0)."""
-  rng = np.random.default_rng(seed)
-
-  def side():
-    tokens = rng.integers(3, vocab, (PAIRS, WIDTH)).astype(np.int32)
-    lengths = rng.integers(1, WIDTH + 1, PAIRS)
-    mask = (np.arange(WIDTH)[None, :] < lengths[:, None]).astype(np.int32)
-    ends = rng.random(PAIRS) < 0.3
-    tokens[np.arange(PAIRS)[ends], lengths[ends] - 1] = PAD
-    return np.where(mask == 1, tokens, PAD).astype(np.int32), mask
-  (chosen, chosen_mask), (rejected, rejected_mask) = side(), side()
-  weights = np.ones(PAIRS, np.float32)
-  weights[-1] = 0.0
-  return PreferenceBatch(chosen=chosen, chosen_mask=chosen_mask, rejected=rejected, rejected_mask=rejected_mask,
-                         weights=weights, margin=rng.uniform(0, 0.5, PAIRS).astype(np.float32))
+def _batch(seed):
+  """8 pairs of 1 to 12 tokens, a few ending in the pad id, the last pair padding (weight 0)."""
+  return preference_batch(seed, shortest=1, ending_in_pad=0.3)
 
 
 def _layout(batch, micro_batches, groups=1):

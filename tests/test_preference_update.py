@@ -17,14 +17,19 @@ from grpo_jax.rl.state import init_train_state
 PAIRS, WIDTH, PAD = 8, 12, 0
 
 
-def _batch(seed, vocab=1000):
-  """8 pairs, right-padded with the pad id, the last one padding (weight 0)."""
+def preference_batch(seed, vocab=1000, shortest: int = 3, ending_in_pad: float = 0.0) -> PreferenceBatch:
+  """8 pairs of `shortest` to 12 tokens, right-padded with the pad id, the last pair padding
+  (weight 0); a share `ending_in_pad` of the sides end in the pad id itself (read at the token
+  before it)."""
   rng = np.random.default_rng(seed)
 
   def side():
     tokens = rng.integers(3, vocab, (PAIRS, WIDTH)).astype(np.int32)
-    lengths = rng.integers(3, WIDTH + 1, PAIRS)
+    lengths = rng.integers(shortest, WIDTH + 1, PAIRS)
     mask = (np.arange(WIDTH)[None, :] < lengths[:, None]).astype(np.int32)
+    if ending_in_pad:
+      ends = rng.random(PAIRS) < ending_in_pad
+      tokens[np.arange(PAIRS)[ends], lengths[ends] - 1] = PAD
     return np.where(mask == 1, tokens, PAD).astype(np.int32), mask
   (chosen, chosen_mask), (rejected, rejected_mask) = side(), side()
   weights = np.ones(PAIRS, np.float32)
@@ -52,7 +57,7 @@ def _step(model, batch, micro_batches=1, center_coef=0.01):
 
 def test_loss_and_accuracy_equal_numpy_on_transformers_scores(seed, make_hf_checkpoint):
   model, reference = _model(seed, make_hf_checkpoint)
-  batch = _batch(seed)
+  batch = preference_batch(seed)
   with torch.no_grad():
     def scores(tokens, mask):
       return reference(input_ids=torch.tensor(tokens, dtype=torch.long),
@@ -70,7 +75,7 @@ def test_loss_and_accuracy_equal_numpy_on_transformers_scores(seed, make_hf_chec
 
 def test_the_update_is_one_optax_step_of_the_gradient_whatever_the_micro_batches(seed, make_hf_checkpoint):
   model, _ = _model(seed, make_hf_checkpoint)
-  batch = _batch(seed)
+  batch = preference_batch(seed)
   graphdef, params = nnx.split(model)
 
   def loss(params):
@@ -101,7 +106,7 @@ def test_the_update_is_one_optax_step_of_the_gradient_whatever_the_micro_batches
 def test_the_update_on_a_mesh_equals_one_device(seed, make_hf_checkpoint):
   fields = dict(num_attention_heads=4, num_key_value_heads=2)
   model, _ = _model(seed, make_hf_checkpoint, **fields)
-  batch = _batch(seed)
+  batch = preference_batch(seed)
   want, want_metrics = _step(model, batch, 2)
   mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
   with jax.set_mesh(mesh):
