@@ -9,7 +9,6 @@ import jax
 from flax import nnx
 
 from grpo_jax import restore
-
 from grpo_jax.data.reward_terms import ModelTerm
 from grpo_jax.data.task import Task
 from grpo_jax.errors import UserError, require
@@ -119,10 +118,11 @@ def check_teacher_architecture(path: str, architecture, vocab_size: int, student
   check_mesh(architecture, mesh)
 
 
-def check_teacher(config, mesh: jax.sharding.Mesh, task: Task, student) -> None:
+def check_teacher(config, mesh: jax.sharding.Mesh, task: Task, student) -> tuple:
   """check_teacher_architecture, then its tokenizer: the student's (the same size, every id the
   same string), found beside the checkpoint or from its training run. `student`: the student's
-  model. Nothing is compiled and no weights are read."""
+  model. Nothing is compiled and no weights are read. -> (the teacher's architecture, its
+  training run's config or None), restore.checkpoint_architecture's."""
   path = config.algo.teacher
   architecture, run = restore.checkpoint_architecture(path, 'algo.teacher')
   check_teacher_architecture(path, architecture, task.vocab_size, student.config, mesh)
@@ -134,6 +134,7 @@ def check_teacher(config, mesh: jax.sharding.Mesh, task: Task, student) -> None:
   if difference is not None:
     raise UserError(f'algo.teacher: {path} has another tokenizer than the student ({difference}); on-policy '
                     'distillation scores the student\'s token ids under the teacher, so they must mean the same')
+  return architecture, run
 
 
 def build_teacher(config, mesh: jax.sharding.Mesh, task: Task, student) -> Teacher | None:
@@ -142,9 +143,9 @@ def build_teacher(config, mesh: jax.sharding.Mesh, task: Task, student) -> Teach
   dtype, laid out like the student, computing as it does (rl/model_scores.scoring_options)."""
   if config.algo.teacher is None:
     return None
-  check_teacher(config, mesh, task, student)
+  architecture, run = check_teacher(config, mesh, task, student)
   options = scoring_options(config.model.options, config.model.options.dtype)
-  graphdef, params = restore.load_checkpoint_model(config.algo.teacher, mesh, options, 'algo.teacher')
+  graphdef, params = restore.load_checkpoint_model(config.algo.teacher, mesh, options, architecture, run)
   return Teacher(graphdef=graphdef, params=params, path=config.algo.teacher)
 
 

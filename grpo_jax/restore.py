@@ -153,24 +153,24 @@ def checkpoint_architecture(path: str, what: str):
   return architecture, config
 
 
-def load_checkpoint_model(path: str, mesh, options, what: str):
-  """(graphdef, params) of the model at `path` (any checkpoint_architecture reads) on `mesh`, with
-  `options` (a ModelOptions without adapters: dtypes, attention). A LoRA run's policy comes back
-  merged (W + s A B in the base's place): a model that is never trained needs no adapters."""
+def load_checkpoint_model(path: str, mesh, options, architecture, run):
+  """(graphdef, params) of the model at `path` on `mesh`, with `options` (a ModelOptions without
+  adapters: dtypes, attention); `architecture, run`: what checkpoint_architecture read of it. A
+  LoRA run's policy comes back merged (W + s A B in the base's place): a model that is never
+  trained needs no adapters."""
   from flax import nnx
 
   from grpo_jax.checkpoint import locate
   from grpo_jax.model import lora
   from grpo_jax.model.loading import abstract_model, from_pretrained
 
-  architecture, run = checkpoint_architecture(path, what)
   if run is None:
     return nnx.split(from_pretrained(path, mesh=mesh, options=options))
-  graphdef, params, config, _ = restore_policy(*locate(path), mesh, options)
-  if config.model.options.lora is None:
+  graphdef, params, _, _ = restore_policy(*locate(path), mesh, options)
+  if run.model.options.lora is None:
     return graphdef, params
   graphdef, _ = nnx.split(abstract_model(architecture, options))
-  return graphdef, jax.jit(lora.merged, static_argnums=1)(params, config.model.options.lora)
+  return graphdef, jax.jit(lora.merged, static_argnums=1)(params, run.model.options.lora)
 
 
 def checkpoint_tokenizer(path: str, run):

@@ -93,15 +93,8 @@ def test_sampling_never_draws_past_the_vocab_limit(seed):
 
 # ---- the update with a teacher ----
 
-@functools.cache
-def _teacher_graph():
-  return nnx.split(init_model(TEACHER, seed=1))
-
-
 def random_teacher(rng) -> Teacher:
-  graphdef, params = _teacher_graph()
-  params = jax.tree.map(lambda p: p + jnp.asarray(0.05 * rng.standard_normal(p.shape), p.dtype), params)
-  return Teacher(graphdef=graphdef, params=params, path='random')
+  return Teacher(*random_model(rng, TEACHER), path='random')
 
 
 DISTILL = dict(distill_weight=0.7, distill_scale=0.5, distill_discount=0.5)
@@ -275,7 +268,8 @@ def test_a_lora_runs_policy_teaches_merged(tmp_path):
              'train.checkpoint_every=2', 'train.tensorboard=false')
   mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1), jax.devices()[:1])
   options = ModelOptions(dtype='float32', param_dtype='float32')
-  graphdef, merged = restore.load_checkpoint_model(str(tmp_path / 'lora'), mesh, options, 'algo.teacher')
+  path = str(tmp_path / 'lora')
+  graphdef, merged = restore.load_checkpoint_model(path, mesh, options, *restore.checkpoint_architecture(path, 'teacher'))
   adapted_graph, adapted, _, _ = restore.restore_policy(str(tmp_path / 'lora' / 'checkpoints'), None, mesh, options)
   tokens = jnp.asarray(np.random.default_rng(0).integers(3, 17, (2, 6)), jnp.int32)
   np.testing.assert_allclose(np.asarray(nnx.merge(graphdef, merged)(tokens)),
