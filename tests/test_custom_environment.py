@@ -14,7 +14,8 @@ import yaml
 from grpo_jax import config as config_lib
 from grpo_jax.agents import task as agent_task
 from grpo_jax.agents.inference import Completion
-from grpo_jax.agents.text import UNKNOWN, TextCodec, encode, tokenizer_size
+from grpo_jax.agents.text import UNKNOWN, TextCodec, encode
+from grpo_jax.sampler.special_tokens import tokenizer_size
 from grpo_jax.errors import UserError
 from grpo_jax.model import load_tokenizer
 from runs import ROOT, read_metrics, train_here

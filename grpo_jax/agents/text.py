@@ -24,6 +24,7 @@ import functools
 
 from grpo_jax.agents.inference import Completion
 from grpo_jax.errors import UserError
+from grpo_jax.sampler.special_tokens import tokenizer_size
 
 UNKNOWN = '\ufffd'  # an id the tokenizer lacks, in a Turn's text
 _SLOT = '\x00'  # stands for a message's content while the chat template renders around it
@@ -38,14 +39,6 @@ class Turn(Completion):
 
   text: str | None = None
   unknown_ids: tuple[int, ...] = ()
-
-
-def tokenizer_size(tokenizer) -> int:
-  """How many ids the tokenizer decodes (added tokens included): a transformers tokenizer or a
-  `tokenizers.Tokenizer`."""
-  if hasattr(tokenizer, 'get_vocab_size'):
-    return tokenizer.get_vocab_size(with_added_tokens=True)
-  return len(tokenizer)
 
 
 def decode(tokenizer, tokens) -> str:

@@ -39,7 +39,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tokenizers
 from flax import nnx
 
 from grpo_jax import sharding
@@ -52,7 +51,7 @@ from grpo_jax.model.loading import abstract_model, check_mesh, from_pretrained, 
 from grpo_jax.model.qwen2 import ModelOptions
 from grpo_jax.rl.reward_model import check_reward_model_length, score_completions
 from grpo_jax.sampler.rollout import Rollout
-from grpo_jax.sampler.special_tokens import checkpoint_eos_ids, special_tokens
+from grpo_jax.sampler.special_tokens import checkpoint_eos_ids, special_tokens, tokenizer_size
 
 
 def scoring_options(policy: ModelOptions, dtype: str) -> ModelOptions:
@@ -60,11 +59,6 @@ def scoring_options(policy: ModelOptions, dtype: str) -> ModelOptions:
   layer loop), in the term's `dtype`, without adapters or rematerialisation (it is never trained
   here)."""
   return dataclasses.replace(policy, dtype=dtype, param_dtype=dtype, lora=None, remat='none', freeze_vision=False)
-
-
-def tokenizer_size(tokenizer) -> int:
-  """len(tokenizer) of a transformers tokenizer; a `tokenizers` one's size with its added tokens."""
-  return tokenizer.get_vocab_size() if isinstance(tokenizer, tokenizers.Tokenizer) else len(tokenizer)
 
 
 def tokenizer_difference(first, second) -> str | None:

@@ -7,7 +7,7 @@ Families name their stops in three places, and a completion must end at any of t
     <|end_of_text|>, <|eom_id|> and <|eot_id|> there while the tokenizer names one eos; Gemma 3 lists
     <eos> and <end_of_turn>; GLM-4 lists <|endoftext|>, <|user|> and <|observation|>.
 `checkpoint_eos_ids` reads the last two from a model's (or a tokenizer's) directory; `special_tokens`
-joins them with the tokenizer's.
+joins them with the tokenizer's; `tokenizer_size` is how many ids a tokenizer of either library decodes.
 
 The pad id is only ever a filler. Every mask in the stack (the prompt's, the completion's, the
 loss's, the reward's text, serving's and generate's answers, the agents' trajectories) is built
@@ -91,3 +91,11 @@ def _pad_id(tokenizer, stop_ids: tuple[int, ...]) -> int:
       return int(token)
   taken = set(stop_ids) | {tokenizer.bos_token_id}
   return next(token for token in range(len(tokenizer) + 1) if token not in taken)
+
+
+def tokenizer_size(tokenizer) -> int:
+  """How many ids the tokenizer decodes (added tokens included): a transformers tokenizer or a
+  `tokenizers.Tokenizer`."""
+  if hasattr(tokenizer, 'get_vocab_size'):
+    return tokenizer.get_vocab_size(with_added_tokens=True)
+  return len(tokenizer)
