@@ -331,7 +331,7 @@ def test_kl_paths(seed):
   rng = np.random.default_rng(seed)
   graphdef, params = random_model(rng)
   batch = random_batch(rng)
-  # kl_beta = 0 keeps no reference parameters: None must do.
+  # kl_beta = 0 keeps no reference parameters: none held must do.
   run, optimizer = make_update(AlgoConfig(group_size=GROUP, logprob_implementation='xla_chunked'))
   state, metrics = run(fresh_state(params, optimizer, seed), batch, Held())
   assert float(metrics['kl']) == 0.0 and int(state.updates) == 1
@@ -340,11 +340,11 @@ def test_kl_paths(seed):
                                           logprob_implementation='xla_chunked'))
   # pi_ref = pi at the first step: log-probs from two compilations of the same fp32 forward agree
   # to ~1e-6, and k3 ~ x^2 / 2 of that is far below 1e-9.
-  _, metrics = run(fresh_state(params, optimizer, seed), batch, params)
+  _, metrics = run(fresh_state(params, optimizer, seed), batch, Held(reference=params))
   assert 0.0 <= float(metrics['kl']) <= 1e-9
   # A different reference is seen (the check above can fail).
   _, other = random_model(rng)
-  _, metrics = run(fresh_state(params, optimizer, seed), batch, other)
+  _, metrics = run(fresh_state(params, optimizer, seed), batch, Held(reference=other))
   assert float(metrics['kl']) > 1e-3
 
 
