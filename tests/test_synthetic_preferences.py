@@ -23,12 +23,18 @@ def test_token_share_and_labels_follow_their_definitions(seed):
   wins = sp.bradley_terry_labels(rng, gaps, np.zeros_like(gaps), beta=10.0).reshape(4, -1).mean(axis=1)
   np.testing.assert_allclose(wins, 1 / (1 + np.exp(-10.0 * np.array([-0.2, 0.0, 0.1, 0.3]))), atol=0.012)
   first, second = sp.random_rows(rng, 500, 12, (3, 40), 3), sp.random_rows(rng, 500, 12, (3, 40), 3)
-  pairs = sp.preference_pairs(rng, first, second, chosen, beta=50.0)
+  pairs = sp.preference_pairs(rng, first, second, chosen, beta=15.0)
   share_chosen = sp.token_share(pairs['chosen'], pairs['chosen_mask'], chosen)
   share_rejected = sp.token_share(pairs['rejected'], pairs['rejected_mask'], chosen)
   np.testing.assert_array_equal(pairs['truth'], share_chosen > share_rejected)
-  differ = share_chosen != share_rejected
-  assert 0.8 < pairs['truth'][differ].mean() < 1.0  # mostly the higher share, with noise
+  # With noise: each pair's label is flipped against its order with probability sigmoid(-beta |gap|);
+  # the count of flips is that many Bernoulli draws' sum (beta 15 expects about a tenth of the pairs).
+  gap = np.abs(sp.token_share(*first, chosen) - sp.token_share(*second, chosen))
+  differ = gap > 0
+  flip = 1 / (1 + np.exp(15.0 * gap[differ]))
+  flips = int((~pairs['truth'][differ]).sum())
+  assert abs(flips - flip.sum()) <= 4 * np.sqrt((flip * (1 - flip)).sum()) + 1, (flips, flip.sum())
+  assert flip.sum() > 4 * np.sqrt(flip.sum())  # a noiseless labelling (no flips) would fail the bound
   for side in ('chosen', 'rejected'):  # every row is one of the pair's two rows
     assert all((row == a).all() or (row == b).all()
                for row, a, b in zip(pairs[side], first[0], second[0]))
