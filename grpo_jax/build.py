@@ -45,6 +45,8 @@ def decode_settings(config, task: Task):
   with a teacher, no id past the task's tokenizer drawn (the teacher's table may end there)."""
   settings = config.rollout.decode_settings(task.stop_token_ids, task.pad_id,
                                             record_routes=config.algo.routing_replay == 'rollout')
+  if config.algo.exact_on_policy:  # the sampled tokens' log-probs in the update's formula
+    settings = dataclasses.replace(settings, sampling=dataclasses.replace(settings.sampling, exact=True))
   if config.algo.teacher is None or settings.sampling.vocab_limit:
     return settings
   return dataclasses.replace(settings, sampling=dataclasses.replace(settings.sampling, vocab_limit=task.vocab_size))

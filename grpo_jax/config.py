@@ -148,6 +148,34 @@ class Config:
             f'({self.rollout.devices}) needs algo.max_lag >= 1: on devices of its own the sampler decodes the next '
             'step\'s groups under weights one version behind the update')
     self.task.check_run(self)
+    if algo.exact_on_policy:
+      self._exactly_on_policy()
+
+  def _exactly_on_policy(self) -> None:
+    """algo.exact_on_policy: the combinations that cannot be exact refused, one line naming both
+    fields; then the policy's numerics and the update's log-prob op set to their fixed-order forms
+    (model.exact, algo.logprob_implementation 'exact'), which the resolved config shows."""
+    options, algo = self.model.options, self.algo
+    same_dtype = self.rollout.weights == 'compute' or (self.rollout.weights == 'bf16' and options.dtype == 'bfloat16')
+    require(same_dtype, 'rollout.weights',
+            f"{self.rollout.weights!r} samples from other weights than the trainer's ({options.dtype}): it cannot be exact "
+            "with algo.exact_on_policy; use rollout.weights=compute")
+    require(algo.logprob_implementation in ('auto', 'exact'), 'algo.logprob_implementation',
+            f"{algo.logprob_implementation!r} sums the vocabulary in its own order: with algo.exact_on_policy the update "
+            "uses the sampler's formula ('exact'); leave it 'auto'")
+    require(options.decode_attention == 'dense', 'model.decode_attention',
+            f"{options.decode_attention!r} combines the cache's blocks in the cache's order, not the sequence's: with "
+            "algo.exact_on_policy use 'dense'")
+    require(options.attention != 'cudnn', 'model.attention',
+            "'cudnn' orders its own sums: with algo.exact_on_policy use 'dense', 'chunked' or 'auto'")
+    require(self.mesh.expert == 1, 'mesh.expert',
+            f'({self.mesh.expert}): the expert-parallel layer combines its experts with an all-to-all in arrival order; '
+            'algo.exact_on_policy computes them on every device instead: set mesh.expert=1')
+    require(not self.task.kind.acts, 'algo.exact_on_policy',
+            f"is not yet built for agents' rollouts (task.name={self.task.name!r}): their turns' caches and chunked "
+            'decode calls are untested for it; set it false')
+    object.__setattr__(self, 'model', dataclasses.replace(self.model, options=dataclasses.replace(options, exact=True)))
+    object.__setattr__(self, 'algo', dataclasses.replace(algo, logprob_implementation='exact'))
 
 
 # ---- loading ----

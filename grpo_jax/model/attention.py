@@ -14,6 +14,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.ops import fixed_order
 from grpo_jax.sharding import constrain
 
 # Full-sequence attention: 'dense' (the [T, T] scores at once), 'chunked' (query chunks one at a
@@ -30,6 +31,8 @@ def resolve_attention(implementation: AttentionImplementation, dtype) -> Attenti
   fp16 only), 'chunked' elsewhere. Any other implementation as it is."""
   if implementation != 'auto':
     return implementation
+  if fixed_order.exact('attention'):  # cuDNN orders its own sums
+    return 'chunked'
   mesh = jax.sharding.get_abstract_mesh()
   device = None if mesh.empty else mesh.abstract_device
   platform = device.platform if device is not None else jax.default_backend()
@@ -68,6 +71,10 @@ def window_mask(query_ordinals: jax.Array, key_ordinals: jax.Array, window: jax.
   a scalar int32, per layer.
   """
   return (query_ordinals[:, :, None] - key_ordinals[:, None, :]) < window
+
+
+def _concatenate_keys(arrays: list[jax.Array], axis: int) -> jax.Array:
+  return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays, axis=axis)
 
 
 def _concatenate(arrays: list[jax.Array]) -> jax.Array:
@@ -151,7 +158,17 @@ def grouped_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, 
   scores, so attending over parts is attending over their concatenated keys; only the small score
   arrays are concatenated, never the keys or values (a KV cache part is read in place). A fully
   masked row gives a uniform, not NaN, row.
+
+  Under exact numerics (ops/fixed_order.py) the parts' keys are joined in their order (a shared
+  prompt's, the cache's, the new tokens': the sequence's) and every sum over them folded in that
+  order, so a query's output is the same however its keys are split into parts and padded; a
+  fully masked row gives 0.
   """
+  if fixed_order.exact('attention'):
+    if any(isinstance(part, SharedPart) for part in parts):
+      raise ValueError('exact numerics read a shared prompt as each row\'s copy (prompt_reads copy), not once')
+    joined = [_concatenate_keys([part[i] for part in parts], axis) for i, axis in ((0, 1), (1, 1), (2, 2))]
+    return fixed_order.fixed_attention(q, *joined)
   batch, length, num_heads, head_dim = q.shape
   num_kv_heads = parts[0][0].shape[-2]
   q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)

@@ -17,6 +17,7 @@ from grpo_jax.model.cache import KVCache, SharedPrefix, WindowCache, finite, wri
 from grpo_jax.model.layers import decoder_block
 from grpo_jax.model.moe import gathered
 from grpo_jax.model.vision import Images
+from grpo_jax.ops import fixed_order
 from grpo_jax.sharding import constrain
 
 
@@ -68,6 +69,7 @@ class CacheDecoding:
     return KVCache(k=zeros(full_layers, max_length), v=zeros(full_layers, max_length), segment_ids=row_ints(max_length),
                    length=constrain(jnp.zeros((batch_size,), jnp.int32), ('batch',)), window=window)
 
+  @fixed_order.model_numerics
   def extend(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array | None = None,
              segment_ids: jax.Array | None = None, return_hidden: bool = False,
              prefix: SharedPrefix | None = None, return_routing: bool = False, images: Images | None = None,

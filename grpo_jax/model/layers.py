@@ -39,6 +39,7 @@ from grpo_jax.model.linear import matmul
 from grpo_jax.model.lora import TARGETS, Adapter, LoraConfig, adapter_names, adapter_shapes, init_a
 from grpo_jax.model.moe import Routing, sparse_mlp
 from grpo_jax.model.quantize import dequantize
+from grpo_jax.ops import fixed_order
 from grpo_jax.sharding import constrain
 
 DENSE_MLP_PARAMS = ('gate_weight', 'up_weight', 'down_weight')
@@ -67,10 +68,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool = False) 
   """RMSNorm computed in fp32. Scaled by w after the cast back to x's dtype (Qwen2, Llama), or with
   `offset` by (1 + w) in fp32 before it (Gemma 3)."""
   x32 = x.astype(jnp.float32)
-  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if fixed_order.exact('sum'):  # the mean of squares folded over D (exact numerics)
+    mean = fixed_order.fold_sum(x32 * x32, axis=-1)[..., None] / x.shape[-1]
+  else:
+    mean = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+  normed = x32 * jax.lax.rsqrt(mean + eps)
+  normed = fixed_order.settle(normed)
   if offset:
-    return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-  return weight.astype(x.dtype) * normed.astype(x.dtype)
+    return fixed_order.settle((normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype))
+  return fixed_order.settle(weight.astype(x.dtype) * normed.astype(x.dtype))
 
 
 def rotate(x: jax.Array, angles: jax.Array, interleaved: bool = False) -> jax.Array:
@@ -157,26 +163,32 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
     # with x W into one matmul over [W | A], which wrote a copy of W every step (bench/lora.py --target).
     rows, rank = x.shape[:x.ndim - contract], p[a].shape[-1]
     flat = x.reshape(-1, math.prod(x.shape[x.ndim - contract:]))
-    xa = jnp.einsum('ir,ni->rn', p[a].reshape(-1, rank), flat).T.reshape(*rows, rank)
+    if fixed_order.exact('matmul'):
+      xa = matmul(flat, p[a].reshape(-1, rank)).reshape(*rows, rank)
+    else:
+      xa = jnp.einsum('ir,ni->rn', p[a].reshape(-1, rank), flat).T.reshape(*rows, rank)
     return y + (matmul(xa, p[b]) * jnp.asarray(lora_scale, dtype)).astype(y.dtype)
 
   def norm(x, name):
     return rms_norm(x, p[name], config.rms_norm_eps, config.norm_offset)
 
+  # settle: under exact numerics each value between the fixed-order ops materialised as computed
+  # (ops/fixed_order.settle); a no-op otherwise.
+  settle = fixed_order.settle
   h = norm(x, 'attn_norm')
   q, k, v = project(h, 'q'), project(h, 'k'), project(h, 'v')
   if config.attention_bias:
-    q, k, v = q + p['q_bias'], k + p['k_bias'], v + p['v_bias']
+    q, k, v = settle((q + p['q_bias'], k + p['k_bias'], v + p['v_bias']))
   if config.qk_norm:  # each head's query and key normalised over H, before the rotation
     q, k = norm(q, 'q_norm'), norm(k, 'k_norm')
-  q = apply_rope(q, positions, inverse_frequency, config.mrope_section, config.rope_interleaved)
-  k = apply_rope(k, positions, inverse_frequency, config.mrope_section, config.rope_interleaved)
+  q = settle(apply_rope(q, positions, inverse_frequency, config.mrope_section, config.rope_interleaved))
+  k = settle(apply_rope(k, positions, inverse_frequency, config.mrope_section, config.rope_interleaved))
   if config.query_pre_attn_scalar is not None:
     # Every attention path scales scores by H^-1/2; Gemma 3 scales them by query_pre_attn_scalar^-1/2,
     # folded into the query (the cached keys stay as they are).
-    q = q * jnp.asarray((q.shape[-1] / config.query_pre_attn_scalar) ** 0.5, q.dtype)
+    q = settle(q * jnp.asarray((q.shape[-1] / config.query_pre_attn_scalar) ** 0.5, q.dtype))
   out = project(attend(q, k, v), 'o', contract=2)
-  x = x + (norm(out, 'attn_post_norm') if config.sandwich_norms else out)
+  x = settle(x + (norm(out, 'attn_post_norm') if config.sandwich_norms else out))
   x = constrain(x, ('batch', 'seq', 'act_embed'))
   h = norm(x, 'mlp_norm')
   routing = None
@@ -187,10 +199,10 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
     out, routing = sparse_mlp(experts, h, real, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
                               replay=replay)
   else:
-    out = project(ACTIVATION_FUNCTIONS[config.hidden_act](project(h, 'gate')) * project(h, 'up'), 'down')
+    out = project(settle(ACTIVATION_FUNCTIONS[config.hidden_act](project(h, 'gate')) * project(h, 'up')), 'down')
   if config.sandwich_norms:
     out = norm(out, 'mlp_post_norm')
-  return constrain(x + out, ('batch', 'seq', 'act_embed')), (k, v), routing
+  return constrain(settle(x + out), ('batch', 'seq', 'act_embed')), (k, v), routing
 
 
 class DecoderLayers(nnx.Module):

@@ -4,8 +4,10 @@ experts when they run densely)."""
 import math
 
 import jax
+import jax.numpy as jnp
 
 from grpo_jax.model.quantize import Quantized, output_scale
+from grpo_jax.ops import fixed_order
 
 
 def matmul(x: jax.Array, w, contract: int = 1) -> jax.Array:
@@ -19,11 +21,17 @@ def matmul(x: jax.Array, w, contract: int = 1) -> jax.Array:
 
   w Quantized (the sampler's 8-bit weights, model/quantize.py): x times the values converted to x's
   dtype, then each output scaled by its channel's scale.
+
+  Under exact numerics (ops/fixed_order.py) each output is a fold over the contraction, in fp32,
+  then rounded to the inputs' dtype.
   """
   if isinstance(w, Quantized):
     y = matmul(x, w.values.astype(x.dtype), contract)
     return y * output_scale(w, contract).astype(y.dtype)
   rows = x.shape[:x.ndim - contract]
   inner = w.shape[:contract]
+  if fixed_order.exact('matmul'):  # each output a fold over the contraction (exact numerics)
+    flat = fixed_order.fold_matmul(x.reshape(-1, math.prod(inner)), w.reshape(math.prod(inner), -1))
+    return flat.astype(jnp.result_type(x.dtype, w.dtype)).reshape(*rows, *w.shape[contract:])
   flat = x.reshape(-1, math.prod(inner)) @ w.reshape(math.prod(inner), -1)
   return flat.reshape(*rows, *w.shape[contract:])

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from grpo_jax.model import expert_parallel
 from grpo_jax.model.linear import matmul
+from grpo_jax.ops import fixed_order
 from grpo_jax.ops.grouped_matmul import expert_mlp
 from grpo_jax.sharding import constrain
 
@@ -93,8 +94,12 @@ def route(h: jax.Array, router: jax.Array, *, top_k: int, norm_topk_prob: bool,
   replay [B, T, k] (`unrecorded` rows: the live choice): route to those experts instead of the top k; the gates
   are the live softmax at them, renormalised over them when `norm_topk_prob`.
   """
-  logits = jnp.einsum('BTD,DE->BTE', h, router.astype(h.dtype))
-  probabilities = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  if fixed_order.exact('matmul'):
+    logits = matmul(h, router.astype(h.dtype))
+  else:
+    logits = jnp.einsum('BTD,DE->BTE', h, router.astype(h.dtype))
+  exact = fixed_order.exact('sum')
+  probabilities = (fixed_order.softmax if exact else jax.nn.softmax)(logits.astype(jnp.float32), axis=-1)
   _, chosen = jax.lax.top_k(probabilities, top_k)
   if replay is None:
     experts, differs = chosen, jnp.zeros(h.shape[:2], bool)
@@ -105,7 +110,7 @@ def route(h: jax.Array, router: jax.Array, *, top_k: int, norm_topk_prob: bool,
     differs = jnp.any(jnp.sort(experts, axis=-1) != jnp.sort(chosen, axis=-1), axis=-1)
   gates = jnp.take_along_axis(probabilities, experts, axis=-1)
   if norm_topk_prob:
-    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    gates = gates / (fixed_order.fold_sum(gates, axis=-1)[..., None] if exact else jnp.sum(gates, axis=-1, keepdims=True))
   return experts, gates.astype(h.dtype), probabilities, differs
 
 
@@ -162,7 +167,9 @@ def sparse_mlp(params: dict, h: jax.Array, real: jax.Array, *, top_k: int, norm_
   if expert_parallel.applies(params['expert_gate_weight'].shape[0]):
     compute = expert_parallel.experts_forward  # the experts on the devices that hold them
   else:
-    compute = experts_dense if dense_experts_here() else experts_forward
+    # Exact numerics: the dense form, whose combine is the down projection's fold over the experts
+    # (an unchosen one adds exact zeros), not a scatter-add in whatever order the pairs land.
+    compute = experts_dense if dense_experts_here() or fixed_order.exact('matmul') else experts_forward
   out = compute(h, experts, gates, params['expert_gate_weight'], params['expert_up_weight'],
                 params['expert_down_weight'])
   weight = real.astype(jnp.float32)

@@ -48,6 +48,11 @@ class ModelOptions:
   # A vision-language model's tower kept as loaded: no gradient flows into it (its features are
   # constants of the loss) and the optimizer leaves its weights alone. LoRA freezes it anyway.
   freeze_vision: bool = False
+  # Batch-invariant numerics (ops/fixed_order.py): every reduction of the forward pass (the matmuls'
+  # contractions, attention over the keys, the norms' and softmaxes' sums) folded in one fixed order,
+  # so a token's values do not depend on what else is in the batch, where its sequence sits in a
+  # row, or the mesh. What algo.exact_on_policy sets for the policy (the sampler and the trainer).
+  exact: bool = False
 
   def __post_init__(self):
     choices = {'dtype': typing.get_args(DType), 'param_dtype': typing.get_args(ParamDType),
@@ -59,3 +64,9 @@ class ModelOptions:
               f'must be one of {" | ".join(map(repr, allowed))}, got {getattr(self, name)!r}')
     require(self.attention_chunk >= 1, 'attention_chunk', f'must be >= 1, got {self.attention_chunk}')
     require(self.decode_block >= 1, 'decode_block', f'must be >= 1, got {self.decode_block}')
+    if self.exact:  # the paths that have no fixed order (yet): one line each
+      require(self.decode_attention == 'dense', 'decode_attention',
+              f"must be 'dense' with exact numerics (algo.exact_on_policy): {self.decode_attention!r} combines the "
+              "cache's blocks by an online softmax whose order follows the cache, not the sequence")
+      require(self.attention != 'cudnn', 'attention',
+              "'cudnn' cannot be exact (algo.exact_on_policy): cuDNN orders its own sums; use 'dense' or 'chunked'")

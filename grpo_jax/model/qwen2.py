@@ -39,6 +39,7 @@ from grpo_jax.model.options import DType, ModelOptions, ParamDType  # noqa: F401
 from grpo_jax.model.quantize import Quantized, output_scale
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.model.vision import Images, VisionTower, place, place_any
+from grpo_jax.ops import fixed_order
 from grpo_jax.ops.logprob import target_platform
 from grpo_jax.sharding import constrain
 
@@ -191,8 +192,8 @@ class Qwen2(nnx.Module, CacheDecoding):
   def _reads_prompts_once(self, prefix: SharedPrefix | None) -> bool:
     """Whether dense decode attention reads each prompt of `prefix` once for its rows
     (`ModelOptions.prompt_reads`); only where the prefix bounds its readers."""
-    if prefix is None or not prefix.readers or self.options.prompt_reads == 'copy':
-      return False
+    if prefix is None or not prefix.readers or self.options.prompt_reads == 'copy' or self.options.exact:
+      return False  # exact numerics read each row's copy: its keys in the sequence's order
     if self.options.prompt_reads == 'once':
       return True
     rows, (width, kv_heads, head_dim) = prefix.index.shape[1], prefix.k.shape[-3:]
@@ -235,6 +236,7 @@ class Qwen2(nnx.Module, CacheDecoding):
 
   # ---- full-sequence forward (training, scoring) ----
 
+  @fixed_order.model_numerics
   def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, routes: jax.Array | None = None,
                images: Images | None = None) -> jax.Array:
@@ -245,6 +247,7 @@ class Qwen2(nnx.Module, CacheDecoding):
     return self.project(self.hidden_states(tokens, positions=positions, segment_ids=segment_ids, routes=routes,
                                            images=images))
 
+  @fixed_order.model_numerics
   def scores(self, tokens: jax.Array, *, positions: jax.Array | None = None,
              segment_ids: jax.Array | None = None) -> jax.Array:
     """A reward model's scores [B, num_labels] fp32 of token rows [B, T]: its score head on the
@@ -265,6 +268,7 @@ class Qwen2(nnx.Module, CacheDecoding):
     return jnp.einsum('BD,DL->BL', last.astype(self.dtype), self.score[...].astype(self.dtype),
                       preferred_element_type=jnp.float32)
 
+  @fixed_order.model_numerics
   def hidden_states(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                     segment_ids: jax.Array | None = None, routes: jax.Array | None = None,
                     return_routing: bool = False, images: Images | None = None, placed=None):
@@ -324,10 +328,14 @@ class Qwen2(nnx.Module, CacheDecoding):
       return self.embedding[...].astype(self.dtype).T
     return self.lm_head[...].astype(self.dtype)
 
+  @fixed_order.model_numerics
   def project(self, hidden: jax.Array) -> jax.Array:
     """hidden [B, T, D] -> logits [B, T, V], accumulated and returned in fp32."""
     weight = self.lm_head_weight()
-    if isinstance(weight, Quantized):  # the sampler's 8-bit copy: the values, each column scaled after
+    if fixed_order.exact('matmul') and not isinstance(weight, Quantized):  # the sampler's logits, folded over D
+      flat = hidden.astype(self.dtype).reshape(-1, hidden.shape[-1])
+      logits = fixed_order.fold_matmul(flat, weight).reshape(hidden.shape[:-1] + (weight.shape[-1],))
+    elif isinstance(weight, Quantized):  # the sampler's 8-bit copy: the values, each column scaled after
       logits = jnp.einsum('BTD,DV->BTV', hidden.astype(self.dtype), weight.values.astype(self.dtype),
                           preferred_element_type=jnp.float32) * output_scale(weight, 1)
     else:
@@ -352,8 +360,9 @@ class Qwen2(nnx.Module, CacheDecoding):
       x = x * jnp.asarray(self.config.hidden_size ** 0.5, self.dtype)
     if images is not None:
       x = place(x, self.image_features(images), images.placement)
-    return constrain(x, ('batch', 'seq', 'act_embed'))
+    return constrain(fixed_order.settle(x), ('batch', 'seq', 'act_embed'))
 
+  @fixed_order.model_numerics
   def image_features(self, images: Images) -> jax.Array:
     """Each row's merged image features [B, F, D] in the compute dtype (constants of the loss with
     `freeze_vision`)."""

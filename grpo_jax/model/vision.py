@@ -35,6 +35,7 @@ from grpo_jax.model.attention import chunked_attention, grouped_attention
 from grpo_jax.model.config import Qwen2Config, VisionConfig
 from grpo_jax.model.layers import rms_norm, rotate
 from grpo_jax.model.linear import matmul
+from grpo_jax.ops import fixed_order
 from grpo_jax.sharding import constrain
 
 VISION_NORM_EPS = 1e-6  # fixed in the reference implementation, not a config field
@@ -248,7 +249,10 @@ class VisionTower(nnx.Module):
     count = rows * per_row
     flat = lambda x: x.reshape((count,) + x.shape[2:])  # noqa: E731  every image of every row, one axis
     heads, head_dim = c.num_heads, c.head_dim
-    x = jnp.einsum('inp,cp->inc', flat(images.patches).astype(dtype), self.patch_weight[...].astype(dtype))
+    if fixed_order.exact('matmul'):
+      x = matmul(flat(images.patches).astype(dtype), self.patch_weight[...].astype(dtype).T)
+    else:
+      x = jnp.einsum('inp,cp->inc', flat(images.patches).astype(dtype), self.patch_weight[...].astype(dtype))
     # 2D rotary: head_dim / 4 frequencies, rotated by the row over the first half of each half-split
     # pair and by the column over the second.
     inverse_frequency = 1.0 / (c.rope_theta ** (jnp.arange(0, head_dim // 2, 2, dtype=jnp.float32) / (head_dim // 2)))

@@ -15,6 +15,10 @@ Implementations (same signature, same results up to rounding):
   'xla_chunked'  the same algorithm, with the same tile maths (tiles.py), as a lax.scan over
                  vocabulary chunks in plain XLA.
   'naive'        full logits, log_softmax, take_along_axis; the reference, plain autodiff.
+  'exact'        the sampler's own formula in fixed order (ops/fixed_order.py: the logits folded
+                 over D, the log-sum-exp over V), a block of tokens at a time: bitwise what the
+                 sampler computed for the same hidden states (algo.exact_on_policy). Its gradient
+                 is the naive path's; its entropy too.
   'auto'         'xla_chunked' on every platform for now: the Pallas kernels are tested in
                  interpret mode and compiled in CI for v5e, v5p, v6e and H100 by Mosaic and
                  Triton (deviceless, tests/test_deviceless.py), but have not yet been measured
@@ -47,7 +51,7 @@ from grpo_jax.ops.tiles import (F32, CONTRACT_TOKENS, CONTRACT_VOCAB, dot_precis
 from grpo_jax.sharding import auto_shape, split_axes
 
 LogprobImplementation = Literal['auto', 'pallas', 'pallas_mosaic', 'pallas_triton', 'xla_chunked',
-                                'naive']
+                                'naive', 'exact']
 IMPLEMENTATIONS = typing.get_args(LogprobImplementation)
 # The XLA fallback sizes its vocabulary chunk so that one fp32 [T, chunk] tile holds about this
 # many elements (64 MiB), and takes at least 32 chunks, so that its temporaries stay a few percent
@@ -100,6 +104,10 @@ def token_logprobs(hidden, weight, targets, *, temperature: float = 1.0,
 
   if implementation == 'naive':
     logp, entropy = _naive(h, w, y, inv_temperature, return_entropy)
+  elif implementation == 'exact':
+    from grpo_jax.ops import fixed_order
+    logp = fixed_order.exact_logprobs(h, w, y, float(temperature))
+    entropy = _naive(h, w, y, inv_temperature, True)[1] if return_entropy else None
   else:
     platform = target_platform()
     schedule = _schedule(implementation, platform)

@@ -308,6 +308,11 @@ class AlgoConfig:
   # 'group': the per-token term less its mean over the group's other rows at the same position
   # (leave-one-out, as RLOO's baseline: the same expected gradient, far less variance); 'none': raw.
   distill_baseline: Literal['group', 'none'] = 'group'
+  # Exactly on-policy (ops/fixed_order.py): the policy computes in batch-invariant numerics (model.exact)
+  # and the update's log-probs in the sampler's formula (logprob_implementation 'exact'), so the
+  # sampler's log-probs and the trainer's recomputation under the same parameters are bitwise
+  # equal, whatever the batch, packing, micro-batches or mesh: sampler_gap_max is 0 on-policy.
+  exact_on_policy: bool = False
 
   def __post_init__(self):
     with section('algo'):

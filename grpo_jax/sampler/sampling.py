@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.errors import FieldError, UserError, require
+from grpo_jax.ops import fixed_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,9 @@ class SamplingConfig:
   # Ids at or above this are never drawn (an embedding table padded past its tokenizer); 0: none
   # excluded. A run with a teacher sets it to the tokenizer's size (the teacher's table may stop there).
   vocab_limit: int = 0
+  # The log-prob returned with each token in fixed order (ops/fixed_order.token_log_probs: the
+  # trainer's exact log-prob op's formula); what algo.exact_on_policy sets.
+  exact: bool = False
 
   def __post_init__(self):
     require(self.greedy or self.temperature > 0, 'temperature', f'must be > 0, got {self.temperature}')
@@ -117,9 +121,11 @@ def select(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> tuple[j
   logits = logits.astype(jnp.float32)
   if config.greedy:
     tokens = jnp.argmax(limited(logits, config.vocab_limit), axis=-1).astype(jnp.int32)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
   else:
-    scaled = logits / config.temperature
-    log_probs = jax.nn.log_softmax(scaled, axis=-1)
-    tokens = draw(key, truncated_logits(limited(scaled, config.vocab_limit), config.top_k, config.top_p))
+    tokens = draw(key, truncated_logits(limited(logits / config.temperature, config.vocab_limit), config.top_k,
+                                        config.top_p))
+  temperature = 1.0 if config.greedy else config.temperature
+  if config.exact:
+    return tokens, fixed_order.token_log_probs(logits, tokens, temperature)
+  log_probs = jax.nn.log_softmax(logits if config.greedy else logits / temperature, axis=-1)
   return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
