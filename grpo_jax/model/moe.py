@@ -145,8 +145,9 @@ def experts_dense(x: jax.Array, experts: jax.Array, gates: jax.Array, gate_weigh
   weights = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=gates.dtype) * gates[..., None], axis=-2)  # [B, T, E]
   # As 2-D matmuls over the experts' weights side by side, [D, E*M] (linear.matmul says why).
   side_by_side = lambda w: jnp.moveaxis(w, 0, 1).reshape(width, num_experts * hidden_width)  # noqa: E731
-  hidden = jax.nn.silu(matmul(x, side_by_side(gate_weight))) * matmul(x, side_by_side(up_weight))  # [B, T, E*M]
-  hidden = hidden.reshape(x.shape[:2] + (num_experts, hidden_width)) * weights[..., None]
+  # settle: under exact numerics the activation materialised on its own (ops/fixed_order.settle).
+  hidden = fixed_order.settle(jax.nn.silu(matmul(x, side_by_side(gate_weight))) * matmul(x, side_by_side(up_weight)))
+  hidden = fixed_order.settle(hidden.reshape(x.shape[:2] + (num_experts, hidden_width)) * weights[..., None])
   return matmul(hidden, down_weight, contract=2)
 
 

@@ -271,16 +271,19 @@ class VisionTower(nnx.Module):
         'norm1', 'norm2', 'qkv_weight', 'qkv_bias', 'proj_weight', 'proj_bias', 'gate_weight', 'gate_bias',
         'up_weight', 'up_bias', 'down_weight', 'down_bias')}
 
+    settle = fixed_order.settle  # under exact numerics each value materialised on its own; else a no-op
+
     def block(x, inputs):
       p, full_attention = inputs
       h = rms_norm(x, p['norm1'], VISION_NORM_EPS)
-      qkv = (matmul(h, p['qkv_weight']) + p['qkv_bias']).reshape(count, length, 3, heads, head_dim)
-      q, k, v = (rotate(qkv[:, :, 0], angles), rotate(qkv[:, :, 1], angles), qkv[:, :, 2])
+      qkv = settle(matmul(h, p['qkv_weight']) + p['qkv_bias']).reshape(count, length, 3, heads, head_dim)
+      q, k, v = settle((rotate(qkv[:, :, 0], angles), rotate(qkv[:, :, 1], angles), qkv[:, :, 2]))
       out = attend(full_attention, q, k, v).reshape(count, length, c.hidden_size)
-      x = x + matmul(out, p['proj_weight']) + p['proj_bias']
+      x = settle(x + matmul(out, p['proj_weight']) + p['proj_bias'])
       h = rms_norm(x, p['norm2'], VISION_NORM_EPS)
-      gate = jax.nn.silu(matmul(h, p['gate_weight']) + p['gate_bias'])
-      x = x + matmul(gate * (matmul(h, p['up_weight']) + p['up_bias']), p['down_weight']) + p['down_bias']
+      gate = settle(jax.nn.silu(settle(matmul(h, p['gate_weight']) + p['gate_bias'])))
+      hidden = settle(gate * settle(matmul(h, p['up_weight']) + p['up_bias']))
+      x = settle(x + matmul(hidden, p['down_weight']) + p['down_bias'])
       return x, None
 
     if checkpoint is not None:
@@ -289,9 +292,9 @@ class VisionTower(nnx.Module):
     x, _ = jax.lax.scan(block, x, (stacked, full))
     x = rms_norm(x, self.merger_norm[...].astype(dtype), VISION_NORM_EPS)
     x = x.reshape(count, length // c.merge_unit, c.hidden_size * c.merge_unit)
-    x = jax.nn.gelu(matmul(x, self.merger_in_weight[...].astype(dtype)) + self.merger_in_bias[...].astype(dtype),
-                    approximate=False)
-    x = matmul(x, self.merger_out_weight[...].astype(dtype)) + self.merger_out_bias[...].astype(dtype)
+    x = fixed_order.settle(matmul(x, self.merger_in_weight[...].astype(dtype)) + self.merger_in_bias[...].astype(dtype))
+    x = fixed_order.settle(jax.nn.gelu(x, approximate=False))
+    x = fixed_order.settle(matmul(x, self.merger_out_weight[...].astype(dtype)) + self.merger_out_bias[...].astype(dtype))
     return x.reshape(rows, per_row * x.shape[1], x.shape[2])
 
 
