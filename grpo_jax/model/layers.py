@@ -68,12 +68,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool = False) 
   """RMSNorm computed in fp32. Scaled by w after the cast back to x's dtype (Qwen2, Llama), or with
   `offset` by (1 + w) in fp32 before it (Gemma 3)."""
   x32 = x.astype(jnp.float32)
-  if fixed_order.exact('sum'):  # the mean of squares folded over D (exact numerics)
-    mean = fixed_order.fold_sum(x32 * x32, axis=-1)[..., None] / x.shape[-1]
+  if fixed_order.exact('sum'):
+    # Exact numerics: the mean of squares folded over D, and x divided by the root: a square root and
+    # a division round correctly everywhere, where the compiler's rsqrt rounded one way in one program
+    # and another in the next (measured at XLA:CPU's default optimisation level).
+    mean = fixed_order.fold_sum(fixed_order.settle(x32 * x32), axis=-1)[..., None] / x.shape[-1]
+    normed = fixed_order.settle(x32 / fixed_order.settle(jnp.sqrt(mean + eps)))
   else:
-    mean = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-  normed = x32 * jax.lax.rsqrt(mean + eps)
-  normed = fixed_order.settle(normed)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   if offset:
     return fixed_order.settle((normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype))
   return fixed_order.settle(weight.astype(x.dtype) * normed.astype(x.dtype))
@@ -84,11 +86,16 @@ def rotate(x: jax.Array, angles: jax.Array, interleaved: bool = False) -> jax.Ar
   angles[i] (the half-split convention), or with `interleaved` pair (2i, 2i + 1) (GLM-4's)."""
   cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
   x32 = x.astype(jnp.float32)
+  # Under exact numerics the products are settled before they are added (ops/fixed_order.settle):
+  # a multiply fused into the add rounds once, not twice, in some places of a program and not others.
+  settle = fixed_order.settle
   if interleaved:
     x1, x2 = x32[..., 0::2], x32[..., 1::2]
-    return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape).astype(x.dtype)
+    (a, b), (c, d) = settle(((x1 * cos, x2 * sin), (x2 * cos, x1 * sin)))
+    return jnp.stack([a - b, c + d], axis=-1).reshape(x.shape).astype(x.dtype)
   x1, x2 = jnp.split(x32, 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+  (a, b), (c, d) = settle(((x1 * cos, x2 * sin), (x2 * cos, x1 * sin)))
+  return jnp.concatenate([a - b, c + d], axis=-1).astype(x.dtype)
 
 
 def _frequencies(config: Qwen2Config, theta: float, scaled: bool) -> np.ndarray:
@@ -167,7 +174,7 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
       xa = matmul(flat, p[a].reshape(-1, rank)).reshape(*rows, rank)
     else:
       xa = jnp.einsum('ir,ni->rn', p[a].reshape(-1, rank), flat).T.reshape(*rows, rank)
-    return y + (matmul(xa, p[b]) * jnp.asarray(lora_scale, dtype)).astype(y.dtype)
+    return y + fixed_order.settle((matmul(xa, p[b]) * jnp.asarray(lora_scale, dtype)).astype(y.dtype))
 
   def norm(x, name):
     return rms_norm(x, p[name], config.rms_norm_eps, config.norm_offset)

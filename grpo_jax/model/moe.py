@@ -165,12 +165,15 @@ def sparse_mlp(params: dict, h: jax.Array, real: jax.Array, *, top_k: int, norm_
   `experts` [B, T, k] and load / probability [E])."""
   experts, gates, probabilities, differs = route(h, params['router_weight'], top_k=top_k,
                                                  norm_topk_prob=norm_topk_prob, replay=replay)
-  if expert_parallel.applies(params['expert_gate_weight'].shape[0]):
+  if fixed_order.exact('matmul'):
+    # Exact numerics: the dense form on every mesh, whose combine is the down projection's fold over
+    # the experts (an unchosen one adds exact zeros), not a scatter-add in whatever order the pairs
+    # land. E / k times the experts' FLOPs.
+    compute = experts_dense
+  elif expert_parallel.applies(params['expert_gate_weight'].shape[0]):
     compute = expert_parallel.experts_forward  # the experts on the devices that hold them
   else:
-    # Exact numerics: the dense form, whose combine is the down projection's fold over the experts
-    # (an unchosen one adds exact zeros), not a scatter-add in whatever order the pairs land.
-    compute = experts_dense if dense_experts_here() or fixed_order.exact('matmul') else experts_forward
+    compute = experts_dense if dense_experts_here() else experts_forward
   out = compute(h, experts, gates, params['expert_gate_weight'], params['expert_up_weight'],
                 params['expert_down_weight'])
   weight = real.astype(jnp.float32)

@@ -130,13 +130,35 @@ def fold_sum(x: jax.Array, axis: int = -1) -> jax.Array:
   return jax.lax.optimization_barrier(_fold((moved,), lambda t: t, moved.shape[1:], x.dtype))
 
 
+def exact_parts(x: jax.Array) -> tuple[jax.Array, ...]:
+  """x as fp32 parts of at most 12 significant bits each, summing exactly to x: x itself when its
+  dtype has at most 12 (bf16, fp16), else (high, low): high x's top 12 bits (the low 12 of the
+  fp32 mantissa cleared), low = x - high (exact). A product of two parts has at most 24 bits: exact
+  in fp32, so `acc + a * b` rounds once, whether or not the compiler fuses it into one multiply-add
+  (which it does in some places of a program and not others: measured at XLA:CPU's default
+  optimisation level, 55% of a fold's outputs matched an all-fused chain and 85% an unfused one)."""
+  if jnp.finfo(x.dtype).nmant + 1 <= 12:
+    return (x.astype(F32),)
+  x = x.astype(F32)
+  high = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFFF000), F32)
+  return high, x - high
+
+
 def _fold_matmul_fp32(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [*, M, K] @ w [*, K, N] (same leading dims) in fp32, each output a fold over k of x * w."""
-  x, w = x.astype(F32), w.astype(F32)
-  xs = jnp.moveaxis(x, -1, 0)[..., :, None]  # [K, *, M, 1]
-  ws = jnp.moveaxis(w, -2, 0)[..., None, :]  # [K, *, 1, N]
-  return jax.lax.optimization_barrier(_fold((xs, ws), jnp.multiply, jnp.broadcast_shapes(xs.shape[1:], ws.shape[1:]),
-                                            F32))
+  """x [*, M, K] @ w [*, K, N] (same leading dims) in fp32, each output a fold over k of the exact
+  products of x's and w's parts (exact_parts), in the order (x part, w part) for each k."""
+  xs = [jnp.moveaxis(part, -1, 0)[..., :, None] for part in exact_parts(x)]  # [K, *, M, 1]
+  ws = [jnp.moveaxis(part, -2, 0)[..., None, :] for part in exact_parts(w)]  # [K, *, 1, N]
+  count_x = len(xs)
+
+  def term(*parts):
+    total = None
+    for a in parts[:count_x]:
+      for b in parts[count_x:]:
+        total = a * b if total is None else total + a * b
+    return total
+  shape = jnp.broadcast_shapes(xs[0].shape[1:], ws[0].shape[1:])
+  return jax.lax.optimization_barrier(_fold((*xs, *ws), term, shape, F32))
 
 
 @jax.custom_vjp
