@@ -43,11 +43,12 @@ import jax.numpy as jnp
 F32 = jnp.float32
 # Terms per step of a fold's loop: written out one after another in the step's body.
 FOLD_BLOCK = 16
-# A fold of at most this many terms is written out whole (no loop).
-UNROLLED = 64
+# A fold of at most this many terms is written out whole (no loop): one block.
+UNROLLED = FOLD_BLOCK
 # Rows per block of the exact log-prob op: its [rows, V] logits exist one block at a time.
 LOGPROB_ROWS = 256
-OPS = ('matmul', 'attention', 'sum', 'log_softmax')
+# What leave_out can give back: each fold, and settling between ops ('settle').
+OPS = ('matmul', 'attention', 'sum', 'log_softmax', 'settle')
 
 _EXACT = contextvars.ContextVar('grpo_jax_exact_numerics', default=False)
 _LEFT_OUT = contextvars.ContextVar('grpo_jax_left_out', default=frozenset())
@@ -98,7 +99,11 @@ def settle(x):
   round otherwise than the same value computed on its own (measured: attention's scaled scores, fused
   into the softmax's exp in one program and not in another, 1 ulp apart). Every fixed-order op's
   result, and the model's elementwise values between them under exact numerics, are settled."""
-  return jax.tree.map(jax.lax.optimization_barrier, x) if _EXACT.get() else x
+  return jax.tree.map(_settle, x) if _EXACT.get() else x
+
+
+def _settle(x: jax.Array) -> jax.Array:
+  return x if 'settle' in _LEFT_OUT.get() else jax.lax.optimization_barrier(x)
 
 
 # ---- folds ----
@@ -127,7 +132,7 @@ def _fold(arrays: tuple[jax.Array, ...], term, shape, dtype) -> jax.Array:
 def fold_sum(x: jax.Array, axis: int = -1) -> jax.Array:
   """sum over `axis` as ((0 + x_0) + x_1) + ..., in x's dtype (differentiable: adds only)."""
   moved = jnp.moveaxis(x, axis, 0)
-  return jax.lax.optimization_barrier(_fold((moved,), lambda t: t, moved.shape[1:], x.dtype))
+  return _settle(_fold((moved,), lambda t: t, moved.shape[1:], x.dtype))
 
 
 def exact_parts(x: jax.Array) -> tuple[jax.Array, ...]:
@@ -158,7 +163,7 @@ def _fold_matmul_fp32(x: jax.Array, w: jax.Array) -> jax.Array:
         total = a * b if total is None else total + a * b
     return total
   shape = jnp.broadcast_shapes(xs[0].shape[1:], ws[0].shape[1:])
-  return jax.lax.optimization_barrier(_fold((*xs, *ws), term, shape, F32))
+  return _settle(_fold((*xs, *ws), term, shape, F32))
 
 
 @jax.custom_vjp
@@ -205,19 +210,19 @@ def _fixed_attention(q, k, v, mask):
   q5 = q.reshape(batch, length, kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4).reshape(
       batch, kv_heads, groups * length, head_dim)
   scores = _fold_matmul_fp32(q5, k.transpose(0, 2, 3, 1))  # [B, K, G*T, S]
-  scores = jax.lax.optimization_barrier(scores.reshape(batch, kv_heads, groups, length, keys) * (head_dim ** -0.5))
+  scores = _settle(scores.reshape(batch, kv_heads, groups, length, keys) * (head_dim ** -0.5))
   seen = mask[:, None, None]
   scores = jnp.where(seen, scores, jnp.finfo(F32).min)
-  top = jax.lax.optimization_barrier(jnp.max(scores, axis=-1, keepdims=True))  # a max is exact in any order
+  top = _settle(jnp.max(scores, axis=-1, keepdims=True))  # a max is exact in any order
   # exp over a materialised argument, in a loop of its own: fused with the max's reduction its
   # rounding followed the batch (measured, 1 ulp at 1 row against 8).
-  shifted = jax.lax.optimization_barrier(scores - top)
-  weights = jax.lax.optimization_barrier(jnp.where(seen, jnp.exp(shifted), 0.0))  # masked keys: exact zeros
+  shifted = _settle(scores - top)
+  weights = _settle(jnp.where(seen, jnp.exp(shifted), 0.0))  # masked keys: exact zeros
   total = fold_sum(weights, axis=-1)  # [B, K, G, T]
   values = _fold_matmul_fp32(weights.reshape(batch, kv_heads, groups * length, keys),
                              v.transpose(0, 2, 1, 3))  # [B, K, G*T, H]: the keys in sequence order
   out = values.reshape(batch, kv_heads, groups, length, head_dim) / jnp.where(total > 0, total, 1.0)[..., None]
-  return jax.lax.optimization_barrier(
+  return _settle(
       out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, head_dim).astype(v.dtype))
 
 
@@ -252,20 +257,22 @@ def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
 
 def log_sum_exp(x: jax.Array) -> jax.Array:
   """[..., V] fp32 -> [...]: max + log(fold over V of exp(x - max))."""
-  top = jax.lax.optimization_barrier(jnp.max(x, axis=-1))
-  finite = jax.lax.optimization_barrier(jnp.where(jnp.isfinite(top), top, 0.0))
-  shifted = jax.lax.optimization_barrier(x - finite[..., None])
-  terms = jax.lax.optimization_barrier(jnp.exp(shifted))
-  log_total = jax.lax.optimization_barrier(jnp.log(fold_sum(terms, axis=-1)))
-  return jax.lax.optimization_barrier(finite + log_total)
+  top = _settle(jnp.max(x, axis=-1))
+  finite = _settle(jnp.where(jnp.isfinite(top), top, 0.0))
+  shifted = _settle(x - finite[..., None])
+  terms = _settle(jnp.exp(shifted))
+  log_total = _settle(jnp.log(fold_sum(terms, axis=-1)))
+  return _settle(finite + log_total)
 
 
 def token_log_probs(logits: jax.Array, targets: jax.Array, temperature: float) -> jax.Array:
   """log softmax(logits / temperature)[targets] with the vocabulary's sum folded: logits [..., V]
   fp32, targets [...] -> [...] fp32. The sampler's and the trainer's one formula."""
-  scaled = jax.lax.optimization_barrier(logits / temperature)
+  scaled = _settle(logits / temperature)
   picked = jnp.take_along_axis(scaled, targets[..., None], axis=-1)[..., 0]
-  return jax.lax.optimization_barrier(picked - log_sum_exp(scaled))
+  if 'log_softmax' in _LEFT_OUT.get():
+    return picked - jax.nn.logsumexp(scaled, axis=-1)
+  return _settle(picked - log_sum_exp(scaled))
 
 
 def _exact_logprobs(h, w, y, temperature):
