@@ -3,10 +3,9 @@ python bench/exact_on_policy.py learn [--seeds 0,1] [--plot bench/exact_on_polic
 
 algo.exact_on_policy, its price and what it buys.
 
-time: one RL step of the config with the option off and on, in this process, alternating (each
-variant's programs compiled first, then --steps steps each, interleaved); prints the median
-rollout, update and whole-step seconds of each and the ratio on / off, and each variant's largest
-sampler_gap_max (0 exactly with the option).
+time: the config's RL steps with the option off, then on, in this process (--steps + 2 steps each,
+the first two, which compile, not counted); prints the median rollout, update and step seconds of
+each, the ratios on / off, and each variant's largest sampler_gap_max (0 exactly with the option).
 
 learn: whole runs (`python -m grpo_jax.train`, XLA's default optimisation level) in bf16 compute,
 on-policy, with the option off, on, and off with algo.tis_cap 2 (the correction it replaces); per
