@@ -89,10 +89,18 @@ def test_two_turns_with_an_image_each_answer_as_transformers(seed, make_hf_check
 
   played = asyncio.run(run())
   assert server.stats.reused >= 1  # some second turn prefilled its image over the kept cache
-  for (prompt, shown, _, later), (trajectory, first, context, second) in zip(conversations, played):
+  compared = 0
+  for (prompt, shown, observation, later), (trajectory, first, context, second) in zip(conversations, played):
     assert first == transformers_greedy(reference, prompt, [shown])
+    assert [image.start for image in trajectory.images] == [prompt.index(IMAGE),
+                                                             len(prompt) + len(first) + observation.index(IMAGE)]
+    if {IMAGE, START, END} & set(first):
+      # The random model answered with an image's own token: transformers would read a third image
+      # in the second turn's context (and stop for want of its grid), so that turn is not compared.
+      continue
     assert second == transformers_greedy(reference, context, [shown, later])
-    assert [image.start for image in trajectory.images] == [prompt.index(IMAGE), context.index(IMAGE, len(prompt))]
+    compared += 1
+  assert compared >= 1
   prompts = [prompt for prompt, *_ in conversations]
   tokens, mask = left_padded(prompts)
   rollout, _, _ = collate([trajectory for trajectory, *_ in played], 40, 0, [len(p) for p in prompts],
