@@ -36,7 +36,8 @@ HF_CLASSES = {'qwen2': ('Qwen2Config', 'Qwen2ForCausalLM'), 'qwen3': ('Qwen3Conf
               'qwen2_5_vl': ('Qwen2_5_VLConfig', 'Qwen2_5_VLForConditionalGeneration'),
               'llama': ('LlamaConfig', 'LlamaForCausalLM'), 'mistral': ('MistralConfig', 'MistralForCausalLM'),
               'glm4': ('Glm4Config', 'Glm4ForCausalLM'), 'gemma3_text': ('Gemma3TextConfig', 'Gemma3ForCausalLM'),
-              'gemma3': ('Gemma3Config', 'Gemma3ForConditionalGeneration')}
+              'gemma3': ('Gemma3Config', 'Gemma3ForConditionalGeneration'),
+              'deepseek_v3': ('DeepseekV3Config', 'DeepseekV3ForCausalLM')}
 # A Gemma 3 vision-language checkpoint's tower, as small as its config allows (not loaded by grpo_jax).
 TINY_GEMMA3_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                           image_size=28, patch_size=14)
@@ -111,6 +112,9 @@ def random_hf_model(seed: int, *, init: str = 'random', jitter=None, device=None
           parameter.copy_(0.5 * noise)
         else:
           parameter.copy_(0.08 * noise)
+      for name, buffer in model.named_buffers():  # DeepSeekMoE's choice bias, which init leaves at 0
+        if name.endswith('e_score_correction_bias'):
+          buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
     if jitter is not None:
       for name, parameter in model.named_parameters():
         if isinstance(jitter, dict):

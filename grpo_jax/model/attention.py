@@ -183,7 +183,7 @@ def grouped_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, 
     one = _part_values(probs if len(parts) == 1 else probs[..., start:start + width], part)
     out = one if out is None else out + one
     start += width
-  return out.reshape(batch, length, num_heads, head_dim)
+  return out.reshape(batch, length, num_heads, out.shape[-1])  # the values' width (MLA's may differ from H)
 
 
 # Attention over the KV cache while decoding: 'dense' (every slot, masked), 'blockwise' (XLA: blocks
@@ -246,8 +246,9 @@ def blockwise_cache_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax
     return m_new, l * scale + p.sum(axis=-1), acc
 
   shape = (batch, num_kv_heads, num_heads // num_kv_heads, length)
+  value_width = v_cache.shape[-1]
   stats = (jnp.full(shape, neg, jnp.float32), jnp.zeros(shape, jnp.float32),
-           jnp.zeros(shape + (head_dim,), jnp.float32))
+           jnp.zeros(shape + (value_width,), jnp.float32))
   for k, v, mask in parts:
     stats = merge(stats, scores(k, mask), v, mask)
 
@@ -255,8 +256,9 @@ def blockwise_cache_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax
     index, stats = carry
     start = index * block
     if stacked:
-      at, size = (layer, 0, start, 0, 0), (1, batch, block, num_kv_heads, head_dim)
-      k, v = (jax.lax.dynamic_slice(cache, at, size)[0] for cache in (k_cache, v_cache))
+      at = (layer, 0, start, 0, 0)
+      k, v = (jax.lax.dynamic_slice(cache, at, (1, batch, block, num_kv_heads, cache.shape[-1]))[0]
+              for cache in (k_cache, v_cache))
     else:
       k = jax.lax.dynamic_slice_in_dim(k_cache, start, block, axis=1)
       v = jax.lax.dynamic_slice_in_dim(v_cache, start, block, axis=1)
@@ -266,7 +268,7 @@ def blockwise_cache_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax
   blocks = (jnp.max(lengths) + block - 1) // block
   _, (_, l, acc) = jax.lax.while_loop(lambda carry: carry[0] < blocks, body, (jnp.int32(0), stats))
   out = acc / l[..., None]  # [B, K, G, T, H]
-  return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, head_dim).astype(v_cache.dtype)
+  return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, value_width).astype(v_cache.dtype)
 
 
 def ragged_kernel_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]],
@@ -366,9 +368,12 @@ def library_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   [B, T, N, H]; k, v: [B, T, K, H]; mask [B, T, T] must be causal in slot order, as
   `attention_mask` makes it: the call also declares causality, which lets cuDNN skip the upper
   triangle. -> [B, T, N, H] in q's dtype."""
+  width = v.shape[-1]
+  if width != q.shape[-1]:  # values narrower than the keys (MLA's): padded to their width, the pad cut after
+    v = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - width)])
   out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], is_causal=True,
                                      implementation=implementation)
-  return out.astype(q.dtype)
+  return out[..., :width].astype(q.dtype)
 
 
 def sequence_attention(implementation: AttentionImplementation, slots: jax.Array, segments: jax.Array,

@@ -152,7 +152,7 @@ class SharedPrefix:
   def rows(self, shared: jax.Array) -> jax.Array:
     """[n, Pn, ...] per-prompt values -> [B, ...] the value each row reads."""
     picked = jax.vmap(lambda values, index: values[index])(shared, self.index)
-    return picked.reshape((-1,) + picked.shape[2:])
+    return picked.reshape((picked.shape[0] * picked.shape[1],) + picked.shape[2:])  # no -1: an MLA cache's values are empty
 
 
 def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:

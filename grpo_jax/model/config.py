@@ -17,11 +17,13 @@ moe_intermediate_size (an expert's SwiGLU width), k = num_experts_per_tok.
 """
 
 import dataclasses
+import math
 
 from grpo_jax.errors import UserError
 
 ACTIVATIONS = ('silu', 'gelu_pytorch_tanh')
-ROPE_TYPES = ('default', 'linear', 'llama3')
+ROPE_TYPES = ('default', 'linear', 'llama3', 'yarn')
+ROUTER_SCORINGS = ('softmax', 'sigmoid')
 LAYER_TYPES = ('full_attention', 'sliding_attention')
 
 # model_type -> (architecture class, its defaults for the fields that tell the families apart, the
@@ -45,6 +47,15 @@ MODEL_TYPES = {'qwen2': ('Qwen2ForCausalLM', dict(attention_bias=True, qk_norm=F
                                                 fused_gate_up=True, rope_interleaved=True, partial_rotary_factor=0.5),
                         dict(head_dim=128, max_position_embeddings=131072, rms_norm_eps=1.5625e-07)),
                'gemma3_text': ('Gemma3ForCausalLM', _GEMMA3, _GEMMA3_FILE),
+               # DeepSeek-V3/R1, Moonlight, Kimi-K2: multi-head latent attention and DeepSeekMoE
+               'deepseek_v3': ('DeepseekV3ForCausalLM', dict(family='deepseek_v3', attention_bias=False, qk_norm=False,
+                                                             rope_interleaved=True, router_scoring='sigmoid'),
+                               dict(vocab_size=129280, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
+                                    rms_norm_eps=1e-6, rope_theta=10000.0, q_lora_rank=1536, kv_lora_rank=512,
+                                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=8, topk_group=4,
+                                    n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8,
+                                    moe_intermediate_size=2048, first_k_dense_replace=3, norm_topk_prob=True,
+                                    routed_scaling_factor=2.5, rope_interleave=True)),
                # the 4B-27B checkpoints: their language model, read by its prefix (text-only; the
                # vision tower and projector are not loaded), is a gemma3_text decoder
                'gemma3': ('Gemma3ForConditionalGeneration', _GEMMA3, _GEMMA3_FILE)}
@@ -53,6 +64,11 @@ SUPPORTED_ARCHITECTURES = tuple(architecture for architecture, _, _ in MODEL_TYP
 # Skywork-Reward-V2 and most open reward models are), by the model_type of their decoder.
 SEQUENCE_CLASSIFIERS = {'qwen2': 'Qwen2ForSequenceClassification', 'qwen3': 'Qwen3ForSequenceClassification',
                         'llama': 'LlamaForSequenceClassification'}
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's attention temperature for a context stretched by `factor`: 0.1 mscale ln(factor) + 1."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +200,33 @@ class Qwen2Config:
   # Multimodal rotary positions (Qwen2.5-VL): the H/2 frequencies split into temporal, height and
   # width parts of these sizes, positions [B, T, 3]; () is the text model's 1D RoPE.
   mrope_section: tuple[int, ...] = ()
+  # YaRN ('yarn' rope_type; rope_factor and rope_original_max_position_embeddings as above): the
+  # frequencies between the two correction dimensions blended, cos and sin scaled by rope_attention_factor.
+  rope_beta_fast: float = 32.0  # rotations that bound the extrapolated (kept) frequencies
+  rope_beta_slow: float = 1.0  # ... and the interpolated (divided) ones
+  rope_mscale: float = 0.0  # 0: unset; with rope_mscale_all_dim, the attention factor's numerator
+  rope_mscale_all_dim: float = 0.0  # 0: unset; DeepSeek's softmax scale is multiplied by its mscale squared
+  rope_truncate: bool = True  # the correction range rounded outwards to whole dimensions
+  # Multi-head latent attention (DeepSeek-V3, family deepseek_v3; kv_lora_rank 0: not MLA): keys and
+  # values come from one latent of R = kv_lora_rank values per token (normed) and one rotary key of
+  # Hr = qk_rope_head_dim shared by the heads; each head's key is its up-projection of the latent
+  # (Hn = qk_nope_head_dim) joined with the rotary key, its value another up-projection (Hv =
+  # v_head_dim). Queries through a latent of Rq = q_lora_rank (normed), or directly (None). head_dim
+  # is then Hn + Hr, what the queries and keys hold per head.
+  q_lora_rank: int | None = None  # Rq
+  kv_lora_rank: int = 0  # R
+  qk_nope_head_dim: int = 0  # Hn
+  qk_rope_head_dim: int = 0  # Hr, the rotated part of a query and a key
+  v_head_dim: int = 0  # Hv
+  # DeepSeekMoE's router (router_scoring 'sigmoid'): each expert's score a sigmoid, chosen by score plus
+  # a load-balancing bias (router_bias, never a weight) within the topk_group of n_group groups whose
+  # two best scores sum highest, weighted by the scores (normalised with norm_topk_prob) times
+  # routed_scaling_factor; n_shared_experts' worth of SwiGLU width (M each) computed for every token.
+  router_scoring: str = 'softmax'  # 'softmax' (Qwen3-MoE) or 'sigmoid' (DeepSeekMoE)
+  n_group: int = 1
+  topk_group: int = 1
+  routed_scaling_factor: float = 1.0
+  n_shared_experts: int = 0
   vision: VisionConfig | None = None  # the vision tower (Qwen2.5-VL); None: a text model
   # A reward model (SEQUENCE_CLASSIFIERS): a `score` head [D, num_labels] in place of the lm_head,
   # read at each row's last token that is not pad_token_id; 0: a causal language model.
@@ -244,8 +287,12 @@ class Qwen2Config:
       if 'sliding_attention' in self.layer_types and self.sliding_window is None:
         raise UserError('model architecture field layer_types names sliding_attention layers, but sliding_window '
                         'is unset')
-    if (self.family or self.sliding_window) and (self.num_experts or self.vision is not None or self.mrope_section):
-      raise UserError('model architecture: experts, a vision tower and M-RoPE go with the Qwen models only')
+    if (self.family or self.sliding_window) and (self.vision is not None or self.mrope_section):
+      raise UserError('model architecture: a vision tower and M-RoPE go with the Qwen models only')
+    if self.family not in ('', 'deepseek_v3') and self.num_experts:
+      raise UserError('model architecture: experts go with the Qwen3-MoE and DeepSeek-V3 models only')
+    self._check_latent_attention()
+    self._check_router()
     if self.resolved_head_dim % 2:
       raise UserError(f'head_dim must be even for rotary embeddings, got {self.resolved_head_dim}')
     if self.num_experts < 0:
@@ -260,7 +307,7 @@ class Qwen2Config:
         raise UserError(f'model architecture field decoder_sparse_step must be positive, got {self.decoder_sparse_step}')
       if self.num_experts > 32767:
         raise UserError(f'model architecture field num_experts must be at most 32767, got {self.num_experts}')
-      if self.qk_norm is False:
+      if self.qk_norm is False and not self.family:
         raise UserError('model architecture: a mixture of experts (num_experts > 0) is Qwen3-MoE, which has qk_norm')
     bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
     if bad:
@@ -291,6 +338,111 @@ class Qwen2Config:
         if not 0 <= getattr(self.vision, name) < self.vocab_size:
           raise UserError(f'model architecture field vision.{name} ({getattr(self.vision, name)}) is outside the '
                           f'vocabulary [0, {self.vocab_size})')
+
+  def _check_latent_attention(self) -> None:
+    """MLA's fields (kv_lora_rank > 0), which go with family deepseek_v3 and it with them."""
+    if self.kv_lora_rank < 0:
+      raise UserError(f'model architecture field kv_lora_rank must be >= 0, got {self.kv_lora_rank}')
+    if (self.family == 'deepseek_v3') != bool(self.kv_lora_rank):
+      raise UserError('model architecture: multi-head latent attention (kv_lora_rank > 0) goes with family '
+                      f'deepseek_v3 and it with MLA; got family {self.family!r}, kv_lora_rank {self.kv_lora_rank}')
+    if not self.kv_lora_rank:
+      return
+    for name in ('qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim'):
+      if getattr(self, name) <= 0:
+        raise UserError(f'model architecture field {name} must be positive with kv_lora_rank, got {getattr(self, name)}')
+    if self.qk_rope_head_dim % 2:
+      raise UserError(f'model architecture field qk_rope_head_dim must be even (rotary pairs), got {self.qk_rope_head_dim}')
+    if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+      raise UserError(f'model architecture field q_lora_rank must be positive or null, got {self.q_lora_rank}')
+    if self.head_dim is not None and self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+      raise UserError(f'model architecture field head_dim ({self.head_dim}) must be qk_nope_head_dim + qk_rope_head_dim '
+                      f'({self.qk_nope_head_dim + self.qk_rope_head_dim}) with multi-head latent attention')
+    if self.attention_bias or self.qk_norm or self.partial_rotary_factor != 1.0:
+      raise UserError('model architecture: multi-head latent attention has no attention_bias, qk_norm or '
+                      'partial_rotary_factor (its rotary part is qk_rope_head_dim)')
+    dense = tuple(range(len(self.mlp_only_layers)))
+    if self.num_experts and (self.mlp_only_layers != dense or self.decoder_sparse_step != 1):
+      raise UserError('model architecture: a deepseek_v3 model\'s dense layers are its first ones '
+                      f'(first_k_dense_replace), got mlp_only_layers {list(self.mlp_only_layers)}')
+
+  def _check_router(self) -> None:
+    if self.router_scoring not in ROUTER_SCORINGS:
+      raise UserError(f'model architecture field router_scoring must be one of {list(ROUTER_SCORINGS)}, '
+                      f'got {self.router_scoring!r}')
+    grouped = (self.n_group, self.topk_group, self.routed_scaling_factor, self.n_shared_experts) != (1, 1, 1.0, 0)
+    if not self.num_experts or (self.router_scoring == 'softmax' and not grouped):
+      return
+    if self.router_scoring != 'sigmoid':
+      raise UserError('model architecture fields n_group, topk_group, routed_scaling_factor and n_shared_experts go '
+                      "with router_scoring 'sigmoid' (DeepSeekMoE)")
+    if self.n_group <= 0 or self.num_experts % self.n_group or self.num_experts // self.n_group < 2:
+      raise UserError(f'model architecture field n_group ({self.n_group}) must split num_experts ({self.num_experts}) '
+                      'into groups of at least 2 experts (a group is scored by its two best)')
+    if not 1 <= self.topk_group <= self.n_group:
+      raise UserError(f'model architecture field topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}')
+    if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+      raise UserError(f'model architecture field num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of '
+                      f'topk_group ({self.topk_group}) groups of {self.num_experts // self.n_group}')
+    if not self.routed_scaling_factor > 0 or self.n_shared_experts < 0:
+      raise UserError('model architecture fields routed_scaling_factor must be positive and n_shared_experts >= 0')
+
+  @property
+  def mla(self) -> bool:
+    """Whether attention is multi-head latent attention (DeepSeek-V3)."""
+    return self.kv_lora_rank > 0
+
+  @property
+  def latent_queries(self) -> bool:
+    """Whether queries come through their own latent (MLA with q_lora_rank)."""
+    return self.mla and self.q_lora_rank is not None
+
+  @property
+  def direct_queries(self) -> bool:
+    """Whether queries are one projection of the hidden state (q_proj)."""
+    return not self.latent_queries
+
+  @property
+  def grouped_attention(self) -> bool:
+    """Whether attention is grouped-query attention with k_proj and v_proj (not MLA)."""
+    return not self.mla
+
+  @property
+  def value_head_dim(self) -> int:
+    """What a head's value (and the attention's output) holds: head_dim, or MLA's v_head_dim."""
+    return self.v_head_dim if self.mla else self.resolved_head_dim
+
+  @property
+  def cache_entry(self) -> tuple[int, int, int]:
+    """(heads, key width, value width) of one token's KV-cache entry per layer: GQA's K heads of H
+    each; MLA's one latent (R values, normed) joined with the rotary key (Hr), its values the
+    latent itself (read from the keys: a value width of 0)."""
+    if self.mla:
+      return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+    return self.num_key_value_heads, self.resolved_head_dim, self.resolved_head_dim
+
+  @property
+  def shared_expert_size(self) -> int:
+    """The SwiGLU width of a sparse layer's shared experts (DeepSeekMoE), 0 without them."""
+    return self.n_shared_experts * self.moe_intermediate_size
+
+  def attention_scale(self) -> float:
+    """The factor attention scores are scaled by: H^-1/2 (query_pre_attn_scalar^-1/2 for Gemma 3);
+    MLA's (Hn + Hr)^-1/2, with YaRN times the square of mscale(factor, rope_mscale_all_dim)."""
+    if self.query_pre_attn_scalar is not None:
+      return self.query_pre_attn_scalar ** -0.5
+    scale = self.resolved_head_dim ** -0.5
+    if self.mla and self.rope_type != 'default' and self.rope_mscale_all_dim:
+      scale *= yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
+    return scale
+
+  def rope_attention_factor(self) -> float:
+    """What YaRN scales cos and sin by (1 for the other rope types)."""
+    if self.rope_type != 'yarn':
+      return 1.0
+    if self.rope_mscale and self.rope_mscale_all_dim:
+      return yarn_mscale(self.rope_factor, self.rope_mscale) / yarn_mscale(self.rope_factor, self.rope_mscale_all_dim)
+    return yarn_mscale(self.rope_factor)
 
   @property
   def model_type(self) -> str:
@@ -338,25 +490,39 @@ class Qwen2Config:
 
   @property
   def rotary_dim(self) -> int:
-    """The leading part of each head that RoPE rotates (all of it but with partial_rotary_factor)."""
+    """The part of each head that RoPE rotates (all of it but with partial_rotary_factor; MLA's
+    qk_rope_head_dim, the last part of a query)."""
+    if self.mla:
+      return self.qk_rope_head_dim
     return int(self.resolved_head_dim * self.partial_rotary_factor)
 
   @property
   def resolved_head_dim(self) -> int:
-    return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+    if self.head_dim is not None:
+      return self.head_dim
+    if self.kv_lora_rank:
+      return self.qk_nope_head_dim + self.qk_rope_head_dim
+    return self.hidden_size // self.num_attention_heads
 
   def num_params(self, active: bool = False) -> int:
     """Parameter count, counting a tied embedding once; `active`: those one token computes with
     (k of the E experts of each sparse layer, the router's all), what FLOPs and MFU count."""
     d, f, v, h = self.hidden_size, self.intermediate_size, self.vocab_size, self.resolved_head_dim
     n, k = self.num_attention_heads, self.num_key_value_heads
-    attention = d * n * h + 2 * d * k * h + n * h * d
-    attention += (n * h + 2 * k * h) if self.attention_bias else 0
-    attention += 2 * h if self.qk_norm else 0
+    if self.mla:
+      r, rope, value = self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim
+      rq = self.q_lora_rank
+      queries = d * n * h if rq is None else d * rq + rq + rq * n * h
+      attention = queries + d * (r + rope) + r + r * n * (self.qk_nope_head_dim + value) + n * value * d
+    else:
+      attention = d * n * h + 2 * d * k * h + n * h * d
+      attention += (n * h + 2 * k * h) if self.attention_bias else 0
+      attention += 2 * h if self.qk_norm else 0
     sparse = self.num_sparse_layers
     experts = self.num_experts_per_tok if active else self.num_experts
+    shared = 3 * d * self.shared_expert_size + (self.num_experts if self.router_scoring == 'sigmoid' else 0)
     mlps = (self.num_hidden_layers - sparse) * 3 * d * f + sparse * (experts * 3 * d * self.moe_intermediate_size
-                                                                     + d * self.num_experts)
+                                                                     + d * self.num_experts + shared)
     layers = self.num_hidden_layers * (attention + (4 if self.sandwich_norms else 2) * d) + mlps
     head = d * self.num_labels if self.num_labels else 0 if self.tie_word_embeddings else d * v
     return v * d + layers + d + head + (self.vision.num_params() if self.vision is not None else 0)

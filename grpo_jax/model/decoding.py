@@ -14,6 +14,7 @@ import numpy as np
 from grpo_jax.model.attention import (SharedPart, attention_mask, cache_attention, grouped_attention, reader_layout,
                                       reads_stacked_cache, real_segments, window_mask)
 from grpo_jax.model.cache import KVCache, SharedPrefix, WindowCache, finite, write_layers, write_rows
+from grpo_jax.model.latent_attention import latent_values
 from grpo_jax.model.layers import decoder_block
 from grpo_jax.model.moe import gathered
 from grpo_jax.model.vision import Images
@@ -21,14 +22,16 @@ from grpo_jax.ops import fixed_order
 from grpo_jax.sharding import constrain
 
 
-def _prefix_parts(prefix: SharedPrefix | None, shared, reading, mask) -> list:
+def _prefix_parts(prefix: SharedPrefix | None, shared, reading, mask, values) -> list:
   """One layer's shared-prompt part of decode attention: none, each prompt read once for its rows
-  (SharedPart, with `reading`'s reader layout), or each row's copy of its prompt."""
+  (SharedPart, with `reading`'s reader layout), or each row's copy of its prompt. values(k, v): the
+  values attention reads of stored keys and values (MLA's: the keys' latent)."""
   if prefix is None:
     return []
   if reading is not None:
-    return [SharedPart(shared[0], shared[1], mask, *reading)]
-  return [(prefix.rows(shared[0]), prefix.rows(shared[1]), mask)]
+    return [SharedPart(shared[0], values(*shared), mask, *reading)]
+  k = prefix.rows(shared[0])
+  return [(k, values(k, prefix.rows(shared[1])), mask)]
 
 
 class CacheDecoding:
@@ -52,9 +55,12 @@ class CacheDecoding:
     sliding = c.sliding_layers if windowed and c.sliding_window is not None and c.sliding_window < max_length else ()
     full_layers = c.num_hidden_layers - sum(sliding)
 
-    def zeros(layers, width):
-      shape = (batch_size, width, c.num_key_value_heads, c.resolved_head_dim)
-      axes = ('batch', 'cache_seq', 'kv_heads', 'head_dim')  # rows over the batch axes, KV heads over 'tensor'
+    heads, key_width, value_width = c.cache_entry  # MLA's: one latent per token, its values read from it
+
+    def zeros(layers, width, entry=key_width):
+      shape = (batch_size, width, heads, entry)
+      # rows over the batch axes, KV heads over 'tensor' (MLA's one latent head replicated)
+      axes = ('batch', 'cache_seq', 'kv_heads' if c.grouped_attention else None, 'head_dim')
       if layered:
         return tuple(constrain(jnp.zeros(shape, self.dtype), axes) for _ in range(layers))
       return constrain(jnp.zeros((layers,) + shape, self.dtype), ('layers',) + axes)
@@ -66,7 +72,8 @@ class CacheDecoding:
       size = c.sliding_window
       window = WindowCache(k=zeros(sum(sliding), size), v=zeros(sum(sliding), size), segment_ids=row_ints(size),
                            ordinals=row_ints(size, -1))
-    return KVCache(k=zeros(full_layers, max_length), v=zeros(full_layers, max_length), segment_ids=row_ints(max_length),
+    return KVCache(k=zeros(full_layers, max_length), v=zeros(full_layers, max_length, value_width),
+                   segment_ids=row_ints(max_length),
                    length=constrain(jnp.zeros((batch_size,), jnp.int32), ('batch',)), window=window)
 
   @fixed_order.model_numerics
@@ -130,6 +137,9 @@ class CacheDecoding:
 
     implementation = self.options.decode_attention
     stacked = reads_stacked_cache(implementation)
+    mla = self.config.mla
+    # The values attention reads of stored keys and values: MLA's cache holds the latent in its keys.
+    values = (lambda k, v: latent_values(self.config, k)) if mla else (lambda k, v: v)  # noqa: E731
     scan = self._scan_decode() if length == 1 else None
     ring = cache.window
     if ring is not None:
@@ -168,7 +178,7 @@ class CacheDecoding:
                     'cache': cache_mask & window_mask(ordinals, cache_ordinals, window),
                     'prefix': None if prefix is None else prefix_mask & window_mask(ordinals, prefix_ordinals, window)}
       own_mask, new_mask = windowed.get('cache', cache_mask), windowed.get('new', mask)
-      parts = _prefix_parts(prefix, shared, reading, windowed.get('prefix', prefix_mask))
+      parts = _prefix_parts(prefix, shared, reading, windowed.get('prefix', prefix_mask), values)
       in_ring = False
       if ring is not None:  # own: (whether the layer keeps a window ring, its index in its stack)
         in_ring, own = bool(own[0]), int(own[1])
@@ -188,12 +198,14 @@ class CacheDecoding:
         new = (finite(k.astype(dtype)), finite(v.astype(dtype)), new_mask)
         if in_ring:  # the prompt, the ring, the new tokens: dense, over W entries
           return grouped_attention(q, parts + [new])
-        return cache_attention(implementation, q, new, parts, cache.k, cache.v, own, own_mask, cache.length,
-                               cache.segment_ids, segment_ids, query_slots, self.options.decode_block)
+        rows = own if stacked else (own[0], values(*own))
+        return cache_attention(implementation, q, new, parts, cache.k, values(cache.k, cache.v) if stacked else cache.v,
+                               rows, own_mask,
+                               cache.length, cache.segment_ids, segment_ids, query_slots, self.options.decode_block)
 
       return decoder_block(params, x, positions, attend, config=self.config, dtype=self.dtype,
                            inverse_frequency=self.frequency(frequency), lora_scale=self.lora_scale,
-                           real=segment_ids != 0)
+                           real=segment_ids != 0, absorbed=mla)
 
     layers = self.config.num_hidden_layers
     if ring is not None:  # (window layer, index in its stack), as constants of the unrolled loop

@@ -40,7 +40,7 @@ def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
   if model_type in ('qwen3', 'qwen3_moe') and raw.get('attention_bias'):
     raise UserError(f'{source}: attention_bias=true is not supported for qwen3 (its o_proj would carry a bias '
                     'too; no Qwen3 checkpoint has one)')
-  if model_type in ('llama', 'mistral', 'gemma3_text', 'gemma3') and raw.get('attention_bias'):
+  if model_type in ('llama', 'mistral', 'gemma3_text', 'gemma3', 'deepseek_v3') and raw.get('attention_bias'):
     raise UserError(f'{source}: attention_bias=true is not supported for {model_type} (its o_proj would carry a bias '
                     'too; no published checkpoint has one)')
   if raw.get('use_sliding_window'):
@@ -53,6 +53,9 @@ def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
     raise UserError(f'{source}: hidden_act={activation!r} is not supported; the decoder has {", ".join(ACTIVATIONS)}')
   gemma = family.get('family') == 'gemma3_text'
   rope = _rope_from_hf(raw, gemma, family.get('partial_rotary_factor', 1.0), source)
+  if rope['rope_type'] == 'yarn' and rope.get('rope_factor') is None:
+    # No factor: the stretch is max_position_embeddings over the original context (transformers' rule).
+    rope['rope_factor'] = float(raw.get('max_position_embeddings', 32768)) / rope['rope_original_max_position_embeddings']
   mrope_section = rope.pop('mrope_section')
   if model_type == 'qwen2_5_vl' and not mrope_section:
     raise UserError(f'{source}: a qwen2_5_vl config needs rope_parameters.mrope_section (or rope_scaling.mrope_section)')
@@ -89,9 +92,14 @@ def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
                    mlp_only_layers=tuple(int(i) for i in raw.get('mlp_only_layers') or ()),
                    norm_topk_prob=bool(raw.get('norm_topk_prob', False)),
                    router_aux_loss_coef=float(raw.get('router_aux_loss_coef', 0.001)))
+  latent = {}
+  if model_type == 'deepseek_v3':
+    experts, latent = _deepseek_from_hf(raw, source)
+    family = {**family, 'rope_interleaved': bool(raw.get('rope_interleave', True))}
   return Qwen2Config(
       **fields,
-      head_dim=raw.get('head_dim'),
+      # transformers writes a deepseek_v3 head_dim of qk_rope_head_dim (its rotary width): not the heads' width
+      head_dim=None if model_type == 'deepseek_v3' else raw.get('head_dim'),
       rms_norm_eps=float(raw.get('rms_norm_eps', 1e-6)),
       tie_word_embeddings=bool(raw.get('tie_word_embeddings', False)),
       max_position_embeddings=int(raw.get('max_position_embeddings', 32768)),
@@ -102,11 +110,43 @@ def from_hf_dict(raw: dict, source: str = 'config.json') -> Qwen2Config:
       **{**family, **rope, **attention, 'attention_bias': bool(raw.get('attention_bias', family['attention_bias'])),
          'hidden_act': activation},
       **experts,
+      **latent,
       **(dict(mrope_section=mrope_section, vision=_vision_from_hf(multimodal, source))
          if model_type == 'qwen2_5_vl' else {}),
       num_labels=labels,
       pad_token_id=_pad_id(raw, fields['vocab_size'], labels, source),
   )
+
+
+def _deepseek_from_hf(raw: dict, source: str) -> tuple[dict, dict]:
+  """(the DeepSeekMoE fields, the MLA fields) of a deepseek_v3 config, the hub's and 5.x's
+  spellings (n_routed_experts; 5.x also num_local_experts). first_k_dense_replace becomes the
+  dense layers' list (mlp_only_layers). A multi-token-prediction layer (num_nextn_predict_layers,
+  5.x num_mtp_layers) is not part of the model: its tensors are left unread."""
+  def need(name, *spellings):
+    for key in (name, *spellings):
+      if raw.get(key) is not None:
+        return raw[key]
+    raise UserError(f'{source}: missing field {name} (model_type deepseek_v3)')
+  layers = int(raw['num_hidden_layers'])
+  count = int(need('n_routed_experts', 'num_local_experts'))
+  dense = min(int(raw.get('first_k_dense_replace') or 0), layers)
+  experts = {}
+  if count:
+    experts = dict(num_experts=count, num_experts_per_tok=int(need('num_experts_per_tok')),
+                   moe_intermediate_size=int(need('moe_intermediate_size')), mlp_only_layers=tuple(range(dense)),
+                   norm_topk_prob=bool(raw.get('norm_topk_prob', True)),
+                   n_group=int(raw.get('n_group') or 1), topk_group=int(raw.get('topk_group') or 1),
+                   routed_scaling_factor=float(raw.get('routed_scaling_factor', 1.0)),
+                   n_shared_experts=int(raw.get('n_shared_experts') or 0))
+  if raw.get('topk_method', 'noaux_tc') != 'noaux_tc' or raw.get('scoring_func', 'sigmoid') != 'sigmoid':
+    raise UserError(f'{source}: topk_method {raw.get("topk_method")!r} / scoring_func {raw.get("scoring_func")!r}: '
+                    "a deepseek_v3 router is 'noaux_tc' with sigmoid scores")
+  rank = raw.get('q_lora_rank')
+  latent = dict(q_lora_rank=None if rank is None else int(rank), kv_lora_rank=int(need('kv_lora_rank')),
+                qk_nope_head_dim=int(need('qk_nope_head_dim')), qk_rope_head_dim=int(need('qk_rope_head_dim')),
+                v_head_dim=int(need('v_head_dim')))
+  return experts, latent
 
 
 def _labels_from_hf(raw: dict, source: str) -> int:
@@ -141,6 +181,8 @@ _UNIMPLEMENTED = ('attn_logit_softcapping', 'final_logit_softcapping', 'mlp_bias
 # The keys of a rope_parameters (or rope_scaling) dict the decoder reads, by rope_type.
 _ROPE_KEYS = {'default': ('rope_type', 'type', 'rope_theta', 'partial_rotary_factor', 'mrope_section'),
               'linear': ('rope_type', 'type', 'rope_theta', 'partial_rotary_factor', 'factor'),
+              'yarn': ('rope_type', 'type', 'rope_theta', 'partial_rotary_factor', 'factor', 'beta_fast', 'beta_slow',
+                       'mscale', 'mscale_all_dim', 'original_max_position_embeddings', 'truncate'),
               'llama3': ('rope_type', 'type', 'rope_theta', 'partial_rotary_factor', 'factor', 'low_freq_factor',
                          'high_freq_factor', 'original_max_position_embeddings')}
 _LAYER_KEYED = ('full_attention', 'sliding_attention')
@@ -166,7 +208,15 @@ def _one_rope(params: dict, theta: float, partial: float, where: str, source: st
   fields = dict(rope_theta=float(params.get('rope_theta', theta)), rope_type=rope_type,
                 partial_rotary_factor=float(params.get('partial_rotary_factor', partial)),
                 mrope_section=tuple(int(n) for n in params.get('mrope_section') or ()))
-  if rope_type != 'default':
+  if rope_type == 'yarn':
+    if 'original_max_position_embeddings' not in params:
+      raise UserError(f'{source}: {where}.original_max_position_embeddings is missing (rope_type yarn)')
+    fields.update(rope_factor=None if params.get('factor') is None else float(params['factor']),
+                  rope_original_max_position_embeddings=int(params['original_max_position_embeddings']),
+                  rope_beta_fast=float(params.get('beta_fast') or 32), rope_beta_slow=float(params.get('beta_slow') or 1),
+                  rope_mscale=float(params.get('mscale') or 0), rope_mscale_all_dim=float(params.get('mscale_all_dim') or 0),
+                  rope_truncate=bool(params.get('truncate', True)))
+  elif rope_type != 'default':
     if 'factor' not in params:
       raise UserError(f'{source}: {where}.factor is missing (rope_type {rope_type!r})')
     fields['rope_factor'] = float(params['factor'])
@@ -285,7 +335,7 @@ def to_hf_dict(config: Qwen2Config, dtype: str | None = None) -> dict:
       'eos_token_id': eos[0] if len(eos) == 1 else (eos or None),
       'dtype': dtype,
       'torch_dtype': dtype,
-      **(_experts_hf_dict(config) if config.num_experts else {}),
+      **(_experts_hf_dict(config) if config.num_experts and config.family != 'deepseek_v3' else {}),
       **({'pad_token_id': config.pad_token_id} if config.pad_token_id is not None else {}),
       **({'num_labels': config.num_labels, 'id2label': {str(i): f'LABEL_{i}' for i in range(config.num_labels)},
           'label2id': {f'LABEL_{i}': i for i in range(config.num_labels)}} if config.num_labels else {}),
@@ -305,6 +355,12 @@ def _family_hf_dict(config: Qwen2Config) -> dict:
   if config.rope_type == 'llama3':
     rope.update(low_freq_factor=config.rope_low_freq_factor, high_freq_factor=config.rope_high_freq_factor,
                 original_max_position_embeddings=config.rope_original_max_position_embeddings)
+  if config.rope_type == 'yarn':
+    rope.update(beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow,
+                original_max_position_embeddings=config.rope_original_max_position_embeddings,
+                **({'mscale': config.rope_mscale} if config.rope_mscale else {}),
+                **({'mscale_all_dim': config.rope_mscale_all_dim} if config.rope_mscale_all_dim else {}),
+                **({} if config.rope_truncate else {'truncate': False}))
   scaling = None
   if config.rope_type != 'default':
     scaling = {key: value for key, value in rope.items() if key != 'rope_theta'}
@@ -313,6 +369,8 @@ def _family_hf_dict(config: Qwen2Config) -> dict:
     rope['partial_rotary_factor'] = keys['partial_rotary_factor'] = config.partial_rotary_factor
   if config.family == 'mistral':
     keys['sliding_window'] = config.sliding_window
+  if config.family == 'deepseek_v3':
+    keys.update(_deepseek_hf_dict(config))
   if config.family == 'gemma3_text':
     local = {'rope_type': 'default', 'rope_theta': config.local_rope_theta}
     scalar = config.query_pre_attn_scalar
@@ -347,6 +405,21 @@ def _multimodal_hf_dict(config: Qwen2Config, text: dict) -> dict:
             'rope_parameters': {'rope_type': 'axial', 'rope_theta': v.rope_theta}}
   return {**text, 'rope_scaling': {'type': 'mrope', 'rope_type': 'default', 'mrope_section': sections},
           'text_config': {**text, 'model_type': 'qwen2_5_vl_text', **tokens}, 'vision_config': vision, **tokens}
+
+
+def _deepseek_hf_dict(config: Qwen2Config) -> dict:
+  """A deepseek_v3 config's MLA and DeepSeekMoE keys (the hub's names, which 5.x reads too); no
+  multi-token-prediction layer (num_nextn_predict_layers 0: grpo_jax does not train one)."""
+  dense = len(config.mlp_only_layers) if config.num_experts else config.num_hidden_layers
+  return {'q_lora_rank': config.q_lora_rank, 'kv_lora_rank': config.kv_lora_rank,
+          'qk_nope_head_dim': config.qk_nope_head_dim, 'qk_rope_head_dim': config.qk_rope_head_dim,
+          'v_head_dim': config.v_head_dim, 'rope_interleave': config.rope_interleaved,
+          'n_routed_experts': config.num_experts, 'num_experts_per_tok': config.num_experts_per_tok,
+          'moe_intermediate_size': config.moe_intermediate_size, 'n_shared_experts': config.n_shared_experts,
+          'n_group': config.n_group, 'topk_group': config.topk_group,
+          'routed_scaling_factor': config.routed_scaling_factor, 'first_k_dense_replace': dense,
+          'norm_topk_prob': config.norm_topk_prob, 'topk_method': 'noaux_tc', 'scoring_func': 'sigmoid',
+          'num_nextn_predict_layers': 0}
 
 
 def _experts_hf_dict(config: Qwen2Config) -> dict:

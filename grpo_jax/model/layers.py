@@ -37,15 +37,23 @@ from grpo_jax.model.attention import Attend
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.linear import matmul
 from grpo_jax.model.lora import TARGETS, Adapter, LoraConfig, adapter_names, adapter_shapes, init_a
-from grpo_jax.model.moe import Routing, sparse_mlp
+from grpo_jax.model.latent_attention import latent_attention_inputs
+from grpo_jax.model.moe import Router, Routing, sparse_mlp
 from grpo_jax.model.quantize import dequantize
 from grpo_jax.ops import fixed_order
 from grpo_jax.sharding import constrain
 
 DENSE_MLP_PARAMS = ('gate_weight', 'up_weight', 'down_weight')
-EXPERT_PARAMS = ('router_weight', 'expert_gate_weight', 'expert_up_weight', 'expert_down_weight')
+# A sparse layer's: the router (and DeepSeekMoE's choice bias), the routed experts, the shared experts.
+EXPERT_PARAMS = ('router_weight', 'router_bias', 'expert_gate_weight', 'expert_up_weight', 'expert_down_weight',
+                 'shared_gate_weight', 'shared_up_weight', 'shared_down_weight')
+# Multi-head latent attention's (model/latent_attention.py), beside q_weight (without q_lora_rank) and o_weight.
+LATENT_ATTENTION_PARAMS = ('q_a_weight', 'q_a_norm', 'q_b_weight', 'kv_a_weight', 'kv_a_norm', 'kv_b_weight')
 LAYER_PARAMS = ('attn_norm', 'q_weight', 'q_bias', 'q_norm', 'k_weight', 'k_bias', 'k_norm', 'v_weight', 'v_bias',
-                'o_weight', 'attn_post_norm', 'mlp_norm', 'mlp_post_norm') + DENSE_MLP_PARAMS + EXPERT_PARAMS
+                *LATENT_ATTENTION_PARAMS, 'o_weight', 'attn_post_norm', 'mlp_norm', 'mlp_post_norm',
+                *DENSE_MLP_PARAMS, *EXPERT_PARAMS)
+# Kept in fp32 whatever the compute dtype: DeepSeekMoE's router, as transformers keeps it.
+FP32_ROUTER_PARAMS = ('router_weight', 'router_bias')
 ACTIVATION_FUNCTIONS = {'silu': jax.nn.silu, 'gelu_pytorch_tanh': lambda x: jax.nn.gelu(x, approximate=True)}
 
 
@@ -56,6 +64,12 @@ def layer_params(config: Qwen2Config) -> tuple[str, ...]:
   absent += (() if config.num_sparse_layers else EXPERT_PARAMS)
   absent += (() if config.sandwich_norms else ('attn_post_norm', 'mlp_post_norm'))
   absent += (() if config.num_sparse_layers < config.num_hidden_layers else DENSE_MLP_PARAMS)
+  absent += (() if config.grouped_attention else ('k_weight', 'v_weight'))
+  absent += (() if config.direct_queries else ('q_weight',))
+  absent += (() if config.latent_queries else ('q_a_weight', 'q_a_norm', 'q_b_weight'))
+  absent += (() if config.mla else ('kv_a_weight', 'kv_a_norm', 'kv_b_weight'))
+  absent += (() if config.router_scoring == 'sigmoid' else ('router_bias',))
+  absent += (() if config.n_shared_experts else ('shared_gate_weight', 'shared_up_weight', 'shared_down_weight'))
   return tuple(name for name in LAYER_PARAMS if name not in absent)
 
 
@@ -81,10 +95,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool = False) 
   return fixed_order.settle(weight.astype(x.dtype) * normed.astype(x.dtype))
 
 
-def rotate(x: jax.Array, angles: jax.Array, interleaved: bool = False) -> jax.Array:
+def rotate(x: jax.Array, angles: jax.Array, interleaved: bool = False, scale: float = 1.0) -> jax.Array:
   """Rotary embedding of x [..., T, n, R] by angles [..., T, R/2] (fp32): pair (i, i + R/2) by
-  angles[i] (the half-split convention), or with `interleaved` pair (2i, 2i + 1) (GLM-4's)."""
+  angles[i] (the half-split convention), or with `interleaved` pair (2i, 2i + 1) (GLM-4's,
+  DeepSeek-V3's); cos and sin times `scale` (YaRN's attention factor)."""
   cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
+  if scale != 1.0:
+    cos, sin = cos * scale, sin * scale
   x32 = x.astype(jnp.float32)
   # Under exact numerics the products are settled before they are added (ops/fixed_order.settle):
   # a multiply fused into the add rounds once, not twice, in some places of a program and not others.
@@ -109,6 +126,8 @@ def _frequencies(config: Qwen2Config, theta: float, scaled: bool) -> np.ndarray:
   factor = np.float32(config.rope_factor)
   if config.rope_type == 'linear':
     return frequency / factor
+  if config.rope_type == 'yarn':
+    return _yarn_frequencies(config, theta)
   original = np.float32(config.rope_original_max_position_embeddings)
   low, high = np.float32(config.rope_low_freq_factor), np.float32(config.rope_high_freq_factor)
   wavelength = np.float32(2 * np.pi) / frequency
@@ -117,6 +136,27 @@ def _frequencies(config: Qwen2Config, theta: float, scaled: bool) -> np.ndarray:
   blended = (1 - weight) * long_waves / factor + weight * long_waves
   band = (wavelength >= original / high) & (wavelength <= original / low)
   return np.where(band, blended, long_waves).astype(np.float32)
+
+
+def _yarn_frequencies(config: Qwen2Config, theta: float) -> np.ndarray:
+  """YaRN's [R/2] fp32 frequencies: those that turn fewer than beta_slow times over the original
+  context divided by rope_factor (interpolated), those that turn more than beta_fast times kept
+  (extrapolated), a linear ramp over the dimensions between."""
+  dim, original = config.rotary_dim, config.rope_original_max_position_embeddings
+
+  def correction(rotations):  # the dimension whose wavelength fits `rotations` times in the original context
+    return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+  low, high = correction(config.rope_beta_fast), correction(config.rope_beta_slow)
+  if config.rope_truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001
+  powers = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+  kept, divided = np.float32(1.0) / powers, np.float32(1.0) / (np.float32(config.rope_factor) * powers)
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+  extrapolated = np.float32(1.0) - ramp.astype(np.float32)
+  return (divided * (1 - extrapolated) + kept * extrapolated).astype(np.float32)
 
 
 def inverse_frequencies(config: Qwen2Config) -> np.ndarray:
@@ -129,7 +169,7 @@ def inverse_frequencies(config: Qwen2Config) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inverse_frequency: jax.Array, mrope_section: tuple[int, ...] = (),
-               interleaved: bool = False) -> jax.Array:
+               interleaved: bool = False, scale: float = 1.0) -> jax.Array:
   """RoPE of x [B, T, n, H] at positions [B, T] by inverse_frequency [R/2]: the first R of H
   rotate (pairs as `rotate` says), the rest pass. With `mrope_section` (M-RoPE) positions may be
   [B, T, 3] (temporal, row, column), frequency i rotating by the component its section names
@@ -142,14 +182,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, inverse_frequency: jax.Array,
   else:
     angles = positions[..., None] * inverse_frequency  # [B, T, R/2]
   if rotary == x.shape[-1]:
-    return rotate(x, angles, interleaved)
-  return jnp.concatenate([rotate(x[..., :rotary], angles, interleaved), x[..., rotary:]], axis=-1)
+    return rotate(x, angles, interleaved, scale)
+  return jnp.concatenate([rotate(x[..., :rotary], angles, interleaved, scale), x[..., rotary:]], axis=-1)
 
 
 def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Attend, *,
                   config: Qwen2Config, dtype, inverse_frequency: jax.Array, lora_scale: float = 0.0,
-                  real: jax.Array | None = None,
-                  replay: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Routing | None]:
+                  real: jax.Array | None = None, replay: jax.Array | None = None,
+                  absorbed: bool = False) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Routing | None]:
   """One pre-norm decoder layer. params: one layer's slice of `LAYER_PARAMS` (and of the LoRA
   factors, added to their projection's output scaled by `lora_scale`, unmerged); x: [B, T, D];
   positions: [B, T] (or [B, T, 3] with M-RoPE); inverse_frequency [R/2]: this layer's RoPE
@@ -158,8 +198,14 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
   `router_weight`) routes as model/moe.py says: real [B, T] marks the tokens its load statistics
   count, replay [B, T, k] the experts to route to (None: the router's top k). -> (x [B, T, D], this
   layer's keys and values [B, T, K, H] in the compute dtype, its Routing or None when dense).
+
+  Multi-head latent attention (config.mla, model/latent_attention.py) computes in its expanded
+  form, or with `absorbed` (what a KV cache holds) in its absorbed one: attend then takes queries
+  [B, T, N, R + Hr] over one key head [B, T, 1, R + Hr] whose values are its first R, and the
+  keys and values returned are the cache's entry ([B, T, 1, R + Hr] and a [B, T, 1, 0] placeholder).
   """
-  p = {name: value.astype(dtype) for name, value in params.items()}
+  kept = FP32_ROUTER_PARAMS if config.router_scoring == 'sigmoid' else ()
+  p = {name: value if name in kept else value.astype(dtype) for name, value in params.items()}
 
   def project(x, target, contract=1):
     y = matmul(x, p[TARGETS[target][0]], contract)
@@ -183,6 +229,13 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
   # (ops/fixed_order.settle); a no-op otherwise.
   settle = fixed_order.settle
   h = norm(x, 'attn_norm')
+  if config.mla:
+    rope = lambda x, positions: apply_rope(x, positions, inverse_frequency, interleaved=config.rope_interleaved,  # noqa: E731
+                                           scale=config.rope_attention_factor())
+    q, k, v, finish, entry = latent_attention_inputs(p, h, positions, inverse_frequency, config=config,
+                                                     absorbed=absorbed, project=project, norm=norm, rope=rope)
+    out = project(finish(attend(q, k, v)), 'o', contract=2)
+    return _mlp_block(p, x, out, config, dtype, project, norm, real, replay, entry)
   q, k, v = project(h, 'q'), project(h, 'k'), project(h, 'v')
   if config.attention_bias:
     q, k, v = settle((q + p['q_bias'], k + p['k_bias'], v + p['v_bias']))
@@ -195,21 +248,34 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
     # folded into the query (the cached keys stay as they are).
     q = settle(q * jnp.asarray((q.shape[-1] / config.query_pre_attn_scalar) ** 0.5, q.dtype))
   out = project(attend(q, k, v), 'o', contract=2)
-  x = settle(x + (norm(out, 'attn_post_norm') if config.sandwich_norms else out))
+  return _mlp_block(p, x, out, config, dtype, project, norm, real, replay, (k, v))
+
+
+def _mlp_block(p: dict, x: jax.Array, attended: jax.Array, config: Qwen2Config, dtype, project, norm, real, replay,
+               entry) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Routing | None]:
+  """The rest of decoder_block after the attention's output `attended` [B, T, D]: the residual,
+  the MLP (dense, or the experts and DeepSeekMoE's shared experts) and its residual."""
+  settle = fixed_order.settle
+  x = settle(x + (norm(attended, 'attn_post_norm') if config.sandwich_norms else attended))
   x = constrain(x, ('batch', 'seq', 'act_embed'))
   h = norm(x, 'mlp_norm')
   routing = None
+  swiglu = lambda h, gate, up: settle(ACTIVATION_FUNCTIONS[config.hidden_act](gate(h)) * up(h))  # noqa: E731
   if 'router_weight' in p:
     real = jnp.ones(h.shape[:2], bool) if real is None else real
     # 8-bit experts (the sampler's, model/quantize.py) enter the grouped matmuls in the compute dtype.
     experts = {name: dequantize(value, dtype) for name, value in p.items()}
     out, routing = sparse_mlp(experts, h, real, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
-                              replay=replay)
+                              replay=replay, router=Router.of(config))
+    if 'shared_gate_weight' in p:  # DeepSeekMoE's shared experts: every token's, unweighted
+      shared = swiglu(h, lambda h: matmul(h, experts['shared_gate_weight']),
+                      lambda h: matmul(h, experts['shared_up_weight']))
+      out = settle(out + matmul(shared, experts['shared_down_weight']))
   else:
-    out = project(settle(ACTIVATION_FUNCTIONS[config.hidden_act](project(h, 'gate')) * project(h, 'up')), 'down')
+    out = project(swiglu(h, lambda h: project(h, 'gate'), lambda h: project(h, 'up')), 'down')
   if config.sandwich_norms:
     out = norm(out, 'mlp_post_norm')
-  return constrain(settle(x + out), ('batch', 'seq', 'act_embed')), (k, v), routing
+  return constrain(settle(x + out), ('batch', 'seq', 'act_embed')), entry, routing
 
 
 class DecoderLayers(nnx.Module):
@@ -232,9 +298,20 @@ class DecoderLayers(nnx.Module):
     self.names = layer_params(c)
     one = 0.0 if c.norm_offset else 1.0  # a norm's identity weight: (1 + w) with norm_offset
     self.attn_norm = constant(one, (L, D), ('layers', 'act_embed'))
-    self.q_weight = weight((L, D, N, H), ('layers', 'embed', 'q_heads', 'head_dim'))
-    self.k_weight = weight((L, D, K, H), ('layers', 'embed', 'kv_heads', 'head_dim'))
-    self.v_weight = weight((L, D, K, H), ('layers', 'embed', 'kv_heads', 'head_dim'))
+    if c.direct_queries:
+      self.q_weight = weight((L, D, N, H), ('layers', 'embed', 'q_heads', 'head_dim'))
+    if c.grouped_attention:
+      self.k_weight = weight((L, D, K, H), ('layers', 'embed', 'kv_heads', 'head_dim'))
+      self.v_weight = weight((L, D, K, H), ('layers', 'embed', 'kv_heads', 'head_dim'))
+    if c.latent_queries:  # multi-head latent attention (model/latent_attention.py); latents replicated
+      self.q_a_weight = weight((L, D, c.q_lora_rank), ('layers', 'embed', None))
+      self.q_a_norm = constant(one, (L, c.q_lora_rank), ('layers', None))
+      self.q_b_weight = weight((L, c.q_lora_rank, N, H), ('layers', None, 'q_heads', 'head_dim'))
+    if c.mla:
+      R = c.kv_lora_rank
+      self.kv_a_weight = weight((L, D, R + c.qk_rope_head_dim), ('layers', 'embed', None))
+      self.kv_a_norm = constant(one, (L, R), ('layers', None))
+      self.kv_b_weight = weight((L, R, N, c.qk_nope_head_dim + c.v_head_dim), ('layers', None, 'q_heads', 'head_dim'))
     if c.attention_bias:
       self.q_bias = constant(0.0, (L, N, H), ('layers', 'q_heads', 'head_dim'))
       self.k_bias = constant(0.0, (L, K, H), ('layers', 'kv_heads', 'head_dim'))
@@ -242,7 +319,7 @@ class DecoderLayers(nnx.Module):
     if c.qk_norm:
       self.q_norm = constant(one, (L, H), ('layers', 'head_dim'))
       self.k_norm = constant(one, (L, H), ('layers', 'head_dim'))
-    self.o_weight = weight((L, N, H, D), ('layers', 'q_heads', 'head_dim', 'embed'))
+    self.o_weight = weight((L, N, c.value_head_dim, D), ('layers', 'q_heads', 'head_dim', 'embed'))
     self.mlp_norm = constant(one, (L, D), ('layers', 'act_embed'))
     if c.sandwich_norms:
       self.attn_post_norm = constant(one, (L, D), ('layers', 'act_embed'))
@@ -252,7 +329,16 @@ class DecoderLayers(nnx.Module):
       self.up_weight = weight((Ld, D, F), ('layers', 'embed', 'mlp'))
       self.down_weight = weight((Ld, F, D), ('layers', 'mlp', 'embed'))
     if Ls:  # experts over the 'expert' mesh axis, each one's SwiGLU split like a dense MLP
-      self.router_weight = weight((Ls, D, E), ('layers', 'embed', None))
+      if c.router_scoring == 'sigmoid':  # DeepSeekMoE's router in fp32, its choice bias zero (as transformers inits it)
+        self.router_weight = nnx.Param(normal(rngs.params(), (Ls, D, E), jnp.float32), logical_axes=('layers', 'embed', None))
+        self.router_bias = nnx.Param(jnp.zeros((Ls, E), jnp.float32), logical_axes=('layers', None))
+      else:
+        self.router_weight = weight((Ls, D, E), ('layers', 'embed', None))
+      if c.n_shared_experts:
+        S = c.shared_expert_size
+        self.shared_gate_weight = weight((Ls, D, S), ('layers', 'embed', 'mlp'))
+        self.shared_up_weight = weight((Ls, D, S), ('layers', 'embed', 'mlp'))
+        self.shared_down_weight = weight((Ls, S, D), ('layers', 'mlp', 'embed'))
       self.expert_gate_weight = weight((Ls, E, D, M), ('layers', 'experts', 'embed', 'mlp'))
       self.expert_up_weight = weight((Ls, E, D, M), ('layers', 'experts', 'embed', 'mlp'))
       self.expert_down_weight = weight((Ls, E, M, D), ('layers', 'experts', 'mlp', 'embed'))

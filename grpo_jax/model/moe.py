@@ -86,14 +86,49 @@ class Routing:
     return jnp.mean(jnp.max(self.load, axis=1) / mean)
 
 
+@dataclasses.dataclass(frozen=True)
+class Router:
+  """How a sparse layer scores and chooses its experts: Qwen3-MoE's softmax and top k, or
+  DeepSeekMoE's (`scoring` 'sigmoid'): sigmoid scores in fp32, the choice made on the scores plus
+  the layer's bias (router_bias) within the `top_groups` of `groups` groups of experts whose two
+  best biased scores sum highest, the gates the unbiased scores (renormalised over the k with
+  norm_topk_prob) times `scaling`."""
+
+  scoring: str = 'softmax'
+  groups: int = 1
+  top_groups: int = 1
+  scaling: float = 1.0
+
+  @classmethod
+  def of(cls, config) -> 'Router':
+    return cls(config.router_scoring, config.n_group, config.topk_group, config.routed_scaling_factor)
+
+
+def _grouped_choice(choice: jax.Array, groups: int, top_groups: int) -> jax.Array:
+  """choice [B, T, E] with the experts outside each token's top_groups groups (by the sum of a
+  group's two best) at -inf."""
+  if groups == 1:
+    return choice
+  per_group = choice.reshape(choice.shape[:-1] + (groups, -1))
+  group_scores = jnp.sum(jax.lax.top_k(per_group, 2)[0], axis=-1)  # [B, T, groups]
+  _, best = jax.lax.top_k(group_scores, top_groups)
+  kept = jnp.any(jax.nn.one_hot(best, groups, dtype=bool), axis=-2)  # [B, T, groups]
+  return jnp.where(kept[..., None], per_group, -jnp.inf).reshape(choice.shape)
+
+
 def route(h: jax.Array, router: jax.Array, *, top_k: int, norm_topk_prob: bool,
-          replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+          replay: jax.Array | None = None, bias: jax.Array | None = None,
+          rule: Router = Router()) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """h [B, T, D] (compute dtype), router [D, E] -> (experts [B, T, k] int32, gates [B, T, k] in h's
   dtype, probabilities [B, T, E] fp32, differs [B, T] bool).
 
   replay [B, T, k] (`unrecorded` rows: the live choice): route to those experts instead of the top k; the gates
-  are the live softmax at them, renormalised over them when `norm_topk_prob`.
+  are the live softmax at them, renormalised over them when `norm_topk_prob`. With `rule` sigmoid
+  (DeepSeekMoE; bias [E] fp32 the choice's) the gates are the live sigmoid scores at them, the
+  probabilities the scores normalised over the E (what the load statistics sum).
   """
+  if rule.scoring == 'sigmoid':
+    return _sigmoid_route(h, router, bias, top_k=top_k, norm_topk_prob=norm_topk_prob, replay=replay, rule=rule)
   if fixed_order.exact('matmul'):
     logits = matmul(h, router.astype(h.dtype))
   else:
@@ -101,16 +136,37 @@ def route(h: jax.Array, router: jax.Array, *, top_k: int, norm_topk_prob: bool,
   exact = fixed_order.exact('sum')
   probabilities = (fixed_order.softmax if exact else jax.nn.softmax)(logits.astype(jnp.float32), axis=-1)
   _, chosen = jax.lax.top_k(probabilities, top_k)
-  if replay is None:
-    experts, differs = chosen, jnp.zeros(h.shape[:2], bool)
-  else:
-    replay = replay.astype(jnp.int32)
-    recorded = (replay[..., :1] >= 0) & (replay[..., :1] < probabilities.shape[-1])
-    experts = jnp.where(recorded, replay, chosen)
-    differs = jnp.any(jnp.sort(experts, axis=-1) != jnp.sort(chosen, axis=-1), axis=-1)
+  experts, differs = _replayed(chosen, replay, probabilities.shape[-1])
   gates = jnp.take_along_axis(probabilities, experts, axis=-1)
   if norm_topk_prob:
     gates = gates / (fixed_order.fold_sum(gates, axis=-1)[..., None] if exact else jnp.sum(gates, axis=-1, keepdims=True))
+  return experts, gates.astype(h.dtype), probabilities, differs
+
+
+def _replayed(chosen: jax.Array, replay: jax.Array | None, num_experts: int) -> tuple[jax.Array, jax.Array]:
+  """(the experts used [B, T, k], whether they differ from the live choice [B, T]): the recorded
+  ones where replay holds a route, the live choice elsewhere."""
+  if replay is None:
+    return chosen, jnp.zeros(chosen.shape[:-1], bool)
+  replay = replay.astype(jnp.int32)
+  recorded = (replay[..., :1] >= 0) & (replay[..., :1] < num_experts)
+  experts = jnp.where(recorded, replay, chosen)
+  return experts, jnp.any(jnp.sort(experts, axis=-1) != jnp.sort(chosen, axis=-1), axis=-1)
+
+
+def _sigmoid_route(h, router, bias, *, top_k, norm_topk_prob, replay, rule):
+  """route's DeepSeekMoE rule, in fp32 throughout (transformers' DeepseekV3TopkRouter)."""
+  logits = jnp.einsum('BTD,DE->BTE', h.astype(jnp.float32), router.astype(jnp.float32))
+  scores = jax.nn.sigmoid(logits)
+  # The bias chooses and never weighs, so no gradient reaches it (top_k's indices have none).
+  choice = _grouped_choice(scores + jax.lax.stop_gradient(bias), rule.groups, rule.top_groups)
+  _, chosen = jax.lax.top_k(choice, top_k)
+  experts, differs = _replayed(chosen, replay, scores.shape[-1])
+  gates = jnp.take_along_axis(scores, experts, axis=-1)
+  if norm_topk_prob:
+    gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
+  gates = gates * rule.scaling
+  probabilities = scores / jnp.sum(scores, axis=-1, keepdims=True)
   return experts, gates.astype(h.dtype), probabilities, differs
 
 
@@ -158,13 +214,14 @@ def dense_experts_here() -> bool:
 
 
 def sparse_mlp(params: dict, h: jax.Array, real: jax.Array, *, top_k: int, norm_topk_prob: bool,
-               replay: jax.Array | None = None) -> tuple[jax.Array, Routing]:
+               replay: jax.Array | None = None, router: Router = Router()) -> tuple[jax.Array, Routing]:
   """One sparse layer's MLP. params: router_weight [D, E], expert_gate_weight, expert_up_weight
   [E, D, M], expert_down_weight [E, M, D] in the compute dtype; h [B, T, D]; real [B, T] bool, the
   tokens that count in the load statistics. -> (out [B, T, D], this layer's Routing, with
   `experts` [B, T, k] and load / probability [E])."""
   experts, gates, probabilities, differs = route(h, params['router_weight'], top_k=top_k,
-                                                 norm_topk_prob=norm_topk_prob, replay=replay)
+                                                 norm_topk_prob=norm_topk_prob, replay=replay,
+                                                 bias=params.get('router_bias'), rule=router)
   if fixed_order.exact('matmul'):
     # Exact numerics: the dense form on every mesh, whose combine is the down projection's fold over
     # the experts (an unchosen one adds exact zeros), not a scatter-add in whatever order the pairs

@@ -97,6 +97,9 @@ class Qwen2(nnx.Module, CacheDecoding):
     self.embedding = nnx.Param(normal(rngs.params(), (V, D), self.param_dtype),
                                logical_axes=('vocab', 'embed'))
     self.layers = DecoderLayers(config, self.param_dtype, rngs)
+    require(not (config.mla and options.decode_attention == 'pallas'), 'model.decode_attention',
+            "'pallas': the ragged decode kernel reads grouped-query caches, not multi-head latent attention's latent "
+            "one; choose 'dense' or 'blockwise'")
     require(not (any(config.sliding_layers) and options.decode_attention == 'pallas'), 'model.decode_attention',
             "'pallas': the ragged decode kernel has no sliding window, which this model's layers use; "
             "choose 'dense' or 'blockwise'")

@@ -35,17 +35,22 @@ SINGLE_FILE = 'model.safetensors'
 
 
 def dim_sizes(config: Qwen2Config) -> dict[str, int]:
-  """Sizes of the dimension letters (D, F, V, N, K, H, E, M, U = 2F fused gate and up, L a score
-  head's labels; the vision tower's C, I, P, W and J = 3C, X, Y, Z its patch's channels, frames and
+  """Sizes of the dimension letters (D, F, V, N, K, H, O a head's value width, E, M, S the shared
+  experts' width, U = 2F fused gate and up, L a score head's labels; multi-head latent attention's Q
+  = q_lora_rank, R = kv_lora_rank, A = R + qk_rope_head_dim, B = qk_nope_head_dim + v_head_dim; the vision tower's C, I, P, W and J = 3C, X, Y, Z its patch's channels, frames and
   side; see model/config.py) for this architecture."""
   v = config.vision
   vision = {} if v is None else {'C': v.hidden_size, 'I': v.intermediate_size, 'P': v.patch_dim,
                                  'W': v.hidden_size * v.merge_unit, 'J': 3 * v.hidden_size, 'X': v.in_channels,
                                  'Y': v.temporal_patch_size, 'Z': v.patch_size}
+  latent = {} if not config.mla else {'Q': config.q_lora_rank or 0, 'R': config.kv_lora_rank,
+                                       'A': config.kv_lora_rank + config.qk_rope_head_dim,
+                                       'B': config.qk_nope_head_dim + config.v_head_dim}
   return {'D': config.hidden_size, 'F': config.intermediate_size, 'V': config.vocab_size,
           'N': config.num_attention_heads, 'K': config.num_key_value_heads,
-          'H': config.resolved_head_dim, 'E': config.num_experts, 'M': config.moe_intermediate_size,
-          'U': 2 * config.intermediate_size, 'L': config.num_labels, **vision}
+          'H': config.resolved_head_dim, 'O': config.value_head_dim, 'E': config.num_experts,
+          'M': config.moe_intermediate_size, 'S': config.shared_expert_size,
+          'U': 2 * config.intermediate_size, 'L': config.num_labels, **vision, **latent}
 
 
 def _evaluate(spec: str, config: Qwen2Config) -> tuple[int, ...]:
@@ -110,15 +115,23 @@ RULES = (
     # Rule(Hugging Face name, grpo_jax path, transpose, Hugging Face shape, grpo_jax shape[, when])
     Rule('model.embed_tokens.weight', ('embedding',), False, 'V D', 'V D'),
     Rule(_LAYER + 'input_layernorm.weight', ('layers', 'attn_norm'), False, 'D', 'D'),
-    Rule(_LAYER + 'self_attn.q_proj.weight', ('layers', 'q_weight'), True, 'N*H D', 'D N H'),
+    Rule(_LAYER + 'self_attn.q_proj.weight', ('layers', 'q_weight'), True, 'N*H D', 'D N H', 'direct_queries'),
     Rule(_LAYER + 'self_attn.q_proj.bias', ('layers', 'q_bias'), False, 'N*H', 'N H', 'attention_bias'),
     Rule(_LAYER + 'self_attn.q_norm.weight', ('layers', 'q_norm'), False, 'H', 'H', 'qk_norm'),
-    Rule(_LAYER + 'self_attn.k_proj.weight', ('layers', 'k_weight'), True, 'K*H D', 'D K H'),
+    Rule(_LAYER + 'self_attn.k_proj.weight', ('layers', 'k_weight'), True, 'K*H D', 'D K H', 'grouped_attention'),
     Rule(_LAYER + 'self_attn.k_proj.bias', ('layers', 'k_bias'), False, 'K*H', 'K H', 'attention_bias'),
     Rule(_LAYER + 'self_attn.k_norm.weight', ('layers', 'k_norm'), False, 'H', 'H', 'qk_norm'),
-    Rule(_LAYER + 'self_attn.v_proj.weight', ('layers', 'v_weight'), True, 'K*H D', 'D K H'),
+    Rule(_LAYER + 'self_attn.v_proj.weight', ('layers', 'v_weight'), True, 'K*H D', 'D K H', 'grouped_attention'),
     Rule(_LAYER + 'self_attn.v_proj.bias', ('layers', 'v_bias'), False, 'K*H', 'K H', 'attention_bias'),
-    Rule(_LAYER + 'self_attn.o_proj.weight', ('layers', 'o_weight'), True, 'D N*H', 'N H D'),
+    # Multi-head latent attention (DeepSeek-V3): the query's latent, the keys' and values' latent
+    # with the shared rotary key (kv_a_proj_with_mqa: R + Hr rows), the per-head up-projections.
+    Rule(_LAYER + 'self_attn.q_a_proj.weight', ('layers', 'q_a_weight'), True, 'Q D', 'D Q', 'latent_queries'),
+    Rule(_LAYER + 'self_attn.q_a_layernorm.weight', ('layers', 'q_a_norm'), False, 'Q', 'Q', 'latent_queries'),
+    Rule(_LAYER + 'self_attn.q_b_proj.weight', ('layers', 'q_b_weight'), True, 'N*H Q', 'Q N H', 'latent_queries'),
+    Rule(_LAYER + 'self_attn.kv_a_proj_with_mqa.weight', ('layers', 'kv_a_weight'), True, 'A D', 'D A', 'mla'),
+    Rule(_LAYER + 'self_attn.kv_a_layernorm.weight', ('layers', 'kv_a_norm'), False, 'R', 'R', 'mla'),
+    Rule(_LAYER + 'self_attn.kv_b_proj.weight', ('layers', 'kv_b_weight'), True, 'N*B R', 'R N B', 'mla'),
+    Rule(_LAYER + 'self_attn.o_proj.weight', ('layers', 'o_weight'), True, 'D N*O', 'N O D'),
     Rule(_LAYER + 'post_attention_layernorm.weight', ('layers', 'mlp_norm'), False, 'D', 'D', 'family!=gemma3_text'),
     Rule(_LAYER + 'post_self_attn_layernorm.weight', ('layers', 'attn_post_norm'), False, 'D', 'D', 'family=glm4'),
     Rule(_LAYER + 'post_mlp_layernorm.weight', ('layers', 'mlp_post_norm'), False, 'D', 'D', 'family=glm4'),
@@ -133,6 +146,14 @@ RULES = (
       for half, path in enumerate(('gate_weight', 'up_weight'))),
     Rule(_LAYER + 'mlp.down_proj.weight', ('layers', 'down_weight'), True, 'D F', 'F D', layers='dense'),
     Rule(_LAYER + 'mlp.gate.weight', ('layers', 'router_weight'), True, 'E D', 'D E', layers='sparse'),
+    Rule(_LAYER + 'mlp.gate.e_score_correction_bias', ('layers', 'router_bias'), False, 'E', 'E',
+         'router_scoring=sigmoid', 'sparse'),
+    Rule(_LAYER + 'mlp.shared_experts.gate_proj.weight', ('layers', 'shared_gate_weight'), True, 'S D', 'D S',
+         'n_shared_experts', 'sparse'),
+    Rule(_LAYER + 'mlp.shared_experts.up_proj.weight', ('layers', 'shared_up_weight'), True, 'S D', 'D S',
+         'n_shared_experts', 'sparse'),
+    Rule(_LAYER + 'mlp.shared_experts.down_proj.weight', ('layers', 'shared_down_weight'), True, 'D S', 'S D',
+         'n_shared_experts', 'sparse'),
     Rule(_LAYER + 'mlp.experts.{e}.gate_proj.weight', ('layers', 'expert_gate_weight'), True, 'M D', 'D M',
          layers='sparse'),
     Rule(_LAYER + 'mlp.experts.{e}.up_proj.weight', ('layers', 'expert_up_weight'), True, 'M D', 'D M', layers='sparse'),
