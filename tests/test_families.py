@@ -55,6 +55,10 @@ FAMILIES = {
     # scaled as 4B-27B's), query_pre_attn_scalar unlike head_dim, q/k norms, (1 + w) norms.
     'gemma3_text': (dict(model_type='gemma3_text', **_GEMMA3_TEXT),
                     dict(family='gemma3_text', sliding_window=6, rope_type='linear', query_pre_attn_scalar=24.0)),
+    # Qwen2.5's long-context spelling: YaRN (its frequency ramp, cos and sin scaled by 0.1 ln 4 + 1).
+    'qwen2-yarn': (dict(model_type='qwen2', rope_parameters={'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 4.0,
+                                                             'original_max_position_embeddings': 64}),
+                   dict(family='', rope_type='yarn', rope_factor=4.0, rope_original_max_position_embeddings=64)),
     # Gemma 3 4B-27B: the same language model inside Gemma3ForConditionalGeneration, read by prefix.
     'gemma3': (dict(model_type='gemma3', **_GEMMA3_TEXT), dict(family='gemma3_text', sliding_window=6)),
 }
@@ -250,7 +254,8 @@ def test_hub_and_transformers_5_spellings_read_alike(name):
     (dict(final_logit_softcapping=30.0), 'final_logit_softcapping=30.0 is not implemented'),
     (dict(attn_logit_softcapping=50.0), 'attn_logit_softcapping=50.0 is not implemented'),
     (dict(use_bidirectional_attention=True), 'use_bidirectional_attention=True is not implemented'),
-    (dict(rope_scaling={'rope_type': 'yarn', 'factor': 4.0}), "rope type 'yarn' is not supported"),
+    (dict(rope_scaling={'rope_type': 'dynamic', 'factor': 4.0}), "rope type 'dynamic' is not supported"),
+    (dict(rope_scaling={'rope_type': 'yarn', 'factor': 4.0}), 'original_max_position_embeddings is missing'),
     (dict(rope_scaling={'rope_type': 'linear', 'factor': 4.0, 'attention_factor': 2.0}),
      'attention_factor is not implemented'),
     (dict(hidden_activation='gelu'), "hidden_act='gelu' is not supported"),
@@ -325,7 +330,7 @@ TOKENIZERS = {'llama3': 'llama3', 'deepseek-llm': 'deepseek', 'mistral': 'mistra
 
 
 @pytest.mark.parametrize('family', [pytest.param(name, marks=() if name == 'gemma3_text' else pytest.mark.exhaustive)
-                                    for name in FAMILIES])
+                                    for name in TOKENIZERS])
 def test_one_rl_step_on_the_math_task_with_the_familys_tokenizer_and_template(family, seed, make_hf_checkpoint,
                                                                               tmp_path):
   """configs/tiny_math.yaml from a random checkpoint of the family, with the family's tokenizer, chat

@@ -102,7 +102,7 @@ def test_round_trip_through_hf_dict():
 @pytest.mark.parametrize('change, message', [
     (dict(use_sliding_window=True), 'use_sliding_window=true is not supported'),
     (dict(architectures=['Gemma2ForCausalLM'], model_type='gemma2'), 'unsupported architecture Gemma2ForCausalLM'),
-    (dict(rope_scaling={'type': 'yarn', 'factor': 4.0}), "rope type 'yarn' is not supported"),
+    (dict(rope_scaling={'type': 'dynamic', 'factor': 4.0}), "rope type 'dynamic' is not supported"),
     (dict(hidden_act='gelu'), "hidden_act='gelu' is not supported"),
     (dict(num_key_value_heads=3), 'must be a multiple of num_key_value_heads (3)'),
     (dict(hidden_size=None), 'missing field hidden_size'),

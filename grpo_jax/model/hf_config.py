@@ -325,7 +325,8 @@ def to_hf_dict(config: Qwen2Config, dtype: str | None = None) -> dict:
       'hidden_act': config.hidden_act,
       'rms_norm_eps': config.rms_norm_eps,
       'rope_theta': config.rope_theta,
-      'rope_parameters': {'rope_type': 'default', 'rope_theta': config.rope_theta},
+      'rope_parameters': _rope_hf_dict(config),
+      **({'rope_scaling': _rope_scaling(config)} if config.rope_type != 'default' else {}),
       'tie_word_embeddings': config.tie_word_embeddings,
       'max_position_embeddings': config.max_position_embeddings,
       'use_sliding_window': False,
@@ -345,10 +346,8 @@ def to_hf_dict(config: Qwen2Config, dtype: str | None = None) -> dict:
   return _multimodal_hf_dict(config, text) if config.vision is not None else text
 
 
-def _family_hf_dict(config: Qwen2Config) -> dict:
-  """The keys a family beyond Qwen adds, in both spellings: 5.x's rope_parameters (for Gemma 3
-  keyed by layer type) and the hub's top-level rope_theta, rope_scaling, partial_rotary_factor,
-  rope_local_base_freq."""
+def _rope_hf_dict(config: Qwen2Config) -> dict:
+  """5.x's rope_parameters of the (global) layers: the type, base and the type's own keys."""
   rope = {'rope_type': config.rope_type, 'rope_theta': config.rope_theta}
   if config.rope_type != 'default':
     rope['factor'] = config.rope_factor
@@ -361,10 +360,22 @@ def _family_hf_dict(config: Qwen2Config) -> dict:
                 **({'mscale': config.rope_mscale} if config.rope_mscale else {}),
                 **({'mscale_all_dim': config.rope_mscale_all_dim} if config.rope_mscale_all_dim else {}),
                 **({} if config.rope_truncate else {'truncate': False}))
-  scaling = None
-  if config.rope_type != 'default':
-    scaling = {key: value for key, value in rope.items() if key != 'rope_theta'}
-  keys = {'rope_scaling': scaling}
+  return rope
+
+
+def _rope_scaling(config: Qwen2Config) -> dict | None:
+  """The hub's (4.x) rope_scaling: rope_parameters without the base; None for default RoPE."""
+  if config.rope_type == 'default':
+    return None
+  return {key: value for key, value in _rope_hf_dict(config).items() if key != 'rope_theta'}
+
+
+def _family_hf_dict(config: Qwen2Config) -> dict:
+  """The keys a family beyond Qwen adds, in both spellings: 5.x's rope_parameters (for Gemma 3
+  keyed by layer type) and the hub's top-level rope_theta, rope_scaling, partial_rotary_factor,
+  rope_local_base_freq."""
+  rope = _rope_hf_dict(config)
+  keys = {'rope_scaling': _rope_scaling(config)}
   if config.partial_rotary_factor != 1.0:
     rope['partial_rotary_factor'] = keys['partial_rotary_factor'] = config.partial_rotary_factor
   if config.family == 'mistral':

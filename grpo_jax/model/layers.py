@@ -241,8 +241,9 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
     q, k, v = settle((q + p['q_bias'], k + p['k_bias'], v + p['v_bias']))
   if config.qk_norm:  # each head's query and key normalised over H, before the rotation
     q, k = norm(q, 'q_norm'), norm(k, 'k_norm')
-  q = settle(apply_rope(q, positions, inverse_frequency, config.mrope_section, config.rope_interleaved))
-  k = settle(apply_rope(k, positions, inverse_frequency, config.mrope_section, config.rope_interleaved))
+  factor = config.rope_attention_factor()
+  q = settle(apply_rope(q, positions, inverse_frequency, config.mrope_section, config.rope_interleaved, factor))
+  k = settle(apply_rope(k, positions, inverse_frequency, config.mrope_section, config.rope_interleaved, factor))
   if config.query_pre_attn_scalar is not None:
     # Every attention path scales scores by H^-1/2; Gemma 3 scales them by query_pre_attn_scalar^-1/2,
     # folded into the query (the cached keys stay as they are).
