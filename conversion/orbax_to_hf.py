@@ -140,6 +140,7 @@ def _merge_config(original_path: str, written_path: str) -> None:
   if merged.get('model_type') != written.get('model_type') and isinstance(merged.get('text_config'), dict):
     merged = dict(merged['text_config'])
   merged.update(written)
+  merged.pop('quantization_config', None)  # the weights written are in the training dtype, not fp8
   with open(written_path, 'w') as f:
     json.dump(merged, f, indent=2)
 

@@ -192,6 +192,36 @@ LANGUAGE_MODEL_PREFIXES = (('language_model.', ''), ('model.language_model.', 'm
 UNREAD_PARTS = re.compile(r'(model\.)?(vision_tower|multi_modal_projector)\..*')
 
 
+# fp8 checkpoints (DeepSeek-V3's): `W.weight_scale_inv` beside an F8_E4M3 `W.weight`, one fp32 per
+# block of quantization_config.weight_block_size.
+SCALE_SUFFIX = '_scale_inv'
+_LAYER_INDEX = re.compile(r'model\.layers\.(\d+)\.')
+
+
+def _prediction_layer(name: str, config: Qwen2Config) -> bool:
+  """Whether `name` belongs to a DeepSeek-V3 multi-token-prediction layer (layer index L and up):
+  not part of the model grpo_jax trains, left unread."""
+  match = _LAYER_INDEX.match(name)
+  return config.family == 'deepseek_v3' and match is not None and int(match.group(1)) >= config.num_hidden_layers
+
+
+def _fp8_block(directory: str) -> tuple[int, int] | None:
+  """config.json's quantization_config block (rows, columns) of an fp8 checkpoint; None without one."""
+  path = os.path.join(directory, 'config.json')
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    quantization = json.load(f).get('quantization_config')
+  if not quantization:
+    return None
+  method, block = quantization.get('quant_method'), quantization.get('weight_block_size')
+  if method != 'fp8' or quantization.get('fmt', 'e4m3') != 'e4m3' or not (
+      isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+    raise UserError(f'{path}: quantization_config {quantization} is not read: grpo_jax reads fp8 (e4m3) weights '
+                    'with a weight_block_size of two positive ints')
+  return tuple(block)
+
+
 def rules_for(config: Qwen2Config) -> tuple[Rule, ...]:
   """The rules of the tensors this architecture has."""
   return tuple(rule for rule in RULES if rule.present(config))
@@ -223,9 +253,9 @@ _DTYPES = {'F32': np.float32, 'F16': np.float16, 'F64': np.float64}
 
 
 def _numpy_dtype(code: str, path: str, name: str):
-  if code == 'BF16':
+  if code in ('BF16', 'F8_E4M3'):
     import ml_dtypes
-    return ml_dtypes.bfloat16
+    return ml_dtypes.bfloat16 if code == 'BF16' else ml_dtypes.float8_e4m3fn
   if code not in _DTYPES:
     raise UserError(f'{path}: tensor {name} has unsupported dtype {code}')
   return _DTYPES[code]
@@ -308,6 +338,9 @@ class SafetensorsFile:
   def shape(self, name: str) -> tuple[int, ...]:
     return tuple(self._entries[name]['shape'])
 
+  def dtype_code(self, name: str) -> str:
+    return self._entries[name]['dtype']
+
   def tensor(self, name: str) -> np.ndarray:
     entry = self._entries[name]
     begin, end = entry['data_offsets']
@@ -363,6 +396,20 @@ class HFCheckpoint:
         break
     kept = {name: name for name in self._where if name not in self.unread and name not in self._stored.values()}
     self._where = {name: self._where[stored] for name, stored in {**kept, **self._stored}.items()}
+    self.block = _fp8_block(directory)
+    # fp8 weights (DeepSeek-V3's): each with its per-block inverse scales beside it, read dequantized.
+    self.scales = {name[:-len(SCALE_SUFFIX)]: name for name in self._where if name.endswith(SCALE_SUFFIX)}
+    for weight, scale in self.scales.items():
+      if weight not in self._where:
+        raise UserError(f'{directory}: tensor {scale} scales a tensor {weight} the checkpoint lacks')
+      if self.block is None:
+        raise UserError(f'{directory}: tensor {scale} needs config.json\'s quantization_config.weight_block_size')
+      rows, columns = self._shape(weight)
+      expected = (-(-rows // self.block[0]), -(-columns // self.block[1]))
+      if self._shape(scale) != expected:
+        raise UserError(f'{directory}: tensor {scale} has shape {list(self._shape(scale))}, expected {list(expected)} '
+                        f'(blocks of {self.block[0]} x {self.block[1]} over {weight} [{rows}, {columns}])')
+    self._scale_files = {scale: self._where.pop(scale) for scale in self.scales.values()}
 
   def names(self) -> list[str]:
     return list(self._where)
@@ -371,9 +418,18 @@ class HFCheckpoint:
     return self._where[name].shape(self._stored.get(name, name))
 
   def tensor(self, name: str) -> np.ndarray:
+    """The tensor `name` as stored; an fp8 one with inverse scales, dequantized to fp32 (each
+    128 x 128 block, the last ones ragged, times its scale: the product exact, then rounded once)."""
     if name not in self._where:
       raise UserError(f'{self.directory}: missing tensor {name}')
-    return self._where[name].tensor(self._stored.get(name, name))
+    tensor = self._where[name].tensor(self._stored.get(name, name))
+    if name not in self.scales:
+      return tensor
+    scale_name = self.scales[name]
+    scale = self._scale_files[scale_name].tensor(self._stored.get(scale_name, scale_name)).astype(np.float32)
+    rows, columns = tensor.shape
+    spread = np.repeat(np.repeat(scale, self.block[0], axis=0), self.block[1], axis=1)[:rows, :columns]
+    return (tensor.astype(np.float64) * spread.astype(np.float64)).astype(np.float32)
 
   def check(self, config: Qwen2Config) -> None:
     """Every expected tensor present with the expected shape, nothing unexpected."""
@@ -391,7 +447,7 @@ class HFCheckpoint:
             'from config.json')
     for name in self._where:
       tied_head = name == 'lm_head.weight' and config.tie_word_embeddings
-      if name not in expected and not tied_head and not IGNORED.fullmatch(name):
+      if name not in expected and not tied_head and not IGNORED.fullmatch(name) and not _prediction_layer(name, config):
         raise UserError(f'{self.directory}: unexpected tensor {name} for a {config.model_type} model')
     if self.unread and config.model_type != 'gemma3_text':
       raise UserError(f'{self.directory}: unexpected tensor {self.unread[0]} for a {config.model_type} model')
