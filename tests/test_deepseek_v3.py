@@ -290,3 +290,27 @@ def test_refusals_name_the_field():
   from grpo_jax.model.loading import abstract_model
   with pytest.raises(UserError, match="model.decode_attention 'pallas'"):
     abstract_model(from_hf_dict(raw), ModelOptions(decode_attention='pallas'))
+
+
+def test_lora_on_the_latent_attention_equals_peft_and_the_cache(seed, make_hf_checkpoint):
+  """Adapters on every MLA projection (q_a, q_b, kv_a, kv_b, o): logits equal peft's on transformers,
+  and decoding over the latent cache (kv_b's adapter folded into the absorbed weights) equals the
+  adapted full forward; a target the architecture lacks is refused naming its projections."""
+  from test_lora import _adapted, _peft_model
+  from grpo_jax.model import lora
+  from grpo_jax.model.lora import LoraConfig
+  directory, reference = make_hf_checkpoint(seed, **SHAPES['v3'][0])
+  settings = LoraConfig(rank=3, alpha=6.0, targets=('q_a', 'q_b', 'kv_a', 'kv_b', 'o'))
+  model = _adapted(directory, settings, seed)
+  tokens = np.random.default_rng(seed).integers(3, 300, (2, 11))
+  ours = np.asarray(model(tokens))
+  assert np.abs(ours - np.asarray(model_of(directory)(tokens))).max() > 1e-2  # the adapters act
+  peft_model = _peft_model(reference.float(), settings, lora.peft_tensors(nnx.state(model), settings))
+  np.testing.assert_allclose(ours, torch_logits(peft_model, tokens), rtol=0, atol=FP32_TOLERANCE)
+  graphdef, state = nnx.split(model)
+  extend = jax.jit(lambda s, t, cache: nnx.merge(graphdef, s).extend(t, cache))
+  prefill, cache = extend(state, tokens[:, :10], model.init_cache(2, 12))
+  step, _ = extend(state, tokens[:, 10:], cache)
+  np.testing.assert_allclose(np.concatenate([np.asarray(prefill), np.asarray(step)], axis=1), ours, rtol=0, atol=1e-5)
+  with pytest.raises(UserError, match="'k': a deepseek_v3 model has no self_attn.k_proj; its projections are"):
+    _adapted(directory, LoraConfig(rank=3, targets=('q_a', 'k')), seed)

@@ -27,15 +27,15 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.model.config import Qwen2Config
-from grpo_jax.model.linear import matmul
 
 
 def latent_attention_inputs(p: dict, h: jax.Array, positions: jax.Array, inverse_frequency: jax.Array, *,
-                            config: Qwen2Config, absorbed: bool, project, norm, rope):
+                            config: Qwen2Config, absorbed: bool, project, norm, rope, lora_scale: float = 0.0):
   """One layer's attention inputs from the normed hidden state h [B, T, D]. p: the layer's
-  parameters in the compute dtype; project(h, 'q') the query projection (with its LoRA factors),
-  norm(x, name) the layer's RMSNorm by parameter name, rope(x [B, T, n, Hr], positions) the
-  rotation.
+  parameters in the compute dtype; project(x, target) a projection with its LoRA factors (model/lora.py
+  TARGETS: q, q_a, q_b, kv_a, kv_b), norm(x, name) the layer's RMSNorm by parameter name,
+  rope(x [B, T, n, Hr], positions) the rotation; lora_scale the adapters' (the absorbed form folds
+  kv_b's adapter into its weight).
 
   -> (q, k, v, finish, entry): attend(q, k, v) then finish(that) gives the heads' outputs
   [B, T, N, Hv] for o_weight; entry (keys, values) is what the KV cache keeps of these tokens
@@ -44,22 +44,26 @@ def latent_attention_inputs(p: dict, h: jax.Array, positions: jax.Array, inverse
   c = config
   nope, latent_width = c.qk_nope_head_dim, c.kv_lora_rank
   if c.latent_queries:
-    q = matmul(norm(matmul(h, p['q_a_weight']), 'q_a_norm'), p['q_b_weight'])  # [B, T, N, Hn + Hr]
+    q = project(norm(project(h, 'q_a'), 'q_a_norm'), 'q_b')  # [B, T, N, Hn + Hr]
   else:
     q = project(h, 'q')
-  compressed = matmul(h, p['kv_a_weight'])  # [B, T, R + Hr]
+  compressed = project(h, 'kv_a')  # [B, T, R + Hr]
   latent = norm(compressed[..., :latent_width], 'kv_a_norm')  # [B, T, R]
   key_rope = rope(compressed[..., None, latent_width:], positions)  # [B, T, 1, Hr], shared by the heads
   q_nope, q_rope = q[..., :nope], rope(q[..., nope:], positions)
-  up_keys, up_values = p['kv_b_weight'][..., :nope], p['kv_b_weight'][..., nope:]  # [R, N, Hn], [R, N, Hv]
   scale = c.attention_scale()
   if not absorbed:
     heads = q.shape[-2]
-    k_nope, v = jnp.split(matmul(latent, p['kv_b_weight']), [nope], axis=-1)  # [B, T, N, Hn], [B, T, N, Hv]
+    k_nope, v = jnp.split(project(latent, 'kv_b'), [nope], axis=-1)  # [B, T, N, Hn], [B, T, N, Hv]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(key_rope, key_rope.shape[:2] + (heads, key_rope.shape[-1]))], -1)
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     q = q * jnp.asarray(scale * q.shape[-1] ** 0.5, q.dtype)
     return q, k, v, (lambda out: out), (k, v)
+  up = p['kv_b_weight']  # [R, N, Hn + Hv], with its adapter's low-rank update when it has one
+  if 'kv_b_lora_a' in p:
+    update = jnp.einsum('Rr,rNB->RNB', p['kv_b_lora_a'], p['kv_b_lora_b'], preferred_element_type=jnp.float32)
+    up = (up.astype(jnp.float32) + lora_scale * update).astype(up.dtype)
+  up_keys, up_values = up[..., :nope], up[..., nope:]  # [R, N, Hn], [R, N, Hv]
   # The absorbed query: each head's non-rotary query taken into the latent's space, [B, T, N, R].
   q_latent = jnp.einsum('BTNh,RNh->BTNR', q_nope, up_keys, preferred_element_type=jnp.float32).astype(q.dtype)
   q = jnp.concatenate([q_latent, q_rope], axis=-1)

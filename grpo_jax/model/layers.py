@@ -233,7 +233,8 @@ def decoder_block(params: dict, x: jax.Array, positions: jax.Array, attend: Atte
     rope = lambda x, positions: apply_rope(x, positions, inverse_frequency, interleaved=config.rope_interleaved,  # noqa: E731
                                            scale=config.rope_attention_factor())
     q, k, v, finish, entry = latent_attention_inputs(p, h, positions, inverse_frequency, config=config,
-                                                     absorbed=absorbed, project=project, norm=norm, rope=rope)
+                                                     absorbed=absorbed, project=project, norm=norm, rope=rope,
+                                                     lora_scale=lora_scale)
     out = project(finish(attend(q, k, v)), 'o', contract=2)
     return _mlp_block(p, x, out, config, dtype, project, norm, real, replay, entry)
   q, k, v = project(h, 'q'), project(h, 'k'), project(h, 'v')

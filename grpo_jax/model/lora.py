@@ -35,6 +35,11 @@ TARGETS = {
     'gate': ('gate_weight', 'mlp.gate_proj'),
     'up': ('up_weight', 'mlp.up_proj'),
     'down': ('down_weight', 'mlp.down_proj'),
+    # Multi-head latent attention's (DeepSeek-V3): q is its q_proj when it has no query latent.
+    'q_a': ('q_a_weight', 'self_attn.q_a_proj'),
+    'q_b': ('q_b_weight', 'self_attn.q_b_proj'),
+    'kv_a': ('kv_a_weight', 'self_attn.kv_a_proj_with_mqa'),
+    'kv_b': ('kv_b_weight', 'self_attn.kv_b_proj'),
 }
 # GLM-4's one module for gate and up (model.config.fused_gate_up): PEFT adapts it as one.
 FUSED_GATE_UP = 'gate_up_proj'

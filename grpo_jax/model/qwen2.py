@@ -31,8 +31,8 @@ from grpo_jax.model.cache import SharedPrefix
 from grpo_jax.model.decoding import CacheDecoding
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.embedding import embedding_lookup
-from grpo_jax.model.layers import (DENSE_MLP_PARAMS, DecoderLayers, decoder_block, inverse_frequencies, rms_norm,
-                                   stacked_layers)
+from grpo_jax.model.layers import (DENSE_MLP_PARAMS, DecoderLayers, decoder_block, inverse_frequencies, layer_params,
+                                   rms_norm, stacked_layers)
 from grpo_jax.model.lora import TARGETS
 from grpo_jax.model.moe import Routing, gathered
 from grpo_jax.model.options import DType, ModelOptions, ParamDType  # noqa: F401 (names the model's users import)
@@ -118,6 +118,13 @@ class Qwen2(nnx.Module, CacheDecoding):
       require(not experts, 'model.lora.targets',
               f'{experts[0] if experts else ""!r}: adapters on the MLP of a mixture of experts (its experts) are not '
               "built; target the attention projections ('q', 'k', 'v', 'o')")
+    if options.lora is not None:
+      names = layer_params(config)
+      absent = [target for target in options.lora.targets if TARGETS[target][0] not in names]
+      present = [target for target, (weight, _) in TARGETS.items() if weight in names]
+      require(not absent, 'model.lora.targets',
+              f'{absent[0] if absent else ""!r}: a {config.model_type} model has no {TARGETS[absent[0]][1] if absent else ""}; '
+              f'its projections are {", ".join(present)}')
     if options.lora is not None:  # drawn last: the base weights are those of the same seed without LoRA
       self.layers.add_adapters(options.lora, rngs.params(), jnp.dtype(options.param_dtype))
 
