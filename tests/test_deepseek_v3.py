@@ -290,6 +290,8 @@ def test_refusals_name_the_field():
   from grpo_jax.model.loading import abstract_model
   with pytest.raises(UserError, match="model.decode_attention 'pallas'"):
     abstract_model(from_hf_dict(raw), ModelOptions(decode_attention='pallas'))
+  with pytest.raises(UserError, match='algo.exact_on_policy'):  # refused until its sums are in fixed order
+    abstract_model(from_hf_dict(raw), ModelOptions(exact=True))
 
 
 def test_lora_on_the_latent_attention_equals_peft_and_the_cache(seed, make_hf_checkpoint):

@@ -39,9 +39,16 @@ TOTALS = {
     'Gemma-3-4B': 3_880_263_168,  # rounded: 4.3B with the ~0.42B SigLIP tower and projector not counted here
     'Gemma-3-12B': 11_766_034_176,  # rounded: 12.2B with them
     'Gemma-3-27B': 27_009_346_304,  # rounded: 27.4B with them
+    # The main model's tensors, its choice biases included; the multi-token-prediction layer's 14B not.
+    'DeepSeek-V3-671B': 671_026_419_200,  # rounded: 671.0B (the card's 671B; 685B with that layer)
+    'Moonlight-16B-A3B': 15_960_110_208,  # rounded: 16.0B (the card's 16B)
 }
+# Activated per token: the k routed experts of each sparse layer, its shared experts and router.
+ACTIVE = {'DeepSeek-V3-671B': 37_552_297_472,  # the card's 37B
+          'Moonlight-16B-A3B': 2_914_776_192}  # the card's 3B
 ROUNDED = {'Llama-3.1-70B': '70.6', 'DeepSeek-LLM-7B': '6.91', 'Mistral-Nemo-12B': '12.2',
-           'Mistral-Small-24B': '23.6', 'GLM-4-9B-0414': '9.4', 'GLM-4-32B-0414': '32.6'}
+           'Mistral-Small-24B': '23.6', 'GLM-4-9B-0414': '9.4', 'GLM-4-32B-0414': '32.6', 'DeepSeek-V3-671B': '671.0',
+           'Moonlight-16B-A3B': '16.0'}
 
 
 def test_every_family_preset_has_its_total():
@@ -63,8 +70,14 @@ def test_family_presets_count_their_checkpoints_parameters(name):
   with torch.device('meta'):
     reference = transformers.AutoModelForCausalLM.from_config(hf_config)
   assert type(reference).__name__ == to_hf_dict(config)['architectures'][0]
-  assert sum(p.numel() for p in reference.parameters()) == TOTALS[name]
+  # DeepSeekMoE's choice bias is a buffer there, a tensor of the checkpoint all the same.
+  biases = sum(b.numel() for n, b in reference.named_buffers() if n.endswith('e_score_correction_bias'))
+  assert sum(p.numel() for p in reference.parameters()) + biases == TOTALS[name]
   assert from_hf_dict(to_hf_dict(config)) == config  # as a config.json writes and reads it
+  if name in ACTIVE:  # transformers' total less the E - k routed experts a token does not use, layer by layer
+    idle = sum((config.num_experts - config.num_experts_per_tok) * (m.gate_up_proj[0].numel() + m.down_proj[0].numel())
+               for n, m in reference.named_modules() if n.endswith('mlp.experts'))
+    assert config.num_params(active=True) == TOTALS[name] - idle == ACTIVE[name]
 
 
 # The presets whose hub config.json tests/test_families.py writes out by hand (a base checkpoint's

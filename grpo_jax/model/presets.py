@@ -140,7 +140,31 @@ GEMMA3_PRESETS = {
                **(dict(max_position_embeddings=32768) if name == 'Gemma-3-1B' else
                   dict(max_position_embeddings=131072, rope_type='linear', rope_factor=8.0)))
     for name, (shape, window, scalar) in _GEMMA3_SHAPES.items()}
-FAMILY_PRESETS = {**LLAMA_PRESETS, **MISTRAL_PRESETS, **GLM4_PRESETS, **GEMMA3_PRESETS}
+# DeepSeek-V3 (and R1, the same shape) and Moonlight: multi-head latent attention (latents of 512 and a
+# rotary key of 64 per token; 128 + 64 query and key values and 128 value values per head) and
+# DeepSeekMoE (sigmoid router with its choice bias, shared experts, the first layers dense). V3:
+# queries through a latent of 1,536, 8 groups of 32 experts of which 4 are kept, YaRN stretching
+# 4,096 positions by 40; Moonlight: q_proj directly, one group, 2 shared experts, plain RoPE.
+# Totals / activated per the model cards: 671B / 37B (the multi-token-prediction layer's 14B, which
+# grpo_jax does not load, excluded) and 16B / 3B.
+_DEEPSEEK_LATENT = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+DEEPSEEK_V3_PRESETS = {
+    'DeepSeek-V3-671B': dict(hidden_size=7168, intermediate_size=18432, num_hidden_layers=61, num_attention_heads=128,
+                             num_key_value_heads=128, vocab_size=129280, tie_word_embeddings=False,
+                             moe_intermediate_size=2048, num_experts=256, num_experts_per_tok=8, n_shared_experts=1,
+                             n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+                             mlp_only_layers=(0, 1, 2), q_lora_rank=1536, **_DEEPSEEK_LATENT, rope_theta=10000.0,
+                             rms_norm_eps=1e-6, max_position_embeddings=163840, rope_type='yarn', rope_factor=40.0,
+                             rope_original_max_position_embeddings=4096, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+                             bos_token_id=0, eos_token_ids=(1,), family='deepseek_v3'),
+    'Moonlight-16B-A3B': dict(hidden_size=2048, intermediate_size=11264, num_hidden_layers=27, num_attention_heads=16,
+                              num_key_value_heads=16, vocab_size=163840, tie_word_embeddings=False,
+                              moe_intermediate_size=1408, num_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+                              routed_scaling_factor=2.446, norm_topk_prob=True, mlp_only_layers=(0,), q_lora_rank=None,
+                              **_DEEPSEEK_LATENT, rope_theta=50000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                              bos_token_id=163584, eos_token_ids=(163585,), family='deepseek_v3'),
+}
+FAMILY_PRESETS = {**LLAMA_PRESETS, **MISTRAL_PRESETS, **GLM4_PRESETS, **GEMMA3_PRESETS, **DEEPSEEK_V3_PRESETS}
 # --model-size names: the Qwen2.5 sizes as they are ('7B') or prefixed, the Qwen3 sizes prefixed
 # ('Qwen3-8B', 'Qwen3-30B-A3B'), the Qwen2.5-VL sizes prefixed ('Qwen2.5-VL-7B'), the other
 # families by their checkpoints' names ('Llama-3.1-8B', 'Gemma-3-12B').

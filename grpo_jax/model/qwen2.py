@@ -97,6 +97,9 @@ class Qwen2(nnx.Module, CacheDecoding):
     self.embedding = nnx.Param(normal(rngs.params(), (V, D), self.param_dtype),
                                logical_axes=('vocab', 'embed'))
     self.layers = DecoderLayers(config, self.param_dtype, rngs)
+    require(not (options.exact and config.family == 'deepseek_v3'), 'algo.exact_on_policy',
+            "(model.exact) is not built for DeepSeek-V3's latent attention and sigmoid router: their sums are not in "
+            'fixed order; set it false')
     require(not (config.mla and options.decode_attention == 'pallas'), 'model.decode_attention',
             "'pallas': the ragged decode kernel reads grouped-query caches, not multi-head latent attention's latent "
             "one; choose 'dense' or 'blockwise'")
