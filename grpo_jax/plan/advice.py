@@ -73,11 +73,12 @@ def knobs(config: config_lib.Config, architecture, devices: int, sequence_length
     if wider > sampler_tensor and devices % wider == 0:
       found.append(Knob((f'rollout.tensor={wider}',), 'rollout',
                         f'the sampler\'s resident weights split over {wider} devices'
-                        + ('' if architecture.num_key_value_heads % wider == 0 else ' (KV heads and cache replicated)')))
+                        + ('' if architecture.cache_entry[0] % wider == 0 else
+                           ' (the latent cache replicated)' if architecture.mla else ' (KV heads and cache replicated)')))
   expert = mesh.expert if mesh.expert > 0 else 1
   for wider in (2, 4, 8):
     if (wider > tensor and devices % (wider * expert) == 0
-        and architecture.num_key_value_heads % wider == 0):
+        and (architecture.num_attention_heads if architecture.mla else architecture.num_key_value_heads) % wider == 0):
       found.append(Knob((f'mesh.tensor={wider}', 'mesh.data=1', 'mesh.fsdp=-1'), 'both',
                         f'tensor parallelism over {wider} devices (heads, MLP, vocabulary and KV cache split)'))
   sizes = [size for size in (4, 8, 16) if size > expert] + [size for size in (8, 4, 2) if 1 < size < expert]

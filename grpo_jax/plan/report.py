@@ -27,26 +27,54 @@ from grpo_jax.plan.targets import format_bytes
 from grpo_jax.sampler.layout import resident_bytes_per_device, split_devices
 
 
-def kv_cache_bytes_per_device(architecture, config: config_lib.Config, prompt_length: int, mesh, prompts: int = 0) -> int:
+def cache_entry(architecture, expanded: bool = False) -> tuple[int, tuple[int, ...]]:
+  """(heads, the widths each head holds per token and layer) of the sampler's KV cache: GQA's K
+  heads of H keys and H values; multi-head latent attention's one latent of R + Hr (its values read
+  from it). `expanded`: what an MHA cache of the same model would hold instead (N heads of Hn + Hr
+  keys and Hv values)."""
+  if expanded and architecture.mla:
+    return architecture.num_attention_heads, (architecture.resolved_head_dim, architecture.v_head_dim)
+  heads, key, value = architecture.cache_entry
+  return heads, tuple(width for width in (key, value) if width)
+
+
+def kv_cache_bytes_per_device(architecture, config: config_lib.Config, prompt_length: int, mesh, prompts: int = 0,
+                              expanded: bool = False) -> int:
   """The sampler's K and V caches (sampler/rollout.py): the shared prompt cache [L, P, Tp, K, H]
   (`prompts` entries with partial rollouts' pool, else P) and the slots' own rows [L, B, N, K, H]
   (B = rollout.slots, else P * G), each with its rows over the batch axes and KV heads over
   'tensor' where they divide (grpo_jax/sharding.py's rules). A sliding-window layer's slot rows
-  hold its window only (model/cache.py WindowCache) where the window is shorter than N."""
+  hold its window only (model/cache.py WindowCache) where the window is shorter than N. Multi-head
+  latent attention's cache holds one latent per token, replicated over 'tensor' (`cache_entry`;
+  `expanded`: an MHA cache of the same model instead)."""
   rows = config.completions_per_step
   slots = min(config.rollout.slots or rows, rows)
   answer = config.rollout.max_new_tokens
   sliding = sum(architecture.sliding_layers) if (architecture.sliding_window or answer) < answer else 0
   parts = [(architecture.num_hidden_layers, prompts or config.rollout.prompts_per_step, prompt_length),
            (architecture.num_hidden_layers - sliding, slots, answer), (sliding, slots, architecture.sliding_window)]
+  heads, widths = cache_entry(architecture, expanded)
+  head_axis = None if architecture.mla and not expanded else 'kv_heads'
   total = 0
   for layers, count, width in parts:
-    if not layers:
-      continue
-    shape = (layers, count, width, architecture.num_key_value_heads, architecture.resolved_head_dim)
-    layout = sharding.named_sharding(mesh, shape, ('layers', 'batch', 'cache_seq', 'kv_heads', 'head_dim'))
-    total += 2 * math.prod(layout.shard_shape(shape)) * jnp.dtype(config.model.options.dtype).itemsize
+    for entry in widths if layers else ():
+      shape = (layers, count, width, heads, entry)
+      layout = sharding.named_sharding(mesh, shape, ('layers', 'batch', 'cache_seq', head_axis, 'head_dim'))
+      total += math.prod(layout.shard_shape(shape)) * jnp.dtype(config.model.options.dtype).itemsize
   return total
+
+
+def _cache_entry_report(architecture, config, prompt_length: int, mesh, prompts: int) -> dict:
+  """What one token's cache entry holds per layer (values, in the compute dtype), and with
+  multi-head latent attention what an MHA cache of the same model would hold and take per device."""
+  heads, widths = cache_entry(architecture)
+  entry = dict(values_per_token_layer=heads * sum(widths), latent=architecture.mla)
+  if architecture.mla:
+    mha_heads, mha_widths = cache_entry(architecture, expanded=True)
+    entry.update(mha_values_per_token_layer=mha_heads * sum(mha_widths),
+                 mha_kv_cache=kv_cache_bytes_per_device(architecture, config, prompt_length, mesh, prompts,
+                                                        expanded=True))
+  return entry
 
 
 def routes_bytes(architecture, rows: int, sequence_length: int) -> int:
@@ -136,6 +164,8 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
                  lora=dataclasses.asdict(config.model.options.lora) if config.model.options.lora else None),
       per_device=per_device | dict(kv_cache=kv_cache_bytes_per_device(
           architecture, config, task.prompt_length, decode_mesh, prompts=0 if pool is None else pool.entries)),
+      kv_cache_entry=_cache_entry_report(architecture, config, task.prompt_length, decode_mesh,
+                                         0 if pool is None else pool.entries),
       programs=programs, reward_models=scoring, teacher=teacher_report,
       peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes,
       sequence_length=task.prompt_length + config.rollout.max_new_tokens,
@@ -254,7 +284,9 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   teacher = report.get('teacher')
   teacher_flops = (2.0 * teacher['active_parameters'] * rows * (prompt_length + steps)) if teacher else 0.0
   per_device = report['per_device']
-  decode_s = steps * (per_device['resident_weights'] + per_device['kv_cache'] / 2) / target.hbm_bandwidth
+  # A decode step reads the resident weights and, on average over the answer, half the cache.
+  decode_bytes = steps * (per_device['resident_weights'] + per_device['kv_cache'] / 2)
+  decode_s = decode_bytes / target.hbm_bandwidth
   parts = {}
   scoring = report.get('reward_models', {})
   for program in report['programs']:
@@ -278,7 +310,10 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
     part['program_s'] = max(part['compute_s'], part['hbm_s'], part['interconnect_s'])
     part['bound'] = _bound(part)
   scoring_s = sum(part['program_s'] for name, part in parts.items() if name in scoring)
+  entry = report.get('kv_cache_entry') or {}
+  mha_bytes = (steps * (per_device['resident_weights'] + entry['mha_kv_cache'] / 2)) if 'mha_kv_cache' in entry else None
   result = dict(model_flops=step_flops, tower_flops=tower, teacher_flops=teacher_flops, programs=parts,
+                decode_hbm_bytes=decode_bytes, mha_decode_hbm_bytes=mha_bytes,
                 reward_model_flops=sum(part['flops'] for name, part in parts.items() if name in scoring),
                 reward_models_s=scoring_s, step_s=sum(part['program_s'] for part in parts.values()))
   result['step_without_reward_models_s'] = result['step_s'] - scoring_s
@@ -353,6 +388,16 @@ def format_report(report: dict) -> str:
                     'trained parameters (the adapters); the base frozen, without optimizer state or a reference copy')
   for name, value in report['per_device'].items():
     lines.append(f'  {name.replace("_", " "):<18}{format_bytes(value):>12}')
+  entry = report.get('kv_cache_entry') or {}
+  if entry.get('latent'):
+    estimate = report.get('estimate') or {}
+    lines.append(f'  the KV cache is latent: {entry["values_per_token_layer"]} values per token and layer, against '
+                 f'{entry["mha_values_per_token_layer"]} for an MHA cache of this model '
+                 f'({entry["mha_values_per_token_layer"] / entry["values_per_token_layer"]:.1f}x), which would take '
+                 f'{format_bytes(entry["mha_kv_cache"])} per device'
+                 + (f'; the rollout\'s decode steps read {format_bytes(estimate["decode_hbm_bytes"])} per device, '
+                    f'{format_bytes(estimate["mha_decode_hbm_bytes"])} with it' if estimate.get('mha_decode_hbm_bytes')
+                    else ''))
   for program in report['programs']:
     lines.append(f'  program "{program["name"]}" (compiled in {program["compile_s"]:.1f} s): arguments '
                  f'{format_bytes(program["arguments"])}, outputs {format_bytes(program["outputs"])} ({format_bytes(program["aliased"])} '

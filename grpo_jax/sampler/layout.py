@@ -76,7 +76,11 @@ def choose_tensor(devices: Sequence[jax.Device], kv_heads: int) -> int:
   shortens the step until the activations exchanged between them dominate. Up to the KV heads the
   KV cache per device does not depend on t (rows over n / t groups, heads over t), and the
   resident weights shrink as 1 / t, so the largest such t both fits best and reads least. CPUs
-  (test meshes of one host's cores) gain nothing from splitting a matmul over fake devices."""
+  (test meshes of one host's cores) gain nothing from splitting a matmul over fake devices.
+
+  Multi-head latent attention's cache has one head (Qwen2Config.cache_entry), replicated over t:
+  its callers pass 1, so the rows (and the cache) split over every device by default; the plan
+  shows what a larger rollout.tensor trades (resident weights / t against t times the cache)."""
   if devices[0].platform == 'cpu':
     return 1
   limit = devices_per_host(devices) if devices[0].platform == 'gpu' else len(devices)
@@ -376,7 +380,7 @@ def serving_read_mesh(architecture, tensor: int, devices: Sequence[jax.Device] |
   groups (the expert axis)."""
   devices = list(devices) if devices is not None else jax.local_devices()
   if not architecture.num_sparse_layers:
-    return serving_mesh(tensor, architecture.num_key_value_heads, devices)
+    return serving_mesh(tensor, architecture.cache_entry[0], devices)
   return Mesh(np.asarray(devices).reshape(1, len(devices), 1, 1), MESH_AXES,
               axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
@@ -387,7 +391,7 @@ def rollout_layout(model: Qwen2, source: Mesh, tensor: int = 0, devices: Sequenc
   `model` (its KV heads and compute dtype) with `tensor` devices per group (0: choose_tensor) and
   its resident weights as `weights` says (rollout.weights)."""
   devices = list(np.asarray(source.devices).reshape(-1)) if devices is None else list(devices)
-  tensor = tensor or choose_tensor(devices, model.config.num_key_value_heads)
+  tensor = tensor or choose_tensor(devices, model.config.cache_entry[0])
   mesh = _grouped_mesh(devices, tensor, 'rollout.tensor', experts=model.config.num_sparse_layers > 0)
   return RolloutLayout(source=source, mesh=mesh, dtype=model.options.dtype, weights=weights)
 

@@ -255,10 +255,11 @@ class QwenEngine:
   def get_prefix_destination_sharding(self) -> Prefix:
     c = self._model.config
     width = self._max_prefill_length
-    cache_shape = (c.num_hidden_layers, 1, width, c.num_key_value_heads, c.resolved_head_dim)
+    heads, key, value = c.cache_entry  # MLA's: one latent head, its values read from the keys
+    cache_shape = (c.num_hidden_layers, 1, width, heads, key)
     one = named_sharding(self._mesh, (1,), ('batch',))
     return Prefix(cache=KVCache(k=named_sharding(self._mesh, cache_shape, CACHE_AXES),
-                                v=named_sharding(self._mesh, cache_shape, CACHE_AXES),
+                                v=named_sharding(self._mesh, cache_shape[:-1] + (value,), CACHE_AXES),
                                 segment_ids=named_sharding(self._mesh, (1, width), ('batch', 'cache_seq')),
                                 length=one),
                   hidden=named_sharding(self._mesh, (1, c.hidden_size), ('batch', 'act_embed')),
@@ -300,14 +301,16 @@ class QwenEngine:
 
   def _decode_state_shardings(self) -> DecodeState:
     c, B, S, mesh = self._model.config, self.slots, self.cache_length, self._mesh
-    cache_shape = (c.num_hidden_layers, B, S, c.num_key_value_heads, c.resolved_head_dim)
+    heads, key, value = c.cache_entry
     per_slot = named_sharding(mesh, (B,), ('batch',))
-    if self._model.layered_decode_cache:  # one array per layer (KVCache)
-      layers = lambda: (named_sharding(mesh, cache_shape[1:], CACHE_AXES[1:]),) * c.num_hidden_layers  # noqa: E731
-    else:
-      layers = lambda: named_sharding(mesh, cache_shape, CACHE_AXES)  # noqa: E731
+
+    def layers(width):
+      cache_shape = (c.num_hidden_layers, B, S, heads, width)
+      if self._model.layered_decode_cache:  # one array per layer (KVCache)
+        return (named_sharding(mesh, cache_shape[1:], CACHE_AXES[1:]),) * c.num_hidden_layers
+      return named_sharding(mesh, cache_shape, CACHE_AXES)
     return DecodeState(
-        cache=KVCache(k=layers(), v=layers(), segment_ids=named_sharding(mesh, (B, S), ('batch', 'cache_seq')),
+        cache=KVCache(k=layers(key), v=layers(value), segment_ids=named_sharding(mesh, (B, S), ('batch', 'cache_seq')),
                       length=per_slot),
         hidden=named_sharding(mesh, (B, c.hidden_size), ('batch', 'act_embed')),
         keys=per_slot, generated=per_slot, live=per_slot, offsets=per_slot if c.vision is not None else None)
