@@ -316,3 +316,18 @@ def test_lora_on_the_latent_attention_equals_peft_and_the_cache(seed, make_hf_ch
   np.testing.assert_allclose(np.concatenate([np.asarray(prefill), np.asarray(step)], axis=1), ours, rtol=0, atol=1e-5)
   with pytest.raises(UserError, match="'k': a deepseek_v3 model has no self_attn.k_proj; its projections are"):
     _adapted(directory, LoraConfig(rank=3, targets=('q_a', 'k')), seed)
+
+
+@pytest.mark.exhaustive
+def test_the_deepseek_v3_demo_learns_with_routing_replay(tmp_path):
+  """configs/tiny_arith_mla.yaml (a DeepSeek-V3-shaped model: a query latent, a latent KV cache,
+  grouped sigmoid routing, a shared expert, a dense first layer), trained with the sampler's routes
+  replayed: from about nothing to a last-20 mean reward of 0.85 or more in 400 steps (seeds 0-4 in
+  one run of this config: 0.879, 0.926, 0.896, 0.892, 0.966), its replay metrics logged."""
+  from runs import train_here
+  rows = train_here(tmp_path, 'configs/tiny_arith_mla.yaml', 'train.progress=false', 'train.tensorboard=false',
+                    'train.checkpoint_every=0')
+  first = np.mean([row['reward_mean'] for row in rows[:10]])
+  last = np.mean([row['reward_mean'] for row in rows[-20:]])
+  assert first <= 0.05 and last >= 0.85, (first, last)
+  assert {'routing_replay_rerouted_frac', 'expert_load_max_over_mean'} <= set(rows[-1])

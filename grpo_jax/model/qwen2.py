@@ -166,7 +166,7 @@ class Qwen2(nnx.Module, CacheDecoding):
     return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps, self.config.norm_offset)
 
   def run_layers(self, x: jax.Array, layer: Callable, xs=None, replay: jax.Array | None = None,
-                 scan: bool | None = None) -> tuple[jax.Array, typing.Any, Routing | None]:
+                 scan: bool | None = None, runs: bool = False) -> tuple[jax.Array, typing.Any, Routing | None]:
     """Runs the L layers on x [B, T, D]: `layer(x, params, xs_l, replay_l) -> (x, out_l, routing_l)`,
     where params is one layer's slice of the stacked parameters, xs_l of `xs` (a pytree of [L, ...]
     arrays, or None) and replay_l of `replay` ([Ls, B, T, k] routes of the sparse layers, or None;
@@ -175,16 +175,21 @@ class Qwen2(nnx.Module, CacheDecoding):
 
     As one lax.scan with `scan` (default: `scan_layers`) when every layer is of one kind, otherwise
     unrolled over the same arrays; either way xs is sliced one layer at a time, so a stacked KV
-    cache is read in place, never carried.
+    cache is read in place, never carried. With `runs` (small xs: the full-sequence forward) a
+    model whose kinds come in runs (DeepSeek-V3's dense layers, then its sparse ones) scans each
+    run, its slices of the stacks taken once, so the program's size does not grow with depth.
     """
     params = self.layers.arrays()
     sparse = self.config.sparse_layers
+
+    def body(x, inputs):
+      x, out, routing = layer(x, *inputs)
+      return x, (out, routing)
     if self._scans(scan):
-      def body(x, inputs):
-        x, out, routing = layer(x, *inputs)
-        return x, (out, routing)
       x, (outs, routings) = jax.lax.scan(body, x, (params, xs, replay))
       return x, outs, routings
+    if runs and (self.options.scan_layers if scan is None else scan):
+      return self._run_scans(x, body, params, xs, replay)
     slot = {name: {i: j for j, i in enumerate(stacked_layers(self.config, name))} for name in params}
     sparse_index = [sum(sparse[:i]) for i in range(len(sparse))]
     outs, routings = [], []
@@ -197,6 +202,27 @@ class Qwen2(nnx.Module, CacheDecoding):
         routings.append(routing)
     stack = lambda parts: jax.tree.map(lambda *p: jnp.stack(p), *parts)  # noqa: E731
     return x, stack(outs), (stack(routings) if routings else None)
+
+  def _run_scans(self, x, body, params, xs, replay):
+    """run_layers as one scan per run of layers of one kind, in layer order."""
+    sparse = self.config.sparse_layers
+    starts = [0] + [i for i in range(1, len(sparse)) if sparse[i] != sparse[i - 1]] + [len(sparse)]
+    outs, routings = [], []
+    for start, stop in zip(starts[:-1], starts[1:]):
+      layers = set(range(start, stop))
+      own = {}
+      for name, value in params.items():
+        held = [j for j, i in enumerate(stacked_layers(self.config, name)) if i in layers]
+        if held:
+          own[name] = value[held[0]:held[-1] + 1]
+      first = sum(sparse[:start])
+      replay_run = None if replay is None or not sparse[start] else replay[first:first + stop - start]
+      x, (out, routing) = jax.lax.scan(body, x, (own, jax.tree.map(lambda a: a[start:stop], xs), replay_run))
+      outs.append(out)
+      if routing is not None:
+        routings.append(routing)
+    join = lambda parts: jax.tree.map(lambda *p: jnp.concatenate(p), *parts)  # noqa: E731
+    return x, join(outs), (join(routings) if routings else None)
 
   def _scans(self, scan: bool | None) -> bool:
     """Whether run_layers(scan=scan) runs its layers as a scan (every layer of one kind)."""
@@ -319,7 +345,7 @@ class Qwen2(nnx.Module, CacheDecoding):
     x = self._embed(tokens, images)
     if placed is not None:
       x = place_any(x, *placed)
-    x, _, routing = self.run_layers(x, layer, self.layer_settings(), replay=self._replay(routes))
+    x, _, routing = self.run_layers(x, layer, self.layer_settings(), replay=self._replay(routes), runs=True)
     hidden = self.final_norm_of(x)
     return (hidden, gathered(routing)) if return_routing else hidden
 
