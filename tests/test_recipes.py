@@ -43,6 +43,9 @@ RECIPES = {
     'tiny_rm_grpo.yaml': (None, 1),
     'tiny_arith_distill.yaml': (None, 1),
     'qwen3_1_7b_distill_qwen3_8b.yaml': ('Qwen3-1.7B', 8),
+    'tiny_arith_mla.yaml': (None, 1),
+    'moonlight_16b_a3b_math.yaml': ('Moonlight-16B-A3B', 8),
+    'deepseek_v3_671b_math.yaml': ('DeepSeek-V3-671B', 8),
 }
 # The reward-model trainer's configs (python -m grpo_jax.train_reward): no RL step to lower.
 REWARD_MODEL_CONFIGS = ('tiny_reward_model.yaml',)

@@ -49,7 +49,10 @@ def model_architecture(config: config_lib.Config, model_size: str | None, layers
       raise UserError(f'--layers must be >= 1, got {layers}')
     # A per-layer pattern (Gemma 3's local and global layers) keeps its first `layers` entries.
     layer_types = architecture.layer_types[:layers] if architecture.layer_types else ()
-    architecture = dataclasses.replace(architecture, num_hidden_layers=layers, layer_types=layer_types)
+    # The dense layers of a mixture (DeepSeek-V3's first 3) likewise, but one sparse layer stays.
+    dense = tuple(i for i in architecture.mlp_only_layers if i < (layers - 1 if architecture.num_experts else layers))
+    architecture = dataclasses.replace(architecture, num_hidden_layers=layers, layer_types=layer_types,
+                                       mlp_only_layers=dense)
   return architecture
 
 
