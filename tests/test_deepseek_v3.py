@@ -331,3 +331,58 @@ def test_the_deepseek_v3_demo_learns_with_routing_replay(tmp_path):
   last = np.mean([row['reward_mean'] for row in rows[-20:]])
   assert first <= 0.05 and last >= 0.85, (first, last)
   assert {'routing_replay_rerouted_frac', 'expert_load_max_over_mean'} <= set(rows[-1])
+
+
+@pytest.mark.exhaustive
+def test_on_a_mesh_logits_equal_one_device_and_greedy_decoding_in_the_rollout_layout(seed, make_hf_checkpoint):
+  """On data 1 x fsdp 2 x tensor 2 x expert 2 the logits equal one device's (heads over tensor, the
+  latents replicated, the experts over the expert axis), and the sampler's own layout (its groups one
+  device each: the latent cache's rows split over all 8) decodes greedily as transformers'
+  generate does."""
+  from grpo_jax.model import MeshConfig, make_mesh
+  from grpo_jax.sampler.layout import rollout_layout
+  from test_sharding import forward_on
+  directory, reference = make_hf_checkpoint(seed, **SHAPES['v3'][0])
+  tokens = np.random.default_rng(seed).integers(3, 300, (8, 24), dtype=np.int32)
+  single = np.asarray(model_of(directory)(tokens))
+  mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=2, expert=2))
+  model = from_pretrained(directory, mesh=mesh)
+  assert model.layers.kv_b_weight[...].sharding.spec[2] == 'tensor'
+  np.testing.assert_allclose(np.asarray(forward_on(model, mesh, tokens)), single, rtol=0,
+                             atol=3.5e-6 * np.abs(single).max())
+  prompts, mask = left_padded(random_prompts(seed, [21, 4, 13], vocab=300))
+  steps = 10
+  settings = DecodeSettings(max_new_tokens=steps, sampling=SamplingConfig(greedy=True))
+  with jax.set_mesh(mesh):
+    layout = rollout_layout(model, mesh)
+    assert dict(layout.mesh.shape)['tensor'] == 1  # one latent head: no tensor groups by default
+    sampler = GroupSampler(model, group_size=1, settings=settings, slots=2, layout=layout)
+    rollout = jax.device_get(sampler(nnx.state(model), prompts, mask, jax.random.key(0)))
+  with torch.no_grad():
+    expected = reference.generate(torch.tensor(prompts, dtype=torch.long), attention_mask=torch.tensor(mask),
+                                  do_sample=False, max_new_tokens=steps, pad_token_id=0, eos_token_id=None)
+  np.testing.assert_array_equal(np.asarray(rollout.tokens), expected[:, prompts.shape[1]:].numpy())
+
+
+@pytest.mark.exhaustive
+def test_packed_update_equals_padded(seed):
+  """The RL update of a DeepSeek-V3-shaped model (a query latent, grouped sigmoid routing, a shared
+  expert, a dense first layer) on packed rows equals the padded one: gradients and metrics."""
+  from grpo_jax.model.config import Qwen2Config
+  from test_packing import SETTINGS, assert_packed_equals_padded, exact_fill_batch, run_update
+  from test_update import ARCHITECTURE, random_model
+  architecture = Qwen2Config(
+      vocab_size=ARCHITECTURE.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=4, family='deepseek_v3', attention_bias=False, qk_norm=False,
+      rope_interleaved=True, router_scoring='sigmoid', q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+      qk_rope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+      n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.0, norm_topk_prob=True,
+      mlp_only_layers=(0,), rope_theta=10000.0)
+  rng = np.random.default_rng(seed)
+  _, params = random_model(rng, architecture)
+  _, ref_params = random_model(rng, architecture)
+  batch = exact_fill_batch(rng)
+  settings = SETTINGS['token-mean, all terms']
+  padded = run_update(settings, params, batch, seed, packed=False, ref_params=ref_params, architecture=architecture)
+  packed = run_update(settings, params, batch, seed, packed=True, ref_params=ref_params, architecture=architecture)
+  assert_packed_equals_padded(padded, packed, batch)
