@@ -169,6 +169,9 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
           f'freezes a vision-language model\'s vision tower; this model ({model.config.model_type}) has none: '
           'leave it false')
   freeze = ('visual',) if config.model.options.freeze_vision else ()
+  # DeepSeekMoE's choice bias is not trained (no gradient reaches it) and not decayed: RL keeps the
+  # checkpoint's, as verl's and slime's Megatron recipes do (bias update rate 0).
+  freeze += ('layers/router_bias',) if model.config.router_scoring == 'sigmoid' else ()
   optimizer, schedule = config.optim.build(total_updates(config), frozen=freeze)
   if config.rollout.devices and sampler_devices is None:
     sampler_devices = split_devices(jax.devices(), config.rollout.devices)[1]

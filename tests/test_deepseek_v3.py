@@ -386,3 +386,33 @@ def test_packed_update_equals_padded(seed):
   padded = run_update(settings, params, batch, seed, packed=False, ref_params=ref_params, architecture=architecture)
   packed = run_update(settings, params, batch, seed, packed=True, ref_params=ref_params, architecture=architecture)
   assert_packed_equals_padded(padded, packed, batch)
+
+
+def test_the_optimizer_leaves_the_choice_bias_as_the_checkpoint_has_it(tmp_path):
+  """The run's optimizer (build_rl_step's, weight decay on) moves the router and leaves
+  DeepSeekMoE's choice bias untouched, holding no moments for it."""
+  import optax
+  from grpo_jax import config as config_lib
+  from grpo_jax.build import build_rl_step, build_task
+  from grpo_jax.model import MeshConfig, make_mesh
+  config = config_lib.load_config('configs/tiny_arith_mla.yaml', ['optim.weight_decay=0.5', 'optim.warmup_steps=0'])
+  mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+  model = config.model.build(mesh, 0)
+  task = build_task(config)
+  step = build_rl_step(config, model, mesh, task)
+  params = nnx.state(model, nnx.Param)
+  params['layers']['router_bias'][...] = jnp_normal(params['layers']['router_bias'][...].shape)
+  state = step.optimizer.init(params)
+  grads = jax.tree.map(lambda p: p + 1.0, params)
+  updates, _ = step.optimizer.update(grads, state, params)
+  assert not np.asarray(updates['layers']['router_bias'][...]).any()
+  assert np.abs(np.asarray(updates['layers']['router_weight'][...])).min() > 0
+  masked = [leaf for leaf in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+            if isinstance(leaf, optax.MaskedNode)]
+  assert masked  # no moments for the bias
+  task.close()
+
+
+def jnp_normal(shape):
+  import jax.numpy as jnp
+  return jnp.asarray(np.random.default_rng(0).standard_normal(shape), jnp.float32)

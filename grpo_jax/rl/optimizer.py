@@ -53,29 +53,31 @@ class OptimConfig:
   def build(self, total_updates: int, frozen: tuple[str, ...] = ()) -> tuple[optax.GradientTransformation,
                                                                               optax.Schedule]:
     """(AdamW on the schedule, after global-norm clipping when enabled; the schedule). `frozen`:
-    top-level parameter names the optimizer leaves as they are and holds no state for (`freezing`):
-    a frozen vision tower, 'visual'."""
+    the parameters the optimizer leaves as they are and holds no state for (`freezing`), by path: a
+    frozen vision tower, 'visual'; DeepSeekMoE's choice bias, 'layers/router_bias'."""
     schedule = self.learning_rate_schedule(total_updates)
     adamw = optax.adamw(schedule, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
     optimizer = optax.chain(optax.clip_by_global_norm(self.max_grad_norm), adamw) if self.max_grad_norm > 0 else adamw
     return (freezing(optimizer, frozen) if frozen else optimizer), schedule
 
 
-def _first(path) -> str:
-  """The top-level name of a parameter's path."""
-  return str(getattr(path[0], 'key', getattr(path[0], 'name', path[0])))
+def _under(path, names: tuple[str, ...]) -> bool:
+  """Whether a parameter's path lies under one of `names` ('visual', 'layers/router_bias')."""
+  keys = [str(getattr(key, 'key', getattr(key, 'name', key))) for key in path]
+  return any(keys[:len(name.split('/'))] == name.split('/') for name in names)
 
 
 def freezing(optimizer: optax.GradientTransformation, names: tuple[str, ...]) -> optax.GradientTransformation:
-  """`optimizer` on every parameter but those under the top-level `names`, which keep their values:
-  their updates are zero, and the optimizer's state holds optax.MaskedNode (no array) where their
-  moments would be. Their gradients, zero in the update, are left out of its global norm."""
+  """`optimizer` on every parameter but those under the paths `names`, which keep their values:
+  their updates are zero (no weight decay either), and the optimizer's state holds
+  optax.MaskedNode (no array) where their moments would be. Their gradients, zero in the update,
+  are left out of its global norm."""
   def trained(params):
-    return jax.tree_util.tree_map_with_path(lambda path, _: _first(path) not in names, params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: not _under(path, names), params)
 
   def update(updates, state, params=None):
     del params
-    zeroed = jax.tree_util.tree_map_with_path(lambda path, u: jnp.zeros_like(u) if _first(path) in names else u,
+    zeroed = jax.tree_util.tree_map_with_path(lambda path, u: jnp.zeros_like(u) if _under(path, names) else u,
                                               updates)
     return zeroed, state
 
