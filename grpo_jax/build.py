@@ -151,6 +151,14 @@ def build_teacher(config, mesh: jax.sharding.Mesh, task: Task, student) -> Teach
   return Teacher(graphdef=graphdef, params=params, path=config.algo.teacher)
 
 
+def frozen_parameters(config, architecture) -> tuple[str, ...]:
+  """The parameters the run's optimizer leaves as they are (rl/optimizer.freezing): a frozen vision
+  tower; DeepSeekMoE's choice bias, which no gradient reaches and which RL keeps as the checkpoint
+  has it (no weight decay either), as verl's and slime's Megatron recipes do (bias update rate 0)."""
+  return ((('visual',) if config.model.options.freeze_vision else ())
+          + (('layers/router_bias',) if architecture.router_scoring == 'sigmoid' else ()))
+
+
 def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=None, resident: bool = True,
                   sampler_devices=None, model_scores: ModelScores | None = None) -> RLStep:
   """The run's RL step for `model` (its parameters laid out over `mesh`; `params`: their state,
@@ -168,11 +176,7 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
   require(not config.model.options.freeze_vision or model.config.vision is not None, 'model.freeze_vision',
           f'freezes a vision-language model\'s vision tower; this model ({model.config.model_type}) has none: '
           'leave it false')
-  freeze = ('visual',) if config.model.options.freeze_vision else ()
-  # DeepSeekMoE's choice bias is not trained (no gradient reaches it) and not decayed: RL keeps the
-  # checkpoint's, as verl's and slime's Megatron recipes do (bias update rate 0).
-  freeze += ('layers/router_bias',) if model.config.router_scoring == 'sigmoid' else ()
-  optimizer, schedule = config.optim.build(total_updates(config), frozen=freeze)
+  optimizer, schedule = config.optim.build(total_updates(config), frozen=frozen_parameters(config, model.config))
   if config.rollout.devices and sampler_devices is None:
     sampler_devices = split_devices(jax.devices(), config.rollout.devices)[1]
   layout = (rollout_layout(model, mesh, config.rollout.tensor, sampler_devices, weights=config.rollout.weights)

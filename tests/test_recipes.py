@@ -65,7 +65,12 @@ def test_reward_model_config_loads(name):
   assert train_reward.load_config(path).train.steps > 0
 
 
-@pytest.mark.parametrize('name', sorted(RECIPES))
+# Lowered in make test-all only: the 671B recipe's 256 experts (Moonlight's lowers the architecture in make test).
+EXHAUSTIVE = ('deepseek_v3_671b_math.yaml',)
+
+
+@pytest.mark.parametrize('name', [pytest.param(name, marks=pytest.mark.exhaustive) if name in EXHAUSTIVE else name
+                                  for name in sorted(RECIPES)])
 def test_recipe_loads_and_its_step_lowers(name, tmp_path):
   path = os.path.join(ROOT, 'configs', name)
   with open(path) as f:
