@@ -412,3 +412,27 @@ def test_the_optimizer_leaves_the_choice_bias_as_the_checkpoint_has_it():
 def jnp_normal(shape):
   import jax.numpy as jnp
   return jnp.asarray(np.random.default_rng(0).standard_normal(shape), jnp.float32)
+
+
+def test_the_router_stays_in_fp32_in_a_bf16_model_and_its_sampler(seed, make_hf_checkpoint):
+  """With bf16 weights and compute the router and its choice bias are held in fp32 (as transformers
+  keeps gate.weight and e_score_correction_bias), in the trainer's state and in the sampler's
+  resident copy, and the router's logits are computed in fp32."""
+  from grpo_jax.model.moe import route, Router
+  from grpo_jax.sampler.layout import rollout_layout
+  from grpo_jax.model import MeshConfig, make_mesh
+  directory, _ = make_hf_checkpoint(seed, **SHAPES['v3'][0])
+  model = from_pretrained(directory, 'bfloat16')
+  assert model.layers.router_weight[...].dtype == np.float32 and model.layers.router_bias[...].dtype == np.float32
+  assert model.layers.q_a_weight[...].dtype == jax.numpy.bfloat16
+  mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+  placed = rollout_layout(model, mesh).place(nnx.state(model))
+  assert placed['layers']['router_weight'][...].dtype == np.float32
+  assert placed['layers']['router_bias'][...].dtype == np.float32
+  assert placed['layers']['kv_b_weight'][...].dtype == jax.numpy.bfloat16
+  h = jax.numpy.asarray(np.random.default_rng(seed).standard_normal((1, 5, 64)), jax.numpy.bfloat16)
+  router, bias = model.layers.router_weight[...][0], model.layers.router_bias[...][0]
+  rule = Router.of(model.config)
+  experts, _, probabilities, _ = route(h, router, top_k=2, norm_topk_prob=True, bias=bias, rule=rule)
+  scores = 1 / (1 + np.exp(-(np.asarray(h, np.float64) @ np.asarray(router, np.float64))))
+  np.testing.assert_allclose(np.asarray(probabilities), scores / scores.sum(-1, keepdims=True), rtol=1e-5)

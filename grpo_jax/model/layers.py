@@ -265,8 +265,10 @@ def _mlp_block(p: dict, x: jax.Array, attended: jax.Array, config: Qwen2Config, 
   swiglu = lambda h, gate, up: settle(ACTIVATION_FUNCTIONS[config.hidden_act](gate(h)) * up(h))  # noqa: E731
   if 'router_weight' in p:
     real = jnp.ones(h.shape[:2], bool) if real is None else real
-    # 8-bit experts (the sampler's, model/quantize.py) enter the grouped matmuls in the compute dtype.
-    experts = {name: dequantize(value, dtype) for name, value in p.items()}
+    # 8-bit experts (the sampler's, model/quantize.py) enter the grouped matmuls in the compute dtype;
+    # DeepSeekMoE's router stays in fp32.
+    kept = FP32_ROUTER_PARAMS if config.router_scoring == 'sigmoid' else ()
+    experts = {name: value if name in kept else dequantize(value, dtype) for name, value in p.items()}
     out, routing = sparse_mlp(experts, h, real, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
                               replay=replay, router=Router.of(config))
     if 'shared_gate_weight' in p:  # DeepSeekMoE's shared experts: every token's, unweighted

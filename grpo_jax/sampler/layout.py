@@ -52,11 +52,13 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.errors import UserError
+from grpo_jax.model.layers import FP32_ROUTER_PARAMS
 from grpo_jax.model.quantize import CONTRACTED, FORMATS, Quantized, quantize
 from grpo_jax.model.qwen2 import Qwen2
 from grpo_jax.sharding import MESH_AXES, spec_for, use_mesh
@@ -199,13 +201,17 @@ class RolloutLayout:
         value = jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, staged))
       return jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, final))
 
+    # DeepSeekMoE's router (a model with a choice bias) stays in fp32, as the trainer computes it.
+    kept = FP32_ROUTER_PARAMS if 'layers' in params and 'router_bias' in params['layers'] else ()
+
     def move(path, variable):
       name = path[-1].key if isinstance(path[-1], jax.tree_util.DictKey) else None
       if self.quantizes(name):  # quantized from the trainer's own precision, then moved as 8 bits
         quantized = quantize(variable[...], CONTRACTED[name], self.weights)
         return variable.replace(Quantized(lay_out(quantized.values, _axes(variable)),
                                           lay_out(quantized.scale, _axes(variable))))
-      return variable.replace(lay_out(variable[...].astype(self.weights_dtype), _axes(variable)))
+      dtype = jnp.float32 if name in kept else self.weights_dtype
+      return variable.replace(lay_out(variable[...].astype(dtype), _axes(variable)))
 
     return jax.tree_util.tree_map_with_path(move, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
