@@ -82,6 +82,30 @@ def test_expert_parallel_equals_dense_experts(seed, mesh_shape, batch, length):
   assert (load == 0).sum() == EXPERTS - 5 and load.max() > batch * length / 2
 
 
+@pytest.mark.parametrize('mesh_shape, batch, length, chunks', [
+    ((1, 4, 1, 2), 8, 6, 2),  # fsdp x expert: 6 tokens per device in 2 chunks
+    ((1, 1, 2, 4), 4, 6, 3),  # tensor x expert: 6 tokens per device in 3 chunks
+])
+def test_tokens_in_chunks_equal_dense_experts(seed, mesh_shape, batch, length, chunks, monkeypatch):
+  """With a receive budget that one exchange of a device's tokens would pass, the tokens go through
+  the expert group in chunks (the fewest that fit), and the output and every gradient still equal
+  the single-device dense experts."""
+  args, cotangent = _inputs(seed, batch, length)
+  expected_grads, expected = _output_and_grads(experts_dense, cotangent)(*args)
+  mesh = make_mesh(MeshConfig(*mesh_shape), jax.devices()[:8])
+  ranks = mesh_shape[3]
+  per_token = ranks * min(TOP_K, EXPERTS // ranks) * WIDTH * 4
+  tokens = batch * length // 8 if mesh_shape[2] == 1 else batch * length // (8 // mesh_shape[2])
+  monkeypatch.setattr(expert_parallel, 'RECEIVE_BUDGET', tokens // chunks * per_token)
+  assert expert_parallel.token_chunks(tokens, ranks, TOP_K, EXPERTS // ranks, WIDTH, 4) == chunks
+  with jax.set_mesh(mesh):
+    placed = [jax.device_put(a, named_sharding(mesh, a.shape, axes)) for a, axes in zip(args, AXES)]
+    grads, out = _output_and_grads(expert_parallel.experts_forward, cotangent)(*placed)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-5)
+  for name, grad, expected_grad in zip(('x', 'gates', 'gate', 'up', 'down'), grads, expected_grads):
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(expected_grad), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 # ---- compiled by the real XLA:TPU and XLA:GPU compilers (deviceless) ----
 
 @pytest.mark.exhaustive

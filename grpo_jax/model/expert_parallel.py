@@ -25,6 +25,12 @@ Buffers. Without a capacity factor nothing may drop, so the static shapes are th
 Each token's k experts are distinct (as `route` chooses them), so a device sends one rank at most
 C = n * min(k, El) rows, and receives at most ep * C rows (every sender's pairs to this rank).
 
+Chunks. Those bounds are the worst case of every pair landing on one rank, ep * n * min(k, El)
+rows of D per device: for DeepSeek-V3's update (n = 6,144 tokens, k = 8, ep = 8) 5.25 GiB per
+buffer, several alive at once. Where one receive buffer would pass RECEIVE_BUDGET bytes the
+device's tokens go through in chunks (the fewest that fit, one after another, each rematerialised
+under autodiff), the experts' weights gathered once for all of them: the buffers are a chunk's.
+
 Transport. On TPUs and GPUs the exchanges are `jax.lax.ragged_all_to_all`: a device sends its P
 rows and nothing more. XLA:CPU does not implement ragged-all-to-all (jax 0.12), so there a
 fixed-capacity `jax.lax.all_to_all` stands in with the same meaning: [ep, C, D] buffers, each
@@ -122,6 +128,20 @@ def _ragged_here() -> bool:
   return target_platform() != 'cpu'
 
 
+# The bytes one exchange's receive buffer may take before a device's tokens go in chunks.
+RECEIVE_BUDGET = 1 << 30
+
+
+def token_chunks(tokens: int, ranks: int, top_k: int, local_experts: int, width: int, itemsize: int) -> int:
+  """The fewest chunks (a divisor of `tokens`) whose receive buffer, ranks * tokens / chunks *
+  min(k, El) rows of `width`, fits RECEIVE_BUDGET; 1 on one rank (no exchange)."""
+  if ranks == 1:
+    return 1
+  per_token = ranks * min(top_k, local_experts) * width * itemsize
+  return next((c for c in range(1, tokens + 1) if tokens % c == 0 and tokens // c * per_token <= RECEIVE_BUDGET),
+              tokens)
+
+
 def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
   return jnp.cumsum(a, axis=axis) - a
 
@@ -137,7 +157,25 @@ def _local_experts(x, experts, gates, gate_weight, up_weight, down_weight, *, to
   if gathered:
     gate_weight, up_weight = (jax.lax.all_gather(w, gathered, axis=1, tiled=True) for w in (gate_weight, up_weight))
     down_weight = jax.lax.all_gather(down_weight, gathered, axis=2, tiled=True)
+  weights = (gate_weight, up_weight, down_weight)
+  chunks = token_chunks(tokens, ranks, top_k, local_experts, width, x.dtype.itemsize)
+  one = lambda x, experts, gates: _token_pairs(x, experts, gates, weights, num_experts, top_k, ragged)  # noqa: E731
+  if chunks == 1:
+    combined = one(x, experts, gates)
+  else:  # one chunk of tokens after another (the module docstring's Chunks)
+    split = lambda a: a.reshape(chunks, tokens // chunks, *a.shape[1:])  # noqa: E731
+    combined = jax.lax.map(jax.checkpoint(lambda part: one(*part)), (split(x), split(experts), split(gates)))
+    combined = combined.reshape(tokens, width)
+  return jax.lax.psum(combined, summed) if summed else combined
 
+
+def _token_pairs(x, experts, gates, weights, num_experts: int, top_k: int, ragged: bool):
+  """Tokens x [n, D] with their experts / gates [n, k] through the expert group (its weights
+  `weights`, gathered over 'fsdp') -> [n, D], before the sum over 'tensor'."""
+  gate_weight, up_weight, down_weight = weights
+  tokens, width = x.shape
+  ranks = jax.lax.axis_size(AXIS)
+  local_experts = gate_weight.shape[0]
   flat = experts.reshape(-1)  # [P]
   order = jnp.argsort(flat, stable=True)
   token = order // top_k
@@ -152,8 +190,7 @@ def _local_experts(x, experts, gates, gate_weight, up_weight, down_weight, *, to
     out = expert_mlp(received, group_sizes, gate_weight, up_weight, down_weight)  # rows past the groups: 0
     back = _exchange(transport, (len(out), len(rows)), out, combine, dispatch)  # [P, D], in `order`
   weighted = back * jnp.take(gates.reshape(-1), order)[:, None]
-  combined = jnp.zeros((tokens, width), weighted.dtype).at[token].add(weighted)
-  return jax.lax.psum(combined, summed) if summed else combined
+  return jnp.zeros((tokens, width), weighted.dtype).at[token].add(weighted)
 
 
 def _slices(counts: jax.Array, rank: jax.Array, local_experts: int):
