@@ -56,8 +56,7 @@ def latent_attention_inputs(p: dict, h: jax.Array, positions: jax.Array, inverse
     heads = q.shape[-2]
     k_nope, v = jnp.split(project(latent, 'kv_b'), [nope], axis=-1)  # [B, T, N, Hn], [B, T, N, Hv]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(key_rope, key_rope.shape[:2] + (heads, key_rope.shape[-1]))], -1)
-    q = jnp.concatenate([q_nope, q_rope], axis=-1)
-    q = q * jnp.asarray(scale * q.shape[-1] ** 0.5, q.dtype)
+    q = _scaled(jnp.concatenate([q_nope, q_rope], axis=-1), scale)
     return q, k, v, (lambda out: out), (k, v)
   up = p['kv_b_weight']  # [R, N, Hn + Hv], with its adapter's low-rank update when it has one
   if 'kv_b_lora_a' in p:
@@ -66,13 +65,18 @@ def latent_attention_inputs(p: dict, h: jax.Array, positions: jax.Array, inverse
   up_keys, up_values = up[..., :nope], up[..., nope:]  # [R, N, Hn], [R, N, Hv]
   # The absorbed query: each head's non-rotary query taken into the latent's space, [B, T, N, R].
   q_latent = jnp.einsum('BTNh,RNh->BTNR', q_nope, up_keys, preferred_element_type=jnp.float32).astype(q.dtype)
-  q = jnp.concatenate([q_latent, q_rope], axis=-1)
-  q = q * jnp.asarray(scale * q.shape[-1] ** 0.5, q.dtype)
+  q = _scaled(jnp.concatenate([q_latent, q_rope], axis=-1), scale)
   k = jnp.concatenate([latent[:, :, None, :], key_rope], axis=-1)  # [B, T, 1, R + Hr]
 
   def finish(out):  # [B, T, N, R] weighted latents -> [B, T, N, Hv]
     return jnp.einsum('BTNR,RNv->BTNv', out, up_values, preferred_element_type=jnp.float32).astype(out.dtype)
-  return q, k, k[..., :latent_width], finish, (k, k[..., :0])
+  return q, k, latent_values(c, k), finish, (k, k[..., :0])
+
+
+def _scaled(q: jax.Array, scale: float) -> jax.Array:
+  """q with the scores' scale folded in: every attention path scales by q's width^-1/2, MLA's
+  scores by `scale`; multiplied in fp32 (the factor unrounded) and rounded once to q's dtype."""
+  return (q.astype(jnp.float32) * (scale * q.shape[-1] ** 0.5)).astype(q.dtype)
 
 
 def latent_values(config: Qwen2Config, k: jax.Array) -> jax.Array:
