@@ -302,10 +302,14 @@ def test_a_run_on_a_data_fsdp_tensor_mesh_equals_one_device(tmp_path, pairs):
   config = train_reward.load_config(CONFIG, [*SMALL, *settings, 'mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2'])
   workdir, mesh = train_reward.setup(config, CONFIG, str(tmp_path / 'cube'), devices=jax.devices()[:8])
   cube = train_reward.train(config, workdir, mesh)
+  # The gradient norm is a root of a sum over every parameter's squared gradient, each gradient
+  # itself a sum over the micro-batches and data shards: on the mesh both sums run in another fp32
+  # order, which moved it by 1.14e-5 of itself at seed 2654203604 (the losses agreed to 1e-5).
+  tolerance = dict(grad_norm=5e-5)
   for ours, theirs in zip(cube, one):
     for name in ('loss', 'accuracy', 'grad_norm', 'eval/loss', 'eval/accuracy'):
       if theirs.get(name) is not None:
-        np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=tolerance.get(name, 1e-5), err_msg=name)
   # The parameters are compared through what they compute (the held-out loss after the last update):
   # AdamW's early steps are about each gradient's sign, which rounding flips where an element is near 0.
   assert cube[-1]['eval/loss'] is not None
