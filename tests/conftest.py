@@ -73,6 +73,16 @@ def torch_logits(model, tokens, attention_mask=None, position_ids=None):
     return model(torch.tensor(np.asarray(tokens)), **kwargs).logits.float().numpy()
 
 
+def greedy_answers(model, tokens, mask, steps: int) -> np.ndarray:
+  """transformers' greedy `generate` of `steps` tokens after each row of left-padded tokens [B, T]
+  (mask: 1 on its tokens), no stop token: [B, steps]."""
+  import torch
+  with torch.no_grad():
+    out = model.generate(torch.tensor(np.asarray(tokens), dtype=torch.long), attention_mask=torch.tensor(np.asarray(mask)),
+                         do_sample=False, max_new_tokens=steps, pad_token_id=0, eos_token_id=None)
+  return out[:, np.asarray(tokens).shape[1]:].numpy()
+
+
 # The tiers (tests/README.md). `make test` runs every test not marked `exhaustive`: each feature's
 # decisive check, within TIER_BUDGETS['test']. `make test-all` (CI) runs them all. `make test-fast`
 # (pytest -m fast) runs the files of unit tests against their references (the maths, the model

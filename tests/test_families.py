@@ -10,11 +10,10 @@ import os
 import jax
 import numpy as np
 import pytest
-import torch
 import transformers
 from flax import nnx
 
-from conftest import torch_logits
+from conftest import greedy_answers, torch_logits
 from conversion import hf_to_orbax, orbax_to_hf
 from grpo_jax.errors import UserError
 from grpo_jax.model import ModelOptions, from_hf_dict, from_pretrained, to_hf_dict
@@ -98,10 +97,7 @@ def test_logits_and_greedy_decoding_match_transformers(family, seed, make_hf_che
   settings = DecodeSettings(max_new_tokens=steps, sampling=SamplingConfig(greedy=True))
   rollout = GroupSampler(model, group_size=1, settings=settings, slots=2)(nnx.state(model), tokens, mask,
                                                                           jax.random.key(0))
-  with torch.no_grad():
-    expected = reference.generate(torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask),
-                                  do_sample=False, max_new_tokens=steps, pad_token_id=0, eos_token_id=None)
-  np.testing.assert_array_equal(np.asarray(rollout.tokens), expected[:, tokens.shape[1]:].numpy())
+  np.testing.assert_array_equal(np.asarray(rollout.tokens), greedy_answers(reference, tokens, mask, steps))
 
 
 @pytest.mark.exhaustive
@@ -120,10 +116,7 @@ def test_greedy_decoding_in_the_rollout_layout_matches_transformers(family, seed
     model = from_pretrained(directory, mesh=mesh)
     sampler = GroupSampler(model, group_size=1, settings=settings, slots=2, layout=rollout_layout(model, mesh, 2))
     rollout = jax.device_get(sampler(nnx.state(model), tokens, mask, jax.random.key(0)))
-  with torch.no_grad():
-    expected = reference.generate(torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask),
-                                  do_sample=False, max_new_tokens=steps, pad_token_id=0, eos_token_id=None)
-  np.testing.assert_array_equal(np.asarray(rollout.tokens), expected[:, tokens.shape[1]:].numpy())
+  np.testing.assert_array_equal(np.asarray(rollout.tokens), greedy_answers(reference, tokens, mask, steps))
 
 
 @pytest.mark.parametrize('family', cases('conversion'))
