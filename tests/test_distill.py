@@ -74,7 +74,10 @@ def test_distilled_advantages_match_numpy(seed, discount, baseline):
   np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-5)
   metrics = algo.distillation_metrics(jnp.asarray(sampler), jnp.asarray(teacher), jnp.asarray(mask))
   gap = (sampler - teacher)[mask]
-  np.testing.assert_allclose(float(metrics['distill_reverse_kl']), gap.mean(), rtol=1e-5)
+  # A mean of terms of either sign: fp32's error is relative to the terms' magnitude, not to the mean
+  # (a mean near 0 of 20 terms near 3 moved 5e-5 of itself at seed 3096564919).
+  np.testing.assert_allclose(float(metrics['distill_reverse_kl']), gap.mean(), rtol=1e-5,
+                             atol=1e-6 * np.abs(gap).mean())
   np.testing.assert_allclose(float(metrics['distill_teacher_confident_frac']), (gap < 0).mean(), rtol=1e-6)
 
 
