@@ -37,6 +37,10 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ('cache_seq', None),  # S
     ('vocab', 'tensor'),  # V
     ('embed', ('fsdp', 'expert')),  # D, parameters (FSDP shards weights along D)
+    # R, a latent's rank (multi-head latent attention's q_lora_rank, kv_lora_rank): the input of an
+    # up-projection that has no D, so FSDP shards it there (else a 671B model's q_b and kv_b, 12.4
+    # GiB in fp32, lie whole on every device).
+    ('latent', ('fsdp', 'expert')),
     ('act_embed', None),  # D, activations
     ('q_heads', 'tensor'),  # N
     ('kv_heads', 'tensor'),  # K

@@ -307,15 +307,18 @@ class DecoderLayers(nnx.Module):
     if c.grouped_attention:
       self.k_weight = weight((L, D, K, H), ('layers', 'embed', 'kv_heads', 'head_dim'))
       self.v_weight = weight((L, D, K, H), ('layers', 'embed', 'kv_heads', 'head_dim'))
-    if c.latent_queries:  # multi-head latent attention (model/latent_attention.py); latents replicated
+    # Multi-head latent attention (model/latent_attention.py): the up-projections' latent rank R
+    # is FSDP's dimension there ('latent'); the latents themselves are activations, replicated.
+    if c.latent_queries:
       self.q_a_weight = weight((L, D, c.q_lora_rank), ('layers', 'embed', None))
       self.q_a_norm = constant(one, (L, c.q_lora_rank), ('layers', None))
-      self.q_b_weight = weight((L, c.q_lora_rank, N, H), ('layers', None, 'q_heads', 'head_dim'))
+      self.q_b_weight = weight((L, c.q_lora_rank, N, H), ('layers', 'latent', 'q_heads', 'head_dim'))
     if c.mla:
       R = c.kv_lora_rank
       self.kv_a_weight = weight((L, D, R + c.qk_rope_head_dim), ('layers', 'embed', None))
       self.kv_a_norm = constant(one, (L, R), ('layers', None))
-      self.kv_b_weight = weight((L, R, N, c.qk_nope_head_dim + c.v_head_dim), ('layers', None, 'q_heads', 'head_dim'))
+      self.kv_b_weight = weight((L, R, N, c.qk_nope_head_dim + c.v_head_dim),
+                                ('layers', 'latent', 'q_heads', 'head_dim'))
     if c.attention_bias:
       self.q_bias = constant(0.0, (L, N, H), ('layers', 'q_heads', 'head_dim'))
       self.k_bias = constant(0.0, (L, K, H), ('layers', 'kv_heads', 'head_dim'))

@@ -324,12 +324,12 @@ def resident_spec(shape, axes, mesh_shape: dict) -> PartitionSpec:
 
 
 def _with_groups_on_embed(shape, axes, final: PartitionSpec, groups_axis: str, groups: int) -> PartitionSpec | None:
-  """`final` with the sampler's groups (`groups_axis`) on the model dimension (logical 'embed')
-  instead of where it has them (a mixture's experts E), or None when there is no such dimension or
-  the groups do not divide it."""
-  if groups == 1 or 'embed' not in axes:
+  """`final` with the sampler's groups (`groups_axis`) on the dimension FSDP splits in training
+  (logical 'embed', or 'latent' for a weight without D) instead of where it has them (a mixture's
+  experts E), or None when there is no such dimension or the groups do not divide it."""
+  dim = next((list(axes).index(name) for name in ('embed', 'latent') if name in axes), None)
+  if groups == 1 or dim is None:
     return None
-  dim = list(axes).index('embed')
   spec = [None if entry == groups_axis else entry for entry in list(final) + [None] * (len(shape) - len(final))]
   if spec[dim] is not None or shape[dim] % groups:
     return None
