@@ -71,7 +71,7 @@ def main(argv=None):
       adapters, run_config, step = restore_adapters(*training_step(*training, args.step), host_mesh())
       print(f'adapters of run {run_config.run.name!r} at step {step}', file=sys.stderr, flush=True)
       lora.save_peft(adapters, run_config.model.options.lora, staging, run_config.model.path,
-                     fused_gate_up=run_config.model.architecture.fused_gate_up)
+                     run_config.model.architecture)
       model, tokenizer = None, run_tokenizer(run_config)
     else:
       model, tokenizer, run_config = trained_policy(*training, step=args.step)

@@ -82,7 +82,7 @@ CELLS = {
         note='the adapters equal their merged weights; the sampler\'s layout on fsdp 8 equals one device'),
     ('group', 'lora-moe'): Cell(
         (f'{_LORA}[group-moe]',), (f'{_LORA}[group-moe-mesh]',),
-        note='attention adapters (expert adapters are refused at build: model.lora.targets), on fsdp x tensor x '
+        note="attention adapters (routed experts' adapters are refused at build: model.lora.targets), on fsdp x tensor x "
              'expert'),
     ('group', 'lora-vl'): Cell(
         (f'{_LORA}[group-vl]',), (f'{_LORA}[group-vl-mesh]',),

@@ -6,6 +6,7 @@ against `generate`, hf -> orbax -> hf conversion under the hub's names, an fp8 c
 128 x 128 block scales read dequantized (the ragged last block of a 576-row kv_a_proj_with_mqa),
 routing replay with the choice bias, and the refusals."""
 
+import dataclasses
 import json
 import os
 
@@ -20,6 +21,7 @@ from conftest import greedy_answers, torch_logits
 from conversion import hf_to_orbax, orbax_to_hf
 from grpo_jax.errors import UserError
 from grpo_jax.model import ModelOptions, from_hf_dict, from_pretrained, to_hf_dict
+from grpo_jax.model.loading import abstract_model
 from grpo_jax.model.weights import HFCheckpoint
 from grpo_jax.sampler import DecodeSettings, SamplingConfig
 from grpo_jax.sampler.rollout import GroupSampler
@@ -291,20 +293,37 @@ def test_refusals_name_the_field():
     abstract_model(from_hf_dict(raw), ModelOptions(exact=True))
 
 
-def test_lora_on_the_latent_attention_equals_peft_and_the_cache(seed, make_hf_checkpoint):
-  """Adapters on every MLA projection (q_a, q_b, kv_a, kv_b, o): logits equal peft's on transformers,
-  and decoding over the latent cache (kv_b's adapter folded into the absorbed weights) equals the
-  adapted full forward; a target the architecture lacks is refused naming its projections."""
-  from test_lora import _adapted, _peft_model
+def test_lora_on_the_latent_attention_and_shared_experts_equals_peft_and_the_cache(seed, make_hf_checkpoint,
+                                                                                    tmp_path):
+  """Adapters on every MLA projection (q_a, q_b, kv_a, kv_b, o), the dense layer's MLP and the shared
+  experts: logits equal peft's LoRA on transformers' modules (each factor at its layer); decoding
+  over the latent cache (kv_b's adapter folded into the absorbed weights) equals the adapted full
+  forward. Refused in one line each: a target the architecture lacks (naming its projections), the
+  MLP of a mixture without dense layers (naming what can be adapted), and a PEFT directory with the
+  MLP's adapters (peft would put them on the routed experts: the merged export holds them)."""
+  import peft
+  from test_lora import _adapted
   from grpo_jax.model import lora
   from grpo_jax.model.lora import LoraConfig
   directory, reference = make_hf_checkpoint(seed, **SHAPES['v3'][0])
-  settings = LoraConfig(rank=3, alpha=6.0, targets=('q_a', 'q_b', 'kv_a', 'kv_b', 'o'))
+  settings = LoraConfig(rank=3, alpha=6.0, targets=('q_a', 'q_b', 'kv_a', 'kv_b', 'o', 'gate', 'down', 'shared_gate',
+                                                    'shared_up', 'shared_down'))
   model = _adapted(directory, settings, seed)
   tokens = np.random.default_rng(seed).integers(3, 300, (2, 11))
   ours = np.asarray(model(tokens))
   assert np.abs(ours - np.asarray(model_of(directory)(tokens))).max() > 1e-2  # the adapters act
-  peft_model = _peft_model(reference.float(), settings, lora.peft_tensors(nnx.state(model), settings))
+  # peft's LoRA on exactly these modules: by whole paths (a shared expert's gate_proj ends as the dense
+  # layer's does), and under another model_type, which peft on transformers 5 would otherwise re-aim
+  # at the routed experts' fused weights (save_peft's refusal).
+  reference = reference.float()
+  reference.config.model_type = 'deepseek_v3_modules_as_named'
+  paths = '|'.join(lora.TARGETS[target][1].replace('.', r'\.') for target in settings.targets)
+  peft_model = peft.get_peft_model(reference, peft.LoraConfig(r=3, lora_alpha=6.0, lora_dropout=0.0,
+                                                              target_modules=rf'.*\.layers\.\d+\.({paths})'))
+  tensors = lora.peft_tensors(nnx.state(model), settings, layers_of=lora.stacked_targets(model.config, settings))
+  result = peft.set_peft_model_state_dict(peft_model, {name: torch.tensor(value) for name, value in tensors.items()})
+  assert not result.unexpected_keys and not [name for name in result.missing_keys if 'lora' in name]
+  assert len(tensors) == 2 * (3 * 5 + 2 + 2 * 3)  # A and B of each layer's attention, the dense MLP, the shared experts
   np.testing.assert_allclose(ours, torch_logits(peft_model, tokens), rtol=0, atol=FP32_TOLERANCE)
   graphdef, state = nnx.split(model)
   extend = jax.jit(lambda s, t, cache: nnx.merge(graphdef, s).extend(t, cache))
@@ -313,6 +332,13 @@ def test_lora_on_the_latent_attention_equals_peft_and_the_cache(seed, make_hf_ch
   np.testing.assert_allclose(np.concatenate([np.asarray(prefill), np.asarray(step)], axis=1), ours, rtol=0, atol=1e-5)
   with pytest.raises(UserError, match="'k': a deepseek_v3 model has no self_attn.k_proj; its projections are"):
     _adapted(directory, LoraConfig(rank=3, targets=('q_a', 'k')), seed)
+  with pytest.raises(UserError, match="'up': adapters on the routed experts are not built, and this mixture has no "
+                     "dense layer; target the attention projections or the shared experts"):
+    abstract_model(dataclasses.replace(model.config, mlp_only_layers=()), ModelOptions(lora=LoraConfig(targets=('up',))))
+  with pytest.raises(UserError, match="model.lora.targets 'gate': a PEFT directory of a deepseek_v3 model cannot "
+                     r"carry adapters on its MLP .* export the merged model \(--merge-lora\)$"):
+    lora.save_peft(nnx.state(model), settings, str(tmp_path / 'peft'), directory, model.config)
+  assert not os.path.exists(tmp_path / 'peft')
 
 
 @pytest.mark.exhaustive

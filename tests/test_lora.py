@@ -108,7 +108,7 @@ def test_peft_export_loads_with_equal_logits(make_hf_checkpoint, seed, tmp_path,
   model = _adapted(directory, settings, seed)
   out = tmp_path / 'adapter'
   out.mkdir()
-  lora.save_peft(nnx.state(model), settings, str(out), directory, fused_gate_up=model.config.fused_gate_up)
+  lora.save_peft(nnx.state(model), settings, str(out), directory, model.config)
   loaded = peft.PeftModel.from_pretrained(torch_model.float(), str(out)).eval()
   tokens = _tokens(seed, model.config.vocab_size)
   with torch.no_grad():

@@ -36,7 +36,7 @@ from flax import nnx
 from grpo_jax.model.attention import Attend
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.linear import matmul
-from grpo_jax.model.lora import TARGETS, Adapter, LoraConfig, adapter_names, adapter_shapes, init_a
+from grpo_jax.model.lora import TARGETS, Adapter, LoraConfig, adapted_weight, adapter_names, adapter_shapes, init_a
 from grpo_jax.model.latent_attention import latent_attention_inputs
 from grpo_jax.model.moe import Router, Routing, sparse_mlp
 from grpo_jax.model.quantize import dequantize
@@ -74,7 +74,9 @@ def layer_params(config: Qwen2Config) -> tuple[str, ...]:
 
 
 def stacked_layers(config: Qwen2Config, name: str) -> tuple[int, ...]:
-  """The layers whose slices the stacked parameter `name` holds, in order."""
+  """The layers whose slices the stacked parameter `name` holds, in order (an adapter factor's:
+  its weight's)."""
+  name = adapted_weight(name) or name
   return config.layers_of('sparse' if name in EXPERT_PARAMS else 'dense' if name in DENSE_MLP_PARAMS else 'all')
 
 
@@ -272,9 +274,8 @@ def _mlp_block(p: dict, x: jax.Array, attended: jax.Array, config: Qwen2Config, 
     out, routing = sparse_mlp(experts, h, real, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
                               replay=replay, router=Router.of(config))
     if 'shared_gate_weight' in p:  # DeepSeekMoE's shared experts: every token's, unweighted
-      shared = swiglu(h, lambda h: matmul(h, experts['shared_gate_weight']),
-                      lambda h: matmul(h, experts['shared_up_weight']))
-      out = settle(out + matmul(shared, experts['shared_down_weight']))
+      shared = swiglu(h, lambda h: project(h, 'shared_gate'), lambda h: project(h, 'shared_up'))
+      out = settle(out + project(shared, 'shared_down'))
   else:
     out = project(swiglu(h, lambda h: project(h, 'gate'), lambda h: project(h, 'up')), 'down')
   if config.sandwich_norms:

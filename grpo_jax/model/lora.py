@@ -40,6 +40,11 @@ TARGETS = {
     'q_b': ('q_b_weight', 'self_attn.q_b_proj'),
     'kv_a': ('kv_a_weight', 'self_attn.kv_a_proj_with_mqa'),
     'kv_b': ('kv_b_weight', 'self_attn.kv_b_proj'),
+    # DeepSeekMoE's shared experts (every token's MLP in a sparse layer). 'gate', 'up' and 'down' in a
+    # mixture are its dense layers' MLP; the routed experts take no adapters.
+    'shared_gate': ('shared_gate_weight', 'mlp.shared_experts.gate_proj'),
+    'shared_up': ('shared_up_weight', 'mlp.shared_experts.up_proj'),
+    'shared_down': ('shared_down_weight', 'mlp.shared_experts.down_proj'),
 }
 # GLM-4's one module for gate and up (model.config.fused_gate_up): PEFT adapts it as one.
 FUSED_GATE_UP = 'gate_up_proj'
@@ -82,6 +87,14 @@ class LoraConfig:
 def adapter_names(target: str) -> tuple[str, str]:
   """The DecoderLayers attribute names of a target's A and B factors."""
   return f'{target}_lora_a', f'{target}_lora_b'
+
+
+def adapted_weight(name: str) -> str | None:
+  """The stacked weight an adapter factor (`adapter_names`) adapts, or None for another name."""
+  for suffix in ('_lora_a', '_lora_b'):
+    if name.endswith(suffix) and name[:-len(suffix)] in TARGETS:
+      return TARGETS[name[:-len(suffix)]][0]
+  return None
 
 
 def adapter_shapes(target: str, weight_shape: tuple, weight_axes: tuple, rank: int):
@@ -164,9 +177,13 @@ def base_fingerprint(architecture: dict) -> str:
 
 # ---- PEFT's adapter format ----
 
-def peft_tensors(state: nnx.State, lora: LoraConfig, fused_gate_up: bool = False) -> dict:
+def peft_tensors(state: nnx.State, lora: LoraConfig, fused_gate_up: bool = False,
+                 layers_of: dict[str, tuple[int, ...]] | None = None) -> dict:
   """The adapters of a LoRA model's state as PEFT names them for transformers' model (numpy, their
-  own dtype): lora_A.weight [r, in] and lora_B.weight [out, r] per layer and target.
+  own dtype): lora_A.weight [r, in] and lora_B.weight [out, r] per layer and target. layers_of
+  {target: the model's layers its stack holds, in order} (`stacked_targets`; default: every layer
+  from 0) places the MLP's factors of a mixture with dense layers (a dense 'gate' stack holds
+  DeepSeek-V3's first three, a shared expert's the rest).
 
   fused_gate_up (GLM-4, whose checkpoints hold gate and up as one `mlp.gate_up_proj` [2F, D], gate
   first): the gate and up adapters become one adapter of that module, exactly: A stacks their A's
@@ -186,7 +203,8 @@ def peft_tensors(state: nnx.State, lora: LoraConfig, fused_gate_up: bool = False
   for target, (a_layers, b_layers) in factors.items():
     if target in fused:
       continue
-    for index, (a, b) in enumerate(zip(a_layers, b_layers)):
+    indices = (layers_of or {}).get(target, range(len(a_layers)))
+    for index, a, b in zip(indices, a_layers, b_layers, strict=True):
       prefix = f'base_model.model.model.layers.{index}.{TARGETS[target][1]}'
       tensors[f'{prefix}.lora_A.weight'] = np.ascontiguousarray(a)
       tensors[f'{prefix}.lora_B.weight'] = np.ascontiguousarray(b)
@@ -204,27 +222,48 @@ def peft_tensors(state: nnx.State, lora: LoraConfig, fused_gate_up: bool = False
   return tensors
 
 
-def save_peft(state: nnx.State, lora: LoraConfig, directory: str, base_model: str | None,
-              fused_gate_up: bool = False) -> None:
+def stacked_targets(architecture, lora: LoraConfig) -> dict[str, tuple[int, ...]]:
+  """{target: the layers its stacked weight (and so its factors) holds, in order}: a shared expert's
+  the sparse layers, the MLP's in a mixture its dense ones, the attention's every layer."""
+  kind = lambda target: ('sparse' if target.startswith('shared_') else  # noqa: E731
+                         'dense' if target in ('gate', 'up', 'down') else 'all')
+  return {target: architecture.layers_of(kind(target)) for target in lora.targets}
+
+
+def save_peft(state: nnx.State, lora: LoraConfig, directory: str, base_model: str | None, architecture=None) -> None:
   """Writes a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) that
-  `peft.PeftModel.from_pretrained` loads onto the base model; fused_gate_up: see peft_tensors."""
+  `peft.PeftModel.from_pretrained` loads onto the base model. architecture (the model's
+  Qwen2Config; None: a dense model of unfused projections) says where the factors go: GLM-4's fused
+  gate and up (peft_tensors), a mixture's dense and sparse layers (stacked_targets).
+
+  Refused for adapters on a mixture's MLP (its dense layers', its shared experts'): on transformers
+  5, peft takes an MoE model's `gate_proj` / `up_proj` / `down_proj` for the routed experts' fused
+  weights (as transformers 4 named them) whatever path the config gives, so those adapters would
+  land on the experts or nowhere. The merged export holds them exactly."""
   import os
 
   from safetensors.numpy import save_file
 
-  modules = {TARGETS[target][1].split('.')[-1] for target in lora.targets}
+  if architecture is not None and architecture.num_experts:
+    mlp = [target for target in lora.targets if TARGETS[target][1].startswith('mlp.')]
+    require(not mlp, 'model.lora.targets', f'{mlp[0] if mlp else ""!r}: a PEFT directory of a {architecture.model_type} '
+            "model cannot carry adapters on its MLP (peft reads a mixture's gate_proj / up_proj / down_proj as the "
+            'routed experts\' fused weights); export the merged model (--merge-lora)')
+  fused_gate_up = bool(architecture is not None and architecture.fused_gate_up)
+  layers_of = stacked_targets(architecture, lora) if architecture is not None else None
+  modules = sorted({TARGETS[target][1].split('.')[-1] for target in lora.targets})
   fused = [target for target in ('gate', 'up') if target in lora.targets] if fused_gate_up else []
   patterns = {}
   if fused:
-    modules = (modules - {'gate_proj', 'up_proj'}) | {FUSED_GATE_UP}
+    modules = sorted((set(modules) - {'gate_proj', 'up_proj'}) | {FUSED_GATE_UP})
     k = len(fused)  # the fused adapter's rank is k r: its alpha keeps alpha / r (or / sqrt(r))
     patterns = dict(rank_pattern={FUSED_GATE_UP: k * lora.rank},
                     alpha_pattern={FUSED_GATE_UP: lora.alpha * (math.sqrt(k) if lora.rslora else k)})
   config = dict(peft_type='LORA', task_type='CAUSAL_LM', r=lora.rank, lora_alpha=lora.alpha,
-                target_modules=sorted(modules), **patterns,
+                target_modules=modules, **patterns,
                 lora_dropout=lora.dropout, bias='none', use_rslora=lora.rslora, fan_in_fan_out=False,
                 inference_mode=True, base_model_name_or_path=base_model)
   with open(os.path.join(directory, 'adapter_config.json'), 'w') as f:
     json.dump(config, f, indent=2)
-  save_file(peft_tensors(state, lora, fused_gate_up), os.path.join(directory, 'adapter_model.safetensors'),
+  save_file(peft_tensors(state, lora, fused_gate_up, layers_of), os.path.join(directory, 'adapter_model.safetensors'),
             metadata=dict(format='pt'))

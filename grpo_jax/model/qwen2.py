@@ -116,11 +116,13 @@ class Qwen2(nnx.Module, CacheDecoding):
                              logical_axes=('embed', None))
     if config.vision is not None:
       self.visual = VisionTower(config.vision, config.initializer_range, self.param_dtype, rngs)
-    if options.lora is not None and config.num_sparse_layers:
+    if options.lora is not None and config.num_sparse_layers == config.num_hidden_layers:
+      # A mixture's 'gate' / 'up' / 'down' are its dense layers' MLP (DeepSeek-V3's first three).
       experts = [target for target in options.lora.targets if TARGETS[target][0] in DENSE_MLP_PARAMS]
       require(not experts, 'model.lora.targets',
-              f'{experts[0] if experts else ""!r}: adapters on the MLP of a mixture of experts (its experts) are not '
-              "built; target the attention projections ('q', 'k', 'v', 'o')")
+              f'{experts[0] if experts else ""!r}: adapters on the routed experts are not built, and this '
+              f'mixture has no dense layer; target the attention projections'
+              f'{" or the shared experts" if config.n_shared_experts else ""}')
     if options.lora is not None:
       names = layer_params(config)
       absent = [target for target in options.lora.targets if TARGETS[target][0] not in names]

@@ -227,7 +227,7 @@ def step_programs(config: config_lib.Config, architecture, mesh, resident: bool 
     with jax.set_mesh(mesh):
       rollout = jax.eval_shape(step.sampling.sample, state.policy, prompts, prompts, key, vision)
     scores = _abstract_scores(config, replicated)
-    rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), rollout)
+    rollout = _rows_over_batch(rollout, mesh)
     shown = step.sampling.episodes  # an agent's episodes with images: each row's own, in the update
     if shown is not None and shown.images is not None:
       rows = config.rollout.prompts_per_step * config.algo.group_size
@@ -274,6 +274,18 @@ def scoring_programs(model_scores: ModelScores, prompts, rollout) -> list:
           for scoring in model_scores.scorings]
 
 
+def _rows_over_batch(tree, mesh):
+  """A rollout's arrays as the update takes them: rows over the trainer mesh's batch axes (as the
+  sampler hands them over, sampler/layout.rows_to_source, and a host task's reward places them),
+  scalars replicated. Replicated instead, a mixture's recorded routes alone would count once per
+  device whole (10.9 GiB for the 671B recipe)."""
+  def lay(x):
+    spec = sharding.spec_for(x.shape, ('batch',) + (None,) * (x.ndim - 1), dict(mesh.shape)) if x.ndim else None
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
+        mesh, spec if spec is not None else jax.sharding.PartitionSpec()))
+  return jax.tree.map(lay, tree)
+
+
 def _split_programs(config, task, step, state, held, replicated) -> StepPrograms:
   """Split devices' three programs: 'rollout' (the pool's advance on the sampler's devices, from
   the resident weights), 'transfer' (the weights cast and laid out on the trainer's devices as the
@@ -286,7 +298,7 @@ def _split_programs(config, task, step, state, held, replicated) -> StepPrograms
   ready = state.pool.ready
   prompts = jax.ShapeDtypeStruct(ready.prompt_tokens.shape, jnp.int32, sharding=replicated)
   scores = _abstract_scores(config, replicated)
-  rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), ready.rollout)
+  rollout = _rows_over_batch(ready.rollout, replicated.mesh)
   model_scores = step.sampling.model_scores  # on the trainer's devices, before the update
   programs = [('rollout', step.host_mode.sampler_program, (resident, state.pool.pool, version)),
               ('transfer', place_program(layout.mirror), (state.policy,)),
