@@ -136,3 +136,30 @@ def test_decode_loop_moves_no_expert_weight_on_cpu():
   assert in_loop and all(c.bytes * c.count < one_projection for c in in_loop)
   assert 0 < _collectives_moved(found, True) < one_projection
   assert not any('expert' in c.where for c in in_loop)
+
+
+def test_a_ragged_all_to_all_moves_the_rows_sent_not_its_receive_buffer():
+  """The plan's traffic of a ragged all-to-all (the experts' dispatch) is its operand, the rows each
+  device sends, in the synchronous form (XLA:TPU's, its operand named on another line) and the
+  asynchronous one (XLA:GPU's, its operands in the start's tuple); its receive buffer, 4x the rows
+  here (every sender's rows could land on one device), is memory, not traffic."""
+  rows, receive, width = 64, 256, 128
+  offsets = ', '.join(['s64[4]{0} %o'] * 4)
+  sync = f"""HloModule m
+
+ENTRY %main (p0: bf16[{rows},{width}], p1: bf16[{receive},{width}], o: s64[4]) -> bf16[{receive},{width}] {{
+  %p0 = bf16[{rows},{width}]{{1,0}} parameter(0)
+  %p1 = bf16[{receive},{width}]{{1,0}} parameter(1)
+  %o = s64[4]{{0}} parameter(2)
+  ROOT %r = bf16[{receive},{width}]{{1,0}} ragged-all-to-all(%p0, %p1, %o, %o, %o, %o), replica_groups={{{{0,1,2,3}}}}
+}}
+"""
+  start = (f'((bf16[{rows},{width}]{{1,0}}, bf16[{receive},{width}]{{1,0}}, {offsets.replace(" %o", "")}), '
+           f'bf16[{receive},{width}]{{1,0}})')
+  asynchronous = sync.replace(
+      f'ROOT %r = bf16[{receive},{width}]{{1,0}} ragged-all-to-all(',
+      f'%s = {start} ragged-all-to-all-start(').replace(
+      '}}}\n}', '}}}\n  ROOT %r = bf16[' + f'{receive},{width}' + ']{1,0} ragged-all-to-all-done(%s)\n}')
+  for hlo in (sync, asynchronous):
+    found = traffic.collectives(hlo, 4)
+    assert [(c.kind, c.bytes, c.count) for c in found] == [('all-to-all', rows * width * 2, 1)], hlo

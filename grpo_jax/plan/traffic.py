@@ -11,7 +11,8 @@ reported per iteration of that loop, the rest per execution of the program.
 
 Bytes per device, by kind: all-gather: the gathered result; all-reduce: the reduced operand;
 reduce-scatter: the operand before scattering; all-to-all and collective-permute: the operand;
-ragged-all-to-all: its receive buffer (the rows that arrive fill at most that).
+ragged-all-to-all: its operand, the rows each device sends (every one goes to one device: its
+traffic; the receive buffer, sized for every sender's rows landing on one device, bounds memory).
 Asynchronous pairs (`-start` / `-done`) count once, a `-start` written as ((operands), results) by
 its results (a reduce-scatter-start as the synchronous form: g times its results). The interconnect
 time of a collective over a group of g devices at a link bandwidth of W bytes/s per device is
@@ -119,13 +120,16 @@ def parse_groups(text: str, devices: int) -> tuple[tuple[int, ...], ...]:
   return (tuple(range(devices)),)  # no groups written: all devices
 
 
-def _bytes(kind: str, opcode: str, shape: str, group_size: int) -> int:
-  """Bytes per device of one collective from its result shape (see the module docstring)."""
+def _bytes(kind: str, opcode: str, shape: str, group_size: int, operand: str = '') -> int:
+  """Bytes per device of one collective from its result shape, and its first operand's shape
+  `operand` (see the module docstring)."""
   sizes = _shape_bytes(shape)
   if opcode in ('all-gather-start', 'collective-permute-start'):
     return sizes[1] if len(sizes) > 1 else sum(sizes)  # (operand, result[, contexts]): the result arrives
   if opcode == 'ragged-all-to-all-start':
-    return sizes[6]  # ((operand, output, four offset arrays), result, ...): the receive buffer
+    return sizes[0]  # ((operand, output, four offset arrays), result, ...): the rows sent
+  if opcode == 'ragged-all-to-all':  # its result is the receive buffer: the operand is what is sent
+    return sum(_shape_bytes(operand)) if operand else sum(sizes)
   if opcode == 'all-to-all-start' or (opcode == 'all-reduce-start' and shape.lstrip().startswith('((')):
     return sum(sizes) // 2  # ((operands), results) of equal sizes (XLA:GPU's asynchronous forms)
   if kind == 'reduce-scatter':  # the operand, of which each device keeps 1 / g (a -start: its results')
@@ -210,18 +214,23 @@ def _walk(hlo: str, marker: str, visit_instruction: Callable) -> None:
 def collectives(hlo: str, devices: int, marker: str = 'decode_loop') -> list[Collective]:
   """Every collective of the optimized HLO module `hlo` of a program over `devices` devices."""
   found: list[Collective] = []
+  shapes: dict[str, str] = {}  # instruction -> its result shape (operands are written by name only)
 
   def visit(match, count, in_loop, fused):
+    shapes[match.group(1)] = match.group(2)
     kind = _OPCODES.get(match.group(3))
     if kind is None:
       return
     line = match.group(0)
+    first = re.search(r'%([\w.\-]+)', match.group(4))
     where = _OP_NAME.search(line)
     groups = parse_groups(line, devices)
     if not groups:  # a permute with no source-target pairs moves nothing
       return
     size = max(len(group) for group in groups)
-    found.append(Collective(kind=kind, bytes=_bytes(kind, match.group(3), match.group(2), size), groups=groups,
+    operand = shapes.get(first.group(1), '') if first else ''
+    found.append(Collective(kind=kind, bytes=_bytes(kind, match.group(3), match.group(2), size, operand),
+                            groups=groups,
                             count=count, in_loop=in_loop, where=where.group(1) if where else ''))
 
   _walk(hlo, marker, visit)
