@@ -265,6 +265,14 @@ def named_sharding(mesh: Mesh, shape: Sequence[int], logical_axes: Sequence[str 
   return NamedSharding(mesh, spec_for(shape, logical_axes, dict(mesh.shape)))
 
 
+def row_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
+  """An array of rows [R, ...] laid out by its rows over the mesh's batch axes, as the update takes
+  a rollout's fields (the sampler's hand-over, a host task's rewards, the plan); a scalar replicated."""
+  if not len(shape):
+    return NamedSharding(mesh, PartitionSpec())
+  return named_sharding(mesh, shape, ('batch',) + (None,) * (len(shape) - 1))
+
+
 def bytes_per_device(tree) -> int:
   """Bytes the fullest device holds of a tree of sharded arrays or of ShapeDtypeStructs with
   shardings (a plan for devices that are not attached): each leaf's largest shard."""

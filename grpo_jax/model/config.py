@@ -26,6 +26,11 @@ ACTIVATIONS = ('silu', 'gelu_pytorch_tanh')
 ROPE_TYPES = ('default', 'linear', 'llama3', 'yarn')
 ROUTER_SCORINGS = ('softmax', 'sigmoid')
 LAYER_TYPES = ('full_attention', 'sliding_attention')
+# The layer stack's weights held by some layers only (Qwen2Config.layers_holding): a dense layer's
+# MLP; a sparse layer's router (and DeepSeekMoE's choice bias), routed experts and shared experts.
+DENSE_MLP_PARAMS = ('gate_weight', 'up_weight', 'down_weight')
+EXPERT_PARAMS = ('router_weight', 'router_bias', 'expert_gate_weight', 'expert_up_weight', 'expert_down_weight',
+                 'shared_gate_weight', 'shared_up_weight', 'shared_down_weight')
 
 # model_type -> (architecture class, its defaults for the fields that tell the families apart, the
 # values transformers gives the config.json keys a file leaves out). A field a config.json sets
@@ -401,6 +406,12 @@ class Qwen2Config:
     if kind == 'vision':
       return tuple(range(self.vision.depth)) if self.vision is not None else ()
     return tuple(i for i, sparse in enumerate(self.sparse_layers) if kind == 'all' or sparse == (kind == 'sparse'))
+
+  def layers_holding(self, weight: str) -> tuple[int, ...]:
+    """The layers whose slices the stacked weight `weight` (a parameter's name in the layer stack)
+    holds, in order: EXPERT_PARAMS the sparse layers, DENSE_MLP_PARAMS the dense ones, any other
+    every layer."""
+    return self.layers_of('sparse' if weight in EXPERT_PARAMS else 'dense' if weight in DENSE_MLP_PARAMS else 'all')
 
   @property
   def num_sparse_layers(self) -> int:

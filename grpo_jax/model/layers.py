@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.model.attention import Attend
-from grpo_jax.model.config import Qwen2Config
+from grpo_jax.model.config import DENSE_MLP_PARAMS, EXPERT_PARAMS, Qwen2Config
 from grpo_jax.model.linear import matmul
 from grpo_jax.model.lora import TARGETS, Adapter, LoraConfig, adapted_weight, adapter_names, adapter_shapes, init_a
 from grpo_jax.model.latent_attention import latent_attention_inputs
@@ -43,10 +43,6 @@ from grpo_jax.model.quantize import dequantize
 from grpo_jax.ops import fixed_order
 from grpo_jax.sharding import constrain
 
-DENSE_MLP_PARAMS = ('gate_weight', 'up_weight', 'down_weight')
-# A sparse layer's: the router (and DeepSeekMoE's choice bias), the routed experts, the shared experts.
-EXPERT_PARAMS = ('router_weight', 'router_bias', 'expert_gate_weight', 'expert_up_weight', 'expert_down_weight',
-                 'shared_gate_weight', 'shared_up_weight', 'shared_down_weight')
 # Multi-head latent attention's (model/latent_attention.py), beside q_weight (without q_lora_rank) and o_weight.
 LATENT_ATTENTION_PARAMS = ('q_a_weight', 'q_a_norm', 'q_b_weight', 'kv_a_weight', 'kv_a_norm', 'kv_b_weight')
 LAYER_PARAMS = ('attn_norm', 'q_weight', 'q_bias', 'q_norm', 'k_weight', 'k_bias', 'k_norm', 'v_weight', 'v_bias',
@@ -76,8 +72,7 @@ def layer_params(config: Qwen2Config) -> tuple[str, ...]:
 def stacked_layers(config: Qwen2Config, name: str) -> tuple[int, ...]:
   """The layers whose slices the stacked parameter `name` holds, in order (an adapter factor's:
   its weight's)."""
-  name = adapted_weight(name) or name
-  return config.layers_of('sparse' if name in EXPERT_PARAMS else 'dense' if name in DENSE_MLP_PARAMS else 'all')
+  return config.layers_holding(adapted_weight(name) or name)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool = False) -> jax.Array:

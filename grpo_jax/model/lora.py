@@ -225,9 +225,7 @@ def peft_tensors(state: nnx.State, lora: LoraConfig, fused_gate_up: bool = False
 def stacked_targets(architecture, lora: LoraConfig) -> dict[str, tuple[int, ...]]:
   """{target: the layers its stacked weight (and so its factors) holds, in order}: a shared expert's
   the sparse layers, the MLP's in a mixture its dense ones, the attention's every layer."""
-  kind = lambda target: ('sparse' if target.startswith('shared_') else  # noqa: E731
-                         'dense' if target in ('gate', 'up', 'down') else 'all')
-  return {target: architecture.layers_of(kind(target)) for target in lora.targets}
+  return {target: architecture.layers_holding(TARGETS[target][0]) for target in lora.targets}
 
 
 def save_peft(state: nnx.State, lora: LoraConfig, directory: str, base_model: str | None, architecture=None) -> None:

@@ -279,11 +279,8 @@ def _rows_over_batch(tree, mesh):
   sampler hands them over, sampler/layout.rows_to_source, and a host task's reward places them),
   scalars replicated. Replicated instead, a mixture's recorded routes alone would count once per
   device whole (10.9 GiB for the 671B recipe)."""
-  def lay(x):
-    spec = sharding.spec_for(x.shape, ('batch',) + (None,) * (x.ndim - 1), dict(mesh.shape)) if x.ndim else None
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
-        mesh, spec if spec is not None else jax.sharding.PartitionSpec()))
-  return jax.tree.map(lay, tree)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.row_sharding(mesh, x.shape)),
+                      tree)
 
 
 def _split_programs(config, task, step, state, held, replicated) -> StepPrograms:

@@ -36,8 +36,7 @@ class HostTask:
     return prompts.map_arrays(lambda x: distributed.replicated(x, self.mesh))
 
   def _row_shardings(self, tree):
-    return jax.tree.map(lambda x: sharding.named_sharding(self.mesh, x.shape, ('batch',) + (None,) * (x.ndim - 1))
-                        if x.ndim else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()), tree)
+    return jax.tree.map(lambda x: sharding.row_sharding(self.mesh, x.shape), tree)
 
   def reward(self, rollout: Rollout, prompts: Prompts, group_size: int, model_scores: dict) -> Scores:
     """Scores the rollout with the task's host reward. Each process decodes and scores only the

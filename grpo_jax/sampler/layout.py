@@ -61,7 +61,7 @@ from grpo_jax.errors import UserError
 from grpo_jax.model.layers import FP32_ROUTER_PARAMS
 from grpo_jax.model.quantize import CONTRACTED, FORMATS, Quantized, quantize
 from grpo_jax.model.qwen2 import Qwen2
-from grpo_jax.sharding import MESH_AXES, spec_for, use_mesh
+from grpo_jax.sharding import MESH_AXES, row_sharding, spec_for, use_mesh
 
 
 def devices_per_host(devices: Sequence[jax.Device]) -> int:
@@ -232,13 +232,7 @@ class RolloutLayout:
   def rows_to_source(self, tree):
     """Per-row outputs [R, ...] laid out by rows over the trainer mesh's batch axes (a local slice of
     the sampler's row layout), as the update expects them; scalars replicated."""
-    shape = dict(self.source.shape)
-
-    def relayout(x):
-      spec = spec_for(x.shape, ('batch',) + (None,) * (x.ndim - 1), shape) if x.ndim else PartitionSpec()
-      return jax.lax.with_sharding_constraint(x, NamedSharding(self.source, spec))
-
-    return jax.tree.map(relayout, tree)
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, row_sharding(self.source, x.shape)), tree)
 
 
 def run_resident(graphdef, params: nnx.State, inputs, sample: Callable, *, layout: RolloutLayout | None):
