@@ -98,8 +98,9 @@ def run(model, reference, config: Qwen2Config, rows: int):
   layout = sampler_layout = None
   if args.weights:  # the rollout layout's resident copy (8-bit with int8 / fp8), on one device
     from grpo_jax.sampler.layout import rollout_layout
-    layout = rollout_layout(model, jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1, 1),
-                                                     ('data', 'fsdp', 'tensor', 'expert')), 1, weights=args.weights)
+    from grpo_jax.sharding import MESH_AXES
+    layout = rollout_layout(model, jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1, 1, 1),
+                                                     MESH_AXES), 1, weights=args.weights)
     sampler_layout = layout
   sampler = GroupSampler(model, group_size=G, settings=DecodeSettings(max_new_tokens=N, stop_token_ids=(), pad_id=0,
                          sampling=SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)), layout=layout)

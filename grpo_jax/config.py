@@ -171,6 +171,9 @@ class Config:
     require(self.mesh.expert == 1, 'mesh.expert',
             f'({self.mesh.expert}): the expert-parallel layer combines its experts with an all-to-all in arrival order; '
             'algo.exact_on_policy computes them on every device instead: set mesh.expert=1')
+    require(self.mesh.context == 1, 'mesh.context',
+            f'({self.mesh.context}): ring attention joins a query\'s keys block by block as they pass the ring, not in '
+            'the sequence\'s order; algo.exact_on_policy needs mesh.context=1')
     require(not self.task.kind.acts, 'algo.exact_on_policy',
             f"is not yet built for agents' rollouts (task.name={self.task.name!r}): their turns' caches and chunked "
             'decode calls are untested for it; set it false')

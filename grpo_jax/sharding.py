@@ -28,19 +28,23 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.errors import UserError, require
 
-MESH_AXES = ('data', 'fsdp', 'tensor', 'expert')
+MESH_AXES = ('data', 'fsdp', 'tensor', 'expert', 'context')
 
 # logical axis -> mesh axes (None: replicated). Suffix-free names; the dim letters are in docstrings.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ('batch', ('data', 'fsdp', 'expert')),  # B
-    ('seq', None),  # T
+    # T: the update's sequences split along their length over `context` (context parallelism: ring
+    # attention, model/ring_attention.py); every other op is per token and stays local.
+    ('seq', 'context'),
     ('cache_seq', None),  # S
     ('vocab', 'tensor'),  # V
-    ('embed', ('fsdp', 'expert')),  # D, parameters (FSDP shards weights along D)
+    # D, parameters: FSDP shards weights along D, over the devices that split the rows (fsdp, expert)
+    # and those that split each row's tokens (context), as ZeRO shards over data x context parallelism.
+    ('embed', ('fsdp', 'expert', 'context')),
     # R, a latent's rank (multi-head latent attention's q_lora_rank, kv_lora_rank): the input of an
     # up-projection that has no D, so FSDP shards it there (else a 671B model's q_b and kv_b, 12.4
     # GiB in fp32, lie whole on every device).
-    ('latent', ('fsdp', 'expert')),
+    ('latent', ('fsdp', 'expert', 'context')),
     ('act_embed', None),  # D, activations
     ('q_heads', 'tensor'),  # N
     ('kv_heads', 'tensor'),  # K
@@ -69,6 +73,7 @@ class MeshConfig:
   fsdp: int = -1  # data parallelism with parameters sharded along the embed dimension
   tensor: int = 1  # tensor parallelism over heads, MLP hidden and vocab
   expert: int = 1  # expert parallelism: a mixture's experts split over these devices (rows too)
+  context: int = 1  # context parallelism: the update's sequences split along their length (ring attention)
   hybrid: bool | Literal['auto'] = False  # true, false or 'auto' (above)
 
   @property
@@ -123,12 +128,12 @@ def _hybrid_mesh(config: MeshConfig, devices: Sequence[jax.Device]) -> Mesh:
   counts = sorted({len(held) for held in hosts.values()})
   if len(counts) > 1:
     raise UserError(f'mesh.hybrid: the hosts hold different numbers of devices ({", ".join(map(str, counts))})')
-  inner = config.tensor * config.expert
+  inner = config.tensor * config.expert * config.context
   if counts[0] % inner:
     raise UserError(f'mesh.hybrid: {counts[0]} devices per host do not split into tensor={config.tensor} x '
-                    f'expert={config.expert}')
+                    f'expert={config.expert} x context={config.context}')
   grid = np.array([sorted(hosts[index], key=lambda device: device.id) for index in sorted(hosts)], dtype=object)
-  return Mesh(grid.reshape(len(hosts), counts[0] // inner, config.tensor, config.expert), MESH_AXES,
+  return Mesh(grid.reshape(len(hosts), counts[0] // inner, config.tensor, config.expert, config.context), MESH_AXES,
               axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 

@@ -301,6 +301,7 @@ REFUSED = {
     'model.decode_attention=blockwise': r'^model\.decode_attention .*algo\.exact_on_policy',
     'model.attention=cudnn': r'^model\.attention .*algo\.exact_on_policy',
     'mesh.expert=2': r'^mesh\.expert \(2\).*algo\.exact_on_policy',
+    'mesh.context=2': r'^mesh\.context \(2\): ring attention .*algo\.exact_on_policy',
 }
 
 

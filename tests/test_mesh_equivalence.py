@@ -33,13 +33,13 @@ MOVING = ['algo.entropy_coef=0.01', 'algo.kl_beta=0.01', 'optim.learning_rate=1e
 
 def two_steps(tmp_path, config_path, overrides, mesh_shape, task=None, name=None, fused=False, inspect=None):
   """Two RL steps from the host loop (or, `fused`, in one jit) -> (metric rows, parameters), on a
-  mesh of shape (data, fsdp, tensor) or (data, fsdp, tensor, expert).
+  mesh of shape (data, fsdp, tensor), (data, fsdp, tensor, expert) or (data, fsdp, tensor, expert, context).
   inspect(state, mesh), if given, is called before the steps and after them."""
-  data, fsdp, tensor, expert = (*mesh_shape, 1)[:4]  # (data, fsdp, tensor[, expert])
+  data, fsdp, tensor, expert, context = (*mesh_shape, 1, 1)[:5]
   config = config_lib.load_config(config_path, [*MOVING, *overrides, f'mesh.data={data}', f'mesh.fsdp={fsdp}',
-                                                f'mesh.tensor={tensor}', f'mesh.expert={expert}',
+                                                f'mesh.tensor={tensor}', f'mesh.expert={expert}', f'mesh.context={context}',
                                                 f'rollout.tensor={ROLLOUT_TENSOR.get(tuple(mesh_shape), 1)}'])
-  devices = jax.devices()[:data * fsdp * tensor * expert]
+  devices = jax.devices()[:data * fsdp * tensor * expert * context]
   mesh = sharding.make_mesh(config.mesh, devices)
   model = config.model.build(mesh, config.run.seed)
   task = task or build_task(config)
@@ -104,6 +104,16 @@ def test_jittable_task_on_a_mesh_equals_one_device(tmp_path, jittable_reference,
       inspect=lambda state, mesh: layouts.append(rule_table_layout(state, mesh))))
   before, after = layouts
   assert after == before, mesh_shape
+
+
+# Context parallelism (the update's rows split along their length, ring attention): over FSDP, and
+# with data replicas and tensor parallelism at once.
+@pytest.mark.parametrize('mesh_shape', [pytest.param((1, 2, 1, 1, 2), id='fsdp2-context2'),
+                                        pytest.param((2, 1, 2, 1, 2), id='data2-tensor2-context2',
+                                                     marks=pytest.mark.exhaustive),
+                                        pytest.param((1, 1, 2, 1, 4), id='tensor2-context4', marks=pytest.mark.exhaustive)])
+def test_jittable_task_on_a_context_mesh_equals_one_device(tmp_path, jittable_reference, mesh_shape):
+  assert_equal_runs(jittable_reference, two_steps(tmp_path, JITTABLE, JITTABLE_OVERRIDES, mesh_shape))
 
 
 @pytest.mark.exhaustive

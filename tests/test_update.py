@@ -242,7 +242,7 @@ def test_replicas_reduce_their_gradients_once_per_update(seed):
   from grpo_jax import sharding
   from grpo_jax.plan import traffic
 
-  mesh = jax.make_mesh((2, 2, 1, 1), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4,
+  mesh = jax.make_mesh((2, 2, 1, 1, 1), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 5,
                        devices=jax.devices()[:4])
   rng = np.random.default_rng(seed)
   graphdef, params = random_model(rng)

@@ -212,7 +212,7 @@ def test_packed_update_with_images_equals_padded(seed):
   # The same packed update on a data 2 x fsdp 2 mesh, a packed row per micro-batch: each data
   # replica accumulates its own rows, its tokens' image features found among them (rl/update.py).
   from grpo_jax import sharding
-  mesh = jax.make_mesh((2, 2, 1, 1), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4,
+  mesh = jax.make_mesh((2, 2, 1, 1, 1), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 5,
                        devices=jax.devices()[:4])
   place = lambda tree: jax.device_put(tree, sharding.state_shardings(tree, mesh))  # noqa: E731
   with jax.set_mesh(mesh):

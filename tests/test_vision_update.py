@@ -141,7 +141,7 @@ def test_a_frozen_tower_holds_no_moments_and_the_rest_trains_as_before(tmp_path)
   from grpo_jax.sharding import MESH_AXES, state_shardings
 
   _, params, _ = model_parts(True)
-  mesh = jax.make_mesh((1, 1, 1, 1), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4, devices=jax.devices()[:1])
+  mesh = jax.make_mesh((1, 1, 1, 1, 1), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 5, devices=jax.devices()[:1])
   settings = OptimConfig(learning_rate=1e-2, weight_decay=0.1, max_grad_norm=1.0)
   frozen, _ = settings.build(10, frozen=('visual',))
   whole, _ = settings.build(10)

@@ -16,6 +16,7 @@ use 1, 2, 3, ... per row. Left- and right-padded batches therefore give each rea
 logits as the unpadded sequence.
 """
 
+import dataclasses
 import functools
 import typing
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from grpo_jax.model.lora import TARGETS
 from grpo_jax.model.moe import Routing, gathered
 from grpo_jax.model.options import DType, ModelOptions, ParamDType  # noqa: F401 (names the model's users import)
 from grpo_jax.model.quantize import Quantized, output_scale
+from grpo_jax.model.ring_attention import context_size, from_zigzag, ring_attention, to_zigzag
 from grpo_jax.model.token_ids import check_token_ids
 from grpo_jax.model.vision import Images, VisionTower, place, place_any
 from grpo_jax.ops import fixed_order
@@ -329,8 +331,25 @@ class Qwen2(nnx.Module, CacheDecoding):
     if positions is None:
       positions = ordinals
     slots = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    attend = sequence_attention(resolve_attention(self.options.attention, self.dtype), slots, segment_ids,
-                                self.options.attention_chunk, ordinals=ordinals)
+    context, length = context_size(), tokens.shape[1]
+    if context > 1:
+      # Context parallelism: the rows padded to 2c chunks (pads of segment 0, which no real token
+      # sees), every per-token input in the zig-zag order the context axis holds them in, attention by
+      # the ring; the hidden states (and routes) come back in the row's order, the pads cut.
+      def zigzag(x, axis=1, pad_value=None):
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, -length % (2 * context))
+        x = jnp.pad(x, pad, mode='edge') if pad_value is None else jnp.pad(x, pad, constant_values=pad_value)
+        return to_zigzag(x, context, axis)
+      padded = length + -length % (2 * context)
+      slots = jnp.broadcast_to(jnp.arange(padded, dtype=jnp.int32), (tokens.shape[0], padded))
+      segment_ids, ordinals, positions, slots = (zigzag(segment_ids, pad_value=0), zigzag(ordinals), zigzag(positions),
+                                                 to_zigzag(slots, context))
+      attend = functools.partial(ring_attention, slots=slots, segments=segment_ids, chunk=self.options.attention_chunk,
+                                 ordinals=ordinals)
+    else:
+      attend = sequence_attention(resolve_attention(self.options.attention, self.dtype), slots, segment_ids,
+                                  self.options.attention_chunk, ordinals=ordinals)
     real = segment_ids != 0
 
     def block(params, x, replay, frequency, window):
@@ -347,9 +366,19 @@ class Qwen2(nnx.Module, CacheDecoding):
     x = self._embed(tokens, images)
     if placed is not None:
       x = place_any(x, *placed)
-    x, _, routing = self.run_layers(x, layer, self.layer_settings(), replay=self._replay(routes), runs=True)
+    replay = self._replay(routes)
+    if context > 1:
+      x = constrain(zigzag(x), ('batch', 'seq', 'act_embed'))
+      replay = None if replay is None else zigzag(replay, axis=2)
+    x, _, routing = self.run_layers(x, layer, self.layer_settings(), replay=replay, runs=True)
     hidden = self.final_norm_of(x)
-    return (hidden, gathered(routing)) if return_routing else hidden
+    routing = gathered(routing)
+    if context > 1:
+      hidden = constrain(from_zigzag(hidden, context)[:, :length], ('batch', 'seq', 'act_embed'))
+      if routing is not None:
+        routing = dataclasses.replace(routing, experts=from_zigzag(routing.experts, context)[:, :length],
+                                      differs=from_zigzag(routing.differs, context)[:, :length])
+    return (hidden, routing) if return_routing else hidden
 
   def _replay(self, routes: jax.Array | None) -> jax.Array | None:
     """routes [B, T, Ls, k] -> [Ls, B, T, k], the sparse layers' slices (None: route live)."""

@@ -37,6 +37,7 @@ a Pallas call, which XLA cannot partition, would run whole on every device.
 
 import dataclasses
 import functools
+import math
 import typing
 from typing import Literal
 
@@ -116,7 +117,7 @@ def token_logprobs(hidden, weight, targets, *, temperature: float = 1.0,
                  block_tokens or defaults[0], block_vocab or defaults[1],
                  block_model or defaults[2],
                  platform == 'cpu' if interpret is None else interpret)
-    token_axes, vocab_axes = _mesh_axes(h.shape[0], w.shape[1])
+    token_axes, vocab_axes = _mesh_axes(hidden.shape[:-1], w.shape[1])
     if token_axes or vocab_axes:
       logp, entropy = _fused_on_mesh(plan, (token_axes, _scatter_axes(token_axes, w.shape[0])), vocab_axes, h, w, y)
     else:
@@ -226,14 +227,22 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 # ---- on a device mesh: tokens split over the batch axes, the vocabulary over the tensor axis ----
 
-def _mesh_axes(tokens: int, vocab: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-  """Mesh axes that split the flattened tokens ('batch' rule) and the vocabulary ('vocab' rule)
-  when tracing under a mesh (`jax.set_mesh`); ((), ()) off a mesh or where nothing divides."""
+def _mesh_axes(tokens: tuple[int, ...], vocab: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """Mesh axes that split the flattened tokens of leading shape [B, T] or [T] (B by the 'batch' rule,
+  then T by the 'seq' rule: context parallelism's rows split along their length) and the vocabulary
+  ('vocab' rule) when tracing under a mesh (`jax.set_mesh`); ((), ()) off a mesh or where nothing
+  divides."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return (), ()
   shape = auto_shape(mesh)
-  return split_axes(tokens, 'batch', shape), split_axes(vocab, 'vocab', shape)
+  vocab_axes = split_axes(vocab, 'vocab', shape)
+  if len(tokens) == 2:
+    rows = split_axes(tokens[0], 'batch', shape)
+    length = split_axes(tokens[1], 'seq', {name: size for name, size in shape.items() if name not in rows})
+    if length:
+      return rows + length, vocab_axes
+  return split_axes(math.prod(tokens), 'batch', shape), vocab_axes
 
 
 def _scatter_axes(token_axes: tuple[str, ...], model: int) -> tuple[str, ...]:

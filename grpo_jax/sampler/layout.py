@@ -339,9 +339,9 @@ def _grouped_mesh(devices: Sequence[jax.Device], tensor: int, field: str, expert
   # The axes of a mixture's mesh are named in another order, the groups before the tensor axis: the
   # devices keep their order (one device assignment with the trainer's mesh, so one program can hold
   # both layouts) and each tensor group stays t consecutive devices.
-  names = ('data', 'fsdp', 'expert', 'tensor') if experts else MESH_AXES
-  grid = np.asarray(devices).reshape(1, 1, len(devices) // tensor, tensor) if experts else \
-      np.asarray(devices).reshape(len(devices) // tensor, 1, tensor, 1)
+  names = ('data', 'fsdp', 'expert', 'tensor', 'context') if experts else MESH_AXES
+  grid = np.asarray(devices).reshape(1, 1, len(devices) // tensor, tensor, 1) if experts else \
+      np.asarray(devices).reshape(len(devices) // tensor, 1, tensor, 1, 1)
   return Mesh(grid, names, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
@@ -381,7 +381,7 @@ def serving_read_mesh(architecture, tensor: int, devices: Sequence[jax.Device] |
   devices = list(devices) if devices is not None else jax.local_devices()
   if not architecture.num_sparse_layers:
     return serving_mesh(tensor, architecture.cache_entry[0], devices)
-  return Mesh(np.asarray(devices).reshape(1, len(devices), 1, 1), MESH_AXES,
+  return Mesh(np.asarray(devices).reshape(1, len(devices), 1, 1, 1), MESH_AXES,
               axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 

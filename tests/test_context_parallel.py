@@ -1,0 +1,91 @@
+"""Context parallelism: the update's sequences split along their length over the `context` mesh
+axis, attention by a ring (model/ring_attention.py), equal to one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from grpo_jax.model import MeshConfig, from_pretrained, make_mesh
+from grpo_jax.model.attention import attention, attention_mask, window_mask
+from grpo_jax.model.ring_attention import from_zigzag, ring_attention, to_zigzag, zigzag_order
+from test_sharding import forward_on
+
+
+def _packed_segments(rng, batch, length):
+  """[B, T] segment ids: left padding (0), then sequences of random lengths, as packed rows hold them."""
+  segments = np.zeros((batch, length), np.int32)
+  for row in range(batch):
+    at, segment = int(rng.integers(0, length // 4)), 1
+    while at < length:
+      size = int(rng.integers(1, length // 2))
+      segments[row, at:at + size] = segment
+      at, segment = at + size, segment + 1
+  return jnp.asarray(segments)
+
+
+@pytest.mark.parametrize('context, window', [(2, None), (4, None), (4, 5)])
+def test_ring_attention_equals_attention_and_its_gradient(context, window, seed):
+  """The ring's output and its gradients (q, k, v) over zig-zag rows equal one device's attention
+  under the same causal segment mask (packed rows with left padding; a sliding window); without the
+  zig-zag skip too; and a ring that skips one block's step differs."""
+  rng = np.random.default_rng(seed)
+  batch, length, heads, kv_heads, width = 2, 32, 4, 2, 8
+  q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32)
+             for shape in ((batch, length, heads, width), (batch, length, kv_heads, width), (batch, length, kv_heads, width)))
+  segments = _packed_segments(rng, batch, length)
+  slots = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  ordinals = slots
+  mask = attention_mask(slots, segments, slots, segments)
+  if window is not None:
+    mask = mask & window_mask(ordinals, ordinals, jnp.int32(window))
+  loss_of = lambda out: (out * jnp.asarray(rng.normal(size=out.shape), jnp.float32)).sum()  # noqa: E731
+  weights = jnp.asarray(rng.normal(size=(batch, length, heads, width)), jnp.float32)
+  reference = attention(q, k, v, mask)
+  reference_grads = jax.grad(lambda q, k, v: (attention(q, k, v, mask) * weights).sum(), argnums=(0, 1, 2))(q, k, v)
+
+  mesh = jax.make_mesh((8 // context, context), ('fsdp', 'context'), axis_types=(AxisType.Auto,) * 2)
+  rows = NamedSharding(mesh, P(None, 'context'))
+  placed = [jax.device_put(to_zigzag(x, context), rows) for x in (q, k, v, slots, segments, ordinals)]
+  zigzag_weights = to_zigzag(weights, context)
+  window_arg = None if window is None else jnp.int32(window)
+
+  def ring(q, k, v, **options):
+    return ring_attention(q, k, v, placed[3], placed[4], chunk=4, ordinals=placed[5], window=window_arg, **options)
+
+  with jax.set_mesh(mesh):
+    for options in (dict(), dict(zigzag=False)):
+      out = jax.jit(lambda q, k, v: ring(q, k, v, **options))(*placed[:3])
+      np.testing.assert_allclose(np.asarray(from_zigzag(out, context)), np.asarray(reference), rtol=0, atol=2e-6)
+      grads = jax.jit(jax.grad(lambda q, k, v: (ring(q, k, v, **options) * zigzag_weights).sum(),
+                               argnums=(0, 1, 2)))(*placed[:3])
+      for name, grad, expected in zip('qkv', grads, reference_grads):
+        np.testing.assert_allclose(np.asarray(from_zigzag(grad, context)), np.asarray(expected), rtol=0, atol=2e-5,
+                                   err_msg=name)
+    skipped = jax.jit(lambda q, k, v: ring(q, k, v, skip=context - 1))(*placed[:3])
+  assert np.abs(np.asarray(from_zigzag(skipped, context)) - np.asarray(reference)).max() > 1e-2
+  del loss_of
+
+
+def test_zigzag_order_is_a_reshape_of_the_rows():
+  x = jnp.arange(3 * 24).reshape(3, 24)
+  for devices in (1, 2, 3, 4):
+    order = zigzag_order(24, devices)
+    assert sorted(np.asarray(order).tolist()) == list(range(24))
+    np.testing.assert_array_equal(np.asarray(to_zigzag(x, devices)), np.asarray(x[:, order]))
+    np.testing.assert_array_equal(np.asarray(from_zigzag(to_zigzag(x, devices), devices)), np.asarray(x))
+  with pytest.raises(ValueError, match='8 chunks: 20 tokens'):
+    zigzag_order(20, 4)
+
+
+@pytest.mark.parametrize('mesh_shape', [dict(data=1, fsdp=4, tensor=1, context=2), dict(data=1, fsdp=1, tensor=2, context=4)])
+def test_logits_on_a_context_mesh_equal_one_device(mesh_shape, seed, make_hf_checkpoint):
+  directory, _ = make_hf_checkpoint(seed, num_attention_heads=8, num_key_value_heads=4, intermediate_size=192,
+                                    vocab_size=1024)
+  tokens = np.random.default_rng(seed).integers(0, 1024, (4, 48), dtype=np.int32)
+  single = np.asarray(from_pretrained(directory)(tokens))
+  mesh = make_mesh(MeshConfig(**mesh_shape))
+  logits = forward_on(from_pretrained(directory, mesh=mesh), mesh, tokens)
+  np.testing.assert_allclose(np.asarray(logits), single, rtol=0, atol=1e-5)
