@@ -36,6 +36,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # T: the update's sequences split along their length over `context` (context parallelism: ring
     # attention, model/ring_attention.py); every other op is per token and stays local.
     ('seq', 'context'),
+    # B x T flattened (the expert-parallel layer's token rows): the rows' axes, then the length's.
+    ('tokens', ('data', 'fsdp', 'expert', 'context')),
     ('cache_seq', None),  # S
     ('vocab', 'tensor'),  # V
     # D, parameters: FSDP shards weights along D, over the devices that split the rows (fsdp, expert)

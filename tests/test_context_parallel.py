@@ -41,7 +41,6 @@ def test_ring_attention_equals_attention_and_its_gradient(context, window, seed)
   mask = attention_mask(slots, segments, slots, segments)
   if window is not None:
     mask = mask & window_mask(ordinals, ordinals, jnp.int32(window))
-  loss_of = lambda out: (out * jnp.asarray(rng.normal(size=out.shape), jnp.float32)).sum()  # noqa: E731
   weights = jnp.asarray(rng.normal(size=(batch, length, heads, width)), jnp.float32)
   reference = attention(q, k, v, mask)
   reference_grads = jax.grad(lambda q, k, v: (attention(q, k, v, mask) * weights).sum(), argnums=(0, 1, 2))(q, k, v)
@@ -66,7 +65,6 @@ def test_ring_attention_equals_attention_and_its_gradient(context, window, seed)
                                    err_msg=name)
     skipped = jax.jit(lambda q, k, v: ring(q, k, v, skip=context - 1))(*placed[:3])
   assert np.abs(np.asarray(from_zigzag(skipped, context)) - np.asarray(reference)).max() > 1e-2
-  del loss_of
 
 
 def test_zigzag_order_is_a_reshape_of_the_rows():
@@ -78,6 +76,16 @@ def test_zigzag_order_is_a_reshape_of_the_rows():
     np.testing.assert_array_equal(np.asarray(from_zigzag(to_zigzag(x, devices), devices)), np.asarray(x))
   with pytest.raises(ValueError, match='8 chunks: 20 tokens'):
     zigzag_order(20, 4)
+  # On a mesh whose context axis splits the rows: the collective permutes' exchange, the same.
+  for devices in (2, 4):
+    mesh = jax.make_mesh((8 // devices, devices), ('fsdp', 'context'), axis_types=(AxisType.Auto,) * 2)
+    y = jnp.arange(2 * 24 * 3).reshape(2, 24, 3)
+    with jax.set_mesh(mesh):
+      placed = jax.device_put(y, NamedSharding(mesh, P(None, 'context')))
+      there = jax.jit(lambda y: to_zigzag(y, devices))(placed)
+      back = jax.jit(lambda y: from_zigzag(y, devices))(there)
+    np.testing.assert_array_equal(np.asarray(there), np.asarray(y[:, zigzag_order(24, devices)]))
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(y))
 
 
 @pytest.mark.parametrize('mesh_shape', [dict(data=1, fsdp=4, tensor=1, context=2), dict(data=1, fsdp=1, tensor=2, context=4)])

@@ -222,6 +222,14 @@ def test_packed_update_with_images_equals_padded(seed):
   for name in ('packed_rows', 'packed_padding_frac', 'micro_batches'):  # each replica packs its own rows
     padded[1].pop(name, None), on_mesh[1].pop(name)
   assert_packed_equals_padded(padded, on_mesh, batch)
+  # And on fsdp 2 x context 2: each packed row split along its length (ring attention), the image
+  # features placed before the split.
+  mesh = jax.make_mesh((1, 2, 1, 1, 2), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 5,
+                       devices=jax.devices()[:4])
+  with jax.set_mesh(mesh):
+    on_context = run_update(settings, place(params), jax.device_put(batch, jax.NamedSharding(mesh, jax.P())), seed,
+                            packed=True, ref_params=place(ref_params), architecture=architecture)
+  assert_packed_equals_padded(padded, on_context, batch)
 
 
 def carry_image_prompts(model, seed, steps=5, check=False):

@@ -29,27 +29,48 @@ def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   if mesh.empty or tokens.ndim == 0:
     return jnp.take(table, tokens, axis=0)
   shape = auto_shape(mesh)
-  token_axes = split_axes(tokens.shape[0], 'batch', shape)
+  row_axes = split_axes(tokens.shape[0], 'batch', shape)
+  # Rows of tokens [B, T] split along their length too (context parallelism): T over the 'seq' axes.
+  length_axes = (split_axes(tokens.shape[1], 'seq', {name: size for name, size in shape.items() if name not in row_axes})
+                 if tokens.ndim == 2 else ())
+  token_axes = row_axes + length_axes
   scatter_axes = tuple(axis for axis in split_axes(table.shape[1], 'embed', shape) if axis in token_axes)
   if not token_axes:
     return jnp.take(table, tokens, axis=0)
   vocab_axes = split_axes(table.shape[0], 'vocab', shape)
   rows = table.shape[0] // math.prod(shape[axis] for axis in vocab_axes)
-  return _lookup((token_axes, scatter_axes, vocab_axes, rows, jnp.dtype(table.dtype).name), table, tokens)
+  return _lookup((row_axes, length_axes, scatter_axes, vocab_axes, rows, jnp.dtype(table.dtype).name), table, tokens)
+
+
+def _token_spec(layout, ndim: int) -> P:
+  row_axes, length_axes = layout[:2]
+  return P(row_axes or None, *((length_axes or None,) if length_axes else ()), *(None,) * (ndim - 1 - bool(length_axes)))
+
+
+def _take(layout, table, tokens):
+  """Each device's tokens' rows, the table's D gathered first as an FSDP weight is (with the
+  tokens split along their length, XLA's partitioner would otherwise replicate the rows)."""
+  vocab_axes = layout[3]
+  if layout[1]:
+    table = jax.lax.with_sharding_constraint(table, P(vocab_axes or None, None))
+    return jax.lax.with_sharding_constraint(jnp.take(table, tokens, axis=0), P(*_token_spec(layout, tokens.ndim), None))
+  return jnp.take(table, tokens, axis=0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _lookup(layout, table, tokens):
-  """layout: (token axes, those that also split D, vocabulary axes, table rows per device, dtype)."""
-  return jnp.take(table, tokens, axis=0)
+  """layout: (row axes, length axes, those of both that also split D, vocabulary axes, table rows per
+  device, dtype)."""
+  return _take(layout, table, tokens)
 
 
 def _lookup_fwd(layout, table, tokens):
-  return jnp.take(table, tokens, axis=0), tokens
+  return _take(layout, table, tokens), tokens
 
 
 def _lookup_bwd(layout, tokens, cotangent):
-  token_axes, scatter_axes, vocab_axes, rows, dtype = layout
+  row_axes, length_axes, scatter_axes, vocab_axes, rows, dtype = layout
+  token_axes = row_axes + length_axes
   summed_axes = tuple(axis for axis in token_axes if axis not in scatter_axes)
   model = cotangent.shape[-1]
 
@@ -66,8 +87,8 @@ def _lookup_bwd(layout, tokens, cotangent):
       grad = lax.psum(grad, summed_axes)
     return grad.astype(dtype)
 
-  token_spec = P(token_axes, *(None,) * (tokens.ndim - 1))
-  grad = jax.shard_map(local, in_specs=(P(token_axes, *(None,) * tokens.ndim), token_spec),
+  token_spec = _token_spec(layout, tokens.ndim)
+  grad = jax.shard_map(local, in_specs=(P(*token_spec, None), token_spec),
                        out_specs=P(vocab_axes or None, scatter_axes or None), check_vma=False)(cotangent, tokens)
   return grad, None
 

@@ -4,7 +4,8 @@ experts, are computed there and travel back, inside one shard_map over the whole
 `experts_forward` here computes what model/moe.py's `experts_forward` computes, for a mesh whose
 'expert' axis (of size ep) splits the E experts into ep runs of El = E / ep. The weights keep the
 rule table's layout (sharding.py): [E, D, M] with E over 'expert', D over 'fsdp' and M over
-'tensor'; tokens keep theirs, rows over the batch axes ('data', 'fsdp', 'expert'). Every device:
+'tensor'; tokens keep theirs, rows over the batch axes ('data', 'fsdp', 'expert') and, with context
+parallelism, each row's length over 'context' (the 'tokens' rule). Every device:
 
   1. sorts its n tokens' P = n * k pairs by expert (its experts' runs are then in the order of the
      ranks that own them) and counts them, [E]; the counts of the whole expert group, [ep, E],
@@ -65,7 +66,7 @@ from grpo_jax.ops.grouped_matmul import expert_mlp
 from grpo_jax.sharding import LOGICAL_AXIS_RULES, auto_shape, constrain, current_mesh, spec_for
 
 AXIS = 'expert'
-BATCH_AXES = dict(LOGICAL_AXIS_RULES)['batch']
+TOKEN_AXES = dict(LOGICAL_AXIS_RULES)['tokens']  # B x T: the batch's axes, then context's
 WEIGHT_AXES = ('experts', 'embed', 'mlp')  # gate / up [E, D, M]; down is [E, M, D]
 
 
@@ -99,7 +100,7 @@ def experts_forward(x: jax.Array, experts: jax.Array, gates: jax.Array, gate_wei
   top_k = experts.shape[-1]
   # Rows over every batch axis: a token count they do not divide is padded with tokens gated 0 (to
   # k distinct experts, as the buffer bounds assume), so each device holds its own tokens.
-  shards = math.prod(sizes.get(axis, 1) for axis in BATCH_AXES)
+  shards = math.prod(sizes.get(axis, 1) for axis in TOKEN_AXES)
   tokens = batch * length
   padding = -tokens % shards
   pad = lambda a: jnp.pad(a.reshape(tokens, -1), ((0, padding), (0, 0)))  # noqa: E731
@@ -107,7 +108,7 @@ def experts_forward(x: jax.Array, experts: jax.Array, gates: jax.Array, gate_wei
   experts_flat = jnp.concatenate([experts.reshape(tokens, top_k).astype(jnp.int32),
                                   jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32), (padding, top_k))])
 
-  rows_spec = spec_for((tokens + padding, width), ('batch', None), sizes)
+  rows_spec = spec_for((tokens + padding, width), ('tokens', None), sizes)
   gate_spec = spec_for(gate_weight.shape, WEIGHT_AXES, sizes)
   down_spec = spec_for(down_weight.shape, (WEIGHT_AXES[0], WEIGHT_AXES[2], WEIGHT_AXES[1]), sizes)
   local = functools.partial(_local_experts, top_k=top_k, gathered=_axes(gate_spec, 1), summed=_axes(gate_spec, 2),

@@ -53,12 +53,14 @@ def context_size() -> int:
 
 
 def to_zigzag(x: jax.Array, devices: int, axis: int = 1) -> jax.Array:
-  """x with its `axis` of T tokens in zigzag_order: x[..., zigzag_order(T, c), ...], by reshapes and
-  one reversal instead of a gather (chunk i, then chunk 2c - 1 - i, for each device i)."""
+  """x with its `axis` of T tokens in zigzag_order: x[..., zigzag_order(T, c), ...]. Under a mesh
+  whose context axis (of size `devices`) splits that axis, two collective permutes of half a
+  device's tokens each (`_exchange`); elsewhere reshapes and one reversal."""
   axis = axis % x.ndim
-  length = x.shape[axis]
-  zigzag_order(length, devices)  # the check
-  chunks = x.reshape(x.shape[:axis] + (2, devices, length // (2 * devices)) + x.shape[axis + 1:])
+  zigzag_order(x.shape[axis], devices)  # the check
+  if context_size() == devices > 1:
+    return _exchange(x, devices, axis, inverse=False)
+  chunks = x.reshape(x.shape[:axis] + (2, devices, x.shape[axis] // (2 * devices)) + x.shape[axis + 1:])
   first, second = jnp.take(chunks, 0, axis=axis), jnp.flip(jnp.take(chunks, 1, axis=axis), axis=axis)
   return jnp.stack([first, second], axis=axis + 1).reshape(x.shape)
 
@@ -66,10 +68,43 @@ def to_zigzag(x: jax.Array, devices: int, axis: int = 1) -> jax.Array:
 def from_zigzag(x: jax.Array, devices: int, axis: int = 1) -> jax.Array:
   """to_zigzag's inverse: the tokens of `axis` back in their order."""
   axis = axis % x.ndim
-  length = x.shape[axis]
-  pairs = x.reshape(x.shape[:axis] + (devices, 2, length // (2 * devices)) + x.shape[axis + 1:])
+  if context_size() == devices > 1:
+    return _exchange(x, devices, axis, inverse=True)
+  pairs = x.reshape(x.shape[:axis] + (devices, 2, x.shape[axis] // (2 * devices)) + x.shape[axis + 1:])
   first, second = jnp.take(pairs, 0, axis=axis + 1), jnp.flip(jnp.take(pairs, 1, axis=axis + 1), axis=axis)
   return jnp.concatenate([first, second], axis=axis).reshape(x.shape)
+
+
+def _zigzag_place(chunk: int, devices: int) -> tuple[int, int]:
+  """(device, slot) where the zig-zag layout holds chunk `chunk` of 2c."""
+  return (chunk, 0) if chunk < devices else (2 * devices - 1 - chunk, 1)
+
+
+def _exchange(x: jax.Array, devices: int, axis: int, inverse: bool) -> jax.Array:
+  """to_zigzag (or, inverse, from_zigzag) of x whose `axis` the context axis splits: in the row's
+  order device d holds chunks 2d and 2d + 1, in the zig-zag one device i chunks i and 2c - 1 - i.
+  The even chunks move by one permutation of the devices and the odd ones by another, so each device
+  sends and receives half its tokens twice; nothing is gathered."""
+  even = [(d, _zigzag_place(2 * d, devices)[0]) for d in range(devices)]  # contiguous device -> zig-zag one
+  odd = [(d, _zigzag_place(2 * d + 1, devices)[0]) for d in range(devices)]
+  spec = P(*([None] * axis + [CONTEXT_AXIS]))
+
+  def local(x):
+    me = jax.lax.axis_index(CONTEXT_AXIS)
+    first, second = jnp.split(x, 2, axis=axis)
+    if not inverse:  # send chunk 2d and chunk 2d + 1; device i's even chunk is its slot 0 when i is even
+      from_even = jax.lax.ppermute(first, CONTEXT_AXIS, even)
+      from_odd = jax.lax.ppermute(second, CONTEXT_AXIS, odd)
+      parity = me % 2 == 0
+      return jnp.concatenate([jnp.where(parity, from_even, from_odd), jnp.where(parity, from_odd, from_even)], axis=axis)
+    parity = me % 2 == 0  # this device's even chunk (the one whose contiguous place is slot 0 of its holder)
+    to_even, to_odd = jnp.where(parity, first, second), jnp.where(parity, second, first)
+    back = lambda pairs: [(j, i) for i, j in pairs]  # noqa: E731
+    return jnp.concatenate([jax.lax.ppermute(to_even, CONTEXT_AXIS, back(even)),
+                            jax.lax.ppermute(to_odd, CONTEXT_AXIS, back(odd))], axis=axis)
+
+  return jax.shard_map(local, mesh=current_mesh(), in_specs=(spec,), out_specs=spec, axis_names={CONTEXT_AXIS},
+                       check_vma=False)(x)
 
 
 def _block_stats(q, k, v, mask, chunk: int):

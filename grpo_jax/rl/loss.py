@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx, struct
 
 from grpo_jax.model.qwen2 import Qwen2
+from grpo_jax.model.ring_attention import context_size
 from grpo_jax.model.vision import RowImages
 from grpo_jax.ops import token_logprobs
 from grpo_jax.rl import algo, packing
@@ -76,10 +77,20 @@ def completion_log_probs(model: Qwen2, tokens: jax.Array, segment_ids: jax.Array
   """
   hidden, routing = model.hidden_states(tokens, segment_ids=segment_ids, routes=routes, return_routing=True,
                                         **images)
-  hidden = hidden[:, -completion_length - 1:-1]
-  return token_logprobs(hidden, model.lm_head_weight(), tokens[:, -completion_length:],
-                        temperature=temperature, return_entropy=with_entropy,
-                        implementation=implementation), routing
+  return next_token_log_probs(model, hidden, tokens, tokens.shape[1] - completion_length - 1, temperature=temperature,
+                              return_entropy=with_entropy, implementation=implementation), routing
+
+
+def next_token_log_probs(model: Qwen2, hidden: jax.Array, tokens: jax.Array, start: int, **options):
+  """log pi (and entropy) [B, T - 1 - start] of tokens[:, start + 1:], each predicted by the hidden
+  state [B, T, D] of the position before it (token_logprobs' options). Rows split along their
+  length (context parallelism) take every position's, the targets shifted, and cut the result: a
+  slice of the hidden states would leave T - 1 - start positions the context axis does not divide,
+  which the partitioner gathers whole on every device."""
+  if context_size() > 1:
+    out = token_logprobs(hidden, model.lm_head_weight(), jnp.roll(tokens, -1, axis=1), **options)
+    return jax.tree.map(lambda x: x[:, start:-1], out)
+  return token_logprobs(hidden[:, start:-1], model.lm_head_weight(), tokens[:, start + 1:], **options)
 
 
 def packed_token_log_probs(model: Qwen2, packed: packing.Packed, *, temperature: float, implementation: str,
@@ -94,8 +105,8 @@ def packed_token_log_probs(model: Qwen2, packed: packing.Packed, *, temperature:
   placed = None if features is None else (features, flat.placement)
   hidden, routing = model.hidden_states(tokens, segment_ids=flat.segment_ids, routes=flat.routes if replay else None,
                                         return_routing=True, positions=flat.positions, placed=placed)
-  out = token_logprobs(hidden[:, :-1], model.lm_head_weight(), tokens[:, 1:], temperature=temperature,
-                       return_entropy=with_entropy, implementation=implementation)
+  out = next_token_log_probs(model, hidden, tokens, 0, temperature=temperature, return_entropy=with_entropy,
+                             implementation=implementation)
   return jax.tree.map(lambda x: x.reshape(groups, rows, length - 1), out), routing
 
 
