@@ -113,6 +113,24 @@ def pytest_configure(config):
 
 
 
+# A test still running after TEST_TIMEOUT_S seconds (default 600; the longest take about 130 s here)
+# has every thread's stack written to the worker's stderr and its worker ended: xdist reports the
+# test as the one its worker crashed on, and a fresh worker takes the rest. A hang (a collective's
+# partner that never arrives, a child that never answers) so costs one test, not the run.
+TEST_TIMEOUT_S = float(os.environ.get('TEST_TIMEOUT_S', 600))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  import faulthandler
+  import sys
+  faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True, file=sys.__stderr__)
+  try:
+    yield
+  finally:
+    faulthandler.cancel_dump_traceback_later()
+
+
 def pytest_collection_modifyitems(config, items):
   """Marks the fast files' tests `fast`; puts the long tests (marked starts_first) first: xdist
   hands tests out in this order, so the two workers do not end with one still running a long test

@@ -44,8 +44,10 @@ def _cpu(who) -> float:
 
 def pytest_configure(config):
   _listen()
-  if not hasattr(config, 'workerinput') and os.path.exists(PATH):
-    os.remove(PATH)  # the controller (or a run without workers) starts the file afresh; workers append to it
+  if not hasattr(config, 'workerinput') and os.path.exists(PATH) and 'PYTEST_XDIST_WORKER' not in os.environ:
+    # The controller (or a run without workers) starts the file afresh; workers append to it. A pytest
+    # a test starts (test_rollout_matrix's collection) inherits the variable and leaves the file be.
+    os.remove(PATH)
 
 
 @pytest.hookimpl(hookwrapper=True)
