@@ -7,7 +7,8 @@ hidden dimension over `tensor`, ZeRO-3-style parameter sharding out of `embed` o
 expert parallelism out of a mixture's experts over `expert` (the fourth axis, used by mixtures of
 experts only). The `expert` devices take rows of the batch like `fsdp` ones and, in a dense
 weight, share its ZeRO shards: an expert weight's E dimension claims `expert` first, so its D
-dimension is split over `fsdp` alone.
+dimension is split over `fsdp` (and `context`) alone. The `context` axis (context parallelism, the fifth) splits
+each of the update's rows along its length ('seq'); its devices share the ZeRO shards too.
 
 A dimension whose size is not divisible by its mesh axes is replicated along them instead (for
 example Qwen2.5-0.5B's two KV heads on a tensor axis of 4), so every Qwen2.5 size lays out on

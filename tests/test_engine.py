@@ -197,7 +197,7 @@ def test_engine_in_the_sampler_layout_matches_transformers(seed, make_hf_checkpo
   from grpo_jax.sampler.layout import serving_mesh
   directory, reference = make_hf_checkpoint(seed)
   mesh = serving_mesh(2, kv_heads=2)
-  assert mesh.shape == dict(data=4, fsdp=1, tensor=2, expert=1)
+  assert mesh.shape == dict(data=4, fsdp=1, tensor=2, expert=1, context=1)
   model = from_pretrained(directory, mesh=mesh)
   engine = QwenEngine(model, slots=4, max_prefill_length=16, settings=DecodeSettings(max_new_tokens=6, sampling=GREEDY))
   prompts = random_prompts(seed, [3, 10, 8, 5])
@@ -226,7 +226,7 @@ def test_serve_lays_a_mixture_over_the_expert_axis_and_matches_transformers(seed
   params = engine.load_params()
   layers = params['layers']
   experts = 4 if devices == 8 else 1
-  assert dict(layers['expert_up_weight'][...].sharding.mesh.shape) == dict(data=1, fsdp=1, expert=experts,
+  assert dict(layers['expert_up_weight'][...].sharding.mesh.shape) == dict(data=1, fsdp=1, expert=experts, context=1,
                                                                            tensor=min(devices, 2))
   assert len(layers['expert_up_weight'][...].sharding.device_set) == devices
   if devices > 1:

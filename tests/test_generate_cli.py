@@ -63,8 +63,8 @@ def test_a_mixture_generates_over_the_expert_axis_as_transformers_does(seed, mak
     expected = reference.generate(torch.tensor(prompt[None]), do_sample=False, max_new_tokens=8,
                                   eos_token_id=None, pad_token_id=0)[0, 6:].tolist()
   assert json.loads(capsys.readouterr().out)['token_ids'] == [expected]
-  expected_mesh = {'data': 1, 'fsdp': 1, 'expert': 4, 'tensor': 2} if devices == 8 else \
-      {'data': 1, 'fsdp': 1, 'expert': 1, 'tensor': 1}
+  expected_mesh = {'data': 1, 'fsdp': 1, 'expert': 4, 'tensor': 2, 'context': 1} if devices == 8 else \
+      {'data': 1, 'fsdp': 1, 'expert': 1, 'tensor': 1, 'context': 1}
   assert [dict(layout.mesh.shape) for layout in layouts] == [expected_mesh]
 
 

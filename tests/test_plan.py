@@ -26,7 +26,7 @@ def test_plan_compiles_the_demo_for_a_tpu_and_a_gpu(platform, target, devices, t
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   report = json.loads(report_path.read_text())
   assert report['fits'] and 'fits' in result.stdout and report['devices'] == devices
-  assert report['mesh'] == {'data': 1, 'fsdp': devices, 'tensor': 1, 'expert': 1}
+  assert report['mesh'] == {'data': 1, 'fsdp': devices, 'tensor': 1, 'expert': 1, 'context': 1}
   (program,) = report['programs']
   assert program['name'] == '10 RL steps in one jit'  # train.steps_per_call: 10
   # fp32 parameters split over FSDP, apart from the tensors no mesh axis divides (the 17-token
@@ -74,7 +74,7 @@ def test_plan_compiles_the_small_recipe_for_the_target(platform, target, extra, 
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   report = json.loads(report_path.read_text())
   assert 'fits' in result.stdout and report['fits'] and report['devices'] == 8 and 'advice' not in report
-  assert report['mesh'] == {'data': 1, 'fsdp': 8, 'tensor': 1, 'expert': 1}
+  assert report['mesh'] == {'data': 1, 'fsdp': 8, 'tensor': 1, 'expert': 1, 'context': 1}
   assert [program['name'] for program in report['programs']] == ['rollout', 'update']
   # FSDP: each device holds an eighth of the fp32 parameters and of each AdamW moment (plus the
   # few tensors too small to split: biases and norms of width D / 8 or less).
@@ -236,7 +236,7 @@ def test_plan_of_split_devices_and_of_partial_rollouts(tmp_path):
   split = reports['split']
   assert [program['name'] for program in split['programs']] == ['rollout', 'transfer', 'update']
   assert split['program_devices'] == {'rollout': 4, 'transfer': 4, 'update': 4}
-  assert split['mesh'] == {'data': 1, 'fsdp': 4, 'tensor': 1, 'expert': 1}
+  assert split['mesh'] == {'data': 1, 'fsdp': 4, 'tensor': 1, 'expert': 1, 'context': 1}
   crossing = split['split']
   assert crossing['sampler_devices'] == crossing['trainer_devices'] == 4
   assert crossing['transfer_bytes_per_device'] == split['per_device']['resident_weights'] > 0

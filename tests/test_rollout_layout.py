@@ -153,7 +153,7 @@ def test_resident_weights_are_cast_split_over_tensor_and_replicated_over_data(ch
     layout = rollout_layout(model, mesh, 4)
     params = nnx.state(model)
     resident = jax.jit(layout.place)(params)
-  assert layout.mesh.shape == dict(data=2, fsdp=1, tensor=4, expert=1)
+  assert layout.mesh.shape == dict(data=2, fsdp=1, tensor=4, expert=1, context=1)
   assert list(np.asarray(layout.mesh.devices).reshape(-1)) == list(np.asarray(mesh.devices).reshape(-1))
   gate = resident['layers']['gate_weight'][...]
   assert gate.dtype == jnp.bfloat16 and params['layers']['gate_weight'][...].dtype == jnp.float32

@@ -143,7 +143,7 @@ def test_hybrid_layout_is_set_by_the_hosts():
     MeshConfig(hybrid='yes')
   for hybrid in (True, 'auto'):
     mesh = make_mesh(MeshConfig(tensor=2, hybrid=hybrid))
-    assert dict(mesh.shape) == {'data': 1, 'fsdp': 4, 'tensor': 2, 'expert': 1}
+    assert dict(mesh.shape) == {'data': 1, 'fsdp': 4, 'tensor': 2, 'expert': 1, 'context': 1}
   assert config_lib.load_config('configs/tiny_arith.yaml', ['mesh.hybrid=auto']).mesh.hybrid == 'auto'
 
 

@@ -23,6 +23,10 @@ class Knob:
     return ' '.join(self.overrides)
 
 
+# Rows of at least this many tokens are offered context parallelism (mesh.context).
+LONG_ROWS = 8192
+
+
 def knobs(config: config_lib.Config, architecture, devices: int, sequence_length: int,
           current_rollout_tensor: int = 1, hybrid: bool = False) -> list[Knob]:
   """The changes that lower per-device memory without changing what is learned, cheapest first:
@@ -32,6 +36,8 @@ def knobs(config: config_lib.Config, architecture, devices: int, sequence_length
   fewer decode slots (the rollout: the same samples, fewer held at once); more tensor parallelism
   (both programs: the weights, the optimizer state and the KV cache split further over heads);
   a wider sampler tensor axis than `current_rollout_tensor` (the rollout: fewer resident weights);
+  for rows of LONG_ROWS tokens or more, context parallelism (the update: each row split along its
+  length, one row per batch shard);
   for a mixture of experts, another size of the 'expert' axis (both; model/expert_parallel.py):
   a wider one gathers fewer experts per layer (E / ep, their D over 'fsdp'), a narrower one has
   smaller all-to-all buffers (ep x tokens x min(k, E / ep) rows received per device), so both ways
@@ -76,6 +82,19 @@ def knobs(config: config_lib.Config, architecture, devices: int, sequence_length
                         + ('' if architecture.cache_entry[0] % wider == 0 else
                            ' (the latent cache replicated)' if architecture.mla else ' (KV heads and cache replicated)')))
   expert = mesh.expert if mesh.expert > 0 else 1
+  context = mesh.context if mesh.context > 0 else 1
+  # Context parallelism for long rows: each split along its length over `wider` devices, so that a
+  # device holds 1 / wider of a row's activations, with micro-batches of one row per batch shard
+  # (more rows would land on each shard and hold as many tokens as before).
+  for wider in (2, 4, 8, 16) if sequence_length >= LONG_ROWS else ():
+    shards = devices // (tensor * wider)
+    if wider > context and devices % (wider * tensor * expert) == 0 and shards >= 1:
+      micro = ((f'algo.micro_batch_tokens={shards * (algo.pack_length or sequence_length)}',) if algo.packing else
+               (f'algo.micro_batch_size={shards}',) if minibatch % shards == 0 else None)
+      if micro is not None:
+        found.append(Knob((f'mesh.context={wider}', 'mesh.data=1', 'mesh.fsdp=-1', *micro), 'update',
+                          f'context parallelism: each {sequence_length}-token row split along its length over {wider} '
+                          'devices (ring attention), one row per batch shard'))
   for wider in (2, 4, 8):
     if (wider > tensor and devices % (wider * expert) == 0
         and (architecture.num_attention_heads if architecture.mla else architecture.num_key_value_heads) % wider == 0):
