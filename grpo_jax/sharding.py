@@ -108,7 +108,7 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
   known = math.prod(size for size in shape if size != -1)
   if -1 in shape:
     if len(devices) % known:
-      raise UserError(f'mesh: {len(devices)} devices cannot be split into axes of sizes {shape}')
+      raise UserError(f'mesh: {len(devices)} devices cannot be split into {_sizes(shape).replace(" ", " x ")}')
     shape[shape.index(-1)] = len(devices) // known
   if math.prod(shape) != len(devices):
     raise UserError(f'mesh: {_sizes(shape).replace(" ", " x ")} = {math.prod(shape)} devices, '

@@ -97,3 +97,30 @@ def test_logits_on_a_context_mesh_equal_one_device(mesh_shape, seed, make_hf_che
   mesh = make_mesh(MeshConfig(**mesh_shape))
   logits = forward_on(from_pretrained(directory, mesh=mesh), mesh, tokens)
   np.testing.assert_allclose(np.asarray(logits), single, rtol=0, atol=1e-5)
+
+
+def test_a_context_axis_the_devices_do_not_take_is_one_line():
+  from grpo_jax.errors import UserError
+  with pytest.raises(UserError, match=r'^mesh: 8 devices cannot be split into data=1 x fsdp=-1 x tensor=1 x expert=1 '
+                                      r'x context=3$'):
+    make_mesh(MeshConfig(context=3))
+  with pytest.raises(UserError, match=r'^mesh: data=2 x fsdp=1 x tensor=1 x expert=1 x context=2 = 4 devices, but 8 '):
+    make_mesh(MeshConfig(data=2, fsdp=1, context=2))
+  with pytest.raises(UserError, match=r'^mesh.context must be a positive size or -1, got 0'):
+    MeshConfig(context=0)
+
+
+def test_the_plan_offers_the_context_axis_for_long_rows_only():
+  """advice.knobs: a 32k-token row of the 32B recipe on 64 devices gets mesh.context 2 .. 16 with
+  micro-batches of one row per batch shard; 4k-token rows (under LONG_ROWS) get none."""
+  from grpo_jax import config as config_lib
+  from grpo_jax.plan import advice
+  from grpo_jax.plan.programs import model_architecture
+  config = config_lib.load_config('configs/qwen3_32b_dapo_aime.yaml', ['rollout.max_new_tokens=30720'])
+  architecture = model_architecture(config, 'Qwen3-32B', None)
+  offered = {knob.overrides[0]: knob.overrides for knob in advice.knobs(config, architecture, 64, 32768)
+             if knob.overrides[0].startswith('mesh.context')}
+  assert offered['mesh.context=4'] == ('mesh.context=4', 'mesh.data=1', 'mesh.fsdp=-1', 'algo.micro_batch_size=16')
+  assert sorted(offered) == ['mesh.context=16', 'mesh.context=2', 'mesh.context=4', 'mesh.context=8']
+  short = config_lib.load_config('configs/qwen3_32b_dapo_aime.yaml', ['rollout.max_new_tokens=2048'])
+  assert not [knob for knob in advice.knobs(short, architecture, 64, 4096) if 'mesh.context' in knob.name]
