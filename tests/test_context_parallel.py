@@ -26,7 +26,8 @@ def _packed_segments(rng, batch, length):
   return jnp.asarray(segments)
 
 
-@pytest.mark.parametrize('context, window', [(2, None), (4, None), (4, 5)])
+@pytest.mark.parametrize('context, window', [pytest.param(2, None, marks=pytest.mark.exhaustive), (4, None),
+                                             pytest.param(4, 5, marks=pytest.mark.exhaustive)])
 def test_ring_attention_equals_attention_and_its_gradient(context, window, seed):
   """The ring's output and its gradients (q, k, v) over zig-zag rows equal one device's attention
   under the same causal segment mask (packed rows with left padding; a sliding window); without the
@@ -88,6 +89,8 @@ def test_zigzag_order_is_a_reshape_of_the_rows():
     np.testing.assert_array_equal(np.asarray(back), np.asarray(y))
 
 
+# make test's RL step on fsdp x context (test_mesh_equivalence.py) holds the forward; these, test-all's.
+@pytest.mark.exhaustive
 @pytest.mark.parametrize('mesh_shape', [dict(data=1, fsdp=4, tensor=1, context=2), dict(data=1, fsdp=1, tensor=2, context=4)])
 def test_logits_on_a_context_mesh_equal_one_device(mesh_shape, seed, make_hf_checkpoint):
   directory, _ = make_hf_checkpoint(seed, num_attention_heads=8, num_key_value_heads=4, intermediate_size=192,

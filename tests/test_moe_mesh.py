@@ -87,7 +87,7 @@ def test_moe_partial_rollouts_resume_on_another_expert_size_equal_uninterrupted(
 
 # expert > 1: the RL steps above, test_expert_parallel.py; with the rows split along their length
 # (context parallelism: ring attention, the experts' tokens over rows x context)
-@pytest.mark.parametrize('mesh_shape', [(1, 8, 1, 1), pytest.param((1, 2, 1, 2, 2), id='fsdp2-expert2-context2')])
+@pytest.mark.parametrize('mesh_shape', [(1, 8, 1, 1), pytest.param((1, 2, 1, 2, 2), id='fsdp2-expert2-context2', marks=pytest.mark.exhaustive)])
 def test_moe_gradients_on_a_mesh_equal_one_device(seed, mesh_shape):
   """The model's loss gradients with the experts computed per device (model/expert_parallel.py: each
   device's own pairs; exchanged over 'expert' where it is > 1) equal the one-device dense path."""
