@@ -33,6 +33,8 @@ RECIPES = {
     'qwen3_8b_math.yaml': ('Qwen3-8B', 8),
     'qwen3_8b_hh_reward_model.yaml': ('Qwen3-8B', 8),
     'qwen3_32b_dapo_aime.yaml': ('Qwen3-32B', 8),
+    'qwen3_32b_long_32k.yaml': ('Qwen3-32B', 8),
+    'qwen3_32b_long_64k.yaml': ('Qwen3-32B', 8),
     'qwen3_30b_a3b_dapo.yaml': ('Qwen3-30B-A3B', 8),
     'qwen3_235b_a22b_dapo.yaml': ('Qwen3-235B-A22B', 8),
     'deepseek_llm_7b_math.yaml': ('DeepSeek-LLM-7B', 8),
@@ -65,8 +67,9 @@ def test_reward_model_config_loads(name):
   assert train_reward.load_config(path).train.steps > 0
 
 
-# Lowered in make test-all only: the 671B recipe's 256 experts (Moonlight's lowers the architecture in make test).
-EXHAUSTIVE = ('deepseek_v3_671b_math.yaml',)
+# Lowered in make test-all only: the 671B recipe's 256 experts (Moonlight's lowers the architecture in make test),
+# the 32k recipe (the 32B's; its 64k sibling lowers the context axis in make test).
+EXHAUSTIVE = ('deepseek_v3_671b_math.yaml', 'qwen3_32b_long_32k.yaml')
 
 
 @pytest.mark.parametrize('name', [pytest.param(name, marks=pytest.mark.exhaustive) if name in EXHAUSTIVE else name
