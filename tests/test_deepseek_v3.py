@@ -385,6 +385,21 @@ def test_on_a_mesh_logits_equal_one_device_and_greedy_decoding_in_the_rollout_la
 
 
 @pytest.mark.exhaustive
+def test_on_a_context_mesh_logits_equal_one_device(seed, make_hf_checkpoint):
+  """Latent attention and DeepSeekMoE with the rows split along their length (fsdp 2 x expert 2 x
+  context 2: the ring over the latent attention's expanded heads, the experts' tokens over rows x
+  context): the logits of one device."""
+  from grpo_jax.model import MeshConfig, make_mesh
+  from test_sharding import forward_on
+  directory, _ = make_hf_checkpoint(seed, **SHAPES['v3'][0])
+  tokens = np.random.default_rng(seed).integers(3, 300, (4, 24), dtype=np.int32)
+  single = np.asarray(model_of(directory)(tokens))
+  mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=1, expert=2, context=2))
+  np.testing.assert_allclose(np.asarray(forward_on(from_pretrained(directory, mesh=mesh), mesh, tokens)), single,
+                             rtol=0, atol=3.5e-6 * np.abs(single).max())
+
+
+@pytest.mark.exhaustive
 def test_packed_update_equals_padded(seed):
   """The RL update of a DeepSeek-V3-shaped model (a query latent, grouped sigmoid routing, a shared
   expert, a dense first layer) on packed rows equals the padded one: gradients and metrics."""

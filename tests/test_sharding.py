@@ -18,6 +18,8 @@ MESHES = {
     'tensor4-divides-kv': (MeshConfig(data=2, fsdp=1, tensor=4), 8),
     'tensor8-replicates-kv': (MeshConfig(data=1, fsdp=1, tensor=8), 8),
     'fsdp-rest': (MeshConfig(data=2, fsdp=-1, tensor=2), 8),
+    # the rows split along their length (context parallelism: ring attention)
+    'fsdp2-context4': (MeshConfig(data=1, fsdp=2, tensor=1, context=4), 8),
 }
 
 
@@ -51,7 +53,10 @@ CASES = ([pytest.param(name, {}, id=f'{name}-qwen2') for name in sorted(MESHES)]
          + [pytest.param(name, QWEN3, id=f'{name}-qwen3') for name in ('cube', 'tensor8-replicates-kv')]
          + [pytest.param('cube', _family(family), id=f'cube-{family}',
                          marks=() if family == 'gemma3_text' else pytest.mark.exhaustive)
-            for family in ('llama3', 'mistral', 'glm4', 'gemma3_text')])
+            for family in ('llama3', 'mistral', 'glm4', 'gemma3_text')]
+         # Gemma 3's sliding windows across the ring's blocks
+         + [pytest.param('fsdp2-context4', _family('gemma3_text'), id='fsdp2-context4-gemma3_text',
+                         marks=pytest.mark.exhaustive)])
 
 
 @pytest.mark.parametrize('name, architecture', CASES)
@@ -83,8 +88,8 @@ def test_mesh_logits_equal_single_device(name, architecture, seed, make_hf_check
     assert k_spec[2] == 'tensor' and q_spec[2] == 'tensor'
   if shape['tensor'] == 8:
     assert len(k_spec) < 3 or k_spec[2] is None
-  if shape['fsdp'] > 1:
-    assert q_spec[1] == 'fsdp'
+  if shape['fsdp'] > 1:  # D over fsdp (and context, whose devices share the ZeRO shards)
+    assert q_spec[1] == ('fsdp' if shape['context'] == 1 else ('fsdp', 'context'))
   assert logits.sharding.spec == named_sharding(mesh, logits.shape, ('batch', 'seq', 'vocab')).spec
 
 
