@@ -114,20 +114,48 @@ def pytest_configure(config):
 
 
 # A test still running after TEST_TIMEOUT_S seconds (default 600; the longest take about 130 s here)
-# has every thread's stack written to the worker's stderr and its worker ended: xdist reports the
-# test as the one its worker crashed on, and a fresh worker takes the rest. A hang (a collective's
-# partner that never arrives, a child that never answers) so costs one test, not the run.
+# has every thread's stack written to the worker's stderr, the processes it started killed (a CLI
+# run, a multi-process run's trainers: left alone they would hold the two cores) and its worker
+# ended: xdist reports the test as the one its worker crashed on, and a fresh worker takes the rest.
+# A hang (a collective's partner that never arrives, a child that never answers) so costs one test,
+# not the run. faulthandler's own watchdog, 60 s later, ends a worker whose threads cannot run.
 TEST_TIMEOUT_S = float(os.environ.get('TEST_TIMEOUT_S', 600))
+
+
+def _kill_children_and_exit(name: str) -> None:
+  import faulthandler
+  import signal
+  import sys
+  sys.__stderr__.write(f'\n{name} ran past TEST_TIMEOUT_S={TEST_TIMEOUT_S:.0f} s: its stacks, then its worker ends\n')
+  faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+  me = os.getpid()
+  for entry in os.listdir('/proc'):
+    if entry.isdigit():
+      try:
+        with open(f'/proc/{entry}/stat') as f:
+          parent = int(f.read().rsplit(')', 1)[1].split()[1])
+        if parent == me:
+          os.killpg(os.getpgid(int(entry)), signal.SIGKILL) if os.getpgid(int(entry)) != os.getpgid(me) else \
+              os.kill(int(entry), signal.SIGKILL)
+      except (OSError, ValueError, IndexError):
+        pass
+  sys.__stderr__.flush()
+  os._exit(1)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
   import faulthandler
   import sys
-  faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True, file=sys.__stderr__)
+  import threading
+  timer = threading.Timer(TEST_TIMEOUT_S, _kill_children_and_exit, (item.nodeid,))
+  timer.daemon = True
+  timer.start()
+  faulthandler.dump_traceback_later(TEST_TIMEOUT_S + 60, exit=True, file=sys.__stderr__)
   try:
     yield
   finally:
+    timer.cancel()
     faulthandler.cancel_dump_traceback_later()
 
 
