@@ -109,6 +109,7 @@ def test_jittable_task_on_a_mesh_equals_one_device(tmp_path, jittable_reference,
 # Context parallelism (the update's rows split along their length, ring attention): over FSDP, and
 # with data replicas and tensor parallelism at once.
 @pytest.mark.parametrize('mesh_shape', [pytest.param((1, 2, 1, 1, 2), id='fsdp2-context2'),
+                                        pytest.param((2, 2, 1, 1, 2), id='data2-fsdp2-context2', marks=pytest.mark.exhaustive),
                                         pytest.param((2, 1, 2, 1, 2), id='data2-tensor2-context2',
                                                      marks=pytest.mark.exhaustive),
                                         pytest.param((1, 1, 2, 1, 4), id='tensor2-context4', marks=pytest.mark.exhaustive)])

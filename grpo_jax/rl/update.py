@@ -176,8 +176,10 @@ def _replicas_of(micro: 'MicroBatches', rows: int) -> int:
   splits the mini-batch's rows and each replica's micro-batch rows (padded) or packed groups split
   evenly over its own batch axes (fsdp, expert); else 1: the whole mesh computes each micro-batch,
   and the data axis reduces its gradients, as any batch axis does. Inside the replicas' shard_map,
-  XLA's partitioner aborted placing the embedding gather of a vocabulary split over 'tensor', and
-  that of a micro-batch of fewer rows than a replica's devices."""
+  XLA's partitioner aborted placing the embedding gather of a vocabulary split over 'tensor', that
+  of a micro-batch of fewer rows than a replica's devices, and the ring attention's shard_map over
+  'context' (spmd_partitioner_util.cc: the partition groups' device count; jax 0.12): a context axis
+  also keeps the whole mesh on each micro-batch."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return 1
@@ -188,7 +190,8 @@ def _replicas_of(micro: 'MicroBatches', rows: int) -> int:
   even = rows % replicas == 0 and parts % (replicas * inner) == 0
   # One micro-batch: nothing to save (the whole mesh reduces it once).
   several = micro.count > 1 if micro.packed is None else micro.packed.tokens.shape[1] > micro.rows
-  return replicas if replicas > 1 and sizes.get('tensor', 1) == 1 and even and several else 1
+  alone = sizes.get('tensor', 1) == 1 and sizes.get('context', 1) == 1
+  return replicas if replicas > 1 and alone and even and several else 1
 
 
 def _over_replicas(accumulate, params, rows: LossInputs, micro: 'MicroBatches'):
