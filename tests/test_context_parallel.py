@@ -35,7 +35,8 @@ def test_ring_attention_equals_attention_and_its_gradient(context, window, seed)
   rng = np.random.default_rng(seed)
   batch, length, heads, kv_heads, width = 2, 32, 4, 2, 8
   q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32)
-             for shape in ((batch, length, heads, width), (batch, length, kv_heads, width), (batch, length, kv_heads, width)))
+             for shape in ((batch, length, heads, width), (batch, length, kv_heads, width),
+                           (batch, length, kv_heads, width)))
   segments = _packed_segments(rng, batch, length)
   slots = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
   ordinals = slots
@@ -93,7 +94,8 @@ def test_zigzag_order_is_a_reshape_of_the_rows():
 
 # make test's RL step on fsdp x context (test_mesh_equivalence.py) holds the forward; these, test-all's.
 @pytest.mark.exhaustive
-@pytest.mark.parametrize('mesh_shape', [dict(data=1, fsdp=4, tensor=1, context=2), dict(data=1, fsdp=1, tensor=2, context=4)])
+@pytest.mark.parametrize('mesh_shape', [dict(data=1, fsdp=4, tensor=1, context=2),
+                                        dict(data=1, fsdp=1, tensor=2, context=4)])
 def test_logits_on_a_context_mesh_equal_one_device(mesh_shape, seed, make_hf_checkpoint):
   directory, _ = make_hf_checkpoint(seed, num_attention_heads=8, num_key_value_heads=4, intermediate_size=192,
                                     vocab_size=1024)

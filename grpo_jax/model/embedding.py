@@ -31,8 +31,8 @@ def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   shape = auto_shape(mesh)
   row_axes = split_axes(tokens.shape[0], 'batch', shape)
   # Rows of tokens [B, T] split along their length too (context parallelism): T over the 'seq' axes.
-  length_axes = (split_axes(tokens.shape[1], 'seq', {name: size for name, size in shape.items() if name not in row_axes})
-                 if tokens.ndim == 2 else ())
+  unused = {name: size for name, size in shape.items() if name not in row_axes}
+  length_axes = split_axes(tokens.shape[1], 'seq', unused) if tokens.ndim == 2 else ()
   token_axes = row_axes + length_axes
   scatter_axes = tuple(axis for axis in split_axes(table.shape[1], 'embed', shape) if axis in token_axes)
   if not token_axes:
@@ -44,7 +44,8 @@ def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
 
 def _token_spec(layout, ndim: int) -> P:
   row_axes, length_axes = layout[:2]
-  return P(row_axes or None, *((length_axes or None,) if length_axes else ()), *(None,) * (ndim - 1 - bool(length_axes)))
+  length = (length_axes,) if length_axes else ()
+  return P(row_axes or None, *length, *(None,) * (ndim - 1 - len(length)))
 
 
 def _take(layout, table, tokens):

@@ -37,7 +37,8 @@ def zigzag_order(length: int, devices: int) -> jax.Array:
   """[T] the row's token indices in the order the context axis holds them: 2c chunks, device i
   holding chunk i then chunk 2c - 1 - i (T a multiple of 2c)."""
   if length % (2 * devices):
-    raise ValueError(f'a context axis of {devices} splits rows into {2 * devices} chunks: {length} tokens do not divide')
+    raise ValueError(f'a context axis of {devices} splits rows into {2 * devices} chunks: '
+                     f'{length} tokens do not divide')
   chunk = length // (2 * devices)
   order = []
   for device in range(devices):
@@ -96,7 +97,8 @@ def _exchange(x: jax.Array, devices: int, axis: int, inverse: bool) -> jax.Array
       from_even = jax.lax.ppermute(first, CONTEXT_AXIS, even)
       from_odd = jax.lax.ppermute(second, CONTEXT_AXIS, odd)
       parity = me % 2 == 0
-      return jnp.concatenate([jnp.where(parity, from_even, from_odd), jnp.where(parity, from_odd, from_even)], axis=axis)
+      return jnp.concatenate([jnp.where(parity, from_even, from_odd), jnp.where(parity, from_odd, from_even)],
+                             axis=axis)
     parity = me % 2 == 0  # this device's even chunk (the one whose contiguous place is slot 0 of its holder)
     to_even, to_odd = jnp.where(parity, first, second), jnp.where(parity, second, first)
     back = lambda pairs: [(j, i) for i, j in pairs]  # noqa: E731
