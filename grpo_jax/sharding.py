@@ -100,7 +100,9 @@ def _sizes(shape) -> str:
 
 
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds a ('data', 'fsdp', 'tensor', 'expert') mesh over `devices` (default: all devices)."""
+  """Builds a ('data', 'fsdp', 'tensor', 'expert', 'context') mesh over `devices` (default: all
+  devices). On a TPU slice each axis must be a product of the torus' dimensions (jax.make_mesh's
+  rule): one that is not is refused in one line."""
   devices = list(devices) if devices is not None else jax.devices()
   if is_hybrid(config, devices):
     return _hybrid_mesh(config, devices)
@@ -113,7 +115,11 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
   if math.prod(shape) != len(devices):
     raise UserError(f'mesh: {_sizes(shape).replace(" ", " x ")} = {math.prod(shape)} devices, '
                     f'but {len(devices)} are available')
-  return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+  try:
+    return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+  except NotImplementedError as error:  # a TPU torus that the axes' sizes do not factor
+    raise UserError(f'mesh: {_sizes(shape).replace(" ", " x ")} does not lay out on these {len(devices)} '
+                    f'devices\' torus: {str(error).split(". ")[0]}') from None
 
 
 def is_hybrid(config: MeshConfig, devices: Sequence[jax.Device]) -> bool:
