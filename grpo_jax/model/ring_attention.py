@@ -110,9 +110,10 @@ def _exchange(x: jax.Array, devices: int, axis: int, inverse: bool) -> jax.Array
 
 
 def _block_stats(q, k, v, mask, chunk: int):
-  """One block's online-softmax statistics: q [B, t, K, G, H] (scaled) over k, v [B, s, K, H] under
-  mask [B, t, s] -> (max, sum [B, K, G, t], weighted values [B, K, G, t, Hv]) in fp32, `chunk`
-  queries at a time (each chunk rematerialised: O(chunk x s) scores live)."""
+  """One block's online-softmax statistics: q [B, t, K, G, H] over k, v [B, s, K, H] under mask
+  [B, t, s] -> (max, sum [B, K, G, t], weighted values [B, K, G, t, Hv]) in fp32, the scores scaled
+  by H^-1/2 in fp32 as `attention.grouped_attention` scales them, `chunk` queries at a time (each
+  chunk rematerialised: O(chunk x s) scores live)."""
   neg = jnp.finfo(jnp.float32).min
   batch, length = q.shape[:2]
   chunk = min(chunk, length)
@@ -122,7 +123,7 @@ def _block_stats(q, k, v, mask, chunk: int):
   @jax.checkpoint
   def one(inputs):
     q_chunk, mask_chunk = inputs
-    s = jnp.einsum('BTKGH,BSKH->BKGTS', q_chunk, k, preferred_element_type=jnp.float32)
+    s = jnp.einsum('BTKGH,BSKH->BKGTS', q_chunk, k, preferred_element_type=jnp.float32) * (q.shape[-1] ** -0.5)
     s = jnp.where(mask_chunk[:, None, None], s, neg)
     m = s.max(axis=-1)
     p = jnp.where(mask_chunk[:, None, None], jnp.exp(s - m[..., None]), 0.0)
@@ -160,8 +161,7 @@ def _local_ring(q, k, v, slots, segments, ordinals, window, *, devices: int, chu
   (tests: the ring then misses it)."""
   batch, length, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
-  grouped = (q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
-             * jnp.asarray(head_dim ** -0.5, q.dtype))
+  grouped = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
   me = jax.lax.axis_index(CONTEXT_AXIS)
   half = length // 2
 
