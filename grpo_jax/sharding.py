@@ -189,6 +189,13 @@ def split_axes(size: int, logical: str, mesh_shape: dict) -> tuple[str, ...]:
   return () if first is None else (first,) if isinstance(first, str) else tuple(first)
 
 
+def row_and_length_axes(rows: int, length: int, mesh_shape: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(the mesh axes that split a [B, T] array's rows by the 'batch' rule, those left that split its
+  length by the 'seq' rule: context parallelism's), as the flattened B x T tokens lie over them."""
+  row_axes = split_axes(rows, 'batch', mesh_shape)
+  return row_axes, split_axes(length, 'seq', {name: size for name, size in mesh_shape.items() if name not in row_axes})
+
+
 _ENTERED = threading.local()  # the meshes `use_mesh` entered, innermost last
 
 

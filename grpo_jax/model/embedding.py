@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from grpo_jax.sharding import auto_shape, split_axes
+from grpo_jax.sharding import auto_shape, row_and_length_axes, split_axes
 
 
 def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -29,10 +29,9 @@ def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   if mesh.empty or tokens.ndim == 0:
     return jnp.take(table, tokens, axis=0)
   shape = auto_shape(mesh)
-  row_axes = split_axes(tokens.shape[0], 'batch', shape)
   # Rows of tokens [B, T] split along their length too (context parallelism): T over the 'seq' axes.
-  unused = {name: size for name, size in shape.items() if name not in row_axes}
-  length_axes = split_axes(tokens.shape[1], 'seq', unused) if tokens.ndim == 2 else ()
+  row_axes, length_axes = (row_and_length_axes(*tokens.shape, shape) if tokens.ndim == 2 else
+                           (split_axes(tokens.shape[0], 'batch', shape), ()))
   token_axes = row_axes + length_axes
   scatter_axes = tuple(axis for axis in split_axes(table.shape[1], 'embed', shape) if axis in token_axes)
   if not token_axes:

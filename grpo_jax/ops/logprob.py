@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from grpo_jax.errors import UserError
 from grpo_jax.ops.tiles import (F32, CONTRACT_TOKENS, CONTRACT_VOCAB, dot_precision, finish_stats,
                                 initial_stats, logit_gradient, update_stats)
-from grpo_jax.sharding import auto_shape, split_axes
+from grpo_jax.sharding import auto_shape, row_and_length_axes, split_axes
 
 LogprobImplementation = Literal['auto', 'pallas', 'pallas_mosaic', 'pallas_triton', 'xla_chunked',
                                 'naive', 'exact']
@@ -238,8 +238,7 @@ def _mesh_axes(tokens: tuple[int, ...], vocab: int) -> tuple[tuple[str, ...], tu
   shape = auto_shape(mesh)
   vocab_axes = split_axes(vocab, 'vocab', shape)
   if len(tokens) == 2:
-    rows = split_axes(tokens[0], 'batch', shape)
-    length = split_axes(tokens[1], 'seq', {name: size for name, size in shape.items() if name not in rows})
+    rows, length = row_and_length_axes(*tokens, shape)
     if length:
       return rows + length, vocab_axes
   return split_axes(math.prod(tokens), 'batch', shape), vocab_axes
