@@ -330,19 +330,18 @@ class Qwen2(nnx.Module, CacheDecoding):
     ordinals = segment_positions(segment_ids)  # the default positions; what a sliding window counts
     if positions is None:
       positions = ordinals
-    slots = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     context, length = context_size(), tokens.shape[1]
+    padded = length + -length % (2 * context) if context > 1 else length  # the zig-zag layout's 2c chunks
+    slots = jnp.broadcast_to(jnp.arange(padded, dtype=jnp.int32), (tokens.shape[0], padded))
     if context > 1:
       # Context parallelism: the rows padded to 2c chunks (pads of segment 0, which no real token
       # sees), every per-token input in the zig-zag order the context axis holds them in, attention by
       # the ring; the hidden states (and routes) come back in the row's order, the pads cut.
       def zigzag(x, axis=1, pad_value=None):
         pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, -length % (2 * context))
+        pad[axis] = (0, padded - length)
         x = jnp.pad(x, pad, mode='edge') if pad_value is None else jnp.pad(x, pad, constant_values=pad_value)
         return to_zigzag(x, context, axis)
-      padded = length + -length % (2 * context)
-      slots = jnp.broadcast_to(jnp.arange(padded, dtype=jnp.int32), (tokens.shape[0], padded))
       segment_ids, ordinals, positions, slots = (zigzag(segment_ids, pad_value=0), zigzag(ordinals), zigzag(positions),
                                                  to_zigzag(slots, context))
       attend = functools.partial(ring_attention, slots=slots, segments=segment_ids, chunk=self.options.attention_chunk,

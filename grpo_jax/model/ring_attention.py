@@ -33,13 +33,18 @@ from grpo_jax.sharding import auto_shape, current_mesh
 CONTEXT_AXIS = 'context'
 
 
-def zigzag_order(length: int, devices: int) -> jax.Array:
-  """[T] the row's token indices in the order the context axis holds them: 2c chunks, device i
-  holding chunk i then chunk 2c - 1 - i (T a multiple of 2c)."""
+def _chunk(length: int, devices: int) -> int:
+  """Tokens per chunk of a row of `length` cut into the 2c chunks of the zig-zag layout."""
   if length % (2 * devices):
     raise ValueError(f'a context axis of {devices} splits rows into {2 * devices} chunks: '
                      f'{length} tokens do not divide')
-  chunk = length // (2 * devices)
+  return length // (2 * devices)
+
+
+def zigzag_order(length: int, devices: int) -> jax.Array:
+  """[T] the row's token indices in the order the context axis holds them: 2c chunks, device i
+  holding chunk i then chunk 2c - 1 - i (T a multiple of 2c)."""
+  chunk = _chunk(length, devices)
   order = []
   for device in range(devices):
     order += [device, 2 * devices - 1 - device]
@@ -58,10 +63,10 @@ def to_zigzag(x: jax.Array, devices: int, axis: int = 1) -> jax.Array:
   whose context axis (of size `devices`) splits that axis, two collective permutes of half a
   device's tokens each (`_exchange`); elsewhere reshapes and one reversal."""
   axis = axis % x.ndim
-  zigzag_order(x.shape[axis], devices)  # the check
+  chunk = _chunk(x.shape[axis], devices)
   if context_size() == devices > 1:
     return _exchange(x, devices, axis, inverse=False)
-  chunks = x.reshape(x.shape[:axis] + (2, devices, x.shape[axis] // (2 * devices)) + x.shape[axis + 1:])
+  chunks = x.reshape(x.shape[:axis] + (2, devices, chunk) + x.shape[axis + 1:])
   first, second = jnp.take(chunks, 0, axis=axis), jnp.flip(jnp.take(chunks, 1, axis=axis), axis=axis)
   return jnp.stack([first, second], axis=axis + 1).reshape(x.shape)
 
