@@ -190,7 +190,7 @@ def test_split_devices_across_processes_equal_one_process_and_resume(tmp_path):
           '--set', 'algo.tis_cap=2']
   one_process(tmp_path / 'one', '--set', 'train.steps=4', base=base)
   first = launch(tmp_path / 'two', 2, 4, '--set', 'train.steps=2', base=base)
-  assert 'data=1 x fsdp=4 x tensor=1 x expert=1 (4 devices) over 2 process(es)' in first[0].stdout
+  assert 'data=1 x fsdp=4 x tensor=1 x expert=1 x context=1 (4 devices) over 2 process(es)' in first[0].stdout
   resumed = launch(tmp_path / 'two', 2, 4, '--set', 'train.steps=4', base=base)
   assert 'resumed from' in resumed[0].stderr and 'eval at step 4' in resumed[0].stderr
   reference = metrics(tmp_path / 'one')
@@ -213,12 +213,12 @@ def test_hybrid_sharding_over_two_processes_equals_one_and_resumes_on_one_proces
                base=base)
   # Process 0 alone reports; process 1 joins every step and checkpoint and writes no logs.
   assert 'mean reward' in two[0].stdout and 'mean reward' not in two[1].stdout
-  assert 'data=2 x fsdp=2 x tensor=1 x expert=2 (8 devices) over 2 process(es)' in two[0].stdout
+  assert 'data=2 x fsdp=2 x tensor=1 x expert=2 x context=1 (8 devices) over 2 process(es)' in two[0].stdout
   assert sorted(os.listdir(tmp_path / 'two' / 'checkpoints')) == ['2', '4']
   reference = metrics(tmp_path / 'one')
   assert all(row['grad_norm'] > 0 for row in reference) and reference[-1]['kl'] > 0
   assert_same_run(metrics(tmp_path / 'two'), reference[:4])
   resumed = launch(tmp_path / 'two', 1, 8, '--set', 'train.steps=6', '--set', 'mesh.expert=4', base=base)
   assert 'resumed from' in resumed[0].stderr and 'mesh.expert: 2 -> 4' in resumed[0].stderr, resumed[0].stderr[-2000:]
-  assert 'data=1 x fsdp=2 x tensor=1 x expert=4 (8 devices) over 1 process(es)' in resumed[0].stdout
+  assert 'data=1 x fsdp=2 x tensor=1 x expert=4 x context=1 (8 devices) over 1 process(es)' in resumed[0].stdout
   assert_same_run(metrics(tmp_path / 'two'), reference)

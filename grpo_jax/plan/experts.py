@@ -16,10 +16,10 @@ import re
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.model.expert_parallel import BATCH_AXES, WEIGHT_AXES, experts_forward
+from grpo_jax.model.expert_parallel import WEIGHT_AXES, experts_forward
 from grpo_jax.ops.grouped_matmul import IMPLEMENTATIONS, QWEN3_30B_A3B, expert_mlp
 from grpo_jax.plan import targets, traffic
-from grpo_jax.sharding import MeshConfig, make_mesh, named_sharding
+from grpo_jax.sharding import LOGICAL_AXIS_RULES, MeshConfig, make_mesh, named_sharding
 
 
 # ---- the grouped expert MLP on one chip (tests/test_grouped_matmul.py, bench/moe.py) ----
@@ -115,7 +115,7 @@ def compile_layer(target_name: str, mesh_shape: dict, tokens_per_device: int = 5
   config = MeshConfig(**{'fsdp': 1, **mesh_shape})
   target = targets.parse_target(target_name)
   mesh = make_mesh(config, target.devices()[:math.prod(config.shape)])
-  rows = math.prod(dict(mesh.shape)[axis] for axis in BATCH_AXES)
+  rows = math.prod(dict(mesh.shape)[axis] for axis in dict(LOGICAL_AXIS_RULES)['batch'])
   shapes = [((rows, tokens_per_device, model), dtype, ('batch', 'seq', 'act_embed')),
             ((rows, tokens_per_device, top_k), jnp.int32, ('batch', 'seq', None)),
             ((rows, tokens_per_device, top_k), dtype, ('batch', 'seq', None)),
