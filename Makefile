@@ -34,7 +34,7 @@ $(VENV)/.extras: requirements-extras.txt $(VENV)/.runtime
 # torch on the CPU only (as its CPU build, without triton, did), and triton's native library
 # crashed a test process that had already loaded jaxlib's own Triton lowering (a segfault on
 # importing triton from transformers). So it is removed.
-$(VENV)/.test: requirements-test.txt $(VENV)/.extras
+$(VENV)/.test: requirements-test.txt requirements-trackers.txt $(VENV)/.extras
 	$(BIN)/pip install --quiet -r requirements-test.txt
 	$(BIN)/pip uninstall --quiet --yes triton
 	touch $@

@@ -37,6 +37,7 @@ from grpo_jax.rl.optimizer import OptimConfig
 from grpo_jax.sampler.rollout import RolloutConfig
 from grpo_jax.sections import Arguments, is_inline, section
 from grpo_jax.sharding import MeshConfig
+from grpo_jax.trackers import LOGGERS, TRACKERS
 
 __all__ = ['AlgoConfig', 'Config', 'EvalConfig', 'ModelConfig', 'OptimConfig', 'RolloutConfig', 'RunConfig',
            'TaskSection', 'TrainConfig', 'load_config']
@@ -65,7 +66,21 @@ class TrainConfig:
   max_to_keep: int = 3  # checkpoints kept in workdir/checkpoints
   max_consecutive_skips: int = 5  # stop after this many updates in a row with non-finite loss or grads
   progress: bool = True  # live progress bar on stderr
-  tensorboard: bool = True  # TensorBoard events through clu (importing it loads TensorFlow: about 5 s)
+  tensorboard: bool = True  # TensorBoard events through clu (importing it loads TensorFlow: about 5 s); false drops
+  # 'tensorboard' from loggers
+  # What logs each step (grpo_jax/trackers.py): jsonl (metrics.jsonl, always written) | tensorboard | wandb | mlflow
+  loggers: tuple[str, ...] = ('jsonl', 'tensorboard')
+  required_loggers: tuple[str, ...] = ()  # trackers that must start (else the run stops); others are one line if not
+  wandb_project: str = 'grpo_jax'
+  wandb_entity: str | None = None  # None: the login's default entity
+  wandb_mode: Literal['auto', 'online', 'offline'] = 'auto'  # auto: $WANDB_MODE, else online with an API key, else offline
+  mlflow_tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///<workdir>/mlflow.db
+  mlflow_experiment: str | None = None  # None: run.name
+  # Hugging Face snapshots of the policy while training (grpo_jax/snapshots.py): every N steps (0: never) into
+  # <workdir>/hf/step_<N>, beside the orbax checkpoints, written by a background thread
+  export_hf_every: int = 0
+  export_hf_lora: Literal['adapters', 'merged'] = 'adapters'  # a LoRA run's snapshot: PEFT adapters, or merged weights
+  export_hf_max_to_keep: int = 0  # snapshots kept (the oldest removed first); 0: every one
 
   def __post_init__(self):
     with section('train'):
@@ -78,6 +93,25 @@ class TrainConfig:
       require(self.max_to_keep >= 1, 'max_to_keep', f'must be >= 1, got {self.max_to_keep}')
       require(self.max_consecutive_skips >= 1, 'max_consecutive_skips',
               f'must be >= 1, got {self.max_consecutive_skips}')
+      unknown = [name for name in self.loggers + self.required_loggers if name not in LOGGERS]
+      require(not unknown, 'loggers' if unknown and unknown[0] in self.loggers else 'required_loggers',
+              f'{unknown[0] if unknown else ""!r} is not a logger; choose among {", ".join(LOGGERS)}')
+      require(len(set(self.loggers)) == len(self.loggers), 'loggers', f'names a logger twice: {list(self.loggers)}')
+      missing = [name for name in self.required_loggers if name not in self.loggers]
+      require(not missing, 'required_loggers', f'names {missing[0] if missing else ""!r}, which train.loggers does '
+              f'not ({list(self.loggers)})')
+      require(all(name in TRACKERS for name in self.required_loggers), 'required_loggers',
+              f'names trackers ({", ".join(TRACKERS)}); jsonl and tensorboard always start')
+      require(self.export_hf_every >= 0, 'export_hf_every', f'must be >= 0, got {self.export_hf_every}')
+      require(self.export_hf_every % self.steps_per_call == 0, 'export_hf_every',
+              f'({self.export_hf_every}) must be a multiple of train.steps_per_call ({self.steps_per_call}): '
+              'snapshots are taken between jitted calls')
+      require(self.export_hf_max_to_keep >= 0, 'export_hf_max_to_keep',
+              f'must be >= 0, got {self.export_hf_max_to_keep}')
+
+  @property
+  def writes_tensorboard(self) -> bool:
+    return self.tensorboard and 'tensorboard' in self.loggers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,10 +52,12 @@ class MetricsLog:
   """
 
   def __init__(self, workdir: str, *, resume_step: int = 0, tensorboard: bool = True, name: str = 'metrics.jsonl',
-               write: bool = True):
+               write: bool = True, trackers=None):
     """write=False (processes other than 0 of a multi-host run): the history is kept in memory
-    only, and no file or event is written."""
+    only, and no file or event is written. `trackers` (grpo_jax/trackers.py Trackers) get each row
+    too; whoever opened them closes them."""
     self.path = os.path.join(workdir, name)
+    self.trackers = trackers
     self.history: list[dict] = []
     self.file = self.writer = None
     if not write:
@@ -80,6 +82,8 @@ class MetricsLog:
     self.file.flush()
     if self.writer is not None:
       self.writer.write_scalars(step, {k: v for k, v in row.items() if k != 'step' and v is not None})
+    if self.trackers is not None:
+      self.trackers.log(step, row)
     return row
 
   def close(self) -> None:

@@ -32,6 +32,7 @@ from grpo_jax.model.hf_config import to_hf_dict
 from grpo_jax.rl.held import Held
 from grpo_jax.rl.state import TrainState, create_train_state
 from grpo_jax.sampler.layout import split_devices
+from grpo_jax.trackers import Trackers
 
 
 def parse_args(argv):
@@ -209,8 +210,11 @@ class Run:
       with open(os.path.join(workdir, 'config.yaml'), 'w') as f:
         f.write(resolved)
       print(f'# resolved config (saved to {workdir}/config.yaml)\n{resolved}', flush=True)
+    self.trackers = Trackers.open(config.train, config.run.name, config_lib.to_dict(config), workdir, self.step,
+                                  self.primary)
     self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step, write=self.primary,
-                                      tensorboard=config.train.tensorboard)
+                                      tensorboard=config.train.writes_tensorboard, trackers=self.trackers)
+    self.workdir = workdir
     self.num_params = model.config.num_params()
     self.peak_flops = metrics_lib.matmul_peak_flops(config.model.options.dtype)
     adapters = None if frozen is None else sum(x.size for x in jax.tree.leaves(trained))
@@ -279,9 +283,16 @@ class Run:
     skips = int(distributed.host_value(self.state.skips))
     return stop_on_skips(self.checkpointer, skips, self.config.train.max_consecutive_skips, self.step)
 
-  def close(self) -> None:
+  def close(self, completed: bool = True) -> None:
+    """Ends the run's checkpoints and logs; a completed run's trackers get its plots and files first."""
     self.checkpointer.close()
     self.log.close()
+    if self.trackers:
+      if completed:
+        files = plots(self.log.history, self.workdir, self.config.run.name)
+        self.trackers.log_files(self.step, files + [os.path.join(self.workdir, name) for name in
+                                                    ('eval.jsonl', 'config.yaml')])
+      self.trackers.close(failed=not completed)
 
 
 class InTrainingEval:
@@ -302,8 +313,10 @@ class InTrainingEval:
   def __call__(self) -> dict:
     step = self.run.step
     with jax.set_mesh(self.run.mesh):
-      summary = self.evaluator.run(self.run.state.policy, os.path.join(self.workdir, 'eval', f'samples_{step}.jsonl'))
+      samples = os.path.join(self.workdir, 'eval', f'samples_{step}.jsonl')
+    summary = self.evaluator.run(self.run.state.policy, samples)
     self.log.write(step, summary)
+    self.run.trackers.log_samples(step, samples)
     shown = ', '.join(f'{name[5:]} {value:.3f}' for name, value in summary.items()
                       if name.count('/') == 1 and isinstance(value, float))
     if self.run.primary:
@@ -321,6 +334,7 @@ def train(config: config_lib.Config, workdir: str, mesh, model) -> list[dict]:
   evaluation = None
   try:
     run = Run(config, workdir, mesh, model, task)
+    completed = False
     try:
       total, every = config.train.steps, config.train.checkpoint_every
       if config.eval.every:
@@ -348,25 +362,36 @@ def train(config: config_lib.Config, workdir: str, mesh, model) -> list[dict]:
           run.save()
       if run.saved_step != run.step:
         run.save()
+      completed = True
     finally:
       if evaluation is not None:
         evaluation.close()
-      run.close()
+      run.close(completed)
   finally:
     task.close()  # the math task's reward worker processes
   return run.log.history
 
 
-def report(history: list[dict], workdir: str, name: str) -> None:
-  print('\n' + metrics_lib.summary_table(history))
+def plots(history: list[dict], workdir: str, name: str) -> list[str]:
+  """The run's reward plots written into the workdir (reward.png; reward_terms.png with two terms or
+  more): their paths, none without matplotlib."""
   plot = metrics_lib.plot_rewards(history, os.path.join(workdir, 'reward.png'), f'{name}: mean reward per step')
   terms = metrics_lib.plot_reward_terms(history, os.path.join(workdir, 'reward_terms.png'),
                                         f'{name}: each reward term (raw) per step')
+  return [path for path in (plot, terms) if path]
+
+
+def report(history: list[dict], workdir: str, name: str) -> None:
+  print('\n' + metrics_lib.summary_table(history))
+  written = plots(history, workdir, name)
+  plot, terms = (any(path.endswith(f'/{file}') for path in written) for file in ('reward.png', 'reward_terms.png'))
   first = [row['reward_mean'] for row in history[:10]]
   last = [row['reward_mean'] for row in history[-10:]]
   print(f'\nmean reward: first {len(first)} steps {sum(first) / len(first):.3f}, '
         f'last {len(last)} steps {sum(last) / len(last):.3f}')
-  print(f'outputs: {workdir} (config.yaml, metrics.jsonl, tensorboard/, checkpoints/'
+  logs = ''.join(f', {name}' for name in ('tensorboard/', 'wandb/', 'mlflow.db')
+                 if os.path.exists(os.path.join(workdir, name.rstrip('/'))))
+  print(f'outputs: {workdir} (config.yaml, metrics.jsonl{logs}, checkpoints/'
         f'{", reward.png" if plot else ""}{", reward_terms.png" if terms else ""})')
 
 

@@ -43,6 +43,7 @@ from grpo_jax.rl.preference_packing import PackedLayout, micro_batch_lengths, pa
 from grpo_jax.rl.state import TrainState, create_train_state, train_state_shardings
 from grpo_jax.sharding import MeshConfig
 from grpo_jax.train import base_record, changed_keys, check_base, check_workdir, stop_on_skips
+from grpo_jax.trackers import Trackers
 
 KIND = 'reward_model'  # a checkpoint's meta says which trainer wrote it
 EXPORT_DIR = 'reward_model'
@@ -66,6 +67,9 @@ class RewardModelConfig:
   def __post_init__(self):
     require(self.train.steps_per_call == 1, 'train.steps_per_call',
             f'must be 1 for a reward model (one update per call), got {self.train.steps_per_call}')
+    require(self.train.export_hf_every == 0, 'train.export_hf_every',
+            f'applies to RL runs; a reward model is written in the hub layout at the end ({EXPORT_DIR}/), got '
+            f'{self.train.export_hf_every}')
 
 
 def load_config(path: str | None, overrides=()) -> RewardModelConfig:
@@ -116,7 +120,10 @@ class RewardRun:
     self._open_checkpoints()
     with open(os.path.join(workdir, 'config.yaml'), 'w') as f:
       f.write(config_lib.to_yaml(config))
-    self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step, tensorboard=config.train.tensorboard)
+    self.trackers = Trackers.open(config.train, config.run.name, config_lib.to_dict(config), workdir, self.step,
+                                  primary=True)
+    self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step, tensorboard=config.train.writes_tensorboard,
+                                      trackers=self.trackers)
     # A run that starts from nothing evaluates its untrained model again: a baseline row left by a run
     # killed before its first checkpoint goes, as the steps it logged do.
     self.eval_log = metrics_lib.MetricsLog(workdir, resume_step=self.step or -1, tensorboard=False, name='eval.jsonl')
@@ -241,15 +248,19 @@ class RewardRun:
     os.replace(staging, out)
     return out
 
-  def close(self) -> None:
+  def close(self, completed: bool = True) -> None:
     self.checkpointer.close()
     self.log.close()
     self.eval_log.close()
+    if completed:
+      self.trackers.log_files(self.step, [os.path.join(self.workdir, name) for name in ('eval.jsonl', 'config.yaml')])
+    self.trackers.close(failed=not completed)
 
 
 def train(config: RewardModelConfig, workdir: str, mesh) -> list[dict]:
   """Runs (or resumes) the loop to `train.steps`, then exports; returns the metrics history."""
   run = RewardRun(config, workdir, mesh)
+  completed = False
   try:
     total, every, evaluate_every = config.train.steps, config.train.checkpoint_every, config.eval.every
     print(f'pairs: {run.data.report}', file=sys.stderr, flush=True)
@@ -274,8 +285,9 @@ def train(config: RewardModelConfig, workdir: str, mesh) -> list[dict]:
     exported = run.export()
     print(f'outputs: {workdir} (config.yaml, metrics.jsonl, eval.jsonl, checkpoints/, {EXPORT_DIR}/ = {exported})',
           file=sys.stderr, flush=True)
+    completed = True
   finally:
-    run.close()
+    run.close(completed)
   return run.log.history
 
 
