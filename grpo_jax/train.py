@@ -32,6 +32,7 @@ from grpo_jax.model.hf_config import to_hf_dict
 from grpo_jax.rl.held import Held
 from grpo_jax.rl.state import TrainState, create_train_state
 from grpo_jax.sampler.layout import split_devices
+from grpo_jax.snapshots import Snapshots
 from grpo_jax.trackers import Trackers
 
 
@@ -215,6 +216,7 @@ class Run:
     self.log = metrics_lib.MetricsLog(workdir, resume_step=self.step, write=self.primary,
                                       tensorboard=config.train.writes_tensorboard, trackers=self.trackers)
     self.workdir = workdir
+    self.snapshots = Snapshots(config, workdir, model, task, self.primary)
     self.num_params = model.config.num_params()
     self.peak_flops = metrics_lib.matmul_peak_flops(config.model.options.dtype)
     adapters = None if frozen is None else sum(x.size for x in jax.tree.leaves(trained))
@@ -285,6 +287,7 @@ class Run:
 
   def close(self, completed: bool = True) -> None:
     """Ends the run's checkpoints and logs; a completed run's trackers get its plots and files first."""
+    self.snapshots.close()
     self.checkpointer.close()
     self.log.close()
     if self.trackers:
@@ -353,6 +356,8 @@ def train(config: config_lib.Config, workdir: str, mesh, model) -> list[dict]:
         step = first + len(rows)
         if evaluation is not None and evaluation.due(step):
           rows[-1].update(evaluation())
+        if run.snapshots.due(step, last=step == total):  # the wait: the policy's copy to the host
+          rows[-1]['export_hf_s'] = run.snapshots.take(step, run.state)
         for offset, row in enumerate(rows, start=1):
           written = run.record(first + offset, row)
         progress.update(step, written['reward_mean'])

@@ -233,9 +233,15 @@ def save_hf(model: Qwen2, directory: str, *, max_shard_bytes: int = 4 << 30) -> 
   Shards are planned from the tensors' shapes first, then each tensor is produced and written
   one at a time, so host memory holds one tensor beyond the model itself.
   """
+  save_hf_params(nnx.state(model), model.config, directory, model.param_dtype.name, max_shard_bytes=max_shard_bytes)
+
+
+def save_hf_params(state: nnx.State, config, directory: str, dtype: str, *, max_shard_bytes: int = 4 << 30) -> None:
+  """`save_hf` of a model's parameter state (device or host arrays, e.g. a training run's policy
+  copied to the host) and its Qwen2Config; `dtype` the config.json's torch_dtype."""
   os.makedirs(directory, exist_ok=True)
-  params = {path: variable.get_value() for path, variable in nnx.to_flat_state(nnx.state(model))}
-  entries = list(weights.hf_tensors(params, model.config))
+  params = {path: variable.get_value() for path, variable in nnx.to_flat_state(state)}
+  entries = list(weights.hf_tensors(params, config))
   groups: list[list[weights.TensorEntry]] = [[]]
   size = 0
   for entry in entries:
@@ -255,7 +261,7 @@ def save_hf(model: Qwen2, directory: str, *, max_shard_bytes: int = 4 << 30) -> 
     with open(os.path.join(directory, weights.INDEX_FILE), 'w') as f:
       json.dump({'metadata': {'total_size': sum(e.nbytes for e in entries)}, 'weight_map': weight_map},
                 f, indent=2)
-  _write_config(model.config, directory, model.param_dtype.name)
+  _write_config(config, directory, dtype)
 
 
 def from_pretrained(path: str, dtype=None, *, mesh: Mesh | None = None,
