@@ -239,6 +239,7 @@ class Trackers:
 
   def __init__(self, trackers: list, required: tuple[str, ...]):
     self.trackers, self.required = trackers, required
+    self.samples: list[tuple[int, str]] = []  # evaluations' samples waiting for their step's row
 
   @classmethod
   def open(cls, train, run_name: str, config: dict, workdir: str, resume_step: int, primary: bool) -> 'Trackers':
@@ -289,11 +290,22 @@ class Trackers:
 
   def log(self, step: int, row: dict) -> None:
     if self.trackers:
+      self._flush_samples(before=step)
       scalars = {k: v for k, v in row.items() if k != 'step' and v is not None and math.isfinite(v)}
       self._each('log', step, scalars)
+      self._flush_samples(before=step + 1)
 
   def log_samples(self, step: int, path: str) -> None:
-    self._each('log_samples', step, path)
+    """An evaluation's samples at `step`, logged once the step's row is: a fused call evaluates
+    after its last step, before its K rows are logged, and W&B drops a step logged after a later one."""
+    if self.trackers:
+      self.samples.append((step, path))
+
+  def _flush_samples(self, before: int) -> None:
+    due = [(step, path) for step, path in self.samples if step < before]
+    self.samples = [(step, path) for step, path in self.samples if step >= before]
+    for step, path in due:
+      self._each('log_samples', step, path)
 
   def log_files(self, step: int, paths: list[str]) -> None:
     paths = [p for p in paths if p and os.path.exists(p)]
@@ -301,6 +313,7 @@ class Trackers:
       self._each('log_files', step, paths)
 
   def close(self, failed: bool) -> None:
+    self._flush_samples(before=math.inf)
     self._each('close', failed)
     self.trackers = []
 

@@ -75,7 +75,7 @@ def wandb_runs(workdir: str) -> list[dict]:
         step = items.pop('_step')
         tables = sorted({name.removesuffix('/_type') for name, value in items.items()
                          if name.endswith('/_type') and value == 'table-file'})
-        run['tables'] += tables
+        run['tables'] += [(step, table) for table in tables]
         run['history'][step] = {name: value for name, value in items.items() if not name.startswith('_')
                                 and not any(name.startswith(table + '/') for table in tables)}
     runs.append(run)
@@ -117,9 +117,11 @@ def test_scalars_config_samples_and_resume_into_the_same_runs(offline, tmp_path)
 
   first = Trackers.open(_train(), 'trial', config, workdir, resume_step=0, primary=True)
   assert [tracker.name for tracker in first.trackers] == ['wandb', 'mlflow']
-  for step in range(1, 5):
+  for step in range(1, 3):
     first.log(step, rows[step])
-  first.log_samples(4, samples)
+  first.log_samples(4, samples)  # as a fused call of steps 3-4 evaluates after step 4, before logging its rows
+  for step in range(3, 5):
+    first.log(step, rows[step])
   first.close(failed=True)  # the process died after step 4; its checkpoint is step 2's
   stored = json.load(open(os.path.join(workdir, 'trackers.json')))
 
@@ -142,7 +144,7 @@ def test_scalars_config_samples_and_resume_into_the_same_runs(offline, tmp_path)
       assert logged == expected, step
   assert folders[0]['config']['algo']['group_size'] == config['algo']['group_size']
   assert folders[1]['config']['algo']['group_size'] == 16
-  assert folders[0]['tables'] == ['eval/samples']
+  assert folders[0]['tables'] == [(4, 'eval/samples')]
 
   client, run = mlflow_run(workdir, stored['mlflow'])
   for name in ('reward_mean', 'eval/pass@1'):
