@@ -38,7 +38,7 @@ from grpo_jax.model import ModelOptions, Qwen2Config, init_model  # noqa: E402
 from grpo_jax.ops.logprob import token_logprobs  # noqa: E402
 from grpo_jax.sampler import DecodeSettings, GroupSampler, SamplingConfig  # noqa: E402
 
-FORBIDDEN = ('jetstream', 'seqio', 'tensorflow', 'torch')
+FORBIDDEN = ('jetstream', 'seqio', 'tensorflow', 'torch', 'wandb', 'mlflow')  # the trackers: only when named
 
 
 def check(name, ok, detail=''):
@@ -154,7 +154,7 @@ def main():
     check(f'RL steps of the {name} config', len(steps) == 3 and all(np.isfinite(row['policy_loss']) for row in steps),
           f'{len(steps)} steps')
   loaded = sorted(name for name in sys.modules if name.split('.')[0] in FORBIDDEN)
-  check('no jetstream, seqio, tensorflow or torch imported', not loaded, ', '.join(loaded[:5]))
+  check('no jetstream, seqio, tensorflow, torch, wandb or mlflow imported', not loaded, ', '.join(loaded[:5]))
 
 
 if __name__ == '__main__':
