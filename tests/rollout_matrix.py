@@ -2,9 +2,9 @@
 one device and on a mesh, against the path's one-device or non-composed reference), the test of
 the one-line refusal that stops it at start, or what is still open.
 
-The README's table ("Rollout paths by model kind") is `markdown()` of this table, and
+docs/rollout-paths.md's table is `markdown()` of this table, and
 tests/test_rollout_matrix.py checks both ways: every test named here is collected by pytest under
-that id, every refusal's test is named, and the README holds exactly this table. Run
+that id, every refusal's test is named, and docs/rollout-paths.md holds exactly this table. Run
 `python tests/rollout_matrix.py` to print it.
 """
 
@@ -225,7 +225,7 @@ def _short(test: str) -> str:
 
 
 def markdown() -> str:
-  """The README's table: a row per path, a column per kind, each cell its status; then the tests."""
+  """docs/rollout-paths.md's table: a row per path, a column per kind, each cell its status; then the tests."""
   lines = ['| path | ' + ' | '.join(KINDS.values()) + ' |', '|---' * (len(KINDS) + 1) + '|']
   for path, path_name in PATHS.items():
     lines.append(f'| {path_name} | ' + ' | '.join(CELLS[path, kind].status for kind in KINDS) + ' |')

@@ -1,4 +1,4 @@
-"""A custom environment as a new user writes it: the README's `my_env.py`, its arguments from
+"""A custom environment as a new user writes it: docs/agents.md's `my_env.py`, its arguments from
 task.environment_args, the text a turn hands the environment and the text it answers with, the
 run's turn bounds, and a few RL steps of it on a tiny model."""
 
@@ -21,15 +21,15 @@ from grpo_jax.model import load_tokenizer
 from runs import ROOT, read_metrics, train_here
 from test_math_task import chat_tokenizer_dir
 
-README_MODULE = 'readme_env'
+README_MODULE = 'docs_env'
 PADDED = 6  # the model's vocabulary runs this many ids past the tokenizer's, as Qwen2.5's does
 
 
 @pytest.fixture(scope='module')
 def setup(tmp_path_factory):
-  """The README's environment as an importable module, a chat tokenizer and a run config using both."""
+  """docs/agents.md's environment as an importable module, a chat tokenizer and a run config using both."""
   directory = tmp_path_factory.mktemp('custom_env')
-  with open(os.path.join(ROOT, 'README.md')) as f:
+  with open(os.path.join(ROOT, 'docs', 'agents.md')) as f:
     readme = f.read()
   (code,) = re.findall(r'```python\n(# my_env\.py.*?)```', readme, re.S)
   assert len(code.splitlines()) < 40
@@ -135,7 +135,7 @@ def test_the_readme_environment_trains(setup, tmp_path):
 
 @pytest.mark.exhaustive
 def test_the_readme_environment_trains_turn_by_turn_as_rendered(setup, tmp_path):
-  """task.turn_context: as_rendered on the README's environment: two RL steps train a row per turn
+  """task.turn_context: as_rendered on docs/agents.md's environment: two RL steps train a row per turn
   (the update's rows are max_turns times the episodes') on the chat template's rendering of each
   turn's conversation."""
   path, _, _ = setup

@@ -194,7 +194,7 @@ def test_tiny_math_demo_learns_shortened(tmp_path, word_problem_files):
   """configs/tiny_math.yaml cut to 120 steps: the sampled reward and the held-out pass@1 both rise
   by a clear margin (measured with the config's entropy bonus: reward 0.02 over the first 10 steps,
   0.39 over steps 111-120; pass@1 0.02 at step 0, 0.27 at step 100; the full demo's numbers are in
-  the README)."""
+  docs/math-and-rewards.md)."""
   result = tiny_math(word_problem_files, tmp_path / 'run', 'train.steps=120', 'eval.every=120',
                      'eval.max_problems=64')
   assert result.returncode == 0, result.stderr[-3000:]

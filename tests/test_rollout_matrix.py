@@ -1,5 +1,5 @@
-"""The README's table of rollout paths by model kind (tests/rollout_matrix.py) is the table the tests
-check: every test it names is collected by pytest under that id, and the README holds it as
+"""docs/rollout-paths.md's table of rollout paths by model kind (tests/rollout_matrix.py) is the table
+the tests check: every test it names is collected by pytest under that id, and the page holds it as
 `rollout_matrix.markdown()` writes it."""
 
 import os
@@ -17,11 +17,11 @@ def test_every_cell_is_in_the_table():
 
 
 def test_the_readme_holds_the_table():
-  with open(os.path.join(ROOT, 'README.md')) as f:
+  with open(os.path.join(ROOT, 'docs', 'rollout-paths.md')) as f:
     text = f.read()
-  assert BEGIN in text and END in text, 'README.md lacks the rollout matrix markers'
+  assert BEGIN in text and END in text, 'docs/rollout-paths.md lacks the rollout matrix markers'
   assert text.split(BEGIN, 1)[1].split(END, 1)[0] == markdown(), \
-      'README.md\'s rollout matrix differs from tests/rollout_matrix.py: paste `python tests/rollout_matrix.py`'
+      'docs/rollout-paths.md\'s rollout matrix differs from tests/rollout_matrix.py: paste `python tests/rollout_matrix.py`'
 
 
 def test_every_named_test_exists():

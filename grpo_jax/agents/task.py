@@ -5,7 +5,7 @@ The task section's `environment` is a built-in (`guess_number`: agents/guess.py,
 agents/tool_use.py, `spot`: agents/spot.py, which shows images) or `module:function`: a factory
 `function(config, **task.environment_args)` returning an AgentTask, imported from the Python path
 (as custom reward terms are named). A text environment's factory is a few lines with `text_task`
-(README, "Your own environment"). The RL step (rl/step.py) runs the agent's episodes in place of sampling and scoring (agents/stage.py):
+(docs/agents.md, "Your own environment"). The RL step (rl/step.py) runs the agent's episodes in place of sampling and scoring (agents/stage.py):
 everything after that — advantages, the update, dynamic sampling, checkpoints and resume — is the
 same as for any task.
 """

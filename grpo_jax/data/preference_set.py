@@ -43,7 +43,7 @@ class PreferencesConfig:
   pairs_per_batch: int = 16  # B: pairs of one optimizer update
   micro_batches: int = 1  # the batch's gradient accumulated over this many micro-batches of B / micro_batches
   center_coef: float = 0.0  # c: weight of the centering term c * mean (r_chosen + r_rejected)^2
-  packing: bool = False  # each micro-batch's conversations packed first-fit into rows of packed_length (README)
+  packing: bool = False  # each micro-batch's conversations packed first-fit into rows of packed_length (docs/math-and-rewards.md)
   packed_length: int = 0  # L: tokens of a packed row, >= max_length; 0: max_length
 
   def __post_init__(self):
