@@ -17,7 +17,7 @@ set -euo pipefail
 PROJECT="" ZONE="" NAME="" ACCELERATOR="" CONFIG="" WORKDIR="" VERSION="v2-alpha-tpuv5"
 QUEUED=0 SPOT=0 DELETE=0 DRY_RUN=0
 OVERRIDES=()
-JAX_TPU_SPEC="jax[tpu]==0.10.2"
+JAX_TPU_SPEC="jax[tpu]==0.12.0.1"  # requirements.txt's jax (tests/test_launch.py)
 
 usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 while [[ $# -gt 0 ]]; do

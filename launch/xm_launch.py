@@ -18,8 +18,8 @@ import json
 import sys
 
 TRAIN_MODULE = 'grpo_jax.train'
-BASE_IMAGES = {'gpu': 'nvidia/cuda:12.9.1-cudnn-runtime-ubuntu24.04', 'tpu': 'python:3.11-slim'}
-JAX_EXTRAS = {'gpu': 'jax[cuda12]==0.10.2', 'tpu': 'jax[tpu]==0.10.2'}
+BASE_IMAGES = {'gpu': 'nvidia/cuda:12.9.1-cudnn-runtime-ubuntu24.04', 'tpu': 'python:3.12-slim'}  # jax 0.12 needs Python 3.12
+JAX_EXTRAS = {'gpu': 'jax[cuda12]==0.12.0.1', 'tpu': 'jax[tpu]==0.12.0.1'}  # requirements.txt's jax (tests/test_launch.py)
 
 
 @dataclasses.dataclass

@@ -45,7 +45,10 @@ def header(path: str) -> tuple[list[str], list[str], list[str]]:
     if not command[-1].endswith('\\'):
       break
   for line in comments[index:]:
-    (plans if line.startswith('python -m grpo_jax.plan') else text).append(line)
+    if line.startswith('python -m grpo_jax.plan'):  # as it runs from the checkout: the compilers on the path
+      plans.append(f'PYTHONPATH=.venv/compilers {line}')
+    else:
+      text.append(line)
   return command, text, plans
 
 

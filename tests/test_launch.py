@@ -8,6 +8,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = 'configs/qwen2_5_32b_dapo_aime.yaml'
+with open(os.path.join(ROOT, 'requirements.txt')) as _f:  # the pods install the jax the checkout pins
+  JAX = next(line.split('==')[1].split()[0] for line in _f if line.startswith('jax=='))
 
 
 def run(*command, env=None):
@@ -32,7 +34,7 @@ def test_tpu_pod_dry_run():
   assert copy[:8] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', '--recurse', '--worker=all', *where[:1]]
   assert copy[-1] == 'pod1:grpo_jax/' and 'grpo_jax' in copy and 'requirements.txt' in copy
   assert install[4:7] == ['ssh', 'pod1', '--worker=all']
-  assert "requirements.txt 'jax[tpu]==0.10.2'" in install[-1]
+  assert f"requirements.txt 'jax[tpu]=={JAX}'" in install[-1]
   assert train[4:7] == ['ssh', 'pod1', '--worker=all']
   remote = shlex.split(train[-1].removeprefix('--command='))
   assert remote[:3] == ['cd', 'grpo_jax', '&&']
@@ -84,6 +86,7 @@ def test_xmanager_dry_run_gpu_nodes_and_tpu_slice():
                '--dry-run')
   assert result.returncode == 0, result.stderr
   jobs = [json.loads(line) for line in result.stdout.splitlines() if not line.startswith('#')]
+  assert f'jax[cuda12]=={JAX}' in result.stdout.splitlines()[0]
   assert [job['name'] for job in jobs] == [f'grpo-jax-{i}' for i in range(8)]
   for index, job in enumerate(jobs):
     assert job['module'] == 'grpo_jax.train' and (job['accelerator'], job['chips']) == ('H100', 8)
