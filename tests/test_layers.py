@@ -18,7 +18,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'grpo_jax'
 # The rungs, ground first: a room imports only rooms on lower rungs (and itself).
 LAYERS = (
     ('errors',),  # the one-sentence errors a user can cause: every room raises them
-    ('sections', 'sharding', 'workers', 'metrics', 'distributed', 'sandbox', 'cgroups', 'records'),  # the rest of the ground floor
+    ('sections', 'sharding', 'workers', 'metrics', 'trackers', 'distributed', 'sandbox', 'cgroups', 'records'),  # the rest
+    # of the ground floor
     ('ops',),  # kernels: fused log-probs, decode attention, grouped matmul
     ('model',),  # the one decoder, its weights, vision tower, images and token-id check
     ('sampler',),  # decode, slots, rollouts, the pool, the rollout layout
@@ -27,7 +28,8 @@ LAYERS = (
     ('rl', 'checkpoint'),  # the RL step and its state; a state's checkpoints
     ('config',),  # assembles the sections into a run's Config
     ('restore',),  # a run's policy read back from its checkpoints, by its config
-    ('build', 'plan', 'serve', 'testing'),  # a run's objects built; the plan; serving; the test model
+    ('build', 'plan', 'serve', 'testing', 'snapshots'),  # a run's objects built; the plan; serving; the test model;
+    # the policy's Hugging Face snapshots while training
     ('train', 'eval', 'train_reward'),  # the run's CLIs
 )
 # Rooms on one rung of which the first imports the second, and why that is right.
