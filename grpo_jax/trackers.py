@@ -149,8 +149,11 @@ class MlflowTracker:
     logging.getLogger('mlflow').setLevel(logging.WARNING)  # its table-creation notes on a new store
     logging.getLogger('alembic').setLevel(logging.WARNING)
     self.Param, self.RunTag = Param, RunTag
-    uri = (train.mlflow_tracking_uri or os.environ.get('MLFLOW_TRACKING_URI')
-           or 'sqlite:///' + os.path.join(os.path.abspath(workdir), 'mlflow.db'))
+    uri = train.mlflow_tracking_uri or os.environ.get('MLFLOW_TRACKING_URI')
+    # The default store is the workdir's, and so are its artifacts: MLflow would put them in the
+    # working directory's ./mlruns. A given store keeps its own (a server's artifact root).
+    artifacts = None if uri else 'file://' + os.path.join(os.path.abspath(workdir), 'mlflow-artifacts')
+    uri = uri or 'sqlite:///' + os.path.join(os.path.abspath(workdir), 'mlflow.db')
     self.client = MlflowClient(tracking_uri=uri)
     experiment_name = train.mlflow_experiment or run_name
     if run_id:
@@ -161,7 +164,7 @@ class MlflowTracker:
     else:
       experiment = self.client.get_experiment_by_name(experiment_name)
       experiment_id = (experiment.experiment_id if experiment is not None
-                       else self.client.create_experiment(experiment_name))
+                       else self.client.create_experiment(experiment_name, artifact_location=artifacts))
       run = self.client.create_run(experiment_id, run_name=run_name, tags={'mlflow.source.name': 'grpo_jax.train'})
       self.logged = -1
     self.id = run.info.run_id

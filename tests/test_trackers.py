@@ -157,6 +157,8 @@ def test_scalars_config_samples_and_resume_into_the_same_runs(offline, tmp_path)
   artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
   assert artifacts == {'eval', 'config.yaml'}
   assert [a.path for a in client.list_artifacts(run.info.run_id, 'eval')] == ['eval/samples_4.jsonl']
+  assert os.path.isfile(os.path.join(workdir, 'mlflow-artifacts', run.info.run_id, 'artifacts', 'config.yaml'))
+  assert not os.path.exists('mlruns')  # nothing in the working directory
 
 
 def test_a_tracker_that_cannot_start_is_one_line_unless_required(offline, tmp_path, monkeypatch, capsys):
