@@ -20,6 +20,7 @@ LAYERS = (
     ('errors',),  # the one-sentence errors a user can cause: every room raises them
     ('sections', 'sharding', 'workers', 'metrics', 'trackers', 'distributed', 'sandbox', 'cgroups', 'records'),  # the rest
     # of the ground floor
+    ('config_yaml',),  # the YAML form of any config of sections: read, checked, written
     ('ops',),  # kernels: fused log-probs, decode attention, grouped matmul
     ('model',),  # the one decoder, its weights, vision tower, images and token-id check
     ('sampler',),  # decode, slots, rollouts, the pool, the rollout layout
