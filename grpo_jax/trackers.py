@@ -21,6 +21,7 @@ import math
 import os
 import re
 import sys
+import time
 
 from grpo_jax.errors import UserError
 
@@ -34,11 +35,13 @@ def _say(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
 
 
-def _flat(tree: dict, prefix: str = '') -> dict:
+def flat_keys(tree: dict, prefix: str = '') -> dict:
+  """A nested config dict as {'a.b.c': value} (an empty section has no keys): MLflow's parameters,
+  and what train.changed_keys compares."""
   flat = {}
   for key, value in tree.items():
-    if isinstance(value, dict) and value:
-      flat.update(_flat(value, f'{prefix}{key}.'))
+    if isinstance(value, dict):
+      flat.update(flat_keys(value, f'{prefix}{key}.'))
     else:
       flat[f'{prefix}{key}'] = value
   return flat
@@ -143,12 +146,12 @@ class MlflowTracker:
   def __init__(self, train, run_name: str, config: dict, workdir: str, run_id: str | None, resume_step: int):
     import logging
 
-    from mlflow.entities import Param, RunTag
+    from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
     logging.getLogger('mlflow').setLevel(logging.WARNING)  # its table-creation notes on a new store
     logging.getLogger('alembic').setLevel(logging.WARNING)
-    self.Param, self.RunTag = Param, RunTag
+    self.Metric, self.Param, self.RunTag = Metric, Param, RunTag
     uri = train.mlflow_tracking_uri or os.environ.get('MLFLOW_TRACKING_URI')
     # The default store is the workdir's, and so are its artifacts: MLflow would put them in the
     # working directory's ./mlruns. A given store keeps its own (a server's artifact root).
@@ -176,7 +179,7 @@ class MlflowTracker:
     """The config as params; on resume, keys already held with another value (MLflow params are
     written once) as tags `config_at_step_<step>.<key>`."""
     params, tags = [], []
-    for key, value in _flat(config).items():
+    for key, value in flat_keys(config).items():
       text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
       text = text if len(text) <= self.VALUE_CHARS else text[:self.VALUE_CHARS - 3] + '...'
       if key not in held:
@@ -191,11 +194,8 @@ class MlflowTracker:
   def log(self, step: int, scalars: dict) -> None:
     if step <= self.logged:  # a step this run holds already (a resume after a crash computes it again)
       return
-    from mlflow.entities import Metric
-
-    import time
     now = int(time.time() * 1000)
-    metrics = [Metric(mlflow_name(name), value, now, step) for name, value in scalars.items()]
+    metrics = [self.Metric(mlflow_name(name), value, now, step) for name, value in scalars.items()]
     for start in range(0, len(metrics), 1000):  # MLflow's limit on metrics in one log_batch
       self.client.log_batch(self.id, metrics=metrics[start:start + 1000])
 
@@ -294,7 +294,7 @@ class Trackers:
   def log(self, step: int, row: dict) -> None:
     if self.trackers:
       self._flush_samples(before=step)
-      scalars = {k: v for k, v in row.items() if k != 'step' and v is not None and math.isfinite(v)}
+      scalars = {k: v for k, v in row.items() if k != 'step' and v is not None}  # MetricsLog made NaN None
       self._each('log', step, scalars)
       self._flush_samples(before=step + 1)
 

@@ -33,7 +33,7 @@ from grpo_jax.rl.held import Held
 from grpo_jax.rl.state import TrainState, create_train_state
 from grpo_jax.sampler.layout import split_devices
 from grpo_jax.snapshots import Snapshots
-from grpo_jax.trackers import Trackers
+from grpo_jax.trackers import Trackers, flat_keys
 
 
 def parse_args(argv):
@@ -79,16 +79,6 @@ def setup(config: config_lib.Config, config_path: str | None, workdir: str | Non
   return workdir, mesh, model
 
 
-def _flat(tree: dict, prefix: str = '') -> dict:
-  flat = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      flat.update(_flat(value, f'{prefix}{key}.'))
-    else:
-      flat[f'{prefix}{key}'] = value
-  return flat
-
-
 def changed_keys(before: dict, after: dict) -> list[str]:
   """'key: old -> new' for every config key whose value differs between two to_dict() configs. Not
   changes: a key `before` lacks (a setting added since it was written), and a task key `after`
@@ -97,7 +87,7 @@ def changed_keys(before: dict, after: dict) -> list[str]:
   (task.environment_args) are compared both ways: one added or removed is a change."""
   if _architecture_unread(before):  # stored before the config recorded the architecture read from model.path
     before = dict(before, model=dict(before['model'], architecture=after.get('model', {}).get('architecture')))
-  old, new = _flat(before), _flat(after)
+  old, new = flat_keys(before), flat_keys(after)
   arguments = {key for key in new if key.startswith('task.environment_args.')}
   return [f'{key}: {old.get(key)!r} -> {new.get(key)!r}' for key in sorted(old.keys() | arguments)
           if (key in new or not key.startswith('task.') or key.startswith('task.environment_args.'))

@@ -143,7 +143,7 @@ def test_plan_commands_name_real_configs_presets_and_targets():
   assert len(plans) > 10
   for command in plans:
     words = shlex.split(command)
-    arguments = dict(zip(words[::1], words[1::1]))
+    arguments = dict(zip(words, words[1:]))  # each flag -> the word after it
     config_lib.load_config(os.path.join(ROOT, arguments['--config']))
     assert arguments['--model-size'] in MODEL_PRESETS, command
     targets.parse_target(arguments['--target'])
