@@ -135,7 +135,7 @@ SETTINGS = {
     'longer rows, token budget': dict(ppo_epochs=2, num_minibatches=2, tis_cap=2.0, pack_length=24,
                                       micro_batch_tokens=48),
 }
-PACKING_ONLY = ('pack_length', 'micro_batch_tokens')
+PACKING_ONLY = ('pack_length', 'micro_batch_tokens', 'tree_packing')
 
 
 def run_update(settings: dict, params, batch, seed, packed: bool, ref_params=None, architecture=ARCHITECTURE):
@@ -149,14 +149,14 @@ def run_update(settings: dict, params, batch, seed, packed: bool, ref_params=Non
   return new_state.opt_state[0], metrics
 
 
-def assert_packed_equals_padded(padded, packed, batch):
+def assert_packed_equals_padded(padded, packed, batch, skip=()):
   (padded_gradients, padded_metrics), (packed_gradients, packed_metrics) = padded, packed
   assert_trees_close(packed_gradients, padded_gradients)
   # The losses are sums of per-token terms of size ~|A| that can cancel to near 0: their rounding
   # follows the terms, as test_update's rule says (seed 3010453421: policy loss -2.2e-3, 5.6e-8 apart).
   summands = float(np.abs(np.asarray(batch.advantages)).max())
   for name, value in padded_metrics.items():
-    if name != 'micro_batches':
+    if name != 'micro_batches' and name not in skip:
       assert_close(packed_metrics[name], value, name, scale=summands if 'loss' in name else 0.0)
   assert float(padded_metrics['grad_norm']) > 1e-3
 

@@ -51,13 +51,28 @@ def real_segments(tokens: jax.Array, segment_ids: jax.Array | None) -> jax.Array
   return segment_ids.astype(jnp.int32)
 
 
+# Tree rows (rl/packing.py: a prompt's tokens once for several completions). A segment id below
+# TREE_BRANCHES is a sequence of its own. From it up, id t x TREE_BRANCHES (t >= 1) is tree t's
+# root, the prompt, and t x TREE_BRANCHES + b (1 <= b < TREE_BRANCHES) its branch b: a completion,
+# which sees the root's tokens and its own. A row holds each tree whole, its root first and its
+# branches right after it (segment_positions counts a branch's positions on from its root's).
+TREE_BRANCHES = 1 << 16
+
+
+def tree_root(segments: jax.Array) -> jax.Array:
+  """The root segment each token also sees: its tree's for a branch token, else its own."""
+  return jnp.where(segments >= TREE_BRANCHES, segments - segments % TREE_BRANCHES, segments)
+
+
 def attention_mask(query_slots, query_segments, key_slots, key_segments) -> jax.Array:
-  """[B, T, S] bool: causal in slot order and restricted to the query's own segment.
+  """[B, T, S] bool: causal in slot order and restricted to the query's own segment (and, for a
+  tree's branch, its root's: TREE_BRANCHES).
 
   query_slots, query_segments: [B, T]; key_slots, key_segments: [B, S].
   """
   causal = key_slots[:, None, :] <= query_slots[:, :, None]
-  same_segment = key_segments[:, None, :] == query_segments[:, :, None]
+  same_segment = ((key_segments[:, None, :] == query_segments[:, :, None])
+                  | (key_segments[:, None, :] == tree_root(query_segments)[:, :, None]))
   return causal & same_segment
 
 

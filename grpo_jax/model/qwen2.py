@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import UserError, require
-from grpo_jax.model.attention import real_segments, resolve_attention, sequence_attention
+from grpo_jax.model.attention import TREE_BRANCHES, real_segments, resolve_attention, sequence_attention
 from grpo_jax.model.cache import SharedPrefix
 from grpo_jax.model.decoding import CacheDecoding
 from grpo_jax.model.config import Qwen2Config
@@ -60,13 +60,20 @@ _REMAT_POLICIES = {
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
-  """Position of each token within its segment, counting from the segment's first token. [B, T]"""
+  """Position of each token within its sequence [B, T]: counting from its segment's first token,
+  and for a tree's branch (attention.TREE_BRANCHES) on from its root's last, the root being the
+  latest root before it in the row."""
   length = segment_ids.shape[1]
   index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), segment_ids.shape)
   starts = jnp.concatenate(
       [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
   segment_start = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
-  return index - segment_start
+  within = index - segment_start
+  tree = segment_ids >= TREE_BRANCHES
+  root = tree & (segment_ids % TREE_BRANCHES == 0)
+  roots = jnp.cumsum(root, axis=1, dtype=jnp.int32)  # root tokens up to each token
+  before = jax.lax.cummax(jnp.where(starts & root, roots - 1, 0), axis=1)  # ... before the latest root's first
+  return within + jnp.where(tree & ~root, roots - before, 0)
 
 
 def score_positions(tokens: jax.Array, pad_id: int | None) -> jax.Array:

@@ -19,9 +19,11 @@ packed row, W = Tp + N tokens per padded row, N completion tokens.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec
 
+from grpo_jax.model.attention import TREE_BRANCHES, tree_root
 from grpo_jax.model.moe import unrecorded_id
 from grpo_jax.model.vision import RowImages
 from grpo_jax.records import along, map_along
@@ -37,7 +39,8 @@ class Packed:
   row          [n, Bn] int32    the packed row of each sequence (of its group)
   start        [n, Bn] int32    the column of each sequence's first completion token
   rows_used    [n] int32        rows holding a real token: rows [0, rows_used) of each group
-  real_tokens  [] int32         real (prompt and completion) tokens of all groups
+  real_tokens  [] int32         tokens the rows hold, of all groups: the sequences' real (prompt and
+                                completion) tokens, a tree's shared prompt tokens counted once
   routes       [n, R, L, Ls, k] the tokens' recorded experts (routing replay), or None
   positions    [n, R, L, 3]     the tokens' M-RoPE positions (sequences with images), or None
   placement    [n, R, L, 2] int32 each token's image feature: (its sequence b among the batch's B,
@@ -85,12 +88,30 @@ def first_fit_decreasing(lengths: jax.Array, rows: int, row_length: int):
   return row, offset, segment
 
 
+def _scatter(values: jax.Array, targets: jax.Array, columns: jax.Array, rows: int, row_length: int, fill) -> jax.Array:
+  """Per-token values [Bn, W, ...] of the padded rows into packed rows [R, L, ...] at (targets,
+  columns) [Bn, W]; a column of L or more (padding, a dropped token) is dropped."""
+  empty = jnp.full((rows, row_length) + values.shape[2:], fill, values.dtype)
+  return empty.at[targets, columns].set(values, mode='drop', unique_indices=True)
+
+
+def _packed_fields(tokens, segments, routes, positions, placement, targets, columns, rows: int, row_length: int):
+  """(tokens, segment ids, routes, positions, placement) of one group scattered into its packed rows
+  (rl/packing._scatter); `segments` [Bn, W] each token's packed segment id. The optional fields
+  (None: absent) travel alike."""
+  scatter = lambda values, fill: _scatter(values, targets, columns, rows, row_length, fill)  # noqa: E731
+  return (scatter(tokens.astype(jnp.int32), 0), scatter(segments.astype(jnp.int32), 0),
+          jax.tree.map(lambda r: scatter(r, unrecorded_id(r.dtype)), routes),
+          jax.tree.map(lambda p: scatter(p.astype(jnp.int32), 0), positions),
+          jax.tree.map(lambda p: scatter(p.astype(jnp.int32), -1), placement))
+
+
 def _pack_group(tokens, segment_ids, routes, positions, placement, completion_length: int, rows: int,
                 row_length: int):
   """One group's padded rows tokens, segment_ids [Bn, W] (prompt left-padded, completion
   right-padded), routes [Bn, W, Ls, k], positions [Bn, W, 3] and placement [Bn, W] or None ->
   tokens, segment_ids [R, L], routes, positions, placement packed alike (or None), row, start [Bn],
-  rows used."""
+  rows used, tokens placed."""
   width = tokens.shape[1]
   real = segment_ids != 0
   lengths = jnp.sum(real, axis=1, dtype=jnp.int32)
@@ -101,24 +122,113 @@ def _pack_group(tokens, segment_ids, routes, positions, placement, completion_le
   columns = offset[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :] - first[:, None]
   columns = jnp.where(real, columns, row_length)  # padding: out of range, dropped
   targets = jnp.broadcast_to(row[:, None], columns.shape)
-  def scatter(values, fill):
-    empty = jnp.full((rows, row_length) + values.shape[2:], fill, values.dtype)
-    return empty.at[targets, columns].set(values, mode='drop', unique_indices=True)
-
-  packed_tokens = scatter(tokens.astype(jnp.int32), 0)
-  packed_segments = scatter(jnp.broadcast_to(segment[:, None], columns.shape).astype(jnp.int32), 0)
-  # The optional fields (None: absent) travel alike.
-  packed_routes = jax.tree.map(lambda r: scatter(r, unrecorded_id(r.dtype)), routes)
-  packed_positions = jax.tree.map(lambda p: scatter(p.astype(jnp.int32), 0), positions)
-  packed_placement = jax.tree.map(lambda p: scatter(p.astype(jnp.int32), -1), placement)
+  segments = jnp.broadcast_to(segment[:, None], columns.shape)
+  fields = _packed_fields(tokens, segments, routes, positions, placement, targets, columns, rows, row_length)
   fill = jnp.zeros((rows,), jnp.int32).at[row].add(lengths)
-  return (packed_tokens, packed_segments, packed_routes, packed_positions, packed_placement, row,
-          offset + prompt_tokens, jnp.sum(fill > 0, dtype=jnp.int32))
+  return (*fields, row, offset + prompt_tokens, jnp.sum(fill > 0, dtype=jnp.int32), jnp.sum(fill))
+
+
+# Hash weights of a prompt's tokens (_prompt_leaders): fixed odd 32-bit constants, two per column.
+_HASH_SEED = 0x7EE5
+
+
+def _prompt_leaders(tokens, real, prompt_width: int, prompt_ids, routes) -> jax.Array:
+  """[Bn] each sequence's leader: the group's first sequence with the same prompt (its real tokens
+  in the first `prompt_width` columns, and where given the same `prompt_ids` [Bn] (whose images it
+  shows) and the same recorded routes of its prompt tokens), itself when none before it. Found by
+  two 32-bit hashes of the prompts, then checked token by token, so a collision only loses sharing."""
+  prompt = jnp.where(real[:, :prompt_width], tokens[:, :prompt_width] + 1, 0).astype(jnp.uint32)
+  weights = np.random.default_rng(_HASH_SEED).integers(0, 1 << 32, (2, prompt_width), dtype=np.uint64)
+  hashes = jnp.sum(prompt[:, None, :] * jnp.asarray(weights.astype(np.uint32) | 1)[None], axis=2, dtype=jnp.uint32)
+  if prompt_ids is not None:
+    hashes = hashes + prompt_ids.astype(jnp.uint32)[:, None] * jnp.uint32(0x9E3779B1)
+  count = tokens.shape[0]
+  candidate = jnp.argmax(jnp.all(hashes[:, None, :] == hashes[None, :, :], axis=2), axis=1)  # the first equal
+  same = jnp.all(prompt == prompt[candidate], axis=1)
+  if prompt_ids is not None:
+    same &= prompt_ids == prompt_ids[candidate]
+  if routes is not None:
+    prompt_routes = routes[:, :prompt_width]
+    same &= jnp.all((prompt_routes == prompt_routes[candidate]).reshape(count, -1)
+                    | ~jnp.repeat(real[:, :prompt_width], prompt_routes[0, 0].size, axis=1), axis=1)
+  return jnp.where(same, candidate, jnp.arange(count)).astype(jnp.int32)
+
+
+def place_trees(lengths: jax.Array, prefix: jax.Array, leader: jax.Array, rows: int, row_length: int):
+  """Places S sequences of `lengths` [S] as trees into `rows` (>= S) rows of `row_length` (>= every
+  length): the sequences of one `leader` [S] share their first `prefix` [S] tokens (their prompt
+  but its last token; 0: a sequence of its own), which a tree holds once, its branches (each
+  sequence's other tokens) right after it. Trees go largest first, each into the first row with
+  room for it, a tree's branches longest first into its row while they fit, then into a new copy
+  of the tree (its prefix again) in the first row with room. -> (row [S], prefix_at [S]: the
+  column where the sequence's tree begins when the sequence opened it, else -1, branch_at [S]: its
+  branch's first column, segment [S]: its branch's segment id (attention.TREE_BRANCHES; a plain id
+  below it for a sequence of its own), fill [rows]: tokens placed per row)."""
+  count = lengths.shape[0]
+  branch = lengths - prefix
+  tree_size = prefix[leader] + jax.ops.segment_sum(branch, leader, num_segments=count)[leader]
+  order = jnp.lexsort((-lengths, leader, -tree_size))  # the last key first: tree size, its leader, length
+  per_leader = jnp.zeros((count,), jnp.int32)
+  per_row = jnp.zeros((rows,), jnp.int32)
+
+  def place(index, carry):
+    fill, plain, trees, open_row, open_root, open_count, row, prefix_at, branch_at, segment = carry
+    sequence = order[index]
+    lead, shared, own = leader[sequence], prefix[sequence], branch[sequence]
+    tree = shared > 0
+    current = open_row[lead]
+    joins = (tree & (current >= 0) & (fill[jnp.maximum(current, 0)] + own <= row_length)
+             & (open_count[lead] + 1 < TREE_BRANCHES))
+    need = jnp.where(joins, own, shared + own)
+    target = jnp.where(joins, current, jnp.argmax(fill + need <= row_length))  # an empty row always has room
+    start = fill[target]
+    opens = tree & ~joins
+    root = jnp.where(opens, (trees[target] + 1) * TREE_BRANCHES, open_root[lead])
+    rank = jnp.where(opens, 1, open_count[lead] + 1)
+    keep = lambda new, old: jnp.where(tree, new, old)  # noqa: E731
+    return (fill.at[target].add(need), plain.at[target].add(~tree), trees.at[target].add(opens),
+            open_row.at[lead].set(keep(target, current)), open_root.at[lead].set(keep(root, open_root[lead])),
+            open_count.at[lead].set(keep(rank, open_count[lead])), row.at[sequence].set(target),
+            prefix_at.at[sequence].set(jnp.where(opens, start, -1)),
+            branch_at.at[sequence].set(start + jnp.where(opens, shared, 0)),
+            segment.at[sequence].set(jnp.where(tree, root + rank, plain[target] + 1)))
+
+  carry = (per_row, per_row, per_row, per_leader - 1, per_leader, per_leader, per_leader, per_leader,
+           per_leader, per_leader)
+  fill, _, _, _, _, _, row, prefix_at, branch_at, segment = jax.lax.fori_loop(0, count, place, carry)
+  return row, prefix_at, branch_at, segment, fill
+
+
+def _pack_tree_group(tokens, segment_ids, routes, positions, placement, prompt_ids, completion_length: int, rows: int,
+                     row_length: int):
+  """_pack_group with the sequences that share a prompt (_prompt_leaders) packed as trees
+  (place_trees): the prompt's tokens but its last once per tree, each sequence's last prompt token
+  and completion a branch after them, so its first completion token is predicted, as in its padded
+  row, by the last prompt token having seen the whole prompt. prompt_ids [Bn] or None: whose images
+  each sequence's prompt shows."""
+  width = tokens.shape[1]
+  prompt_width = width - completion_length
+  real = segment_ids != 0
+  lengths = jnp.sum(real, axis=1, dtype=jnp.int32)
+  prompt_tokens = jnp.sum(real[:, :prompt_width], axis=1, dtype=jnp.int32)
+  prefix = jnp.maximum(prompt_tokens - 1, 0)
+  leader = _prompt_leaders(tokens, real, prompt_width, prompt_ids, routes)
+  row, prefix_at, branch_at, segment, fill = place_trees(lengths, prefix, leader, rows, row_length)
+  index = jnp.arange(width, dtype=jnp.int32)[None, :] - (prompt_width - prompt_tokens)[:, None]  # among real tokens
+  shared = index < prefix[:, None]
+  columns = jnp.where(shared, prefix_at[:, None] + index, branch_at[:, None] + index - prefix[:, None])
+  kept = real & (~shared | (prefix_at >= 0)[:, None])  # a prefix token is written by its tree's opener only
+  columns = jnp.where(kept, columns, row_length)
+  targets = jnp.broadcast_to(row[:, None], columns.shape)
+  segments = jnp.where(shared, tree_root(segment)[:, None], segment[:, None])
+  fields = _packed_fields(tokens, segments, routes, positions, placement, targets, columns, rows, row_length)
+  start = branch_at + prompt_tokens - prefix
+  return (*fields, row, start, jnp.sum(fill > 0, dtype=jnp.int32), jnp.sum(fill))
 
 
 def pack(tokens: jax.Array, segment_ids: jax.Array, completion_length: int, row_length: int,
          micro_rows: int, routes: jax.Array | None = None, vision: RowImages | None = None,
-         rows: int | None = None) -> Packed:
+         rows: int | None = None, trees: bool = False) -> Packed:
   """Packs the padded rows tokens, segment_ids [B, W] (each a left-padded prompt then a completion
   of `completion_length` slots; routes [B, W, Ls, k] travel with their tokens, and so do the
   M-RoPE positions and image placements of `vision`, model/vision.py, its placements made flat over
@@ -126,7 +236,8 @@ def pack(tokens: jax.Array, segment_ids: jax.Array, completion_length: int, row_
   gets R = Bn rows rounded up to a multiple of `micro_rows` (one sequence per row at worst), so
   the packed rows split into micro-batches of `micro_rows` rows of every group. `rows`: a smaller
   R, known by the caller to hold every group's sequences (first-fit would put one that finds no
-  room at row 0's end, cut where the row ends)."""
+  room at row 0's end, cut where the row ends). `trees`: the sequences of a group that share a
+  prompt hold it once per row (_pack_tree_group; algo.tree_packing)."""
   groups = batch_groups(tokens.shape[0])
   per_group = tokens.shape[0] // groups
   if rows is None:
@@ -137,15 +248,20 @@ def pack(tokens: jax.Array, segment_ids: jax.Array, completion_length: int, row_
     sequence = jnp.broadcast_to(jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None], local.shape)
     placement = jnp.stack([jnp.where(local >= 0, sequence, -1), local], axis=-1)
     positions = vision.positions
-  pack_one = lambda t, s, r, p, q: _pack_group(t, s, r, p, q, completion_length, rows, row_length)  # noqa: E731
-  by_group = jax.tree.map(lambda x: grouped(x, groups), (tokens, segment_ids, routes, positions, placement))
-  packed_tokens, packed_segments, packed_routes, packed_positions, packed_placement, row, start, rows_used = jax.vmap(
-      pack_one)(*by_group)
+  if trees:
+    prompt_ids = None if vision is None else vision.prompt
+    pack_one = lambda t, s, r, p, q, i: _pack_tree_group(t, s, r, p, q, i, completion_length, rows, row_length)  # noqa: E731
+    inputs = (tokens, segment_ids, routes, positions, placement, prompt_ids)
+  else:
+    pack_one = lambda t, s, r, p, q: _pack_group(t, s, r, p, q, completion_length, rows, row_length)  # noqa: E731
+    inputs = (tokens, segment_ids, routes, positions, placement)
+  by_group = jax.tree.map(lambda x: grouped(x, groups), inputs)
+  (packed_tokens, packed_segments, packed_routes, packed_positions, packed_placement, row, start, rows_used,
+   placed) = jax.vmap(pack_one)(*by_group)
   packed = Packed(tokens=packed_tokens, segment_ids=packed_segments, row=row, start=start, rows_used=rows_used,
-                  real_tokens=jnp.sum(segment_ids != 0, dtype=jnp.int32), routes=packed_routes,
-                  positions=packed_positions, placement=packed_placement)
+                  real_tokens=jnp.sum(placed), routes=packed_routes, positions=packed_positions,
+                  placement=packed_placement)
   return packed.map_tokens(lambda x: constrain(x, ('batch',) + (None,) * (x.ndim - 1)))  # each group's rows on its devices
-
 
 
 def micro_batch_count(packed: Packed, micro_rows: int) -> jax.Array:

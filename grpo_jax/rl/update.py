@@ -119,7 +119,8 @@ class MicroBatches:
     tokens = batch.tokens
     length = settings.row_length(tokens.shape[1])
     rows = settings.packed_micro_rows(batch.size, length)
-    packed = packing.pack(tokens, batch.segment_ids, batch.completion_length, length, rows, batch.routes, batch.vision)
+    packed = packing.pack(tokens, batch.segment_ids, batch.completion_length, length, rows, batch.routes, batch.vision,
+                          trees=settings.algo.tree_packing)
     return cls(count=packing.micro_batch_count(packed, rows), rows=rows, packed=packed)
 
   def take(self, index, inputs: LossInputs) -> tuple[LossInputs, packing.Packed | None]:
@@ -139,13 +140,15 @@ class MicroBatches:
     return x.reshape(self.rows, self.count, *x.shape[1:])
 
   def metrics(self) -> dict:
-    """micro_batches, and with packing the packed rows and their padding fraction."""
+    """micro_batches, and with packing the packed rows, the tokens they hold (fewer than the
+    sequences' with tree packing: sequence_tokens) and their padding fraction."""
     count = jnp.asarray(self.count, jnp.float32)
     if self.packed is None:
       return dict(micro_batches=count)
     groups, _, length = self.packed.tokens.shape
     computed = count * groups * self.rows * length
     return dict(micro_batches=count, packed_rows=jnp.sum(self.packed.rows_used).astype(jnp.float32),
+                packed_tokens=self.packed.real_tokens.astype(jnp.float32),
                 packed_padding_frac=1.0 - self.packed.real_tokens / computed)
 
 
