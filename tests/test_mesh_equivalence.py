@@ -117,6 +117,20 @@ def test_jittable_task_on_a_context_mesh_equals_one_device(tmp_path, jittable_re
   assert_equal_runs(jittable_reference, two_steps(tmp_path, JITTABLE, JITTABLE_OVERRIDES, mesh_shape))
 
 
+# Tree packing (each group's prompt once per packed row): the data x fsdp x tensor cube and fsdp x
+# context (the trees' rows split along their length) against the padded one-device run, in fewer tokens.
+@pytest.mark.exhaustive
+@pytest.mark.parametrize('mesh_shape', [pytest.param((2, 2, 2), id='2x2x2'),
+                                        pytest.param((1, 2, 1, 1, 2), id='fsdp2-context2')])
+def test_tree_packed_steps_on_a_mesh_equal_one_device(tmp_path, jittable_reference, mesh_shape):
+  # Rows of 4 sequences' width: a tree's root and its 4 branches fit one row (a row of one sequence's
+  # width holds one branch and shares nothing when every answer is as long as the slots).
+  overrides = [*JITTABLE_OVERRIDES, 'algo.packing=true', 'algo.tree_packing=true', 'algo.pack_length=36']
+  rows, params = two_steps(tmp_path, JITTABLE, overrides, mesh_shape)
+  assert_equal_runs(jittable_reference, (rows, params))
+  assert all(row['packed_tokens'] < row['sequence_tokens'] for row in rows)
+
+
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
 def test_host_scored_task_on_every_mesh_equals_one_device(tmp_path):

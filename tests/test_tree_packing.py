@@ -182,3 +182,60 @@ def test_replayed_tree_update_equals_padded(seed):
                      architecture=MOE_ARCHITECTURE)
   assert_packed_equals_padded(padded, trees, batch, skip=('router_aux_loss', 'expert_load_max_over_mean'))
   assert float(trees[1]['packed_tokens']) < float(padded[1]['sequence_tokens'])
+
+
+@pytest.mark.exhaustive
+def test_tree_update_with_images_equals_padded(seed):
+  """Prompts with 0, 1 or 2 images, each answered G times (a group shows its prompt's images, the
+  tower run once per prompt): the tree update, whose roots carry the images' features and M-RoPE
+  positions and whose branches continue them, equals the padded update; and on fsdp 2 x context 2
+  (the tree rows split along their length)."""
+  from grpo_jax import config as config_lib
+  from grpo_jax import sharding
+  from grpo_jax.model import vision
+  from test_vision_rl import CONFIG
+
+  architecture = config_lib.load_config(CONFIG).model.architecture
+  v = architecture.vision
+  rng = np.random.default_rng(seed)
+  graphdef, params = random_model(rng, architecture)
+  _, ref_params = random_model(rng, architecture)
+  prompts, images = [], []
+  for index in range(ROWS // GROUP):
+    row, own = list(rng.integers(6, 11, rng.integers(1, 4))), []
+    for _ in range(1 if index == 0 else rng.integers(0, 3)):
+      grid = (1, int(rng.choice([2, 4])), int(rng.choice([2, 4])))
+      own.append((rng.normal(size=(int(np.prod(grid)), v.patch_dim)).astype(np.float32), grid))
+      row += [v.vision_start_token_id] + [v.image_token_id] * vision.image_tokens(grid, v) + [v.vision_end_token_id]
+    prompts.append(row + [6])
+    images.append(own)
+  width, steps = max(map(len, prompts)), 4
+  prompt_tokens = np.zeros((len(prompts), width), np.int32)
+  prompt_mask = np.zeros((len(prompts), width), np.int32)
+  for p, row in enumerate(prompts):
+    prompt_tokens[p, width - len(row):], prompt_mask[p, width - len(row):] = row, 1
+  prompt_vision = vision.vision_of(images, prompt_tokens, prompt_mask, architecture, max_images=2, max_patches=16)
+  row_prompts, row_mask = np.repeat(prompt_tokens, GROUP, axis=0), np.repeat(prompt_mask, GROUP, axis=0)
+  mask = np.arange(steps)[None, :] < rng.integers(1, steps + 1, ROWS)[:, None]
+  batch = Batch.of_sequences(
+      tokens=jnp.asarray(np.concatenate([row_prompts, rng.integers(6, 11, (ROWS, steps))], axis=1), jnp.int32),
+      segment_ids=jnp.asarray(np.concatenate([row_mask, mask], axis=1), jnp.int32), mask=jnp.asarray(mask),
+      advantages=jnp.asarray(rng.standard_normal(ROWS), jnp.float32),
+      sampler_log_probs=jnp.asarray(rng.uniform(-3.0, -0.5, mask.shape), jnp.float32),
+      images=prompt_vision.images,
+      vision=vision.RowImages.answering(prompt_vision, GROUP, jnp.asarray(row_mask), jnp.asarray(mask)))
+  settings = dict(ppo_epochs=2, kl_beta=0.05, tis_cap=1.5, entropy_coef=0.01, pack_length=2 * (width + steps))
+  padded = run_update(settings, params, batch, seed, packed=False, ref_params=ref_params, architecture=architecture)
+  trees = run_update(tree(settings), params, batch, seed, packed=True, ref_params=ref_params,
+                     architecture=architecture)
+  assert_packed_equals_padded(padded, trees, batch)
+  assert float(trees[1]['packed_tokens']) < float(padded[1]['sequence_tokens'])
+  mesh = jax.make_mesh((1, 2, 1, 1, 2), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 5,
+                       devices=jax.devices()[:4])
+  place = lambda tree: jax.device_put(tree, sharding.state_shardings(tree, mesh))  # noqa: E731
+  with jax.set_mesh(mesh):
+    on_context = run_update(tree(settings), place(params), jax.device_put(batch, jax.NamedSharding(mesh, jax.P())),
+                            seed, packed=True, ref_params=place(ref_params), architecture=architecture)
+  for name in ('packed_rows', 'packed_padding_frac', 'packed_tokens', 'micro_batches'):  # each batch group packs its own
+    padded[1].pop(name, None), on_context[1].pop(name)
+  assert_packed_equals_padded(padded, on_context, batch)
