@@ -257,6 +257,9 @@ def assert_exact(rows, lag_zero_only=False):
 PATHS = {
     'packed in micro-batches, 2 devices': ('configs/tiny_arith.yaml', ('algo.packing=true',
                                                                      'algo.micro_batch_tokens=256'), 2),
+    # Each group's prompt once per row, its completions branches after it (rows of 4 sequences' width).
+    'tree-packed, 2 devices': ('configs/tiny_arith.yaml', ('algo.packing=true', 'algo.tree_packing=true',
+                                                          'algo.pack_length=36', 'algo.micro_batch_tokens=256'), 2),
     # The sampler's tensor-parallel layout against the trainer's FSDP one, which has a tensor axis too.
     'micro-batches, 8 devices, both tensor-parallel': ('configs/tiny_arith.yaml', (
         'rollout.tensor=2', 'mesh.tensor=2', 'algo.micro_batch_size=64'), 8),
@@ -270,7 +273,10 @@ PATHS = {
 @pytest.mark.parametrize('name', PATHS)
 def test_exact_runs_log_no_gap_on_every_path(tmp_path, name):
   config, overrides, devices = PATHS[name]
-  assert_exact(train_here(tmp_path, config, *RUN, *overrides, devices=devices))
+  rows = train_here(tmp_path, config, *RUN, *overrides, devices=devices)
+  assert_exact(rows)
+  if 'algo.tree_packing=true' in overrides:  # the prompts were shared
+    assert all(row['packed_tokens'] < row['sequence_tokens'] for row in rows)
 
 
 @pytest.mark.exhaustive  # 30 s
