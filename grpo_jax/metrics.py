@@ -209,21 +209,36 @@ def plot_reward_terms(history: list[dict], path: str, title: str) -> str | None:
   return path
 
 
+def update_tokens_per_group(prompt_length: int, completion_length: int, algo) -> int:
+  """Tokens the update computes for one group of G sequences of Tp + N tokens: G (Tp + N); with
+  tree packing (rl/packing.py) the prompt but its last token once per row its tree is in, and each
+  sequence's last prompt token and completion: k = (L - Tp + 1) // (N + 1) branches fit a row of
+  L = algo.pack_length tokens, so ceil(G / k) copies of the root (G of them, no saving, when a row
+  holds one sequence: L = Tp + N). Full-length answers; shorter ones share more."""
+  flat = algo.group_size * (prompt_length + completion_length)
+  if not (algo.packing and algo.tree_packing) or prompt_length < 2:
+    return flat
+  root, branch = prompt_length - 1, completion_length + 1
+  per_row = ((algo.pack_length or prompt_length + completion_length) - root) // branch
+  return -(-algo.group_size // per_row) * root + algo.group_size * branch
+
+
 def model_flops_per_step(active_params: int, prompt_length: int, rollout, algo, adapter_params: int | None = None) -> float:
   """Approximate model FLOPs of one RL step (the run's `rollout` and `algo` config sections): 2 N
   per sampled token, 6 N per trained token (plus 2 N per token for each extra scoring pass: pi_old
   when mu > 1 or several mini-batches, pi_ref). N = `active_params`, the parameters one token
   computes with (Qwen2Config.num_params(active=True): a mixture of experts counts the k experts a
   token is routed to, not all E). With LoRA (`adapter_params` A): the frozen N need no weight
-  gradients, so 4 N + 6 A per trained token, and every pass also runs the adapters."""
+  gradients, so 4 N + 6 A per trained token, and every pass also runs the adapters. The update's
+  tokens per group: update_tokens_per_group (fewer with tree packing)."""
   rows = rollout.prompts_per_step * algo.group_size
-  sequence = prompt_length + rollout.max_new_tokens
   sampled = rollout.prompts_per_step * prompt_length + rows * rollout.max_new_tokens
-  trained = rows * sequence * algo.ppo_epochs
+  computed = rollout.prompts_per_step * update_tokens_per_group(prompt_length, rollout.max_new_tokens, algo)
+  trained = computed * algo.ppo_epochs
   scoring_passes = (algo.ppo_epochs > 1 or algo.num_minibatches > 1) + (algo.kl_beta > 0)
   forward = active_params + (adapter_params or 0)
   per_trained = 6.0 * active_params if adapter_params is None else 4.0 * active_params + 6.0 * adapter_params
-  return 2.0 * forward * sampled + per_trained * trained + 2.0 * forward * rows * sequence * scoring_passes
+  return 2.0 * forward * sampled + per_trained * trained + 2.0 * forward * computed * scoring_passes
 
 
 def tower_flops_per_step(prompt_flops: float, rollout, algo, trained: bool, remat: bool) -> tuple[float, float]:

@@ -239,3 +239,25 @@ def test_tree_update_with_images_equals_padded(seed):
   for name in ('packed_rows', 'packed_padding_frac', 'packed_tokens', 'micro_batches'):  # each batch group packs its own
     padded[1].pop(name, None), on_context[1].pop(name)
   assert_packed_equals_padded(padded, on_context, batch)
+
+
+@pytest.mark.parametrize('pack_length', [9, 14, 20, 24], ids=['one-branch', 'two-branches', 'three-branches',
+                                                                'four-branches'])
+def test_update_token_count_is_what_the_trees_hold(seed, pack_length):
+  """metrics.update_tokens_per_group (the plan's and the MFU's count of the update's tokens) equals
+  what the tree rows hold for full-length answers: 8 groups of 4, prompts of 5 and answers of 4
+  tokens (a root of 4, branches of 5), in rows of one sequence's width (one branch: no saving), two
+  branches, three (two copies of each root) and four."""
+  from grpo_jax.metrics import update_tokens_per_group
+  from grpo_jax.rl.algo import AlgoConfig
+  rng = np.random.default_rng(seed)
+  rows, group, prompt_length, completion_length = 32, 4, 5, 4
+  prompts = np.repeat(rng.integers(1, 100, (rows // group, prompt_length)), group, axis=0)
+  tokens = np.concatenate([prompts, rng.integers(1, 100, (rows, completion_length))], axis=1)
+  order = rng.permutation(rows)
+  packed = packing.pack(jnp.asarray(tokens[order], jnp.int32), jnp.ones(tokens.shape, jnp.int32), completion_length,
+                        pack_length, 1, trees=True)
+  algo = AlgoConfig(group_size=group, packing=True, tree_packing=True, pack_length=pack_length)
+  assert int(packed.real_tokens) == rows // group * update_tokens_per_group(prompt_length, completion_length, algo)
+  flat = AlgoConfig(group_size=group, packing=True, pack_length=pack_length)
+  assert update_tokens_per_group(prompt_length, completion_length, flat) == group * (prompt_length + completion_length)

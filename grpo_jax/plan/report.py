@@ -279,10 +279,11 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
         trained=not options.freeze_vision and options.lora is None, remat=options.remat != 'none')
     step_flops += tower['rollout'] + tower['update']
     rollout_flops += tower['rollout']
-  # A teacher's forward in the update: 2 N_t FLOPs per token of the step's P x G rows (its scoring
-  # pass, beside pi_old's and pi_ref's; N_t its active parameters).
+  # A teacher's forward in the update: 2 N_t FLOPs per token the update computes (its scoring pass on
+  # the rows pi_old's and pi_ref's score; N_t its active parameters).
   teacher = report.get('teacher')
-  teacher_flops = (2.0 * teacher['active_parameters'] * rows * (prompt_length + steps)) if teacher else 0.0
+  computed = config.rollout.prompts_per_step * metrics_lib.update_tokens_per_group(prompt_length, steps, config.algo)
+  teacher_flops = (2.0 * teacher['active_parameters'] * computed) if teacher else 0.0
   per_device = report['per_device']
   # A decode step reads the resident weights and, on average over the answer, half the cache.
   decode_bytes = steps * (per_device['resident_weights'] + per_device['kv_cache'] / 2)
@@ -313,6 +314,7 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   entry = report.get('kv_cache_entry') or {}
   mha_bytes = (steps * (per_device['resident_weights'] + entry['mha_kv_cache'] / 2)) if 'mha_kv_cache' in entry else None
   result = dict(model_flops=step_flops, tower_flops=tower, teacher_flops=teacher_flops, programs=parts,
+                update_tokens=computed, sequence_tokens=rows * (prompt_length + steps),
                 decode_hbm_bytes=decode_bytes, mha_decode_hbm_bytes=mha_bytes,
                 reward_model_flops=sum(part['flops'] for name, part in parts.items() if name in scoring),
                 reward_models_s=scoring_s, step_s=sum(part['program_s'] for part in parts.values()))
@@ -446,6 +448,10 @@ def format_report(report: dict) -> str:
                   if report.get('reward_models') else '')
                + (f', and the teacher\'s forward in the update {estimate["teacher_flops"] / 1e15:.1f} PFLOP'
                   if report.get('teacher') else ''))
+  if estimate['update_tokens'] < estimate['sequence_tokens']:
+    lines.append(f'tree packing: the update computes {estimate["update_tokens"]:,} tokens a pass of the '
+                 f'sequences\' {estimate["sequence_tokens"]:,} ({estimate["sequence_tokens"] / estimate["update_tokens"]:.2f}x '
+                 'fewer), each prompt once per packed row its group fills')
   for name, part in estimate['programs'].items():
     links = ', '.join(f'{targets.LINK_NAMES.get(link, link)} {value:.2f} s' for link, value in part['links'].items())
     lines.append(f'  "{name}": {part.get("flops", 0.0) / 1e15:.1f} PFLOP, compute >= {part["compute_s"]:.2f} s, '
