@@ -178,6 +178,7 @@ def test_packed_update_equals_padded(seed, name):
   real = int((np.asarray(batch.segment_ids) != 0).sum())
   assert_close(metrics['padding_frac'], 1 - real / batch.segment_ids.size)
   assert_close(metrics['sequence_tokens'], real)
+  assert_close(metrics['packed_tokens'], real)  # a pass's rows hold every real token once
   assert 0 <= float(metrics['packed_padding_frac']) < 1 and float(metrics['micro_batches']) >= 1
 
 
@@ -277,6 +278,8 @@ def test_host_reward_steps_with_packing_on_a_mesh_equal_padded(tmp_path):
     (dict(pack_length=64), 'algo.pack_length'),
     (dict(packing=True, pack_length=64, micro_batch_tokens=32), 'algo.micro_batch_tokens'),
     (dict(packing=True, pack_length=-1), 'algo.pack_length'),
+    (dict(tree_packing=True), 'algo.tree_packing'),  # without packing
+    (dict(packing=True, tree_packing=True, num_minibatches=2), 'algo.shuffle'),  # a group over mini-batches
 ])
 def test_config_refuses_bad_packing_fields(fields, field):
   with pytest.raises(UserError, match=field.replace('.', r'\.')):

@@ -24,6 +24,8 @@ from test_packing import SETTINGS, assert_packed_equals_padded, run_update
 from test_update import ARCHITECTURE, COMPLETION_LENGTH, GROUP, PROMPT_LENGTH, ROWS, TEMPERATURE, random_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A mixture's statistics over the tokens the update computes: a tree's prompt tokens count once.
+COUNTED_PER_COMPUTED_TOKEN = ('router_aux_loss', 'expert_load_max_over_mean', 'routing_replay_rerouted_frac')
 
 
 def shared_prompt_batch(rng, rows=ROWS, group=GROUP, prompt_length=PROMPT_LENGTH,
@@ -144,6 +146,12 @@ def tree(settings: dict) -> dict:
   return dict(settings, tree_packing=True)
 
 
+def grouped_minibatches(settings: dict) -> dict:
+  """`settings` with a prompt's rows dealt into one mini-batch where there are several (what
+  tree_packing asks for)."""
+  return dict(settings, shuffle='groups') if settings.get('num_minibatches', 1) > 1 else settings
+
+
 @pytest.mark.parametrize('name', [pytest.param(name, marks=() if name == 'token-mean, all terms' else
                                                 pytest.mark.exhaustive) for name in sorted(SETTINGS)])
 def test_tree_update_equals_padded(seed, name):
@@ -153,8 +161,9 @@ def test_tree_update_equals_padded(seed, name):
   graphdef, params = random_model(rng)
   _, ref_params = random_model(rng)
   batch = shared_prompt_batch(rng, shuffle=sorted(SETTINGS).index(name) % 2 == 1)
-  padded = run_update(SETTINGS[name], params, batch, seed, packed=False, ref_params=ref_params)
-  trees = run_update(tree(SETTINGS[name]), params, batch, seed, packed=True, ref_params=ref_params)
+  settings = grouped_minibatches(SETTINGS[name])
+  padded = run_update(settings, params, batch, seed, packed=False, ref_params=ref_params)
+  trees = run_update(tree(settings), params, batch, seed, packed=True, ref_params=ref_params)
   assert_packed_equals_padded(padded, trees, batch)
   assert float(trees[1]['packed_tokens']) < float(padded[1]['sequence_tokens'])
 
@@ -164,8 +173,7 @@ def test_replayed_tree_update_equals_padded(seed):
   """A mixture replaying the sampler's routes (the prompt's recorded once per group, as a group's
   shared prefill records them): the tree update equals the padded one with pi_old, pi_theta and
   pi_ref replaying them. The load-balancing term counts a prompt's tokens once per tree, as they are
-  computed: its coefficient is 0 here, and it and the load (expert_load_max_over_mean) are the trees'
-  own."""
+  computed: its coefficient is 0 here, and it, the load and the rerouted fraction are the trees' own."""
   from test_moe import MOE_ARCHITECTURE, sampler_routes
   rng = np.random.default_rng(seed)
   graphdef, params = random_model(rng, MOE_ARCHITECTURE)
@@ -180,7 +188,7 @@ def test_replayed_tree_update_equals_padded(seed):
                       architecture=MOE_ARCHITECTURE)
   trees = run_update(tree(settings), params, batch, seed, packed=True, ref_params=ref_params,
                      architecture=MOE_ARCHITECTURE)
-  assert_packed_equals_padded(padded, trees, batch, skip=('router_aux_loss', 'expert_load_max_over_mean'))
+  assert_packed_equals_padded(padded, trees, batch, skip=COUNTED_PER_COMPUTED_TOKEN)
   assert float(trees[1]['packed_tokens']) < float(padded[1]['sequence_tokens'])
 
 

@@ -270,10 +270,12 @@ class AlgoConfig:
   # (bounds the activation memory by tokens, whatever the lengths); 0: as micro_batch_size rows would.
   micro_batch_tokens: int = 0
   # Tree packing (needs packing): the sequences that share a prompt (a group's G answers, in the same
-  # mini-batch and batch shard) hold its tokens once per packed row, each completion a branch that
-  # attends to them, so a prompt of Tp tokens costs Tp, not G x Tp, in the passes and the loss.
-  # Same loss and gradients as packed rows; the router's load-balancing term counts a prompt's
-  # tokens once, as they are computed.
+  # mini-batch and batch shard: shuffle 'groups' with several mini-batches) hold its tokens once per
+  # packed row, each completion a branch that attends to them, so a prompt of Tp tokens costs Tp,
+  # not G x Tp, in the passes and the loss, as long as the row has room for the branches (a longer
+  # pack_length holds more of them). Same loss and gradients as packed rows; a mixture's
+  # load-balancing term and its load and rerouted-fraction metrics count a prompt's tokens once per
+  # tree, as they are computed.
   tree_packing: bool = False
   tis_cap: float = 0.0  # C: truncated importance weight min(pi_old / pi_sampler, C); 0 disables
   logprob_implementation: LogprobImplementation = 'auto'  # ops.token_logprobs
@@ -335,6 +337,9 @@ class AlgoConfig:
                 'applies to packed rows: set algo.packing=true (padded rows use micro_batch_size)')
       require(self.packing or not self.tree_packing, 'tree_packing',
               'packs a group as a tree into packed rows: set algo.packing=true too')
+      require(not self.tree_packing or self.num_minibatches == 1 or self.shuffle == 'groups', 'shuffle',
+              f"'rows' deals a prompt's G answers over the {self.num_minibatches} mini-batches, where tree_packing "
+              "shares the prompt only among those in one: set algo.shuffle=groups")
       require(not (self.pack_length and self.micro_batch_tokens) or self.micro_batch_tokens >= self.pack_length,
               'micro_batch_tokens', f'({self.micro_batch_tokens}) must hold at least one packed row of '
               f'pack_length = {self.pack_length} tokens')

@@ -140,8 +140,8 @@ class MicroBatches:
     return x.reshape(self.rows, self.count, *x.shape[1:])
 
   def metrics(self) -> dict:
-    """micro_batches, and with packing the packed rows, the tokens they hold (fewer than the
-    sequences' with tree packing: sequence_tokens) and their padding fraction."""
+    """micro_batches, and with packing the packed rows, the tokens they hold (update() reports a
+    pass's: fewer than the sequences', sequence_tokens, with tree packing) and their padding fraction."""
     count = jnp.asarray(self.count, jnp.float32)
     if self.packed is None:
       return dict(micro_batches=count)
@@ -436,6 +436,8 @@ def update(state: TrainState, batch: Batch, held: Held, *, graphdef,
     metrics = lag_means(metrics, config.max_lag)
   metrics.update(distilled)
   metrics['nonfinite'] = metrics['nonfinite'] * orders.shape[0]  # count, not mean
+  if 'packed_tokens' in metrics:  # a pass's, its mini-batches' sum, beside sequence_tokens
+    metrics['packed_tokens'] = metrics['packed_tokens'] * config.num_minibatches
   real = jnp.sum(batch.segment_ids != 0)
   metrics.update(sequence_tokens=real.astype(jnp.float32),
                  padding_frac=1.0 - real / jnp.float32(batch.segment_ids.size))
