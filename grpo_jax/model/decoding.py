@@ -17,6 +17,7 @@ from grpo_jax.model.cache import KVCache, SharedPrefix, WindowCache, finite, wri
 from grpo_jax.model.latent_attention import latent_values
 from grpo_jax.model.layers import decoder_block
 from grpo_jax.model.moe import gathered
+from grpo_jax.model.ring_attention import context_size
 from grpo_jax.model.vision import Images
 from grpo_jax.ops import fixed_order
 from grpo_jax.sharding import constrain
@@ -102,6 +103,9 @@ class CacheDecoding:
     position_offsets [B]: added to the default positions (M-RoPE: a decoded token after an image
     prompt sits at its count of real tokens before it plus the prompt's offset).
     """
+    if (context_size() > 1 and tokens.shape[1] == cache.max_length and prefix is None and cache.window is None
+        and position_offsets is None):
+      return self._context_prefill(tokens, cache, positions, segment_ids, return_hidden, return_routing, images)
     segment_ids = real_segments(tokens, segment_ids)
     prefix_segments = None if prefix is None else prefix.rows(prefix.segment_ids)  # [B, W]
     # Each token's count of real tokens before it in its row (the prompt's included): its default
@@ -236,3 +240,20 @@ class CacheDecoding:
       new_cache = dataclasses.replace(new_cache, k=tuple(new_cache.k), v=tuple(new_cache.v), window=new_ring)
     out = hidden if return_hidden else self.project(hidden)
     return (out, new_cache, gathered(routing)) if return_routing else (out, new_cache)
+
+  def _context_prefill(self, tokens, cache: KVCache, positions, segment_ids, return_hidden: bool,
+                       return_routing: bool, images: Images | None):
+    """extend of prompts that fill an empty cache, under a mesh with a context axis: the rows split
+    along their length over it and attended by the ring (the full-sequence forward,
+    Qwen2.sequence_pass), every layer's keys and values kept, so no device holds a whole prompt's
+    activations. The cache is those keys and values in the row's order (the caller lays it out)."""
+    hidden, routing, (k_new, v_new) = self.sequence_pass(tokens, positions=positions, segment_ids=segment_ids,
+                                                         images=images, keep_kv=True)
+    dtype = cache.dtype
+    k_new, v_new = finite(k_new.astype(dtype)), finite(v_new.astype(dtype))
+    if cache.layered:
+      k_new, v_new = tuple(k_new), tuple(v_new)
+    new_cache = KVCache(k=k_new, v=v_new, segment_ids=real_segments(tokens, segment_ids), length=cache.length +
+                        tokens.shape[1])
+    out = hidden if return_hidden else self.project(hidden)
+    return (out, new_cache, routing) if return_routing else (out, new_cache)

@@ -333,6 +333,21 @@ class Qwen2(nnx.Module, CacheDecoding):
     into each row from its own, or [B', T, 2] into rows that take them from several of the B
     (packed rows).
     """
+    hidden, routing, _ = self.sequence_pass(tokens, positions=positions, segment_ids=segment_ids, routes=routes,
+                                            images=images, placed=placed)
+    return (hidden, routing) if return_routing else hidden
+
+  def sequence_pass(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                    segment_ids: jax.Array | None = None, routes: jax.Array | None = None,
+                    images: Images | None = None, placed=None, keep_kv: bool = False):
+    """hidden_states' forward -> (hidden [B, T, D], Routing or None, and with `keep_kv` every
+    layer's keys and values (k [L, B, T, K, H], v [L, B, T, K, Hv]) as a KV cache holds them, in
+    the row's order; else None). Under a mesh with a context axis the rows split along their
+    length and attention goes round the ring (model/ring_attention.py): the update's passes, and
+    the sampler's prefill of prompts split over context (model.extend)."""
+    if keep_kv and self.config.mla:
+      raise ValueError("keep_kv: multi-head latent attention's cache holds its latent, which the full-sequence "
+                       'forward does not return; prefill it through model.extend on one device per row')
     segment_ids = real_segments(tokens, segment_ids)
     ordinals = segment_positions(segment_ids)  # the default positions; what a sliding window counts
     if positions is None:
@@ -366,8 +381,8 @@ class Qwen2(nnx.Module, CacheDecoding):
       block = jax.checkpoint(block, policy=_REMAT_POLICIES[self.options.remat])
 
     def layer(x, params, settings, replay):
-      x, _, routing = block(params, x, replay, *settings)
-      return x, None, routing
+      x, kv, routing = block(params, x, replay, *settings)
+      return x, kv if keep_kv else None, routing
 
     x = self._embed(tokens, images)
     if placed is not None:
@@ -376,7 +391,7 @@ class Qwen2(nnx.Module, CacheDecoding):
     if context > 1:
       x = constrain(zigzag(x), ('batch', 'seq', 'act_embed'))
       replay = None if replay is None else zigzag(replay, axis=2)
-    x, _, routing = self.run_layers(x, layer, self.layer_settings(), replay=replay, runs=True)
+    x, kv, routing = self.run_layers(x, layer, self.layer_settings(), replay=replay, runs=True)
     hidden = self.final_norm_of(x)
     routing = gathered(routing)
     if context > 1:
@@ -384,7 +399,9 @@ class Qwen2(nnx.Module, CacheDecoding):
       if routing is not None:
         routing = dataclasses.replace(routing, experts=from_zigzag(routing.experts, context)[:, :length],
                                       differs=from_zigzag(routing.differs, context)[:, :length])
-    return (hidden, routing) if return_routing else hidden
+      if keep_kv:
+        kv = tuple(from_zigzag(x, context, axis=2)[:, :, :length] for x in kv)
+    return hidden, routing, kv
 
   def _replay(self, routes: jax.Array | None) -> jax.Array | None:
     """routes [B, T, Ls, k] -> [Ls, B, T, k], the sparse layers' slices (None: route live)."""

@@ -95,8 +95,8 @@ def _exchange(x: jax.Array, devices: int, axis: int, inverse: bool) -> jax.Array
   odd = [(d, _zigzag_place(2 * d + 1, devices)[0]) for d in range(devices)]
   spec = P(*([None] * axis + [CONTEXT_AXIS]))
 
-  def local(x):
-    me = jax.lax.axis_index(CONTEXT_AXIS)
+  def local(x, index):
+    me = index[0]
     first, second = jnp.split(x, 2, axis=axis)
     if not inverse:  # send chunk 2d and chunk 2d + 1; device i's even chunk is its slot 0 when i is even
       from_even = jax.lax.ppermute(first, CONTEXT_AXIS, even)
@@ -110,8 +110,15 @@ def _exchange(x: jax.Array, devices: int, axis: int, inverse: bool) -> jax.Array
     return jnp.concatenate([jax.lax.ppermute(to_even, CONTEXT_AXIS, back(even)),
                             jax.lax.ppermute(to_odd, CONTEXT_AXIS, back(odd))], axis=axis)
 
-  return jax.shard_map(local, mesh=current_mesh(), in_specs=(spec,), out_specs=spec, axis_names={CONTEXT_AXIS},
-                       check_vma=False)(x)
+  return jax.shard_map(local, mesh=current_mesh(), in_specs=(spec, P(CONTEXT_AXIS)), out_specs=spec,
+                       axis_names={CONTEXT_AXIS}, check_vma=False)(x, _device_index(devices))
+
+
+def _device_index(devices: int) -> jax.Array:
+  """[c] 0 .. c - 1, which a shard_map over the context axis hands each device its own entry of:
+  its place on the axis. (lax.axis_index reads it from the device ids of the mesh set outside
+  the jit, which under a mesh entered inside it, the sampler's prefill mesh, are other devices'.)"""
+  return jnp.arange(devices, dtype=jnp.int32)
 
 
 def _block_stats(q, k, v, mask, chunk: int):
@@ -159,7 +166,7 @@ def _merge_half(stats, block, half: int):
                jnp.concatenate([x[..., :half, :], y], axis=-2) for i, (x, y) in enumerate(zip(stats, merged)))
 
 
-def _local_ring(q, k, v, slots, segments, ordinals, window, *, devices: int, chunk: int, zigzag: bool,
+def _local_ring(q, k, v, slots, segments, ordinals, index, window, *, devices: int, chunk: int, zigzag: bool,
                 skip: int | None):
   """One device's part of ring_attention (inside shard_map over the context axis): its queries
   [B, t, N, H] over the c blocks of keys that pass it. skip: a step whose block is not attended
@@ -167,7 +174,7 @@ def _local_ring(q, k, v, slots, segments, ordinals, window, *, devices: int, chu
   batch, length, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
   grouped = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
-  me = jax.lax.axis_index(CONTEXT_AXIS)
+  me = index[0]  # this device's place on the axis (_device_index)
   half = length // 2
 
   def mask(q_rows, k_rows, block):
@@ -218,6 +225,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, s
   rows = P(None, CONTEXT_AXIS)
   local = functools.partial(_local_ring, devices=devices, chunk=chunk, zigzag=zigzag, skip=skip)
   window_spec = () if window is None else (P(),)
-  return jax.shard_map(lambda q, k, v, s, g, o, *w: local(q, k, v, s, g, o, w[0] if w else None), mesh=mesh,
-                       in_specs=(rows,) * 6 + window_spec, out_specs=rows, axis_names={CONTEXT_AXIS},
-                       check_vma=False)(q, k, v, slots, segments, ordinals, *(() if window is None else (window,)))
+  return jax.shard_map(lambda q, k, v, s, g, o, i, *w: local(q, k, v, s, g, o, i, w[0] if w else None), mesh=mesh,
+                       in_specs=(rows,) * 6 + (P(CONTEXT_AXIS),) + window_spec, out_specs=rows,
+                       axis_names={CONTEXT_AXIS}, check_vma=False)(
+      q, k, v, slots, segments, ordinals, _device_index(devices), *(() if window is None else (window,)))
