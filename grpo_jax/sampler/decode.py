@@ -39,7 +39,6 @@ class DecodeSettings:
   stop_token_ids: tuple[int, ...] = ()  # a request finishes with reason 'stop' after emitting one
   pad_id: int = 0  # written where a row emits nothing
   record_routes: bool = False  # keep the experts each token was routed to (routing replay; MoE only)
-  prefill_context: int = 1  # c > 1: prompts prefilled split along their length over c data groups
 
 
 @jax.tree_util.register_dataclass

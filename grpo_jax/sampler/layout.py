@@ -345,24 +345,6 @@ def _grouped_mesh(devices: Sequence[jax.Device], tensor: int, field: str, expert
   return Mesh(grid, names, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
-def prefill_mesh(mesh: Mesh, context: int) -> Mesh:
-  """The sampler's mesh `mesh` for a prefill split over context (rollout.prefill_context = c): its
-  n / t data groups as n / (t c) groups of c consecutive ones along a `context` axis, over the same
-  devices in the same order (one program holds both layouts) and the same tensor groups (the
-  resident weights stay where they are: replicated over the groups either way). A prompt's tokens
-  then split over c groups' devices, attention by the ring (model.extend)."""
-  groups, tensor = mesh.shape['data'], mesh.shape['tensor']
-  if mesh.shape['expert'] > 1:
-    raise UserError('rollout.prefill_context splits the sampler\'s data groups; a mixture of experts has its groups '
-                    'on the expert axis: set rollout.prefill_context=1')
-  if context < 1 or groups % context:
-    raise UserError(f'rollout.prefill_context={context} must divide the sampler\'s {groups} data groups '
-                    f'(devices / rollout.tensor = {groups * mesh.shape["fsdp"] * tensor} / {tensor})')
-  grid = np.asarray(mesh.devices).reshape(groups // context, context, 1, tensor, 1)
-  return Mesh(grid, ('data', 'context', 'fsdp', 'tensor', 'expert'),
-              axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
-
-
 def rollout_mesh(source: Mesh, tensor: int) -> Mesh:
   """(data = n / t, fsdp = 1, tensor = t) over `source`'s devices in `source`'s order."""
   return _grouped_mesh(list(np.asarray(source.devices).reshape(-1)), tensor, 'rollout.tensor')

@@ -332,7 +332,7 @@ def advance(model: Qwen2, pool: Pool, *, version, take: int, group_size: int, se
 
   # The shared prompt cache of every entry, prefilled with the current weights.
   prompts = prefill_prompts(model, pool.prompt_tokens, pool.prompt_mask, groups, slots, group_size,
-                            record_routes=settings.record_routes, vision=pool.vision, context=settings.prefill_context)
+                            record_routes=settings.record_routes, vision=pool.vision)
 
   view = _group_view(pool, groups)
   occupied = view.entered >= 0  # [n, Qg]

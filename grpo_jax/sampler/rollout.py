@@ -70,11 +70,6 @@ class RolloutConfig:
   # output channel (model/quantize.py), about half the bytes each decode step reads. The sampler then
   # samples from a slightly different policy than the trainer's: set algo.tis_cap to correct for it.
   weights: RolloutWeights = 'compute'
-  # c > 1: each step's prompts are prefilled split along their length over c of the sampler's data
-  # groups (ring attention, as mesh.context splits the update's rows), for prompts whose prefill
-  # does not fit one group's devices (an agent's long history); their cache then moves to the
-  # rows' own groups, and decoding is unchanged. c must divide the data groups (devices / tensor).
-  prefill_context: int = 1
 
   def __post_init__(self):
     with section('rollout'):
@@ -84,15 +79,13 @@ class RolloutConfig:
       require(self.max_new_tokens >= 1, 'max_new_tokens', f'must be >= 1, got {self.max_new_tokens}')
       require(self.slots >= 0, 'slots', f'must be >= 0 (0: one per completion), got {self.slots}')
       require(self.devices >= 0, 'devices', f'must be >= 0 (0: the trainer\'s devices), got {self.devices}')
-      require(self.prefill_context >= 1, 'prefill_context', f'must be >= 1, got {self.prefill_context}')
       require(self.weights in ROLLOUT_WEIGHTS, 'weights',
               f'must be one of {" | ".join(ROLLOUT_WEIGHTS)}, got {self.weights!r}')
 
   def decode_settings(self, stop_token_ids, pad_id: int, record_routes: bool = False) -> DecodeSettings:
     """The sampler's static settings for a task's stop and pad ids (record_routes: routing replay)."""
     return DecodeSettings(sampling=self.sampling, max_new_tokens=self.max_new_tokens,
-                          stop_token_ids=tuple(stop_token_ids), pad_id=pad_id, record_routes=record_routes,
-                          prefill_context=self.prefill_context)
+                          stop_token_ids=tuple(stop_token_ids), pad_id=pad_id, record_routes=record_routes)
 
 
 @jax.tree_util.register_dataclass
@@ -193,7 +186,7 @@ def sample_groups(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, key:
   groups = batch_groups(num_prompts, slots)
   per_requests = requests // groups
   shared = prefill_prompts(model, prompts, prompt_mask, groups, slots, group_size,
-                           record_routes=settings.record_routes, vision=vision, context=settings.prefill_context)
+                           record_routes=settings.record_routes, vision=vision)
   order = jnp.broadcast_to(jnp.arange(per_requests, dtype=jnp.int32), (groups, per_requests))
   loop = GroupLoop(model, settings, shared, keys=grouped(request_keys(key, requests), groups), queue=order,
                    queued=jnp.full((groups,), per_requests, jnp.int32), group_size=group_size)

@@ -37,8 +37,7 @@ from grpo_jax.model.qwen2 import Qwen2
 from grpo_jax.model.vision import Vision
 from grpo_jax.records import along, fields_along, map_along
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, decode_step, prefill
-from grpo_jax.sampler.layout import prefill_mesh
-from grpo_jax.sharding import constrain, current_mesh, grouped, use_mesh
+from grpo_jax.sharding import constrain, grouped
 
 
 @jax.tree_util.register_dataclass
@@ -246,28 +245,14 @@ class Prompts:
 
 
 def prefill_prompts(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, groups: int, slots: int,
-                    group_size: int, record_routes: bool = False, vision: Vision | None = None,
-                    context: int = 1) -> Prompts:
+                    group_size: int, record_routes: bool = False, vision: Vision | None = None) -> Prompts:
   """Prompts [P, Tp] (prompt_mask 1 on real tokens) prefilled into their shared cache, for
   `slots` decode slots split into `groups`, each prompt read by at most `group_size` requests at
   a time (SharedPrefix.readers); record_routes: keep their tokens' experts; vision: their images
-  (each prompt's run through the vision tower once, here). context > 1 (rollout.prefill_context):
-  the prefill runs with each prompt split along its length over `context` of the sampler's data
-  groups (layout.prefill_mesh, ring attention), and its cache then moves to the rows' own groups.
-  Traceable."""
+  (each prompt's run through the vision tower once, here). Traceable."""
   count, width = prompts.shape
-
-  def run():
-    return prefill(model, prompts, prompt_mask.astype(jnp.int32), model.init_cache(count, width),
-                   record_routes=record_routes, vision=vision)
-  if context > 1:
-    with use_mesh(prefill_mesh(current_mesh(), context)):
-      done = run()
-    axes = ('layers', 'batch', 'cache_seq', 'kv_heads' if model.config.grouped_attention else None, 'head_dim')
-    done = dataclasses.replace(done, cache=dataclasses.replace(done.cache, k=constrain(done.cache.k, axes),
-                                                               v=constrain(done.cache.v, axes)))
-  else:
-    done = run()
+  done = prefill(model, prompts, prompt_mask.astype(jnp.int32), model.init_cache(count, width),
+                 record_routes=record_routes, vision=vision)
   layers = done.cache.k.shape[0]
   split = lambda x: x.reshape((layers, groups, count // groups) + x.shape[2:])  # noqa: E731
   shared = SharedPrefix(k=split(done.cache.k), v=split(done.cache.v),
