@@ -65,7 +65,7 @@ def read_back(packed, index, prompt_tokens):
   return row, columns, tokens[row, columns], positions[columns]
 
 
-@pytest.mark.parametrize('shuffle', [False, True], ids=['in-order', 'shuffled'])
+@pytest.mark.parametrize('shuffle', [False, pytest.param(True, marks=pytest.mark.exhaustive)], ids=['in-order', 'shuffled'])
 def test_tree_rows_hold_each_prompt_once_and_every_sequence_whole(seed, shuffle):
   """32 sequences, groups of 4 on 8 prompts, rows of 24 tokens: each sequence reads back whole (its
   tree's root, then its branch) at positions 0, 1, ...; each token of a row sees exactly the keys
@@ -107,6 +107,7 @@ def test_tree_rows_hold_each_prompt_once_and_every_sequence_whole(seed, shuffle)
   np.testing.assert_array_equal(unpacked[mask], source_tokens[:, prompt_length:][mask])
 
 
+@pytest.mark.exhaustive
 def test_prompts_that_differ_share_nothing():
   """Prompts that differ in one token share no root, and one-token prompts have nothing to share:
   the rows hold every real token of every sequence."""
@@ -249,8 +250,10 @@ def test_tree_update_with_images_equals_padded(seed):
   assert_packed_equals_padded(padded, on_context, batch)
 
 
-@pytest.mark.parametrize('pack_length', [9, 14, 20, 24], ids=['one-branch', 'two-branches', 'three-branches',
-                                                                'four-branches'])
+# make test's: three branches a row, two copies of each root; the others, test-all's.
+@pytest.mark.parametrize('pack_length', [pytest.param(length, marks=() if length == 20 else pytest.mark.exhaustive)
+                                         for length in (9, 14, 20, 24)],
+                         ids=['one-branch', 'two-branches', 'three-branches', 'four-branches'])
 def test_update_token_count_is_what_the_trees_hold(seed, pack_length):
   """metrics.update_tokens_per_group (the plan's and the MFU's count of the update's tokens) equals
   what the tree rows hold for full-length answers: 8 groups of 4, prompts of 5 and answers of 4
