@@ -86,3 +86,39 @@ class LongTailTask:
 
   def close(self):
     pass
+
+
+def donated_update(architecture, algo, batch, dtype: str = 'float32'):
+  """(step, compiled, live) of the trainer's own rl.update.update for `algo` (an AlgoConfig) on
+  `batch`, jitted as rl/step.py jits it (state donated) on one device: step() runs one update and
+  waits for it, live['metrics'] holds its last metrics. Imports jax: call after limit_threads."""
+  import functools
+
+  import jax
+  from flax import nnx
+
+  from grpo_jax import config as config_lib
+  from grpo_jax.model import MeshConfig, ModelOptions, init_model, make_mesh
+  from grpo_jax.rl import update as update_lib
+  from grpo_jax.rl.held import Held
+  from grpo_jax.rl.state import create_train_state
+
+  mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+  graphdef, params = nnx.split(init_model(architecture, options=ModelOptions(dtype=dtype), mesh=mesh))
+  optimizer, schedule = config_lib.OptimConfig(learning_rate=1e-6).build(100)
+  settings = update_lib.UpdateSettings(algo=algo, temperature=1.0, rows=batch.size, sequence_length=batch.tokens.shape[1])
+  with jax.set_mesh(mesh):
+    state = create_train_state(params, optimizer, 0)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  update = jax.jit(functools.partial(update_lib.update, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
+                                     settings=settings),
+                   donate_argnums=0, out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated))
+  with jax.set_mesh(mesh):
+    compiled = update.lower(state, batch, Held()).compile()
+  live = dict(state=state)
+
+  def step():
+    with jax.set_mesh(mesh):
+      live['state'], live['metrics'] = jax.block_until_ready(compiled(live['state'], batch, Held()))
+
+  return step, compiled, live

@@ -12,7 +12,6 @@ Both run the trainer's own rl.update.update, jitted as rl/step.py jits it, state
 """
 
 import argparse
-import functools
 import os
 import sys
 
@@ -44,14 +43,10 @@ harness.limit_threads(args.threads)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from grpo_jax import config as config_lib  # noqa: E402
-from grpo_jax.model import MeshConfig, ModelOptions, Qwen2Config, init_model, make_mesh  # noqa: E402
-from grpo_jax.rl.held import Held
-from grpo_jax.rl import update as update_lib  # noqa: E402
+from grpo_jax.model import Qwen2Config  # noqa: E402
 from grpo_jax.rl.batch import Batch  # noqa: E402
-from grpo_jax.rl.state import create_train_state  # noqa: E402
 
 GiB = 2 ** 30
 
@@ -87,27 +82,7 @@ def make_update(architecture: Qwen2Config, packing: bool, batch: Batch):
                                micro_batch_size=0 if packing else args.micro_rows,
                                micro_batch_tokens=args.micro_rows * width if packing else 0,
                                logprob_implementation='xla_chunked')
-  mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
-  model = init_model(architecture, options=ModelOptions(dtype=args.dtype), mesh=mesh)
-  graphdef, params = nnx.split(model)
-  optim = config_lib.OptimConfig(learning_rate=1e-6)
-  optimizer, schedule = optim.build(100)
-  settings = update_lib.UpdateSettings(algo=algo, temperature=1.0, rows=args.rows, sequence_length=width)
-  with jax.set_mesh(mesh):
-    state = create_train_state(params, optimizer, 0)
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  update = jax.jit(functools.partial(update_lib.update, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
-                                     settings=settings),
-                   donate_argnums=0, out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated))
-  with jax.set_mesh(mesh):
-    compiled = update.lower(state, batch, Held()).compile()
-  live = dict(state=state)
-
-  def step():
-    with jax.set_mesh(mesh):
-      live['state'], live['metrics'] = jax.block_until_ready(compiled(live['state'], batch, Held()))
-
-  return step, compiled, live
+  return harness.donated_update(architecture, algo, batch, args.dtype)
 
 
 def temporary_gib(compiled) -> str:

@@ -18,7 +18,6 @@ prompt). metrics.update_tokens_per_group's full-length count (the plan's) is pri
 """
 
 import argparse
-import functools
 import os
 import sys
 
@@ -51,15 +50,11 @@ harness.limit_threads(args.threads)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from grpo_jax import config as config_lib  # noqa: E402
 from grpo_jax.metrics import update_tokens_per_group  # noqa: E402
-from grpo_jax.model import MeshConfig, ModelOptions, Qwen2Config, init_model, make_mesh  # noqa: E402
-from grpo_jax.rl import update as update_lib  # noqa: E402
+from grpo_jax.model import Qwen2Config  # noqa: E402
 from grpo_jax.rl.batch import Batch  # noqa: E402
-from grpo_jax.rl.held import Held  # noqa: E402
-from grpo_jax.rl.state import create_train_state  # noqa: E402
 
 
 def group_batch(shape, vocab_size: int, full: bool, seed: int = 0) -> Batch:
@@ -93,31 +88,6 @@ def algo_config(shape, trees: bool) -> config_lib.AlgoConfig:
                                micro_batch_tokens=args.micro_rows * length, logprob_implementation='xla_chunked')
 
 
-def make_update(architecture: Qwen2Config, algo, batch: Batch):
-  """(step, live): step() runs one donated update of `batch` and waits for it."""
-  mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
-  model = init_model(architecture, options=ModelOptions(dtype='float32'), mesh=mesh)
-  graphdef, params = nnx.split(model)
-  optimizer, schedule = config_lib.OptimConfig(learning_rate=1e-6).build(100)
-  settings = update_lib.UpdateSettings(algo=algo, temperature=1.0, rows=batch.size,
-                                       sequence_length=batch.tokens.shape[1])
-  with jax.set_mesh(mesh):
-    state = create_train_state(params, optimizer, 0)
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  update = jax.jit(functools.partial(update_lib.update, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
-                                     settings=settings),
-                   donate_argnums=0, out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated))
-  with jax.set_mesh(mesh):
-    compiled = update.lower(state, batch, Held()).compile()
-  live = dict(state=state)
-
-  def step():
-    with jax.set_mesh(mesh):
-      live['state'], live['metrics'] = jax.block_until_ready(compiled(live['state'], batch, Held()))
-
-  return step, live
-
-
 def compare(architecture: Qwen2Config, name: str, full: bool) -> None:
   shape = SHAPES[name]
   Tp, N, G, P, _ = shape
@@ -129,7 +99,7 @@ def compare(architecture: Qwen2Config, name: str, full: bool) -> None:
         f'{lengths.mean():.0f}, max {lengths.max()}; the sequences\' real tokens {real:,}', flush=True)
   steps, live = {}, {}
   for layout, trees in (('flat', False), ('tree', True)):
-    steps[layout], live[layout] = make_update(architecture, algo_config(shape, trees), batch)
+    steps[layout], _, live[layout] = harness.donated_update(architecture, algo_config(shape, trees), batch)
   results = harness.interleaved(steps, args.repeats)
   active = architecture.num_params(active=True)
   print(f'{"layout":>6} {"tokens":>9} {"GFLOP (6N)":>11} {"first call s":>13} {"s / update":>11} {"packed rows":>12}')
