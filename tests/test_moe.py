@@ -192,6 +192,15 @@ MOE_ARCHITECTURE = Qwen2Config(vocab_size=1100, hidden_size=32, intermediate_siz
                                norm_topk_prob=True)
 
 
+def perturbed_sampler(rng, params):
+  """A copy of `params` whose router differs (0.3 x a standard normal added): some of the sampler's
+  routes are then not the ones the trainer's would choose."""
+  sampler = jax.tree.map(lambda p: p, params)
+  router = sampler['layers']['router_weight']
+  router.set_value(router[...] + jnp.asarray(0.3 * rng.standard_normal(router.shape), router.dtype))
+  return sampler
+
+
 def sampler_routes(graphdef, params, batch) -> jax.Array:
   """The experts a sampler with other weights chose for every real token of `batch` (padding unrecorded)."""
   _, routing = nnx.merge(graphdef, params).hidden_states(batch.tokens, segment_ids=batch.segment_ids,
@@ -209,10 +218,7 @@ def test_replayed_update_packed_equals_padded_and_starts_at_ratio_one(seed):
   from test_update import random_batch, random_model
   rng = np.random.default_rng(seed)
   graphdef, params = random_model(rng, MOE_ARCHITECTURE)
-  # The sampler's router differs: some of its routes are not the ones the trainer's would choose.
-  sampler = jax.tree.map(lambda p: p, params)
-  router = sampler['layers']['router_weight']
-  router.set_value(router[...] + jnp.asarray(0.3 * rng.standard_normal(router.shape), router.dtype))
+  sampler = perturbed_sampler(rng, params)
   _, ref_params = random_model(rng, MOE_ARCHITECTURE)
   batch = random_batch(rng)
   batch = batch.with_rollout(routes=sampler_routes(graphdef, sampler, batch))

@@ -175,12 +175,10 @@ def test_replayed_tree_update_equals_padded(seed):
   shared prefill records them): the tree update equals the padded one with pi_old, pi_theta and
   pi_ref replaying them. The load-balancing term counts a prompt's tokens once per tree, as they are
   computed: its coefficient is 0 here, and it, the load and the rerouted fraction are the trees' own."""
-  from test_moe import MOE_ARCHITECTURE, sampler_routes
+  from test_moe import MOE_ARCHITECTURE, perturbed_sampler, sampler_routes
   rng = np.random.default_rng(seed)
   graphdef, params = random_model(rng, MOE_ARCHITECTURE)
-  sampler = jax.tree.map(lambda p: p, params)
-  router = sampler['layers']['router_weight']
-  router.set_value(router[...] + jnp.asarray(0.3 * rng.standard_normal(router.shape), router.dtype))
+  sampler = perturbed_sampler(rng, params)
   _, ref_params = random_model(rng, MOE_ARCHITECTURE)
   batch = shared_prompt_batch(rng)
   batch = batch.with_rollout(routes=sampler_routes(graphdef, sampler, batch))
@@ -202,22 +200,15 @@ def test_tree_update_with_images_equals_padded(seed):
   from grpo_jax import config as config_lib
   from grpo_jax import sharding
   from grpo_jax.model import vision
-  from test_vision_rl import CONFIG
+  from test_vision_rl import CONFIG, image_prompt
 
   architecture = config_lib.load_config(CONFIG).model.architecture
   v = architecture.vision
   rng = np.random.default_rng(seed)
   graphdef, params = random_model(rng, architecture)
   _, ref_params = random_model(rng, architecture)
-  prompts, images = [], []
-  for index in range(ROWS // GROUP):
-    row, own = list(rng.integers(6, 11, rng.integers(1, 4))), []
-    for _ in range(1 if index == 0 else rng.integers(0, 3)):
-      grid = (1, int(rng.choice([2, 4])), int(rng.choice([2, 4])))
-      own.append((rng.normal(size=(int(np.prod(grid)), v.patch_dim)).astype(np.float32), grid))
-      row += [v.vision_start_token_id] + [v.image_token_id] * vision.image_tokens(grid, v) + [v.vision_end_token_id]
-    prompts.append(row + [6])
-    images.append(own)
+  drawn = [image_prompt(rng, v, 1 if index == 0 else None) for index in range(ROWS // GROUP)]  # the first shows one
+  prompts, images = map(list, zip(*drawn))
   width, steps = max(map(len, prompts)), 4
   prompt_tokens = np.zeros((len(prompts), width), np.int32)
   prompt_mask = np.zeros((len(prompts), width), np.int32)

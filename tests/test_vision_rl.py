@@ -164,6 +164,17 @@ def test_generate_takes_images_as_transformers_does(seed, make_hf_checkpoint, tm
   assert two.returncode == 2 and two.stderr.strip() == 'error: --prompt holds 2 <image> markers for 1 --image files'
 
 
+def image_prompt(rng, v, count=None):
+  """(tokens, images) of a random prompt: 1-3 text tokens, then `count` images (default: 0, 1 or 2,
+  drawn) of 2x2 to 4x4 patches, each between its start and end tokens, then token 6."""
+  row, own = list(rng.integers(6, 11, rng.integers(1, 4))), []
+  for _ in range(rng.integers(0, 3) if count is None else count):
+    grid = (1, int(rng.choice([2, 4])), int(rng.choice([2, 4])))
+    own.append((rng.normal(size=(int(np.prod(grid)), v.patch_dim)).astype(np.float32), grid))
+    row += [v.vision_start_token_id] + [v.image_token_id] * vision.image_tokens(grid, v) + [v.vision_end_token_id]
+  return row + [6], own
+
+
 @pytest.mark.exhaustive
 def test_packed_update_with_images_equals_padded(seed):
   """Sequences with 0, 1 or 2 images of different sizes, packed end to end (their M-RoPE positions
@@ -179,15 +190,7 @@ def test_packed_update_with_images_equals_padded(seed):
   rng = np.random.default_rng(seed)
   graphdef, params = random_model(rng, architecture)
   _, ref_params = random_model(rng, architecture)
-  rows, images = [], []
-  for _ in range(ROWS):
-    row, own = list(rng.integers(6, 11, rng.integers(1, 4))), []
-    for _ in range(rng.integers(0, 3)):
-      grid = (1, int(rng.choice([2, 4])), int(rng.choice([2, 4])))
-      own.append((rng.normal(size=(int(np.prod(grid)), v.patch_dim)).astype(np.float32), grid))
-      row += [v.vision_start_token_id] + [v.image_token_id] * vision.image_tokens(grid, v) + [v.vision_end_token_id]
-    rows.append(row + [6])
-    images.append(own)
+  rows, images = map(list, zip(*[image_prompt(rng, v) for _ in range(ROWS)]))
   width, steps = max(map(len, rows)), 4
   prompts, prompt_mask = np.zeros((ROWS, width), np.int32), np.zeros((ROWS, width), np.int32)
   for b, row in enumerate(rows):
