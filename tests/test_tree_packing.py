@@ -263,3 +263,19 @@ def test_update_token_count_is_what_the_trees_hold(seed, pack_length):
   assert int(packed.real_tokens) == rows // group * update_tokens_per_group(prompt_length, completion_length, algo)
   flat = AlgoConfig(group_size=group, packing=True, pack_length=pack_length)
   assert update_tokens_per_group(prompt_length, completion_length, flat) == group * (prompt_length + completion_length)
+
+
+def test_a_branch_joins_its_tree_in_a_row_already_holding_it():
+  """Rows of 10, tree 0 (prefix 1, branches 5, 5, 4, 2): row 0 takes 1 + 5, row 1 a copy for the
+  second 5, the 4 joins row 0's copy and the 2 row 1's. Joining only the copy opened last puts the 4
+  in row 1 and then opens a second copy in row 0 for the 2. Each (row, tree) holds one root, and
+  the rows hold 33 tokens (34 with the second root)."""
+  lengths = jnp.asarray([6, 3, 5, 6, 7, 8], jnp.int32)
+  prefix = jnp.asarray([1, 1, 1, 1, 2, 2], jnp.int32)
+  leader = jnp.asarray([0, 0, 0, 0, 4, 4], jnp.int32)
+  row, prefix_at, _, segment, fill = (np.asarray(value) for value in packing.place_trees(lengths, prefix, leader, 6, 10))
+  opened = [(int(row[index]), int(leader[index])) for index in range(6) if prefix_at[index] >= 0]
+  assert len(opened) == len(set(opened)) == 4  # two copies of each tree, in four rows
+  roots = {(int(row[index]), int(attention.tree_root(jnp.asarray(segment[index])))) for index in range(6)}
+  assert len(roots) == 4  # the branches of a tree in a row hang from one root
+  assert int(fill.sum()) == 33 and (fill <= 10).all()

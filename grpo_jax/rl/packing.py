@@ -159,8 +159,9 @@ def place_trees(lengths: jax.Array, prefix: jax.Array, leader: jax.Array, rows: 
   length): the sequences of one `leader` [S] share their first `prefix` [S] tokens (their prompt
   but its last token; 0: a sequence of its own), which a tree holds once, its branches (each
   sequence's other tokens) right after it. Trees go largest first, each into the first row with
-  room for it, a tree's branches longest first into its row while they fit, then into a new copy
-  of the tree (its prefix again) in the first row with room. -> (row [S], prefix_at [S]: the
+  room for it, a tree's branches longest first into the first row holding a copy of their tree
+  with room for them, else into a new copy of the tree (its prefix again) in the first row with
+  room, so no row holds a tree twice. -> (row [S], prefix_at [S]: the
   column where the sequence's tree begins when the sequence opened it, else -1, branch_at [S]: its
   branch's first column, segment [S]: its branch's segment id (attention.TREE_BRANCHES; a plain id
   below it for a sequence of its own), fill [rows]: tokens placed per row)."""
@@ -168,34 +169,35 @@ def place_trees(lengths: jax.Array, prefix: jax.Array, leader: jax.Array, rows: 
   branch = lengths - prefix
   tree_size = prefix[leader] + jax.ops.segment_sum(branch, leader, num_segments=count)[leader]
   order = jnp.lexsort((-lengths, leader, -tree_size))  # the last key first: tree size, its leader, length
-  per_leader = jnp.zeros((count,), jnp.int32)
+  per_sequence = jnp.zeros((count,), jnp.int32)
   per_row = jnp.zeros((rows,), jnp.int32)
+  per_copy = jnp.zeros((count, rows), jnp.int32)  # [leader, row]: its copy's root id there (0: none), branches
 
   def place(index, carry):
-    fill, plain, trees, open_row, open_root, open_count, row, prefix_at, branch_at, segment = carry
+    fill, plain, trees, copy_root, copy_count, row, prefix_at, branch_at, segment = carry
     sequence = order[index]
     lead, shared, own = leader[sequence], prefix[sequence], branch[sequence]
     tree = shared > 0
-    current = open_row[lead]
-    joins = (tree & (current >= 0) & (fill[jnp.maximum(current, 0)] + own <= row_length)
-             & (open_count[lead] + 1 < TREE_BRANCHES))
+    roots, branches = copy_root[lead], copy_count[lead]
+    # A branch joins the first copy of its tree with room for it (so a row holds a tree once), else
+    # opens a copy, its prefix again, in the first row with room for both.
+    joinable = tree & (roots > 0) & (fill + own <= row_length) & (branches + 1 < TREE_BRANCHES)
+    joins = jnp.any(joinable)
     need = jnp.where(joins, own, shared + own)
-    target = jnp.where(joins, current, jnp.argmax(fill + need <= row_length))  # an empty row always has room
+    target = jnp.where(joins, jnp.argmax(joinable), jnp.argmax(fill + need <= row_length))  # an empty row has room
     start = fill[target]
     opens = tree & ~joins
-    root = jnp.where(opens, (trees[target] + 1) * TREE_BRANCHES, open_root[lead])
-    rank = jnp.where(opens, 1, open_count[lead] + 1)
-    keep = lambda new, old: jnp.where(tree, new, old)  # noqa: E731
+    root = jnp.where(opens, (trees[target] + 1) * TREE_BRANCHES, roots[target])
+    rank = jnp.where(opens, 1, branches[target] + 1)
+    keep = lambda table, new: table.at[lead, target].set(jnp.where(tree, new, table[lead, target]))  # noqa: E731
     return (fill.at[target].add(need), plain.at[target].add(~tree), trees.at[target].add(opens),
-            open_row.at[lead].set(keep(target, current)), open_root.at[lead].set(keep(root, open_root[lead])),
-            open_count.at[lead].set(keep(rank, open_count[lead])), row.at[sequence].set(target),
+            keep(copy_root, root), keep(copy_count, rank), row.at[sequence].set(target),
             prefix_at.at[sequence].set(jnp.where(opens, start, -1)),
             branch_at.at[sequence].set(start + jnp.where(opens, shared, 0)),
             segment.at[sequence].set(jnp.where(tree, root + rank, plain[target] + 1)))
 
-  carry = (per_row, per_row, per_row, per_leader - 1, per_leader, per_leader, per_leader, per_leader,
-           per_leader, per_leader)
-  fill, _, _, _, _, _, row, prefix_at, branch_at, segment = jax.lax.fori_loop(0, count, place, carry)
+  carry = (per_row, per_row, per_row, per_copy, per_copy, per_sequence, per_sequence, per_sequence, per_sequence)
+  fill, _, _, _, _, row, prefix_at, branch_at, segment = jax.lax.fori_loop(0, count, place, carry)
   return row, prefix_at, branch_at, segment, fill
 
 
