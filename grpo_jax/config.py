@@ -138,6 +138,7 @@ class Config:
     return self.rollout.prompts_per_step * self.algo.group_size
 
   def __post_init__(self):
+    self._cache_format()
     algo = self.algo
     rows = self.completions_per_step
     require(rows % algo.num_minibatches == 0, 'algo.num_minibatches',
@@ -180,6 +181,23 @@ class Config:
     self.task.check_run(self)
     if algo.exact_on_policy:
       self._exactly_on_policy()
+
+  def _cache_format(self) -> None:
+    """rollout.kv_cache becomes the model's decode cache format (model.kv_cache), which it may also
+    name; two different formats are refused."""
+    options, kind = self.model.options, self.rollout.kv_cache
+    if kind == 'compute' or options.kv_cache == kind:
+      return
+    require(options.kv_cache == 'compute', 'rollout.kv_cache',
+            f'({kind!r}) and model.kv_cache ({options.kv_cache!r}) name two cache formats; set one')
+    require(not self.algo.exact_on_policy, 'rollout.kv_cache',
+            f'{kind!r} rounds the cached keys and values, so the sampler computes other log-probs than the trainer: it '
+            'cannot be exact with algo.exact_on_policy; use rollout.kv_cache=compute')
+    require(options.decode_attention == 'dense', 'model.decode_attention',
+            f"({options.decode_attention!r}) must be 'dense' with rollout.kv_cache={kind}: the blockwise and ragged paths "
+            'do not apply its scales')
+    object.__setattr__(self, 'model', dataclasses.replace(self.model, options=dataclasses.replace(options,
+                                                                                                  kv_cache=kind)))
 
   def _exactly_on_policy(self) -> None:
     """algo.exact_on_policy: the combinations that cannot be exact refused, one line naming both

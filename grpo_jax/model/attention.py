@@ -14,6 +14,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.model.quantize import Quantized
 from grpo_jax.ops import fixed_order
 from grpo_jax.sharding import constrain
 
@@ -143,24 +144,50 @@ def _within(values: jax.Array, index: jax.Array) -> jax.Array:
   return jax.vmap(lambda x, i: jnp.take(x, i, axis=0, mode='fill', fill_value=0))(values, index)
 
 
+def _entries(x, dtype):
+  """Cache entries as a matmul reads them: an 8-bit cache's values (Quantized) converted to `dtype`
+  as they load, their scale applied outside the matmul (_key_scale, _value_scale); else as they are."""
+  return x.values.astype(dtype) if isinstance(x, Quantized) else x
+
+
+def _scale_keys(x, scale_axes: str, target: str):
+  """A Quantized part's per-token, per-head scale [..., S, K, 1] (einsum axes `scale_axes`, the
+  last dropped) broadcast to the einsum axes `target` of what it multiplies; 1 for plain entries."""
+  if not isinstance(x, Quantized):
+    return 1.0
+  scale = x.scale[..., 0]
+  present = scale_axes[:-1]
+  order = ''.join(axis for axis in target if axis in present)
+  scale = jnp.einsum(f'{present}->{order}', scale)
+  return jnp.expand_dims(scale, [index for index, axis in enumerate(target) if axis not in present])
+
+
 def _part_scores(q: jax.Array, part) -> jax.Array:
-  """q [B, T, K, G, H] against one part's keys -> fp32 scores [B, K, G, T, S_i]."""
+  """q [B, T, K, G, H] against one part's keys -> fp32 scores [B, K, G, T, S_i]. 8-bit keys: the
+  values' scores, each scaled by its key's scale."""
   if not isinstance(part, SharedPart):
-    return jnp.einsum('BTKGH,BSKH->BKGTS', q, part[0], preferred_element_type=jnp.float32)
+    k = part[0]
+    scores = jnp.einsum('BTKGH,BSKH->BKGTS', q, _entries(k, q.dtype), preferred_element_type=jnp.float32)
+    return scores * _scale_keys(k, 'BSKH', 'BKGTS')
   groups, rows = part.at.shape
   picked = _within(q.reshape((groups, rows) + q.shape[1:]), part.readers)  # [n, Pn, R, T, K, G, H]
-  scores = jnp.einsum('nPRTKGH,nPWKH->nPRKGTW', picked, part.k, preferred_element_type=jnp.float32)
+  scores = jnp.einsum('nPRTKGH,nPWKH->nPRKGTW', picked, _entries(part.k, q.dtype), preferred_element_type=jnp.float32)
+  scores = scores * _scale_keys(part.k, 'nPWKH', 'nPRKGTW')
   scores = _within(scores.reshape((groups, -1) + scores.shape[3:]), part.at)  # [n, Bn, K, G, T, W]
   return scores.reshape((groups * rows,) + scores.shape[2:])
 
 
 def _part_values(probs: jax.Array, part) -> jax.Array:
-  """One part's probabilities [B, K, G, T, S_i] over its values -> [B, T, K, G, H]."""
+  """One part's probabilities [B, K, G, T, S_i] over its values -> [B, T, K, G, H]. 8-bit values:
+  each probability scaled by its value's scale first."""
   if not isinstance(part, SharedPart):
-    return jnp.einsum('BKGTS,BSKH->BTKGH', probs, part[1])
+    v = part[1]
+    weights = (probs * _scale_keys(v, 'BSKH', 'BKGTS')).astype(probs.dtype)
+    return jnp.einsum('BKGTS,BSKH->BTKGH', weights, _entries(v, probs.dtype))
   groups, rows = part.at.shape
   picked = _within(probs.reshape((groups, rows) + probs.shape[1:]), part.readers)  # [n, Pn, R, K, G, T, W]
-  out = jnp.einsum('nPRKGTW,nPWKH->nPRTKGH', picked, part.v)
+  picked = (picked * _scale_keys(part.v, 'nPWKH', 'nPRKGTW')).astype(probs.dtype)
+  out = jnp.einsum('nPRKGTW,nPWKH->nPRTKGH', picked, _entries(part.v, probs.dtype))
   out = _within(out.reshape((groups, -1) + out.shape[3:]), part.at)  # [n, Bn, T, K, G, H]
   return out.reshape((groups * rows,) + out.shape[2:])
 
@@ -191,7 +218,8 @@ def grouped_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, 
   scores = scores * (head_dim ** -0.5)
   mask = _concatenate([part[2] for part in parts])
   scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(parts[0][1].dtype)
+  values = parts[0][1]
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype if isinstance(values, Quantized) else values.dtype)
   out, start = None, 0
   for part in parts:
     width = part[0].shape[-3]

@@ -6,6 +6,13 @@
   SharedPrefix   prompt caches read by the rows of their group without a copy (the G samples of a
                  prompt, the slots of continuous batching)
   write_rows / write_layers   T new entries written into each row at its own slot
+
+An 8-bit cache (`rollout.kv_cache: int8 | fp8`) holds each key and value array as a Quantized
+(model/quantize.py): 8-bit values [..., K, H] and one fp32 scale per token and KV head
+[..., K, 1], written with the entries (`store`). The scale keeps the entries' rank, so whatever
+moves cache rows (slots, pools, layers) moves a Quantized's two arrays alike (`each`); attention
+reads the 8-bit values and folds the scales into its scores and probabilities
+(model/attention.py), so no dequantized cache is ever made.
 """
 
 import dataclasses
@@ -13,16 +20,56 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.model.quantize import FORMATS, Quantized, quantize
+
+# The KV cache's entries: 'compute' (the model's compute dtype) or 8-bit with a scale per token and head.
+KV_CACHE_FORMATS = ('compute',) + tuple(FORMATS)
+
+
+def each(fn, *arrays):
+  """fn applied to the arrays of cache entries: to a Quantized's values and scale alike (both of the
+  entries' rank), or to plain arrays."""
+  return jax.tree.map(fn, *arrays)
+
+
+def cache_format(entries) -> str:
+  """'compute', or the 8-bit kind ('int8' | 'fp8') of cache entries (an array, a Quantized, or a tuple
+  of layers of either)."""
+  first = entries[0] if isinstance(entries, tuple) else entries
+  if not isinstance(first, Quantized):
+    return 'compute'
+  return next(kind for kind, (dtype, _) in FORMATS.items() if first.values.dtype == jnp.dtype(dtype))
+
+
+def store(x: jax.Array, like) -> 'jax.Array | Quantized':
+  """New keys or values x [..., K, H] as a cache whose entries are `like` holds them: finite (NaN
+  and infinities as 0), in its dtype, or quantized with one scale per token and head (over H)."""
+  if isinstance(like, tuple):
+    like = like[0]
+  if isinstance(like, Quantized):
+    return quantize(finite(x.astype(jnp.float32)), (x.ndim - 1,), cache_format(like))
+  return finite(x.astype(like.dtype))
+
+
+def unstack(x, count: int) -> tuple:
+  """A stack [L, ...] (or a Quantized of stacks) as a tuple of its L layers."""
+  return tuple(x[index] for index in range(count))
+
+
+def stack_layers(layers: tuple):
+  """A tuple of layers (arrays or Quantized) as one stack [L, ...]."""
+  return each(lambda *parts: jnp.stack(parts), *layers)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
   """Keys and values of every layer for B rows of up to S tokens.
 
-  k, v:         [L, B, S, K, H] in the compute dtype, or `layered`: a tuple of L [B, S, K, H]
-                arrays, each read and written in place by its own layer of an unrolled decode step
-                (a layer's slice of a stack is copied out of it on XLA:GPU: the whole cache, twice,
-                every step).
+  k, v:         [L, B, S, K, H] in the compute dtype (or Quantized, an 8-bit cache), or `layered`:
+                a tuple of L [B, S, K, H] arrays, each read and written in place by its own layer of
+                an unrolled decode step (a layer's slice of a stack is copied out of it on XLA:GPU:
+                the whole cache, twice, every step).
   segment_ids:  [B, S] int32, 0 for empty or padding slots.
   length:       [B] int32, slots written so far; the next token goes to slot `length`.
 
@@ -50,17 +97,28 @@ class KVCache:
 
   @property
   def dtype(self) -> jnp.dtype:
+    """The entries' storage dtype (an 8-bit cache's values')."""
+    return self.entries.dtype
+
+  @property
+  def entries(self):
+    """One layer's (or a stack's) keys: what `store` writes new entries like."""
     if self.layered and not self.k:  # every layer slides: its window's
-      return self.window.stacked().k.dtype
-    return (self.k[0] if self.layered else self.k).dtype
+      return self.window.stacked().k
+    return self.k[0] if self.layered else self.k
+
+  @property
+  def format(self) -> str:
+    """'compute' or the 8-bit kind of the entries (KV_CACHE_FORMATS)."""
+    return cache_format(self.entries)
 
   def map_layers(self, fn) -> 'KVCache':
     """fn(k or v [L, B, ...], or one layer's [B, ...] when layered) applied to keys and values (of
     the full-attention layers; a cache with a window is refused)."""
     if self.window is not None:
       raise ValueError('map_layers: this cache keeps its sliding layers in a window ring (WindowCache)')
-    each = lambda x: tuple(map(fn, x)) if isinstance(x, tuple) else fn(x)  # noqa: E731
-    return dataclasses.replace(self, k=each(self.k), v=each(self.v))
+    apply = lambda x: tuple(each(fn, layer) for layer in x) if isinstance(x, tuple) else each(fn, x)  # noqa: E731
+    return dataclasses.replace(self, k=apply(self.k), v=apply(self.v))
 
   def stacked(self) -> 'KVCache':
     """The same cache with [L, B, S, K, H] keys and values (a copy when layered)."""
@@ -68,9 +126,9 @@ class KVCache:
       return self
     window = None if self.window is None else self.window.stacked()
     if not self.k:  # every layer slides: no full-attention layer, an empty stack
-      empty = jnp.zeros((0,) + self.segment_ids.shape + window.k.shape[3:], window.k.dtype)
+      empty = each(lambda x: jnp.zeros((0,) + self.segment_ids.shape + x.shape[3:], x.dtype), window.k)
       return dataclasses.replace(self, k=empty, v=empty, window=window)
-    return dataclasses.replace(self, k=jnp.stack(self.k), v=jnp.stack(self.v), window=window)
+    return dataclasses.replace(self, k=stack_layers(self.k), v=stack_layers(self.v), window=window)
 
 
 @jax.tree_util.register_dataclass
@@ -104,7 +162,7 @@ class WindowCache:
   def stacked(self) -> 'WindowCache':
     if not isinstance(self.k, tuple):
       return self
-    return dataclasses.replace(self, k=jnp.stack(self.k), v=jnp.stack(self.v))
+    return dataclasses.replace(self, k=stack_layers(self.k), v=stack_layers(self.v))
 
   def write(self, k_new: jax.Array, v_new: jax.Array, segment_ids: jax.Array, ordinals: jax.Array) -> 'WindowCache':
     """T new tokens per row (k_new, v_new [Lw, B, T, K, H]; segment_ids, ordinals [B, T]) into
@@ -117,8 +175,10 @@ class WindowCache:
 
     def put(target, new):
       if isinstance(target, tuple):
-        return tuple(layer.at[rows, entry].set(part, mode='drop') for layer, part in zip(target, new))
-      return target.at[jnp.arange(new.shape[0])[:, None, None], rows[None], entry[None]].set(new, mode='drop')
+        return tuple(each(lambda t, n: t.at[rows, entry].set(n, mode='drop'), layer, new[index])
+                     for index, layer in enumerate(target))
+      return each(lambda t, n: t.at[jnp.arange(n.shape[0])[:, None, None], rows[None], entry[None]].set(n, mode='drop'),
+                  target, new)
     return WindowCache(k=put(self.k, k_new), v=put(self.v, v_new),
                        segment_ids=self.segment_ids.at[rows, entry].set(segment_ids, mode='drop'),
                        ordinals=self.ordinals.at[rows, entry].set(ordinals, mode='drop'))
@@ -135,7 +195,7 @@ class SharedPrefix:
   likewise: row g * Bn + j reads prompt (g, index[g, j]), so a row only ever reads prompts held on
   its own devices (the gather is batched over the group axis, which stays sharded).
 
-  k, v:         [L, n, Pn, W, K, H] in the compute dtype.
+  k, v:         [L, n, Pn, W, K, H] in the compute dtype, or Quantized (an 8-bit cache's).
   segment_ids:  [n, Pn, W] int32, 0 on padding.
   index:        [n, Bn] int32, the prompt each row reads, within its group.
   readers:      at most this many rows with a real token read one prompt at a time (a prompt's G
@@ -152,14 +212,16 @@ class SharedPrefix:
   def rows(self, shared: jax.Array) -> jax.Array:
     """[n, Pn, ...] per-prompt values -> [B, ...] the value each row reads."""
     picked = jax.vmap(lambda values, index: values[index])(shared, self.index)
-    return picked.reshape((picked.shape[0] * picked.shape[1],) + picked.shape[2:])  # no -1: an MLA cache's values are empty
+    # no -1: an MLA cache's values are empty
+    return each(lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), picked)
 
 
 def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-  """Writes new [B, T, ...] into cache [B, S, ...] at slot start[b] of each row."""
+  """Writes new [B, T, ...] into cache [B, S, ...] (or a Quantized's two arrays) at slot start[b]
+  of each row."""
   def write_row(row, update, index):
     return jax.lax.dynamic_update_slice_in_dim(row, update, index, axis=0)
-  return jax.vmap(write_row)(cache, new, start)
+  return each(lambda c, n: jax.vmap(write_row)(c, n, start), cache, new)
 
 
 def finite(x: jax.Array) -> jax.Array:
@@ -171,7 +233,7 @@ def write_layers(cache: jax.Array | tuple[jax.Array, ...], new: jax.Array, start
   """Writes new [L, B, T, ...] into cache [L, B, S, ...] (or L [B, S, ...] layers) at slot
   start[b] of each row b."""
   if isinstance(cache, tuple):
-    return tuple(write_rows(layer, part, start) for layer, part in zip(cache, new))
+    return tuple(write_rows(layer, new[index], start) for index, layer in enumerate(cache))
   # One scatter indexed on (layer, row, slot): a vmap over the row axis would move it to the front,
   # transposing the whole cache there and back. The layer is an index too, not part of the written
   # window: with one KV head per device (a tensor-parallel cache) XLA:TPU otherwise laid the cache
@@ -180,4 +242,4 @@ def write_layers(cache: jax.Array | tuple[jax.Array, ...], new: jax.Array, start
   layers = jnp.arange(new.shape[0])[:, None, None]
   rows = jnp.arange(new.shape[1])[None, :, None]
   slots = (start[:, None] + jnp.arange(new.shape[2]))[None]
-  return cache.at[layers, rows, slots].set(new, indices_are_sorted=True, unique_indices=True)
+  return each(lambda c, n: c.at[layers, rows, slots].set(n, indices_are_sorted=True, unique_indices=True), cache, new)

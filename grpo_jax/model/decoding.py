@@ -13,10 +13,11 @@ import numpy as np
 
 from grpo_jax.model.attention import (SharedPart, attention_mask, cache_attention, grouped_attention, reader_layout,
                                       reads_stacked_cache, real_segments, window_mask)
-from grpo_jax.model.cache import KVCache, SharedPrefix, WindowCache, finite, write_layers, write_rows
+from grpo_jax.model.cache import KVCache, SharedPrefix, WindowCache, each, finite, store, unstack, write_layers, write_rows
 from grpo_jax.model.latent_attention import latent_values
 from grpo_jax.model.layers import decoder_block
 from grpo_jax.model.moe import gathered
+from grpo_jax.model.quantize import FORMATS, Quantized
 from grpo_jax.model.ring_attention import context_size
 from grpo_jax.model.vision import Images
 from grpo_jax.ops import fixed_order
@@ -51,20 +52,30 @@ class CacheDecoding:
     windowed: the sliding-window layers keep only their window (a WindowCache of min(window, S)
     entries per row; none where no layer slides or the window holds all S); every path that fills
     rows token by token from an empty row can hold one (model.extend); rows brought in from
-    elsewhere at a slot past 0 cannot (sampler/slots.py)."""
+    elsewhere at a slot past 0 cannot (sampler/slots.py). With options.kv_cache 'int8' or 'fp8' the
+    entries are 8-bit with a scale per token and KV head (model/cache.py)."""
     c = self.config
     sliding = c.sliding_layers if windowed and c.sliding_window is not None and c.sliding_window < max_length else ()
     full_layers = c.num_hidden_layers - sum(sliding)
 
     heads, key_width, value_width = c.cache_entry  # MLA's: one latent per token, its values read from it
 
+    kind = self.options.kv_cache
+
+    def empty(shape, axes):
+      if kind == 'compute':
+        return constrain(jnp.zeros(shape, self.dtype), axes)
+      # 8-bit values and a scale per token and head (its rank the entries': the same axes, H as 1)
+      return Quantized(constrain(jnp.zeros(shape, FORMATS[kind][0]), axes),
+                       constrain(jnp.zeros(shape[:-1] + (1,), jnp.float32), axes))
+
     def zeros(layers, width, entry=key_width):
       shape = (batch_size, width, heads, entry)
       # rows over the batch axes, KV heads over 'tensor' (MLA's one latent head replicated)
       axes = ('batch', 'cache_seq', 'kv_heads' if c.grouped_attention else None, 'head_dim')
       if layered:
-        return tuple(constrain(jnp.zeros(shape, self.dtype), axes) for _ in range(layers))
-      return constrain(jnp.zeros((layers,) + shape, self.dtype), ('layers',) + axes)
+        return tuple(empty(shape, axes) for _ in range(layers))
+      return empty((layers,) + shape, ('layers',) + axes)
 
     def row_ints(width, value=0):
       return constrain(jnp.full((batch_size, width), value, jnp.int32), ('batch', 'cache_seq'))
@@ -161,7 +172,11 @@ class CacheDecoding:
     # every layer's copy at once (the 32B recipe's rollout: 92 GiB of temporaries per H100, not 48).
     # A layered cache needs neither: each layer reads its own arrays.
     ordered = scan is False and not stacked and not cache.layered
-    dtype = cache.dtype
+    entries = cache.entries  # what the new keys and values are stored like
+    # The new tokens attend to their own keys and values as the cache holds them (rounded to its
+    # dtype); an 8-bit cache's in the compute dtype, as a compute cache's (its entries' rounding is
+    # what later steps read).
+    dtype = self.dtype if isinstance(entries, Quantized) else cache.dtype
     reading = None
     if self._reads_prompts_once(prefix) and implementation == 'dense':
       groups, per_prompts = prefix.segment_ids.shape[:2]
@@ -172,7 +187,7 @@ class CacheDecoding:
       if isinstance(stacks[0], tuple):
         return (stacks[0][index], stacks[1][index]), x
       index, x = jax.lax.optimization_barrier((jnp.int32(index), x))
-      return tuple(jax.lax.dynamic_index_in_dim(stack, index, keepdims=False) for stack in stacks), x
+      return tuple(each(lambda s: jax.lax.dynamic_index_in_dim(s, index, keepdims=False), stack) for stack in stacks), x
 
     def layer(x, params, inputs, _):
       (frequency, window), (own, *shared) = inputs  # own: this layer's cache rows, or its index into them
@@ -195,7 +210,8 @@ class CacheDecoding:
         own = (cache.k[int(own)], cache.v[int(own)])
       elif ordered:
         own, x = jax.lax.optimization_barrier((own, x))
-        own = tuple(jax.lax.dynamic_index_in_dim(stack, own, keepdims=False) for stack in (cache.k, cache.v))
+        own = tuple(each(lambda s, i=own: jax.lax.dynamic_index_in_dim(s, i, keepdims=False), stack)
+                    for stack in (cache.k, cache.v))
 
       def attend(q, k, v):
         # The new keys and values as the cache will hold them (rounded to its dtype, finite).
@@ -222,7 +238,7 @@ class CacheDecoding:
     x, (k_new, v_new), routing = self.run_layers(self._embed(tokens, images), layer, (settings, layer_caches),
                                                  scan=scan)
     hidden = self.final_norm_of(x)
-    k_new, v_new = finite(k_new.astype(dtype)), finite(v_new.astype(dtype))
+    k_new, v_new = store(k_new, entries), store(v_new, entries)
     new_ring = None
     if ring is not None:
       new_ring = ring.write(k_new[np.flatnonzero(sliding)], v_new[np.flatnonzero(sliding)], segment_ids, ordinals)
@@ -236,8 +252,12 @@ class CacheDecoding:
                           segment_ids=write_rows(cache.segment_ids, segment_ids, cache.length),
                           length=cache.length + length, window=new_ring)
     if layered and not new_cache.layered:
-      new_ring = None if new_ring is None else dataclasses.replace(new_ring, k=tuple(new_ring.k), v=tuple(new_ring.v))
-      new_cache = dataclasses.replace(new_cache, k=tuple(new_cache.k), v=tuple(new_cache.v), window=new_ring)
+      if new_ring is not None:
+        count = new_ring.k.shape[0]
+        new_ring = dataclasses.replace(new_ring, k=unstack(new_ring.k, count), v=unstack(new_ring.v, count))
+      count = new_cache.k.shape[0]
+      new_cache = dataclasses.replace(new_cache, k=unstack(new_cache.k, count), v=unstack(new_cache.v, count),
+                                      window=new_ring)
     out = hidden if return_hidden else self.project(hidden)
     return (out, new_cache, gathered(routing)) if return_routing else (out, new_cache)
 
@@ -249,10 +269,9 @@ class CacheDecoding:
     activations. The cache is those keys and values in the row's order (the caller lays it out)."""
     hidden, routing, (k_new, v_new) = self.sequence_pass(tokens, positions=positions, segment_ids=segment_ids,
                                                          images=images, keep_kv=True)
-    dtype = cache.dtype
-    k_new, v_new = finite(k_new.astype(dtype)), finite(v_new.astype(dtype))
+    k_new, v_new = store(k_new, cache.entries), store(v_new, cache.entries)
     if cache.layered:
-      k_new, v_new = tuple(k_new), tuple(v_new)
+      k_new, v_new = unstack(k_new, k_new.shape[0]), unstack(v_new, v_new.shape[0])
     new_cache = KVCache(k=k_new, v=v_new, segment_ids=real_segments(tokens, segment_ids), length=cache.length +
                         tokens.shape[1])
     out = hidden if return_hidden else self.project(hidden)

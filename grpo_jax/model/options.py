@@ -27,6 +27,9 @@ DecodeLayers = Literal['auto', 'scan', 'unrolled']
 # rows that read it: attention.SharedPart, a few more kernels per layer), 'auto' ('once' where
 # the copies would be at least READ_ONCE_BYTES per layer and group of rows, else 'copy').
 PromptReads = Literal['auto', 'copy', 'once']
+# The KV cache's entries while decoding (model/cache.py): 'compute' (the compute dtype), or 'int8' /
+# 'fp8' (8-bit, a scale per token and KV head: half a bf16 cache's bytes). Set from rollout.kv_cache.
+KVCacheFormat = Literal['compute', 'int8', 'fp8']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,7 @@ class ModelOptions:
   decode_layers: DecodeLayers = 'auto'  # the layer loop of a decode step (DecodeLayers above)
   decode_block: int = 256  # cache slots per block of 'blockwise' and 'pallas' decode attention
   prompt_reads: PromptReads = 'auto'  # how dense decode attention reads shared prompts (PromptReads above)
+  kv_cache: KVCacheFormat = 'compute'  # the decode cache's entries (KVCacheFormat above; rollout.kv_cache sets it)
   # Low-rank adapters (model/lora.py): the base frozen in `dtype`, the adapters in `param_dtype`.
   lora: LoraConfig | None = None
   # A vision-language model's tower kept as loaded: no gradient flows into it (its features are
@@ -58,13 +62,19 @@ class ModelOptions:
     choices = {'dtype': typing.get_args(DType), 'param_dtype': typing.get_args(ParamDType),
                'remat': typing.get_args(RematPolicy), 'attention': ATTENTION_IMPLEMENTATIONS,
                'decode_attention': DECODE_ATTENTIONS, 'decode_layers': typing.get_args(DecodeLayers),
-               'prompt_reads': typing.get_args(PromptReads)}
+               'prompt_reads': typing.get_args(PromptReads), 'kv_cache': typing.get_args(KVCacheFormat)}
     for name, allowed in choices.items():
       require(getattr(self, name) in allowed, name,
               f'must be one of {" | ".join(map(repr, allowed))}, got {getattr(self, name)!r}')
     require(self.attention_chunk >= 1, 'attention_chunk', f'must be >= 1, got {self.attention_chunk}')
     require(self.decode_block >= 1, 'decode_block', f'must be >= 1, got {self.decode_block}')
+    require(self.kv_cache == 'compute' or self.decode_attention == 'dense', 'decode_attention',
+            f"must be 'dense' with an 8-bit KV cache (kv_cache={self.kv_cache!r}): {self.decode_attention!r} reads the "
+            'cache in blocks that do not apply its scales')
     if self.exact:  # the paths that have no fixed order (yet): one line each
+      require(self.kv_cache == 'compute', 'kv_cache',
+              f'{self.kv_cache!r} rounds the cached keys and values: the sampler then computes other log-probs than the '
+              'trainer, which exact numerics (algo.exact_on_policy) rule out; use compute')
       require(self.decode_attention == 'dense', 'decode_attention',
               f"must be 'dense' with exact numerics (algo.exact_on_policy): {self.decode_attention!r} combines the "
               "cache's blocks by an online softmax whose order follows the cache, not the sequence")

@@ -28,7 +28,7 @@ from flax import nnx
 
 from grpo_jax.errors import UserError, require
 from grpo_jax.model.attention import TREE_BRANCHES, real_segments, resolve_attention, sequence_attention
-from grpo_jax.model.cache import SharedPrefix
+from grpo_jax.model.cache import SharedPrefix, stack_layers, unstack
 from grpo_jax.model.decoding import CacheDecoding
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.embedding import embedding_lookup
@@ -112,6 +112,8 @@ class Qwen2(nnx.Module, CacheDecoding):
     require(not (config.mla and options.decode_attention == 'pallas'), 'model.decode_attention',
             "'pallas': the ragged decode kernel reads grouped-query caches, not multi-head latent attention's latent "
             "one; choose 'dense' or 'blockwise'")
+    require(not (config.mla and options.kv_cache != 'compute'), 'rollout.kv_cache',
+            f"{options.kv_cache!r}: multi-head latent attention's latent cache is not quantized; use compute")
     require(not (any(config.sliding_layers) and options.decode_attention == 'pallas'), 'model.decode_attention',
             "'pallas': the ragged decode kernel has no sliding window, which this model's layers use; "
             "choose 'dense' or 'blockwise'")
@@ -281,8 +283,8 @@ class Qwen2(nnx.Module, CacheDecoding):
     shared prompts' keys and values): loop_view's cut, when the decode layers are unrolled."""
     if self._scan_decode():
       return arrays, lambda pieces: pieces
-    pieces = tuple(tuple(x[index] for index in range(x.shape[0])) for x in arrays)
-    return pieces, lambda pieces: tuple(jnp.stack(parts) for parts in pieces)
+    pieces = tuple(unstack(x, x.shape[0]) for x in arrays)  # an 8-bit cache's values and scales alike
+    return pieces, lambda pieces: tuple(stack_layers(parts) for parts in pieces)
 
   # ---- full-sequence forward (training, scoring) ----
 

@@ -43,7 +43,8 @@ def kv_cache_bytes_per_device(architecture, config: config_lib.Config, prompt_le
   """The sampler's K and V caches (sampler/rollout.py): the shared prompt cache [L, P, Tp, K, H]
   (`prompts` entries with partial rollouts' pool, else P) and the slots' own rows [L, B, N, K, H]
   (B = rollout.slots, else P * G), each with its rows over the batch axes and KV heads over
-  'tensor' where they divide (grpo_jax/sharding.py's rules). A sliding-window layer's slot rows
+  'tensor' where they divide (grpo_jax/sharding.py's rules), in the compute dtype or, with
+  rollout.kv_cache 8-bit, a byte per value and 4 per token and head. A sliding-window layer's slot rows
   hold its window only (model/cache.py WindowCache) where the window is shorter than N. Multi-head
   latent attention's cache holds one latent per token, replicated over 'tensor' (`cache_entry`;
   `expanded`: an MHA cache of the same model instead)."""
@@ -55,12 +56,17 @@ def kv_cache_bytes_per_device(architecture, config: config_lib.Config, prompt_le
            (architecture.num_hidden_layers - sliding, slots, answer), (sliding, slots, architecture.sliding_window)]
   heads, widths = cache_entry(architecture, expanded)
   head_axis = None if architecture.mla and not expanded else 'kv_heads'
+  options = config.model.options
   total = 0
   for layers, count, width in parts:
     for entry in widths if layers else ():
       shape = (layers, count, width, heads, entry)
       layout = sharding.named_sharding(mesh, shape, ('layers', 'batch', 'cache_seq', head_axis, 'head_dim'))
-      total += math.prod(layout.shard_shape(shape)) * jnp.dtype(config.model.options.dtype).itemsize
+      elements = math.prod(layout.shard_shape(shape))
+      if options.kv_cache == 'compute':
+        total += elements * jnp.dtype(options.dtype).itemsize
+      else:  # 8-bit values and an fp32 scale per token and head (model/cache.py)
+        total += elements + 4 * (elements // entry)
   return total
 
 

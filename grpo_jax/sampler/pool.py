@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_jax.model.cache import each
 from grpo_jax.model.config import Qwen2Config
 from grpo_jax.model.moe import unrecorded
 from grpo_jax.model.qwen2 import Qwen2, SharedPrefix
@@ -296,10 +297,13 @@ def _prefill_answers(model: Qwen2, tokens: jax.Array, lengths: jax.Array, shared
 
   parts = [block(slice(index * width, (index + 1) * width)) for index in range(blocks)]
 
-  def join(arrays, axis):  # the blocks' rows back in slot order, group by group
+  def join_arrays(*arrays, axis):  # the blocks' rows back in slot order, group by group
     arrays = [a.reshape(a.shape[:axis] + (groups, width) + a.shape[axis + 1:]) for a in arrays]
     joined = jnp.concatenate(arrays, axis=axis + 1)
     return joined.reshape(joined.shape[:axis] + (slots,) + joined.shape[axis + 2:])
+
+  def join(arrays, axis):  # of arrays, or of an 8-bit cache's values and scales alike
+    return each(lambda *parts: join_arrays(*parts, axis=axis), *arrays)
 
   caches = [cache for cache, _ in parts]
   # Laid out as a fresh slot cache (model.init_cache): the decode loop's attention then finds the
@@ -308,12 +312,12 @@ def _prefill_answers(model: Qwen2, tokens: jax.Array, lengths: jax.Array, shared
   rows = ('batch', 'cache_seq')
   window = caches[0].window
   if window is not None:
-    window = dataclasses.replace(window, k=constrain(join([c.window.k for c in caches], 1), axes),
-                                 v=constrain(join([c.window.v for c in caches], 1), axes),
+    window = dataclasses.replace(window, k=each(lambda x: constrain(x, axes), join([c.window.k for c in caches], 1)),
+                                 v=each(lambda x: constrain(x, axes), join([c.window.v for c in caches], 1)),
                                  segment_ids=constrain(join([c.window.segment_ids for c in caches], 0), rows),
                                  ordinals=constrain(join([c.window.ordinals for c in caches], 0), rows))
-  cache = dataclasses.replace(caches[0], k=constrain(join([c.k for c in caches], 1), axes),
-                              v=constrain(join([c.v for c in caches], 1), axes),
+  cache = dataclasses.replace(caches[0], k=each(lambda x: constrain(x, axes), join([c.k for c in caches], 1)),
+                              v=each(lambda x: constrain(x, axes), join([c.v for c in caches], 1)),
                               segment_ids=constrain(join([c.segment_ids for c in caches], 0), rows),
                               length=lengths, window=window)  # decoding goes on right after each answer
   return cache, join([hidden for _, hidden in parts], 0)

@@ -25,6 +25,8 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import require
+from grpo_jax.model.cache import KV_CACHE_FORMATS
+from grpo_jax.model.options import KVCacheFormat
 from grpo_jax.model.quantize import ROLLOUT_WEIGHTS, RolloutWeights
 from grpo_jax.model.qwen2 import Qwen2
 from grpo_jax.model.vision import Vision
@@ -70,6 +72,11 @@ class RolloutConfig:
   # output channel (model/quantize.py), about half the bytes each decode step reads. The sampler then
   # samples from a slightly different policy than the trainer's: set algo.tis_cap to correct for it.
   weights: RolloutWeights = 'compute'
+  # The sampler's KV cache: 'compute' (the compute dtype), or 'int8' / 'fp8': keys and values 8-bit
+  # with a scale per token and KV head (model/cache.py), half the bytes a bf16 cache reads at each
+  # decode step. Sets model.kv_cache; like 8-bit weights, the sampler's policy then differs a little
+  # from the trainer's (algo.tis_cap corrects for it).
+  kv_cache: KVCacheFormat = 'compute'
 
   def __post_init__(self):
     with section('rollout'):
@@ -81,6 +88,8 @@ class RolloutConfig:
       require(self.devices >= 0, 'devices', f'must be >= 0 (0: the trainer\'s devices), got {self.devices}')
       require(self.weights in ROLLOUT_WEIGHTS, 'weights',
               f'must be one of {" | ".join(ROLLOUT_WEIGHTS)}, got {self.weights!r}')
+      require(self.kv_cache in KV_CACHE_FORMATS, 'kv_cache',
+              f'must be one of {" | ".join(KV_CACHE_FORMATS)}, got {self.kv_cache!r}')
 
   def decode_settings(self, stop_token_ids, pad_id: int, record_routes: bool = False) -> DecodeSettings:
     """The sampler's static settings for a task's stop and pad ids (record_routes: routing replay)."""

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.model.moe import unrecorded, unrecorded_id
-from grpo_jax.model.cache import KVCache, SharedPrefix
+from grpo_jax.model.cache import KVCache, SharedPrefix, each
 from grpo_jax.model.qwen2 import Qwen2
 from grpo_jax.model.vision import Vision
 from grpo_jax.records import along, fields_along, map_along
@@ -120,12 +120,15 @@ def _row_cache(cache: KVCache, slots: Slots, entry: Entry) -> KVCache:
     raise ValueError(f'a masked admission brings whole cache rows ({length} entries from 0), got {width}')
   positions = start[:, None] + jnp.arange(width)  # [R, W]
 
-  def put(target, values):  # target [..., B, S, K, H]: a stack or one layer's; values [..., R, W, K, H]
+  def put_array(target, values):  # target [..., B, S, K, H]: a stack or one layer's; values [..., R, W, K, H]
     axis = target.ndim - 4
     if slots.mask is not None:  # rows laid out per slot: whole rows
       return slots.put(target, values, axis=axis)
     return target.at[(slice(None),) * axis + (slots.index[:, None], positions)].set(values.astype(target.dtype),
                                                                                     mode='drop')
+
+  def put(target, values):  # an 8-bit cache's values and scales alike (model/cache.py)
+    return each(put_array, target, values)
 
   def layers(target, values):  # each layer of a layered cache takes its own layer of the entry's
     if isinstance(target, tuple):
@@ -254,7 +257,7 @@ def prefill_prompts(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, gr
   done = prefill(model, prompts, prompt_mask.astype(jnp.int32), model.init_cache(count, width),
                  record_routes=record_routes, vision=vision)
   layers = done.cache.k.shape[0]
-  split = lambda x: x.reshape((layers, groups, count // groups) + x.shape[2:])  # noqa: E731
+  split = lambda x: each(lambda a: a.reshape((layers, groups, count // groups) + a.shape[2:]), x)  # noqa: E731
   shared = SharedPrefix(k=split(done.cache.k), v=split(done.cache.v),
                         segment_ids=grouped(done.cache.segment_ids, groups),
                         index=jnp.zeros((groups, slots // groups), jnp.int32), readers=group_size)

@@ -145,6 +145,9 @@ class QwenEngine:
                tokenizer_path: str | None = None, chat_template: str = 'auto'):
     if slots < 1 or max_prefill_length < 1 or settings.max_new_tokens < 1:
       raise ValueError('slots, max_prefill_length and max_new_tokens must be at least 1')
+    if model.options.kv_cache != 'compute':  # its prefixes and decode state are laid out as compute-dtype arrays
+      raise ValueError(f'the serving engine keeps its KV cache in the compute dtype; got a model whose kv_cache is '
+                       f'{model.options.kv_cache!r} (build it with kv_cache=compute)')
     graphdef, params = nnx.split(model)
     self._model = model
     self._graphdef = graphdef
