@@ -303,6 +303,7 @@ def test_an_exact_run_at_the_default_optimisation_level_logs_no_gap(tmp_path):
 
 REFUSED = {
     'rollout.weights=int8': r"^rollout\.weights 'int8' samples from other weights .* algo\.exact_on_policy",
+    'rollout.kv_cache=fp8': r"^rollout\.kv_cache 'fp8' rounds the cached keys .* algo\.exact_on_policy",
     'algo.logprob_implementation=xla_chunked': r'^algo\.logprob_implementation .*algo\.exact_on_policy',
     'model.decode_attention=blockwise': r'^model\.decode_attention .*algo\.exact_on_policy',
     'model.attention=cudnn': r'^model\.attention .*algo\.exact_on_policy',

@@ -5,6 +5,7 @@ the same model whose compute-dtype cache is rounded to the same entries after ev
 sampler's paths (shared prompts read once or copied, continuous batching) against each other."""
 
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from grpo_jax.testing import left_padded, random_prompts
 
 LARGEST = {'int8': 127.0, 'fp8': 448.0}
 VOCAB = 256
+CONFIG = str(pathlib.Path(__file__).parents[1] / 'configs' / 'tiny_arith.yaml')
 
 
 def numpy_entries(x: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
@@ -147,21 +149,27 @@ def test_decoding_through_an_8bit_cache_equals_a_cache_rounded_after_each_write(
   assert np.abs(got[:, 1:] - unrounded[:, 1:]).max() > 1e-4
 
 
-@pytest.mark.parametrize('kind', ['int8', pytest.param('fp8', marks=pytest.mark.exhaustive)])
-def test_the_sampler_s_paths_on_an_8bit_cache_agree(seed, make_hf_checkpoint, kind):
+@pytest.mark.parametrize('kind, family', [('int8', None), pytest.param('fp8', None, marks=pytest.mark.exhaustive),
+                                          pytest.param('int8', 'gemma3_text', marks=pytest.mark.exhaustive)])
+def test_the_sampler_s_paths_on_an_8bit_cache_agree(seed, make_hf_checkpoint, kind, family):
   """GroupSampler on an 8-bit cache (groups of 2 over left-padded prompts, temperature 1): on one
   device with each row's copy of its prompt, on a (2, 2, 2) mesh with the rollout layout's tensor
   size 2 and the prompts read once, and in 3 decode slots (continuous batching: rows enter as
   others finish), the same tokens and log-probs (fp32, 2e-4): each entry's scale is its own token's
-  and head's, so no row reads another's rounding. The log-probs differ from a compute cache's."""
+  and head's, so no row reads another's rounding. The log-probs differ from a compute cache's.
+  Gemma 3: its sliding layers' window rings 8-bit too (window 6 of 10-token answers)."""
   from flax import nnx
 
   from grpo_jax.model import MeshConfig, make_mesh
   from grpo_jax.sampler import DecodeSettings, SamplingConfig
   from grpo_jax.sampler.layout import rollout_layout
   from grpo_jax.sampler.rollout import GroupSampler
-  directory, _ = make_hf_checkpoint(seed, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                    num_attention_heads=4, num_key_value_heads=2)
+  architecture = {}
+  if family is not None:
+    from test_families import FAMILIES
+    architecture = {key: value for key, value in FAMILIES[family][0].items() if key != 'vocab_size'}
+  directory, _ = make_hf_checkpoint(seed, **{**dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                                    num_attention_heads=4, num_key_value_heads=2), **architecture})
   tokens, mask = left_padded(random_prompts(seed, [5, 17, 11, 3], vocab=VOCAB))
   decode = DecodeSettings(max_new_tokens=10, sampling=SamplingConfig(temperature=1.0))
   key = jax.random.key(seed % 1000)
@@ -183,3 +191,16 @@ def test_the_sampler_s_paths_on_an_8bit_cache_agree(seed, make_hf_checkpoint, ki
   plain = sample(ModelOptions(prompt_reads='copy'))
   real = np.asarray(reference.mask) != 0
   assert np.abs(np.asarray(reference.log_probs) - np.asarray(plain.log_probs))[real].max() > 1e-4
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (['rollout.kv_cache=int4'], r"^config key 'rollout\.kv_cache' must be one of 'compute' \| 'int8' \| 'fp8'"),
+    (['rollout.kv_cache=int8', 'model.decode_attention=pallas'], r"^model\.decode_attention \('pallas'\) must be 'dense'"),
+    (['rollout.kv_cache=int8', 'model.kv_cache=fp8'], r"^rollout\.kv_cache \('int8'\) and model\.kv_cache \('fp8'\)")])
+def test_what_an_8bit_cache_cannot_do_is_refused_in_one_line(overrides, message):
+  from grpo_jax import config as config_lib
+  from grpo_jax.errors import UserError
+  with pytest.raises(UserError, match=message) as error:
+    config_lib.load_config(CONFIG, overrides)
+  assert '\n' not in str(error.value)
+  assert config_lib.load_config(CONFIG, ['rollout.kv_cache=fp8']).model.options.kv_cache == 'fp8'
