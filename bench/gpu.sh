@@ -15,7 +15,7 @@ export PYTHONPATH=.:bench PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # PyTorch shares the GPU in the --torch/--reference runs
 out=${OUT:-gpu_logs}; logs=${LOGS:-$out}; mkdir -p "$out" "$logs"
 py=${PYTHON:-python3}
-want=${*:-env sampler sampler7b sampler_long_once sampler_long_copy sampler7b_fp8 sampler7b_int8 profile7b profile decode lora lora_update forward update logprob}
+want=${*:-env sampler sampler7b sampler_long_once sampler_long_copy sampler7b_fp8 sampler7b_int8 sampler7b_kv8 sampler7b_w8 profile7b profile decode lora lora_update forward update logprob}
 run() {  # name limit_s command...
   local name=$1 limit=$2; shift 2
   case " $want " in *" $name "*) ;; *) return;; esac
@@ -46,6 +46,9 @@ run sampler_scan 150 $py bench/sampler.py --preset qwen2.5-0.5b --dtype bfloat16
 run sampler7b_scan 150 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --batch-sizes 64 --repeats 3 --decode-layers scan
 run sampler7b_fp8 150 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --batch-sizes 64,256 --repeats 3 --weights fp8
 run sampler7b_int8 150 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --batch-sizes 64,256 --repeats 3 --weights int8
+# The 8-bit KV cache (rollout.kv_cache), with and without 8-bit weights, at a recipe-like context.
+run sampler7b_kv8 200 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --batch-sizes 256 --prompt-length 512 --new-tokens 512 --repeats 3 --weights fp8 --kv-cache fp8
+run sampler7b_w8 200 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --batch-sizes 256 --prompt-length 512 --new-tokens 512 --repeats 3 --weights fp8
 # Recipe-like contexts (prompt 512 + 512 new tokens, 256 rows): each prompt's keys read once for its
 # G rows against a copy per row (model.prompt_reads), the slot cache in one array per layer either way.
 run sampler_long_once 200 $py bench/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --batch-sizes 256 --prompt-length 512 --new-tokens 512 --repeats 3 --prompt-reads once

@@ -39,6 +39,8 @@ def parse_args():
   parser.add_argument('--prompt-reads', default='auto', help='ModelOptions.prompt_reads: auto | copy | once')
   parser.add_argument('--weights', default='', help='rollout.weights (compute | bf16 | int8 | fp8): sample from '
                       'the resident copy the rollout layout makes, on one device; default: the model\'s own')
+  parser.add_argument('--kv-cache', default='compute', help='rollout.kv_cache (compute | int8 | fp8): the decode '
+                      "cache's entries")
   return parser.parse_args()
 
 
@@ -172,8 +174,9 @@ def run(model, reference, config: Qwen2Config, rows: int):
     # The cache rows hold Tp + N / 2 tokens on average over the decode; the kernel may read more
     # (all Tp + N slots, masked), so this is the useful-bytes roofline.
     context = Tp + N / 2
-    kv_bytes = (2 * config.num_hidden_layers * rows * context * config.num_key_value_heads
-                * config.resolved_head_dim * itemsize)
+    entries = 2 * config.num_hidden_layers * rows * context * config.num_key_value_heads  # per token and head
+    kv_bytes = entries * (config.resolved_head_dim * itemsize if args.kv_cache == 'compute'
+                          else config.resolved_head_dim + 4)  # 8-bit values and an fp32 scale
     # Every row's token through each matmul (the embedding table's rows are gathered, not
     # multiplied, unless tied to the lm_head) and its attention over the cache.
     matmul_params = config.num_params() - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
@@ -192,7 +195,8 @@ def main():
   config = Qwen2Config(**{**PRESETS[args.preset], **overrides})
   reference = None
   options = ModelOptions(dtype=args.dtype, param_dtype=args.dtype, decode_layers=args.decode_layers,
-                         decode_attention=args.decode_attention, prompt_reads=args.prompt_reads)
+                         decode_attention=args.decode_attention, prompt_reads=args.prompt_reads,
+                         kv_cache=args.kv_cache)
   with tempfile.TemporaryDirectory(prefix='bench_sampler_') as directory:
     if jax.default_backend() == 'cpu' or args.reference:
       reference = torch_reference(config, directory)
