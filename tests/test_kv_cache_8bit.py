@@ -204,3 +204,23 @@ def test_what_an_8bit_cache_cannot_do_is_refused_in_one_line(overrides, message)
     config_lib.load_config(CONFIG, overrides)
   assert '\n' not in str(error.value)
   assert config_lib.load_config(CONFIG, ['rollout.kv_cache=fp8']).model.options.kv_cache == 'fp8'
+
+
+def test_the_plan_counts_an_8bit_cache_s_bytes():
+  """The plan's KV cache figure for the 7B math recipe on one device: a byte per value and an fp32
+  scale per token and head, against the bf16 cache's two bytes a value (so a decode step's cache
+  reads fall to (1 + 4 / H) / 2 = 51.6% at H = 128)."""
+  from grpo_jax import config as config_lib
+  from grpo_jax.model import MeshConfig, make_mesh
+  from grpo_jax.model.presets import preset
+  from grpo_jax.plan.report import kv_cache_bytes_per_device
+  architecture = preset('7B')
+  mesh = make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
+  recipe = str(pathlib.Path(CONFIG).parent / 'qwen2_5_math_dapo.yaml')
+  plain, quantized = (config_lib.load_config(recipe, [f'rollout.kv_cache={kind}']) for kind in ('compute', 'int8'))
+  assert plain.model.options.dtype == 'bfloat16'
+  entries = 2 * architecture.num_hidden_layers * architecture.num_key_value_heads * (
+      plain.rollout.prompts_per_step * 64 + plain.completions_per_step * plain.rollout.max_new_tokens)
+  head = architecture.resolved_head_dim
+  assert kv_cache_bytes_per_device(architecture, plain, 64, mesh) == entries * head * 2
+  assert kv_cache_bytes_per_device(architecture, quantized, 64, mesh) == entries * (head + 4)
