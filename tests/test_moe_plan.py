@@ -163,3 +163,22 @@ ENTRY %main (p0: bf16[{rows},{width}], p1: bf16[{receive},{width}], o: s64[4]) -
   for hlo in (sync, asynchronous):
     found = traffic.collectives(hlo, 4)
     assert [(c.kind, c.bytes, c.count) for c in found] == [('all-to-all', rows * width * 2, 1)], hlo
+
+
+def test_fewer_slots_than_answers_decode_in_turns():
+  """The plan's decode bytes: each step reads the resident weights and half the slots' cache, and
+  with 512 slots for 1,024 answers each slot decodes two answers in turn (at worst both to the
+  budget), so twice the steps of 1,024 slots."""
+  from grpo_jax import config as config_lib
+  architecture = preset('Qwen3-30B-A3B')
+  report = dict(model=dict(trained=architecture.num_params()), per_device=dict(resident_weights=7, kv_cache=40),
+                programs=[], program_devices={})
+  config = config_lib.load_config('configs/qwen3_30b_a3b_dapo.yaml', [])
+  answers = config.completions_per_step
+  assert answers == 1024 and config.rollout.slots in (0, answers)
+  every = estimate(config, parse_target('h100x8x4'), architecture, 2048, report)['decode_hbm_bytes']
+  halved = dict(report, per_device=dict(resident_weights=7, kv_cache=20))
+  fewer = config_lib.load_config('configs/qwen3_30b_a3b_dapo.yaml', ['rollout.slots=512'])
+  turns = estimate(fewer, parse_target('h100x8x4'), architecture, 2048, halved)['decode_hbm_bytes']
+  assert every == config.rollout.max_new_tokens * (7 + 20)
+  assert turns == 2 * config.rollout.max_new_tokens * (7 + 10)

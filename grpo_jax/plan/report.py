@@ -251,7 +251,9 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   tower's FLOPs on each prompt's `bucket` of images as metrics.tower_flops_per_step counts them,
   `tower_flops`). HBM: every decode step reads the resident weights and, on average, half of each row's
   KV cache. Interconnect: the compiled collectives (traffic.py), once per program outside the
-  decode loop and N times inside it (N = max_new_tokens: the longest answer's decode steps), each
+  decode loop and S times inside it (S = max_new_tokens, the longest answer's decode steps, times
+  ceil(P x G / rollout.slots) with fewer slots than answers: each slot then decodes that many
+  answers in turn, at worst all of them to the budget), each
   on the link class its device groups use (`links`: NVLink, the network between GPU hosts, ICI);
   `bound` names the largest of compute, HBM and the links. With dynamic sampling each further
   round is another rollout: `dynamic_sampling` gives the step at algo.max_sampling_rounds.
@@ -269,14 +271,15 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   collectives (the weights' FSDP gathers). It runs between the rollout and the update, so the
   step's sum counts it, with split devices it is on the update's side, and with dynamic sampling
   each further round is scored again. `reward_models_s`: its share of the step."""
-  steps = config.rollout.max_new_tokens
+  rows = config.completions_per_step
+  answer = config.rollout.max_new_tokens
+  decode_steps = answer * -(-rows // min(config.rollout.slots or rows, rows))
   vision = architecture.vision
   params = architecture.num_params(active=True) - (vision.num_params() if vision is not None else 0)
   adapters = report['model']['trained'] if config.model.options.lora is not None else None
   step_flops = metrics_lib.model_flops_per_step(params, prompt_length, config.rollout, config.algo,
                                                 adapter_params=adapters)
-  rows = config.completions_per_step
-  rollout_flops = 2.0 * params * (config.rollout.prompts_per_step * prompt_length + rows * steps)
+  rollout_flops = 2.0 * params * (config.rollout.prompts_per_step * prompt_length + rows * answer)
   tower = dict(rollout=0.0, update=0.0)
   if vision is not None and bucket is not None:
     options = config.model.options
@@ -288,11 +291,11 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
   # A teacher's forward in the update: 2 N_t FLOPs per token the update computes (its scoring pass on
   # the rows pi_old's and pi_ref's score; N_t its active parameters).
   teacher = report.get('teacher')
-  computed = config.rollout.prompts_per_step * metrics_lib.update_tokens_per_group(prompt_length, steps, config.algo)
+  computed = config.rollout.prompts_per_step * metrics_lib.update_tokens_per_group(prompt_length, answer, config.algo)
   teacher_flops = (2.0 * teacher['active_parameters'] * computed) if teacher else 0.0
   per_device = report['per_device']
   # A decode step reads the resident weights and, on average over the answer, half the cache.
-  decode_bytes = steps * (per_device['resident_weights'] + per_device['kv_cache'] / 2)
+  decode_bytes = decode_steps * (per_device['resident_weights'] + per_device['kv_cache'] / 2)
   decode_s = decode_bytes / target.hbm_bandwidth
   parts = {}
   scoring = report.get('reward_models', {})
@@ -304,7 +307,7 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
     rollout = program['name'] not in ('update', 'transfer')
     links = {link: entry['seconds'] for link, entry in program['links']['outside'].items()}
     for link, entry in program['links']['per_decode_step'].items() if rollout else ():
-      links[link] = links.get(link, 0.0) + steps * entry['seconds']
+      links[link] = links.get(link, 0.0) + decode_steps * entry['seconds']
     if program['name'] == 'transfer':  # no model FLOPs, no decoding: its collectives only
       parts['transfer'] = dict(compute_s=0.0, hbm_s=0.0, interconnect_s=sum(links.values()), links=links)
       continue
@@ -318,9 +321,9 @@ def estimate(config: config_lib.Config, target: targets.Target, architecture, pr
     part['bound'] = _bound(part)
   scoring_s = sum(part['program_s'] for name, part in parts.items() if name in scoring)
   entry = report.get('kv_cache_entry') or {}
-  mha_bytes = (steps * (per_device['resident_weights'] + entry['mha_kv_cache'] / 2)) if 'mha_kv_cache' in entry else None
+  mha_bytes = (decode_steps * (per_device['resident_weights'] + entry['mha_kv_cache'] / 2)) if 'mha_kv_cache' in entry else None
   result = dict(model_flops=step_flops, tower_flops=tower, teacher_flops=teacher_flops, programs=parts,
-                update_tokens=computed, sequence_tokens=rows * (prompt_length + steps),
+                update_tokens=computed, sequence_tokens=rows * (prompt_length + answer),
                 decode_hbm_bytes=decode_bytes, mha_decode_hbm_bytes=mha_bytes,
                 reward_model_flops=sum(part['flops'] for name, part in parts.items() if name in scoring),
                 reward_models_s=scoring_s, step_s=sum(part['program_s'] for part in parts.values()))
