@@ -100,3 +100,13 @@ def test_triton_compiler_refuses_blocks_past_shared_memory():
                                   '--block', 'block_model=256')
   assert code == 1
   assert 'Shared memory size limit exceeded' in results[0]['error']
+
+
+def test_tpu_compiles_take_the_workaround_flags_unless_set():
+  """The plan's XLA:TPU compiles avoid the pinned libtpu's aborting all-reduce emitter
+  (targets.TPU_WORKAROUNDS) unless LIBTPU_INIT_ARGS says otherwise; other flags are kept."""
+  from grpo_jax.plan.targets import TPU_WORKAROUNDS, with_tpu_workarounds
+  assert with_tpu_workarounds('') == ' '.join(TPU_WORKAROUNDS)
+  assert with_tpu_workarounds('--xla_other=1').split() == ['--xla_other=1', *TPU_WORKAROUNDS]
+  chosen = '--xla_tpu_enable_pincer_short_emitter=true'
+  assert with_tpu_workarounds(chosen) == chosen

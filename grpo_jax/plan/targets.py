@@ -194,6 +194,7 @@ class Target:
     try:
       if self.platform == 'tpu':
         os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')  # no Cloud metadata server to ask
+        os.environ['LIBTPU_INIT_ARGS'] = with_tpu_workarounds(os.environ.get('LIBTPU_INIT_ARGS', ''))
         shape = (_SHAPES_3D if _TPU[self.kind]['dims'] == 3 else _SHAPES_2D)[self.chips]
         options = dict(chips_per_host_bounds=[1, 1, 1]) if self.chips == 1 else {}
         topology = topologies.get_topology_desc(platform='tpu', topology_name=f'{self.kind}:{shape}', **options)
@@ -211,6 +212,20 @@ class Target:
              if self.platform == 'gpu' else f'ICI {self.link_bandwidth / 1e9:.0f} GB/s')
     return (f'{self.name}: {self.chips} x {self.kind} ({self.platform}), {self.hbm_bytes / GiB:.2f} GiB HBM, '
             f'{self.peak_flops / 1e12:.0f} TFLOP/s bf16, {self.hbm_bandwidth / 1e12:.2f} TB/s HBM, {links} per chip')
+
+
+# XLA:TPU flags every TPU compile of the plan takes (unless LIBTPU_INIT_ARGS already sets them): the
+# pinned libtpu's "rotated pincer short" all-reduce emitter aborts on some v5p layouts
+# (rotated_pincer_short_emitter.cc: color_count >= ShardCount, 2 vs. 3 on DeepSeek-V3's fsdp 32 x
+# expert 8 at more than 4 layers, 3 vs. 4 on a v5p-1024); without it the same all-reduces take
+# another emitter. A run on such a slice needs the same flag.
+TPU_WORKAROUNDS = ('--xla_tpu_enable_pincer_short_emitter=false',)
+
+
+def with_tpu_workarounds(flags: str) -> str:
+  """LIBTPU_INIT_ARGS `flags` with each of TPU_WORKAROUNDS the flags do not set already."""
+  given = {flag.split('=')[0] for flag in flags.split()}
+  return ' '.join([flags] * bool(flags.strip()) + [flag for flag in TPU_WORKAROUNDS if flag.split('=')[0] not in given])
 
 
 LINK_NAMES = {'nvlink': 'NVLink', 'network': 'network', 'ici': 'ICI'}
