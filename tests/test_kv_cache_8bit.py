@@ -114,7 +114,7 @@ def _rounded(cache: KVCache, kind: str) -> KVCache:
 
 
 @pytest.mark.parametrize('kind, layers', [('int8', 'scan'), pytest.param('int8', 'unrolled', marks=pytest.mark.exhaustive),
-                                          ('fp8', 'unrolled')])
+                                          pytest.param('fp8', 'unrolled', marks=pytest.mark.exhaustive)])
 def test_decoding_through_an_8bit_cache_equals_a_cache_rounded_after_each_write(seed, make_hf_checkpoint, kind,
                                                                                  layers):
   """Left-padded prompts prefilled, then 6 tokens fed one at a time: the logits through an 8-bit
@@ -149,7 +149,8 @@ def test_decoding_through_an_8bit_cache_equals_a_cache_rounded_after_each_write(
   assert np.abs(got[:, 1:] - unrounded[:, 1:]).max() > 1e-4
 
 
-@pytest.mark.parametrize('kind, family', [('int8', None), pytest.param('fp8', None, marks=pytest.mark.exhaustive),
+@pytest.mark.parametrize('kind, family', [pytest.param('int8', None, marks=pytest.mark.exhaustive),
+                                          pytest.param('fp8', None, marks=pytest.mark.exhaustive),
                                           pytest.param('int8', 'gemma3_text', marks=pytest.mark.exhaustive)])
 def test_the_sampler_s_paths_on_an_8bit_cache_agree(seed, make_hf_checkpoint, kind, family):
   """GroupSampler on an 8-bit cache (groups of 2 over left-padded prompts, temperature 1): on one
