@@ -146,11 +146,11 @@ def _within(values: jax.Array, index: jax.Array) -> jax.Array:
 
 def _entries(x, dtype):
   """Cache entries as a matmul reads them: an 8-bit cache's values (Quantized) converted to `dtype`
-  as they load, their scale applied outside the matmul (_key_scale, _value_scale); else as they are."""
+  as they load, their scale applied outside the matmul (`_scales`); else as they are."""
   return x.values.astype(dtype) if isinstance(x, Quantized) else x
 
 
-def _scale_keys(x, scale_axes: str, target: str):
+def _scales(x, scale_axes: str, target: str):
   """A Quantized part's per-token, per-head scale [..., S, K, 1] (einsum axes `scale_axes`, the
   last dropped) broadcast to the einsum axes `target` of what it multiplies; 1 for plain entries."""
   if not isinstance(x, Quantized):
@@ -168,11 +168,11 @@ def _part_scores(q: jax.Array, part) -> jax.Array:
   if not isinstance(part, SharedPart):
     k = part[0]
     scores = jnp.einsum('BTKGH,BSKH->BKGTS', q, _entries(k, q.dtype), preferred_element_type=jnp.float32)
-    return scores * _scale_keys(k, 'BSKH', 'BKGTS')
+    return scores * _scales(k, 'BSKH', 'BKGTS')
   groups, rows = part.at.shape
   picked = _within(q.reshape((groups, rows) + q.shape[1:]), part.readers)  # [n, Pn, R, T, K, G, H]
   scores = jnp.einsum('nPRTKGH,nPWKH->nPRKGTW', picked, _entries(part.k, q.dtype), preferred_element_type=jnp.float32)
-  scores = scores * _scale_keys(part.k, 'nPWKH', 'nPRKGTW')
+  scores = scores * _scales(part.k, 'nPWKH', 'nPRKGTW')
   scores = _within(scores.reshape((groups, -1) + scores.shape[3:]), part.at)  # [n, Bn, K, G, T, W]
   return scores.reshape((groups * rows,) + scores.shape[2:])
 
@@ -182,11 +182,11 @@ def _part_values(probs: jax.Array, part) -> jax.Array:
   each probability scaled by its value's scale first."""
   if not isinstance(part, SharedPart):
     v = part[1]
-    weights = (probs * _scale_keys(v, 'BSKH', 'BKGTS')).astype(probs.dtype)
+    weights = (probs * _scales(v, 'BSKH', 'BKGTS')).astype(probs.dtype)
     return jnp.einsum('BKGTS,BSKH->BTKGH', weights, _entries(v, probs.dtype))
   groups, rows = part.at.shape
   picked = _within(probs.reshape((groups, rows) + probs.shape[1:]), part.readers)  # [n, Pn, R, K, G, T, W]
-  picked = (picked * _scale_keys(part.v, 'nPWKH', 'nPRKGTW')).astype(probs.dtype)
+  picked = (picked * _scales(part.v, 'nPWKH', 'nPRKGTW')).astype(probs.dtype)
   out = jnp.einsum('nPRKGTW,nPWKH->nPRTKGH', picked, _entries(part.v, probs.dtype))
   out = _within(out.reshape((groups, -1) + out.shape[3:]), part.at)  # [n, Bn, T, K, G, H]
   return out.reshape((groups * rows,) + out.shape[2:])

@@ -22,9 +22,6 @@ import jax.numpy as jnp
 
 from grpo_jax.model.quantize import FORMATS, Quantized, quantize
 
-# The KV cache's entries: 'compute' (the model's compute dtype) or 8-bit with a scale per token and head.
-KV_CACHE_FORMATS = ('compute',) + tuple(FORMATS)
-
 
 def each(fn, *arrays):
   """fn applied to the arrays of cache entries: to a Quantized's values and scale alike (both of the
@@ -33,27 +30,23 @@ def each(fn, *arrays):
 
 
 def cache_format(entries) -> str:
-  """'compute', or the 8-bit kind ('int8' | 'fp8') of cache entries (an array, a Quantized, or a tuple
-  of layers of either)."""
-  first = entries[0] if isinstance(entries, tuple) else entries
-  if not isinstance(first, Quantized):
+  """'compute', or the 8-bit kind ('int8' | 'fp8') of cache entries (an array or a Quantized)."""
+  if not isinstance(entries, Quantized):
     return 'compute'
-  return next(kind for kind, (dtype, _) in FORMATS.items() if first.values.dtype == jnp.dtype(dtype))
+  return next(kind for kind, (dtype, _) in FORMATS.items() if entries.values.dtype == jnp.dtype(dtype))
 
 
 def store(x: jax.Array, like) -> 'jax.Array | Quantized':
   """New keys or values x [..., K, H] as a cache whose entries are `like` holds them: finite (NaN
   and infinities as 0), in its dtype, or quantized with one scale per token and head (over H)."""
-  if isinstance(like, tuple):
-    like = like[0]
   if isinstance(like, Quantized):
     return quantize(finite(x.astype(jnp.float32)), (x.ndim - 1,), cache_format(like))
   return finite(x.astype(like.dtype))
 
 
-def unstack(x, count: int) -> tuple:
+def unstack(x) -> tuple:
   """A stack [L, ...] (or a Quantized of stacks) as a tuple of its L layers."""
-  return tuple(x[index] for index in range(count))
+  return tuple(x[index] for index in range(x.shape[0]))
 
 
 def stack_layers(layers: tuple):
@@ -109,7 +102,7 @@ class KVCache:
 
   @property
   def format(self) -> str:
-    """'compute' or the 8-bit kind of the entries (KV_CACHE_FORMATS)."""
+    """'compute' or the 8-bit kind of the entries (options.KV_CACHE_FORMATS)."""
     return cache_format(self.entries)
 
   def map_layers(self, fn) -> 'KVCache':

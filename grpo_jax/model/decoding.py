@@ -253,11 +253,8 @@ class CacheDecoding:
                           length=cache.length + length, window=new_ring)
     if layered and not new_cache.layered:
       if new_ring is not None:
-        count = new_ring.k.shape[0]
-        new_ring = dataclasses.replace(new_ring, k=unstack(new_ring.k, count), v=unstack(new_ring.v, count))
-      count = new_cache.k.shape[0]
-      new_cache = dataclasses.replace(new_cache, k=unstack(new_cache.k, count), v=unstack(new_cache.v, count),
-                                      window=new_ring)
+        new_ring = dataclasses.replace(new_ring, k=unstack(new_ring.k), v=unstack(new_ring.v))
+      new_cache = dataclasses.replace(new_cache, k=unstack(new_cache.k), v=unstack(new_cache.v), window=new_ring)
     out = hidden if return_hidden else self.project(hidden)
     return (out, new_cache, gathered(routing)) if return_routing else (out, new_cache)
 
@@ -271,7 +268,7 @@ class CacheDecoding:
                                                          images=images, keep_kv=True)
     k_new, v_new = store(k_new, cache.entries), store(v_new, cache.entries)
     if cache.layered:
-      k_new, v_new = unstack(k_new, k_new.shape[0]), unstack(v_new, v_new.shape[0])
+      k_new, v_new = unstack(k_new), unstack(v_new)
     new_cache = KVCache(k=k_new, v=v_new, segment_ids=real_segments(tokens, segment_ids), length=cache.length +
                         tokens.shape[1])
     out = hidden if return_hidden else self.project(hidden)

@@ -30,6 +30,7 @@ PromptReads = Literal['auto', 'copy', 'once']
 # The KV cache's entries while decoding (model/cache.py): 'compute' (the compute dtype), or 'int8' /
 # 'fp8' (8-bit, a scale per token and KV head: half a bf16 cache's bytes). Set from rollout.kv_cache.
 KVCacheFormat = Literal['compute', 'int8', 'fp8']
+KV_CACHE_FORMATS = typing.get_args(KVCacheFormat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,7 @@ class ModelOptions:
     choices = {'dtype': typing.get_args(DType), 'param_dtype': typing.get_args(ParamDType),
                'remat': typing.get_args(RematPolicy), 'attention': ATTENTION_IMPLEMENTATIONS,
                'decode_attention': DECODE_ATTENTIONS, 'decode_layers': typing.get_args(DecodeLayers),
-               'prompt_reads': typing.get_args(PromptReads), 'kv_cache': typing.get_args(KVCacheFormat)}
+               'prompt_reads': typing.get_args(PromptReads), 'kv_cache': KV_CACHE_FORMATS}
     for name, allowed in choices.items():
       require(getattr(self, name) in allowed, name,
               f'must be one of {" | ".join(map(repr, allowed))}, got {getattr(self, name)!r}')

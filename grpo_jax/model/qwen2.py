@@ -283,7 +283,7 @@ class Qwen2(nnx.Module, CacheDecoding):
     shared prompts' keys and values): loop_view's cut, when the decode layers are unrolled."""
     if self._scan_decode():
       return arrays, lambda pieces: pieces
-    pieces = tuple(unstack(x, x.shape[0]) for x in arrays)  # an 8-bit cache's values and scales alike
+    pieces = tuple(unstack(x) for x in arrays)  # an 8-bit cache's values and scales alike
     return pieces, lambda pieces: tuple(stack_layers(parts) for parts in pieces)
 
   # ---- full-sequence forward (training, scoring) ----

@@ -25,8 +25,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import require
-from grpo_jax.model.cache import KV_CACHE_FORMATS
-from grpo_jax.model.options import KVCacheFormat
+from grpo_jax.model.options import KV_CACHE_FORMATS, KVCacheFormat
 from grpo_jax.model.quantize import ROLLOUT_WEIGHTS, RolloutWeights
 from grpo_jax.model.qwen2 import Qwen2
 from grpo_jax.model.vision import Vision
