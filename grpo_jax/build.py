@@ -179,8 +179,8 @@ def build_rl_step(config, model, mesh: jax.sharding.Mesh, task: Task, params=Non
   optimizer, schedule = config.optim.build(total_updates(config), frozen=frozen_parameters(config, model.config))
   if config.rollout.devices and sampler_devices is None:
     sampler_devices = split_devices(jax.devices(), config.rollout.devices)[1]
-  layout = (rollout_layout(model, mesh, config.rollout.tensor, sampler_devices, weights=config.rollout.weights)
-            if resident else None)
+  layout = (rollout_layout(model, mesh, config.rollout.tensor, sampler_devices, weights=config.rollout.weights,
+                           context=config.rollout.prefill_context) if resident else None)
   mode = rollout_mode(config)
   settings = pool_settings(config, task)
   episodes = None

@@ -222,6 +222,9 @@ class Config:
     require(self.mesh.context == 1, 'mesh.context',
             f'({self.mesh.context}): ring attention joins a query\'s keys block by block as they pass the ring, not in '
             'the sequence\'s order; algo.exact_on_policy needs mesh.context=1')
+    require(self.rollout.prefill_context == 1, 'rollout.prefill_context',
+            f'({self.rollout.prefill_context}): ring attention joins a prompt\'s keys block by block, not in the '
+            'sequence\'s order; algo.exact_on_policy needs rollout.prefill_context=1')
     require(not self.task.kind.acts, 'algo.exact_on_policy',
             f"is not yet built for agents' rollouts (task.name={self.task.name!r}): their turns' caches and chunked "
             'decode calls are untested for it; set it false')

@@ -157,7 +157,8 @@ class Evaluator:
           task.stop_token_ids, task.pad_id)
 
     # The sampler's own layout over the parameters' mesh, as the trainer's rollouts use it.
-    layout = rollout_layout(model, jax.tree.leaves(params)[0].sharding.mesh, config.rollout.tensor)
+    layout = rollout_layout(model, jax.tree.leaves(params)[0].sharding.mesh, config.rollout.tensor,
+                            context=config.rollout.prefill_context)
     self.sampler = GroupSampler(model, group_size=settings.samples, layout=layout,
                                 settings=decode(SamplingConfig(temperature=settings.temperature)))
     self.greedy = GroupSampler(model, group_size=1, settings=decode(SamplingConfig(greedy=True)), layout=layout) \

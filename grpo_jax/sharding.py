@@ -146,10 +146,26 @@ def _hybrid_mesh(config: MeshConfig, devices: Sequence[jax.Device]) -> Mesh:
               axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+_RULES = threading.local()  # the rule table `axis_rules` entered, if any
+
+
+@contextlib.contextmanager
+def axis_rules(changes: dict[str, str | tuple[str, ...] | None]):
+  """Traces with LOGICAL_AXIS_RULES' entries for the logical axes in `changes` replaced (the others
+  kept as the table has them, whatever an outer `axis_rules` changed): one program's part that lays its arrays out otherwise (the sampler's, whose context axis
+  holds more rows while decoding and splits the prompts' length while they are prefilled)."""
+  previous = getattr(_RULES, 'table', LOGICAL_AXIS_RULES)
+  _RULES.table = tuple((name, changes.get(name, target)) for name, target in LOGICAL_AXIS_RULES)
+  try:
+    yield
+  finally:
+    _RULES.table = previous
+
+
 def _mesh_axes_for(logical: str | None) -> tuple[str, ...]:
   if logical is None:
     return ()
-  for name, target in LOGICAL_AXIS_RULES:
+  for name, target in getattr(_RULES, 'table', LOGICAL_AXIS_RULES):
     if name == logical:
       if target is None:
         return ()
@@ -242,6 +258,11 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
 def batch_axes() -> tuple[str, ...]:
   """The mesh axes that split a batch's rows (the 'batch' rule), in order."""
   return _mesh_axes_for('batch')
+
+
+def length_axes() -> tuple[str, ...]:
+  """The mesh axes that split a row's length (the 'seq' rule: context parallelism's), in order."""
+  return _mesh_axes_for('seq')
 
 
 def batch_groups(rows: int, *others: int) -> int:

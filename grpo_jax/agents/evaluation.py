@@ -48,7 +48,8 @@ class EpisodeEvaluator:
     self.budget = self.settings.max_new_tokens or config.rollout.max_new_tokens
     # The sampler's own layout over the parameters' mesh, as the training rollouts use it.
     mesh = jax.tree.leaves(params)[0].sharding.mesh
-    layout = rollout_layout(nnx.merge(graphdef, params), mesh, config.rollout.tensor)
+    layout = rollout_layout(nnx.merge(graphdef, params), mesh, config.rollout.tensor,
+                            context=config.rollout.prefill_context)
     slots = config.rollout.slots or self.settings.batch_prompts * self.settings.samples
 
     def server(sampling):

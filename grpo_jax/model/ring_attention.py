@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from grpo_jax.model.attention import attention_mask, window_mask
-from grpo_jax.sharding import auto_shape, current_mesh
+from grpo_jax.sharding import auto_shape, current_mesh, length_axes
 
 CONTEXT_AXIS = 'context'
 
@@ -52,10 +52,11 @@ def zigzag_order(length: int, devices: int) -> jax.Array:
 
 
 def context_size() -> int:
-  """The context axis' size in the mesh being traced under (1 off a mesh, or inside a shard_map
-  that made it manual)."""
+  """The context axis' size in the mesh being traced under (1 off a mesh, inside a shard_map that
+  made it manual, or where the rule table does not split rows' length over it: the sampler's
+  decoding, whose context axis holds more rows, sharding.axis_rules)."""
   mesh = jax.sharding.get_abstract_mesh()
-  return 1 if mesh.empty else auto_shape(mesh).get(CONTEXT_AXIS, 1)
+  return 1 if mesh.empty or CONTEXT_AXIS not in length_axes() else auto_shape(mesh).get(CONTEXT_AXIS, 1)
 
 
 def to_zigzag(x: jax.Array, devices: int, axis: int = 1) -> jax.Array:

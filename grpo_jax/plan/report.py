@@ -8,6 +8,7 @@ active ones), where its experts lie in the rollout layout (sharded over the samp
 sampler/layout.py), and the bytes of one step's recorded routes (what routing replay carries from
 the sampler to the update)."""
 
+import contextlib
 import dataclasses
 import math
 
@@ -157,6 +158,12 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
               for program in programs]
   peak = max(program['peak'] for program in programs)
   pool = getattr(state.pool, 'pool', state.pool)  # partial rollouts: the pool's prompt entries
+  # The cache laid out as the sampler lays it out (a context axis holds more rows: layout.DECODE_RULES).
+  with layout.active() if layout is not None else contextlib.nullcontext():
+    cache_bytes = kv_cache_bytes_per_device(architecture, config, task.prompt_length, decode_mesh,
+                                            prompts=0 if pool is None else pool.entries)
+    cache_entry = _cache_entry_report(architecture, config, task.prompt_length, decode_mesh,
+                                      0 if pool is None else pool.entries)
   report = dict(
       target=target.name, device=target.describe(), devices=len(devices),
       program_devices={program['name']: len(built.devices.get(program['name'], trainer_devices))
@@ -168,10 +175,7 @@ def plan(config: config_lib.Config, target: targets.Target, architecture, only: 
                  sparse_layers=architecture.num_sparse_layers,
                  trained=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
                  lora=dataclasses.asdict(config.model.options.lora) if config.model.options.lora else None),
-      per_device=per_device | dict(kv_cache=kv_cache_bytes_per_device(
-          architecture, config, task.prompt_length, decode_mesh, prompts=0 if pool is None else pool.entries)),
-      kv_cache_entry=_cache_entry_report(architecture, config, task.prompt_length, decode_mesh,
-                                         0 if pool is None else pool.entries),
+      per_device=per_device | dict(kv_cache=cache_bytes), kv_cache_entry=cache_entry,
       programs=programs, reward_models=scoring, teacher=teacher_report,
       peak=peak, hbm=target.hbm_bytes, fits=peak <= target.hbm_bytes,
       sequence_length=task.prompt_length + config.rollout.max_new_tokens,

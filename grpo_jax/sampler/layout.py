@@ -61,7 +61,15 @@ from grpo_jax.errors import UserError
 from grpo_jax.model.layers import FP32_ROUTER_PARAMS
 from grpo_jax.model.quantize import CONTRACTED, FORMATS, Quantized, quantize
 from grpo_jax.model.qwen2 import Qwen2
-from grpo_jax.sharding import MESH_AXES, row_sharding, spec_for, use_mesh
+from grpo_jax.sharding import MESH_AXES, axis_rules, row_sharding, spec_for, use_mesh
+
+# The rule table while the sampler traces on a mesh with a context axis (rollout.prefill_context):
+# decoding takes its devices as more rows (a row's one new token needs no split), and the prompts'
+# prefill splits their length over it (PREFILL_RULES: the rule table's 'seq', ring attention). The
+# resident weights are replicated over it either way, as over the data groups.
+DECODE_RULES = dict(batch=('data', 'fsdp', 'expert', 'context'), tokens=('data', 'fsdp', 'expert', 'context'),
+                    seq=None, embed=('fsdp', 'expert'), latent=('fsdp', 'expert'))
+PREFILL_RULES = dict(embed=('fsdp', 'expert'), latent=('fsdp', 'expert'))
 
 
 def devices_per_host(devices: Sequence[jax.Device]) -> int:
@@ -96,7 +104,9 @@ class RolloutLayout:
   source: the trainer's mesh (data, fsdp, tensor), whose layout the parameters arrive in and the
           rollout is returned in (rows over its batch axes).
   mesh:   the sampler's mesh over the same devices in the same order: (data = n / t, fsdp = 1,
-          tensor = t, expert = 1), or for a mixture of experts (1, 1, t, n / t).
+          tensor = t, expert = 1), or for a mixture of experts (1, 1, t, n / t); with
+          rollout.prefill_context = c, the data groups as n / (t c) of c along a `context` axis
+          (DECODE_RULES, PREFILL_RULES).
   dtype:  the compute dtype the resident weights are cast to.
   weights: rollout.weights: 'compute' (dtype), 'bf16', or 'int8' / 'fp8' (model/quantize.py: the
           projections' weights quantized per output channel, once per layout; the rest in dtype).
@@ -133,16 +143,21 @@ class RolloutLayout:
     `transfer` lays the weights out before they cross."""
     devices = list(np.asarray(self.source.devices).reshape(-1))
     return dataclasses.replace(self, mesh=_grouped_mesh(devices, self.tensor, 'rollout.tensor',
-                                                        experts=self.groups_axis == 'expert'))
+                                                        experts=self.groups_axis == 'expert', context=self.context))
 
   @property
   def tensor(self) -> int:
     return self.mesh.shape['tensor']
 
   @property
+  def context(self) -> int:
+    """c: the data groups a prompt's prefill splits its length over (rollout.prefill_context)."""
+    return self.mesh.shape['context']
+
+  @property
   def data_groups(self) -> int:
     """n / t: the groups that each hold all the weights (a mixture's experts: split over them)."""
-    return self.mesh.shape[self.groups_axis]
+    return self.mesh.shape[self.groups_axis] * self.context
 
   def experts_per_device(self, num_experts: int) -> int | None:
     """A mixture's experts each device holds of every sparse layer (`resident_spec`); None for a
@@ -154,8 +169,9 @@ class RolloutLayout:
 
   @contextlib.contextmanager
   def active(self):
-    """Traces the sampler under the sampler's mesh (model/sharding.constrain reads it)."""
-    with use_mesh(self.mesh):
+    """Traces the sampler under the sampler's mesh (model/sharding.constrain reads it), and on a mesh
+    with a context axis under DECODE_RULES."""
+    with use_mesh(self.mesh), (axis_rules(DECODE_RULES) if self.context > 1 else contextlib.nullcontext()):
       yield
 
   def shardings(self, params: nnx.State) -> nnx.State:
@@ -311,7 +327,9 @@ def _axes(variable) -> tuple:
 def resident_spec(shape, axes, mesh_shape: dict) -> PartitionSpec:
   """A parameter's resident PartitionSpec on the sampler mesh: the rule table's, where the 'expert'
   axis (a mixture's groups) splits the experts' E and nothing else: every other weight is
-  replicated over it (the rule table would also split a weight's D over it)."""
+  replicated over it (the rule table would also split a weight's D over it). A context axis
+  (rollout.prefill_context) holds more groups: every weight is replicated over it."""
+  mesh_shape = dict(mesh_shape, context=1)
   if 'experts' not in axes:
     mesh_shape = dict(mesh_shape, expert=1)
   return spec_for(shape, axes, mesh_shape)
@@ -331,11 +349,25 @@ def _with_groups_on_embed(shape, axes, final: PartitionSpec, groups_axis: str, g
   return PartitionSpec(*spec)
 
 
-def _grouped_mesh(devices: Sequence[jax.Device], tensor: int, field: str, experts: bool = False) -> Mesh:
+def _grouped_mesh(devices: Sequence[jax.Device], tensor: int, field: str, experts: bool = False,
+                  context: int = 1) -> Mesh:
   """(data = n / t, fsdp = 1, tensor = t, expert = 1) over `devices` in their order, or for a
-  mixture of experts (1, 1, t, n / t): either way each tensor group is t consecutive devices."""
+  mixture of experts (1, 1, t, n / t): either way each tensor group is t consecutive devices.
+  context c > 1 (rollout.prefill_context): the n / t groups as (data = n / (t c), context = c),
+  c consecutive groups along the context axis."""
   if tensor < 1 or len(devices) % tensor:
     raise UserError(f'{field}={tensor} must divide the {len(devices)} devices of the mesh')
+  if context > 1:
+    groups = len(devices) // tensor
+    if experts:
+      raise UserError(f"rollout.prefill_context={context} splits the sampler's data groups; a mixture of experts "
+                      'has its groups on the expert axis: set rollout.prefill_context=1')
+    if groups % context:
+      raise UserError(f"rollout.prefill_context={context} must divide the sampler's {groups} data groups "
+                      f'({len(devices)} devices / {field}={tensor})')
+    grid = np.asarray(devices).reshape(groups // context, context, 1, tensor, 1)
+    return Mesh(grid, ('data', 'context', 'fsdp', 'tensor', 'expert'),
+                axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
   # The axes of a mixture's mesh are named in another order, the groups before the tensor axis: the
   # devices keep their order (one device assignment with the trainer's mesh, so one program can hold
   # both layouts) and each tensor group stays t consecutive devices.
@@ -386,13 +418,18 @@ def serving_read_mesh(architecture, tensor: int, devices: Sequence[jax.Device] |
 
 
 def rollout_layout(model: Qwen2, source: Mesh, tensor: int = 0, devices: Sequence[jax.Device] | None = None,
-                   weights: str = 'compute') -> RolloutLayout:
+                   weights: str = 'compute', context: int = 1) -> RolloutLayout:
   """The layout of `source`'s devices (or, split, of the sampler's own `devices`) for decoding
-  `model` (its KV heads and compute dtype) with `tensor` devices per group (0: choose_tensor) and
-  its resident weights as `weights` says (rollout.weights)."""
+  `model` (its KV heads and compute dtype) with `tensor` devices per group (0: choose_tensor), its
+  resident weights as `weights` says (rollout.weights) and its prompts prefilled split along their
+  length over `context` data groups (rollout.prefill_context)."""
   devices = list(np.asarray(source.devices).reshape(-1)) if devices is None else list(devices)
   tensor = tensor or choose_tensor(devices, model.config.cache_entry[0])
-  mesh = _grouped_mesh(devices, tensor, 'rollout.tensor', experts=model.config.num_sparse_layers > 0)
+  if context > 1 and model.config.mla:
+    raise UserError(f"rollout.prefill_context={context}: multi-head latent attention's cache holds its latent, "
+                    'which the split prefill does not keep; set rollout.prefill_context=1')
+  mesh = _grouped_mesh(devices, tensor, 'rollout.tensor', experts=model.config.num_sparse_layers > 0,
+                       context=context)
   return RolloutLayout(source=source, mesh=mesh, dtype=model.options.dtype, weights=weights)
 
 

@@ -76,6 +76,12 @@ class RolloutConfig:
   # decode step. Sets model.kv_cache; like 8-bit weights, the sampler's policy then differs a little
   # from the trainer's (algo.tis_cap corrects for it).
   kv_cache: KVCacheFormat = 'compute'
+  # c > 1: each step's prompts are prefilled split along their length over c of the sampler's data
+  # groups (ring attention, as mesh.context splits the update's rows), for prompts whose prefill does
+  # not fit one group's devices (an agent's long history); their cache then moves to the rows' own
+  # groups, and decoding is unchanged (sampler/layout.py). c must divide the data groups
+  # (devices / tensor); not with a mixture of experts or multi-head latent attention.
+  prefill_context: int = 1
 
   def __post_init__(self):
     with section('rollout'):
@@ -85,6 +91,7 @@ class RolloutConfig:
       require(self.max_new_tokens >= 1, 'max_new_tokens', f'must be >= 1, got {self.max_new_tokens}')
       require(self.slots >= 0, 'slots', f'must be >= 0 (0: one per completion), got {self.slots}')
       require(self.devices >= 0, 'devices', f'must be >= 0 (0: the trainer\'s devices), got {self.devices}')
+      require(self.prefill_context >= 1, 'prefill_context', f'must be >= 1, got {self.prefill_context}')
       require(self.weights in ROLLOUT_WEIGHTS, 'weights',
               f'must be one of {" | ".join(ROLLOUT_WEIGHTS)}, got {self.weights!r}')
       require(self.kv_cache in KV_CACHE_FORMATS, 'kv_cache',

@@ -37,7 +37,8 @@ from grpo_jax.model.qwen2 import Qwen2
 from grpo_jax.model.vision import Vision
 from grpo_jax.records import along, fields_along, map_along
 from grpo_jax.sampler.decode import DecodeSettings, DecodeState, Emitted, decode_step, prefill
-from grpo_jax.sharding import constrain, grouped
+from grpo_jax.sampler.layout import PREFILL_RULES
+from grpo_jax.sharding import auto_shape, axis_rules, constrain, grouped
 
 
 @jax.tree_util.register_dataclass
@@ -252,10 +253,24 @@ def prefill_prompts(model: Qwen2, prompts: jax.Array, prompt_mask: jax.Array, gr
   """Prompts [P, Tp] (prompt_mask 1 on real tokens) prefilled into their shared cache, for
   `slots` decode slots split into `groups`, each prompt read by at most `group_size` requests at
   a time (SharedPrefix.readers); record_routes: keep their tokens' experts; vision: their images
-  (each prompt's run through the vision tower once, here). Traceable."""
+  (each prompt's run through the vision tower once, here). On a sampler mesh with a context axis
+  (rollout.prefill_context) the prompts are prefilled split along their length over it
+  (layout.PREFILL_RULES: model.extend's ring attention), and their cache then moves to the rows'
+  groups, where decoding reads it. Traceable."""
   count, width = prompts.shape
-  done = prefill(model, prompts, prompt_mask.astype(jnp.int32), model.init_cache(count, width),
-                 record_routes=record_routes, vision=vision)
+
+  def run():
+    return prefill(model, prompts, prompt_mask.astype(jnp.int32), model.init_cache(count, width),
+                   record_routes=record_routes, vision=vision)
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and auto_shape(mesh).get('context', 1) > 1:
+    with axis_rules(PREFILL_RULES):
+      done = run()
+    axes = ('layers', 'batch', 'cache_seq', 'kv_heads' if model.config.grouped_attention else None, 'head_dim')
+    moved = lambda x: each(lambda a: constrain(a, axes), x)  # noqa: E731
+    done = dataclasses.replace(done, cache=dataclasses.replace(done.cache, k=moved(done.cache.k), v=moved(done.cache.v)))
+  else:
+    done = run()
   layers = done.cache.k.shape[0]
   split = lambda x: each(lambda a: a.reshape((layers, groups, count // groups) + a.shape[2:]), x)  # noqa: E731
   shared = SharedPrefix(k=split(done.cache.k), v=split(done.cache.v),
