@@ -150,6 +150,12 @@ class RolloutLayout:
     return self.mesh.shape['tensor']
 
   @property
+  def group_axes(self) -> str | tuple[str, str]:
+    """The sampler mesh's axes over its n / t groups: `groups_axis`, and with a context axis
+    (rollout.prefill_context) ('data', 'context')."""
+    return ('data', 'context') if self.context > 1 else self.groups_axis
+
+  @property
   def context(self) -> int:
     """c: the data groups a prompt's prefill splits its length over (rollout.prefill_context)."""
     return self.mesh.shape['context']
@@ -212,7 +218,7 @@ class RolloutLayout:
     def lay_out(value, axes):
       final = resident_spec(value.shape, axes, shape)
       staged = (_with_groups_on_embed(value.shape, axes, final, 'tensor', self.tensor) if by_host else
-                _with_groups_on_embed(value.shape, axes, final, self.groups_axis, shape[self.groups_axis]))
+                _with_groups_on_embed(value.shape, axes, final, self.group_axes, self.data_groups))
       if staged is not None:  # the groups on D first (a mixture's experts: then moved to E)
         value = jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, staged))
       return jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, final))
@@ -335,8 +341,9 @@ def resident_spec(shape, axes, mesh_shape: dict) -> PartitionSpec:
   return spec_for(shape, axes, mesh_shape)
 
 
-def _with_groups_on_embed(shape, axes, final: PartitionSpec, groups_axis: str, groups: int) -> PartitionSpec | None:
-  """`final` with the sampler's groups (`groups_axis`) on the dimension FSDP splits in training
+def _with_groups_on_embed(shape, axes, final: PartitionSpec, groups_axis: str | tuple[str, ...],
+                          groups: int) -> PartitionSpec | None:
+  """`final` with the sampler's groups (`groups_axis`, one mesh axis or several) on the dimension FSDP splits in training
   (logical 'embed', or 'latent' for a weight without D) instead of where it has them (a mixture's
   experts E), or None when there is no such dimension or the groups do not divide it."""
   dim = next((list(axes).index(name) for name in ('embed', 'latent') if name in axes), None)
