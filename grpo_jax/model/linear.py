@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.model.quantize import Quantized, output_scale
+from grpo_jax.model.ring_attention import context_size
 from grpo_jax.ops import fixed_order
 
 
@@ -24,6 +25,11 @@ def matmul(x: jax.Array, w, contract: int = 1) -> jax.Array:
 
   Under exact numerics (ops/fixed_order.py) each output is a fold over the contraction, in fp32,
   then rounded to the inputs' dtype.
+
+  When the rows' length is split over the context axis (ring attention), B and T stay apart: B
+  split over the batch axes and T over context do not flatten into one tiled dimension, and XLA
+  gathered every projection's input over the context axis to flatten it (the whole row projected on
+  every device of the axis, the update's and the sampler's split prefill alike).
   """
   if isinstance(w, Quantized):
     y = matmul(x, w.values.astype(x.dtype), contract)
@@ -33,5 +39,7 @@ def matmul(x: jax.Array, w, contract: int = 1) -> jax.Array:
   if fixed_order.exact('matmul'):  # each output a fold over the contraction (exact numerics)
     flat = fixed_order.fold_matmul(x.reshape(-1, math.prod(inner)), w.reshape(math.prod(inner), -1))
     return flat.astype(jnp.result_type(x.dtype, w.dtype)).reshape(*rows, *w.shape[contract:])
+  if len(rows) > 1 and context_size() > 1:
+    return (x.reshape(*rows, math.prod(inner)) @ w.reshape(math.prod(inner), -1)).reshape(*rows, *w.shape[contract:])
   flat = x.reshape(-1, math.prod(inner)) @ w.reshape(math.prod(inner), -1)
   return flat.reshape(*rows, *w.shape[contract:])
