@@ -131,3 +131,29 @@ def test_the_plan_offers_the_context_axis_for_long_rows_only():
   assert sorted(offered) == ['mesh.context=16', 'mesh.context=2', 'mesh.context=4', 'mesh.context=8']
   short = config_lib.load_config('configs/qwen3_32b_dapo_aime.yaml', ['rollout.max_new_tokens=2048'])
   assert not [knob for knob in advice.knobs(short, architecture, 64, 4096) if 'mesh.context' in knob.name]
+
+
+@pytest.mark.parametrize('replicated', [False, True])
+def test_no_activation_is_gathered_over_the_context_axis(replicated):
+  """The forward of rows split over context 2 (the update's FSDP weights, or weights replicated as
+  the sampler's prefill holds them): the compiled program all-gathers weights only, no [B, T, ...]
+  activation of the whole row (a projection that flattened B x T had every device of the axis
+  project the whole row)."""
+  import re
+  from flax import nnx
+  from grpo_jax.model import Qwen2Config, init_model
+  from grpo_jax.sharding import axis_rules, state_shardings
+  config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+  mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, context=2), devices=jax.devices()[:2])
+  graphdef, state = nnx.split(init_model(config))
+  rules = dict(embed=None, latent=None) if replicated else {}
+  batch, length = 4, 64
+  with axis_rules(rules):
+    state = jax.device_put(state, state_shardings(state, mesh))
+    run = jax.jit(lambda state, tokens: nnx.merge(graphdef, state).sequence_pass(tokens)[0])
+    with jax.set_mesh(mesh):
+      hlo = run.lower(state, jnp.ones((batch, length), jnp.int32)).compile().as_text()
+  gathered = re.findall(r'= ((?:f32|bf16)\[[\d,]*\])\S* all-gather\(', hlo)
+  assert not [shape for shape in gathered if shape.split('[')[1].startswith(f'{batch},{length},')], gathered
+  assert 'collective-permute' in hlo
