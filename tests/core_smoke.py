@@ -4,7 +4,8 @@ jax/jaxlib and their packages; no jetstream, seqio, tensorflow, clu or math-veri
 
 It checks what the benchmarks run on those images: a forward pass (the KV-cache path against the
 full sequence), the group sampler (greedy tokens against the full forward's argmax), the fused
-log-prob op (against NumPy's log-softmax), the mixture of experts' grouped matmuls (against every
+log-prob op (against NumPy's log-softmax), the ragged decode-attention kernel's Mosaic GPU schedule (lowered for
+CUDA, and interpreted against NumPy), the mixture of experts' grouped matmuls (against every
 expert on every token) and its expert parallelism (two devices against one), the embedding's and the
 lm_head's gradients on a data x fsdp mesh of two devices (hybrid sharding's collectives) against
 one, and RL steps of the demo configs (dense, and a mixture with routing replay), with any deprecation
@@ -89,6 +90,26 @@ def main():
   want = np.take_along_axis(z - np.log(np.exp(z).sum(-1, keepdims=True)), targets[..., None], -1)[..., 0]
   error = float(np.max(np.abs(got - want)))
   check('fused log-probs equal NumPy\'s log-softmax', error < 1e-4, f'max |difference| {error:.2e}')
+
+  # The ragged decode-attention kernel's GPU schedule (Pallas Mosaic GPU): lowered for CUDA (its
+  # Mosaic GPU module built, no device needed) and interpreted here against NumPy. Rows of 0, 5 and
+  # 200 of 256 slots, 7 query rows of one kv head each.
+  from grpo_jax.ops import decode_attention_mosaic_gpu
+  lengths = np.asarray([5, 200, 0], np.int32)
+  q, k_cache, v_cache = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+                         for shape in ((3, 1, 7, 64), (2, 3, 256, 1, 64), (2, 3, 256, 1, 64)))
+  args = (q, k_cache, v_cache, jnp.asarray([1], jnp.int32), jnp.asarray(lengths), jnp.ones((3, 256), jnp.int32),
+          jnp.asarray(np.repeat(lengths[:, None], 7, 1)), jnp.ones((3, 7), jnp.int32))
+  kernel = lambda interpret: lambda *a: decode_attention_mosaic_gpu.cache_stats(  # noqa: E731
+      *a, block=64, scale=0.125, interpret=interpret)
+  lowered = 'mosaic_gpu' in jax.jit(kernel(False)).trace(*args).lower(lowering_platforms=('cuda',)).as_text()
+  _, l, acc = (np.asarray(x) for x in jax.jit(kernel(True))(*args))
+  s = np.asarray(q[1, 0], np.float32) @ np.asarray(k_cache[1, 1, :200, 0], np.float32).T * 0.125
+  p = np.exp(s - s.max(-1, keepdims=True))
+  want = (p / p.sum(-1, keepdims=True)) @ np.asarray(v_cache[1, 1, :200, 0], np.float32)
+  error = float(np.max(np.abs(acc[1, 0] / l[1, 0][:, None] - want)))
+  check('decode attention (Mosaic GPU) lowers for CUDA and, interpreted, equals NumPy', lowered and error < 2e-2
+        and not l[2].any(), f'max |difference| {error:.2e}')
 
   from grpo_jax.model import moe
   experts = jnp.asarray(rng.integers(0, 8, (2, 9, 2)), jnp.int32)

@@ -9,11 +9,15 @@ and ends with `finish_stats`. The cache mask is computed in the kernel from what
 already holds (the cache's segment ids, the query's segment ids and slots, the row lengths), so
 no [B, T, S] mask is built or read.
 
-Two schedules, each in its own module so that a machine imports only the Pallas backend it runs:
+Three schedules, each in its own module so that a machine imports only the Pallas backend it runs:
   'mosaic'  (TPU, decode_attention_mosaic.py) grid (row, block), the blocks past a row's length
             mapped onto its last written one (so not copied again) and skipped; blocks are a
             multiple of 128 slots.
-  'triton'  (GPU, decode_attention_triton.py) grid (row, kv head), each program looping over its
+  'mosaic_gpu' (GPU, decode_attention_mosaic_gpu.py, the default there) grid (row, kv head, 64 query
+            rows), each program looping over its row's written blocks, TMA-copied and double-buffered
+            into shared memory, the products on WGMMA; blocks are a multiple of 64 slots.
+  'triton'  (GPU, decode_attention_triton.py, Pallas's deprecated Triton backend, kept until the
+            Mosaic GPU schedule has run on a GPU) grid (row, kv head), each program looping over its
             row's blocks; power-of-two blocks >= 16 and head dims.
 Both run under `interpret=True` on CPU, which is how the tests exercise the kernel bodies.
 """
@@ -30,7 +34,10 @@ from grpo_jax.ops.logprob import target_platform
 from grpo_jax.sharding import auto_shape, current_mesh, split_axes
 from grpo_jax.ops.tiles import row_blocks  # noqa: F401  (the kernels' block count, shared with them)
 
-SCHEDULES = ('mosaic', 'triton')
+SCHEDULES = ('mosaic', 'mosaic_gpu', 'triton')
+# Mosaic GPU stages a [block, H] key and value tile twice each (double-buffered) and the query rows'
+# [64, H] tile in shared memory: at block 256 and H 128 in bf16, 272 KiB, past an H100's 227 KiB.
+MOSAIC_GPU_TILE_BYTES = 160 << 10
 # Triton stages a program's key and value tiles in shared memory: 227 KiB per block on an H100,
 # and the compiler refused 256 x 128 fp32 tiles (281 KiB requested). Half of it for the tiles.
 TRITON_TILE_BYTES = 128 << 10
@@ -57,6 +64,15 @@ def block_size(schedule: str, slots: int, block: int, kv_heads: int, head_dim: i
     while block > 128 and 4 * block * padded > MOSAIC_BLOCK_BYTES:
       block = max(128, block // 256 * 128)
     return block
+  if schedule == 'mosaic_gpu':
+    if block < 64 or block % 64:
+      raise ValueError(f'mosaic_gpu decode attention needs a block that is a multiple of 64, got {block}')
+    if slots < 64:
+      raise ValueError(f'mosaic_gpu decode attention needs a cache of at least 64 slots, got {slots}')
+    block = min(block, slots // 64 * 64)
+    while block > 64 and (4 * block + 64) * head_dim * itemsize > MOSAIC_GPU_TILE_BYTES:
+      block = max(64, block // 128 * 64)
+    return block
   if schedule != 'triton':
     raise ValueError(f'decode attention schedule must be one of {SCHEDULES}, got {schedule!r}')
   if block < 16 or block & (block - 1):
@@ -78,7 +94,7 @@ def ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, 
   s is visible to query t of row b iff s < lengths[b], s <= query_slots[b, t] and
   cache_segments[b, s] == query_segments[b, t]. Query head n uses kv head n // (N / K).
 
-  schedule: 'mosaic' or 'triton'; by default 'triton' on GPU and 'mosaic' elsewhere. interpret
+  schedule: 'mosaic', 'mosaic_gpu' or 'triton'; by default 'mosaic_gpu' on GPU and 'mosaic' elsewhere. interpret
   defaults to True exactly when the target is a CPU. Not differentiable (decoding only).
   -> m, l [B, K, G, T] and acc [B, K, G, T, H], fp32 (G = N / K).
 
@@ -88,7 +104,7 @@ def ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, 
   which XLA cannot partition, would otherwise run whole on every device.
   """
   platform = target_platform()
-  schedule = schedule or ('triton' if platform == 'gpu' else 'mosaic')
+  schedule = schedule or ('mosaic_gpu' if platform == 'gpu' else 'mosaic')
   interpret = platform == 'cpu' if interpret is None else interpret
   if layer is None:
     k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
@@ -130,7 +146,12 @@ def _cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_segm
 
   layer = jnp.asarray(layer, jnp.int32).reshape(1)
   lengths, cache_segments = lengths.astype(jnp.int32), cache_segments.astype(jnp.int32)
-  if schedule == 'mosaic':
+  if schedule == 'mosaic_gpu':
+    from grpo_jax.ops import decode_attention_mosaic_gpu  # Pallas Mosaic GPU, imported only when it runs
+    m, l, acc = decode_attention_mosaic_gpu.cache_stats(
+        q, k_cache, v_cache, layer, lengths, cache_segments, rows(query_slots), rows(query_segments),
+        block=block, scale=scale, interpret=interpret)
+  elif schedule == 'mosaic':
     from grpo_jax.ops import decode_attention_mosaic  # Pallas TPU, imported only when it runs
     m, l, acc = decode_attention_mosaic.cache_stats(
         q, k_cache, v_cache, layer, lengths, cache_segments[:, None, :], rows(query_slots)[..., None],

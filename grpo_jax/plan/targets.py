@@ -263,6 +263,8 @@ def parse_target(name: str) -> Target:
 # The Qwen2.5 hidden widths the kernels are compiled at: 0.5B, 7B, 14B/32B.
 KERNEL_WIDTHS = (896, 3584, 5120)
 KERNEL_CALLS = {'tpu': 'tpu_custom_call', 'gpu': '__gpu$xla.gpu.triton'}
+# The ragged decode-attention kernel's: Mosaic on TPUs, Mosaic GPU on GPUs (ops/decode_attention.py).
+DECODE_KERNEL_CALLS = {'tpu': 'tpu_custom_call', 'gpu': 'mosaic_gpu_v2'}
 
 
 def compile_logprob_kernels(target: Target, widths=KERNEL_WIDTHS, dtypes=('bfloat16', 'float32'),
@@ -359,7 +361,7 @@ def compile_decode_attention_kernels(target: Target, models=tuple(DECODE_ATTENTI
     try:
       with jax.set_mesh(mesh):
         lowered = jax.jit(lambda *a: ragged_cache_attention(*a, block=block)).trace(*args).lower()
-      result['kernel_calls'] = lowered.as_text().count(f'@{KERNEL_CALLS[target.platform]}')
+      result['kernel_calls'] = lowered.as_text().count(f'@{DECODE_KERNEL_CALLS[target.platform]}')
       compiled = lowered.compile(compiler_options=compiler_options(target.platform))
       result['temp_bytes'] = compiled.memory_analysis().temp_size_in_bytes
     except Exception as error:  # reported, not raised: the caller decides what a refusal means
