@@ -152,8 +152,9 @@ _RULES = threading.local()  # the rule table `axis_rules` entered, if any
 @contextlib.contextmanager
 def axis_rules(changes: dict[str, str | tuple[str, ...] | None]):
   """Traces with LOGICAL_AXIS_RULES' entries for the logical axes in `changes` replaced (the others
-  kept as the table has them, whatever an outer `axis_rules` changed): one program's part that lays its arrays out otherwise (the sampler's, whose context axis
-  holds more rows while decoding and splits the prompts' length while they are prefilled)."""
+  kept as the table has them, whatever an outer `axis_rules` changed): one program's part that lays
+  its arrays out otherwise (the sampler's, whose context axis holds more rows while decoding and
+  splits the prompts' length while they are prefilled)."""
   previous = getattr(_RULES, 'table', LOGICAL_AXIS_RULES)
   _RULES.table = tuple((name, changes.get(name, target)) for name, target in LOGICAL_AXIS_RULES)
   try:

@@ -1,8 +1,8 @@
 """The 'mosaic_gpu' (GPU) schedule of the ragged decode-attention kernel, in Pallas's Mosaic GPU
 backend (warpgroups, TMA copies, WGMMA), which replaces its Triton schedule (deprecated in jax 0.11).
 
-Grid (row b, kv head, part of 64 query rows), one warpgroup per program. The program loops over its own row's written
-cache blocks only (a loop of ceil(length / block) steps, the length read from the lengths array):
+Grid (row b, kv head, part of 64 query rows), one warpgroup per program. The program loops over
+its own row's written cache blocks only (a loop of ceil(length / block) steps, the length read from the lengths array):
 each step copies a [block, H] key and value tile of the stacked [L, B, S, K, H] cache at the layer
 into shared memory (TMA, double-buffered: the next block's copy is issued before this block is
 computed), then the scores of the program's query rows (the G x T rows of the kv head, padded to
@@ -14,8 +14,6 @@ block 128, H 128 in bf16. Block checks and layouts are decode_attention.py's.
 Slots past a row's length may hold anything, NaN included: their scores are masked to the most
 negative finite fp32 and their values zeroed before the weighted sum, as the other schedules do.
 """
-
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -67,9 +67,9 @@ from grpo_jax.sharding import MESH_AXES, axis_rules, row_sharding, spec_for, use
 # decoding takes its devices as more rows (a row's one new token needs no split), and the prompts'
 # prefill splits their length over it (PREFILL_RULES: the rule table's 'seq', ring attention). The
 # resident weights are replicated over it either way, as over the data groups.
-DECODE_RULES = dict(batch=('data', 'fsdp', 'expert', 'context'), tokens=('data', 'fsdp', 'expert', 'context'),
-                    seq=None, embed=('fsdp', 'expert'), latent=('fsdp', 'expert'))
 PREFILL_RULES = dict(embed=('fsdp', 'expert'), latent=('fsdp', 'expert'))
+DECODE_RULES = dict(PREFILL_RULES, batch=('data', 'fsdp', 'expert', 'context'),
+                    tokens=('data', 'fsdp', 'expert', 'context'), seq=None)
 
 
 def devices_per_host(devices: Sequence[jax.Device]) -> int:
@@ -343,8 +343,8 @@ def resident_spec(shape, axes, mesh_shape: dict) -> PartitionSpec:
 
 def _with_groups_on_embed(shape, axes, final: PartitionSpec, groups_axis: str | tuple[str, ...],
                           groups: int) -> PartitionSpec | None:
-  """`final` with the sampler's groups (`groups_axis`, one mesh axis or several) on the dimension FSDP splits in training
-  (logical 'embed', or 'latent' for a weight without D) instead of where it has them (a mixture's
+  """`final` with the sampler's groups (`groups_axis`, one mesh axis or several) on the dimension
+  FSDP splits in training (logical 'embed', or 'latent' for a weight without D) instead of where it has them (a mixture's
   experts E), or None when there is no such dimension or the groups do not divide it."""
   dim = next((list(axes).index(name) for name in ('embed', 'latent') if name in axes), None)
   if groups == 1 or dim is None:
