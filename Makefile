@@ -1,6 +1,7 @@
 # make demo: set up .venv and run the default job. make test: set up .venv (and the deviceless TPU/GPU
 # compilers in .venv/compilers) and prove every feature by its decisive test (at most 9 minutes on 2
-# cores); make test-all (CI's, .ci/run): the core on the GPU images' JAX (core-smoke) and every test.
+# cores); make test-all (CI's, .ci/run): the core on the GPU images' JAX (core-smoke) and every test but
+# the long ones, which make test-long runs.
 # tests/README.md says what each tier holds and how to mark a test for each.
 # jax 0.11+ needs Python 3.12 or newer: PYTHON is the first such interpreter found (python3.13,
 # python3.12, pyenv's 3.12/3.13, python3), or set it: make test PYTHON=/path/to/python3.12.
@@ -12,7 +13,7 @@ PYTHON ?= $(call first_python,$$(command -v python3.13 python3.12) $(HOME)/.pyen
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-agent demo-distill demo-math demo-lora demo-moe demo-rm demo-vl demo-vl-agent test test-all test-fast core-smoke sandbox bench clean
+.PHONY: demo demo-agent demo-distill demo-math demo-lora demo-moe demo-rm demo-vl demo-vl-agent test test-all test-long test-fast core-smoke sandbox bench clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 or newer found (jax 0.12 needs it): make ... PYTHON=/path/to/python3.12"; exit 1; }
@@ -116,9 +117,16 @@ PYTEST := $(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=30
 test: $(VENV)/.test $(VENV)/.compilers sandbox
 	$(PYTEST) -m 'not exhaustive' --tier=test
 
-# Everything: what CI runs.
+# What CI runs: every test but the long ones, and the core on the GPU images' JAX.
 test-all: $(VENV)/.test $(VENV)/.compilers core-smoke sandbox
-	$(PYTEST) --tier=test-all
+	$(PYTEST) -m 'not long' --tier=test-all
+
+# The long tests alone (marked long: the demos' learning curves, the two-process runs, the kill -9
+# matrix, the recipes' plans, the docs' commands), which CI's 90 minutes on 2 cores cannot hold beside
+# test-all: run it when a change touches what they cover (tests/README.md). test-all and test-long
+# together are every test.
+test-long: $(VENV)/.test $(VENV)/.compilers sandbox
+	$(PYTEST) -m long --tier=test-long
 
 # The sandbox of model-written code (grpo_jax/sandbox.py) is bubblewrap, a system package, beyond
 # what .venv holds: as root it is installed with apt-get (Debian, Ubuntu) or dnf (Fedora); otherwise

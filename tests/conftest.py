@@ -93,7 +93,7 @@ FAST_FILES = {'test_adapters', 'test_algo', 'test_api', 'test_attention', 'test_
               'test_reward_terms', 'test_rollout', 'test_sampling', 'test_sharding', 'test_tools'}
 # Wall time on the 2-core machine the project develops on (seconds); a new feature adds at most 60 s
 # to `test` and 3 minutes to `test-all`.
-TIER_BUDGETS = {'test': 15 * 60, 'test-all': 40 * 60, 'test-fast': 3 * 60}
+TIER_BUDGETS = {'test': 15 * 60, 'test-all': 40 * 60, 'test-long': 30 * 60, 'test-fast': 3 * 60}
 
 
 _STARTED = pytest.StashKey[float]()  # when the run began: the tier's wall time
@@ -164,6 +164,8 @@ def pytest_collection_modifyitems(config, items):
   hands tests out in this order, so the two workers do not end with one still running a long test
   alone."""
   for item in items:
+    if item.get_closest_marker('long') and not item.get_closest_marker('exhaustive'):
+      raise pytest.UsageError(f'{item.nodeid} is marked long but not exhaustive: make test would run it (tests/README.md)')
     if item.path.stem in FAST_FILES and not any(item.get_closest_marker(name) for name in ('exhaustive', 'starts_first')):
       item.add_marker(pytest.mark.fast)
   items.sort(key=lambda item: item.get_closest_marker('starts_first') is None)

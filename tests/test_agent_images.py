@@ -179,6 +179,7 @@ def test_image_agent_steps_on_a_mesh_equal_one_device(tmp_path):
 
 
 @pytest.mark.exhaustive
+@pytest.mark.long
 def test_the_image_environment_demo_learns_only_when_it_can_see(tmp_path):
   """configs/tiny_spot_agent.yaml, its first 160 of 450 steps: the policy learns the quadrants from
   the images its environment shows (turn after turn; seed 0 here: 0.10 over the first 10 steps,

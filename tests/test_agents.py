@@ -405,6 +405,7 @@ def test_agent_steps_on_a_mesh_equal_one_device(tmp_path):
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
 @pytest.mark.parametrize('kind, steps', [('dense', 120), ('moe', 160)])
+@pytest.mark.long
 def test_the_agent_demo_learns_from_the_replies(tmp_path, kind, steps):
   """configs/tiny_guess.yaml: the reward passes what any policy deaf to the replies can reach (4
   guesses of 16 numbers: 0.25), and episodes get shorter. Dense, 120 steps (measured with the
@@ -456,6 +457,7 @@ def test_an_episode_that_fails_ends_the_rollout_and_the_server_starts_afresh(see
 
 
 @pytest.mark.exhaustive
+@pytest.mark.long
 def test_episode_evaluation_plays_every_secret(tmp_path):
   """eval during training on the guessing game: every secret once, n episodes each and a greedy
   one; an episode counts as solved exactly when its last guess is the secret (read here from its

@@ -245,12 +245,14 @@ MATRIX = [  # (id, config, settings, devices, moments)
 @pytest.mark.starts_first
 @pytest.mark.parametrize('config, settings, devices, moments',
                          [pytest.param(*case[1:], id=case[0]) for case in MATRIX])
+@pytest.mark.long
 def test_killed_twice_resumes_exactly(tmp_path, config, settings, devices, moments):
   kill_twice_and_resume(tmp_path, _config(config), settings, moments, devices=devices)
 
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
+@pytest.mark.long
 def test_agent_with_tool_workers_killed_twice_resumes_exactly_and_leaves_no_worker(tmp_path, tool_run):
   """The tool workers (and each call's sandbox) die with the trainer: kill_at asserts that no
   process the run started outlives it, and here there are some at each kill."""

@@ -342,6 +342,7 @@ def test_lora_on_the_latent_attention_and_shared_experts_equals_peft_and_the_cac
 
 
 @pytest.mark.exhaustive
+@pytest.mark.long
 def test_the_deepseek_v3_demo_learns_with_routing_replay(tmp_path):
   """configs/tiny_arith_mla.yaml (a DeepSeek-V3-shaped model: a query latent, a latent KV cache,
   grouped sigmoid routing, a shared expert, a dense first layer), trained with the sampler's routes

@@ -16,6 +16,7 @@ from runs import ROOT, read_metrics, train_here
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
+@pytest.mark.long
 def test_a_reward_model_learns_the_hidden_property_and_grpo_against_it_raises_it(tmp_path):
   paths = synthetic_preferences.write(str(tmp_path / 'data'))
   config_path = os.path.join(ROOT, 'configs', 'tiny_reward_model.yaml')

@@ -77,8 +77,9 @@ def test_deviceless_gpu_compiles_skip_autotuning_unless_the_user_sets_it(monkeyp
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
-@pytest.mark.parametrize('platform, target', [('tpu', 'v5e-4'), ('tpu', 'v5p-8'), ('tpu', 'v6e-4'),
-                                              ('gpu', 'h100x1')])
+@pytest.mark.parametrize('platform, target', [pytest.param('tpu', 'v5e-4', marks=pytest.mark.long),
+                                              pytest.param('tpu', 'v5p-8', marks=pytest.mark.long),
+                                              pytest.param('tpu', 'v6e-4', marks=pytest.mark.long), ('gpu', 'h100x1')])
 def test_logprob_kernels_compile_for_the_hardware(platform, target):
   """Forward and both backward kernels at the 0.5B, 7B and 32B widths, bf16 and fp32, V = 152,064:
   three kernel calls in each lowered program (not the interpreter), compiled by Mosaic / Triton."""

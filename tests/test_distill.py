@@ -284,6 +284,7 @@ def test_a_lora_runs_policy_teaches_merged(tmp_path):
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
+@pytest.mark.long
 def test_the_distillation_demo_student_learns_from_its_teacher(tmp_path):
   """The CPU demo (make demo-distill): the arith demo's model at run.seed=1 teaches a fresh student
   of half its width from the teacher's per-token log-probs alone (distill_weight 1: the reward is

@@ -235,6 +235,7 @@ def _environment(extra: dict) -> dict:
 
 @pytest.mark.exhaustive
 @pytest.mark.parametrize('command', runnable())
+@pytest.mark.long
 def test_every_command_runs(command, folder):
   for argv, extra in prepared(command, str(folder)):
     result = subprocess.run(argv, cwd=folder, env=_environment(extra), capture_output=True, text=True, timeout=600)

@@ -288,6 +288,7 @@ def test_partial_rollouts_sampled_under_the_update_s_weights_log_no_gap(tmp_path
 
 
 @pytest.mark.exhaustive  # 60 s: a subprocess compiling at XLA's default level, as users run
+@pytest.mark.long
 def test_an_exact_run_at_the_default_optimisation_level_logs_no_gap(tmp_path):
   import subprocess
   import sys

@@ -185,6 +185,7 @@ def _naive_greedy(model, prompt, steps):
 
 @pytest.mark.exhaustive
 @pytest.mark.parametrize('kind', ['dense', 'moe', 'vl'])
+@pytest.mark.long
 def test_serve_decodes_a_lora_run_of_each_kind(tmp_path, kind, monkeypatch):
   """`serve --ckpt <a LoRA run's workdir>` of a dense model, a mixture (attention adapters, the
   experts over the expert axis) and a vision-language model (adapters in the decoder, the tower as

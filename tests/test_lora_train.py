@@ -42,6 +42,7 @@ def _stored_tensors(workdir) -> list[str]:
 
 
 @pytest.mark.exhaustive
+@pytest.mark.long
 def test_lora_demo_learns_and_checkpoints_only_adapters(tmp_path):
   """configs/tiny_arith_lora.yaml's first 200 of its 400 steps (measured, base at std 0.12: mean
   reward 0.000 over the first 10 steps, 0.89 over steps 181-200, 0.98 over the last 20 of the 400)."""

@@ -145,6 +145,7 @@ def read_jsonl(path):
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
+@pytest.mark.long
 def test_dynamic_sampling_and_eval_resume_exactly(tmp_path, word_problem_files):
   common = ['train.steps=6', 'train.checkpoint_every=3', 'eval.every=3', 'eval.max_problems=8', 'eval.samples=2',
             'eval.k=2', 'eval.batch_prompts=8', 'rollout.prompts_per_step=4', 'algo.group_size=4']
@@ -190,6 +191,7 @@ def test_eval_cli_on_a_training_checkpoint(tmp_path, word_problem_files):
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
+@pytest.mark.long
 def test_tiny_math_demo_learns_shortened(tmp_path, word_problem_files):
   """configs/tiny_math.yaml cut to 120 steps: the sampled reward and the held-out pass@1 both rise
   by a clear margin (measured with the config's entropy bonus: reward 0.02 over the first 10 steps,

@@ -151,6 +151,7 @@ def test_host_scored_task_on_every_mesh_equals_one_device(tmp_path):
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
+@pytest.mark.long
 def test_checkpoints_resume_across_the_hybrid_switch(tmp_path):
   """A checkpoint written under FSDP over 8 devices (1, 8, 1) restores under the hybrid layout (data 2
   x fsdp 4: parameters and Adam moments sharded within a group of 4, replicated across the 2) and

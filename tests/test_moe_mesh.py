@@ -58,6 +58,7 @@ def _run(workdir, mesh_shape, overrides):
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
+@pytest.mark.long
 def test_moe_partial_rollouts_resume_on_another_expert_size_equal_uninterrupted(tmp_path):
   """Routes recorded by older weights ride in the pool of partial rollouts (max_lag 1) and in its
   checkpoints: a run on an fsdp x expert mesh, saved after its second of 4 steps and resumed from that

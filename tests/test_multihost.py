@@ -94,6 +94,7 @@ def assert_same_run(got, expected, tolerance=1e-5):
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
+@pytest.mark.long
 def test_host_scored_math_task_on_two_processes_equals_one(tmp_path):
   """The math task's reward runs on the hosts: each process decodes and scores the groups on its
   own devices. With dynamic sampling (groups gathered across rounds) and in-training evaluation,
@@ -173,6 +174,7 @@ def test_each_group_is_scored_by_exactly_one_process_that_holds_it(monkeypatch, 
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
+@pytest.mark.long
 def test_split_devices_across_processes_equal_one_process_and_resume(tmp_path):
   """Split devices across processes: the trainer on process 0's 4 devices, the sampler on process
   1's (rollout.devices=4, max_lag 2), a host-scored task with in-training evaluation. The weights,
@@ -201,6 +203,7 @@ def test_split_devices_across_processes_equal_one_process_and_resume(tmp_path):
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
+@pytest.mark.long
 def test_hybrid_sharding_over_two_processes_equals_one_and_resumes_on_one_process_with_another_mesh(tmp_path):
   """Hybrid sharding composed with expert parallelism (a mixture of experts with rollout routing
   replay; its attention, embeddings and norms are laid out as a dense model's): data over the two

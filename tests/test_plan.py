@@ -66,6 +66,7 @@ AUTO = ['--set', 'model.attention=auto']
 @pytest.mark.parametrize('platform, target, extra', [('tpu', 'v5e-8', ['--set', 'rollout.weights=int8'] + AUTO),
                                                      ('gpu', 'h100x8', SMALLER_H100 + ['--set', 'rollout.weights=fp8'] + AUTO)],
                          ids=['tpu-v5e-8-int8', 'gpu-h100x8-of-1.4GiB-fp8'])
+@pytest.mark.long
 def test_plan_compiles_the_small_recipe_for_the_target(platform, target, extra, tmp_path):
   report_path = tmp_path / 'plan.json'
   result = _run(platform, ['grpo_jax.plan', '--config', 'configs/qwen2_5_0_5b_math.yaml', '--model-size', '0.5B',
@@ -128,6 +129,7 @@ def test_plan_compiles_the_small_recipe_for_the_target(platform, target, extra, 
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
+@pytest.mark.long
 def test_plan_names_the_knob_that_brings_a_run_under_the_device_memory(tmp_path):
   """The 0.5B recipe's shapes at 2 layers on 8 H100s told they have 1.4 GiB each (the update needs
   1.65): the plan says it does not fit, compiles the knobs, and names first the one that the H100
@@ -219,6 +221,7 @@ def test_each_mesh_axis_is_attributed_to_the_link_its_groups_use():
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
+@pytest.mark.long
 def test_plan_of_split_devices_and_of_partial_rollouts(tmp_path):
   """rollout.devices: the sampler's program on its own 4 devices, the weights' layout program and
   the update on the trainer's 4; the bytes crossing per step are the sampler's resident weights and

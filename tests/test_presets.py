@@ -108,6 +108,7 @@ FAMILY_RECIPES = {'glm4': ('glm4_9b_math.yaml', 'GLM-4-9B-0414'),
 
 @pytest.mark.exhaustive
 @pytest.mark.parametrize('family', sorted(FAMILY_RECIPES))
+@pytest.mark.long
 def test_family_recipe_plans_for_eight_h100s(family, tmp_path):
   """The family's recipe compiled for h100x8: it fits, the parameters are the preset's at 2 layers,
   FSDP splits them and Adam's moments 8 ways, the sampler's tensor groups span the KV heads, and

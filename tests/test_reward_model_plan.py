@@ -129,6 +129,7 @@ def test_a_reward_model_the_plan_cannot_read_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
+@pytest.mark.long
 def test_the_reward_model_recipe_is_planned_for_8_h100s(tmp_path):
   """configs/qwen3_8b_hh_reward_model.yaml by XLA:GPU for 8 H100s, the policy at 2 of its layers
   (its programs' shapes otherwise the recipe's), the 8B reward model whole from its config.json:

@@ -232,6 +232,7 @@ def test_lora_trains_the_adapters_and_the_score_head_by_peft_gradients(make_hf_c
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
+@pytest.mark.long
 def test_killed_mid_first_save_then_after_a_commit_resumes_exactly(tmp_path, pairs):
   """kill -9 of the command line while its first checkpoint is written, and again just after the
   resumed run's first commit: the run resumed to its end equals an uninterrupted one, metrics,

@@ -192,6 +192,7 @@ def test_replayed_tree_update_equals_padded(seed):
 
 
 @pytest.mark.exhaustive
+@pytest.mark.long
 def test_tree_update_with_images_equals_padded(seed):
   """Prompts with 0, 1 or 2 images, each answered G times (a group shows its prompt's images, the
   tower run once per prompt): the tree update, whose roots carry the images' features and M-RoPE

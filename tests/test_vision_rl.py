@@ -58,6 +58,7 @@ def test_image_prompts_through_the_slots_equal_generate_and_the_updates_log_prob
 
 
 @pytest.mark.exhaustive
+@pytest.mark.long
 def test_the_vision_demo_learns_and_blank_images_stay_at_chance(tmp_path):
   """make demo-vl's run, shortened and on seed 1: the reward passes chance (1/4) by far within 200
   steps, while the blank-image control stays at chance over its 100.
@@ -176,6 +177,7 @@ def image_prompt(rng, v, count=None):
 
 
 @pytest.mark.exhaustive
+@pytest.mark.long
 def test_packed_update_with_images_equals_padded(seed):
   """Sequences with 0, 1 or 2 images of different sizes, packed end to end (their M-RoPE positions
   and image placements travel with their tokens): the same gradients and metrics as the padded
