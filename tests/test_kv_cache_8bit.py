@@ -108,19 +108,32 @@ def test_attention_over_8bit_parts_equals_numpy_over_their_entries(seed, kind):
   np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-5)
 
 
-def _rounded(cache: KVCache, kind: str) -> KVCache:
-  """A compute-dtype cache with every entry replaced by its 8-bit rounding (values x scale)."""
-  return cache.map_layers(lambda x: dequantize(store(x, _like(kind)), x.dtype))
+def _entries(cache: KVCache) -> np.ndarray:
+  """Keys and values as one fp32 array [2, L, B, S, K, H], an 8-bit cache's dequantized."""
+  def layers(x):
+    return np.stack([np.asarray(dequantize(layer, jnp.float32)) for layer in x]) if isinstance(x, tuple) else \
+        np.asarray(dequantize(x, jnp.float32))
+  return np.stack([layers(cache.k), layers(cache.v)])
+
+
+def _holding(cache: KVCache, entries: np.ndarray, dtype) -> KVCache:
+  """A compute cache like `cache` (scanned or layered) holding `entries` [2, L, B, S, K, H]."""
+  def put(x, values):
+    return tuple(jnp.asarray(v, dtype) for v in values) if isinstance(x, tuple) else jnp.asarray(values, dtype)
+  return dataclasses.replace(cache, k=put(cache.k, entries[0]), v=put(cache.v, entries[1]))
 
 
 @pytest.mark.parametrize('kind, layers', [('int8', 'scan'), pytest.param('int8', 'unrolled', marks=pytest.mark.exhaustive),
                                           pytest.param('fp8', 'unrolled', marks=pytest.mark.exhaustive)])
 def test_decoding_through_an_8bit_cache_equals_a_cache_rounded_after_each_write(seed, make_hf_checkpoint, kind,
                                                                                  layers):
-  """Left-padded prompts prefilled, then 6 tokens fed one at a time: the logits through an 8-bit
-  cache equal the model's with a compute cache whose entries are rounded to the same 8 bits after
-  every write (fp32, 1e-5), scanned and unrolled (one cache array per layer) alike; they differ from
-  the unrounded cache's (the cache really is 8-bit)."""
+  """Left-padded prompts prefilled, then 6 tokens fed one at a time. At every step the logits through
+  the 8-bit cache equal the model's with a compute cache holding the same entries, dequantized (fp32,
+  1e-5), scanned and unrolled (one cache array per layer) alike; the entry each step writes is the
+  8-bit rounding of the compute model's entry, as store() rounds it; and the logits differ from an
+  unrounded cache's (the cache really is 8-bit). The reference takes the 8-bit cache's own entries,
+  not its own rounding of them: two programs' keys a few ulps apart can round to neighbouring 8-bit
+  values, and one such entry moves later logits by more than fp32's tolerance."""
   directory, _ = make_hf_checkpoint(seed, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB)
   tokens, mask = left_padded(random_prompts(seed, [9, 4, 7], vocab=VOCAB))
   tokens, mask = jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, jnp.int32)
@@ -128,23 +141,45 @@ def test_decoding_through_an_8bit_cache_equals_a_cache_rounded_after_each_write(
   options = ModelOptions(decode_layers=layers)
   quantized = from_pretrained(directory, options=dataclasses.replace(options, kv_cache=kind))
   plain = from_pretrained(directory, options=options)
-  width = tokens.shape[1] + follow.shape[1]
+  width, start = tokens.shape[1] + follow.shape[1], tokens.shape[1]
+  empty = plain.init_cache(3, width, layered=plain.layered_decode_cache)
 
-  def run(model, round_to=None):
-    cache = model.init_cache(3, width, layered=model.layered_decode_cache)
-    logits, cache = model.extend(tokens, cache, segment_ids=mask)
+  cache = quantized.init_cache(3, width, layered=quantized.layered_decode_cache)
+  logits, cache = quantized.extend(tokens, cache, segment_ids=mask)
+  assert cache.format == kind and cache.dtype == (jnp.int8 if kind == 'int8' else jnp.float8_e4m3fn)
+  got, caches = [logits[:, -1]], [cache]
+  for step in range(follow.shape[1]):
+    logits, cache = quantized.extend(follow[:, step:step + 1], cache)
+    got.append(logits[:, 0])
+    caches.append(cache)
+  got = np.stack([np.asarray(o) for o in got], 1)
+
+  like, flips, written = _like(kind), 0, 0
+  for step in range(follow.shape[1]):
+    held = _entries(caches[step])
+    logits, after = plain.extend(follow[:, step:step + 1], _holding(caches[step], held, empty.dtype))
+    np.testing.assert_allclose(got[:, step + 1], np.asarray(logits[:, 0]), rtol=1e-5, atol=1e-5, err_msg=f'step {step}')
+    new = _entries(after)[..., start + step, :, :]
+    rounded = np.asarray(dequantize(store(jnp.asarray(new), like), jnp.float32))
+    wrote = _entries(caches[step + 1])[..., start + step, :, :]
+    # a tie broken the other way by a few ulps of the key moves one entry by one 8-bit step
+    flips += int((~np.isclose(wrote, rounded, rtol=1e-6, atol=1e-7)).sum())
+    written += wrote.size
+    step_size = np.abs(new).max(-1, keepdims=True) / LARGEST[kind]
+    bound = step_size * (0.5 + 1e-4) if kind == 'int8' else np.abs(new) * 2.0 ** -4 + step_size * 2.0 ** -9
+    assert np.all(np.abs(wrote - new) <= bound + 1e-6), f'step {step}: an entry further than rounding from its key'
+  assert flips <= written // 200, (flips, written)
+
+  def run_plain():
+    cache = plain.init_cache(3, width, layered=plain.layered_decode_cache)
+    logits, cache = plain.extend(tokens, cache, segment_ids=mask)
     outs = [logits[:, -1]]
     for step in range(follow.shape[1]):
-      cache = cache if round_to is None else _rounded(cache, round_to)
-      logits, cache = model.extend(follow[:, step:step + 1], cache)
+      logits, cache = plain.extend(follow[:, step:step + 1], cache)
       outs.append(logits[:, 0])
-    return np.stack([np.asarray(o) for o in outs], 1), cache
+    return np.stack([np.asarray(o) for o in outs], 1)
 
-  got, cache = run(quantized)
-  assert cache.format == kind and cache.dtype == (jnp.int8 if kind == 'int8' else jnp.float8_e4m3fn)
-  reference, _ = run(plain, round_to=kind)
-  unrounded, _ = run(plain)
-  np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5)
+  unrounded = run_plain()
   np.testing.assert_allclose(got[:, 0], unrounded[:, 0], rtol=1e-5, atol=1e-5)  # prefill attends in full precision
   assert np.abs(got[:, 1:] - unrounded[:, 1:]).max() > 1e-4
 
@@ -156,8 +191,9 @@ def test_the_sampler_s_paths_on_an_8bit_cache_agree(seed, make_hf_checkpoint, ki
   """GroupSampler on an 8-bit cache (groups of 2 over left-padded prompts, temperature 1): on one
   device with each row's copy of its prompt, on a (2, 2, 2) mesh with the rollout layout's tensor
   size 2 and the prompts read once, and in 3 decode slots (continuous batching: rows enter as
-  others finish), the same tokens and log-probs (fp32, 2e-4): each entry's scale is its own token's
-  and head's, so no row reads another's rounding. The log-probs differ from a compute cache's.
+  others finish), the same tokens and log-probs (fp32, 2e-4) in all groups but at most one (an
+  entry rounded the other way): each entry's scale is its own token's and head's, so no row reads
+  another's rounding. The log-probs differ from a compute cache's.
   Gemma 3: its sliding layers' window rings 8-bit too (window 6 of 10-token answers)."""
   from flax import nnx
 
@@ -186,11 +222,16 @@ def test_the_sampler_s_paths_on_an_8bit_cache_agree(seed, make_hf_checkpoint, ki
   with jax.set_mesh(mesh):
     once = sample(ModelOptions(kv_cache=kind, prompt_reads='once'), mesh)
   slotted = sample(ModelOptions(kv_cache=kind), slots=3)
+  real = np.asarray(reference.mask) != 0
   for name, rollout in (('mesh, prompts read once', once), ('3 slots', slotted)):
     np.testing.assert_array_equal(rollout.tokens, reference.tokens, err_msg=name)
-    np.testing.assert_allclose(rollout.log_probs, reference.log_probs, rtol=2e-4, atol=2e-4, err_msg=name)
+    # Two programs' keys a few ulps apart can round to neighbouring 8-bit values: such an entry moves
+    # the later log-probs (by up to 4e-3, seen) of the rows reading it, its own or its prompt's group,
+    # no other group's. A scale shared between rows would move every group that shares it.
+    apart = real & ~np.isclose(rollout.log_probs, reference.log_probs, rtol=2e-4, atol=2e-4)
+    groups = np.unique(np.flatnonzero(apart.any(1)) // 2)
+    assert len(groups) <= 1, (name, groups, np.abs(np.asarray(rollout.log_probs) - reference.log_probs)[real].max())
   plain = sample(ModelOptions(prompt_reads='copy'))
-  real = np.asarray(reference.mask) != 0
   assert np.abs(np.asarray(reference.log_probs) - np.asarray(plain.log_probs))[real].max() > 1e-4
 
 

