@@ -2,7 +2,7 @@
 # One GPU session's benchmarks, in priority order, each under its own time limit so that one
 # failure or overrun leaves the rest. Logs go to $OUT (or ./gpu_logs). Run from the repo root:
 #   bash bench/gpu.sh [names...]
-# names: env forward update sampler logprob decode (measured 2026-11-26 on an H200 but decode,
+# names: env kernels forward update sampler logprob decode (measured 2026-11-26 on an H200 but decode,
 # which stopped at its own check, since fixed) lora lora_update (not yet measured); the decode
 # loop's profile and roofline: profile profile_cb sampler7b sampler_scan sampler7b_scan profile7b
 # blockwise pallas (measured 2026-11-27 on an H200: BENCHMARKS.md, "Where a decode step goes");
@@ -28,6 +28,8 @@ run() {  # name limit_s command...
 run env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; \
   $py -c 'import jax, flax, optax, orbax.checkpoint as o, torch, transformers; \
 print(jax.__version__, flax.__version__, optax.__version__, torch.__version__, transformers.__version__, jax.devices())'"
+# The ragged decode kernel's Mosaic GPU schedule compiled and run against NumPy (0.5B and 7B-like shapes).
+run kernels 120 $py bench/gpu_kernel_check.py
 run forward 120 $py bench/forward.py --preset qwen2.5-0.5b --dtype bfloat16 --batch 8 --length 2048 --reference
 run update 200 $py bench/update.py --preset qwen2.5-0.5b --rows 64 --micro-batch-size 8 --attention cudnn --dtype bfloat16 --repeats 3 --torch
 run sampler 150 $py bench/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --batch-sizes 64,256 --repeats 3
