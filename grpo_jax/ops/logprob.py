@@ -6,12 +6,12 @@ Qwen2.5's 151,936-word vocabulary the fp32 logits of 8 x 4,096 tokens alone take
 and recomputes the tiles in a custom VJP that saves only h, W, y and per-token lse (and entropy).
 
 Implementations (same signature, same results up to rounding):
-  'pallas'       fused kernels (logprob_pallas.py): Mosaic on TPU (logprob_mosaic.py), and the
-                 Mosaic schedule in interpret mode on CPU. Not on GPUs: the Triton kernels
-                 (logprob_triton.py) ran 10.7x slower than 'xla_chunked' on an H200
-                 (BENCHMARKS.md), so 'pallas' there is refused with that reason rather than
-                 picked. 'pallas_mosaic' / 'pallas_triton' force a schedule (to measure or tune
-                 the Triton kernels, or to interpret them on CPU). Imported only when one runs.
+  'pallas'       fused kernels (logprob_pallas.py): Mosaic on TPU (logprob_mosaic.py), Mosaic GPU
+                 on GPUs (logprob_mosaic_gpu.py), and the Mosaic schedule in interpret mode on
+                 CPU. The Triton kernels (logprob_triton.py, Pallas's deprecated Triton backend)
+                 ran 10.7x slower than 'xla_chunked' on an H200 (BENCHMARKS.md) and are no longer
+                 picked; 'pallas_mosaic' / 'pallas_mosaic_gpu' / 'pallas_triton' force a schedule
+                 (to measure or tune one, or to interpret it on CPU). Imported only when one runs.
   'xla_chunked'  the same algorithm, with the same tile maths (tiles.py), as a lax.scan over
                  vocabulary chunks in plain XLA.
   'naive'        full logits, log_softmax, take_along_axis; the reference, plain autodiff.
@@ -22,7 +22,7 @@ Implementations (same signature, same results up to rounding):
   'auto'         'xla_chunked' on every platform for now: the Pallas kernels are tested in
                  interpret mode and compiled in CI for v5e, v5p, v6e and H100 by Mosaic and
                  Triton (deviceless, tests/test_deviceless.py), but have not yet been measured
-                 on the hardware, so they are opt-in ('pallas', TPU and CPU).
+                 on the hardware (the Mosaic GPU ones not at all), so they are opt-in ('pallas').
 
 Targets must lie in [0, V). Padding tokens may carry any valid id; mask them in the loss, and
 their rows of dh are then exactly zero.
@@ -46,13 +46,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from grpo_jax.errors import UserError
 from grpo_jax.ops.tiles import (F32, CONTRACT_TOKENS, CONTRACT_VOCAB, dot_precision, finish_stats,
                                 initial_stats, logit_gradient, update_stats)
 from grpo_jax.sharding import auto_shape, row_and_length_axes, split_axes
 
-LogprobImplementation = Literal['auto', 'pallas', 'pallas_mosaic', 'pallas_triton', 'xla_chunked',
-                                'naive', 'exact']
+LogprobImplementation = Literal['auto', 'pallas', 'pallas_mosaic', 'pallas_mosaic_gpu', 'pallas_triton',
+                                'xla_chunked', 'naive', 'exact']
 IMPLEMENTATIONS = typing.get_args(LogprobImplementation)
 # The XLA fallback sizes its vocabulary chunk so that one fp32 [T, chunk] tile holds about this
 # many elements (64 MiB), and takes at least 32 chunks, so that its temporaries stay a few percent
@@ -64,7 +63,7 @@ XLA_CHUNK_ELEMENTS = 1 << 24
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   """Static configuration of one fused call (hashable: it is a custom_vjp nondiff argument)."""
-  schedule: str  # 'xla', 'mosaic' or 'triton'
+  schedule: str  # 'xla', 'mosaic', 'mosaic_gpu' or 'triton'
   inv_temperature: float
   with_entropy: bool
   block_tokens: int | None
@@ -85,7 +84,7 @@ def token_logprobs(hidden, weight, targets, *, temperature: float = 1.0,
   dtype of hidden and weight with fp32 accumulation (true fp32 products for fp32 inputs).
 
   temperature is static (a Python float). block_tokens / block_vocab / block_model override the
-  tile sizes (block_model: the D slice of the Triton kernels); for 'xla_chunked', block_vocab is
+  tile sizes (block_model: the D slice of the Mosaic GPU and Triton kernels); for 'xla_chunked', block_vocab is
   the vocabulary chunk. interpret (pallas only) defaults to True exactly when the target is a CPU
   (`target_platform`), wherever the compiler runs.
   """
@@ -142,6 +141,9 @@ def default_blocks(schedule: str, model: int, itemsize: int) -> tuple:
   mosaic: the largest blocks whose buffers fit this TPU's VMEM (logprob_mosaic.mosaic_blocks);
     they are compiled with a matching scoped VMEM limit. Sized from a VMEM estimate, not tuned
     on a TPU.
+  mosaic_gpu: a 64-row WGMMA tile of tokens, 128 vocabulary columns and 64-wide D slices: 40 KiB
+    of shared memory in bf16 at any D; the backward kernels' register accumulators are split into
+    D groups (logprob_mosaic_gpu.model_groups). Untuned: not yet run on a GPU.
   triton: the backward kernels keep [block_tokens, D] (dh) and [D, block_vocab] (dW) fp32
     accumulators in registers, about 112 registers a thread at D = 896 with 8 warps; wider
     models split D into groups over a second grid axis (logprob_triton.triton_model_groups).
@@ -151,6 +153,8 @@ def default_blocks(schedule: str, model: int, itemsize: int) -> tuple:
   if schedule == 'mosaic':
     from grpo_jax.ops import logprob_mosaic  # Pallas TPU, imported only when it runs
     return (*logprob_mosaic.mosaic_blocks(model, itemsize, logprob_mosaic.vmem_capacity()), None)
+  if schedule == 'mosaic_gpu':
+    return 64, 128, 64
   if schedule == 'triton':
     return 32, 32, 64
   return None, None, None
@@ -164,11 +168,9 @@ def _schedule(implementation: str, platform: str) -> str:
   if implementation == 'xla_chunked':
     return 'xla'
   if implementation == 'pallas':
-    if platform == 'gpu':
-      raise UserError("algo.logprob_implementation 'pallas' on a GPU: its Triton kernels ran 10.7x slower than "
-                      "'xla_chunked' on an H200 (BENCHMARKS.md, fused log-prob), so they are not offered there; "
-                      "use 'auto' (xla_chunked), or 'pallas_triton' to run them anyway")
-    return 'mosaic'
+    # On GPUs the Mosaic GPU kernels, not the Triton ones (10.7x slower than 'xla_chunked' on an
+    # H200, BENCHMARKS.md; still there as 'pallas_triton').
+    return 'mosaic_gpu' if platform == 'gpu' else 'mosaic'
   return implementation.removeprefix('pallas_')
 
 

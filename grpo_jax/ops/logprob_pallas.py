@@ -7,20 +7,23 @@ and dW over tokens, so each gets its own kernel whose grid owns one output tile 
 the other axis: the logits are computed three times in total (as flash attention does for dq and
 dk/dv), but no kernel needs atomics or a [T, V] buffer.
 
-Two schedules share the tile maths, each in its own module, so that a machine imports only the
-Pallas backend it runs (and the XLA path in logprob.py imports neither):
+Three schedules share the tile maths, each in its own module, so that a machine imports only the
+Pallas backend it runs (and the XLA path in logprob.py imports none):
   'mosaic'  (TPU, logprob_mosaic.py) the reduction is the last grid axis, with running
             statistics in VMEM scratch; (8, 128)-aligned blocks sized to fit VMEM, D whole.
-  'triton'  (GPU, logprob_triton.py) every grid axis is parallel and each program loops over the
+  'mosaic_gpu' (GPU, logprob_mosaic_gpu.py, the default there) every grid axis is parallel and
+            each program (one warpgroup) loops over the reduction, the D slices of h and W
+            TMA-copied into shared memory and multiplied on WGMMA; blocks are multiples of 64.
+  'triton'  (GPU, logprob_triton.py, Pallas's deprecated Triton backend, kept until the Mosaic
+            GPU schedule has run on a GPU) every grid axis is parallel and each program loops over the
             reduction; power-of-two tiles, D walked in `block_model` slices and split into
             groups where the register budget demands it.
-Both run under `interpret=True` on CPU, which is how the tests exercise the kernel bodies.
+All run under `interpret=True` on CPU, which is how the tests exercise the kernel bodies.
 """
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from grpo_jax.ops import logprob_mosaic, logprob_triton
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -30,8 +33,10 @@ def _round_up(value: int, multiple: int) -> int:
 def block_shapes(schedule: str, tokens: int, model: int, vocab: int, block_tokens: int,
                  block_vocab: int, block_model: int) -> tuple[int, int, int]:
   """Clamps requested blocks to the problem and checks them against the backend's rules:
-  Mosaic wants (8, 128)-aligned blocks (or the whole dimension); Triton wants power-of-two tiles
-  with every side >= 16 for its tensor-core dots."""
+  Mosaic wants (8, 128)-aligned blocks (or the whole dimension); Mosaic GPU multiples of 64 (WGMMA's
+  M is 64 rows, and the dW kernel's M is block_model), block_vocab and block_model at most 256 (a
+  TMA box's and WGMMA's N limit); Triton wants power-of-two tiles with every side >= 16 for its
+  tensor-core dots."""
   if schedule == 'mosaic':
     block_tokens = min(block_tokens, _round_up(tokens, 8))
     if block_vocab >= vocab:
@@ -40,6 +45,14 @@ def block_shapes(schedule: str, tokens: int, model: int, vocab: int, block_token
       raise ValueError(f'mosaic blocks need block_tokens % 8 == 0 and block_vocab % 128 == 0, got '
                        f'{block_tokens} and {block_vocab}')
     return block_tokens, block_vocab, model
+  if schedule == 'mosaic_gpu':
+    block_tokens = min(block_tokens, _round_up(tokens, 64))
+    for name, value in (('block_tokens', block_tokens), ('block_vocab', block_vocab),
+                        ('block_model', block_model)):
+      if value < 64 or value % 64 or (name != 'block_tokens' and value > 256):
+        raise ValueError(f'mosaic_gpu {name} must be a multiple of 64 (block_vocab and block_model at '
+                         f'most 256), got {value}')
+    return block_tokens, block_vocab, block_model
   block_tokens = min(block_tokens, max(16, pl.next_power_of_2(tokens)))
   for name, value in (('block_tokens', block_tokens), ('block_vocab', block_vocab),
                       ('block_model', block_model)):
@@ -49,6 +62,18 @@ def block_shapes(schedule: str, tokens: int, model: int, vocab: int, block_token
   while block_model > 16 and model % block_model:
     block_model //= 2
   return block_tokens, block_vocab, block_model
+
+
+def _schedule_module(schedule: str):
+  """The schedule's kernels, imported only when they run (Pallas TPU, Mosaic GPU or Triton)."""
+  if schedule == 'mosaic':
+    from grpo_jax.ops import logprob_mosaic
+    return logprob_mosaic
+  if schedule == 'mosaic_gpu':
+    from grpo_jax.ops import logprob_mosaic_gpu
+    return logprob_mosaic_gpu
+  from grpo_jax.ops import logprob_triton
+  return logprob_triton
 
 
 def _pad(array, axis: int, multiple: int):
@@ -74,10 +99,8 @@ def pallas_forward(h, w, y, *, schedule, block_tokens, block_vocab, block_model,
   y = _pad(y[:, None], 0, block_tokens)
   common = dict(block_tokens=block_tokens, block_vocab=block_vocab,
                 inv_temperature=inv_temperature, with_entropy=with_entropy, interpret=interpret)
-  if schedule == 'mosaic':
-    columns = logprob_mosaic.forward(h, w, y, **common)
-  else:
-    columns = logprob_triton.forward(h, w, y, block_model=block_model, **common)
+  columns = _schedule_module(schedule).forward(
+      h, w, y, **common, **({} if schedule == 'mosaic' else dict(block_model=block_model)))
   logp, lse, *entropy = (column[:tokens, 0] for column in columns)
   return logp, lse, (entropy[0] if with_entropy else None)
 
@@ -94,8 +117,7 @@ def pallas_backward(h, w, y, lse, entropy, g_logp, g_entropy, *, schedule, block
   w_padded = _pad(w, 0, block_model)
   common = dict(block_tokens=block_tokens, block_vocab=block_vocab,
                 inv_temperature=inv_temperature, with_entropy=with_entropy, interpret=interpret)
-  if schedule == 'mosaic':
-    dh, dw = logprob_mosaic.backward(h_padded, w_padded, columns, **common)
-  else:
-    dh, dw = logprob_triton.backward(h_padded, w_padded, columns, block_model=block_model, **common)
+  dh, dw = _schedule_module(schedule).backward(
+      h_padded, w_padded, columns, **common,
+      **({} if schedule == 'mosaic' else dict(block_model=block_model)))
   return dh[:tokens, :model], dw[:model]
