@@ -124,6 +124,13 @@ def _column_ids(start, shape):
   return start + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
 
 
+def _store_tile(value, smem, gmem):
+  smem[...] = value.astype(smem.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(smem, gmem)
+  plgpu.wait_smem_to_gmem(0)  # the buffer is rewritten next
+
+
 # ---- kernels ----
 
 def _forward_kernel(h_ref, w_ref, y_ref, logp_ref, lse_ref, *refs, vocab, block_tokens, block_vocab,
@@ -143,12 +150,13 @@ def _forward_kernel(h_ref, w_ref, y_ref, logp_ref, lse_ref, *refs, vocab, block_
     valid = (cols >= j * block_vocab) & (cols < vocab)
     return update_stats(stats, z, valid & (cols == y), valid, with_entropy)
 
-  stats = lax.fori_loop(0, pl.cdiv(vocab, block_vocab), step, initial_stats(block_tokens))
+  stats = tuple(plgpu.layout_cast(stat, plgpu.Layout.WGMMA.reduce(1))
+                for stat in initial_stats(block_tokens, keepdims=False))
+  stats = lax.fori_loop(0, pl.cdiv(vocab, block_vocab), step, stats)
   logp, lse, entropy = finish_stats(stats)
-  logp_ref[rows] = logp[:, 0]
-  lse_ref[rows] = lse[:, 0]
-  if with_entropy:
-    entropy_ref[rows] = entropy[:, 0]
+  for ref, value in zip((logp_ref, lse_ref, entropy_ref), (logp, lse, entropy)):
+    if ref is not None:  # a [block_tokens] fp32 column: no TMA store for it (GMEM loads and stores need
+      plgpu.store(ref.at[rows], value, optimized=False)  # optimized=False for 1-D columns)
 
 
 def _backward_kernel(h_ref, w_ref, y_ref, lse_ref, g_ref, *refs, grad_of, vocab, block_tokens,
@@ -202,8 +210,8 @@ def _backward_kernel(h_ref, w_ref, y_ref, lse_ref, g_ref, *refs, grad_of, vocab,
 
     zeros = plgpu.layout_cast(jnp.zeros((block_tokens, block_model), F32), plgpu.Layout.WGMMA)
     acc = lax.fori_loop(0, pl.cdiv(vocab, block_vocab), step, (zeros,) * group_slices)
-    for k, a in zip(slices, acc):
-      out_ref[rows, tiles.model_slice(first_slice + k)] = a.astype(out_ref.dtype)
+    for k, a in zip(slices, acc):  # through h's buffer (same shape and dtype), TMA-copied out
+      _store_tile(a, h_smem, out_ref.at[rows, tiles.model_slice(first_slice + k)])
   else:
     start = _tile_start(lax.axis_index('block'), block_vocab, width)
     columns = pl.ds(start, block_vocab)
@@ -229,8 +237,8 @@ def _backward_kernel(h_ref, w_ref, y_ref, lse_ref, g_ref, *refs, grad_of, vocab,
 
     zeros = plgpu.layout_cast(jnp.zeros((block_model, block_vocab), F32), plgpu.Layout.WGMMA)
     acc = lax.fori_loop(0, h_ref.shape[0] // block_tokens, step, (zeros,) * group_slices)
-    for k, a in zip(slices, acc):
-      out_ref[tiles.model_slice(first_slice + k), columns] = a.astype(out_ref.dtype)
+    for k, a in zip(slices, acc):  # through W's buffer
+      _store_tile(a, w_smem, out_ref.at[tiles.model_slice(first_slice + k), columns])
 
 
 # ---- calls: h [T, D] padded to (block_tokens, block_model), W [D, V] along D ----

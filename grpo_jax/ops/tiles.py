@@ -29,39 +29,52 @@ def dot_precision(dtype):
   return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
-def initial_stats(rows: int):
-  """(running max, running sum of exp, entropy term, target logit), each [rows, 1] fp32."""
-  zeros = jnp.zeros((rows, 1), F32)
-  return jnp.full((rows, 1), -jnp.inf, F32), zeros, zeros, zeros
+def initial_stats(rows: int, keepdims: bool = True):
+  """(running max, running sum of exp, entropy term, target logit), each [rows, 1] fp32, or [rows]
+  without keepdims (Mosaic GPU, whose register layouts have no [rows, 1] shape: a tile's row
+  statistics are 1-D there, broadcast back along the tile's rows)."""
+  shape = (rows, 1) if keepdims else (rows,)
+  zeros = jnp.zeros(shape, F32)
+  return jnp.full(shape, -jnp.inf, F32), zeros, zeros, zeros
+
+
+def _row_sum(x, keepdims: bool, op=jnp.sum):
+  return op(x, axis=1, keepdims=keepdims)
+
+
+def _along_rows(stat, shape):
+  """A [T, 1] statistic as it is; a [T] one broadcast to the tile's [T, V'] shape."""
+  return stat if stat.ndim == 2 else lax.broadcast_in_dim(stat, shape, [0])
 
 
 def update_stats(stats, z, hit, valid, with_entropy: bool):
   """Folds one logits tile z [T, V'] into the running statistics.
 
   hit [T, V'] marks each token's target column, valid [T, V'] (or None) the real vocabulary
-  columns. The entropy term is kept as sum exp(z - m) (z - m) relative to the running max m, not
+  columns. The statistics are [T, 1] or, from initial_stats(keepdims=False), [T]. The entropy term is kept as sum exp(z - m) (z - m) relative to the running max m, not
   as sum p z, so that large logits do not cancel in lse - sum p z.
   """
   running_max, running_sum, entropy_term, target_logit = stats
+  keepdims = running_max.ndim == 2
   if valid is not None:
     z = jnp.where(valid, z, -jnp.inf)
-  new_max = jnp.maximum(running_max, jnp.max(z, axis=1, keepdims=True))
+  new_max = jnp.maximum(running_max, _row_sum(z, keepdims, jnp.max))
   scale = jnp.exp(running_max - new_max)
-  exps = jnp.exp(z - new_max)
-  target_logit = target_logit + jnp.sum(jnp.where(hit, z, 0.0), axis=1, keepdims=True)
+  shifted = z - _along_rows(new_max, z.shape)
+  exps = jnp.exp(shifted)
+  target_logit = target_logit + _row_sum(jnp.where(hit, z, 0.0), keepdims)
   if with_entropy:
-    shifted = z - new_max if valid is None else jnp.where(valid, z - new_max, 0.0)
+    shifted = shifted if valid is None else jnp.where(valid, shifted, 0.0)
     # Rebasing sum exp(z - m)(z - m) onto the new max adds sum_so_far * (m - m_new); the first
     # tile starts from m = -inf, where that product is 0 * inf, hence the guard.
     rebased = scale * (entropy_term + running_sum * (running_max - new_max))
-    entropy_term = (jnp.where(scale > 0, rebased, 0.0)
-                    + jnp.sum(exps * shifted, axis=1, keepdims=True))
-  running_sum = scale * running_sum + jnp.sum(exps, axis=1, keepdims=True)
+    entropy_term = jnp.where(scale > 0, rebased, 0.0) + _row_sum(exps * shifted, keepdims)
+  running_sum = scale * running_sum + _row_sum(exps, keepdims)
   return new_max, running_sum, entropy_term, target_logit
 
 
 def finish_stats(stats):
-  """-> logp, lse, entropy, each [T, 1] fp32."""
+  """-> logp, lse, entropy, each [T, 1] fp32 ([T] from 1-D statistics)."""
   running_max, running_sum, entropy_term, target_logit = stats
   log_sum = jnp.log(running_sum)
   lse = running_max + log_sum
