@@ -1,4 +1,4 @@
-"""token_logprobs: the fused paths (XLA chunks, and both Pallas schedules interpreted on CPU)
+"""token_logprobs: the fused paths (XLA chunks, and the Pallas schedules interpreted on CPU)
 against the naive full-logits reference, in values and in gradients with respect to h and W."""
 
 import functools
@@ -9,19 +9,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.errors import UserError
 from grpo_jax.sharding import MeshConfig, make_mesh, named_sharding
 from grpo_jax.ops import token_logprobs
-from grpo_jax.ops import logprob, logprob_mosaic, logprob_pallas, logprob_triton
+from grpo_jax.ops import logprob, logprob_mosaic, logprob_mosaic_gpu, logprob_pallas, logprob_triton
 
 # Blocks small enough that V=1000 and T=100 span several tiles, end in partial ones (vocab masked,
-# tokens padded), and, for Triton, D=40 is walked in 16-wide slices after padding to 48.
+# tokens padded), and, for Triton, D=40 is walked in 16-wide slices after padding to 48. Mosaic
+# GPU's blocks are multiples of 64 (D=40 padded to one slice; its own fast test below walks two).
 FUSED = {
     'xla_chunked': dict(block_vocab=384),
     'pallas_mosaic': dict(block_tokens=32, block_vocab=256),
+    'pallas_mosaic_gpu': dict(block_tokens=64, block_vocab=128, block_model=64),
     'pallas_triton': dict(block_tokens=32, block_vocab=128, block_model=16),
 }
-fused = pytest.mark.parametrize('implementation', sorted(FUSED))
+# The Mosaic GPU schedule runs in the GPU interpreter: make test holds its fast case
+# (test_mosaic_gpu_matches_naive), test-all the rest.
+fused = pytest.mark.parametrize('implementation', [
+    pytest.param(name, marks=pytest.mark.exhaustive) if name == 'pallas_mosaic_gpu' else name
+    for name in sorted(FUSED)])
 
 # fp32: rtol 1e-5 as asked, plus an absolute floor of 1e-5 of the array's largest magnitude.
 # Gradient entries are sums of up to V (dh) or T (dW) products that cancel to near zero in places,
@@ -116,11 +121,12 @@ def test_temperature_without_entropy(implementation, seed):
 # Vocabulary blocks that leave a partial last block of 151,936 = 2^7 x 1187 (the Triton default
 # of 32 divides it); the XLA default here is 33 chunks of 4,608, the last one shifted.
 FULL_VOCAB_BLOCKS = {'xla_chunked': {}, 'pallas_mosaic': dict(block_vocab=1024),
-                     'pallas_triton': dict(block_vocab=256)}
+                     'pallas_mosaic_gpu': dict(block_vocab=256), 'pallas_triton': dict(block_vocab=256)}
 
 
-@pytest.mark.parametrize('implementation', [  # Triton's interpreter over 152k columns: test-all's
-    pytest.param(name, marks=pytest.mark.exhaustive if name == 'pallas_triton' else ()) for name in sorted(FUSED)])
+@pytest.mark.parametrize('implementation', [  # the Triton and GPU interpreters over 152k columns: test-all's
+    pytest.param(name, marks=pytest.mark.exhaustive if name in ('pallas_triton', 'pallas_mosaic_gpu') else ())
+    for name in sorted(FUSED)])
 def test_full_qwen_vocabulary(implementation, seed):
   """V = 151,936 at tiny D, targets at both ends of the vocabulary and in the last block."""
   rng = np.random.default_rng(seed)
@@ -259,6 +265,10 @@ def test_on_a_mesh(implementation, mesh_shape, vocab, seed):
   per-token statistics are combined over the vocabulary axis (Megatron's vocab-parallel layout).
   Values and gradients match the naive path on one device; and no device holds an array as wide
   as the whole vocabulary, which the partitioned program's shapes show."""
+  if implementation == 'pallas_mosaic_gpu':
+    pytest.skip('the Mosaic GPU interpreter keeps one shared memory per process: kernels interpreted on '
+                'several devices at once trip its barrier checks (as in test_decode_attention); the '
+                'shard_map around the kernels is every schedule\'s')
   mesh = make_mesh(MeshConfig(**mesh_shape))
   rng = np.random.default_rng(seed)
   h, w, y = random_problem(rng, tokens=200, model=40, vocab=vocab)
@@ -282,6 +292,43 @@ def test_on_a_mesh(implementation, mesh_shape, vocab, seed):
   if mesh_shape['tensor'] > 1 and vocab % mesh_shape['tensor'] == 0:
     assert not re.search(rf'\[(\d+,)*{vocab}(,\d+)*\]', compiled.as_text())
 
+def test_mosaic_gpu_matches_naive(monkeypatch, seed):
+  """make test's case of the Mosaic GPU schedule, interpreted (the fused tests above run it in
+  test-all): T=100 in two token blocks of 64, the second padded; D=100 padded to two 64-wide
+  slices; V=1000 in eight tiles of 128, the last shifted to start at 872 with its first 24 columns
+  (seen by the tile before) masked. The accumulator budget is shrunk so that both backward kernels
+  split D into 2 groups. fp32 values and gradients with random cotangents on logp and entropy,
+  then bf16 inputs against fp32 maths on the bf16-rounded values."""
+  monkeypatch.setattr(logprob_mosaic_gpu, 'MOSAIC_GPU_ACCUMULATOR_BYTES', 64 * 64 * 4)
+  assert logprob_mosaic_gpu.model_groups(2, 64, 64) == logprob_mosaic_gpu.model_groups(2, 128, 64) == 2
+  rng = np.random.default_rng(seed)
+  h, w, y = random_problem(rng, tokens=100, model=100, vocab=1000)
+  y[:2] = [999, 872]  # in the shifted last tile, past and at its start
+  g_logp, g_entropy = rng.standard_normal((2, 100)).astype(np.float32)
+
+  def loss(h, w):
+    logp, entropy = token_logprobs(h, w, y, return_entropy=True, implementation='pallas_mosaic_gpu',
+                                   **FUSED['pallas_mosaic_gpu'])
+    return jnp.sum(g_logp * logp) + jnp.sum(g_entropy * entropy), (logp, entropy)
+
+  # A fresh jit, so the kernels are traced under the patched budget.
+  step = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
+  (_, ours), grads = step(h, w)
+  reference = value_and_grads('naive', h, w, y, g_logp, g_entropy)
+  for name, a, b in zip(('logp', 'entropy', 'dh', 'dW'), (*ours, *grads), reference):
+    assert a.dtype == b.dtype, name
+    assert_close(a, b, what=name)
+  h16, w16 = jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+  (_, ours), grads = step(h16, w16)
+  truth = value_and_grads('naive', h16.astype(jnp.float32), w16.astype(jnp.float32), y, g_logp, g_entropy)
+  assert grads[0].dtype == grads[1].dtype == jnp.bfloat16
+  for name, a, b in zip(('logp', 'entropy'), ours, truth):
+    assert_close(a, b, what=name)
+  for name, a, b in zip(('dh', 'dW'), grads, truth[2:]):
+    error = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()
+    assert error <= BF16_GRAD * np.abs(np.asarray(b)).max(), (name, error)
+
+
 def test_chunked_memory_stays_small():
   """Guards the point of the op: compiled forward + backward temporaries of the XLA path stay
   a few percent of the naive path's, whose [T, V] fp32 logits alone are 311 MB here."""
@@ -299,10 +346,10 @@ def test_chunked_memory_stays_small():
 
 
 def _pallas_calls(jaxpr) -> list:
-  """Every pallas_call equation in a jaxpr, inner jaxprs (custom_vjp, jit) included."""
+  """Every Pallas kernel's equation in a jaxpr, inner jaxprs (custom_vjp, jit) included."""
   found = []
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == 'pallas_call':
+    if eqn.primitive.name in ('pallas_call', 'mpmd_map'):  # mpmd_map: plgpu.kernel's (Mosaic GPU)
       found.append(eqn)
     for value in eqn.params.values():
       inner = getattr(value, 'jaxpr', value)
@@ -318,32 +365,36 @@ def _described_target(platform, device_kind=None):
       device_kind=device_kind or platform, num_cores=None, platform=platform)))
 
 
-@pytest.mark.parametrize('platform,schedule,interpreted', [('tpu', 'mosaic', False), ('cuda', 'triton', False),
-                                                           ('cpu', 'mosaic', True)])
-def test_interpret_and_schedule_follow_the_target_not_the_host(platform, schedule, interpreted):
-  """implementation='pallas' ('pallas_triton' for a GPU) traced under a mesh of TPU or GPU devices
+@pytest.mark.parametrize('platform,schedule,implementation,interpreted', [
+    ('tpu', 'mosaic', 'pallas', False), ('cuda', 'mosaic_gpu', 'pallas', False),
+    ('cuda', 'triton', 'pallas_triton', False), ('cpu', 'mosaic', 'pallas', True)])
+def test_interpret_and_schedule_follow_the_target_not_the_host(platform, schedule, implementation, interpreted):
+  """implementation='pallas' (or 'pallas_triton' on a GPU) traced under a mesh of TPU or GPU devices
   (what compiling for a topology from this CPU-only host does) builds that target's kernel, not
   interpreted; only a CPU target interprets. Both used to follow the host's backend, so deviceless compiles silently
   built the interpreted kernel."""
-  shapes = (jax.ShapeDtypeStruct((64, 128), jnp.float32), jax.ShapeDtypeStruct((128, 1024), jnp.float32),
+  dtype = jnp.bfloat16 if schedule == 'mosaic_gpu' else jnp.float32  # Mosaic GPU takes 16-bit on a GPU
+  shapes = (jax.ShapeDtypeStruct((64, 128), dtype), jax.ShapeDtypeStruct((128, 1024), dtype),
             jax.ShapeDtypeStruct((64,), jnp.int32))
-  implementation = 'pallas_triton' if platform == 'cuda' else 'pallas'  # 'pallas' is refused on GPUs
   with _described_target(platform):
     assert logprob.target_platform() == ('gpu' if platform == 'cuda' else platform)
     jaxpr = jax.make_jaxpr(lambda h, w, y: token_logprobs(h, w, y, implementation=implementation))(*shapes)
   (call,) = _pallas_calls(jaxpr.jaxpr)
   assert bool(call.params['interpret']) == interpreted
-  assert schedule in type(call.params['compiler_params']).__module__
+  module = type(call.params['compiler_params']).__module__
+  assert schedule in module and (schedule == 'mosaic_gpu') == ('mosaic_gpu' in module), module
 
 
-@pytest.mark.parametrize('schedule,platform', [('mosaic', 'tpu'), ('triton', 'cuda')])
+@pytest.mark.parametrize('schedule,platform', [('mosaic', 'tpu'), ('mosaic_gpu', 'cuda'), ('triton', 'cuda')])
 @pytest.mark.parametrize('dtype,model', [(jnp.float32, 896), (jnp.bfloat16, 896),
                                          (jnp.bfloat16, 5120)])
 def test_kernels_lower_for_accelerators(schedule, platform, dtype, model):
   """Forward and both backward kernels lower for the real backend (not interpreted): Mosaic for
-  TPU and Triton for GPU, with Qwen2.5-0.5B's and 32B's shapes (the latter splits the Triton
-  backward kernels into D groups). This runs jax's lowering rules and block checks only;
-  Mosaic's and Triton's own compilers need the device."""
+  TPU, Mosaic GPU and Triton for GPU, with Qwen2.5-0.5B's and 32B's shapes (the latter splits the
+  backward kernels into D groups). This runs jax's lowering rules and block checks (and, for Mosaic
+  GPU, its own layout inference and lowering to the module the custom call carries); Mosaic's and
+  Triton's own compilers need the device. Mosaic GPU refuses fp32 on a GPU (WGMMA transposes only
+  16-bit operands), with a pointer to the XLA path."""
   hidden = jax.ShapeDtypeStruct((2, 128, model), dtype)
   weight = jax.ShapeDtypeStruct((model, 151936), dtype)
   targets = jax.ShapeDtypeStruct((2, 128), jnp.int32)
@@ -358,8 +409,12 @@ def test_kernels_lower_for_accelerators(schedule, platform, dtype, model):
   # kind of the mesh it lowers under, as a deviceless compile for an H100 describes it (targets.py).
   from grpo_jax.plan import targets as targets_lib
   with _described_target(platform, targets_lib.parse_target('h100x1').device_kind if platform == 'cuda' else None):
+    if schedule == 'mosaic_gpu' and dtype == jnp.float32:
+      with pytest.raises(ValueError, match='16-bit.*xla_chunked'):
+        step.trace(hidden, weight, targets)
+      return
     text = step.trace(hidden, weight, targets).lower(lowering_platforms=(platform,)).as_text()
-  target = {'tpu': '@tpu_custom_call', 'cuda': 'triton'}[platform]
+  target = {'mosaic': '@tpu_custom_call', 'mosaic_gpu': '@mosaic_gpu_v2', 'triton': 'triton'}[schedule]
   assert text.count(target) >= 3
   if platform == 'tpu':  # each kernel carries its VMEM limit, within the smallest TPU's VMEM
     limits = [int(size) for size in re.findall(r'scoped_memory_configs.*?size.*?(\d+)\}', text)]
@@ -416,9 +471,9 @@ def test_auto_and_pallas_schedules_per_platform():
     assert logprob._schedule('auto', platform) == 'xla'
   assert logprob._schedule('pallas', 'tpu') == 'mosaic'
   assert logprob._schedule('pallas', 'cpu') == 'mosaic'
-  # The Triton kernels ran 10.7x slower than xla_chunked on an H200: asked for by name only.
-  with pytest.raises(UserError, match=r"algo.logprob_implementation 'pallas' on a GPU.*10.7x.*'auto'"):
-    logprob._schedule('pallas', 'gpu')
+  # On GPUs the Mosaic GPU kernels; the Triton ones (10.7x slower than xla_chunked on an H200) by name only.
+  assert logprob._schedule('pallas', 'gpu') == 'mosaic_gpu'
+  assert logprob._schedule('pallas_mosaic_gpu', 'gpu') == 'mosaic_gpu'
   assert logprob._schedule('pallas_triton', 'gpu') == 'triton'
 
 
@@ -434,3 +489,8 @@ def test_rejects_bad_arguments():
     logprob_pallas.block_shapes('triton', 4, 8, 300, 32, 96, 16)
   with pytest.raises(ValueError, match='128'):
     logprob_pallas.block_shapes('mosaic', 4, 8, 300, 32, 100, None)
+  with pytest.raises(ValueError, match='mosaic_gpu block_vocab must be a multiple of 64'):
+    logprob_pallas.block_shapes('mosaic_gpu', 4, 8, 300, 64, 96, 64)
+  with pytest.raises(ValueError, match='at most 256'):
+    logprob_pallas.block_shapes('mosaic_gpu', 4, 8, 300, 64, 128, 512)
+  assert logprob_pallas.block_shapes('mosaic_gpu', 4, 8, 300, 128, 128, 64) == (64, 128, 64)

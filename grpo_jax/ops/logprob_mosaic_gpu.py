@@ -25,9 +25,10 @@ with the same values. W narrower than a tile, or whose rows are not a multiple o
 stride alignment), is padded along V with zero columns, which are masked too. D arrives padded to
 a multiple of block_model and h to one of block_tokens (logprob_pallas.py).
 
-fp32 inputs: WGMMA multiplies fp32 as TF32, so on a GPU this schedule's fp32 products are not
-the true fp32 ones the other schedules give; in interpret mode (CPU) the products are plain dots,
-as the GPU interpreter has no WGMMA.
+On a GPU h and W must be 16-bit: WGMMA transposes only 16-bit operands (the backward products
+take W and h transposed; Mosaic GPU refused fp32 there), and would multiply fp32 as TF32, far from
+the true fp32 products the other schedules give. In interpret mode (CPU) the products are plain
+dots in any dtype, as the GPU interpreter has no WGMMA.
 """
 
 import functools
@@ -252,6 +253,12 @@ def _call(kernel, grid, grid_names, out_type, scratch, interpret, name, *args):
                       compiler_params=plgpu.CompilerParams(), kernel_name=name)(*args)
 
 
+def _check_dtype(dtype, interpret):
+  if not interpret and jnp.dtype(dtype).itemsize != 2:
+    raise ValueError(f'mosaic_gpu log-prob kernels take 16-bit h and W on a GPU (WGMMA transposes only '
+                     f'16-bit operands), got {jnp.dtype(dtype).name}; use xla_chunked for fp32')
+
+
 def _pad_vocab(w, block_vocab):
   """W padded with zero columns where TMA needs it: to one whole tile, and to rows of 16 bytes."""
   multiple = 16 // jnp.dtype(w.dtype).itemsize
@@ -269,6 +276,7 @@ def _scratch(dtype, block_tokens, block_vocab, block_model, backward_of=None):
 def forward(h, w, y, *, block_tokens, block_vocab, block_model, inv_temperature, with_entropy,
             interpret):
   """y [T, 1] int32 -> logp, lse[, entropy], each [T, 1] fp32."""
+  _check_dtype(h.dtype, interpret)
   vocab, tokens = w.shape[1], h.shape[0]
   kernel = functools.partial(_forward_kernel, vocab=vocab, block_tokens=block_tokens,
                              block_vocab=block_vocab, block_model=block_model,
@@ -284,6 +292,7 @@ def forward(h, w, y, *, block_tokens, block_vocab, block_model, inv_temperature,
 def backward(h, w, token_columns, *, block_tokens, block_vocab, block_model, inv_temperature,
              with_entropy, interpret):
   """token_columns: y, lse, g_logp[, entropy, g_entropy], each [T, 1]. -> dh [T, D], dW [D, V]."""
+  _check_dtype(h.dtype, interpret)
   vocab = w.shape[1]
   padded = _pad_vocab(w, block_vocab)
   slices = h.shape[1] // block_model
