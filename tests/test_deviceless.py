@@ -93,6 +93,19 @@ def test_logprob_kernels_compile_for_the_hardware(platform, target):
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
+def test_mosaic_gpu_logprob_kernels_compile_for_an_h100():
+  """The Mosaic GPU schedule's forward and both backward kernels at the 0.5B, 7B and 32B widths in
+  bf16, V = 152,064: three Mosaic GPU calls in each lowered program, compiled for an H100."""
+  code, results = _kernel_results('gpu', 'h100x1', '--implementation', 'pallas_mosaic_gpu', '--dtype', 'bfloat16')
+  assert len(results) == len(targets.KERNEL_WIDTHS)
+  for result in results:
+    assert result['error'] is None, result
+    assert result['kernel_calls'] == 3, result
+  assert code == 0
+
+
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
 def test_triton_compiler_refuses_blocks_past_shared_memory():
   """The checks are real: tiles too large for an H100's 227 KiB of shared memory per block are
   refused by the Triton compilation, not accepted and interpreted."""
