@@ -106,8 +106,7 @@ def step_function(entry: str):
   if implementation == 'naive':
     blocks = {}
   interpret = True if implementation.startswith('pallas') and args.pallas_interpret else None
-  if implementation == 'pallas':  # the platform's kernels: 'pallas' itself is refused on GPUs (too slow)
-    implementation = 'pallas_triton' if jax.default_backend() == 'gpu' else 'pallas_mosaic'
+  # 'pallas': the platform's kernels (Mosaic GPU on GPUs; 'pallas_triton' names the Triton ones).
 
   def loss(hidden, weight, targets):
     return jnp.sum(token_logprobs(hidden, weight, targets, implementation=implementation,
