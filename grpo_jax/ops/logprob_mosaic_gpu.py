@@ -174,26 +174,27 @@ def _backward_kernel(h_ref, w_ref, y_ref, lse_ref, g_ref, *refs, grad_of, vocab,
   first_slice = lax.axis_index('group') * group_slices
   slices = range(group_slices)
 
-  def tile_gradient(rows, start, valid):
+  def token_columns(rows):
+    """y, lse, g_logp[, entropy, g_entropy] of the rows, each broadcast to the tile's shape."""
+    refs = (y_ref, lse_ref, g_ref) + ((entropy_ref, g_entropy_ref) if with_entropy else ())
+    return [_broadcast_rows(_column(ref, rows), shape) for ref in refs]
+
+  def tile_gradient(rows, start, valid, columns):
     z = tiles.logits(rows, pl.ds(start, block_vocab))
     cols = _column_ids(start, shape)
-    hit = cols == _broadcast_rows(_column(y_ref, rows), shape)
-    extra = ()
-    if with_entropy:
-      extra = (_broadcast_rows(_column(entropy_ref, rows), shape),
-               _broadcast_rows(_column(g_entropy_ref, rows), shape))
-    return logit_gradient(z, hit, valid(cols), _broadcast_rows(_column(lse_ref, rows), shape),
-                          _broadcast_rows(_column(g_ref, rows), shape), *extra,
+    y, lse, g_logp, *extra = columns
+    return logit_gradient(z, cols == y, valid(cols), lse, g_logp, *extra,
                           inv_temperature=inv_temperature)
 
   if grad_of == 'hidden':
     rows = pl.ds(pl.multiple_of(lax.axis_index('block') * block_tokens, block_tokens), block_tokens)
+    per_token = token_columns(rows)  # read once: the program's rows are fixed
 
     def step(j, acc):
       start = _tile_start(j, block_vocab, width)
       columns = pl.ds(start, block_vocab)
       # Columns an earlier tile covered (the shifted last tile) or past V count once / not at all.
-      dz = tile_gradient(rows, start, lambda cols: (cols >= j * block_vocab) & (cols < vocab))
+      dz = tile_gradient(rows, start, lambda cols: (cols >= j * block_vocab) & (cols < vocab), per_token)
       dz = dz.astype(w_ref.dtype)
       new = []
       for k, a in zip(slices, acc):
@@ -219,7 +220,7 @@ def _backward_kernel(h_ref, w_ref, y_ref, lse_ref, g_ref, *refs, grad_of, vocab,
 
     def step(i, acc):
       rows = pl.ds(pl.multiple_of(i * block_tokens, block_tokens), block_tokens)
-      dz = tile_gradient(rows, start, lambda cols: cols < vocab)
+      dz = tile_gradient(rows, start, lambda cols: cols < vocab, token_columns(rows))
       dz_smem[...] = dz.astype(h_ref.dtype)
       plgpu.commit_smem()
       new = []
