@@ -51,8 +51,9 @@ def update_stats(stats, z, hit, valid, with_entropy: bool):
   """Folds one logits tile z [T, V'] into the running statistics.
 
   hit [T, V'] marks each token's target column, valid [T, V'] (or None) the real vocabulary
-  columns. The statistics are [T, 1] or, from initial_stats(keepdims=False), [T]. The entropy term is kept as sum exp(z - m) (z - m) relative to the running max m, not
-  as sum p z, so that large logits do not cancel in lse - sum p z.
+  columns. The statistics are [T, 1] or, from initial_stats(keepdims=False), [T]. The entropy
+  term is kept as sum exp(z - m) (z - m) relative to the running max m, not as sum p z, so that
+  large logits do not cancel in lse - sum p z.
   """
   running_max, running_sum, entropy_term, target_logit = stats
   keepdims = running_max.ndim == 2
