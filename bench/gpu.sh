@@ -15,7 +15,7 @@ export PYTHONPATH=.:bench PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # PyTorch shares the GPU in the --torch/--reference runs
 out=${OUT:-gpu_logs}; logs=${LOGS:-$out}; mkdir -p "$out" "$logs"
 py=${PYTHON:-python3}
-want=${*:-env sampler sampler7b sampler_long_once sampler_long_copy sampler7b_fp8 sampler7b_int8 sampler7b_kv8 sampler7b_w8 profile7b profile decode lora lora_update forward update logprob}
+want=${*:-env logprob_kernels logprob_mosaic_gpu sampler sampler7b sampler_long_once sampler_long_copy sampler7b_fp8 sampler7b_int8 sampler7b_kv8 sampler7b_w8 profile7b profile decode lora lora_update forward update logprob}
 run() {  # name limit_s command...
   local name=$1 limit=$2; shift 2
   case " $want " in *" $name "*) ;; *) return;; esac
@@ -34,6 +34,9 @@ run forward 120 $py bench/forward.py --preset qwen2.5-0.5b --dtype bfloat16 --ba
 run update 200 $py bench/update.py --preset qwen2.5-0.5b --rows 64 --micro-batch-size 8 --attention cudnn --dtype bfloat16 --repeats 3 --torch
 run sampler 150 $py bench/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --batch-sizes 64,256 --repeats 3
 run logprob 120 $py bench/logprob.py --tokens 16384 --dtype bfloat16 --repeats 3
+# The Mosaic GPU log-prob kernels against xla_chunked (not yet run on a GPU), then timed beside it.
+run logprob_kernels 120 $py bench/gpu_logprob_check.py
+run logprob_mosaic_gpu 150 $py bench/logprob.py --tokens 16384 --dtype bfloat16 --repeats 3 --implementations xla_chunked,pallas_mosaic_gpu
 run decode 90 $py bench/decode_fill.py --preset qwen2.5-0.5b --dtype bfloat16 --repeats 5
 run lora 150 $py bench/lora.py --presets qwen2.5-0.5b --dtype bfloat16
 run lora_update 150 $py bench/update.py --preset qwen2.5-0.5b --rows 64 --micro-batch-size 8 --attention cudnn --dtype bfloat16 --repeats 3 --lora-rank 64
