@@ -115,9 +115,13 @@ def test_a_packed_run_trains_as_the_padded_one_and_resumes_exactly(tmp_path, see
   padded = run(tmp_path / 'padded')
   packed = run(tmp_path / 'packed', 'preferences.packing=true', 'preferences.packed_length=96')
   assert [row['pairs'] for row in packed] == [8, 8, 8, 8, 4, 8]  # 36 pairs: the fifth batch half padding
-  for ours, theirs in zip(packed, padded):
+  for step, (ours, theirs) in enumerate(zip(packed, padded)):
+    # The first step's parameters are the same, so only fp32 sums in another order part the runs
+    # (1e-5); Adam's normalised steps carry that difference on, and later steps' grad norms parted by
+    # 1.1e-5 (seed 1933594016, a norm of 2.09 at its fourth or later step).
+    tolerance = 1e-5 if step == 0 else 1e-4
     for name in ('loss', 'accuracy', 'grad_norm'):
-      np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(ours[name], theirs[name], rtol=tolerance, atol=1e-6, err_msg=f'{name}, step {step}')
     assert ours['packed_padding_frac'] < ours['padding_frac']
   evaluations = [read_metrics(tmp_path / name, 'eval.jsonl') for name in ('packed', 'padded')]
   for ours, theirs in zip(*evaluations):
