@@ -1,6 +1,6 @@
 """The ragged decode-attention kernel (ops/decode_attention.py), both schedules interpreted on CPU,
 against dense grouped attention over the same cache under the equivalent boolean mask; and both
-compiled deviceless for a TPU and a GPU by Mosaic and Triton."""
+compiled deviceless for a TPU and a GPU by Mosaic and Mosaic GPU."""
 
 import functools
 import json
@@ -18,7 +18,7 @@ from test_deviceless import _run
 NEG = float(jnp.finfo(jnp.float32).min)
 SLOTS, LAYERS, HEAD_DIM = 256, 2, 16
 # Blocks that split the 256 slots into several, so the fill levels below fall on block edges.
-BLOCKS = {'mosaic': 128, 'mosaic_gpu': 64, 'triton': 32}
+BLOCKS = {'mosaic': 128, 'mosaic_gpu': 64}
 # The Mosaic GPU schedule runs in the GPU interpreter (slow): make test holds its fast case below.
 schedules = pytest.mark.parametrize('schedule', [pytest.param(name, marks=pytest.mark.exhaustive)
                                                  if name == 'mosaic_gpu' else name for name in sorted(BLOCKS)])
@@ -103,8 +103,8 @@ def dense_output(case, dtype=jnp.float32):
 
 
 @schedules
-# (10, 14, 2): a prefill chunk of 7 x 10 query rows per kv head, which the Triton schedule takes in
-# two blocks of 64 (decode_attention_triton.query_block).
+# (10, 14, 2): a prefill chunk of 7 x 10 query rows per kv head, which the Mosaic GPU schedule takes
+# in two parts of 64 rows.
 @pytest.mark.parametrize('length, heads, kv_heads', [(1, 4, 2), (3, 14, 2), (10, 14, 2)])
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_ragged_kernel_equals_dense_attention(seed, schedule, length, heads, kv_heads, dtype):
@@ -204,7 +204,7 @@ def test_mosaic_copies_only_each_rows_own_blocks():
   masked either way), so this checks the schedule itself: the pipeline copies a cache block when
   a row's grid step maps to a new block index, and the index maps send row b's steps to exactly
   its written blocks (block 0 alone for an empty row); its compute runs for steps j < that count.
-  The Triton kernel loops over the same row_blocks(length, block) blocks."""
+  The Mosaic GPU kernel loops over the same row_blocks(length, block) blocks."""
   block, slots = 128, 1024
   lengths = np.asarray([0, 1, 128, 129, 700, 1024], np.int32)
   for b, length in enumerate(lengths):
@@ -239,19 +239,12 @@ def test_mosaic_gpu_blocks_are_multiples_of_64_that_fit_shared_memory():
     size('mosaic_gpu', 40, 64, 2, 64, 2)
 
 
-def test_triton_blocks_are_powers_of_two_that_fit_shared_memory():
-  size = decode_attention.block_size
-  assert size('triton', 4096, 256, 8, 128, 2) == 256
-  assert size('triton', 4096, 256, 8, 128, 4) == 128  # fp32 tiles: 128 KiB
-  assert size('triton', 20, 256, 2, 64, 2) == 32
-  for block in (24, 8):
-    with pytest.raises(ValueError, match='power-of-two block'):
-      size('triton', 4096, block, 2, 64, 2)
+def test_an_unknown_schedule_is_refused():
   with pytest.raises(ValueError, match='schedule'):
-    size('cuda', 4096, 256, 2, 64, 2)
+    decode_attention.block_size('triton', 4096, 256, 2, 64, 2)
 
 
-# ---- compiled by the real Mosaic and Triton compilers (deviceless) ----
+# ---- compiled by the real Mosaic and Mosaic GPU compilers (deviceless) ----
 
 @pytest.mark.exhaustive
 @pytest.mark.starts_first

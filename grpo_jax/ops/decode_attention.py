@@ -9,16 +9,15 @@ and ends with `finish_stats`. The cache mask is computed in the kernel from what
 already holds (the cache's segment ids, the query's segment ids and slots, the row lengths), so
 no [B, T, S] mask is built or read.
 
-Three schedules, each in its own module so that a machine imports only the Pallas backend it runs:
+Two schedules, each in its own module so that a machine imports only the Pallas backend it runs:
   'mosaic'  (TPU, decode_attention_mosaic.py) grid (row, block), the blocks past a row's length
             mapped onto its last written one (so not copied again) and skipped; blocks are a
             multiple of 128 slots.
   'mosaic_gpu' (GPU, decode_attention_mosaic_gpu.py, the default there) grid (row, kv head, 64 query
             rows), each program looping over its row's written blocks, TMA-copied and double-buffered
             into shared memory, the products on WGMMA; blocks are a multiple of 64 slots.
-  'triton'  (GPU, decode_attention_triton.py, Pallas's deprecated Triton backend, kept until the
-            Mosaic GPU schedule has run on a GPU) grid (row, kv head), each program looping over its
-            row's blocks; power-of-two blocks >= 16 and head dims.
+The Triton schedule (Pallas's deprecated Triton backend) was removed once the Mosaic GPU one had
+run on a GPU (an H200, BENCHMARKS.md).
 Both run under `interpret=True` on CPU, which is how the tests exercise the kernel bodies.
 """
 
@@ -27,20 +26,16 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from grpo_jax.ops.logprob import target_platform
 from grpo_jax.sharding import auto_shape, current_mesh, split_axes
 from grpo_jax.ops.tiles import row_blocks  # noqa: F401  (the kernels' block count, shared with them)
 
-SCHEDULES = ('mosaic', 'mosaic_gpu', 'triton')
+SCHEDULES = ('mosaic', 'mosaic_gpu')
 # Mosaic GPU stages a [block, H] key and value tile twice each (double-buffered) and the query rows'
 # [64, H] tile in shared memory: at block 256 and H 128 in bf16, 272 KiB, past an H100's 227 KiB.
 MOSAIC_GPU_TILE_BYTES = 160 << 10
-# Triton stages a program's key and value tiles in shared memory: 227 KiB per block on an H100,
-# and the compiler refused 256 x 128 fp32 tiles (281 KiB requested). Half of it for the tiles.
-TRITON_TILE_BYTES = 128 << 10
 # Mosaic double-buffers a [block, K, H] key and value block in VMEM, K padded to a whole sublane
 # tile (8 rows of 32 bits: 16 of bf16) and H to 128 lanes. Half of the smallest default scoped
 # VMEM limit (16 MiB, v5e) for them: a 1,024-slot block of the 7B cache (16 MiB) was refused.
@@ -51,9 +46,8 @@ def block_size(schedule: str, slots: int, block: int, kv_heads: int, head_dim: i
   """Clamps the cache block to the cache and to on-chip memory, and checks it against the
   backend's rules. Mosaic tiles an array's last two dimensions by (8, 128): a block of the
   [B, 1, S] segment ids puts the slots on lanes, so it is a multiple of 128 (or all S slots);
-  it shrinks until its buffers fit MOSAIC_BLOCK_BYTES. Triton wants power-of-two tiles of at
-  least 16 rows for its tensor-core dots (a block past S is masked, not padded), and is halved
-  until its key and value tiles fit TRITON_TILE_BYTES."""
+  it shrinks until its buffers fit MOSAIC_BLOCK_BYTES. Mosaic GPU wants multiples of 64 slots
+  (a last block past S starts at S - block), halved until its tiles fit MOSAIC_GPU_TILE_BYTES."""
   if schedule == 'mosaic':
     if block < slots and block % 128:
       raise ValueError(f'mosaic decode attention needs block % 128 == 0 (or block >= S = {slots}), '
@@ -73,14 +67,7 @@ def block_size(schedule: str, slots: int, block: int, kv_heads: int, head_dim: i
     while block > 64 and (4 * block + 64) * head_dim * itemsize > MOSAIC_GPU_TILE_BYTES:
       block = max(64, block // 128 * 64)
     return block
-  if schedule != 'triton':
-    raise ValueError(f'decode attention schedule must be one of {SCHEDULES}, got {schedule!r}')
-  if block < 16 or block & (block - 1):
-    raise ValueError(f'triton decode attention needs a power-of-two block >= 16, got {block}')
-  block = min(block, max(16, pl.next_power_of_2(slots)))
-  while block > 16 and 2 * block * head_dim * itemsize > TRITON_TILE_BYTES:
-    block //= 2
-  return block
+  raise ValueError(f'decode attention schedule must be one of {SCHEDULES}, got {schedule!r}')
 
 
 def ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, query_segments,
@@ -94,7 +81,7 @@ def ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, 
   s is visible to query t of row b iff s < lengths[b], s <= query_slots[b, t] and
   cache_segments[b, s] == query_segments[b, t]. Query head n uses kv head n // (N / K).
 
-  schedule: 'mosaic', 'mosaic_gpu' or 'triton'; by default 'mosaic_gpu' on GPU and 'mosaic' elsewhere. interpret
+  schedule: 'mosaic' or 'mosaic_gpu'; by default 'mosaic_gpu' on GPU and 'mosaic' elsewhere. interpret
   defaults to True exactly when the target is a CPU. Not differentiable (decoding only).
   -> m, l [B, K, G, T] and acc [B, K, G, T, H], fp32 (G = N / K).
 
@@ -151,26 +138,12 @@ def _cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_segm
     m, l, acc = decode_attention_mosaic_gpu.cache_stats(
         q, k_cache, v_cache, layer, lengths, cache_segments, rows(query_slots), rows(query_segments),
         block=block, scale=scale, interpret=interpret)
-  elif schedule == 'mosaic':
+  else:
     from grpo_jax.ops import decode_attention_mosaic  # Pallas TPU, imported only when it runs
     m, l, acc = decode_attention_mosaic.cache_stats(
         q, k_cache, v_cache, layer, lengths, cache_segments[:, None, :], rows(query_slots)[..., None],
         rows(query_segments)[..., None], block=block, scale=scale, interpret=interpret)
     m, l = m[..., 0], l[..., 0]
-  else:
-    if head_dim < 16 or head_dim & (head_dim - 1):
-      raise ValueError(f'triton decode attention needs a power-of-two head dim >= 16, got {head_dim}')
-    from grpo_jax.ops import decode_attention_triton  # Pallas Triton, imported only when it runs
-    padded = max(16, pl.next_power_of_2(groups * length))
-    extra = padded - groups * length
-    # Extra rows repeat row 0's query: finite, and dropped below.
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, extra), (0, 0)), mode='edge')
-    query_slots, query_segments = (jnp.pad(rows(x), ((0, 0), (0, extra)), mode='edge')
-                                   for x in (query_slots, query_segments))
-    m, l, acc = decode_attention_triton.cache_stats(
-        q, k_cache, v_cache, layer, lengths, cache_segments, query_slots, query_segments,
-        block=block, scale=scale, interpret=interpret, tile_bytes=TRITON_TILE_BYTES)
-    m, l, acc = m[:, :, :groups * length], l[:, :, :groups * length], acc[:, :, :groups * length]
   shape = (batch, kv_heads, groups, length)
   return m.reshape(shape), l.reshape(shape), acc.reshape(shape + (head_dim,))
 
