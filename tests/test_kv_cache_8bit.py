@@ -142,7 +142,7 @@ def test_decoding_through_an_8bit_cache_equals_a_cache_rounded_after_each_write(
   quantized = from_pretrained(directory, options=dataclasses.replace(options, kv_cache=kind))
   plain = from_pretrained(directory, options=options)
   width, start = tokens.shape[1] + follow.shape[1], tokens.shape[1]
-  empty = plain.init_cache(3, width, layered=plain.layered_decode_cache)
+  compute = plain.init_cache(3, width).dtype  # the plain model's cache entries
 
   cache = quantized.init_cache(3, width, layered=quantized.layered_decode_cache)
   logits, cache = quantized.extend(tokens, cache, segment_ids=mask)
@@ -157,7 +157,7 @@ def test_decoding_through_an_8bit_cache_equals_a_cache_rounded_after_each_write(
   like, flips, written = _like(kind), 0, 0
   for step in range(follow.shape[1]):
     held = _entries(caches[step])
-    logits, after = plain.extend(follow[:, step:step + 1], _holding(caches[step], held, empty.dtype))
+    logits, after = plain.extend(follow[:, step:step + 1], _holding(caches[step], held, compute))
     np.testing.assert_allclose(got[:, step + 1], np.asarray(logits[:, 0]), rtol=1e-5, atol=1e-5, err_msg=f'step {step}')
     new = _entries(after)[..., start + step, :, :]
     rounded = np.asarray(dequantize(store(jnp.asarray(new), like), jnp.float32))

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 
-
 def _round_up(value: int, multiple: int) -> int:
   return -(-value // multiple) * multiple
 
