@@ -244,6 +244,16 @@ def reads_stacked_cache(implementation: DecodeAttention) -> bool:
   return implementation in ('blockwise', 'pallas')
 
 
+def fuses_prompts(implementation: DecodeAttention, prompt_width: int) -> bool:
+  """Whether `cache_attention` takes shared prompts of `prompt_width` slots whole into its kernel
+  (read in place, the softmax ended there: one kernel per layer): 'pallas' where its schedule ends
+  the softmax (Mosaic GPU's), for prompts of at least one 64-slot block."""
+  if implementation != 'pallas' or prompt_width < 64:
+    return False
+  from grpo_jax.ops import decode_attention  # no Pallas import: the kernels import it when they run
+  return decode_attention.ends_softmax()
+
+
 def _block_size(length: int, block: int) -> int:
   """The largest block <= `block` that divides `length` (dynamic slices must not overlap)."""
   block = min(block, length)
@@ -317,11 +327,14 @@ def blockwise_cache_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax
 def ragged_kernel_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]],
                             k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, lengths: jax.Array,
                             cache_segments: jax.Array, query_segments: jax.Array, query_slots: jax.Array,
-                            block: int) -> jax.Array:
+                            block: int, prompt=None) -> jax.Array:
   """`blockwise_cache_attention` with the cache part in the ragged Pallas kernel: the small parts'
   online-softmax statistics in XLA, the stacked cache's [L, B, S, K, H] at `layer` from the kernel
   (each row reading only its own written blocks; the mask from the cache's segment ids and the
-  query's segments and slots), merged into one softmax."""
+  query's segments and slots), merged into one softmax. Where the kernel ends the softmax itself
+  (decode_attention.ends_softmax: Mosaic GPU's) it starts from the parts' statistics and also reads
+  `prompt` (a SharedPrefix's layer, decode_attention.ragged_decode_attention) in place: the whole
+  attention is then one kernel and the parts' statistics one fusion."""
   from grpo_jax.ops import decode_attention  # Pallas, imported only when this path runs
   batch, length, num_heads, head_dim = q.shape
   num_kv_heads = k_cache.shape[3]
@@ -336,6 +349,11 @@ def ragged_kernel_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.A
     part = (m, p.sum(axis=-1), jnp.einsum('BKGTS,BSKH->BKGTH', p.astype(v.dtype), v,
                                           preferred_element_type=jnp.float32))
     stats = part if stats is None else decode_attention.merge_stats(stats, part)
+  if decode_attention.ends_softmax():  # the kernel folds the parts' statistics in and ends the softmax
+    return decode_attention.ragged_decode_attention(q, stats, k_cache, v_cache, layer, lengths, cache_segments,
+                                                    query_segments, query_slots, block=block, prompt=prompt)
+  if prompt is not None:
+    raise ValueError('a shared prompt read in place needs the kernel that ends the softmax (ends_softmax)')
   cache = decode_attention.ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, query_segments,
                                                   query_slots, block=block)
   return decode_attention.finish_stats(decode_attention.merge_stats(stats, cache), v_cache.dtype)
@@ -343,16 +361,18 @@ def ragged_kernel_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.A
 
 def cache_attention(implementation: DecodeAttention, q: jax.Array, new: tuple, parts: list, k_cache: jax.Array,
                     v_cache: jax.Array, own, cache_mask: jax.Array, lengths: jax.Array, cache_segments: jax.Array,
-                    query_segments: jax.Array, query_slots: jax.Array, block: int) -> jax.Array:
+                    query_segments: jax.Array, query_slots: jax.Array, block: int, prompt=None) -> jax.Array:
   """q [B, T, N, H] over this call's own tokens `new` (k, v, mask), the shared-prefix `parts` and
   the KV cache, as `implementation` reads the cache. own: this layer's cache rows (k, v
   [B, S, K, H]) for 'dense', else its index into the stacked k_cache, v_cache [L, B, S, K, H];
   cache_mask [B, T, S]: the written slots each query may see; lengths [B]: slots written per row;
   cache_segments [B, S], query_segments and query_slots [B, T]: the kernel's own mask;
-  block: cache slots per block."""
+  block: cache slots per block; prompt: 'pallas' only, where the kernel ends the softmax
+  (`fuses_prompts`): a SharedPrefix's layer (k, v, index, segment_ids) read in place by the kernel,
+  not in `parts`."""
   if implementation == 'pallas':
     return ragged_kernel_attention(q, [new] + parts, k_cache, v_cache, own, lengths, cache_segments, query_segments,
-                                   query_slots, block)
+                                   query_slots, block, prompt)
   if implementation == 'blockwise':
     return blockwise_cache_attention(q, [new] + parts, k_cache, v_cache, cache_mask, lengths, block, layer=own)
   return grouped_attention(q, parts + [(own[0], own[1], cache_mask), new])

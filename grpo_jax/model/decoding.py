@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.model.attention import (SharedPart, attention_mask, cache_attention, grouped_attention, reader_layout,
-                                      reads_stacked_cache, real_segments, window_mask)
+from grpo_jax.model.attention import (SharedPart, attention_mask, cache_attention, fuses_prompts, grouped_attention,
+                                      reader_layout, reads_stacked_cache, real_segments, window_mask)
 from grpo_jax.model.cache import KVCache, SharedPrefix, WindowCache, each, finite, store, unstack, write_layers, write_rows
 from grpo_jax.model.latent_attention import latent_values
 from grpo_jax.model.layers import decoder_block
@@ -197,7 +197,11 @@ class CacheDecoding:
                     'cache': cache_mask & window_mask(ordinals, cache_ordinals, window),
                     'prefix': None if prefix is None else prefix_mask & window_mask(ordinals, prefix_ordinals, window)}
       own_mask, new_mask = windowed.get('cache', cache_mask), windowed.get('new', mask)
-      parts = _prefix_parts(prefix, shared, reading, windowed.get('prefix', prefix_mask), values)
+      # The kernel that ends the softmax reads each row's prompt in place (no window, no latent).
+      in_kernel = (prefix is not None and window is None and not mla and ring is None
+                   and fuses_prompts(implementation, prefix.segment_ids.shape[-1]))
+      prompt = (shared[0], shared[1], prefix.index, prefix.segment_ids) if in_kernel else None
+      parts = [] if in_kernel else _prefix_parts(prefix, shared, reading, windowed.get('prefix', prefix_mask), values)
       in_ring = False
       if ring is not None:  # own: (whether the layer keeps a window ring, its index in its stack)
         in_ring, own = bool(own[0]), int(own[1])
@@ -221,7 +225,8 @@ class CacheDecoding:
         rows = own if stacked else (own[0], values(*own))
         return cache_attention(implementation, q, new, parts, cache.k, values(cache.k, cache.v) if stacked else cache.v,
                                rows, own_mask,
-                               cache.length, cache.segment_ids, segment_ids, query_slots, self.options.decode_block)
+                               cache.length, cache.segment_ids, segment_ids, query_slots, self.options.decode_block,
+                               prompt=prompt)
 
       return decoder_block(params, x, positions, attend, config=self.config, dtype=self.dtype,
                            inverse_frequency=self.frequency(frequency), lora_scale=self.lora_scale,
@@ -234,6 +239,8 @@ class CacheDecoding:
       own = np.arange(layers)
     else:
       own = jnp.arange(layers, dtype=jnp.int32) if stacked or ordered else (cache.k, cache.v)
+      if stacked and scan is False:  # constants of the unrolled loop (a slice of an iota is a kernel each)
+        own = np.arange(layers, dtype=np.int32)
     layer_caches = (own,) + (() if prefix is None else (prefix.k, prefix.v))
     x, (k_new, v_new), routing = self.run_layers(self._embed(tokens, images), layer, (settings, layer_caches),
                                                  scan=scan)

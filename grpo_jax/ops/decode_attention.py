@@ -90,9 +90,8 @@ def ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, 
   mesh's tensor axis divides both K and N, on its kv heads and their query heads: a Pallas call,
   which XLA cannot partition, would otherwise run whole on every device.
   """
-  platform = target_platform()
-  schedule = schedule or ('mosaic_gpu' if platform == 'gpu' else 'mosaic')
-  interpret = platform == 'cpu' if interpret is None else interpret
+  schedule = schedule_of(schedule)
+  interpret = target_platform() == 'cpu' if interpret is None else interpret
   if layer is None:
     k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
   layer = jnp.asarray(layer, jnp.int32).reshape(())
@@ -114,6 +113,90 @@ def ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, 
                        in_specs=(P(b, None, h, None), P(None, b, None, h, None), P(None, b, None, h, None), P(),
                                  P(b), per_row, per_row, per_row),
                        out_specs=(P(b, h, None, None), P(b, h, None, None), P(b, h, None, None, None)))(*args)
+
+
+def schedule_of(schedule: str | None = None) -> str:
+  """The kernel's schedule: `schedule`, else the target's ('mosaic_gpu' on GPUs, 'mosaic' elsewhere)."""
+  return schedule or ('mosaic_gpu' if target_platform() == 'gpu' else 'mosaic')
+
+
+def ends_softmax(schedule: str | None = None) -> bool:
+  """Whether the schedule takes a decode step's whole attention (`ragged_decode_attention`): the
+  shared prompts read in place, the new tokens' statistics folded in, the softmax ended in the
+  kernel. Mosaic GPU's does; the TPU one gives the cache's statistics only."""
+  return schedule_of(schedule) == 'mosaic_gpu'
+
+
+def ragged_decode_attention(q, initial, k_cache, v_cache, layer, lengths, cache_segments, query_segments,
+                            query_slots, *, block: int, prompt=None, schedule: str | None = None,
+                            interpret: bool | None = None) -> jax.Array:
+  """A decode step's whole attention in one kernel: q [B, T, N, H] over its shared prompt (if any),
+  then over the written part of its cache row (as `ragged_cache_attention`), starting from the
+  statistics `initial` (m, l [B, K, G, T], acc [B, K, G, T, H] fp32: the new tokens' own, so every
+  query has seen a key) -> [B, T, N, H] in the cache's dtype.
+
+  prompt: (k, v [n, Pn, W, K, H], index [n, Bn], segments [n, Pn, W]), a SharedPrefix's layer: row
+  g * Bn + j reads prompt (g, index[g, j]) in place, its keys visible where their segment is not 0
+  and equals the query's. W >= 64. Only the 'mosaic_gpu' schedule (`ends_softmax`).
+  """
+  schedule = schedule_of(schedule)
+  if schedule != 'mosaic_gpu':
+    raise ValueError(f'the {schedule!r} decode-attention schedule gives the cache\'s statistics only')
+  interpret = target_platform() == 'cpu' if interpret is None else interpret
+  if layer is None:
+    k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+  layer = jnp.asarray(layer, jnp.int32).reshape(())
+  local = functools.partial(_decode_attention, block=block, interpret=interpret, prompted=prompt is not None)
+  args = (q, *initial, k_cache, v_cache, layer, lengths, cache_segments, query_segments, query_slots,
+          *(prompt or ()))
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return local(*args)
+  shape = auto_shape(mesh)
+  rows = split_axes(q.shape[0], 'batch', shape)
+  heads = split_axes(k_cache.shape[3], 'kv_heads', shape)
+  if heads and q.shape[2] % math.prod(shape[axis] for axis in heads):
+    heads = ()
+  if not rows and not heads:
+    return local(*args)
+  b, h = rows or None, heads or None
+  per_row = P(b, None)
+  stat = P(b, h, None, None)
+  specs = (P(b, None, h, None), stat, stat, P(b, h, None, None, None), P(None, b, None, h, None),
+           P(None, b, None, h, None), P(), P(b), per_row, per_row, per_row)
+  if prompt is not None:  # the prompts' groups go with their rows
+    specs += (P(b, None, None, h, None), P(b, None, None, h, None), per_row, P(b, None, None))
+  return jax.shard_map(local, mesh=current_mesh(), check_vma=False, in_specs=specs,
+                       out_specs=P(b, None, h, None))(*args)
+
+
+def _decode_attention(q, m, l, acc, k_cache, v_cache, layer, lengths, cache_segments, query_segments, query_slots,
+                      *prompt, block: int, interpret: bool, prompted: bool):
+  """ragged_decode_attention on one device's rows and heads."""
+  from grpo_jax.ops import decode_attention_mosaic_gpu  # Pallas Mosaic GPU, imported only when it runs
+  batch, length, num_heads, head_dim = q.shape
+  slots, kv_heads = k_cache.shape[2], k_cache.shape[3]
+  groups = num_heads // kv_heads
+  block = block_size('mosaic_gpu', slots, block, kv_heads, head_dim, k_cache.dtype.itemsize)
+  shared = None
+  if prompted:
+    pk, pv, index, segments = prompt
+    count, per, width = segments.shape
+    block = min(block, width // 64 * 64)
+    flat = lambda x: x.reshape((count * per,) + x.shape[2:])  # noqa: E731
+    prompt_of = (jnp.arange(count, dtype=jnp.int32)[:, None] * per + index.astype(jnp.int32)).reshape(-1)
+    shared = (flat(pk), flat(pv), prompt_of, flat(segments))
+  q = q.reshape(batch, length, kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)
+  q = q.reshape(batch, kv_heads, groups * length, head_dim)
+  rows = lambda x: jnp.tile(x.astype(jnp.int32), (1, groups))  # noqa: E731  [B, T] -> [B, G x T]
+  initial = (m.reshape(batch, kv_heads, -1), l.reshape(batch, kv_heads, -1),
+             acc.reshape(batch, kv_heads, groups * length, head_dim))
+  out = decode_attention_mosaic_gpu.cache_stats(
+      q, k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32),
+      cache_segments.astype(jnp.int32), rows(query_slots), rows(query_segments), block=block,
+      scale=head_dim ** -0.5, interpret=interpret, prompt=shared, initial=initial)
+  out = out.reshape(batch, kv_heads, groups, length, head_dim)
+  return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, head_dim)
 
 
 def _cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_segments, query_slots, *, block: int,

@@ -34,17 +34,29 @@ def _tile_transforms(head_dim: int, itemsize: int):
 
 
 def cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_slots, query_segments, *,
-                block, scale, interpret):
+                block, scale, interpret, prompt=None, initial=None):
   """q [B, K, R, H]; k_cache, v_cache [L, B, S, K, H] (S >= block, block a multiple of 64: a last
   block past S starts at S - block instead, its slots already seen masked); layer [1] and lengths [B]
   int32; cache_segments [B, S]; query_slots, query_segments [B, R]. The R rows go in parts of 64 (a
-  grid axis). -> m, l [B, K, R] and acc [B, K, R, H], fp32."""
+  grid axis). -> m, l [B, K, R] and acc [B, K, R, H], fp32.
+
+  prompt: (k, v [P, W, K, H], prompt_of [B] int32, segments [P, W] int32): the shared prompts, row b reading prompt prompt_of[b] before its cache (W >= block: a last block past
+  W starts at W - block), a key visible iff its segment is not 0 and equals the query's. Read in
+  place, so a prompt's G readers copy nothing.
+  initial: (m, l [B, K, R], acc [B, K, R, H]) fp32 statistics the online softmax starts from (the
+  new tokens' own, computed outside), each row's l > 0. The kernel then ends the softmax itself:
+  -> the attention [B, K, R, H] in the cache's dtype, not the statistics.
+  """
   batch, kv_heads, rows, head_dim = q.shape
   slots = k_cache.shape[2]
   dtype = k_cache.dtype
   if block % 64 or block > slots:
     raise ValueError(f'mosaic_gpu decode attention needs a block that is a multiple of 64 and at most the '
                      f'cache\'s {slots} slots, got {block}')
+  width = 0 if prompt is None else prompt[0].shape[1]
+  if prompt is not None and block > width:
+    raise ValueError(f'mosaic_gpu decode attention needs a block of at most the prompts\' {width} slots, got {block}')
+  prompt_steps = row_blocks(width, block)
   parts = -(-rows // ROWS)
   pad = parts * ROWS - rows
   q = jnp.pad(q.astype(dtype), ((0, 0), (0, 0), (0, pad), (0, 0)))
@@ -52,22 +64,48 @@ def cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_slots
   query_slots, query_segments = (jnp.pad(x.astype(jnp.int32), ((0, 0), (0, pad)), mode='edge')
                                  for x in (query_slots, query_segments))
   transforms = _tile_transforms(head_dim, jnp.dtype(dtype).itemsize)
+  extra = ()
+  if prompt is not None:
+    extra += (prompt[2].astype(jnp.int32), prompt[3].astype(jnp.int32), prompt[0], prompt[1])
+  if initial is not None:  # padded rows start from l = 1: finite, dropped below
+    m0, l0, acc0 = (x.astype(F32) for x in initial)
+    extra += (jnp.pad(m0, ((0, 0), (0, 0), (0, pad))), jnp.pad(l0, ((0, 0), (0, 0), (0, pad)), constant_values=1.0),
+              jnp.pad(acc0, ((0, 0), (0, 0), (0, pad), (0, 0))))
 
-  def kernel(layer_ref, lengths_ref, q_ref, slots_ref, segments_ref, cache_segments_ref, k_ref, v_ref,
-             m_ref, l_ref, acc_ref, q_smem, k_smem, v_smem, q_barrier, k_barriers, v_barriers):
+  def kernel(layer_ref, lengths_ref, q_ref, slots_ref, segments_ref, cache_segments_ref, k_ref, v_ref, *refs):
+    refs = list(refs)
+    prompt_of_ref, prompt_segments_ref, pk_ref, pv_ref = (refs.pop(0) for _ in range(4)) if prompt else (None,) * 4
+    m0_ref, l0_ref, acc0_ref = (refs.pop(0) for _ in range(3)) if initial else (None,) * 3
+    out_refs = [refs.pop(0)] if initial else [refs.pop(0) for _ in range(3)]
+    q_smem, k_smem, v_smem, q_barrier, k_barriers, v_barriers = refs
     b, head, part = lax.axis_index('row'), lax.axis_index('head'), lax.axis_index('part')
     layer_index, length = layer_ref[0], lengths_ref[b]
-    steps = row_blocks(length, block)
+    source = prompt_of_ref[b] if prompt else None
+    # Steps 0 .. prompt_steps - 1 read the row's prompt, the rest its own written cache blocks.
+    steps = prompt_steps + row_blocks(length, block)
     query_rows = pl.ds(part * ROWS, ROWS)
     plgpu.copy_gmem_to_smem(q_ref.at[b, head, query_rows], q_smem, q_barrier)
 
     def start_of(step):  # a block past the cache's end starts at S - block
       return jnp.minimum(step * block, slots - block)
 
+    def prompt_start(step):  # likewise past the prompt's W
+      return jnp.minimum(step * block, width - block)
+
     def fetch(step, slot):
-      keys = pl.ds(start_of(step), block)
-      plgpu.copy_gmem_to_smem(k_ref.at[layer_index, b, keys, head], k_smem.at[slot], k_barriers.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[layer_index, b, keys, head], v_smem.at[slot], v_barriers.at[slot])
+      def from_cache():
+        keys = pl.ds(start_of(step - prompt_steps), block)
+        plgpu.copy_gmem_to_smem(k_ref.at[layer_index, b, keys, head], k_smem.at[slot], k_barriers.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[layer_index, b, keys, head], v_smem.at[slot], v_barriers.at[slot])
+      if not prompt:
+        return from_cache()
+      pl.when(step >= prompt_steps)(from_cache)
+
+      @pl.when(step < prompt_steps)
+      def _():
+        keys = pl.ds(prompt_start(step), block)
+        plgpu.copy_gmem_to_smem(pk_ref.at[source, keys, head], k_smem.at[slot], k_barriers.at[slot])
+        plgpu.copy_gmem_to_smem(pv_ref.at[source, keys, head], v_smem.at[slot], v_barriers.at[slot])
 
     @pl.when(steps > 0)
     def _():
@@ -90,9 +128,10 @@ def cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_slots
 
       plgpu.barrier_wait(k_barriers.at[slot])
       plgpu.barrier_wait(v_barriers.at[slot])
-      start = start_of(j)
+      cache_step = jnp.maximum(j - prompt_steps, 0)
+      start = start_of(cache_step)
 
-      @pl.when(start + block > length)  # the row's last block: its values past the length zeroed
+      @pl.when((start + block > length) & (j >= prompt_steps))  # the row's last block: its values past the length zeroed
       def _():
         tile = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA)
         written = start + plgpu.broadcasted_iota(jnp.int32, tile.shape, 0, layout=plgpu.Layout.WGMMA) < length
@@ -107,10 +146,21 @@ def cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_slots
           return acc_ref[...]
         s = pl.run_scoped(scores, plgpu.ACC(shape, F32))
       s = s * scale
-      key_slots = start + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+      iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+      key_slots = start + iota
       segments = plgpu.load(cache_segments_ref.at[b, pl.ds(start, block)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-      visible = ((key_slots >= j * block) & (key_slots < length) & (key_slots <= query_slots)
+      visible = ((key_slots >= cache_step * block) & (key_slots < length) & (key_slots <= query_slots)
                  & (lax.broadcast_in_dim(segments, shape, [1]) == query_segments))
+      if prompt:
+        first = prompt_start(j)
+        prompt_segments = lax.broadcast_in_dim(plgpu.load(
+            prompt_segments_ref.at[source, pl.ds(first, block)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False),
+            shape, [1])
+        in_prompt = ((first + iota >= j * block) & (prompt_segments != 0) & (prompt_segments == query_segments))
+        # j < prompt_steps, as an array (a scalar predicate is an implicit broadcast Mosaic GPU refuses)
+        prompt_step = iota + j * block < prompt_steps * block
+        # (and chosen as fp32: Mosaic GPU has no or / not of boolean registers)
+        visible = jnp.where(prompt_step, jnp.where(in_prompt, 1.0, 0.0), jnp.where(visible, 1.0, 0.0)) > 0.5
       s = jnp.where(visible, s, NEG)
       m_new = jnp.maximum(m, s.max(axis=1))
       p = jnp.where(visible, jnp.exp(s - lax.broadcast_in_dim(m_new, shape, [0])), 0.0)
@@ -126,13 +176,24 @@ def cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_slots
         acc = pl.run_state(weighted)(plgpu.ACC.init(acc))
       return m_new, l, acc
 
-    stats = (plgpu.layout_cast(jnp.full((ROWS,), NEG, F32), plgpu.Layout.WGMMA.reduce(1)),
-             plgpu.layout_cast(jnp.zeros((ROWS,), F32), plgpu.Layout.WGMMA.reduce(1)),
-             plgpu.layout_cast(jnp.zeros((ROWS, head_dim), F32), plgpu.Layout.WGMMA))
+    if initial:
+      stats = (plgpu.load(m0_ref.at[b, head, query_rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False),
+               plgpu.load(l0_ref.at[b, head, query_rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False),
+               plgpu.load(acc0_ref.at[b, head, query_rows], layout=plgpu.Layout.WGMMA, optimized=False))
+    else:
+      stats = (plgpu.layout_cast(jnp.full((ROWS,), NEG, F32), plgpu.Layout.WGMMA.reduce(1)),
+               plgpu.layout_cast(jnp.zeros((ROWS,), F32), plgpu.Layout.WGMMA.reduce(1)),
+               plgpu.layout_cast(jnp.zeros((ROWS, head_dim), F32), plgpu.Layout.WGMMA))
     m, l, acc = lax.fori_loop(0, steps, step, stats)
-    m_ref[b, head, query_rows] = m
-    l_ref[b, head, query_rows] = l
-    acc_ref[b, head, query_rows] = acc
+    if initial:  # the softmax ended here: the attention in the cache's dtype, through the query's tile
+      # (a 16-bit tile stored from registers writes part sectors; TMA writes whole ones)
+      q_smem[...] = (acc / lax.broadcast_in_dim(l, (ROWS, head_dim), [0])).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, out_refs[0].at[b, head, query_rows])
+      plgpu.wait_smem_to_gmem(0)
+      return
+    for ref, value in zip(out_refs, (m, l, acc)):
+      ref[b, head, query_rows] = value
 
   def entry(*refs):
     pl.run_scoped(lambda *scratch: kernel(*refs, *scratch),
@@ -142,9 +203,15 @@ def cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_slots
                   plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
 
   stat = jax.ShapeDtypeStruct((batch, kv_heads, parts * ROWS), F32)
-  m, l, acc = plgpu.kernel(
-      entry, out_type=(stat, stat, jax.ShapeDtypeStruct((batch, kv_heads, parts * ROWS, head_dim), F32)),
+  if initial is None:
+    out_type = (stat, stat, jax.ShapeDtypeStruct((batch, kv_heads, parts * ROWS, head_dim), F32))
+  else:
+    out_type = (jax.ShapeDtypeStruct((batch, kv_heads, parts * ROWS, head_dim), dtype),)
+  out = plgpu.kernel(
+      entry, out_type=out_type,
       grid=(batch, kv_heads, parts), grid_names=('row', 'head', 'part'), interpret=plgpu.InterpretGPUParams() if interpret else None,
-      compiler_params=plgpu.CompilerParams(), kernel_name='ragged_cache_attention',
-  )(layer, lengths, q, query_slots, query_segments, cache_segments.astype(jnp.int32), k_cache, v_cache)
-  return m[:, :, :rows], l[:, :, :rows], acc[:, :, :rows]
+      compiler_params=plgpu.CompilerParams(),
+      kernel_name='ragged_cache_attention' if prompt is None and initial is None else 'ragged_decode_attention',
+  )(layer, lengths, q, query_slots, query_segments, cache_segments.astype(jnp.int32), k_cache, v_cache, *extra)
+  out = tuple(x[:, :, :rows] for x in out)
+  return out[0] if initial is not None else out
