@@ -244,14 +244,31 @@ def reads_stacked_cache(implementation: DecodeAttention) -> bool:
   return implementation in ('blockwise', 'pallas')
 
 
-def fuses_prompts(implementation: DecodeAttention, prompt_width: int) -> bool:
-  """Whether `cache_attention` takes shared prompts of `prompt_width` slots whole into its kernel
-  (read in place, the softmax ended there: one kernel per layer): 'pallas' where its schedule ends
-  the softmax (Mosaic GPU's), for prompts of at least one 64-slot block."""
-  if implementation != 'pallas' or prompt_width < 64:
+def ends_softmax(implementation: DecodeAttention) -> bool:
+  """Whether `implementation` runs a decode step's whole attention in one kernel, the softmax ended
+  there: 'pallas' where its schedule does (Mosaic GPU's, ops/decode_attention.ends_softmax)."""
+  if implementation != 'pallas':
     return False
   from grpo_jax.ops import decode_attention  # no Pallas import: the kernels import it when they run
   return decode_attention.ends_softmax()
+
+
+def fuses_prompts(implementation: DecodeAttention, prompt_width: int) -> bool:
+  """Whether `cache_attention` takes shared prompts of `prompt_width` slots whole into its kernel
+  (read in place): where it ends the softmax, for prompts of at least one 64-slot block."""
+  return prompt_width >= 64 and ends_softmax(implementation)
+
+
+def written_cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int, lengths: jax.Array,
+                            cache_segments: jax.Array, query_segments: jax.Array, query_slots: jax.Array,
+                            block: int, prompt=None) -> jax.Array:
+  """q [B, T, N, H] over the stacked cache [L, B, S, K, H] at `layer` into which this call's T
+  tokens are already written (lengths [B] and cache_segments [B, S] count them), after the shared
+  prompt `prompt` (cache_attention's) if any: one kernel (`ends_softmax`), so the new tokens need
+  no part of their own."""
+  from grpo_jax.ops import decode_attention  # Pallas, imported only when this path runs
+  return decode_attention.ragged_decode_attention(q, None, k_cache, v_cache, layer, lengths, cache_segments,
+                                                  query_segments, query_slots, block=block, prompt=prompt)
 
 
 def _block_size(length: int, block: int) -> int:

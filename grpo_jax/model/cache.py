@@ -222,6 +222,14 @@ def finite(x: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
 
 
+def write_layer(cache: jax.Array, new: jax.Array, layer: int, start: jax.Array) -> jax.Array:
+  """Writes one layer's new [B, T, ...] into the stacked cache [L, B, S, ...] at `layer`, slot
+  start[b] of each row b: one scatter, in place."""
+  rows = jnp.arange(new.shape[0])[:, None]
+  slots = start[:, None] + jnp.arange(new.shape[1])
+  return cache.at[layer, rows, slots].set(new, indices_are_sorted=True, unique_indices=True)
+
+
 def write_layers(cache: jax.Array | tuple[jax.Array, ...], new: jax.Array, start: jax.Array):
   """Writes new [L, B, T, ...] into cache [L, B, S, ...] (or L [B, S, ...] layers) at slot
   start[b] of each row b."""

@@ -11,9 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.model.attention import (SharedPart, attention_mask, cache_attention, fuses_prompts, grouped_attention,
-                                      reader_layout, reads_stacked_cache, real_segments, window_mask)
-from grpo_jax.model.cache import KVCache, SharedPrefix, WindowCache, each, finite, store, unstack, write_layers, write_rows
+from grpo_jax.model.attention import (SharedPart, attention_mask, cache_attention, ends_softmax, fuses_prompts,
+                                      grouped_attention, reader_layout, reads_stacked_cache, real_segments, window_mask,
+                                      written_cache_attention)
+from grpo_jax.model.cache import (KVCache, SharedPrefix, WindowCache, each, finite, store, unstack, write_layer,
+                                  write_layers, write_rows)
 from grpo_jax.model.latent_attention import latent_values
 from grpo_jax.model.layers import decoder_block
 from grpo_jax.model.moe import gathered
@@ -45,7 +47,8 @@ class CacheDecoding:
     """Whether a decode step reads its cache best as one array per layer (KVCache.layered): its
     layers unrolled (`decode_layers`) with 'dense' decode attention, which would otherwise take
     each layer's rows out of the stack (a copy on XLA:GPU)."""
-    return not self._scan_decode() and not reads_stacked_cache(self.options.decode_attention)
+    implementation = self.options.decode_attention
+    return not self._scan_decode() and (not reads_stacked_cache(implementation) or ends_softmax(implementation))
 
   def init_cache(self, batch_size: int, max_length: int, layered: bool = False, windowed: bool = False) -> KVCache:
     """An empty (zeroed) cache of B rows of S slots; layered: one array per layer (KVCache).
@@ -165,7 +168,15 @@ class CacheDecoding:
       ring_mask = ((ring.segment_ids[:, None, :] == segment_ids[:, :, None]) & (ring.segment_ids != 0)[:, None, :]
                    & (ring.ordinals[:, None, :] < ordinals[:, :, None]))
     layered = cache.layered
-    if layered and (stacked or self._scans(scan)):  # these read a stack: one is made (a copy)
+    # Unrolled, where one kernel ends each layer's softmax: each layer writes its new keys and values
+    # into its cache (in place) before it attends, so the kernel reads them there and the new tokens
+    # need no attention part of their own, nor a write after the loop. A layered cache keeps each
+    # layer's write and read to that layer's arrays.
+    written = None
+    if (scan is False and ring is None and not mla and length < cache.max_length and ends_softmax(implementation)):
+      written = dict(k=list(cache.k) if layered else cache.k, v=list(cache.v) if layered else cache.v,
+                     segments=write_rows(cache.segment_ids, segment_ids, cache.length))
+    elif layered and (stacked or self._scans(scan)):  # these read a stack: one is made (a copy)
       cache = cache.stacked()
     # Unrolled decode layers with 'dense' attention take their layer's cache rows when the layer's
     # input exists: the index passes an optimization barrier with x. Sliced up front, XLA:GPU held
@@ -210,7 +221,7 @@ class CacheDecoding:
           parts.append((ring_k, ring_v, ring_mask & window_mask(ordinals, ring.ordinals, window)))
         elif not stacked:
           own, x = layer_of((cache.k, cache.v), own, x)
-      elif cache.layered:
+      elif cache.layered and written is None:
         own = (cache.k[int(own)], cache.v[int(own)])
       elif ordered:
         own, x = jax.lax.optimization_barrier((own, x))
@@ -220,6 +231,17 @@ class CacheDecoding:
       def attend(q, k, v):
         # The new keys and values as the cache will hold them (rounded to its dtype, finite).
         new = (finite(k.astype(dtype)), finite(v.astype(dtype)), new_mask)
+        if written is not None:
+          index = int(own)
+          for name, entry in (('k', new[0]), ('v', new[1])):
+            if layered:
+              written[name][index] = write_rows(written[name][index], entry, cache.length)
+            else:
+              written[name] = write_layer(written[name], entry, index, cache.length)
+          stacks = [written[name][index][None] if layered else written[name] for name in ('k', 'v')]
+          return written_cache_attention(q, *stacks, 0 if layered else index, cache.length + length,
+                                         written['segments'], segment_ids, query_slots, self.options.decode_block,
+                                         prompt=prompt)
         if in_ring:  # the prompt, the ring, the new tokens: dense, over W entries
           return grouped_attention(q, parts + [new])
         rows = own if stacked else (own[0], values(*own))
@@ -250,7 +272,11 @@ class CacheDecoding:
     if ring is not None:
       new_ring = ring.write(k_new[np.flatnonzero(sliding)], v_new[np.flatnonzero(sliding)], segment_ids, ordinals)
       k_new, v_new = k_new[np.flatnonzero(~sliding)], v_new[np.flatnonzero(~sliding)]
-    if length == cache.max_length:
+    if written is not None:  # written layer by layer
+      new_cache = KVCache(k=tuple(written['k']) if layered else written['k'],
+                          v=tuple(written['v']) if layered else written['v'], segment_ids=written['segments'],
+                          length=cache.length + length, window=None)
+    elif length == cache.max_length:
       # The tokens fill the whole cache (so it was empty: length + T <= S): it is the new keys and
       # values themselves. No scatter, which on a mesh would gather every row's keys to every device.
       new_cache = KVCache(k=k_new, v=v_new, segment_ids=segment_ids, length=cache.length + length, window=new_ring)

@@ -21,6 +21,8 @@ run on a GPU (an H200, BENCHMARKS.md).
 Both run under `interpret=True` on CPU, which is how the tests exercise the kernel bodies.
 """
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -115,9 +117,26 @@ def ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, 
                        out_specs=(P(b, h, None, None), P(b, h, None, None), P(b, h, None, None, None)))(*args)
 
 
+_SCHEDULE = contextvars.ContextVar('decode_attention_schedule', default=None)
+
+
+@contextlib.contextmanager
+def scheduled(schedule: str):
+  """Kernels traced inside run `schedule` instead of the target's (on a CPU, interpreted: how the
+  tests run the Mosaic GPU schedule through the model and the sampler)."""
+  if schedule not in SCHEDULES:
+    raise ValueError(f'decode attention schedule must be one of {SCHEDULES}, got {schedule!r}')
+  token = _SCHEDULE.set(schedule)
+  try:
+    yield
+  finally:
+    _SCHEDULE.reset(token)
+
+
 def schedule_of(schedule: str | None = None) -> str:
-  """The kernel's schedule: `schedule`, else the target's ('mosaic_gpu' on GPUs, 'mosaic' elsewhere)."""
-  return schedule or ('mosaic_gpu' if target_platform() == 'gpu' else 'mosaic')
+  """The kernel's schedule: `schedule`, else the one `scheduled` set, else the target's
+  ('mosaic_gpu' on GPUs, 'mosaic' elsewhere)."""
+  return schedule or _SCHEDULE.get() or ('mosaic_gpu' if target_platform() == 'gpu' else 'mosaic')
 
 
 def ends_softmax(schedule: str | None = None) -> bool:
@@ -132,8 +151,10 @@ def ragged_decode_attention(q, initial, k_cache, v_cache, layer, lengths, cache_
                             interpret: bool | None = None) -> jax.Array:
   """A decode step's whole attention in one kernel: q [B, T, N, H] over its shared prompt (if any),
   then over the written part of its cache row (as `ragged_cache_attention`), starting from the
-  statistics `initial` (m, l [B, K, G, T], acc [B, K, G, T, H] fp32: the new tokens' own, so every
-  query has seen a key) -> [B, T, N, H] in the cache's dtype.
+  statistics `initial` (m, l [B, K, G, T], acc [B, K, G, T, H] fp32: the new tokens' own, kept
+  out of the cache) or, with initial None, from none (the new tokens already written into the
+  cache and counted in `lengths`) -> [B, T, N, H] in the cache's dtype. Every query must see a
+  key (its own).
 
   prompt: (k, v [n, Pn, W, K, H], index [n, Bn], segments [n, Pn, W]), a SharedPrefix's layer: row
   g * Bn + j reads prompt (g, index[g, j]) in place, its keys visible where their segment is not 0
@@ -147,7 +168,8 @@ def ragged_decode_attention(q, initial, k_cache, v_cache, layer, lengths, cache_
     k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
   layer = jnp.asarray(layer, jnp.int32).reshape(())
   local = functools.partial(_decode_attention, block=block, interpret=interpret, prompted=prompt is not None)
-  args = (q, *initial, k_cache, v_cache, layer, lengths, cache_segments, query_segments, query_slots,
+  local = functools.partial(local, started=initial is not None)
+  args = (q, *(initial or ()), k_cache, v_cache, layer, lengths, cache_segments, query_segments, query_slots,
           *(prompt or ()))
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
@@ -162,17 +184,18 @@ def ragged_decode_attention(q, initial, k_cache, v_cache, layer, lengths, cache_
   b, h = rows or None, heads or None
   per_row = P(b, None)
   stat = P(b, h, None, None)
-  specs = (P(b, None, h, None), stat, stat, P(b, h, None, None, None), P(None, b, None, h, None),
-           P(None, b, None, h, None), P(), P(b), per_row, per_row, per_row)
+  specs = ((P(b, None, h, None),) + ((stat, stat, P(b, h, None, None, None)) if initial is not None else ())
+           + (P(None, b, None, h, None), P(None, b, None, h, None), P(), P(b), per_row, per_row, per_row))
   if prompt is not None:  # the prompts' groups go with their rows
     specs += (P(b, None, None, h, None), P(b, None, None, h, None), per_row, P(b, None, None))
   return jax.shard_map(local, mesh=current_mesh(), check_vma=False, in_specs=specs,
                        out_specs=P(b, None, h, None))(*args)
 
 
-def _decode_attention(q, m, l, acc, k_cache, v_cache, layer, lengths, cache_segments, query_segments, query_slots,
-                      *prompt, block: int, interpret: bool, prompted: bool):
+def _decode_attention(q, *args, block: int, interpret: bool, prompted: bool, started: bool):
   """ragged_decode_attention on one device's rows and heads."""
+  initial, args = (args[:3], args[3:]) if started else (None, args)
+  k_cache, v_cache, layer, lengths, cache_segments, query_segments, query_slots, *prompt = args
   from grpo_jax.ops import decode_attention_mosaic_gpu  # Pallas Mosaic GPU, imported only when it runs
   batch, length, num_heads, head_dim = q.shape
   slots, kv_heads = k_cache.shape[2], k_cache.shape[3]
@@ -189,12 +212,14 @@ def _decode_attention(q, m, l, acc, k_cache, v_cache, layer, lengths, cache_segm
   q = q.reshape(batch, length, kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)
   q = q.reshape(batch, kv_heads, groups * length, head_dim)
   rows = lambda x: jnp.tile(x.astype(jnp.int32), (1, groups))  # noqa: E731  [B, T] -> [B, G x T]
-  initial = (m.reshape(batch, kv_heads, -1), l.reshape(batch, kv_heads, -1),
-             acc.reshape(batch, kv_heads, groups * length, head_dim))
+  if started:
+    m, l, acc = initial
+    initial = (m.reshape(batch, kv_heads, -1), l.reshape(batch, kv_heads, -1),
+               acc.reshape(batch, kv_heads, groups * length, head_dim))
   out = decode_attention_mosaic_gpu.cache_stats(
       q, k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32),
       cache_segments.astype(jnp.int32), rows(query_slots), rows(query_segments), block=block,
-      scale=head_dim ** -0.5, interpret=interpret, prompt=shared, initial=initial)
+      scale=head_dim ** -0.5, interpret=interpret, prompt=shared, initial=initial, finish=True)
   out = out.reshape(batch, kv_heads, groups, length, head_dim)
   return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, head_dim)
 

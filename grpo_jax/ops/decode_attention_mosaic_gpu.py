@@ -34,7 +34,7 @@ def _tile_transforms(head_dim: int, itemsize: int):
 
 
 def cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_slots, query_segments, *,
-                block, scale, interpret, prompt=None, initial=None):
+                block, scale, interpret, prompt=None, initial=None, finish=False):
   """q [B, K, R, H]; k_cache, v_cache [L, B, S, K, H] (S >= block, block a multiple of 64: a last
   block past S starts at S - block instead, its slots already seen masked); layer [1] and lengths [B]
   int32; cache_segments [B, S]; query_slots, query_segments [B, R]. The R rows go in parts of 64 (a
@@ -44,9 +44,11 @@ def cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_slots
   W starts at W - block), a key visible iff its segment is not 0 and equals the query's. Read in
   place, so a prompt's G readers copy nothing.
   initial: (m, l [B, K, R], acc [B, K, R, H]) fp32 statistics the online softmax starts from (the
-  new tokens' own, computed outside), each row's l > 0. The kernel then ends the softmax itself:
-  -> the attention [B, K, R, H] in the cache's dtype, not the statistics.
+  new tokens' own, computed outside).
+  finish (implied by initial): the kernel ends the softmax itself, each query having seen a key
+  (l > 0) -> the attention [B, K, R, H] in the cache's dtype, not the statistics.
   """
+  finish = finish or initial is not None
   batch, kv_heads, rows, head_dim = q.shape
   slots = k_cache.shape[2]
   dtype = k_cache.dtype
@@ -76,8 +78,9 @@ def cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_slots
     refs = list(refs)
     prompt_of_ref, prompt_segments_ref, pk_ref, pv_ref = (refs.pop(0) for _ in range(4)) if prompt else (None,) * 4
     m0_ref, l0_ref, acc0_ref = (refs.pop(0) for _ in range(3)) if initial else (None,) * 3
-    out_refs = [refs.pop(0)] if initial else [refs.pop(0) for _ in range(3)]
-    q_smem, k_smem, v_smem, q_barrier, k_barriers, v_barriers = refs
+    out_refs = [refs.pop(0)] if finish else [refs.pop(0) for _ in range(3)]
+    q_smem, k_smem, v_smem, q_barrier, k_barriers, v_barriers, *out_smem = refs
+    out_smem = out_smem[0] if out_smem else None
     b, head, part = lax.axis_index('row'), lax.axis_index('head'), lax.axis_index('part')
     layer_index, length = layer_ref[0], lengths_ref[b]
     source = prompt_of_ref[b] if prompt else None
@@ -185,11 +188,20 @@ def cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_slots
                plgpu.layout_cast(jnp.zeros((ROWS,), F32), plgpu.Layout.WGMMA.reduce(1)),
                plgpu.layout_cast(jnp.zeros((ROWS, head_dim), F32), plgpu.Layout.WGMMA))
     m, l, acc = lax.fori_loop(0, steps, step, stats)
-    if initial:  # the softmax ended here: the attention in the cache's dtype, through the query's tile
-      # (a 16-bit tile stored from registers writes part sectors; TMA writes whole ones)
-      q_smem[...] = (acc / lax.broadcast_in_dim(l, (ROWS, head_dim), [0])).astype(dtype)
+    if finish:  # the softmax ended here: the attention in the cache's dtype, only the real rows
+      # Through an untiled tile of shared memory and TMA: a 16-bit tile stored from registers writes
+      # part sectors, and the real rows (G x T, not a whole 64) are a slice no tiled tile can take.
+      out_smem[...] = (acc / lax.broadcast_in_dim(l, (ROWS, head_dim), [0])).astype(dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, out_refs[0].at[b, head, query_rows])
+      last = rows - (parts - 1) * ROWS  # the last part's real rows
+
+      def store(count):
+        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, count)], out_refs[0].at[b, head, pl.ds(part * ROWS, count)])
+      if parts == 1:
+        store(last)
+      else:
+        pl.when(part < parts - 1)(lambda: store(ROWS))
+        pl.when(part == parts - 1)(lambda: store(last))
       plgpu.wait_smem_to_gmem(0)
       return
     for ref, value in zip(out_refs, (m, l, acc)):
@@ -200,18 +212,18 @@ def cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_slots
                   plgpu.SMEM((ROWS, head_dim), dtype, transforms=transforms),
                   plgpu.SMEM((2, block, head_dim), dtype, transforms=transforms),
                   plgpu.SMEM((2, block, head_dim), dtype, transforms=transforms),
-                  plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
+                  plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
+                  *([plgpu.SMEM((ROWS, head_dim), dtype)] if finish else []))
 
   stat = jax.ShapeDtypeStruct((batch, kv_heads, parts * ROWS), F32)
-  if initial is None:
+  if not finish:
     out_type = (stat, stat, jax.ShapeDtypeStruct((batch, kv_heads, parts * ROWS, head_dim), F32))
   else:
-    out_type = (jax.ShapeDtypeStruct((batch, kv_heads, parts * ROWS, head_dim), dtype),)
+    out_type = (jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), dtype),)
   out = plgpu.kernel(
       entry, out_type=out_type,
       grid=(batch, kv_heads, parts), grid_names=('row', 'head', 'part'), interpret=plgpu.InterpretGPUParams() if interpret else None,
       compiler_params=plgpu.CompilerParams(),
-      kernel_name='ragged_cache_attention' if prompt is None and initial is None else 'ragged_decode_attention',
+      kernel_name='ragged_decode_attention' if finish else 'ragged_cache_attention',
   )(layer, lengths, q, query_slots, query_segments, cache_segments.astype(jnp.int32), k_cache, v_cache, *extra)
-  out = tuple(x[:, :, :rows] for x in out)
-  return out[0] if initial is not None else out
+  return out[0] if finish else tuple(x[:, :, :rows] for x in out)
