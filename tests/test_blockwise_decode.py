@@ -78,3 +78,40 @@ def test_the_sampler_with_blockwise_and_kernel_decode_attention_equals_dense(see
                                     f'{implementation}: {name}')
     np.testing.assert_allclose(np.asarray(other.log_probs), np.asarray(dense.log_probs), rtol=1e-5, atol=1e-5,
                                err_msg=implementation)
+
+
+@pytest.mark.exhaustive
+def test_the_sampler_with_the_whole_attention_in_the_gpu_kernel_equals_dense(seed, make_hf_checkpoint, monkeypatch):
+  """'pallas' decode attention as it runs on a GPU (the Mosaic GPU schedule, interpreted here), its
+  layers unrolled: each layer writes its new keys and values into its cache row before it attends,
+  and one kernel reads the row's shared prompt in place (prompts of at least a 64-slot block), then
+  its cache, and ends the softmax. The group sampler's completions equal dense attention's, token
+  for token, and their log-probs to 1e-5; every layer of every call took that path."""
+  from grpo_jax.ops import decode_attention
+
+  directory, _ = make_hf_checkpoint(seed)
+  tokens, mask = left_padded(random_prompts(seed, [70, 64]))
+  settings = DecodeSettings(max_new_tokens=64, sampling=SamplingConfig(temperature=1.0),
+                            stop_token_ids=tuple(range(0, 1000, 5)))  # short answers: the interpreter is slow
+  calls = []
+  kernel = decode_attention.ragged_decode_attention
+
+  def recorded(q, initial, *args, prompt=None, **kwargs):
+    calls.append((q.shape[1], initial is None, prompt is not None))
+    return kernel(q, initial, *args, prompt=prompt, **kwargs)
+  monkeypatch.setattr(decode_attention, 'ragged_decode_attention', recorded)
+  rollouts = {}
+  for implementation, block in (('dense', 4), ('pallas', 64)):
+    model = from_pretrained(directory, options=ModelOptions(decode_attention=implementation, decode_block=block,
+                                                            decode_layers='unrolled'))
+    sampler = GroupSampler(model, group_size=2, settings=settings)
+    with decode_attention.scheduled('mosaic_gpu'):
+      rollouts[implementation] = sampler(nnx.state(model), tokens, mask, jax.random.key(seed % 1000))
+  layers = model.config.num_hidden_layers
+  # The decode step traced once (the prefill before it runs the kernel from the prompt's own statistics):
+  # each layer's new token written first, its prompt read in place.
+  assert [call for call in calls if call[0] == 1] == [(1, True, True)] * layers
+  dense, kernel_run = rollouts['dense'], rollouts['pallas']
+  for name in ('tokens', 'mask', 'lengths', 'stopped'):
+    np.testing.assert_array_equal(np.asarray(getattr(kernel_run, name)), np.asarray(getattr(dense, name)), name)
+  np.testing.assert_allclose(np.asarray(kernel_run.log_probs), np.asarray(dense.log_probs), rtol=1e-5, atol=1e-5)

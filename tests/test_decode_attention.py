@@ -165,6 +165,69 @@ def test_mosaic_gpu_kernel_equals_dense_attention_and_skips_what_is_past_each_le
   test_slots_past_each_rows_own_length_are_never_used(seed, 'mosaic_gpu')
 
 
+def prompted_case(rng, length, heads, kv_heads, dtype, groups=2, prompts=3, width=128):
+  """random_case plus a SharedPrefix's layer: `groups` groups of `prompts` prompts of `width`
+  slots (segments 0 on padding, 1 the query's, 2 another's), each row reading a random one of its
+  group's; rows whose cache has room for the T new tokens. -> (case, prompt, the rows' copies of
+  their prompts as a grouped_attention part)."""
+  lengths = np.minimum(fill_levels(rng, 8, BLOCKS['mosaic_gpu']), SLOTS - length).astype(np.int32)
+  case = random_case(rng, lengths, length, heads, kv_heads, dtype)
+  # A decode step's queries sit at the row's next slots: the new tokens, once written, are then
+  # what the causal rule among them shows each query.
+  case['query_slots'] = (lengths[:, None] + np.arange(length)[None]).astype(np.int32)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+  k, v = (normal(groups, prompts, width, kv_heads, HEAD_DIM) for _ in range(2))
+  segments = rng.integers(0, 3, (groups, prompts, width)).astype(np.int32)
+  index = rng.integers(0, prompts, (groups, len(lengths) // groups)).astype(np.int32)
+  picked = lambda x: x[np.arange(groups)[:, None], index].reshape((len(lengths),) + x.shape[2:])  # noqa: E731
+  rows = picked(segments)
+  mask = (rows[:, None, :] == case['query_segments'][:, :, None]) & (rows != 0)[:, None, :]
+  return case, (k, v, jnp.asarray(index), jnp.asarray(segments)), (picked(k), picked(v), jnp.asarray(mask))
+
+
+def written_case(case):
+  """The case with its new tokens written into its layer of the cache (and counted in its lengths
+  and segments), as a decode step that writes before it attends holds it."""
+  rows = np.arange(len(case['lengths']))[:, None]
+  slots = case['lengths'][:, None] + np.arange(case['q'].shape[1])
+  written = dict(case, lengths=case['lengths'] + case['q'].shape[1])
+  written['k_cache'] = case['k_cache'].at[case['layer'], rows, slots].set(case['new_k'])
+  written['v_cache'] = case['v_cache'].at[case['layer'], rows, slots].set(case['new_v'])
+  written['cache_segments'] = case['cache_segments'].copy()
+  written['cache_segments'][rows, slots] = case['query_segments']
+  return written
+
+
+def decode_kernel(case, initial, prompt, block):
+  return decode_attention.ragged_decode_attention(
+      case['q'], initial, case['k_cache'], case['v_cache'], case['layer'], case['lengths'], case['cache_segments'],
+      case['query_segments'], case['query_slots'], block=block, prompt=prompt, schedule='mosaic_gpu')
+
+
+@pytest.mark.parametrize('length, dtype', [(3, 'float32'),
+                                           pytest.param(10, 'bfloat16', marks=pytest.mark.exhaustive)])
+def test_mosaic_gpu_decode_attention_reads_the_prompt_in_place_and_ends_the_softmax(seed, length, dtype):
+  """The whole decode attention in one Mosaic GPU kernel (interpreted): each row's shared prompt
+  read at its index, then its cache, the softmax ended in the kernel. Started from the new tokens'
+  statistics, or with the new tokens written into the cache first (what an unrolled decode step on a
+  GPU does), it equals dense grouped attention over the row's copy of its prompt, its cache and
+  its new tokens. 10 tokens x 7 query heads are 70 query rows per kv head: two parts of 64, the
+  last storing 6 rows."""
+  rng = np.random.default_rng(seed)
+  block = BLOCKS['mosaic_gpu']
+  case, prompt, copies = prompted_case(rng, length, 14, 2, jnp.dtype(dtype))
+  layer = case['layer']
+  expected = grouped_attention(
+      case['q'].astype(jnp.float32), [tuple(jnp.asarray(x, jnp.float32) for x in part) for part in (
+          copies, (case['k_cache'][layer], case['v_cache'][layer], jnp.asarray(cache_mask(case))), new_token_part(case))])
+  tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == 'float32' else dict(rtol=0, atol=BF16_ATOL)
+  started = decode_kernel(case, part_stats(case['q'], *new_token_part(case)), prompt, block)
+  written = decode_kernel(written_case(case), None, prompt, block)
+  for got in (started, written):
+    assert got.shape == case['q'].shape and got.dtype == case['k_cache'].dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected), **tolerance)
+
+
 @schedules
 def test_slots_past_each_rows_own_length_are_never_used(seed, schedule):
   """NaN in every slot at or past each row's own length, in both layers: a slot read into the

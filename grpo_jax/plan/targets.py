@@ -377,6 +377,51 @@ def compile_decode_attention_kernels(target: Target, models=tuple(DECODE_ATTENTI
   return results
 
 
+def compile_decode_step(target: Target, preset: str = '0.5B', layers: tuple[int, ...] = (2, 3), decode_attention: str = 'dense',
+                        rows: int = 64, group: int = 8, prompt: int = 512, new_tokens: int = 1024,
+                        dtype: str = 'bfloat16') -> list[dict]:
+  """The group sampler's program for a model `preset` (model/presets.py) at each depth in `layers`,
+  compiled for one chip of `target`: P = rows / group prompts of `prompt` tokens, `new_tokens` to
+  decode (the 0.5B recipe's shape by default), `decode_attention` (ModelOptions'). -> one dict per
+  depth: the kernels of one decode step (traffic.decode_step_kernels) and their operands' bytes; the
+  kernels per layer are the difference between two depths (the rest of a step, sampling and the
+  head, is the same at every depth)."""
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from grpo_jax.model import ModelOptions, presets
+  from grpo_jax.model.loading import abstract_model
+  from grpo_jax.plan import traffic
+  from grpo_jax.sampler import DecodeSettings, GroupSampler, SamplingConfig
+  from grpo_jax.sharding import MeshConfig, make_mesh, placed_abstract, state_shardings
+
+  mesh = make_mesh(MeshConfig(fsdp=1), target.devices()[:1])
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  options = ModelOptions(dtype=dtype, param_dtype=dtype, decode_attention=decode_attention)
+  prompts = jax.ShapeDtypeStruct((rows // group, prompt), jnp.int32, sharding=replicated)
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
+  settings = DecodeSettings(max_new_tokens=new_tokens, stop_token_ids=(0,), pad_id=0,
+                            sampling=SamplingConfig(temperature=1.0, top_k=0, top_p=1.0))
+  results = []
+  for depth in layers:
+    model = abstract_model(presets.preset(preset, num_hidden_layers=depth), options)
+    state = nnx.state(model)
+    state = placed_abstract(state, state_shardings(state, mesh))
+    sampler = GroupSampler(model, group_size=group, settings=settings)
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(sampler.__call__).trace(state, prompts, prompts, key).lower().compile(
+          compiler_options=compiler_options(target.platform))
+    kernels = traffic.decode_step_kernels(compiled.as_text())
+    results.append(dict(target=target.name, preset=preset, layers=depth, decode_attention=decode_attention,
+                        kernels=kernels.kernels, bytes=kernels.bytes, copied=kernels.copied,
+                        seconds=round(time.perf_counter() - start, 2)))
+  return results
+
+
 def probe_links(target: Target, mesh_shape: dict, megabytes: int = 4) -> list[dict]:
   """Which link each mesh axis's collectives use on `target`: a program over a mesh of `mesh_shape`
   (make_mesh's order) that all-reduces a `megabytes` MiB fp32 array over each axis of size > 1 in
@@ -429,12 +474,14 @@ def main(argv=None) -> int:
   """python -m grpo_jax.plan.targets kernels TARGET [--width D ...]: compiles the Pallas log-prob kernels
   for TARGET and prints one JSON line per compile (exit 1 if any was refused);
   python -m grpo_jax.plan.targets decode-attention TARGET [--block block=SIZE] [--tokens T]: the same for
-  the ragged decode-attention kernel (T query tokens per row); python -m grpo_jax.plan.targets links TARGET --mesh data=8,fsdp=8: the link
+  the ragged decode-attention kernel (T query tokens per row); python -m grpo_jax.plan.targets decode-step
+  TARGET [--preset NAME] [--layers N ...] [--decode-attention pallas]: one decode step's kernels at each
+  depth (compile_decode_step); python -m grpo_jax.plan.targets links TARGET --mesh data=8,fsdp=8: the link
   each mesh axis's collectives use (probe_links), one JSON line per axis."""
   import argparse
   import json
   parser = argparse.ArgumentParser(prog='python -m grpo_jax.plan.targets')
-  parser.add_argument('what', choices=['kernels', 'decode-attention', 'links'])
+  parser.add_argument('what', choices=['kernels', 'decode-attention', 'decode-step', 'links'])
   parser.add_argument('target')
   parser.add_argument('--width', type=int, action='append', help='hidden width(s) (default: 896, 3584, 5120)')
   parser.add_argument('--dtype', action='append', choices=['bfloat16', 'float32'])
@@ -444,6 +491,9 @@ def main(argv=None) -> int:
                       help='tile size override, e.g. block_tokens=256 (repeatable)')
   parser.add_argument('--tokens', type=int, default=1,
                       help='decode-attention: query tokens per row (1: a decode step; more: a prefill chunk)')
+  parser.add_argument('--preset', default='0.5B', help='decode-step: the model preset (model/presets.py)')
+  parser.add_argument('--layers', type=int, action='append', help='decode-step: depths to compile (default: 2, 3)')
+  parser.add_argument('--decode-attention', default='dense', help='decode-step: model.decode_attention')
   parser.add_argument('--mesh', help='links: the mesh (default fsdp=-1), e.g. data=8,fsdp=8 or hybrid=true; '
                       'decode-attention: compile under this mesh, e.g. data=2,tensor=4 (default: one chip)')
   args = parser.parse_args(argv)
@@ -452,6 +502,11 @@ def main(argv=None) -> int:
   if args.what == 'links':
     shape = _mesh_flag(args.mesh or 'fsdp=-1')
     for result in probe_links(parse_target(args.target), {'fsdp': -1 if 'hybrid' in shape else 1, **shape}):
+      print(json.dumps(result), flush=True)
+    return 0
+  if args.what == 'decode-step':
+    for result in compile_decode_step(parse_target(args.target), args.preset, tuple(args.layers or (2, 3)),
+                                      args.decode_attention):
       print(json.dumps(result), flush=True)
     return 0
   if args.what == 'decode-attention':
