@@ -271,6 +271,9 @@ def _mlp_block(p: dict, x: jax.Array, attended: jax.Array, config: Qwen2Config, 
     if 'shared_gate_weight' in p:  # DeepSeekMoE's shared experts: every token's, unweighted
       shared = swiglu(h, lambda h: project(h, 'shared_gate'), lambda h: project(h, 'shared_up'))
       out = settle(out + project(shared, 'shared_down'))
+  elif len(p['gate_weight'].shape) == 3:  # a decode loop's gate and up as one [D, F, 2] weight (Qwen2.loop_view)
+    both = matmul(h, p['gate_weight'])
+    out = project(settle(ACTIVATION_FUNCTIONS[config.hidden_act](both[..., 0]) * both[..., 1]), 'down')
   else:
     out = project(swiglu(h, lambda h: project(h, 'gate'), lambda h: project(h, 'up')), 'down')
   if config.sandwich_norms:

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import UserError, require
-from grpo_jax.model.attention import TREE_BRANCHES, real_segments, resolve_attention, sequence_attention
+from grpo_jax.model.attention import TREE_BRANCHES, ends_softmax, real_segments, resolve_attention, sequence_attention
 from grpo_jax.model.cache import SharedPrefix, stack_layers, unstack
 from grpo_jax.model.decoding import CacheDecoding
 from grpo_jax.model.config import Qwen2Config
@@ -269,8 +269,28 @@ class Qwen2(nnx.Module, CacheDecoding):
     if self._scan_decode():
       return state, lambda pieces: nnx.merge(graphdef, pieces)
     stacked = lambda path, x: path[0] == jax.tree_util.DictKey('layers') and x.ndim >= 1  # noqa: E731
-    pieces = jax.tree_util.tree_map_with_path(
-        lambda path, x: tuple(x[i] for i in range(x.shape[0])) if stacked(path, x) else x, state)
+    # With the decode step's attention in one kernel (attention.ends_softmax: 'pallas' on GPUs, the
+    # option that cuts a step's kernels), the dense MLP's gate and up weights are cut as one
+    # [D, F, 2] piece per layer (the cut copies them anyway), so the loop's MLP is one matmul
+    # (layers._mlp_block): XLA:GPU's dot merger leaves two matmuls of one input apart past its size
+    # threshold (the 7B's [3584, 18944] pair), a kernel per layer. Not where adapters add to either
+    # (LoRA), nor where a layer has no dense MLP.
+    leaves = dict(jax.tree_util.tree_flatten_with_path(state)[0])
+    names = self.layers.names
+    fuse = ('gate_weight' in names and not any(name.startswith(('gate_lora', 'up_lora')) for name in names)
+            and ends_softmax(self.options.decode_attention))
+    gate, up = jax.tree_util.DictKey('gate_weight'), jax.tree_util.DictKey('up_weight')
+
+    def cut(path, x):
+      if not stacked(path, x):
+        return x
+      if fuse and path[1] == gate:
+        other = leaves[(path[0], up) + path[2:]]
+        return tuple(jnp.stack([x[i], other[i]], axis=-1) for i in range(x.shape[0]))
+      if fuse and path[1] == up:  # held in gate's piece: an empty placeholder keeps the state's shape
+        return tuple(x[i][..., :0] for i in range(x.shape[0]))
+      return tuple(x[i] for i in range(x.shape[0]))
+    pieces = jax.tree_util.tree_map_with_path(cut, state)
 
     def rebuild(pieces):
       restacked = jax.tree.map(lambda p: jnp.stack(p) if isinstance(p, tuple) else p, pieces,
