@@ -106,7 +106,7 @@ def step_function(entry: str):
   if implementation == 'naive':
     blocks = {}
   interpret = True if implementation.startswith('pallas') and args.pallas_interpret else None
-  # 'pallas': the platform's kernels (Mosaic GPU on GPUs; 'pallas_triton' names the Triton ones).
+  # 'pallas': the platform's kernels (Mosaic on TPUs, Mosaic GPU on GPUs).
 
   def loss(hidden, weight, targets):
     return jnp.sum(token_logprobs(hidden, weight, targets, implementation=implementation,

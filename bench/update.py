@@ -45,7 +45,7 @@ PRESETS = harness.presets('small', 'qwen2.5-0.5b', 'qwen2.5-1.5b', 'qwen2.5-7b')
 # NVIDIA's dense (no sparsity) bf16 tensor-core peaks; the first matching name wins.
 NOMINAL_BF16_PEAKS = (('H100 PCIe', 756e12), ('H100 NVL', 835e12), ('H200 NVL', 835e12),
                       ('H100', 989e12), ('H200', 989e12))
-LOGPROB_IMPLEMENTATIONS = ('auto', 'pallas', 'pallas_mosaic_gpu', 'pallas_triton', 'xla_chunked', 'naive')
+LOGPROB_IMPLEMENTATIONS = ('auto', 'pallas', 'pallas_mosaic_gpu', 'xla_chunked', 'naive')
 
 
 def parse_args():

@@ -79,10 +79,11 @@ def test_deviceless_gpu_compiles_skip_autotuning_unless_the_user_sets_it(monkeyp
 @pytest.mark.starts_first
 @pytest.mark.parametrize('platform, target', [pytest.param('tpu', 'v5e-4', marks=pytest.mark.long),
                                               pytest.param('tpu', 'v5p-8', marks=pytest.mark.long),
-                                              pytest.param('tpu', 'v6e-4', marks=pytest.mark.long), ('gpu', 'h100x1')])
+                                              pytest.param('tpu', 'v6e-4', marks=pytest.mark.long)])
 def test_logprob_kernels_compile_for_the_hardware(platform, target):
   """Forward and both backward kernels at the 0.5B, 7B and 32B widths, bf16 and fp32, V = 152,064:
-  three kernel calls in each lowered program (not the interpreter), compiled by Mosaic / Triton."""
+  three kernel calls in each lowered program (not the interpreter), compiled by Mosaic (the GPU's:
+  test_mosaic_gpu_logprob_kernels_compile_for_an_h100)."""
   code, results = _kernel_results(platform, target)
   assert len(results) == len(targets.KERNEL_WIDTHS) * 2
   for result in results:
@@ -104,16 +105,48 @@ def test_mosaic_gpu_logprob_kernels_compile_for_an_h100():
   assert code == 0
 
 
+def _decode_steps(*extra):
+  result = _run('gpu', ['grpo_jax.plan.targets', 'decode-step', 'h100x1', *extra], timeout=900)
+  lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{')]
+  assert result.returncode == 0 and len(lines) == 2, result.stderr[-3000:]
+  return lines
+
+
+@pytest.mark.starts_first
+def test_a_decode_step_is_at_most_12_kernels_per_layer_on_an_h100():
+  """The 0.5B recipe's decode step (64 rows reading 512-token prompts, a 1,024-slot cache) compiled
+  for one H100 with its attention in one kernel ('pallas' decode attention: Mosaic GPU's, each layer
+  writing its new keys first, the MLP's gate and up one matmul): at most 12 kernels per decoder
+  layer, the difference between 2 and 3 layers (26 with dense attention), and nothing copied."""
+  two, three = _decode_steps('--decode-attention', 'pallas')
+  assert three['kernels'] - two['kernels'] <= 12, (two, three)
+  assert three['copied'] < 1 << 20, three
+
+
 @pytest.mark.exhaustive
 @pytest.mark.starts_first
-def test_triton_compiler_refuses_blocks_past_shared_memory():
-  """The checks are real: tiles too large for an H100's 227 KiB of shared memory per block are
-  refused by the Triton compilation, not accepted and interpreted."""
-  code, results = _kernel_results('gpu', 'h100x1', '--width', '896', '--dtype', 'float32',
+def test_the_kernel_cut_moves_no_more_bytes_than_dense_attention():
+  """The cut's decode layer reads and writes no more than dense attention's (the kernels' operands
+  and results, traffic.decode_step_kernels), at the 0.5B and 7B shapes: with the new keys written
+  in place before the kernel reads them, no layer's cache is copied."""
+  for preset in ('0.5B', '7B'):
+    dense, cut = (_decode_steps('--preset', preset, '--decode-attention', name) for name in ('dense', 'pallas'))
+    per_layer = lambda steps: steps[1]['bytes'] - steps[0]['bytes']  # noqa: E731
+    assert cut[1]['kernels'] - cut[0]['kernels'] <= 12 < dense[1]['kernels'] - dense[0]['kernels'], (preset, dense, cut)
+    assert per_layer(cut) <= per_layer(dense), (preset, dense, cut)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.starts_first
+def test_mosaic_gpu_refuses_blocks_past_shared_memory():
+  """The checks are real: tiles too large for an H100's 227 KiB of shared memory per block (256 x 256
+  slices of h and W in bf16: 256 KiB) are refused by Mosaic GPU building the kernel for the target,
+  not accepted and interpreted."""
+  code, results = _kernel_results('gpu', 'h100x1', '--width', '896', '--dtype', 'bfloat16',
                                   '--block', 'block_tokens=256', '--block', 'block_vocab=256',
                                   '--block', 'block_model=256')
   assert code == 1
-  assert 'Shared memory size limit exceeded' in results[0]['error']
+  assert 'exceeds available shared memory' in results[0]['error']
 
 
 def test_tpu_compiles_take_the_workaround_flags_unless_set():

@@ -9,18 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grpo_jax.config import load_config
+from grpo_jax.errors import UserError
 from grpo_jax.sharding import MeshConfig, make_mesh, named_sharding
 from grpo_jax.ops import token_logprobs
-from grpo_jax.ops import logprob, logprob_mosaic, logprob_mosaic_gpu, logprob_pallas, logprob_triton
+from grpo_jax.ops import logprob, logprob_mosaic, logprob_mosaic_gpu, logprob_pallas
 
-# Blocks small enough that V=1000 and T=100 span several tiles, end in partial ones (vocab masked,
-# tokens padded), and, for Triton, D=40 is walked in 16-wide slices after padding to 48. Mosaic
-# GPU's blocks are multiples of 64 (D=40 padded to one slice; its own fast test below walks two).
+# Blocks small enough that V=1000 and T=100 span several tiles and end in partial ones (vocab
+# masked, tokens padded). Mosaic GPU's blocks are multiples of 64 (D=40 padded to one slice; its own
+# fast test below walks two).
 FUSED = {
     'xla_chunked': dict(block_vocab=384),
     'pallas_mosaic': dict(block_tokens=32, block_vocab=256),
     'pallas_mosaic_gpu': dict(block_tokens=64, block_vocab=128, block_model=64),
-    'pallas_triton': dict(block_tokens=32, block_vocab=128, block_model=16),
 }
 # The Mosaic GPU schedule runs in the GPU interpreter: make test holds its fast case
 # (test_mosaic_gpu_matches_naive), test-all the rest.
@@ -32,7 +33,7 @@ fused = pytest.mark.parametrize('implementation', [
 # Gradient entries are sums of up to V (dh) or T (dW) products that cancel to near zero in places,
 # where no two summation orders agree to a relative 1e-5; their error scales with the summands.
 # Measured (beyond rtol) over many seeds: <= 5.4e-7 of max at V=1000, and at V=151,936 up to
-# 2.9e-6 for the Triton schedule, whose dh adds 2,374 vocabulary tiles one after another.
+# 2.9e-6 for the (since removed) Triton schedule, whose dh added 2,374 vocabulary tiles one after another.
 RTOL, ATOL_SCALE = 1e-5, 1e-5
 # bf16 h and W, against fp32 maths on the same bf16-rounded inputs. Log-probs and entropy
 # accumulate in fp32 from exactly representable inputs, so they meet the fp32 tolerance (worst
@@ -118,14 +119,14 @@ def test_temperature_without_entropy(implementation, seed):
                       temperature=1.6)
 
 
-# Vocabulary blocks that leave a partial last block of 151,936 = 2^7 x 1187 (the Triton default
-# of 32 divides it); the XLA default here is 33 chunks of 4,608, the last one shifted.
+# Vocabulary blocks that leave a partial last block of 151,936 = 2^7 x 1187; the XLA default here
+# is 33 chunks of 4,608, the last one shifted.
 FULL_VOCAB_BLOCKS = {'xla_chunked': {}, 'pallas_mosaic': dict(block_vocab=1024),
-                     'pallas_mosaic_gpu': dict(block_vocab=256), 'pallas_triton': dict(block_vocab=256)}
+                     'pallas_mosaic_gpu': dict(block_vocab=256)}
 
 
-@pytest.mark.parametrize('implementation', [  # the Triton and GPU interpreters over 152k columns: test-all's
-    pytest.param(name, marks=pytest.mark.exhaustive if name in ('pallas_triton', 'pallas_mosaic_gpu') else ())
+@pytest.mark.parametrize('implementation', [  # the GPU interpreter over 152k columns: test-all's
+    pytest.param(name, marks=pytest.mark.exhaustive if name == 'pallas_mosaic_gpu' else ())
     for name in sorted(FUSED)])
 def test_full_qwen_vocabulary(implementation, seed):
   """V = 151,936 at tiny D, targets at both ends of the vocabulary and in the last block."""
@@ -213,43 +214,6 @@ def test_bf16_bound(implementation, seed):
     error = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()
     assert error <= BF16_GRAD * np.abs(np.asarray(b)).max(), (name, error)
 
-
-@pytest.mark.parametrize('slices_per_group', [1, 2])
-def test_triton_model_groups(monkeypatch, slices_per_group, seed):
-  """Wide models split the Triton backward kernels' D into groups on a second grid axis. With
-  the register budget shrunk to 1 or 2 slices, D = 64 in 16-wide slices runs as 4 or 2 groups
-  per kernel, and values and gradients still match the naive path."""
-  monkeypatch.setattr(logprob_triton, 'TRITON_ACCUMULATOR_BYTES', slices_per_group * 32 * 16 * 4)
-  assert logprob_triton.triton_model_groups(4, 32, 16) == 4 // slices_per_group
-  rng = np.random.default_rng(seed)
-  h, w, y = random_problem(rng, tokens=100, model=64, vocab=1000)
-  g_logp, g_entropy = rng.standard_normal((2, 100)).astype(np.float32)
-
-  def loss(h, w):
-    logp, entropy = token_logprobs(h, w, y, return_entropy=True, implementation='pallas_triton',
-                                   block_tokens=32, block_vocab=32, block_model=16)
-    return jnp.sum(g_logp * logp) + jnp.sum(g_entropy * entropy), (logp, entropy)
-
-  # A fresh jit, so the kernels are traced under the patched budget.
-  (_, ours), ours_grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(h, w)
-  reference = value_and_grads('naive', h, w, y, g_logp, g_entropy)
-  for name, a, b in zip(('logp', 'entropy', 'dh', 'dW'), (*ours, *ours_grads), reference):
-    assert_close(a, b, what=name)
-
-
-def test_triton_groups_bound_accumulators():
-  """Every Qwen2.5 width, at the default Triton blocks, gets D groups whose accumulators fit the
-  register budget and divide D's slices evenly; widths up to 1024 need none."""
-  for model in QWEN_MODEL_DIMS:
-    block_tokens, block_vocab, block_model = logprob.default_blocks('triton', model, 2)
-    _, _, block_model = logprob_pallas.block_shapes('triton', 4096, model, 151936, block_tokens,
-                                                    block_vocab, block_model)
-    slices = model // block_model
-    for block in (block_tokens, block_vocab):
-      groups = logprob_triton.triton_model_groups(slices, block, block_model)
-      assert slices % groups == 0
-      assert block * (slices // groups) * block_model * 4 <= logprob_triton.TRITON_ACCUMULATOR_BYTES
-      assert (groups == 1) == (model <= 1024), (model, groups)
 
 # (mesh, V): tokens and vocabulary both split; tokens only (1002 does not divide by tensor=4, so
 # W's columns stay whole); vocabulary only (every token axis is of size 1); hybrid (dW scattered
@@ -358,18 +322,18 @@ def _pallas_calls(jaxpr) -> list:
   return found
 
 
-def _described_target(platform, device_kind=None):
+def _described_target(platform):
   """An abstract one-device mesh of `platform` devices: what a deviceless compile lowers under."""
   from jax._src.mesh import AbstractDevice
   return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ('data',), abstract_device=AbstractDevice(
-      device_kind=device_kind or platform, num_cores=None, platform=platform)))
+      device_kind=platform, num_cores=None, platform=platform)))
 
 
 @pytest.mark.parametrize('platform,schedule,implementation,interpreted', [
     ('tpu', 'mosaic', 'pallas', False), ('cuda', 'mosaic_gpu', 'pallas', False),
-    ('cuda', 'triton', 'pallas_triton', False), ('cpu', 'mosaic', 'pallas', True)])
+    ('cuda', 'mosaic_gpu', 'pallas_mosaic_gpu', False), ('cpu', 'mosaic', 'pallas', True)])
 def test_interpret_and_schedule_follow_the_target_not_the_host(platform, schedule, implementation, interpreted):
-  """implementation='pallas' (or 'pallas_triton' on a GPU) traced under a mesh of TPU or GPU devices
+  """implementation='pallas' (or 'pallas_mosaic_gpu' by name) traced under a mesh of TPU or GPU devices
   (what compiling for a topology from this CPU-only host does) builds that target's kernel, not
   interpreted; only a CPU target interprets. Both used to follow the host's backend, so deviceless compiles silently
   built the interpreted kernel."""
@@ -385,16 +349,16 @@ def test_interpret_and_schedule_follow_the_target_not_the_host(platform, schedul
   assert schedule in module and (schedule == 'mosaic_gpu') == ('mosaic_gpu' in module), module
 
 
-@pytest.mark.parametrize('schedule,platform', [('mosaic', 'tpu'), ('mosaic_gpu', 'cuda'), ('triton', 'cuda')])
+@pytest.mark.parametrize('schedule,platform', [('mosaic', 'tpu'), ('mosaic_gpu', 'cuda')])
 @pytest.mark.parametrize('dtype,model', [(jnp.float32, 896), (jnp.bfloat16, 896),
                                          (jnp.bfloat16, 5120)])
 def test_kernels_lower_for_accelerators(schedule, platform, dtype, model):
   """Forward and both backward kernels lower for the real backend (not interpreted): Mosaic for
-  TPU, Mosaic GPU and Triton for GPU, with Qwen2.5-0.5B's and 32B's shapes (the latter splits the
-  backward kernels into D groups). This runs jax's lowering rules and block checks (and, for Mosaic
-  GPU, its own layout inference and lowering to the module the custom call carries); Mosaic's and
-  Triton's own compilers need the device. Mosaic GPU refuses fp32 on a GPU (WGMMA transposes only
-  16-bit operands), with a pointer to the XLA path."""
+  TPU, Mosaic GPU for GPU, with Qwen2.5-0.5B's and 32B's shapes (the latter splits the backward
+  kernels into D groups). This runs jax's lowering rules and block checks (and, for Mosaic GPU, its
+  own layout inference and lowering to the module the custom call carries); Mosaic's own compiler
+  needs the device. Mosaic GPU refuses fp32 on a GPU (WGMMA transposes only 16-bit operands), with
+  a pointer to the XLA path."""
   hidden = jax.ShapeDtypeStruct((2, 128, model), dtype)
   weight = jax.ShapeDtypeStruct((model, 151936), dtype)
   targets = jax.ShapeDtypeStruct((2, 128), jnp.int32)
@@ -405,16 +369,13 @@ def test_kernels_lower_for_accelerators(schedule, platform, dtype, model):
     return jnp.sum(logp) + jnp.sum(entropy)
 
   step = jax.jit(jax.value_and_grad(loss, (0, 1)))
-  # No GPU here: from jax 0.12 on, the Triton lowering reads the compute capability from the device
-  # kind of the mesh it lowers under, as a deviceless compile for an H100 describes it (targets.py).
-  from grpo_jax.plan import targets as targets_lib
-  with _described_target(platform, targets_lib.parse_target('h100x1').device_kind if platform == 'cuda' else None):
+  with _described_target(platform):
     if schedule == 'mosaic_gpu' and dtype == jnp.float32:
       with pytest.raises(ValueError, match='16-bit.*xla_chunked'):
         step.trace(hidden, weight, targets)
       return
     text = step.trace(hidden, weight, targets).lower(lowering_platforms=(platform,)).as_text()
-  target = {'mosaic': '@tpu_custom_call', 'mosaic_gpu': '@mosaic_gpu_v2', 'triton': 'triton'}[schedule]
+  target = {'mosaic': '@tpu_custom_call', 'mosaic_gpu': '@mosaic_gpu_v2'}[schedule]
   assert text.count(target) >= 3
   if platform == 'tpu':  # each kernel carries its VMEM limit, within the smallest TPU's VMEM
     limits = [int(size) for size in re.findall(r'scoped_memory_configs.*?size.*?(\d+)\}', text)]
@@ -471,10 +432,8 @@ def test_auto_and_pallas_schedules_per_platform():
     assert logprob._schedule('auto', platform) == 'xla'
   assert logprob._schedule('pallas', 'tpu') == 'mosaic'
   assert logprob._schedule('pallas', 'cpu') == 'mosaic'
-  # On GPUs the Mosaic GPU kernels; the Triton ones (10.7x slower than xla_chunked on an H200) by name only.
   assert logprob._schedule('pallas', 'gpu') == 'mosaic_gpu'
   assert logprob._schedule('pallas_mosaic_gpu', 'gpu') == 'mosaic_gpu'
-  assert logprob._schedule('pallas_triton', 'gpu') == 'triton'
 
 
 def test_rejects_bad_arguments():
@@ -485,8 +444,6 @@ def test_rejects_bad_arguments():
     token_logprobs(h, w, y[:3])
   with pytest.raises(ValueError, match='temperature'):
     token_logprobs(h, w, y, temperature=0.0)
-  with pytest.raises(ValueError, match='power of two'):
-    logprob_pallas.block_shapes('triton', 4, 8, 300, 32, 96, 16)
   with pytest.raises(ValueError, match='128'):
     logprob_pallas.block_shapes('mosaic', 4, 8, 300, 32, 100, None)
   with pytest.raises(ValueError, match='mosaic_gpu block_vocab must be a multiple of 64'):
@@ -494,3 +451,14 @@ def test_rejects_bad_arguments():
   with pytest.raises(ValueError, match='at most 256'):
     logprob_pallas.block_shapes('mosaic_gpu', 4, 8, 300, 64, 128, 512)
   assert logprob_pallas.block_shapes('mosaic_gpu', 4, 8, 300, 128, 128, 64) == (64, 128, 64)
+
+
+def test_the_removed_triton_name_is_refused():
+  """The Triton kernels are gone, and with them their name: a config naming it gets the one-line
+  error that names the key and lists the implementations, the op the same list."""
+  with pytest.raises(UserError) as error:
+    load_config(None, ['algo.logprob_implementation=pallas_triton'])
+  assert ("config key 'algo.logprob_implementation' must be one of 'auto' | 'pallas' | 'pallas_mosaic' | "
+          "'pallas_mosaic_gpu' | 'xla_chunked' | 'naive' | 'exact', got 'pallas_triton'") in str(error.value)
+  with pytest.raises(ValueError, match=r"implementation must be one of .*'pallas_mosaic_gpu'.*got 'pallas_triton'"):
+    token_logprobs(jnp.ones((4, 8)), jnp.ones((8, 300)), jnp.zeros(4, jnp.int32), implementation='pallas_triton')

@@ -14,8 +14,8 @@ import numpy as np
 from grpo_jax.model.attention import (SharedPart, attention_mask, cache_attention, ends_softmax, fuses_prompts,
                                       grouped_attention, reader_layout, reads_stacked_cache, real_segments, window_mask,
                                       written_cache_attention)
-from grpo_jax.model.cache import (KVCache, SharedPrefix, WindowCache, each, finite, store, unstack, write_layer,
-                                  write_layers, write_rows)
+from grpo_jax.model.cache import (KVCache, SharedPrefix, WindowCache, each, finite, store, unstack, write_ids,
+                                  write_layer, write_layers, write_rows)
 from grpo_jax.model.latent_attention import latent_values
 from grpo_jax.model.layers import decoder_block
 from grpo_jax.model.moe import gathered
@@ -175,7 +175,7 @@ class CacheDecoding:
     written = None
     if (scan is False and ring is None and not mla and length < cache.max_length and ends_softmax(implementation)):
       written = dict(k=list(cache.k) if layered else cache.k, v=list(cache.v) if layered else cache.v,
-                     segments=write_rows(cache.segment_ids, segment_ids, cache.length))
+                     segments=write_ids(cache.segment_ids, segment_ids, cache.length))
     elif layered and (stacked or self._scans(scan)):  # these read a stack: one is made (a copy)
       cache = cache.stacked()
     # Unrolled decode layers with 'dense' attention take their layer's cache rows when the layer's
@@ -282,7 +282,7 @@ class CacheDecoding:
       new_cache = KVCache(k=k_new, v=v_new, segment_ids=segment_ids, length=cache.length + length, window=new_ring)
     else:
       new_cache = KVCache(k=write_layers(cache.k, k_new, cache.length), v=write_layers(cache.v, v_new, cache.length),
-                          segment_ids=write_rows(cache.segment_ids, segment_ids, cache.length),
+                          segment_ids=write_ids(cache.segment_ids, segment_ids, cache.length),
                           length=cache.length + length, window=new_ring)
     if layered and not new_cache.layered:
       if new_ring is not None:

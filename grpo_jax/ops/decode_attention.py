@@ -1,6 +1,10 @@
 """Ragged decode attention over the KV cache: a Pallas kernel in which each row reads only the
 cache blocks below its own length, not the fullest row's.
 
+`ragged_decode_attention` (Mosaic GPU's schedule: `ends_softmax`) is a decode step's whole
+attention in one kernel: the row's shared prompt read in place, then its cache (into which the step
+may already have written its new tokens), the softmax ended there.
+
 `ragged_cache_attention` gives the online-softmax statistics (m, l, acc) of the query over the
 cache part alone, in the convention of model/attention.py's blockwise_cache_attention: scores
 fp32 and scaled by H^-1/2, masked keys weigh exactly 0, m starts at the most negative finite

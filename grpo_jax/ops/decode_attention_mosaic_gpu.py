@@ -13,6 +13,14 @@ block 128, H 128 in bf16. Block checks and layouts are decode_attention.py's.
 
 Slots past a row's length may hold anything, NaN included: their scores are masked to the most
 negative finite fp32 and their values zeroed before the weighted sum, as the other schedules do.
+
+A decode step's whole attention (decode_attention.ragged_decode_attention) runs in the same loop:
+its first steps copy the row's shared prompt's blocks (prompt_of[b] of the [P, W, K, H] prompts,
+read in place: a prompt's G readers copy nothing), the online softmax may start from statistics
+computed outside (the new tokens'), and the kernel ends the softmax itself, storing only the
+program's real query rows (G x T of its 64) through shared memory and TMA. Mosaic GPU refuses a
+scalar predicate broadcast into a select and boolean or/not, so the prompt-or-cache choice of
+the mask is made on fp32 values.
 """
 
 import jax

@@ -8,10 +8,8 @@ and recomputes the tiles in a custom VJP that saves only h, W, y and per-token l
 Implementations (same signature, same results up to rounding):
   'pallas'       fused kernels (logprob_pallas.py): Mosaic on TPU (logprob_mosaic.py), Mosaic GPU
                  on GPUs (logprob_mosaic_gpu.py), and the Mosaic schedule in interpret mode on
-                 CPU. The Triton kernels (logprob_triton.py, Pallas's deprecated Triton backend)
-                 ran 10.7x slower than 'xla_chunked' on an H200 (BENCHMARKS.md) and are no longer
-                 picked; 'pallas_mosaic' / 'pallas_mosaic_gpu' / 'pallas_triton' force a schedule
-                 (to measure or tune one, or to interpret it on CPU). Imported only when one runs.
+                 CPU. 'pallas_mosaic' / 'pallas_mosaic_gpu' force a schedule (to measure or tune
+                 one, or to interpret it on CPU). Imported only when one runs.
   'xla_chunked'  the same algorithm, with the same tile maths (tiles.py), as a lax.scan over
                  vocabulary chunks in plain XLA.
   'naive'        full logits, log_softmax, take_along_axis; the reference, plain autodiff.
@@ -21,8 +19,8 @@ Implementations (same signature, same results up to rounding):
                  is the naive path's; its entropy too.
   'auto'         'xla_chunked' on every platform for now: the Pallas kernels are tested in
                  interpret mode and compiled in CI for v5e, v5p, v6e and H100 by Mosaic and
-                 Triton (deviceless, tests/test_deviceless.py), but have not yet been measured
-                 on the hardware (the Mosaic GPU ones not at all), so they are opt-in ('pallas').
+                 Mosaic GPU (deviceless, tests/test_deviceless.py), but have not yet been measured
+                 on the hardware (the Mosaic GPU ones not run at all), so they are opt-in ('pallas').
 
 Targets must lie in [0, V). Padding tokens may carry any valid id; mask them in the loss, and
 their rows of dh are then exactly zero.
@@ -50,8 +48,8 @@ from grpo_jax.ops.tiles import (F32, CONTRACT_TOKENS, CONTRACT_VOCAB, dot_precis
                                 initial_stats, logit_gradient, update_stats)
 from grpo_jax.sharding import auto_shape, row_and_length_axes, split_axes
 
-LogprobImplementation = Literal['auto', 'pallas', 'pallas_mosaic', 'pallas_mosaic_gpu', 'pallas_triton',
-                                'xla_chunked', 'naive', 'exact']
+LogprobImplementation = Literal['auto', 'pallas', 'pallas_mosaic', 'pallas_mosaic_gpu', 'xla_chunked', 'naive',
+                                'exact']
 IMPLEMENTATIONS = typing.get_args(LogprobImplementation)
 # The XLA fallback sizes its vocabulary chunk so that one fp32 [T, chunk] tile holds about this
 # many elements (64 MiB), and takes at least 32 chunks, so that its temporaries stay a few percent
@@ -63,7 +61,7 @@ XLA_CHUNK_ELEMENTS = 1 << 24
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   """Static configuration of one fused call (hashable: it is a custom_vjp nondiff argument)."""
-  schedule: str  # 'xla', 'mosaic', 'mosaic_gpu' or 'triton'
+  schedule: str  # 'xla', 'mosaic' or 'mosaic_gpu'
   inv_temperature: float
   with_entropy: bool
   block_tokens: int | None
@@ -84,7 +82,7 @@ def token_logprobs(hidden, weight, targets, *, temperature: float = 1.0,
   dtype of hidden and weight with fp32 accumulation (true fp32 products for fp32 inputs).
 
   temperature is static (a Python float). block_tokens / block_vocab / block_model override the
-  tile sizes (block_model: the D slice of the Mosaic GPU and Triton kernels); for 'xla_chunked', block_vocab is
+  tile sizes (block_model: the D slice of the Mosaic GPU kernels); for 'xla_chunked', block_vocab is
   the vocabulary chunk. interpret (pallas only) defaults to True exactly when the target is a CPU
   (`target_platform`), wherever the compiler runs.
   """
@@ -144,10 +142,6 @@ def default_blocks(schedule: str, model: int, itemsize: int) -> tuple:
   mosaic_gpu: a 64-row WGMMA tile of tokens, 128 vocabulary columns and 64-wide D slices: 40 KiB
     of shared memory in bf16 at any D; the backward kernels' register accumulators are split into
     D groups (logprob_mosaic_gpu.model_groups). Untuned: not yet run on a GPU.
-  triton: the backward kernels keep [block_tokens, D] (dh) and [D, block_vocab] (dW) fp32
-    accumulators in registers, about 112 registers a thread at D = 896 with 8 warps; wider
-    models split D into groups over a second grid axis (logprob_triton.triton_model_groups).
-    Untuned: no GPU was at hand.
   xla: the vocabulary chunk is sized from the token count (see XLA_CHUNK_ELEMENTS).
   """
   if schedule == 'mosaic':
@@ -155,8 +149,6 @@ def default_blocks(schedule: str, model: int, itemsize: int) -> tuple:
     return (*logprob_mosaic.mosaic_blocks(model, itemsize, logprob_mosaic.vmem_capacity()), None)
   if schedule == 'mosaic_gpu':
     return 64, 128, 64
-  if schedule == 'triton':
-    return 32, 32, 64
   return None, None, None
 
 
@@ -168,8 +160,7 @@ def _schedule(implementation: str, platform: str) -> str:
   if implementation == 'xla_chunked':
     return 'xla'
   if implementation == 'pallas':
-    # On GPUs the Mosaic GPU kernels, not the Triton ones (10.7x slower than 'xla_chunked' on an
-    # H200, BENCHMARKS.md; still there as 'pallas_triton').
+    # On GPUs the Mosaic GPU kernels.
     return 'mosaic_gpu' if platform == 'gpu' else 'mosaic'
   return implementation.removeprefix('pallas_')
 
@@ -196,7 +187,7 @@ def _fused_forward(plan: _Plan, h, w, y):
   """-> logp [T], lse [T], entropy [T] or None."""
   if plan.schedule == 'xla':
     return _chunked_forward(h, w, y, plan)
-  from grpo_jax.ops import logprob_pallas  # Pallas TPU and Triton, imported only when they run
+  from grpo_jax.ops import logprob_pallas  # Pallas TPU and Mosaic GPU, imported only when they run
   return logprob_pallas.pallas_forward(
       h, w, y, schedule=plan.schedule, block_tokens=plan.block_tokens,
       block_vocab=plan.block_vocab, block_model=plan.block_model,

@@ -1,9 +1,9 @@
 """The 'mosaic_gpu' (GPU) schedule of the Pallas log-prob kernels, in Pallas's Mosaic GPU backend
-(warpgroups, TMA copies, WGMMA), which replaces the 'triton' schedule (Pallas's Triton backend is
+(warpgroups, TMA copies, WGMMA), which replaced the 'triton' schedule (Pallas's Triton backend is
 deprecated since jax 0.11).
 
 One warpgroup per program, every grid axis parallel, each program looping over the reduction
-axis itself with lax.fori_loop (as the Triton schedule does):
+axis itself with lax.fori_loop (as the Triton schedule did):
   forward  grid (token block): for each vocabulary tile, the logits tile is the sum over D of
            [block_tokens, block_model] x [block_model, block_vocab] products, each pair of slices
            TMA-copied into shared memory, then folded into the running statistics (tiles.py).

@@ -7,22 +7,17 @@ and dW over tokens, so each gets its own kernel whose grid owns one output tile 
 the other axis: the logits are computed three times in total (as flash attention does for dq and
 dk/dv), but no kernel needs atomics or a [T, V] buffer.
 
-Three schedules share the tile maths, each in its own module, so that a machine imports only the
+Two schedules share the tile maths, each in its own module, so that a machine imports only the
 Pallas backend it runs (and the XLA path in logprob.py imports none):
   'mosaic'  (TPU, logprob_mosaic.py) the reduction is the last grid axis, with running
             statistics in VMEM scratch; (8, 128)-aligned blocks sized to fit VMEM, D whole.
   'mosaic_gpu' (GPU, logprob_mosaic_gpu.py, the default there) every grid axis is parallel and
             each program (one warpgroup) loops over the reduction, the D slices of h and W
             TMA-copied into shared memory and multiplied on WGMMA; blocks are multiples of 64.
-  'triton'  (GPU, logprob_triton.py, Pallas's deprecated Triton backend, kept until the Mosaic
-            GPU schedule has run on a GPU) every grid axis is parallel and each program loops over the
-            reduction; power-of-two tiles, D walked in `block_model` slices and split into
-            groups where the register budget demands it.
-All run under `interpret=True` on CPU, which is how the tests exercise the kernel bodies.
+Both run under `interpret=True` on CPU, which is how the tests exercise the kernel bodies.
 """
 
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -34,8 +29,7 @@ def block_shapes(schedule: str, tokens: int, model: int, vocab: int, block_token
   """Clamps requested blocks to the problem and checks them against the backend's rules:
   Mosaic wants (8, 128)-aligned blocks (or the whole dimension); Mosaic GPU multiples of 64 (WGMMA's
   M is 64 rows, and the dW kernel's M is block_model), block_vocab and block_model at most 256 (a
-  TMA box's and WGMMA's N limit); Triton wants power-of-two tiles with every side >= 16 for its
-  tensor-core dots."""
+  TMA box's and WGMMA's N limit)."""
   if schedule == 'mosaic':
     block_tokens = min(block_tokens, _round_up(tokens, 8))
     if block_vocab >= vocab:
@@ -44,35 +38,22 @@ def block_shapes(schedule: str, tokens: int, model: int, vocab: int, block_token
       raise ValueError(f'mosaic blocks need block_tokens % 8 == 0 and block_vocab % 128 == 0, got '
                        f'{block_tokens} and {block_vocab}')
     return block_tokens, block_vocab, model
-  if schedule == 'mosaic_gpu':
-    block_tokens = min(block_tokens, _round_up(tokens, 64))
-    for name, value in (('block_tokens', block_tokens), ('block_vocab', block_vocab),
-                        ('block_model', block_model)):
-      if value < 64 or value % 64 or (name != 'block_tokens' and value > 256):
-        raise ValueError(f'mosaic_gpu {name} must be a multiple of 64 (block_vocab and block_model at '
-                         f'most 256), got {value}')
-    return block_tokens, block_vocab, block_model
-  block_tokens = min(block_tokens, max(16, pl.next_power_of_2(tokens)))
+  block_tokens = min(block_tokens, _round_up(tokens, 64))
   for name, value in (('block_tokens', block_tokens), ('block_vocab', block_vocab),
                       ('block_model', block_model)):
-    if value < 16 or value & (value - 1):
-      raise ValueError(f'triton {name} must be a power of two >= 16, got {value}')
-  # The largest power of two dividing D avoids padding W along D (a full copy of it).
-  while block_model > 16 and model % block_model:
-    block_model //= 2
+    if value < 64 or value % 64 or (name != 'block_tokens' and value > 256):
+      raise ValueError(f'mosaic_gpu {name} must be a multiple of 64 (block_vocab and block_model at '
+                       f'most 256), got {value}')
   return block_tokens, block_vocab, block_model
 
 
 def _schedule_module(schedule: str):
-  """The schedule's kernels, imported only when they run (Pallas TPU, Mosaic GPU or Triton)."""
+  """The schedule's kernels, imported only when they run (Pallas TPU or Mosaic GPU)."""
   if schedule == 'mosaic':
     from grpo_jax.ops import logprob_mosaic
     return logprob_mosaic
-  if schedule == 'mosaic_gpu':
-    from grpo_jax.ops import logprob_mosaic_gpu
-    return logprob_mosaic_gpu
-  from grpo_jax.ops import logprob_triton
-  return logprob_triton
+  from grpo_jax.ops import logprob_mosaic_gpu
+  return logprob_mosaic_gpu
 
 
 def _pad(array, axis: int, multiple: int):

@@ -9,9 +9,9 @@ folds it into per-token running statistics, so only [T] vectors outlive a tile:
 The backward pass recomputes each tile from h, W and the saved lse (and entropy) and forms
 d z = g_logp (onehot(y) - p) - g_entropy p (log p + entropy).
 
-The XLA chunked path (logprob.py) and the Pallas kernels (logprob_mosaic.py, logprob_triton.py)
+The XLA chunked path (logprob.py) and the Pallas kernels (logprob_mosaic.py, logprob_mosaic_gpu.py)
 call the same functions here, so they agree by construction rather than by parallel edits. This
-module imports only jax itself: the default XLA path must not pull in Pallas TPU or Triton.
+module imports only jax itself: the default XLA path must not pull in Pallas TPU or Mosaic GPU.
 """
 
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ CONTRACT_TOKENS = (((0,), (0,)), ((), ()))
 
 
 def dot_precision(dtype):
-  """fp32 inputs get true fp32 products: by default TPUs multiply fp32 in bf16 passes and Triton
+  """fp32 inputs get true fp32 products: by default TPUs multiply fp32 in bf16 passes and GPUs
   in TF32, both far from the 1e-5 agreement the fp32 path is tested to."""
   return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 

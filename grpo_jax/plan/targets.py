@@ -262,22 +262,21 @@ def parse_target(name: str) -> Target:
 
 # The Qwen2.5 hidden widths the kernels are compiled at: 0.5B, 7B, 14B/32B.
 KERNEL_WIDTHS = (896, 3584, 5120)
-KERNEL_CALLS = {'tpu': 'tpu_custom_call', 'gpu': '__gpu$xla.gpu.triton'}
-# The custom call of each log-prob implementation's kernels, where it is not the platform's default one.
-IMPLEMENTATION_CALLS = {'pallas_mosaic_gpu': 'mosaic_gpu_v2'}
+# The log-prob kernels' custom call: Mosaic on TPUs, Mosaic GPU on GPUs (ops/logprob.py).
+KERNEL_CALLS = {'tpu': 'tpu_custom_call', 'gpu': 'mosaic_gpu_v2'}
 # The ragged decode-attention kernel's: Mosaic on TPUs, Mosaic GPU on GPUs (ops/decode_attention.py).
 DECODE_KERNEL_CALLS = {'tpu': 'tpu_custom_call', 'gpu': 'mosaic_gpu_v2'}
 
 
-def compile_logprob_kernels(target: Target, widths=KERNEL_WIDTHS, dtypes=('bfloat16', 'float32'),
+def compile_logprob_kernels(target: Target, widths=KERNEL_WIDTHS, dtypes=None,
                             tokens: int = 2048, vocab: int = 152064, implementation: str | None = None,
                             **blocks) -> list[dict]:
   """Compiles the fused log-prob op's forward and backward Pallas kernels (ops/logprob.py) for one
   chip of `target` at each width and dtype; one dict per compile: width, dtype, kernel calls in
   the lowered program, seconds, and the compiler's error if it refused. `blocks` overrides the tile
   sizes (block_tokens, block_vocab, block_model). implementation: the kernels to compile, by default
-  'pallas_triton' on GPUs and 'pallas_mosaic' on TPUs ('pallas_mosaic_gpu' for the Mosaic GPU ones,
-  16-bit only)."""
+  'pallas_mosaic_gpu' on GPUs and 'pallas_mosaic' on TPUs. dtypes: by default bfloat16 and float32,
+  bfloat16 alone for 'pallas_mosaic_gpu' (its kernels take 16-bit h and W on a GPU)."""
   import time
 
   import jax
@@ -289,8 +288,9 @@ def compile_logprob_kernels(target: Target, widths=KERNEL_WIDTHS, dtypes=('bfloa
   device = target.devices()[0]
   mesh = jax.sharding.Mesh([device], ('data',))
   one = NamedSharding(mesh, PartitionSpec())
-  implementation = implementation or ('pallas_triton' if target.platform == 'gpu' else 'pallas_mosaic')
-  call = IMPLEMENTATION_CALLS.get(implementation, KERNEL_CALLS[target.platform])
+  implementation = implementation or ('pallas_mosaic_gpu' if target.platform == 'gpu' else 'pallas_mosaic')
+  dtypes = dtypes or (('bfloat16',) if implementation == 'pallas_mosaic_gpu' else ('bfloat16', 'float32'))
+  call = KERNEL_CALLS[target.platform]
   results = []
   for width in widths:
     for dtype in dtypes:
@@ -485,8 +485,8 @@ def main(argv=None) -> int:
   parser.add_argument('target')
   parser.add_argument('--width', type=int, action='append', help='hidden width(s) (default: 896, 3584, 5120)')
   parser.add_argument('--dtype', action='append', choices=['bfloat16', 'float32'])
-  parser.add_argument('--implementation', choices=['pallas_mosaic', 'pallas_mosaic_gpu', 'pallas_triton'],
-                      help='kernels: whose kernels (default: pallas_triton on GPUs, pallas_mosaic on TPUs)')
+  parser.add_argument('--implementation', choices=['pallas_mosaic', 'pallas_mosaic_gpu'],
+                      help='kernels: whose kernels (default: pallas_mosaic_gpu on GPUs, pallas_mosaic on TPUs)')
   parser.add_argument('--block', action='append', default=[], metavar='NAME=SIZE',
                       help='tile size override, e.g. block_tokens=256 (repeatable)')
   parser.add_argument('--tokens', type=int, default=1,
@@ -515,8 +515,7 @@ def main(argv=None) -> int:
                                                mesh_shape=_mesh_flag(args.mesh) if args.mesh else None, **blocks)
   else:
     results = compile_logprob_kernels(parse_target(args.target), tuple(args.width or KERNEL_WIDTHS),
-                                      tuple(args.dtype or ('bfloat16', 'float32')),
-                                      implementation=args.implementation, **blocks)
+                                      tuple(args.dtype or ()), implementation=args.implementation, **blocks)
   for result in results:
     print(json.dumps(result), flush=True)
   return 1 if any(result['error'] for result in results) else 0
