@@ -8,14 +8,15 @@
 # blockwise pallas (measured 2026-11-27 on an H200: BENCHMARKS.md, "Where a decode step goes");
 # the 8-bit sampler beside the bf16 one (run with sampler7b): sampler7b_fp8 sampler7b_int8 (not yet measured);
 # the cache read in place and each prompt read once, at recipe-like contexts: sampler_long_once
-# sampler_long_copy (not yet measured; sampler and sampler7b again give the short contexts' change).
+# sampler_long_copy (not yet measured; sampler and sampler7b again give the short contexts' change);
+# the attention in one kernel per layer: decode_profile_pallas sampler_pallas sampler7b_pallas (not yet measured).
 # Full logs and traces go to $LOGS (default: $OUT), only the summary to $OUT; `bench/gpu.sh pack`
 # last tars $LOGS into $OUT/logs.tgz (what comes back from a device call is a few files).
 export PYTHONPATH=.:bench PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # PyTorch shares the GPU in the --torch/--reference runs
 out=${OUT:-gpu_logs}; logs=${LOGS:-$out}; mkdir -p "$out" "$logs"
 py=${PYTHON:-python3}
-want=${*:-env logprob_kernels logprob_mosaic_gpu sampler sampler7b sampler_long_once sampler_long_copy sampler7b_fp8 sampler7b_int8 sampler7b_kv8 sampler7b_w8 profile7b profile decode lora lora_update forward update logprob}
+want=${*:-env decode_profile_pallas sampler_pallas sampler7b_pallas logprob_kernels logprob_mosaic_gpu sampler sampler7b sampler_long_once sampler_long_copy sampler7b_fp8 sampler7b_int8 sampler7b_kv8 sampler7b_w8 profile7b profile decode lora lora_update forward update logprob}
 run() {  # name limit_s command...
   local name=$1 limit=$2; shift 2
   case " $want " in *" $name "*) ;; *) return;; esac
@@ -61,4 +62,10 @@ run sampler_long_copy 200 $py bench/sampler.py --preset qwen2.5-0.5b --dtype bfl
 TAIL=40 run profile7b 150 $py bench/decode_profile.py --preset qwen2.5-7b --rows 64 --top 16 --trace "$logs/trace_7b"
 TAIL=8 run blockwise 90 $py bench/decode_profile.py --preset qwen2.5-0.5b --rows 64 --decode-attention blockwise --top 4
 TAIL=8 run pallas 90 $py bench/decode_profile.py --preset qwen2.5-0.5b --rows 64 --decode-attention pallas --top 4
+# The decode step's attention in one kernel per layer (the new keys written first, the prompt read
+# in place, the softmax ended in the kernel; the MLP's gate and up one matmul): its kernels and
+# time against dense, at the 0.5B and 7B shapes (BENCHMARKS "Kernels per decode layer").
+TAIL=40 run decode_profile_pallas 150 $py bench/decode_profile.py --preset qwen2.5-0.5b --rows 64 --decode-attention pallas --top 16 --trace "$logs/trace_pallas"
+run sampler_pallas 150 $py bench/sampler.py --preset qwen2.5-0.5b --dtype bfloat16 --batch-sizes 64,256 --repeats 3 --decode-attention pallas
+run sampler7b_pallas 240 $py bench/sampler.py --preset qwen2.5-7b --dtype bfloat16 --batch-sizes 64,256 --repeats 3 --decode-attention pallas
 case " $want " in *" pack "*) tar czf "$out/logs.tgz" -C "$logs" . ;; esac
