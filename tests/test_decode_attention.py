@@ -204,9 +204,11 @@ def decode_kernel(case, initial, prompt, block):
       case['query_segments'], case['query_slots'], block=block, prompt=prompt, schedule='mosaic_gpu')
 
 
-@pytest.mark.parametrize('length, dtype', [(3, 'float32'),
-                                           pytest.param(10, 'bfloat16', marks=pytest.mark.exhaustive)])
-def test_mosaic_gpu_decode_attention_reads_the_prompt_in_place_and_ends_the_softmax(seed, length, dtype):
+@pytest.mark.parametrize('length, dtype, starts', [
+    (3, 'float32', ('written',)),  # make test's: the path an unrolled decode step on a GPU takes
+    pytest.param(3, 'float32', ('started',), marks=pytest.mark.exhaustive),
+    pytest.param(10, 'bfloat16', ('started', 'written'), marks=pytest.mark.exhaustive)])
+def test_mosaic_gpu_decode_attention_reads_the_prompt_in_place_and_ends_the_softmax(seed, length, dtype, starts):
   """The whole decode attention in one Mosaic GPU kernel (interpreted): each row's shared prompt
   read at its index, then its cache, the softmax ended in the kernel. Started from the new tokens'
   statistics, or with the new tokens written into the cache first (what an unrolled decode step on a
@@ -221,9 +223,9 @@ def test_mosaic_gpu_decode_attention_reads_the_prompt_in_place_and_ends_the_soft
       case['q'].astype(jnp.float32), [tuple(jnp.asarray(x, jnp.float32) for x in part) for part in (
           copies, (case['k_cache'][layer], case['v_cache'][layer], jnp.asarray(cache_mask(case))), new_token_part(case))])
   tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == 'float32' else dict(rtol=0, atol=BF16_ATOL)
-  started = decode_kernel(case, part_stats(case['q'], *new_token_part(case)), prompt, block)
-  written = decode_kernel(written_case(case), None, prompt, block)
-  for got in (started, written):
+  runs = dict(started=lambda: decode_kernel(case, part_stats(case['q'], *new_token_part(case)), prompt, block),
+              written=lambda: decode_kernel(written_case(case), None, prompt, block))
+  for got in (runs[name]() for name in starts):
     assert got.shape == case['q'].shape and got.dtype == case['k_cache'].dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected), **tolerance)
 

@@ -112,6 +112,7 @@ def _decode_steps(*extra):
   return lines
 
 
+@pytest.mark.exhaustive
 @pytest.mark.starts_first
 def test_a_decode_step_is_at_most_12_kernels_per_layer_on_an_h100():
   """The 0.5B recipe's decode step (64 rows reading 512-token prompts, a 1,024-slot cache) compiled

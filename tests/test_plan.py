@@ -111,14 +111,15 @@ def test_plan_compiles_the_small_recipe_for_the_target(platform, target, extra, 
   outside = rollout['collectives']['outside']
   assert 0.9 * per_device['resident_weights'] <= outside['all-gather'] + outside['all-to-all'] <= 2 * per_device['resident_weights']
   # One decode step's kernels, as the target compiler launches them (a tripwire: kernels per step
-  # grew by a quarter when this fails; 96 on XLA:GPU, 878 on XLA:TPU when written). On GPUs the
+  # grew by a quarter when this fails; 96 on XLA:GPU, 878 on XLA:TPU when written, 314 since the
+  # cache's segment ids are written as one select there, not a loop over the rows). On GPUs the
   # layers are unrolled, each matmul reads its layer's weights in place and the dense decode
   # attention each layer's own cache array (KVCache.layered): copies write under a tenth of the
   # slots' KV cache per step (64 rows x 1,024 slots x 1 KV head per device), never the weights
   # (with the layers as a scan, XLA:GPU copies each layer's weights out of the stack every step:
   # 44.8 MiB here; with a stacked cache, each layer's rows: 16.9 MiB).
   step = rollout['decode_step']
-  assert 0 < step['kernels'] <= {'gpu': 120, 'tpu': 1100}[platform]
+  assert 0 < step['kernels'] <= {'gpu': 120, 'tpu': 400}[platform]
   if platform == 'gpu':
     slot_cache = 2 * layers * rows * 1024 * 1 * 64 * 2
     assert step['copied'] <= 0.1 * slot_cache, step
