@@ -494,6 +494,9 @@ def main(argv=None) -> int:
   parser.add_argument('--preset', default='0.5B', help='decode-step: the model preset (model/presets.py)')
   parser.add_argument('--layers', type=int, action='append', help='decode-step: depths to compile (default: 2, 3)')
   parser.add_argument('--decode-attention', default='dense', help='decode-step: model.decode_attention')
+  parser.add_argument('--rows', type=int, default=64, help='decode-step: P x G rows')
+  parser.add_argument('--prompt-length', type=int, default=512, help='decode-step: prompt tokens')
+  parser.add_argument('--new-tokens', type=int, default=1024, help='decode-step: tokens to decode (the cache\'s slots)')
   parser.add_argument('--mesh', help='links: the mesh (default fsdp=-1), e.g. data=8,fsdp=8 or hybrid=true; '
                       'decode-attention: compile under this mesh, e.g. data=2,tensor=4 (default: one chip)')
   args = parser.parse_args(argv)
@@ -506,7 +509,8 @@ def main(argv=None) -> int:
     return 0
   if args.what == 'decode-step':
     for result in compile_decode_step(parse_target(args.target), args.preset, tuple(args.layers or (2, 3)),
-                                      args.decode_attention):
+                                      args.decode_attention, rows=args.rows, prompt=args.prompt_length,
+                                      new_tokens=args.new_tokens):
       print(json.dumps(result), flush=True)
     return 0
   if args.what == 'decode-attention':
