@@ -46,7 +46,8 @@ class CacheDecoding:
   def layered_decode_cache(self) -> bool:
     """Whether a decode step reads its cache best as one array per layer (KVCache.layered): its
     layers unrolled (`decode_layers`) with 'dense' decode attention, which would otherwise take
-    each layer's rows out of the stack (a copy on XLA:GPU)."""
+    each layer's rows out of the stack (a copy on XLA:GPU), or with the kernel that ends the
+    softmax (attention.ends_softmax), each layer writing and reading its own arrays."""
     implementation = self.options.decode_attention
     return not self._scan_decode() and (not reads_stacked_cache(implementation) or ends_softmax(implementation))
 
