@@ -48,9 +48,10 @@ def cache_stats(q, k_cache, v_cache, layer, lengths, cache_segments, query_slots
   int32; cache_segments [B, S]; query_slots, query_segments [B, R]. The R rows go in parts of 64 (a
   grid axis). -> m, l [B, K, R] and acc [B, K, R, H], fp32.
 
-  prompt: (k, v [P, W, K, H], prompt_of [B] int32, segments [P, W] int32): the shared prompts, row b reading prompt prompt_of[b] before its cache (W >= block: a last block past
-  W starts at W - block), a key visible iff its segment is not 0 and equals the query's. Read in
-  place, so a prompt's G readers copy nothing.
+  prompt: (k, v [P, W, K, H], prompt_of [B] int32, segments [P, W] int32): the shared prompts, row
+  b reading prompt prompt_of[b] before its cache (W >= block: a last block past W starts at
+  W - block), a key visible iff its segment is not 0 and equals the query's. Read in place, so a
+  prompt's G readers copy nothing.
   initial: (m, l [B, K, R], acc [B, K, R, H]) fp32 statistics the online softmax starts from (the
   new tokens' own, computed outside).
   finish (implied by initial): the kernel ends the softmax itself, each query having seen a key
