@@ -111,6 +111,28 @@ def main():
   check('decode attention (Mosaic GPU) lowers for CUDA and, interpreted, equals NumPy', lowered and error < 2e-2
         and not l[2].any(), f'max |difference| {error:.2e}')
 
+  # The decode step's whole attention in the same kernel (what 'pallas' runs on a GPU): each row's
+  # shared prompt read at its index, then its cache, the softmax ended in the kernel, the 7 real
+  # query rows stored by TMA. Prompt segments 0 are padding.
+  prompts = [jnp.asarray(rng.standard_normal((2, 64, 1, 64)), jnp.bfloat16) for _ in range(2)]
+  prompt_of = np.asarray([1, 0, 1], np.int32)
+  prompt_segments = np.where(np.arange(64) < 50, 1, 0)[None].repeat(2, 0).astype(np.int32)
+  prompt = (*prompts, jnp.asarray(prompt_of), jnp.asarray(prompt_segments))
+  whole = lambda interpret: lambda *a: decode_attention_mosaic_gpu.cache_stats(  # noqa: E731
+      *a, block=64, scale=0.125, interpret=interpret, prompt=prompt, finish=True)
+  lowered = 'mosaic_gpu' in jax.jit(whole(False)).trace(*args).lower(lowering_platforms=('cuda',)).as_text()
+  got = np.asarray(jax.jit(whole(True))(*args), np.float32)
+  read = prompt_of[1]  # row 1's prompt, its first 50 slots real
+  keys = np.concatenate([np.asarray(prompts[0][read, :50, 0], np.float32), np.asarray(k_cache[1, 1, :200, 0], np.float32)])
+  values = np.concatenate([np.asarray(prompts[1][read, :50, 0], np.float32),
+                           np.asarray(v_cache[1, 1, :200, 0], np.float32)])
+  s = np.asarray(q[1, 0], np.float32) @ keys.T * 0.125
+  p = np.exp(s - s.max(-1, keepdims=True))
+  error = float(np.max(np.abs(got[1, 0] - (p / p.sum(-1, keepdims=True)) @ values)))
+  check('decode attention with the prompt in place, the softmax ended in the kernel (Mosaic GPU): lowers for CUDA '
+        'and, interpreted, equals NumPy', lowered and got.shape == (3, 1, 7, 64) and error < 2e-2,
+        f'max |difference| {error:.2e}')
+
   from grpo_jax.model import moe
   experts = jnp.asarray(rng.integers(0, 8, (2, 9, 2)), jnp.int32)
   experts = jnp.where(experts[..., :1] == experts[..., 1:], jnp.stack([experts[..., 0], (experts[..., 0] + 1) % 8], -1),
