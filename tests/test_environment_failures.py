@@ -113,6 +113,28 @@ def test_a_failed_episode_trains_nothing_and_the_others_play_as_if_nothing_happe
       assert (ours.failures, ours.timeouts, ours.answer) == (1, int(how[index] == 'sleep'), None)
 
 
+def test_a_call_past_its_deadline_is_late_though_the_loop_was_held_up_past_its_end():
+  """A step that blocks its thread for 1 s against a 0.2 s deadline, while the episodes' loop is
+  itself held up for 1.5 s (as a compile in the inference server holds it): when the loop looks
+  again the call has ended, and it is still late, timed in its own thread. A quick call on a loop
+  held up alike is on time."""
+  calls = InThreads()
+  guess_lower = Completion(tokens=(guess.FIRST_NUMBER + 5,), log_probs=(0.0,), finish_reason='length')
+
+  async def step(how: str):
+    async with calls.open(Misbehaving(16, 3, how, 1.0), 0.2) as call:
+      pending = asyncio.ensure_future(call('step', guess_lower))
+      await asyncio.sleep(0.05)  # the call starts in its thread
+      time.sleep(1.5)  # the loop held up past the call's end
+      try:
+        return await pending
+      except EnvironmentFailed as failed:
+        return failed.timed_out
+
+  assert asyncio.run(step('block')) is True
+  assert asyncio.run(step('')) == Step(observation=(guess.WORDS.index('lower'),), answer='5')
+
+
 def test_a_blocking_call_is_abandoned_and_stuck_threads_are_bounded(capfd):
   """A step that blocks its thread past the deadline is abandoned (its episode fails), one that
   awaits is cancelled and frees its thread; past MAX_ABANDONED blocked threads the run stops with

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import sys
 import threading
+import time
 import traceback
 
 from grpo_jax.errors import UserError
@@ -86,11 +87,13 @@ class Session:
 
 async def _awaited(function, args, ended):
   """function(*args) awaited inside the worker's task, so a call that raises before it awaits (a
-  plain `def`, wrong arguments) fails like any other; `ended()` once it is over, however it ends."""
+  plain `def`, wrong arguments) fails like any other; `ended(seconds)` once it is over, however it
+  ends, with the seconds it took in the worker's thread."""
+  start = time.monotonic()
   try:
     return await function(*args)
   finally:
-    ended()
+    ended(time.monotonic() - start)
 
 
 class OnLoop:
@@ -145,6 +148,7 @@ class _Worker:
   def __init__(self):
     self.loop = asyncio.new_event_loop()
     self.busy = self.abandoned = self.leaving = False
+    self.seconds = 0.0  # how long its last call took, in its own thread
     self.takes = 0  # how often an episode took it: an idle timer set before the last take is stale
     threading.Thread(target=self._serve, name='environment', daemon=True).start()
 
@@ -206,10 +210,10 @@ class InThreads(OnLoop):
       self._idle.remove(worker)
     worker.loop.stop()
 
-  def _ended(self, worker: _Worker, loop: asyncio.AbstractEventLoop, ended: asyncio.Future) -> None:
+  def _ended(self, worker: _Worker, loop: asyncio.AbstractEventLoop, ended: asyncio.Future, seconds: float) -> None:
     """In the worker's thread, as a call ends: a worker leaving stops, an abandoned call frees its count."""
     with self._lock:
-      worker.busy = False
+      worker.busy, worker.seconds = False, seconds
       if worker.abandoned:
         self._abandoned, worker.abandoned = self._abandoned - 1, False
       if worker.leaving:
@@ -223,13 +227,20 @@ class InThreads(OnLoop):
     with self._lock:
       worker.busy = True
     call = asyncio.run_coroutine_threadsafe(
-        _awaited(getattr(environment, method), args, lambda: self._ended(worker, loop, ended)), worker.loop)
+        _awaited(getattr(environment, method), args, lambda seconds: self._ended(worker, loop, ended, seconds)),
+        worker.loop)
     result = asyncio.wrap_future(call)
     try:
       await asyncio.wait((result,), timeout=timeout_s)
-      if result.done():
+      # A call that took longer than its deadline in its own thread is late even when this loop, held
+      # up meanwhile (a compile in the inference server), only looked after it had ended.
+      with self._lock:
+        overran = result.done() and timeout_s is not None and worker.seconds > timeout_s
+      if result.done() and not overran:
         error = result.exception()
         return (None, error) if error is not None else (result.result(), None)
+      if overran:
+        return None, LATE
       call.cancel()  # a call that awaits ends at once; one blocking in its thread gets the grace to end
       await asyncio.wait((ended,), timeout=CANCEL_GRACE_S)
     except asyncio.CancelledError:  # the episode itself is cancelled (another's error ended the rollout)
