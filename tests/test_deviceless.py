@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from grpo_jax.plan import targets
+from grpo_jax.plan import probes, targets
 from grpo_jax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,7 +85,7 @@ def test_logprob_kernels_compile_for_the_hardware(platform, target):
   three kernel calls in each lowered program (not the interpreter), compiled by Mosaic (the GPU's:
   test_mosaic_gpu_logprob_kernels_compile_for_an_h100)."""
   code, results = _kernel_results(platform, target)
-  assert len(results) == len(targets.KERNEL_WIDTHS) * 2
+  assert len(results) == len(probes.KERNEL_WIDTHS) * 2
   for result in results:
     assert result['error'] is None, result
     assert result['kernel_calls'] == 3, result
@@ -98,7 +98,7 @@ def test_mosaic_gpu_logprob_kernels_compile_for_an_h100():
   """The Mosaic GPU schedule's forward and both backward kernels at the 0.5B, 7B and 32B widths in
   bf16, V = 152,064: three Mosaic GPU calls in each lowered program, compiled for an H100."""
   code, results = _kernel_results('gpu', 'h100x1', '--implementation', 'pallas_mosaic_gpu', '--dtype', 'bfloat16')
-  assert len(results) == len(targets.KERNEL_WIDTHS)
+  assert len(results) == len(probes.KERNEL_WIDTHS)
   for result in results:
     assert result['error'] is None, result
     assert result['kernel_calls'] == 3, result
