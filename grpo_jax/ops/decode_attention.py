@@ -98,27 +98,43 @@ def ragged_cache_attention(q, k_cache, v_cache, layer, lengths, cache_segments, 
   """
   schedule = schedule_of(schedule)
   interpret = target_platform() == 'cpu' if interpret is None else interpret
-  if layer is None:
-    k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
-  layer = jnp.asarray(layer, jnp.int32).reshape(())
+  k_cache, v_cache, layer = _stacked(k_cache, v_cache, layer)
   local = functools.partial(_cache_stats, block=block, schedule=schedule, interpret=interpret)
   args = (q, k_cache, v_cache, layer, lengths, cache_segments, query_segments, query_slots)
+  split = _split(q, k_cache)
+  if split is None:
+    return local(*args)
+  b, h = split
+  per_row = P(b, None)
+  return jax.shard_map(local, mesh=current_mesh(), check_vma=False,
+                       in_specs=(P(b, None, h, None), P(None, b, None, h, None), P(None, b, None, h, None), P(),
+                                 P(b), per_row, per_row, per_row),
+                       out_specs=(P(b, h, None, None), P(b, h, None, None), P(b, h, None, None, None)))(*args)
+
+
+def _stacked(k_cache, v_cache, layer):
+  """The caches as [L, B, S, K, H] stacks and the layer an int32 scalar (one layer's [B, S, K, H]
+  with layer None: a stack of one)."""
+  if layer is None:
+    k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+  return k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(())
+
+
+def _split(q, k_cache):
+  """Under a mesh, how the kernel's shard_map splits its work: (the mesh axes of the rows, those of
+  the kv heads, each None when unsplit), the heads only where the axes divide both K and N (q
+  [B, T, N, H], k_cache [L, B, S, K, H]); None where nothing is split (no mesh, or no axis divides)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return local(*args)
+    return None
   shape = auto_shape(mesh)
   rows = split_axes(q.shape[0], 'batch', shape)
   heads = split_axes(k_cache.shape[3], 'kv_heads', shape)
   if heads and q.shape[2] % math.prod(shape[axis] for axis in heads):
     heads = ()
   if not rows and not heads:
-    return local(*args)
-  b, h = rows or None, heads or None
-  per_row = P(b, None)
-  return jax.shard_map(local, mesh=current_mesh(), check_vma=False,
-                       in_specs=(P(b, None, h, None), P(None, b, None, h, None), P(None, b, None, h, None), P(),
-                                 P(b), per_row, per_row, per_row),
-                       out_specs=(P(b, h, None, None), P(b, h, None, None), P(b, h, None, None, None)))(*args)
+    return None
+  return rows or None, heads or None
 
 
 _SCHEDULE = contextvars.ContextVar('decode_attention_schedule', default=None)
@@ -168,24 +184,15 @@ def ragged_decode_attention(q, initial, k_cache, v_cache, layer, lengths, cache_
   if schedule != 'mosaic_gpu':
     raise ValueError(f'the {schedule!r} decode-attention schedule gives the cache\'s statistics only')
   interpret = target_platform() == 'cpu' if interpret is None else interpret
-  if layer is None:
-    k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
-  layer = jnp.asarray(layer, jnp.int32).reshape(())
-  local = functools.partial(_decode_attention, block=block, interpret=interpret, prompted=prompt is not None)
-  local = functools.partial(local, started=initial is not None)
+  k_cache, v_cache, layer = _stacked(k_cache, v_cache, layer)
+  local = functools.partial(_decode_attention, block=block, interpret=interpret, prompted=prompt is not None,
+                            started=initial is not None)
   args = (q, *(initial or ()), k_cache, v_cache, layer, lengths, cache_segments, query_segments, query_slots,
           *(prompt or ()))
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
+  split = _split(q, k_cache)
+  if split is None:
     return local(*args)
-  shape = auto_shape(mesh)
-  rows = split_axes(q.shape[0], 'batch', shape)
-  heads = split_axes(k_cache.shape[3], 'kv_heads', shape)
-  if heads and q.shape[2] % math.prod(shape[axis] for axis in heads):
-    heads = ()
-  if not rows and not heads:
-    return local(*args)
-  b, h = rows or None, heads or None
+  b, h = split
   per_row = P(b, None)
   stat = P(b, h, None, None)
   specs = ((P(b, None, h, None),) + ((stat, stat, P(b, h, None, None, None)) if initial is not None else ())
